@@ -308,6 +308,13 @@ def run_geometry(name, g, seed, out, images, tok_dir, template, sampled_ids, log
     model.to(store_dtype).save_pretrained(ck)
     # Reload exactly what is on disk, computing in float32.
     model = Qwen3VLForConditionalGeneration.from_pretrained(ck, dtype=torch.float32).eval()
+    counts = {
+        "vision": sum(p.numel() for p in model.model.visual.parameters()),
+        "text": sum(p.numel() for p in model.model.language_model.parameters()),
+        "lm_head": 0 if g["tie"] else model.lm_head.weight.numel(),
+        "tensors_in_checkpoint": len(safetensors.safe_open(ck / "model.safetensors", "pt").keys()),
+    }
+    (gdir / "reference.json").write_text(json.dumps({"parameter_counts": counts}, indent=2) + "\n")
     model.config._attn_implementation = "eager"
     model.model.visual.config._attn_implementation = "eager"
     model.model.language_model.config._attn_implementation = "eager"
