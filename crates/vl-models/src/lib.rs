@@ -1,1 +1,10 @@
-pub fn x(){}
+//! Qwen3-VL on candle: configuration, checkpoint loading and (in later modules) the model.
+//!
+//! Layout follows the house style: generic layers live in `vl-nn`; this crate composes them.
+//! `checkpoint` is model-agnostic safetensors access; `qwen3_vl` holds everything Qwen-named.
+
+pub mod checkpoint;
+pub mod error;
+pub mod qwen3_vl;
+
+pub use error::{Error, Result};

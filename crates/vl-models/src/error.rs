@@ -1,0 +1,118 @@
+//! The one error type of `vl-models`: every message names the file, key, shape or value at fault.
+
+use std::path::PathBuf;
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// A tensor whose shape differs from what the config implies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShapeMismatch {
+    pub key: String,
+    pub expected: Vec<usize>,
+    pub found: Vec<usize>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid JSON: {source}")]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{path}: not a model directory (no config.json)")]
+    NotAModelDir { path: PathBuf },
+    #[error("{path}: unsupported architecture {found:?} (model_type {model_type:?}); this build supports {supported}")]
+    UnknownArchitecture {
+        path: PathBuf,
+        found: Vec<String>,
+        model_type: Option<String>,
+        supported: &'static str,
+    },
+    #[error("{path}: config field `{field}`: {message}")]
+    Config {
+        path: PathBuf,
+        field: String,
+        message: String,
+    },
+    #[error("{path}: {message}")]
+    Safetensors { path: PathBuf, message: String },
+    #[error(
+        "{dir}: no weights found (expected model.safetensors or model.safetensors.index.json)"
+    )]
+    NoWeights { dir: PathBuf },
+    #[error("checkpoint {dir} does not match its config: {}", describe_mismatch(.missing, .unexpected, .wrong_shape))]
+    TensorPlan {
+        dir: PathBuf,
+        missing: Vec<String>,
+        unexpected: Vec<String>,
+        wrong_shape: Vec<ShapeMismatch>,
+    },
+    #[error("tensor `{key}` not found in the checkpoint")]
+    MissingTensor { key: String },
+    #[error("tensor `{key}` in {path}: unsupported dtype {dtype}")]
+    UnsupportedDtype {
+        key: String,
+        path: PathBuf,
+        dtype: String,
+    },
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Nn(#[from] vl_nn::Error),
+}
+
+fn describe_mismatch(missing: &[String], unexpected: &[String], wrong: &[ShapeMismatch]) -> String {
+    const SHOWN: usize = 8;
+    fn list(items: Vec<String>) -> String {
+        let n = items.len();
+        let mut s = items.into_iter().take(SHOWN).collect::<Vec<_>>().join(", ");
+        if n > SHOWN {
+            s.push_str(&format!(" and {} more", n - SHOWN));
+        }
+        s
+    }
+    let mut parts = Vec::new();
+    if !missing.is_empty() {
+        parts.push(format!(
+            "{} missing tensor(s): {}",
+            missing.len(),
+            list(missing.to_vec())
+        ));
+    }
+    if !wrong.is_empty() {
+        let items = wrong
+            .iter()
+            .map(|w| {
+                format!(
+                    "{} has shape {:?}, expected {:?}",
+                    w.key, w.found, w.expected
+                )
+            })
+            .collect();
+        parts.push(format!("{} wrongly shaped: {}", wrong.len(), list(items)));
+    }
+    if !unexpected.is_empty() {
+        parts.push(format!(
+            "{} unexpected tensor(s): {}",
+            unexpected.len(),
+            list(unexpected.to_vec())
+        ));
+    }
+    parts.join("; ")
+}
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,515 @@
+//! Qwen3-VL configuration, mirroring transformers' `models/qwen3_vl/configuration_qwen3_vl.py`.
+//!
+//! Accepts both dialects found in the wild: transformers 4.57 (`rope_theta` + `rope_scaling`) and
+//! transformers 5 (`rope_parameters`), and `tie_word_embeddings` at the top level or in
+//! `text_config`. Every key is read, ignored on purpose (listed below), or reported as unknown;
+//! an unsupported feature is an error naming the field.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+
+pub const ARCHITECTURE: &str = "Qwen3VLForConditionalGeneration";
+pub const MODEL_TYPE: &str = "qwen3_vl";
+
+/// The vision tower's rotary base: fixed in transformers 4.57, `rope_parameters.rope_theta` in 5.
+const DEFAULT_VISION_ROPE_THETA: f64 = 10_000.0;
+/// transformers' `Qwen3VLTextConfig.default_theta`.
+const DEFAULT_TEXT_ROPE_THETA: f64 = 500_000.0;
+/// transformers' fallback when `mrope_section` is absent.
+const DEFAULT_MROPE_SECTION: [usize; 3] = [24, 20, 20];
+
+/// Keys that carry no meaning for inference (training knobs, bookkeeping), ignored on purpose.
+const IGNORED_TOP: &[&str] = &[
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "use_cache",
+    "initializer_range",
+    "_name_or_path",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "text_config",
+    "vision_config",
+];
+const IGNORED_TEXT: &[&str] = &[
+    "model_type",
+    "initializer_range",
+    "use_cache",
+    "attention_dropout",
+    "dtype",
+    "torch_dtype",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "rope_scaling",
+    "rope_parameters",
+    "tie_word_embeddings",
+    "transformers_version",
+];
+const IGNORED_VISION: &[&str] = &[
+    "model_type",
+    "initializer_range",
+    "dtype",
+    "torch_dtype",
+    "rope_parameters",
+    "transformers_version",
+];
+
+/// Rotary parameters in either dialect (`rope_scaling` in 4.57, `rope_parameters` in 5).
+#[derive(Debug, Clone, Default, Deserialize)]
+struct RawRope {
+    rope_type: Option<String>,
+    #[serde(rename = "type")]
+    type_alias: Option<String>,
+    rope_theta: Option<f64>,
+    mrope_section: Option<Vec<usize>>,
+    mrope_interleaved: Option<bool>,
+    #[serde(flatten)]
+    extra: BTreeMap<String, Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawText {
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    #[serde(default = "default_silu")]
+    hidden_act: String,
+    #[serde(default = "default_max_pos")]
+    max_position_embeddings: usize,
+    #[serde(default = "default_rms_eps")]
+    rms_norm_eps: f64,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<RawRope>,
+    rope_parameters: Option<RawRope>,
+    #[serde(default)]
+    attention_bias: bool,
+    tie_word_embeddings: Option<bool>,
+    #[serde(flatten)]
+    extra: BTreeMap<String, Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawVision {
+    depth: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_heads: usize,
+    #[serde(default = "default_in_channels")]
+    in_channels: usize,
+    patch_size: usize,
+    #[serde(default = "default_two")]
+    spatial_merge_size: usize,
+    #[serde(default = "default_two")]
+    temporal_patch_size: usize,
+    out_hidden_size: usize,
+    #[serde(default = "default_num_pos")]
+    num_position_embeddings: usize,
+    #[serde(default)]
+    deepstack_visual_indexes: Vec<usize>,
+    #[serde(default = "default_gelu_tanh")]
+    hidden_act: String,
+    rope_parameters: Option<RawRope>,
+    #[serde(flatten)]
+    extra: BTreeMap<String, Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawTop {
+    // `architectures` and `model_type` are checked by `check_architecture` on the raw JSON.
+    text_config: Value,
+    vision_config: Value,
+    #[serde(default = "default_image_token")]
+    image_token_id: u32,
+    #[serde(default = "default_video_token")]
+    video_token_id: u32,
+    #[serde(default = "default_vision_start")]
+    vision_start_token_id: u32,
+    #[serde(default = "default_vision_end")]
+    vision_end_token_id: u32,
+    tie_word_embeddings: Option<bool>,
+    #[serde(flatten)]
+    extra: BTreeMap<String, Value>,
+}
+
+fn default_silu() -> String {
+    "silu".into()
+}
+fn default_gelu_tanh() -> String {
+    "gelu_pytorch_tanh".into()
+}
+fn default_max_pos() -> usize {
+    128_000
+}
+fn default_rms_eps() -> f64 {
+    1e-6
+}
+fn default_in_channels() -> usize {
+    3
+}
+fn default_two() -> usize {
+    2
+}
+fn default_num_pos() -> usize {
+    2304
+}
+fn default_image_token() -> u32 {
+    151_655
+}
+fn default_video_token() -> u32 {
+    151_656
+}
+fn default_vision_start() -> u32 {
+    151_652
+}
+fn default_vision_end() -> u32 {
+    151_653
+}
+
+/// The text decoder's geometry, resolved from either dialect.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TextConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub max_position_embeddings: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    /// Frequency slots per axis (t, h, w); laid out interleaved T,H,W,T,H,W,...
+    pub mrope_section: Vec<usize>,
+}
+
+/// The vision tower's geometry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VisionConfig {
+    pub depth: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_heads: usize,
+    pub in_channels: usize,
+    pub patch_size: usize,
+    pub spatial_merge_size: usize,
+    pub temporal_patch_size: usize,
+    pub out_hidden_size: usize,
+    pub num_position_embeddings: usize,
+    /// Vision blocks after which a DeepStack merger taps the hidden states.
+    pub deepstack_visual_indexes: Vec<usize>,
+    pub rope_theta: f64,
+}
+
+impl VisionConfig {
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_heads
+    }
+    /// Side of the learned square position-embedding grid.
+    pub fn num_grid_per_side(&self) -> usize {
+        (self.num_position_embeddings as f64).sqrt().round() as usize
+    }
+    /// Values per patch row: C * T * P * P.
+    pub fn patch_row_len(&self) -> usize {
+        self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+    }
+}
+
+/// A resolved `Qwen3VLForConditionalGeneration` configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Qwen3VlConfig {
+    pub text: TextConfig,
+    pub vision: VisionConfig,
+    pub tie_word_embeddings: bool,
+    pub image_token_id: u32,
+    pub video_token_id: u32,
+    pub vision_start_token_id: u32,
+    pub vision_end_token_id: u32,
+    /// Keys present in config.json that this runtime neither reads nor ignores on purpose
+    /// (dotted paths, e.g. `text_config.foo`). Reported by `vl inspect`.
+    pub unknown_keys: Vec<String>,
+}
+
+impl Qwen3VlConfig {
+    /// Reads `dir/config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        if !path.is_file() {
+            return Err(Error::NotAModelDir {
+                path: dir.to_path_buf(),
+            });
+        }
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        Self::from_json_str(&text, &path)
+    }
+
+    /// Parses a config.json body; `path` is used in error messages only.
+    pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
+        let json_err = |source| Error::Json {
+            path: path.to_path_buf(),
+            source,
+        };
+        let value: Value = serde_json::from_str(text).map_err(json_err)?;
+        check_architecture(&value, path)?;
+        let top: RawTop = serde_json::from_value(value).map_err(json_err)?;
+        let field_err = |field: &str, message: String| Error::Config {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            message,
+        };
+        let raw_text: RawText = serde_json::from_value(top.text_config.clone())
+            .map_err(|e| field_err("text_config", e.to_string()))?;
+        let raw_vision: RawVision = serde_json::from_value(top.vision_config.clone())
+            .map_err(|e| field_err("vision_config", e.to_string()))?;
+
+        let mut unknown = Vec::new();
+        collect_unknown(&top.extra, IGNORED_TOP, "", &mut unknown);
+        collect_unknown(&raw_text.extra, IGNORED_TEXT, "text_config.", &mut unknown);
+        collect_unknown(
+            &raw_vision.extra,
+            IGNORED_VISION,
+            "vision_config.",
+            &mut unknown,
+        );
+
+        if raw_text.hidden_act != "silu" {
+            return Err(field_err(
+                "text_config.hidden_act",
+                format!("{:?} is not supported (silu only)", raw_text.hidden_act),
+            ));
+        }
+        if raw_text.attention_bias {
+            return Err(field_err(
+                "text_config.attention_bias",
+                "true is not supported".into(),
+            ));
+        }
+        if raw_vision.hidden_act != "gelu_pytorch_tanh" {
+            return Err(field_err(
+                "vision_config.hidden_act",
+                format!(
+                    "{:?} is not supported (gelu_pytorch_tanh only)",
+                    raw_vision.hidden_act
+                ),
+            ));
+        }
+
+        // transformers 5 `rope_parameters` wins over the 4.57 pair when both are present.
+        let (rope_field, rope) = match (&raw_text.rope_parameters, &raw_text.rope_scaling) {
+            (Some(r), _) => ("text_config.rope_parameters", r.clone()),
+            (None, Some(r)) => ("text_config.rope_scaling", r.clone()),
+            (None, None) => ("text_config.rope_parameters", RawRope::default()),
+        };
+        let rope_type = rope
+            .rope_type
+            .clone()
+            .or(rope.type_alias.clone())
+            .unwrap_or_else(|| "default".into());
+        if rope_type != "default" && rope_type != "mrope" {
+            return Err(field_err(
+                &format!("{rope_field}.rope_type"),
+                format!("{rope_type:?} is not supported"),
+            ));
+        }
+        if rope.mrope_interleaved == Some(false) {
+            return Err(field_err(
+                &format!("{rope_field}.mrope_interleaved"),
+                "false (chunked M-RoPE) is not supported by Qwen3-VL".into(),
+            ));
+        }
+        for k in rope.extra.keys() {
+            unknown.push(format!("{rope_field}.{k}"));
+        }
+        let rope_theta = rope
+            .rope_theta
+            .or(raw_text.rope_theta)
+            .unwrap_or(DEFAULT_TEXT_ROPE_THETA);
+        let mrope_section = rope
+            .mrope_section
+            .clone()
+            .unwrap_or_else(|| DEFAULT_MROPE_SECTION.to_vec());
+        let head_dim = raw_text
+            .head_dim
+            .unwrap_or(raw_text.hidden_size / raw_text.num_attention_heads);
+        if mrope_section.len() != 3 || mrope_section.iter().sum::<usize>() > head_dim / 2 {
+            return Err(field_err(
+                &format!("{rope_field}.mrope_section"),
+                format!(
+                    "{mrope_section:?} must be 3 sections summing to at most head_dim/2 = {}",
+                    head_dim / 2
+                ),
+            ));
+        }
+        let kv_heads = raw_text
+            .num_key_value_heads
+            .unwrap_or(raw_text.num_attention_heads);
+        if kv_heads == 0 || raw_text.num_attention_heads % kv_heads != 0 {
+            return Err(field_err(
+                "text_config.num_key_value_heads",
+                format!(
+                    "{kv_heads} does not divide num_attention_heads {}",
+                    raw_text.num_attention_heads
+                ),
+            ));
+        }
+        let text = TextConfig {
+            vocab_size: raw_text.vocab_size,
+            hidden_size: raw_text.hidden_size,
+            intermediate_size: raw_text.intermediate_size,
+            num_hidden_layers: raw_text.num_hidden_layers,
+            num_attention_heads: raw_text.num_attention_heads,
+            num_key_value_heads: kv_heads,
+            head_dim,
+            max_position_embeddings: raw_text.max_position_embeddings,
+            rms_norm_eps: raw_text.rms_norm_eps,
+            rope_theta,
+            mrope_section,
+        };
+
+        let vrope = raw_vision.rope_parameters.clone().unwrap_or_default();
+        if let Some(t) = vrope.rope_type.as_deref().or(vrope.type_alias.as_deref()) {
+            if t != "axial" && t != "default" {
+                return Err(field_err(
+                    "vision_config.rope_parameters.rope_type",
+                    format!("{t:?} is not supported"),
+                ));
+            }
+        }
+        let vision = VisionConfig {
+            depth: raw_vision.depth,
+            hidden_size: raw_vision.hidden_size,
+            intermediate_size: raw_vision.intermediate_size,
+            num_heads: raw_vision.num_heads,
+            in_channels: raw_vision.in_channels,
+            patch_size: raw_vision.patch_size,
+            spatial_merge_size: raw_vision.spatial_merge_size,
+            temporal_patch_size: raw_vision.temporal_patch_size,
+            out_hidden_size: raw_vision.out_hidden_size,
+            num_position_embeddings: raw_vision.num_position_embeddings,
+            deepstack_visual_indexes: raw_vision.deepstack_visual_indexes,
+            rope_theta: vrope.rope_theta.unwrap_or(DEFAULT_VISION_ROPE_THETA),
+        };
+        validate_vision(&vision, &text, path)?;
+
+        Ok(Self {
+            text,
+            vision,
+            // transformers 5 reads the top level; 4.57 checkpoints also carry it in text_config.
+            tie_word_embeddings: top
+                .tie_word_embeddings
+                .or(raw_text.tie_word_embeddings)
+                .unwrap_or(false),
+            image_token_id: top.image_token_id,
+            video_token_id: top.video_token_id,
+            vision_start_token_id: top.vision_start_token_id,
+            vision_end_token_id: top.vision_end_token_id,
+            unknown_keys: unknown,
+        })
+    }
+}
+
+fn check_architecture(value: &Value, path: &Path) -> Result<()> {
+    let archs: Vec<String> = value
+        .get("architectures")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default();
+    let model_type = value
+        .get("model_type")
+        .and_then(Value::as_str)
+        .map(String::from);
+    let arch_ok = archs.is_empty() || archs.iter().any(|a| a == ARCHITECTURE);
+    let type_ok = model_type.as_deref() == Some(MODEL_TYPE);
+    if arch_ok && type_ok {
+        return Ok(());
+    }
+    Err(Error::UnknownArchitecture {
+        path: path.to_path_buf(),
+        found: archs,
+        model_type,
+        supported: "Qwen3VLForConditionalGeneration (model_type qwen3_vl)",
+    })
+}
+
+fn validate_vision(v: &VisionConfig, t: &TextConfig, path: &Path) -> Result<()> {
+    let err = |field: &str, message: String| Error::Config {
+        path: PathBuf::from(path),
+        field: field.into(),
+        message,
+    };
+    if v.num_heads == 0 || v.hidden_size % v.num_heads != 0 || v.head_dim() % 4 != 0 {
+        return Err(err(
+            "vision_config.num_heads",
+            format!(
+                "hidden_size {} / num_heads {} must give a head_dim divisible by 4",
+                v.hidden_size, v.num_heads
+            ),
+        ));
+    }
+    let side = v.num_grid_per_side();
+    if side * side != v.num_position_embeddings {
+        return Err(err(
+            "vision_config.num_position_embeddings",
+            format!("{} is not a square", v.num_position_embeddings),
+        ));
+    }
+    if let Some(&bad) = v.deepstack_visual_indexes.iter().find(|&&i| i >= v.depth) {
+        return Err(err(
+            "vision_config.deepstack_visual_indexes",
+            format!("index {bad} >= depth {}", v.depth),
+        ));
+    }
+    if v.deepstack_visual_indexes.len() > t.num_hidden_layers {
+        return Err(err(
+            "vision_config.deepstack_visual_indexes",
+            format!(
+                "{} levels but only {} text layers to inject into",
+                v.deepstack_visual_indexes.len(),
+                t.num_hidden_layers
+            ),
+        ));
+    }
+    if v.out_hidden_size != t.hidden_size {
+        return Err(err(
+            "vision_config.out_hidden_size",
+            format!(
+                "{} differs from text_config.hidden_size {}",
+                v.out_hidden_size, t.hidden_size
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn collect_unknown(
+    extra: &BTreeMap<String, Value>,
+    ignored: &[&str],
+    prefix: &str,
+    out: &mut Vec<String>,
+) {
+    out.extend(
+        extra
+            .keys()
+            .filter(|k| !ignored.contains(&k.as_str()))
+            .map(|k| format!("{prefix}{k}")),
+    );
+}

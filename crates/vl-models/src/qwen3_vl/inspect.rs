@@ -1,0 +1,183 @@
+//! `vl inspect`: what a checkpoint directory holds, after checking it against its config.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::checkpoint::{dtype_name, Checkpoint};
+use crate::error::Result;
+
+use super::config::{Qwen3VlConfig, ARCHITECTURE, MODEL_TYPE};
+use super::plan::{check_plan, tensor_plan, Group};
+
+/// A checked checkpoint, summarized.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub architecture: String,
+    pub model_type: String,
+    pub files: usize,
+    pub sharded: bool,
+    pub tensors: usize,
+    /// Stored dtype -> number of tensors.
+    pub dtypes: BTreeMap<String, usize>,
+    pub parameters: ParameterCounts,
+    pub text_layers: usize,
+    pub vision_blocks: usize,
+    pub deepstack_mergers: usize,
+    pub tied_lm_head: bool,
+    pub text: String,
+    pub vision: String,
+    /// Tensors present but unused (e.g. lm_head.weight of a tied model).
+    pub ignored_tensors: Vec<String>,
+    /// config.json keys neither read nor ignored on purpose.
+    pub unknown_config_keys: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct ParameterCounts {
+    pub vision: usize,
+    pub text: usize,
+    /// Zero when the lm_head is tied to the token embeddings.
+    pub lm_head: usize,
+    pub total: usize,
+}
+
+/// Reads the config and weights of `dir`, checks them against each other and summarizes.
+pub fn inspect(dir: &Path) -> Result<Summary> {
+    let cfg = Qwen3VlConfig::from_dir(dir)?;
+    let ck = Checkpoint::open(dir)?;
+    let plan = tensor_plan(&cfg);
+    let report = check_plan(&plan, &ck)?;
+    let mut params = ParameterCounts::default();
+    let mut dtypes = BTreeMap::new();
+    for p in &plan {
+        let Some(info) = ck.info(&p.key) else {
+            continue;
+        };
+        if !p.required {
+            continue;
+        }
+        *dtypes.entry(dtype_name(info.dtype)).or_insert(0) += 1;
+        let n = info.numel();
+        match p.group {
+            Group::Vision => params.vision += n,
+            Group::Text => params.text += n,
+            Group::LmHead => params.lm_head += n,
+        }
+    }
+    params.total = params.vision + params.text + params.lm_head;
+    let (t, v) = (&cfg.text, &cfg.vision);
+    let side = v.num_grid_per_side();
+    Ok(Summary {
+        architecture: ARCHITECTURE.into(),
+        model_type: MODEL_TYPE.into(),
+        files: ck.files().len(),
+        sharded: dir.join(crate::checkpoint::SHARD_INDEX).is_file(),
+        tensors: ck.tensors().len(),
+        dtypes,
+        parameters: params,
+        text_layers: t.num_hidden_layers,
+        vision_blocks: v.depth,
+        deepstack_mergers: v.deepstack_visual_indexes.len(),
+        tied_lm_head: cfg.tie_word_embeddings,
+        text: format!(
+            "hidden {}, {} heads ({} kv, head_dim {}), mlp {}, vocab {}, rope_theta {}, mrope {:?} interleaved, rms_eps {:e}",
+            t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim, t.intermediate_size,
+            t.vocab_size, t.rope_theta, t.mrope_section, t.rms_norm_eps
+        ),
+        vision: format!(
+            "hidden {}, {} heads, mlp {}, patch {}x{}x{}, merge {}, {side}x{side} position grid, deepstack taps {:?}, out {}",
+            v.hidden_size, v.num_heads, v.intermediate_size, v.temporal_patch_size, v.patch_size, v.patch_size,
+            v.spatial_merge_size, v.deepstack_visual_indexes, v.out_hidden_size
+        ),
+        ignored_tensors: report.ignored,
+        unknown_config_keys: cfg.unknown_keys,
+    })
+}
+
+impl Summary {
+    /// The one-line layout, e.g. "28 text layers, 24 vision blocks, 3 deepstack mergers, merger, tied lm_head".
+    pub fn layout(&self) -> String {
+        format!(
+            "{}, {}, {}, merger, {}",
+            plural(self.text_layers, "text layer"),
+            plural(self.vision_blocks, "vision block"),
+            plural(self.deepstack_mergers, "deepstack merger"),
+            if self.tied_lm_head {
+                "tied lm_head"
+            } else {
+                "untied lm_head"
+            }
+        )
+    }
+}
+
+fn plural(n: usize, what: &str) -> String {
+    format!("{n} {what}{}", if n == 1 { "" } else { "s" })
+}
+
+fn human(n: usize) -> String {
+    match n {
+        n if n >= 1_000_000_000 => format!("{:.2}B", n as f64 / 1e9),
+        n if n >= 1_000_000 => format!("{:.2}M", n as f64 / 1e6),
+        n if n >= 1_000 => format!("{:.1}K", n as f64 / 1e3),
+        n => n.to_string(),
+    }
+}
+
+impl fmt::Display for Summary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let p = &self.parameters;
+        writeln!(
+            f,
+            "architecture: {} ({})",
+            self.architecture, self.model_type
+        )?;
+        writeln!(f, "layout:       {}", self.layout())?;
+        let dt: Vec<String> = self
+            .dtypes
+            .iter()
+            .map(|(k, n)| format!("{k} ({n} tensors)"))
+            .collect();
+        writeln!(
+            f,
+            "weights:      {} tensors in {} file{}{}, {}",
+            self.tensors,
+            self.files,
+            if self.files == 1 { "" } else { "s" },
+            if self.sharded { " (sharded)" } else { "" },
+            dt.join(", ")
+        )?;
+        let head = if self.tied_lm_head {
+            "tied".to_string()
+        } else {
+            format!("{} ({})", human(p.lm_head), p.lm_head)
+        };
+        writeln!(
+            f,
+            "parameters:   {} ({}): vision {} ({}), text {} ({}), lm_head {}",
+            human(p.total),
+            p.total,
+            human(p.vision),
+            p.vision,
+            human(p.text),
+            p.text,
+            head
+        )?;
+        writeln!(f, "text:         {}", self.text)?;
+        write!(f, "vision:       {}", self.vision)?;
+        if !self.ignored_tensors.is_empty() {
+            write!(f, "\nignored:      {}", self.ignored_tensors.join(", "))?;
+        }
+        if !self.unknown_config_keys.is_empty() {
+            write!(
+                f,
+                "\nwarning:      config keys not understood: {}",
+                self.unknown_config_keys.join(", ")
+            )?;
+        }
+        Ok(())
+    }
+}

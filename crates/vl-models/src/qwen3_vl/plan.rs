@@ -1,0 +1,180 @@
+//! The tensor plan: every key the config implies, with its shape, checked against a checkpoint
+//! before anything is loaded. Key names are transformers' (`model.visual.*`,
+//! `model.language_model.*`, `lm_head.weight`).
+
+use std::collections::BTreeSet;
+
+use crate::checkpoint::Checkpoint;
+use crate::error::{Error, Result, ShapeMismatch};
+
+use super::config::Qwen3VlConfig;
+
+/// Which part of the model a tensor belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Group {
+    Vision,
+    Text,
+    LmHead,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedTensor {
+    pub key: String,
+    pub shape: Vec<usize>,
+    pub group: Group,
+    /// False for tensors that may be present but are not used (`lm_head.weight` when tied).
+    pub required: bool,
+}
+
+pub const VISION_PREFIX: &str = "model.visual";
+pub const TEXT_PREFIX: &str = "model.language_model";
+pub const LM_HEAD: &str = "lm_head.weight";
+
+/// All tensors a `Qwen3VLForConditionalGeneration` with this config holds.
+pub fn tensor_plan(cfg: &Qwen3VlConfig) -> Vec<PlannedTensor> {
+    let mut plan = Vec::new();
+    let mut add = |key: String, shape: Vec<usize>, group: Group, required: bool| {
+        plan.push(PlannedTensor {
+            key,
+            shape,
+            group,
+            required,
+        });
+    };
+    let v = &cfg.vision;
+    let vp = VISION_PREFIX;
+    let (h, vi) = (v.hidden_size, v.intermediate_size);
+    let merged = h * v.spatial_merge_size * v.spatial_merge_size;
+    let mut vis = |key: String, shape: Vec<usize>| add(key, shape, Group::Vision, true);
+    vis(
+        format!("{vp}.patch_embed.proj.weight"),
+        vec![
+            h,
+            v.in_channels,
+            v.temporal_patch_size,
+            v.patch_size,
+            v.patch_size,
+        ],
+    );
+    vis(format!("{vp}.patch_embed.proj.bias"), vec![h]);
+    vis(
+        format!("{vp}.pos_embed.weight"),
+        vec![v.num_position_embeddings, h],
+    );
+    for i in 0..v.depth {
+        let b = format!("{vp}.blocks.{i}");
+        for n in ["norm1", "norm2"] {
+            vis(format!("{b}.{n}.weight"), vec![h]);
+            vis(format!("{b}.{n}.bias"), vec![h]);
+        }
+        vis(format!("{b}.attn.qkv.weight"), vec![3 * h, h]);
+        vis(format!("{b}.attn.qkv.bias"), vec![3 * h]);
+        vis(format!("{b}.attn.proj.weight"), vec![h, h]);
+        vis(format!("{b}.attn.proj.bias"), vec![h]);
+        vis(format!("{b}.mlp.linear_fc1.weight"), vec![vi, h]);
+        vis(format!("{b}.mlp.linear_fc1.bias"), vec![vi]);
+        vis(format!("{b}.mlp.linear_fc2.weight"), vec![h, vi]);
+        vis(format!("{b}.mlp.linear_fc2.bias"), vec![h]);
+    }
+    let mergers = std::iter::once((format!("{vp}.merger"), h)).chain(
+        (0..v.deepstack_visual_indexes.len())
+            .map(|j| (format!("{vp}.deepstack_merger_list.{j}"), merged)),
+    );
+    for (m, norm_dim) in mergers {
+        vis(format!("{m}.norm.weight"), vec![norm_dim]);
+        vis(format!("{m}.norm.bias"), vec![norm_dim]);
+        vis(format!("{m}.linear_fc1.weight"), vec![merged, merged]);
+        vis(format!("{m}.linear_fc1.bias"), vec![merged]);
+        vis(
+            format!("{m}.linear_fc2.weight"),
+            vec![v.out_hidden_size, merged],
+        );
+        vis(format!("{m}.linear_fc2.bias"), vec![v.out_hidden_size]);
+    }
+
+    let t = &cfg.text;
+    let tp = TEXT_PREFIX;
+    let (d, q, kv) = (
+        t.hidden_size,
+        t.num_attention_heads * t.head_dim,
+        t.num_key_value_heads * t.head_dim,
+    );
+    let mut txt = |key: String, shape: Vec<usize>| add(key, shape, Group::Text, true);
+    txt(format!("{tp}.embed_tokens.weight"), vec![t.vocab_size, d]);
+    for i in 0..t.num_hidden_layers {
+        let l = format!("{tp}.layers.{i}");
+        txt(format!("{l}.input_layernorm.weight"), vec![d]);
+        txt(format!("{l}.post_attention_layernorm.weight"), vec![d]);
+        txt(format!("{l}.self_attn.q_proj.weight"), vec![q, d]);
+        txt(format!("{l}.self_attn.k_proj.weight"), vec![kv, d]);
+        txt(format!("{l}.self_attn.v_proj.weight"), vec![kv, d]);
+        txt(format!("{l}.self_attn.o_proj.weight"), vec![d, q]);
+        txt(format!("{l}.self_attn.q_norm.weight"), vec![t.head_dim]);
+        txt(format!("{l}.self_attn.k_norm.weight"), vec![t.head_dim]);
+        txt(
+            format!("{l}.mlp.gate_proj.weight"),
+            vec![t.intermediate_size, d],
+        );
+        txt(
+            format!("{l}.mlp.up_proj.weight"),
+            vec![t.intermediate_size, d],
+        );
+        txt(
+            format!("{l}.mlp.down_proj.weight"),
+            vec![d, t.intermediate_size],
+        );
+    }
+    txt(format!("{tp}.norm.weight"), vec![d]);
+    add(
+        LM_HEAD.to_string(),
+        vec![t.vocab_size, d],
+        Group::LmHead,
+        !cfg.tie_word_embeddings,
+    );
+    plan
+}
+
+/// What a checkpoint holds relative to the plan, once it has passed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PlanReport {
+    /// Optional planned tensors present but unused (e.g. `lm_head.weight` of a tied model).
+    pub ignored: Vec<String>,
+}
+
+/// Checks the checkpoint's key set and shapes against the plan; names every missing,
+/// unexpected and wrongly shaped tensor.
+pub fn check_plan(plan: &[PlannedTensor], ck: &Checkpoint) -> Result<PlanReport> {
+    let mut missing = Vec::new();
+    let mut wrong_shape = Vec::new();
+    let mut report = PlanReport::default();
+    let planned: BTreeSet<&str> = plan.iter().map(|p| p.key.as_str()).collect();
+    for p in plan {
+        match ck.info(&p.key) {
+            None if p.required => missing.push(p.key.clone()),
+            None => {}
+            Some(info) if info.shape != p.shape => wrong_shape.push(ShapeMismatch {
+                key: p.key.clone(),
+                expected: p.shape.clone(),
+                found: info.shape.clone(),
+            }),
+            Some(_) if !p.required => report.ignored.push(p.key.clone()),
+            Some(_) => {}
+        }
+    }
+    let unexpected: Vec<String> = ck
+        .tensors()
+        .keys()
+        .filter(|k| !planned.contains(k.as_str()))
+        .cloned()
+        .collect();
+    if missing.is_empty() && unexpected.is_empty() && wrong_shape.is_empty() {
+        Ok(report)
+    } else {
+        Err(Error::TensorPlan {
+            dir: ck.dir().to_path_buf(),
+            missing,
+            unexpected,
+            wrong_shape,
+        })
+    }
+}
