@@ -259,3 +259,43 @@ pub fn write_safetensors(path: &Path, tensors: &[RawTensor<'_>]) -> Result<()> {
         message: format!("write failed: {e:?}"),
     })
 }
+
+/// candle `VarBuilder` backend over a checkpoint: loads by key, checks the shape, converts dtype.
+struct Backend(std::sync::Arc<Checkpoint>);
+
+impl candle_nn::var_builder::SimpleBackend for Backend {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        self.0
+            .load_as(name, &s, dtype, dev)
+            .map_err(candle_core::Error::wrap)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.0
+            .load(name, dev)
+            .and_then(|t| Ok(t.to_dtype(dtype)?))
+            .map_err(candle_core::Error::wrap)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.contains(name)
+    }
+}
+
+impl Checkpoint {
+    /// A `VarBuilder` that loads from this checkpoint, converting to `dtype` on `device`.
+    pub fn var_builder(
+        self: &std::sync::Arc<Self>,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_nn::VarBuilder<'static> {
+        candle_nn::VarBuilder::from_backend(Box::new(Backend(self.clone())), dtype, device.clone())
+    }
+}

@@ -62,6 +62,8 @@ pub enum Error {
         path: PathBuf,
         dtype: String,
     },
+    #[error("{what}: {message}")]
+    Input { what: String, message: String },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
     #[error(transparent)]

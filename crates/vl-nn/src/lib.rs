@@ -1,6 +1,13 @@
 //! Generic vision-language layers on candle. Nothing here knows a model's name: Qwen3-VL (and
 //! later models) are composed from these pieces in `vl-models`.
 
+pub mod attention;
 pub mod error;
+pub mod grid;
+pub mod merger;
+pub mod rope;
 
+pub use attention::SegmentRotaryAttention;
 pub use error::{Error, Result};
+pub use merger::PatchMerger;
+pub use rope::{MultiAxisRope, TwoAxisRope};
