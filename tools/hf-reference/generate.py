@@ -167,6 +167,36 @@ def probe_images():
     return imgs
 
 
+# (probe, min_pixels, max_pixels) processed with the budget overridden per call.
+OVERRIDES = {
+    "large@max16384": ("large", 64 * 64, 128 * 128),
+    "small@min16384": ("small", 128 * 128, 256 * 256),
+}
+
+
+def format_probes(idir):
+    """Files in every format and colour mode the runtime accepts, written by Pillow."""
+    base = probe_images()
+    out = {}
+    gray = base["odd"].convert("L").resize((100, 60))
+    gray.save(idir / "gray.png")
+    out["gray"] = idir / "gray.png"
+    pal = base["square"].resize((96, 96)).convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
+    pal.save(idir / "palette.png")
+    out["palette"] = idir / "palette.png"
+    base["large"].resize((150, 120)).save(idir / "photo.jpg", quality=90)
+    out["jpeg"] = idir / "photo.jpg"
+    base["odd"].resize((64, 160)).save(idir / "tall.webp", lossless=True)
+    out["webp"] = idir / "tall.webp"
+    f1 = base["square"].resize((90, 90))
+    f2 = base["large"].resize((90, 90))
+    f1.save(idir / "anim.gif", save_all=True, append_images=[f2], duration=100, loop=0)
+    out["gif"] = idir / "anim.gif"
+    base["wide"].resize((70, 50)).save(idir / "plain.bmp")
+    out["bmp"] = idir / "plain.bmp"
+    return out
+
+
 # ---------------------------------------------------------------- prompts
 
 def cases():
@@ -364,7 +394,7 @@ def run_geometry(name, g, seed, out, images, tok_dir, template, sampled_ids, log
         if cname == HIDDEN_CASE:
             for i, h in enumerate(fwd.hidden_states):
                 t[f"hidden.{i}"] = h[0].contiguous()
-            meta["hidden_states"] = "hidden.0 = embeddings after image substitution; hidden.i = output of decoder layer i-1 (after deepstack injection), the last one after the final norm"
+            meta["hidden_states"] = "hidden.0 = embeddings after image substitution; hidden.i = output of decoder layer i-1 (before deepstack injection), the last one after the final norm"
         # Greedy decoding for every prompt (ids and text); each step's logits for GREEDY_CASE.
         gen = model.generate(**{k: v for k, v in batch.items() if k != "attention_mask"},
                              do_sample=False, max_new_tokens=GREEDY_STEPS, min_new_tokens=GREEDY_STEPS,
@@ -417,6 +447,8 @@ def main():
     for n, im in images.items():
         im.save(idir / f"{n}.png")
     images = {n: Image.open(idir / f"{n}.png") for n in images}
+    # File formats and colour modes, decoded by Pillow as a user's file would be.
+    formats = format_probes(idir)
 
     # Processor outputs for every probe image alone (the processor settings are shared).
     pdir = out / "processor"
@@ -424,6 +456,18 @@ def main():
     ip = image_processor()
     for pname, im in images.items():
         res = ip(images=[im], return_tensors="pt")
+        save_file({"pixel_values": res["pixel_values"].float().contiguous(),
+                   "image_grid_thw": res["image_grid_thw"].to(torch.int64).contiguous()},
+                  pdir / f"{pname}.safetensors")
+    for pname, path in formats.items():
+        res = ip(images=[Image.open(path)], return_tensors="pt")
+        save_file({"pixel_values": res["pixel_values"].float().contiguous(),
+                   "image_grid_thw": res["image_grid_thw"].to(torch.int64).contiguous()},
+                  pdir / f"{pname}.safetensors")
+    # Per-call pixel budget overrides (min_pixels / max_pixels).
+    for pname, kw in OVERRIDES.items():
+        probe, mn, mx = kw
+        res = ip(images=[images[probe]], size={"shortest_edge": mn, "longest_edge": mx}, return_tensors="pt")
         save_file({"pixel_values": res["pixel_values"].float().contiguous(),
                    "image_grid_thw": res["image_grid_thw"].to(torch.int64).contiguous()},
                   pdir / f"{pname}.safetensors")
@@ -458,6 +502,7 @@ def main():
                       "top_ids_per_step": TOP_IDS_PER_STEP, "greedy_steps": GREEDY_STEPS,
                       "min_greedy_margin": MIN_GREEDY_MARGIN},
         "image_processor": "Qwen2VLImageProcessorPil (PIL bicubic resize)",
+        "processor_overrides": OVERRIDES,
         "attention": "eager, float32, CPU",
         "versions": {
             "python": platform.python_version(), "torch": torch.__version__,

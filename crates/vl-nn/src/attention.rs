@@ -105,6 +105,68 @@ impl SegmentRotaryAttention {
     }
 }
 
+/// Causal grouped-query attention for one sequence. `q`: [heads, new, d]; `k`, `v`:
+/// [kv_heads, total, d] (cached positions first, the `new` ones last; views are fine). Query `i`
+/// sits at absolute position `total - new + i` and sees keys up to it. Queries are processed in
+/// blocks of `query_block` rows, bounding the live score matrix. Returns [heads, new, d].
+pub fn causal_gqa_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    query_block: usize,
+) -> Result<Tensor> {
+    let (heads, new, d) = q.dims3()?;
+    let (kv, total, _) = k.dims3()?;
+    if kv == 0 || heads % kv != 0 || total < new {
+        return Err(Error::Shape {
+            layer: "causal_gqa_attention",
+            message: format!("q {:?} cannot attend to k {:?}", q.dims(), k.dims()),
+        });
+    }
+    let rep = heads / kv;
+    let offset = total - new;
+    let scale = 1.0 / (d as f64).sqrt();
+    let kt = k.t()?; // [kv, d, total]
+    let q = q.reshape((kv, rep, new, d))?;
+    let block = query_block.max(1);
+    let mut outs = Vec::new();
+    let mut start = 0;
+    while start < new {
+        let rows = block.min(new - start);
+        // Keys after the block's last query are never seen: skip them entirely.
+        let visible = offset + start + rows;
+        let qs = q.narrow(2, start, rows)?.reshape((kv, rep * rows, d))?;
+        let ks = kt.narrow(2, 0, visible)?;
+        let mut scores = (qs.matmul(&ks)? * scale)?
+            .to_dtype(DType::F32)?
+            .reshape((kv, rep, rows, visible))?;
+        if rows > 1 {
+            let mask: Vec<f32> = (0..rows)
+                .flat_map(|i| {
+                    (0..visible).map(move |j| {
+                        if j > offset + start + i {
+                            f32::NEG_INFINITY
+                        } else {
+                            0.0
+                        }
+                    })
+                })
+                .collect();
+            let mask = Tensor::from_vec(mask, (rows, visible), q.device())?;
+            scores = scores.broadcast_add(&mask)?;
+        }
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?
+            .to_dtype(v.dtype())?
+            .reshape((kv, rep * rows, visible))?;
+        let out = probs
+            .matmul(&v.narrow(1, 0, visible)?)?
+            .reshape((kv, rep, rows, d))?;
+        outs.push(out);
+        start += rows;
+    }
+    Ok(Tensor::cat(&outs, 2)?.reshape((heads, new, d))?)
+}
+
 /// Reference implementation for tests: full score matrix per segment, no blocking.
 #[cfg(test)]
 pub(crate) fn naive_segment_attention(
@@ -255,5 +317,90 @@ mod tests {
         let t = Tensor::zeros((3, 2), DType::F32, &Device::Cpu).unwrap();
         let err = a.forward(&x, &t, &t, &[0, 2]).unwrap_err().to_string();
         assert!(err.contains("[0, 2]") && err.contains("3 rows"), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod causal_tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Plain formula: repeat kv heads, full masked softmax.
+    fn naive(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+        let (heads, new, d) = q.dims3().unwrap();
+        let (kv, total, _) = k.dims3().unwrap();
+        let rep = heads / kv;
+        let mut outs = Vec::new();
+        for h in 0..heads {
+            let (qh, kh, vh) = (
+                q.get(h).unwrap(),
+                k.get(h / rep).unwrap(),
+                v.get(h / rep).unwrap(),
+            );
+            let sc = (qh.matmul(&kh.t().unwrap()).unwrap() / (d as f64).sqrt()).unwrap();
+            let mut rows = sc.to_vec2::<f32>().unwrap();
+            for (i, r) in rows.iter_mut().enumerate() {
+                for (j, x) in r.iter_mut().enumerate() {
+                    if j > total - new + i {
+                        *x = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            let sc = Tensor::new(rows, &Device::Cpu).unwrap();
+            outs.push(
+                candle_nn::ops::softmax_last_dim(&sc)
+                    .unwrap()
+                    .matmul(&vh)
+                    .unwrap(),
+            );
+        }
+        Tensor::stack(&outs, 0).unwrap()
+    }
+
+    #[test]
+    fn matches_the_plain_formula_for_prefill_and_decode() {
+        let dev = Device::Cpu;
+        let (heads, kv, d, total) = (6, 2, 4, 11);
+        let k = Tensor::randn(0f32, 1., (kv, total, d), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1., (kv, total, d), &dev).unwrap();
+        for new in [total, 3, 1] {
+            let q = Tensor::randn(0f32, 1., (heads, new, d), &dev).unwrap();
+            let want = naive(&q, &k, &v);
+            for block in [1, 2, 5, 64] {
+                let got = causal_gqa_attention(&q, &k, &v, block).unwrap();
+                let diff = (got - &want)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .max(0)
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert!(diff < 1e-5, "new {new} block {block}: {diff}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_first_position_sees_only_itself() {
+        // Hand-computed: row 0 of a prefill output equals v[0] whatever the scores.
+        let dev = Device::Cpu;
+        let q = Tensor::randn(0f32, 1., (2, 3, 2), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1., (1, 3, 2), &dev).unwrap();
+        let v = Tensor::new(&[[[1f32, 2.], [3., 4.], [5., 6.]]], &dev).unwrap();
+        let out = causal_gqa_attention(&q, &k, &v, 256).unwrap();
+        for h in 0..2 {
+            assert_eq!(
+                out.get(h)
+                    .unwrap()
+                    .get(0)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap(),
+                vec![1., 2.]
+            );
+        }
     }
 }

@@ -1,11 +1,19 @@
 //! Qwen3-VL (`Qwen3VLForConditionalGeneration`), mirroring transformers' `models/qwen3_vl/`.
 
 pub mod config;
+pub mod generate;
 pub mod inspect;
+pub mod model;
 pub mod plan;
+pub mod positions;
+pub mod presets;
+pub mod text;
 pub mod vision;
 
 pub use config::{Qwen3VlConfig, TextConfig, VisionConfig};
+pub use generate::{Generation, GenerationOptions, StopReason};
 pub use inspect::{inspect, Summary};
+pub use model::{PrefillOutput, Prompt, Qwen3VlModel, VisionInput};
 pub use plan::{check_plan, tensor_plan, Group, PlanReport, PlannedTensor};
+pub use text::{TextCache, TextModel};
 pub use vision::{Grid, VisionOutput, VisionTower};

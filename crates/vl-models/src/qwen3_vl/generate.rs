@@ -1,0 +1,266 @@
+//! Generation: prefill, then token-by-token decoding with the KV cache. Greedy by default;
+//! temperature, top-k, top-p, min-p and repetition penalty applied in transformers' order
+//! (penalty, temperature, top-k, top-p, min-p), seeded sampling, stop on eos ids or max tokens,
+//! a callback per token.
+
+use std::time::{Duration, Instant};
+
+use candle_core::Tensor;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::model::{Prompt, Qwen3VlModel};
+use crate::error::Result;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationOptions {
+    pub max_new_tokens: usize,
+    /// 0 means greedy.
+    pub temperature: f64,
+    /// 0 disables.
+    pub top_k: usize,
+    /// 1.0 disables.
+    pub top_p: f64,
+    /// 0.0 disables.
+    pub min_p: f64,
+    /// 1.0 disables; >1 discourages tokens already in the prompt or output.
+    pub repetition_penalty: f64,
+    pub seed: u64,
+    /// Generation stops after emitting one of these.
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl Default for GenerationOptions {
+    fn default() -> Self {
+        Self {
+            max_new_tokens: 256,
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: 0,
+            eos_token_ids: vec![],
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    Eos,
+    MaxTokens,
+    /// The callback asked to stop.
+    Callback,
+}
+
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// Generated ids, the eos token included when it stopped generation.
+    pub tokens: Vec<u32>,
+    pub stop: StopReason,
+    pub prompt_tokens: usize,
+    /// Vision tower + prefill time.
+    pub prefill_time: Duration,
+    pub decode_time: Duration,
+    /// f32 logits that chose the first generated token.
+    pub first_logits: Tensor,
+    /// KV cache bytes at the end.
+    pub cache_bytes: usize,
+}
+
+/// Picks the next token from f32 `logits` given the tokens seen so far.
+pub fn sample(logits: &[f32], seen: &[u32], opts: &GenerationOptions, rng: &mut StdRng) -> u32 {
+    let mut l: Vec<f32> = logits.to_vec();
+    if opts.repetition_penalty != 1.0 {
+        let p = opts.repetition_penalty as f32;
+        let mut done = std::collections::HashSet::new();
+        for &t in seen {
+            if done.insert(t) {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x = if *x < 0.0 { *x * p } else { *x / p };
+                }
+            }
+        }
+    }
+    if opts.temperature <= 0.0 {
+        return argmax(&l);
+    }
+    let t = opts.temperature as f32;
+    l.iter_mut().for_each(|x| *x /= t);
+    // Candidates sorted by logit, descending (ties by id, for determinism).
+    let mut idx: Vec<usize> = (0..l.len()).collect();
+    idx.sort_unstable_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+    if opts.top_k > 0 {
+        idx.truncate(opts.top_k.max(1));
+    }
+    let max = l[idx[0]];
+    let mut probs: Vec<f64> = idx.iter().map(|&i| ((l[i] - max) as f64).exp()).collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= total);
+    if opts.top_p < 1.0 {
+        let mut cum = 0.0;
+        let keep = probs
+            .iter()
+            .take_while(|&&p| {
+                let before = cum;
+                cum += p;
+                before < opts.top_p
+            })
+            .count()
+            .max(1);
+        idx.truncate(keep);
+        probs.truncate(keep);
+    }
+    if opts.min_p > 0.0 {
+        let floor = probs[0] * opts.min_p;
+        let keep = probs.iter().take_while(|&&p| p >= floor).count().max(1);
+        idx.truncate(keep);
+        probs.truncate(keep);
+    }
+    let total: f64 = probs.iter().sum();
+    let mut r = rng.random::<f64>() * total;
+    for (k, p) in probs.iter().enumerate() {
+        r -= p;
+        if r <= 0.0 {
+            return idx[k] as u32;
+        }
+    }
+    *idx.last().unwrap() as u32
+}
+
+fn argmax(l: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in l.iter().enumerate() {
+        if x > l[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+impl Qwen3VlModel {
+    /// Generates a continuation of `prompt`. `on_token(id)` is called for every generated token
+    /// in order; returning `false` stops generation.
+    pub fn generate(
+        &self,
+        prompt: &Prompt,
+        opts: &GenerationOptions,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Generation> {
+        let t0 = Instant::now();
+        let mut cache = self.new_cache();
+        let state = self.prefill(prompt, &mut cache, &mut |_, _| {})?;
+        let first_logits = self.last_logits(&state)?;
+        let prefill_time = t0.elapsed();
+        let t1 = Instant::now();
+        let mut rng = StdRng::seed_from_u64(opts.seed);
+        let mut seen = prompt.input_ids.clone();
+        let mut tokens = Vec::new();
+        let mut logits = first_logits.clone();
+        let mut stop = StopReason::MaxTokens;
+        let room = self
+            .config()
+            .text
+            .max_position_embeddings
+            .saturating_sub(prompt.input_ids.len());
+        for step in 0..opts.max_new_tokens.min(room) {
+            let next = sample(&logits.to_vec1::<f32>()?, &seen, opts, &mut rng);
+            tokens.push(next);
+            seen.push(next);
+            if !on_token(next) {
+                stop = StopReason::Callback;
+                break;
+            }
+            if opts.eos_token_ids.contains(&next) {
+                stop = StopReason::Eos;
+                break;
+            }
+            if step + 1 == opts.max_new_tokens.min(room) {
+                break;
+            }
+            logits = self.decode_step(next, &state, step, &mut cache)?;
+        }
+        Ok(Generation {
+            tokens,
+            stop,
+            prompt_tokens: prompt.input_ids.len(),
+            prefill_time,
+            decode_time: t1.elapsed(),
+            first_logits,
+            cache_bytes: cache.bytes(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts() -> GenerationOptions {
+        GenerationOptions {
+            temperature: 1.0,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn greedy_takes_the_argmax_and_penalty_can_change_it() {
+        let mut rng = StdRng::seed_from_u64(0);
+        let l = [1.0, 3.0, 2.9];
+        assert_eq!(sample(&l, &[], &GenerationOptions::default(), &mut rng), 1);
+        // Penalty 2 on token 1: 3.0 / 2 = 1.5 < 2.9.
+        let o = GenerationOptions {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
+        assert_eq!(sample(&l, &[1], &o, &mut rng), 2);
+        // Negative logits are multiplied.
+        let o = GenerationOptions {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
+        assert_eq!(sample(&[-1.0, -1.5], &[0], &o, &mut rng), 1);
+    }
+
+    #[test]
+    fn top_k_1_and_tiny_top_p_and_high_min_p_are_greedy() {
+        let l = [0.5, 0.2, 0.9, 0.1];
+        for o in [
+            GenerationOptions { top_k: 1, ..opts() },
+            GenerationOptions {
+                top_p: 0.01,
+                ..opts()
+            },
+            GenerationOptions {
+                min_p: 0.999,
+                ..opts()
+            },
+        ] {
+            let mut rng = StdRng::seed_from_u64(7);
+            for _ in 0..20 {
+                assert_eq!(sample(&l, &[], &o, &mut rng), 2, "{o:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn sampling_is_seeded_and_follows_the_distribution() {
+        let l = [0.0f32, (3.0f32).ln()]; // probabilities 1/4, 3/4
+        let draw = |seed| {
+            let mut rng = StdRng::seed_from_u64(seed);
+            (0..4000)
+                .map(|_| sample(&l, &[], &opts(), &mut rng))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draw(3), draw(3));
+        let ones = draw(3).iter().filter(|&&t| t == 1).count() as f64 / 4000.0;
+        assert!((ones - 0.75).abs() < 0.03, "{ones}");
+        // top_k 2 keeps both; top_p 0.7 keeps only the 3/4 token.
+        let mut rng = StdRng::seed_from_u64(1);
+        let o = GenerationOptions {
+            top_p: 0.7,
+            ..opts()
+        };
+        assert!((0..100).all(|_| sample(&l, &[], &o, &mut rng) == 1));
+    }
+}

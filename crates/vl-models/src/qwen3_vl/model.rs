@@ -1,0 +1,287 @@
+//! The composed model, mirroring `Qwen3VLModel` / `Qwen3VLForConditionalGeneration` in
+//! transformers' `models/qwen3_vl/modeling_qwen3_vl.py`: token embeddings with vision rows
+//! substituted at `<|image_pad|>` / `<|video_pad|>`, DeepStack rows added after the first
+//! decoder layers at the visual positions, M-RoPE positions from the prompt layout, and the rope
+//! delta kept for decoding.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+
+use super::config::Qwen3VlConfig;
+use super::plan::{check_plan, tensor_plan, VISION_PREFIX};
+use super::positions::{mrope_positions, token_types, TokenType};
+use super::text::{DeepStack, TextCache, TextModel};
+use super::vision::{Grid, VisionOutput, VisionTower};
+use crate::checkpoint::Checkpoint;
+use crate::error::{Error, Result};
+
+/// Preprocessed vision input: patch rows [sum t*h*w, C*T*P*P] and one grid per image / video.
+#[derive(Debug, Clone)]
+pub struct VisionInput {
+    pub pixels: Tensor,
+    pub grids: Vec<Grid>,
+}
+
+/// A tokenized prompt with its vision inputs, in prompt order.
+#[derive(Debug, Clone, Default)]
+pub struct Prompt {
+    pub input_ids: Vec<u32>,
+    pub images: Option<VisionInput>,
+    pub videos: Option<VisionInput>,
+}
+
+/// The state a prompt leaves for decoding.
+#[derive(Debug, Clone)]
+pub struct PrefillOutput {
+    /// Final-normed hidden states of every prompt position [n, hidden].
+    pub hidden: Tensor,
+    /// `max position + 1 - prompt length`: decoding step `k` (0-based, after the prompt) sits at
+    /// position `prompt_len + k + rope_delta` on all three axes.
+    pub rope_delta: i64,
+    pub prompt_len: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct Qwen3VlModel {
+    cfg: Qwen3VlConfig,
+    vision: VisionTower,
+    text: TextModel,
+}
+
+impl Qwen3VlModel {
+    /// Loads a model directory: config, weights (checked against the tensor plan first).
+    pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
+        let cfg = Qwen3VlConfig::from_dir(dir)?;
+        let ck = Arc::new(Checkpoint::open(dir)?);
+        check_plan(&tensor_plan(&cfg), &ck)?;
+        Self::from_checkpoint(cfg, &ck, dtype, device)
+    }
+
+    pub fn from_checkpoint(
+        cfg: Qwen3VlConfig,
+        ck: &Arc<Checkpoint>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let vb = ck.var_builder(dtype, device);
+        Self::from_var_builder(cfg, vb)
+    }
+
+    pub fn from_var_builder(cfg: Qwen3VlConfig, vb: candle_nn::VarBuilder) -> Result<Self> {
+        let vision = VisionTower::load(&cfg.vision, vb.pp(VISION_PREFIX))?;
+        let text = TextModel::load(&cfg.text, cfg.tie_word_embeddings, vb)?;
+        Ok(Self { cfg, vision, text })
+    }
+
+    pub fn config(&self) -> &Qwen3VlConfig {
+        &self.cfg
+    }
+    pub fn vision(&self) -> &VisionTower {
+        &self.vision
+    }
+    pub fn text(&self) -> &TextModel {
+        &self.text
+    }
+    pub fn new_cache(&self) -> TextCache {
+        self.text.new_cache()
+    }
+
+    /// Runs the vision tower on every image (or video) of a prompt.
+    pub fn encode_vision(&self, input: &VisionInput) -> Result<VisionOutput> {
+        self.vision.forward(&input.pixels, &input.grids)
+    }
+
+    /// Prefills `cache` (which must be empty) with the prompt. `trace(k, h)` sees the embeddings
+    /// after vision substitution (k = 0) and each decoder layer's output (k = layer + 1).
+    pub fn prefill(
+        &self,
+        prompt: &Prompt,
+        cache: &mut TextCache,
+        trace: &mut dyn FnMut(usize, &Tensor),
+    ) -> Result<PrefillOutput> {
+        let images = prompt
+            .images
+            .as_ref()
+            .map(|i| self.encode_vision(i))
+            .transpose()?;
+        let videos = prompt
+            .videos
+            .as_ref()
+            .map(|v| self.encode_vision(v))
+            .transpose()?;
+        self.prefill_encoded(prompt, images.as_ref(), videos.as_ref(), cache, trace)
+    }
+
+    /// Like `prefill`, with the vision tower's outputs computed by the caller.
+    pub fn prefill_encoded(
+        &self,
+        prompt: &Prompt,
+        images: Option<&VisionOutput>,
+        videos: Option<&VisionOutput>,
+        cache: &mut TextCache,
+        trace: &mut dyn FnMut(usize, &Tensor),
+    ) -> Result<PrefillOutput> {
+        let ids = &prompt.input_ids;
+        if ids.is_empty() {
+            return Err(Error::Input {
+                what: "prompt".into(),
+                message: "no tokens".into(),
+            });
+        }
+        if !cache.is_empty() {
+            return Err(Error::Input {
+                what: "cache".into(),
+                message: format!(
+                    "prefill needs an empty cache, it holds {} positions",
+                    cache.len()
+                ),
+            });
+        }
+        let max = self.cfg.text.max_position_embeddings;
+        if ids.len() > max {
+            return Err(Error::Input {
+                what: "prompt".into(),
+                message: format!("{} tokens exceed the model's context of {max}", ids.len()),
+            });
+        }
+        let types = token_types(ids, self.cfg.image_token_id, self.cfg.video_token_id);
+        let grids =
+            |v: &Option<VisionInput>| v.as_ref().map(|v| v.grids.clone()).unwrap_or_default();
+        let (positions, rope_delta) = mrope_positions(
+            &types,
+            &grids(&prompt.images),
+            &grids(&prompt.videos),
+            self.cfg.vision.spatial_merge_size,
+        )?;
+
+        let mut x = self.text.embed(ids)?;
+        let mut visual_rows: Vec<u32> = Vec::new();
+        let mut levels: Vec<Tensor> = Vec::new();
+        // Per modality: substitute merged rows in order; collect DeepStack rows in sequence order.
+        let mut ds_parts: Vec<(Vec<u32>, &VisionOutput)> = Vec::new();
+        for (kind, out, name) in [
+            (TokenType::Image, images, "image"),
+            (TokenType::Video, videos, "video"),
+        ] {
+            let rows: Vec<u32> = types
+                .iter()
+                .enumerate()
+                .filter(|(_, &t)| t == kind)
+                .map(|(i, _)| i as u32)
+                .collect();
+            match out {
+                None if rows.is_empty() => continue,
+                None => {
+                    return Err(Error::Input {
+                        what: "prompt".into(),
+                        message: format!(
+                            "{} {name} placeholder tokens but no {name} input",
+                            rows.len()
+                        ),
+                    })
+                }
+                Some(out) => {
+                    let merged = Tensor::cat(&out.merged, 0)?;
+                    if merged.dim(0)? != rows.len() {
+                        return Err(Error::Input {
+                            what: "prompt".into(),
+                            message: format!(
+                                "{name} features and {name} tokens do not match: {} placeholder tokens, {} feature rows",
+                                rows.len(),
+                                merged.dim(0)?
+                            ),
+                        });
+                    }
+                    let idx = Tensor::from_slice(&rows, rows.len(), x.device())?;
+                    let current = x.index_select(&idx, 0)?;
+                    // Replace = add (merged - current) at those rows.
+                    x = x.index_add(&idx, &(merged.to_dtype(x.dtype())? - current)?, 0)?;
+                    ds_parts.push((rows, out));
+                }
+            }
+        }
+        if !ds_parts.is_empty() {
+            let n_levels = ds_parts
+                .iter()
+                .map(|(_, o)| o.deepstack.len())
+                .min()
+                .unwrap_or(0);
+            // Order the visual rows by sequence position across modalities.
+            let mut order: Vec<(u32, usize, usize)> = Vec::new(); // (row, part, index within part)
+            for (p, (rows, _)) in ds_parts.iter().enumerate() {
+                order.extend(rows.iter().enumerate().map(|(k, &r)| (r, p, k)));
+            }
+            order.sort_unstable();
+            visual_rows = order.iter().map(|o| o.0).collect();
+            for level in 0..n_levels {
+                let per_part: Vec<Tensor> = ds_parts
+                    .iter()
+                    .map(|(_, o)| Tensor::cat(&o.deepstack[level], 0))
+                    .collect::<candle_core::Result<_>>()?;
+                let level_rows = if per_part.len() == 1 {
+                    per_part[0].clone()
+                } else {
+                    let offsets: Vec<usize> = ds_parts
+                        .iter()
+                        .scan(0, |s, (r, _)| {
+                            let o = *s;
+                            *s += r.len();
+                            Some(o)
+                        })
+                        .collect();
+                    let gather: Vec<u32> = order
+                        .iter()
+                        .map(|&(_, p, k)| (offsets[p] + k) as u32)
+                        .collect();
+                    let all = Tensor::cat(&per_part, 0)?;
+                    all.index_select(&Tensor::from_slice(&gather, gather.len(), all.device())?, 0)?
+                };
+                levels.push(level_rows);
+            }
+        }
+        let deepstack = (!visual_rows.is_empty()).then_some(DeepStack {
+            positions: &visual_rows,
+            levels: &levels,
+        });
+        let hidden = self.text.forward(&x, &positions, cache, deepstack, trace)?;
+        Ok(PrefillOutput {
+            hidden,
+            rope_delta,
+            prompt_len: ids.len(),
+        })
+    }
+
+    /// Feeds one generated token at decoding step `step` (0 for the first token after the prompt);
+    /// returns the f32 logits [vocab] of the next position.
+    pub fn decode_step(
+        &self,
+        token: u32,
+        state: &PrefillOutput,
+        step: usize,
+        cache: &mut TextCache,
+    ) -> Result<Tensor> {
+        let pos = (state.prompt_len + step) as i64 + state.rope_delta;
+        if cache.len() + 1 > self.cfg.text.max_position_embeddings {
+            return Err(Error::Input {
+                what: "generation".into(),
+                message: format!(
+                    "context of {} tokens is full",
+                    self.cfg.text.max_position_embeddings
+                ),
+            });
+        }
+        let x = self.text.embed(&[token])?;
+        let h = self
+            .text
+            .forward(&x, &[[pos; 3]], cache, None, &mut |_, _| {})?;
+        Ok(self.text.logits(&h)?.squeeze(0)?)
+    }
+
+    /// f32 logits [vocab] of the last prompt position.
+    pub fn last_logits(&self, state: &PrefillOutput) -> Result<Tensor> {
+        let h = state.hidden.narrow(0, state.prompt_len - 1, 1)?;
+        Ok(self.text.logits(&h)?.squeeze(0)?)
+    }
+}

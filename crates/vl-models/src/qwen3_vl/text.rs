@@ -1,0 +1,302 @@
+//! The Qwen3-VL text decoder, mirroring `Qwen3VLTextModel` in transformers'
+//! `models/qwen3_vl/modeling_qwen3_vl.py`: RMSNorm pre-norm layers, attention with per-head
+//! RMSNorm on q and k before interleaved M-RoPE, GQA, SwiGLU MLP, DeepStack rows added to the
+//! visual positions after the first layers, final norm, lm_head (tied or not).
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
+use vl_nn::{causal_gqa_attention, KvCache, MultiAxisRope};
+
+use super::config::TextConfig;
+use crate::error::{Error, Result};
+
+/// Query rows per attention block during prefill (bounds the live score matrix).
+const PREFILL_QUERY_BLOCK: usize = 512;
+
+fn linear_no_bias(i: usize, o: usize, vb: VarBuilder) -> Result<Linear> {
+    Ok(candle_nn::linear_no_bias(i, o, vb)?)
+}
+
+fn rms_norm(dim: usize, eps: f64, vb: VarBuilder) -> Result<RmsNorm> {
+    Ok(candle_nn::rms_norm(dim, eps, vb)?)
+}
+
+#[derive(Debug, Clone)]
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn load(cfg: &TextConfig, vb: VarBuilder) -> Result<Self> {
+        let (d, hd) = (cfg.hidden_size, cfg.head_dim);
+        let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+        Ok(Self {
+            q_proj: linear_no_bias(d, q, vb.pp("q_proj"))?,
+            k_proj: linear_no_bias(d, kv, vb.pp("k_proj"))?,
+            v_proj: linear_no_bias(d, kv, vb.pp("v_proj"))?,
+            o_proj: linear_no_bias(q, d, vb.pp("o_proj"))?,
+            q_norm: rms_norm(hd, cfg.rms_norm_eps, vb.pp("q_norm"))?,
+            k_norm: rms_norm(hd, cfg.rms_norm_eps, vb.pp("k_norm"))?,
+            heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: hd,
+        })
+    }
+
+    /// `x`: [new, hidden]; `cos`/`sin`: [new, head_dim / 2].
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let (n, _) = x.dims2()?;
+        let hd = self.head_dim;
+        // [new, heads, hd] -> per-head norm -> [1, heads, new, hd] for rope
+        let q = self
+            .q_norm
+            .forward(&self.q_proj.forward(x)?.reshape((n, self.heads, hd))?)?;
+        let k = self
+            .k_norm
+            .forward(&self.k_proj.forward(x)?.reshape((n, self.kv_heads, hd))?)?;
+        let v = self
+            .v_proj
+            .forward(x)?
+            .reshape((n, self.kv_heads, hd))?
+            .transpose(0, 1)?
+            .contiguous()?;
+        let q =
+            candle_nn::rotary_emb::rope(&q.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?
+                .squeeze(0)?;
+        let k =
+            candle_nn::rotary_emb::rope(&k.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?
+                .squeeze(0)?;
+        let (k, v) = cache.append(&k, &v)?;
+        let out = causal_gqa_attention(&q, &k, &v, PREFILL_QUERY_BLOCK)?; // [heads, new, hd]
+        let out = out.transpose(0, 1)?.reshape((n, self.heads * hd))?;
+        Ok(self.o_proj.forward(&out)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    fn load(cfg: &TextConfig, vb: VarBuilder) -> Result<Self> {
+        let (d, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(Self {
+            gate: linear_no_bias(d, i, vb.pp("gate_proj"))?,
+            up: linear_no_bias(d, i, vb.pp("up_proj"))?,
+            down: linear_no_bias(i, d, vb.pp("down_proj"))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = (candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?;
+        Ok(self.down.forward(&h)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct DecoderLayer {
+    input_norm: RmsNorm,
+    attn: Attention,
+    post_attn_norm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl DecoderLayer {
+    fn load(cfg: &TextConfig, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            input_norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
+            attn: Attention::load(cfg, vb.pp("self_attn"))?,
+            post_attn_norm: rms_norm(
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+                vb.pp("post_attention_layernorm"),
+            )?,
+            mlp: Mlp::load(cfg, vb.pp("mlp"))?,
+        })
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let x = (x + self
+            .attn
+            .forward(&self.input_norm.forward(x)?, cos, sin, cache)?)?;
+        Ok((&x + self.mlp.forward(&self.post_attn_norm.forward(&x)?)?)?)
+    }
+}
+
+/// DeepStack rows to add after the first decoder layers: `levels[k]` ([visual, hidden]) is added
+/// after layer k at the sequence rows `positions` (ascending, relative to this forward's input).
+#[derive(Debug, Clone, Copy)]
+pub struct DeepStack<'a> {
+    pub positions: &'a [u32],
+    pub levels: &'a [Tensor],
+}
+
+/// One cache per decoder layer.
+#[derive(Debug, Clone, Default)]
+pub struct TextCache {
+    pub layers: Vec<KvCache>,
+}
+
+impl TextCache {
+    /// Cached positions (equal across layers).
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, KvCache::len)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(KvCache::bytes).sum()
+    }
+    pub fn reset(&mut self) {
+        self.layers.iter_mut().for_each(KvCache::reset);
+    }
+    pub fn truncate(&mut self, len: usize) {
+        self.layers.iter_mut().for_each(|c| c.truncate(len));
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct TextModel {
+    cfg: TextConfig,
+    embed: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rope: MultiAxisRope,
+    dtype: DType,
+    device: Device,
+}
+
+impl TextModel {
+    /// `vb` at the checkpoint root (`model.language_model.*`, `lm_head.weight`).
+    pub fn load(cfg: &TextConfig, tie_word_embeddings: bool, vb: VarBuilder) -> Result<Self> {
+        let tvb = vb.pp("model.language_model");
+        let embed = candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, tvb.pp("embed_tokens"))?;
+        let lm_head = if tie_word_embeddings {
+            Linear::new(embed.embeddings().clone(), None)
+        } else {
+            linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+        };
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::load(cfg, tvb.pp(format!("layers.{i}"))))
+            .collect::<Result<_>>()?;
+        let s = &cfg.mrope_section;
+        Ok(Self {
+            cfg: cfg.clone(),
+            embed,
+            layers,
+            norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, tvb.pp("norm"))?,
+            lm_head,
+            rope: MultiAxisRope::new(cfg.head_dim, cfg.rope_theta, [s[0], s[1], s[2]]),
+            dtype: vb.dtype(),
+            device: vb.device().clone(),
+        })
+    }
+
+    pub fn config(&self) -> &TextConfig {
+        &self.cfg
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn new_cache(&self) -> TextCache {
+        TextCache {
+            layers: vec![KvCache::new(); self.layers.len()],
+        }
+    }
+
+    /// Token embeddings [n, hidden]; ids must be below the vocabulary size.
+    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.cfg.vocab_size) {
+            return Err(Error::Input {
+                what: "token ids".into(),
+                message: format!(
+                    "id {bad} is outside the vocabulary of {}",
+                    self.cfg.vocab_size
+                ),
+            });
+        }
+        let t = Tensor::from_slice(ids, ids.len(), &self.device)?;
+        Ok(self.embed.forward(&t)?)
+    }
+
+    /// Runs the decoder on `x` ([new, hidden]) at M-RoPE `positions` (one (t, h, w) per row),
+    /// appending to `cache`; returns the final-normed hidden states [new, hidden].
+    /// `trace(k, h)` sees the input embeddings (k = 0) and the output of layer k - 1 (before
+    /// DeepStack injection, as transformers' `output_hidden_states` records it).
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        positions: &[[i64; 3]],
+        cache: &mut TextCache,
+        deepstack: Option<DeepStack<'_>>,
+        trace: &mut dyn FnMut(usize, &Tensor),
+    ) -> Result<Tensor> {
+        let (n, _) = x.dims2()?;
+        if positions.len() != n {
+            return Err(Error::Input {
+                what: "text positions".into(),
+                message: format!("{} positions for {n} rows", positions.len()),
+            });
+        }
+        if cache.layers.len() != self.layers.len() {
+            *cache = self.new_cache();
+        }
+        let (cos, sin) = self.rope.cos_sin(positions, &self.device)?;
+        let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
+        let visual = match deepstack {
+            Some(ds) if !ds.positions.is_empty() => Some((
+                Tensor::from_slice(ds.positions, ds.positions.len(), &self.device)?,
+                ds.levels,
+            )),
+            _ => None,
+        };
+        let mut x = x.clone();
+        trace(0, &x);
+        for (i, (layer, c)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
+            x = layer.forward(&x, &cos, &sin, c)?;
+            trace(i + 1, &x);
+            if let Some((rows, levels)) = &visual {
+                if let Some(level) = levels.get(i) {
+                    x = x.index_add(rows, &level.to_dtype(self.dtype)?, 0)?;
+                }
+            }
+        }
+        Ok(self.norm.forward(&x)?)
+    }
+
+    /// Logits [n, vocab] in f32 from final-normed hidden states.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(self.lm_head.forward(hidden)?.to_dtype(DType::F32)?)
+    }
+}

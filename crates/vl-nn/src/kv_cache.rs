@@ -1,0 +1,145 @@
+//! A per-layer key/value cache that grows with the sequence: capacity doubles when full (no
+//! preallocation of the context window), appends are in-place copies, and the cached keys and
+//! values are returned as views of the first `len` positions. Can be reset and truncated
+//! (e.g. to reuse a shared prompt prefix); reports the bytes it holds.
+
+use candle_core::Tensor;
+
+use crate::{Error, Result};
+
+/// Smallest capacity allocated, in positions.
+const MIN_CAPACITY: usize = 64;
+
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+    len: usize,
+}
+
+impl KvCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Cached positions.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Allocated positions.
+    pub fn capacity(&self) -> usize {
+        self.k.as_ref().map_or(0, |k| k.dim(1).unwrap_or(0))
+    }
+
+    /// Bytes held by the key and value buffers (capacity, not just the used part).
+    pub fn bytes(&self) -> usize {
+        [&self.k, &self.v]
+            .iter()
+            .filter_map(|t| t.as_ref())
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
+    }
+
+    /// Drops everything, memory included.
+    pub fn reset(&mut self) {
+        *self = Self::default();
+    }
+
+    /// Keeps the first `len` positions.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    /// Appends `k`, `v` ([kv_heads, new, head_dim]) and returns views of all cached positions.
+    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (heads, new, dim) = k.dims3()?;
+        if v.dims() != k.dims() {
+            return Err(Error::Shape {
+                layer: "KvCache",
+                message: format!("k {:?} and v {:?} differ", k.dims(), v.dims()),
+            });
+        }
+        let need = self.len + new;
+        if need > self.capacity() {
+            let cap = need.max(2 * self.capacity()).max(MIN_CAPACITY);
+            let grow = |old: &Option<Tensor>| -> Result<Tensor> {
+                let buf = Tensor::zeros((heads, cap, dim), k.dtype(), k.device())?;
+                if let Some(old) = old {
+                    if self.len > 0 {
+                        buf.slice_set(&old.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
+                    }
+                }
+                Ok(buf)
+            };
+            let (nk, nv) = (grow(&self.k)?, grow(&self.v)?);
+            self.k = Some(nk);
+            self.v = Some(nv);
+        }
+        let (kb, vb) = (self.k.as_ref().unwrap(), self.v.as_ref().unwrap());
+        if let Some(old) = kb.dims().get(0) {
+            if *old != heads || kb.dim(2)? != dim {
+                return Err(Error::Shape {
+                    layer: "KvCache",
+                    message: format!("appending {:?} to a cache of {:?}", k.dims(), kb.dims()),
+                });
+            }
+        }
+        kb.slice_set(&k.contiguous()?, 1, self.len)?;
+        vb.slice_set(&v.contiguous()?, 1, self.len)?;
+        self.len = need;
+        Ok((kb.narrow(1, 0, need)?, vb.narrow(1, 0, need)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    fn t(vals: &[f32]) -> Tensor {
+        Tensor::from_slice(vals, (1, vals.len(), 1), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn grows_truncates_and_resets() {
+        let mut c = KvCache::new();
+        assert_eq!((c.len(), c.bytes()), (0, 0));
+        let (k, _) = c.append(&t(&[1., 2.]), &t(&[10., 20.])).unwrap();
+        assert_eq!(
+            k.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            vec![1., 2.]
+        );
+        assert_eq!(c.capacity(), 64);
+        assert_eq!(c.bytes(), 2 * 64 * 4);
+        let many: Vec<f32> = (0..70).map(|i| i as f32).collect();
+        let (k, v) = c.append(&t(&many), &t(&many)).unwrap();
+        assert_eq!(c.len(), 72);
+        assert_eq!(c.capacity(), 128);
+        let k = k.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(&k[..3], &[1., 2., 0.]);
+        assert_eq!(k[71], 69.);
+        assert_eq!(v.dims(), &[1, 72, 1]);
+        c.truncate(2);
+        let (k, _) = c.append(&t(&[7.]), &t(&[7.])).unwrap();
+        assert_eq!(
+            k.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            vec![1., 2., 7.]
+        );
+        c.reset();
+        assert_eq!((c.len(), c.bytes()), (0, 0));
+    }
+
+    #[test]
+    fn mismatched_shapes_are_errors() {
+        let mut c = KvCache::new();
+        c.append(&t(&[1.]), &t(&[1.])).unwrap();
+        let two_heads = Tensor::zeros((2, 1, 1), DType::F32, &Device::Cpu).unwrap();
+        assert!(c.append(&two_heads, &two_heads).is_err());
+        assert!(c.append(&t(&[1.]), &t(&[1., 2.])).is_err());
+    }
+}
