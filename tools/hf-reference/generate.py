@@ -440,7 +440,8 @@ def main():
     for f in TOKENIZER_FILES:
         shutil.copyfile(src / f, tdir / f)
 
-    template = (HERE / "chat_template.jinja").read_text()
+    # The built-in template of the Rust runtime is the one the tiny checkpoints ship.
+    template = (HERE.parent.parent / "crates/vl-models/src/qwen3_vl/chat_template.jinja").read_text()
     idir = out / "images"
     idir.mkdir(exist_ok=True)
     images = probe_images()

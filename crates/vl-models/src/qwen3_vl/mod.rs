@@ -1,5 +1,6 @@
 //! Qwen3-VL (`Qwen3VLForConditionalGeneration`), mirroring transformers' `models/qwen3_vl/`.
 
+pub mod chat;
 pub mod config;
 pub mod generate;
 pub mod inspect;
@@ -7,13 +8,16 @@ pub mod model;
 pub mod plan;
 pub mod positions;
 pub mod presets;
+pub mod processor;
 pub mod text;
 pub mod vision;
 
+pub use chat::{Content, Message, Processor, StreamDecoder};
 pub use config::{Qwen3VlConfig, TextConfig, VisionConfig};
 pub use generate::{Generation, GenerationOptions, StopReason};
 pub use inspect::{inspect, Summary};
 pub use model::{PrefillOutput, Prompt, Qwen3VlModel, VisionInput};
 pub use plan::{check_plan, tensor_plan, Group, PlanReport, PlannedTensor};
+pub use processor::{ImageProcessor, PreprocessorConfig, ProcessedImage};
 pub use text::{TextCache, TextModel};
 pub use vision::{Grid, VisionOutput, VisionTower};

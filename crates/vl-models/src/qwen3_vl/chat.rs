@@ -1,0 +1,322 @@
+//! Prompts: the checkpoint's chat template rendered with minijinja (as transformers renders it:
+//! trim_blocks, lstrip_blocks, Python string methods), `<|image_pad|>` expanded to each image's
+//! token count, tokenization with the `tokenizers` crate, and incremental detokenization for
+//! streaming that never emits a broken UTF-8 sequence.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+use serde::Serialize;
+use tokenizers::Tokenizer;
+
+use super::model::Prompt;
+use super::processor::{ImageProcessor, ProcessedImage};
+use crate::error::{Error, Result};
+
+/// Used only when a checkpoint ships no template of its own.
+pub const BUILTIN_TEMPLATE: &str = include_str!("chat_template.jinja");
+
+const IMAGE_PAD: &str = "<|image_pad|>";
+
+/// One part of a message.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum Content {
+    Text { text: String },
+    Image { image: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Message {
+    pub role: String,
+    pub content: Vec<Content>,
+}
+
+impl Message {
+    pub fn new(role: &str, content: Vec<Content>) -> Self {
+        Self {
+            role: role.into(),
+            content,
+        }
+    }
+    pub fn text(role: &str, text: &str) -> Self {
+        Self::new(role, vec![Content::Text { text: text.into() }])
+    }
+}
+
+/// Where a template came from, for messages and `vl inspect`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TemplateSource {
+    File(PathBuf),
+    BuiltIn,
+}
+
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: minijinja::Environment<'static>,
+    pub source: TemplateSource,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+impl ChatTemplate {
+    /// The checkpoint's template: chat_template.jinja, chat_template.json, then
+    /// tokenizer_config.json's `chat_template`; the built-in Qwen3-VL template otherwise.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let tc_path = dir.join("tokenizer_config.json");
+        let tc: serde_json::Value = match std::fs::read_to_string(&tc_path) {
+            Ok(t) => serde_json::from_str(&t).map_err(|source| Error::Json {
+                path: tc_path.clone(),
+                source,
+            })?,
+            Err(_) => serde_json::Value::Null,
+        };
+        let token = |k: &str| match &tc[k] {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Object(o) => {
+                o.get("content").and_then(|c| c.as_str()).map(String::from)
+            }
+            _ => None,
+        };
+        let (src, source) = find_template(dir, &tc, &tc_path)?;
+        Self::new(src, source, token("bos_token"), token("eos_token"))
+    }
+
+    pub fn new(
+        src: String,
+        source: TemplateSource,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Result<Self> {
+        let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        let name = match &source {
+            TemplateSource::File(p) => p.display().to_string(),
+            TemplateSource::BuiltIn => "built-in chat template".into(),
+        };
+        env.add_template_owned("chat", src)
+            .map_err(|e| Error::Input {
+                what: name.clone(),
+                message: format!("invalid chat template: {e}"),
+            })?;
+        Ok(Self {
+            env,
+            source,
+            bos_token,
+            eos_token,
+        })
+    }
+
+    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        let tmpl = self.env.get_template("chat").expect("added in new");
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            add_vision_id => false,
+            bos_token => self.bos_token,
+            eos_token => self.eos_token,
+        })
+        .map_err(|e| Error::Input {
+            what: "chat template".into(),
+            message: format!("render failed: {e}"),
+        })
+    }
+}
+
+fn find_template(
+    dir: &Path,
+    tc: &serde_json::Value,
+    tc_path: &Path,
+) -> Result<(String, TemplateSource)> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.is_file() {
+        let s = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
+        return Ok((s, TemplateSource::File(jinja)));
+    }
+    let json = dir.join("chat_template.json");
+    if json.is_file() {
+        let s = std::fs::read_to_string(&json).map_err(|e| Error::io(&json, e))?;
+        let v: serde_json::Value = serde_json::from_str(&s).map_err(|source| Error::Json {
+            path: json.clone(),
+            source,
+        })?;
+        let t = v["chat_template"].as_str().ok_or_else(|| Error::Config {
+            path: json.clone(),
+            field: "chat_template".into(),
+            message: "missing or not a string".into(),
+        })?;
+        return Ok((t.to_string(), TemplateSource::File(json)));
+    }
+    match &tc["chat_template"] {
+        serde_json::Value::String(s) => {
+            Ok((s.clone(), TemplateSource::File(tc_path.to_path_buf())))
+        }
+        // A list of named templates: take "default".
+        serde_json::Value::Array(list) => list
+            .iter()
+            .find(|t| t["name"] == "default")
+            .and_then(|t| t["template"].as_str())
+            .map(|s| (s.to_string(), TemplateSource::File(tc_path.to_path_buf())))
+            .ok_or_else(|| Error::Config {
+                path: tc_path.to_path_buf(),
+                field: "chat_template".into(),
+                message: "no template named \"default\"".into(),
+            }),
+        _ => Ok((BUILTIN_TEMPLATE.to_string(), TemplateSource::BuiltIn)),
+    }
+}
+
+/// Tokenizer, chat template and image processor of one checkpoint.
+pub struct Processor {
+    pub tokenizer: Tokenizer,
+    pub template: ChatTemplate,
+    pub images: ImageProcessor,
+}
+
+impl Processor {
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        if !path.is_file() {
+            return Err(Error::io(
+                &path,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "tokenizer.json not found"),
+            ));
+        }
+        let tokenizer = Tokenizer::from_file(&path).map_err(|e| Error::Input {
+            what: path.display().to_string(),
+            message: format!("invalid tokenizer: {e}"),
+        })?;
+        Ok(Self {
+            tokenizer,
+            template: ChatTemplate::from_dir(dir)?,
+            images: ImageProcessor::from_dir(dir)?,
+        })
+    }
+
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .tokenizer
+            .encode(text, true)
+            .map_err(|e| Error::Input {
+                what: "tokenizer".into(),
+                message: e.to_string(),
+            })?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.tokenizer
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| Error::Input {
+                what: "tokenizer".into(),
+                message: e.to_string(),
+            })
+    }
+
+    /// Renders `messages` (with the generation prompt), expands each `<|image_pad|>` to its
+    /// image's token count (images in prompt order) and tokenizes.
+    pub fn prepare(
+        &self,
+        messages: &[Message],
+        images: &[ProcessedImage],
+        device: &Device,
+    ) -> Result<Prompt> {
+        let text = self.template.render(messages, true)?;
+        let merge = self.images.config.merge_size;
+        let pads = text.matches(IMAGE_PAD).count();
+        if pads != images.len() {
+            return Err(Error::Input {
+                what: "prompt".into(),
+                message: format!(
+                    "the rendered prompt has {pads} image placeholders for {} images",
+                    images.len()
+                ),
+            });
+        }
+        let mut expanded = String::with_capacity(text.len());
+        let mut rest = text.as_str();
+        for img in images {
+            let at = rest.find(IMAGE_PAD).expect("counted above");
+            expanded.push_str(&rest[..at]);
+            expanded.push_str(&IMAGE_PAD.repeat(img.num_tokens(merge)));
+            rest = &rest[at + IMAGE_PAD.len()..];
+        }
+        expanded.push_str(rest);
+        let input_ids = self.encode(&expanded)?;
+        let images = (!images.is_empty())
+            .then(|| self.images.batch(images, device))
+            .transpose()?;
+        Ok(Prompt {
+            input_ids,
+            images,
+            videos: None,
+        })
+    }
+
+    pub fn stream_decoder(&self) -> StreamDecoder<'_> {
+        StreamDecoder {
+            tokenizer: &self.tokenizer,
+            ids: Vec::new(),
+            prefix: 0,
+            read: 0,
+        }
+    }
+}
+
+/// Turns a token stream into text pieces; a piece is emitted only once it decodes to complete
+/// characters, so multi-token UTF-8 sequences are never split. Special tokens are skipped.
+pub struct StreamDecoder<'a> {
+    tokenizer: &'a Tokenizer,
+    ids: Vec<u32>,
+    prefix: usize,
+    read: usize,
+}
+
+impl StreamDecoder<'_> {
+    /// Adds a token; returns the text it completes, if any.
+    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let dec = |ids: &[u32]| {
+            self.tokenizer.decode(ids, true).map_err(|e| Error::Input {
+                what: "tokenizer".into(),
+                message: e.to_string(),
+            })
+        };
+        let before = dec(&self.ids[self.prefix..self.read])?;
+        let now = dec(&self.ids[self.prefix..])?;
+        if now.len() > before.len() && !now.ends_with('\u{FFFD}') {
+            let piece = now[before.len()..].to_string();
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            Ok(Some(piece))
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Whatever is left (possibly an incomplete sequence, decoded with replacement characters).
+    pub fn finish(&mut self) -> Result<Option<String>> {
+        let dec = |ids: &[u32]| {
+            self.tokenizer.decode(ids, true).map_err(|e| Error::Input {
+                what: "tokenizer".into(),
+                message: e.to_string(),
+            })
+        };
+        let before = dec(&self.ids[self.prefix..self.read])?;
+        let now = dec(&self.ids[self.prefix..])?;
+        self.prefix = self.ids.len();
+        self.read = self.ids.len();
+        Ok((now.len() > before.len()).then(|| now[before.len()..].to_string()))
+    }
+}

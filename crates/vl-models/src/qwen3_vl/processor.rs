@@ -1,0 +1,506 @@
+//! The image processor, mirroring transformers' `Qwen2VLImageProcessorPil`
+//! (`models/qwen2_vl/image_processing_pil_qwen2_vl.py`), which Qwen3-VL uses: decode, convert to
+//! RGB (transparency composited onto white), `smart_resize` to multiples of patch * merge within
+//! the pixel budget, bicubic resize (a Pillow-compatible convolution resizer), rescale,
+//! normalize, repeat to the temporal patch, and patchify in merge-block order.
+
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+use fast_image_resize::images::Image as FirImage;
+use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
+use image::{DynamicImage, RgbImage};
+use serde::Deserialize;
+
+use super::model::VisionInput;
+use super::vision::Grid;
+use crate::error::{Error, Result};
+
+/// Largest accepted aspect ratio (the reference raises above it).
+pub const MAX_ASPECT_RATIO: f64 = 200.0;
+
+#[derive(Debug, Clone, Deserialize)]
+struct RawSize {
+    shortest_edge: Option<usize>,
+    longest_edge: Option<usize>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct RawPreprocessor {
+    size: Option<RawSize>,
+    min_pixels: Option<usize>,
+    max_pixels: Option<usize>,
+    #[serde(default = "d_patch")]
+    patch_size: usize,
+    #[serde(default = "d_two")]
+    temporal_patch_size: usize,
+    #[serde(default = "d_two")]
+    merge_size: usize,
+    #[serde(default = "d_half")]
+    image_mean: Vec<f32>,
+    #[serde(default = "d_half")]
+    image_std: Vec<f32>,
+    #[serde(default = "d_rescale")]
+    rescale_factor: f64,
+    #[serde(default = "d_true")]
+    do_resize: bool,
+    #[serde(default = "d_true")]
+    do_rescale: bool,
+    #[serde(default = "d_true")]
+    do_normalize: bool,
+    #[serde(default = "d_bicubic")]
+    resample: u32,
+}
+
+fn d_patch() -> usize {
+    16
+}
+fn d_two() -> usize {
+    2
+}
+fn d_half() -> Vec<f32> {
+    vec![0.5; 3]
+}
+fn d_rescale() -> f64 {
+    1.0 / 255.0
+}
+fn d_true() -> bool {
+    true
+}
+fn d_bicubic() -> u32 {
+    3
+}
+
+/// `preprocessor_config.json`, resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreprocessorConfig {
+    pub min_pixels: usize,
+    pub max_pixels: usize,
+    pub patch_size: usize,
+    pub temporal_patch_size: usize,
+    pub merge_size: usize,
+    pub image_mean: [f32; 3],
+    pub image_std: [f32; 3],
+    pub rescale_factor: f64,
+    pub do_resize: bool,
+    pub do_rescale: bool,
+    pub do_normalize: bool,
+}
+
+impl Default for PreprocessorConfig {
+    /// Qwen3-VL's shipped values.
+    fn default() -> Self {
+        Self {
+            min_pixels: 65_536,
+            max_pixels: 16_777_216,
+            patch_size: 16,
+            temporal_patch_size: 2,
+            merge_size: 2,
+            image_mean: [0.5; 3],
+            image_std: [0.5; 3],
+            rescale_factor: 1.0 / 255.0,
+            do_resize: true,
+            do_rescale: true,
+            do_normalize: true,
+        }
+    }
+}
+
+impl PreprocessorConfig {
+    /// Reads `dir/preprocessor_config.json`; Qwen3-VL defaults when the file is absent.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("preprocessor_config.json");
+        if !path.is_file() {
+            return Ok(Self::default());
+        }
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let raw: RawPreprocessor = serde_json::from_str(&text).map_err(|source| Error::Json {
+            path: path.clone(),
+            source,
+        })?;
+        let field = |f: &str, m: String| Error::Config {
+            path: path.clone(),
+            field: f.into(),
+            message: m,
+        };
+        if raw.resample != 3 {
+            return Err(field(
+                "resample",
+                format!("{} is not supported (3 = bicubic only)", raw.resample),
+            ));
+        }
+        let three = |v: &[f32], f: &str| -> Result<[f32; 3]> {
+            v.try_into()
+                .map_err(|_| field(f, format!("{v:?} must have 3 values")))
+        };
+        let d = Self::default();
+        let size = raw.size.clone();
+        Ok(Self {
+            min_pixels: raw
+                .min_pixels
+                .or(size.as_ref().and_then(|s| s.shortest_edge))
+                .unwrap_or(d.min_pixels),
+            max_pixels: raw
+                .max_pixels
+                .or(size.as_ref().and_then(|s| s.longest_edge))
+                .unwrap_or(d.max_pixels),
+            patch_size: raw.patch_size,
+            temporal_patch_size: raw.temporal_patch_size,
+            merge_size: raw.merge_size,
+            image_mean: three(&raw.image_mean, "image_mean")?,
+            image_std: three(&raw.image_std, "image_std")?,
+            rescale_factor: raw.rescale_factor,
+            do_resize: raw.do_resize,
+            do_rescale: raw.do_rescale,
+            do_normalize: raw.do_normalize,
+        })
+    }
+
+    /// Side multiple of resized images: patch * merge.
+    pub fn factor(&self) -> usize {
+        self.patch_size * self.merge_size
+    }
+}
+
+/// Target (height, width): each a multiple of `factor`, the pixel count within
+/// [min_pixels, max_pixels], the aspect ratio kept as closely as possible. Rounds half to even,
+/// as Python's `round` does.
+pub fn smart_resize(
+    height: usize,
+    width: usize,
+    factor: usize,
+    min_pixels: usize,
+    max_pixels: usize,
+) -> Result<(usize, usize)> {
+    if height == 0 || width == 0 {
+        return Err(Error::Input {
+            what: "image".into(),
+            message: format!("empty image {width}x{height}"),
+        });
+    }
+    let ratio = height.max(width) as f64 / height.min(width) as f64;
+    if ratio > MAX_ASPECT_RATIO {
+        return Err(Error::Input {
+            what: "image".into(),
+            message: format!(
+                "aspect ratio {ratio:.1} ({width}x{height}) exceeds {MAX_ASPECT_RATIO}"
+            ),
+        });
+    }
+    let (h, w, f) = (height as f64, width as f64, factor as f64);
+    let mut h_bar = (h / f).round_ties_even() as usize * factor;
+    let mut w_bar = (w / f).round_ties_even() as usize * factor;
+    if h_bar * w_bar > max_pixels {
+        let beta = ((h * w) / max_pixels as f64).sqrt();
+        h_bar = factor.max((h / beta / f).floor() as usize * factor);
+        w_bar = factor.max((w / beta / f).floor() as usize * factor);
+    } else if h_bar * w_bar < min_pixels {
+        let beta = (min_pixels as f64 / (h * w)).sqrt();
+        h_bar = (h * beta / f).ceil() as usize * factor;
+        w_bar = (w * beta / f).ceil() as usize * factor;
+    }
+    Ok((h_bar, w_bar))
+}
+
+/// Decodes an image file (PNG, JPEG, WebP, GIF's first frame, BMP), applies its EXIF
+/// orientation, and converts it to RGB the way the reference does.
+pub fn load_image(path: &Path) -> Result<RgbImage> {
+    let bad = |message: String| Error::Input {
+        what: format!("image {}", path.display()),
+        message,
+    };
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let reader = image::ImageReader::new(std::io::Cursor::new(&bytes))
+        .with_guessed_format()
+        .map_err(|e| bad(format!("cannot read: {e}")))?;
+    let format = reader
+        .format()
+        .ok_or_else(|| bad("not a recognized image format (PNG, JPEG, WebP, GIF, BMP)".into()))?;
+    let mut decoder = reader
+        .into_decoder()
+        .map_err(|e| bad(format!("cannot decode: {e}")))?;
+    let orientation = image::ImageDecoder::orientation(&mut decoder).ok();
+    let jpeg = (format == image::ImageFormat::Jpeg)
+        .then(|| decode_jpeg(&bytes))
+        .flatten();
+    let mut img = match jpeg {
+        Some(img) => img,
+        None => {
+            DynamicImage::from_decoder(decoder).map_err(|e| bad(format!("cannot decode: {e}")))?
+        }
+    };
+    if let Some(o) = orientation {
+        img.apply_orientation(o);
+    }
+    Ok(to_rgb(img))
+}
+
+/// JPEG through `jpeg-decoder`, whose IDCT and fancy chroma upsampling follow libjpeg (what
+/// Pillow uses) more closely than the `image` crate's decoder. `None` (use the `image` crate) for
+/// CMYK and for anything it cannot decode.
+fn decode_jpeg(bytes: &[u8]) -> Option<DynamicImage> {
+    let mut d = jpeg_decoder::Decoder::new(bytes);
+    let pixels = d.decode().ok()?;
+    let info = d.info()?;
+    let (w, h) = (info.width as u32, info.height as u32);
+    match info.pixel_format {
+        jpeg_decoder::PixelFormat::RGB24 => {
+            RgbImage::from_raw(w, h, pixels).map(DynamicImage::ImageRgb8)
+        }
+        jpeg_decoder::PixelFormat::L8 => {
+            image::GrayImage::from_raw(w, h, pixels).map(DynamicImage::ImageLuma8)
+        }
+        _ => None,
+    }
+}
+
+/// RGB conversion as transformers' `convert_to_rgb`: images with an alpha channel are
+/// composited onto opaque white with Pillow's integer `alpha_composite` arithmetic.
+pub fn to_rgb(img: DynamicImage) -> RgbImage {
+    if !img.color().has_alpha() {
+        return img.to_rgb8();
+    }
+    let rgba = img.to_rgba8();
+    let (w, h) = rgba.dimensions();
+    let mut out = RgbImage::new(w, h);
+    for (o, p) in out.pixels_mut().zip(rgba.pixels()) {
+        let a = p[3] as u32;
+        for c in 0..3 {
+            o[c] = composite_on_white(p[c] as u32, a);
+        }
+    }
+    out
+}
+
+/// Pillow's `alpha_composite` of (v, a) over opaque white, 7 bits of fixed-point precision.
+fn composite_on_white(v: u32, a: u32) -> u8 {
+    const PRECISION_BITS: u32 = 7;
+    if a == 0 {
+        return 255;
+    }
+    let coef1 = a * 255 * 255 * (1 << PRECISION_BITS) / (255 * 255);
+    let coef2 = 255 * (1 << PRECISION_BITS) - coef1;
+    let tmp = v * coef1 + 255 * coef2 + (0x80 << PRECISION_BITS);
+    ((((tmp >> 8) + tmp) >> 8) >> PRECISION_BITS) as u8
+}
+
+/// One preprocessed image.
+#[derive(Debug, Clone)]
+pub struct ProcessedImage {
+    /// Patch rows, row-major [t * h * w, C * T * P * P].
+    pub pixels: Vec<f32>,
+    pub grid: Grid,
+    /// (height, width) after resizing.
+    pub resized: (usize, usize),
+}
+
+impl ProcessedImage {
+    /// LLM tokens this image becomes.
+    pub fn num_tokens(&self, merge: usize) -> usize {
+        self.grid.iter().product::<usize>() / (merge * merge)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ImageProcessor {
+    pub config: PreprocessorConfig,
+}
+
+impl ImageProcessor {
+    pub fn new(config: PreprocessorConfig) -> Self {
+        Self { config }
+    }
+
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        Ok(Self::new(PreprocessorConfig::from_dir(dir)?))
+    }
+
+    /// Overrides the pixel budget (per call, like the reference's `size=` argument).
+    pub fn with_pixel_budget(
+        mut self,
+        min_pixels: Option<usize>,
+        max_pixels: Option<usize>,
+    ) -> Self {
+        if let Some(m) = min_pixels {
+            self.config.min_pixels = m;
+        }
+        if let Some(m) = max_pixels {
+            self.config.max_pixels = m;
+        }
+        self
+    }
+
+    /// Loads and preprocesses an image file; errors name the file.
+    pub fn process_file(&self, path: &Path) -> Result<ProcessedImage> {
+        let img = load_image(path)?;
+        self.process(&img).map_err(|e| match e {
+            Error::Input { message, .. } => Error::Input {
+                what: format!("image {}", path.display()),
+                message,
+            },
+            other => other,
+        })
+    }
+
+    pub fn process(&self, img: &RgbImage) -> Result<ProcessedImage> {
+        let c = &self.config;
+        let (w0, h0) = (img.width() as usize, img.height() as usize);
+        let (h, w) = if c.do_resize {
+            smart_resize(h0, w0, c.factor(), c.min_pixels, c.max_pixels)?
+        } else {
+            (h0, w0)
+        };
+        if h % c.factor() != 0 || w % c.factor() != 0 {
+            return Err(Error::Input {
+                what: "image".into(),
+                message: format!(
+                    "{w}x{h} is not a multiple of {} (enable do_resize)",
+                    c.factor()
+                ),
+            });
+        }
+        let rgb: Vec<u8> = if (h, w) == (h0, w0) {
+            img.as_raw().clone()
+        } else {
+            resize_bicubic(img, w, h)?
+        };
+        // Channel-first float planes: rescale, then normalize.
+        let plane = h * w;
+        let mut planes = vec![0f32; 3 * plane];
+        for (i, px) in rgb.chunks_exact(3).enumerate() {
+            for ch in 0..3 {
+                let mut v = px[ch] as f32;
+                if c.do_rescale {
+                    v = (px[ch] as f64 * c.rescale_factor) as f32;
+                }
+                if c.do_normalize {
+                    v = (v - c.image_mean[ch]) / c.image_std[ch];
+                }
+                planes[ch * plane + i] = v;
+            }
+        }
+        Ok(ProcessedImage {
+            pixels: patchify(&planes, h, w, c),
+            grid: [1, h / c.patch_size, w / c.patch_size],
+            resized: (h, w),
+        })
+    }
+
+    /// Stacks processed images into one vision input.
+    pub fn batch(&self, images: &[ProcessedImage], device: &Device) -> Result<VisionInput> {
+        let row =
+            3 * self.config.temporal_patch_size * self.config.patch_size * self.config.patch_size;
+        let data: Vec<f32> = images
+            .iter()
+            .flat_map(|i| i.pixels.iter().copied())
+            .collect();
+        let rows = data.len() / row;
+        Ok(VisionInput {
+            pixels: Tensor::from_vec(data, (rows, row), device)?,
+            grids: images.iter().map(|i| i.grid).collect(),
+        })
+    }
+}
+
+/// Bicubic (Catmull-Rom, a = -0.5) convolution resize in Pillow's order: the horizontal pass
+/// first, rounded to u8, then the vertical pass. (fast_image_resize alone runs the vertical pass
+/// first for u8 images, which moves values near sharp edges by several levels.)
+fn resize_bicubic(img: &RgbImage, w: usize, h: usize) -> Result<Vec<u8>> {
+    let err = |e: String| Error::Input {
+        what: "image".into(),
+        message: format!("resize: {e}"),
+    };
+    let opts = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::CatmullRom));
+    let mut resizer = Resizer::new();
+    let (w0, h0) = img.dimensions();
+    let src = FirImage::from_vec_u8(w0, h0, img.as_raw().clone(), PixelType::U8x3)
+        .map_err(|e| err(e.to_string()))?;
+    let mut wide = FirImage::new(w as u32, h0, PixelType::U8x3);
+    resizer
+        .resize(&src, &mut wide, &opts)
+        .map_err(|e| err(e.to_string()))?;
+    let mut dst = FirImage::new(w as u32, h as u32, PixelType::U8x3);
+    resizer
+        .resize(&wide, &mut dst, &opts)
+        .map_err(|e| err(e.to_string()))?;
+    Ok(dst.into_vec())
+}
+
+/// Channel-first planes [3, h, w] -> rows [(h/P)*(w/P), 3*T*P*P] in merge-block order, each frame
+/// repeated to the temporal patch: row order (block row, block col, in-row, in-col), values
+/// ordered (channel, t, patch row, patch col).
+fn patchify(planes: &[f32], h: usize, w: usize, c: &PreprocessorConfig) -> Vec<f32> {
+    let (p, m, t) = (c.patch_size, c.merge_size, c.temporal_patch_size);
+    let (gh, gw) = (h / p, w / p);
+    let mut out = Vec::with_capacity(planes.len() * t);
+    for bh in 0..gh / m {
+        for bw in 0..gw / m {
+            for mh in 0..m {
+                for mw in 0..m {
+                    let (r0, c0) = ((bh * m + mh) * p, (bw * m + mw) * p);
+                    for ch in 0..3 {
+                        for _ in 0..t {
+                            for pr in 0..p {
+                                let start = ch * h * w + (r0 + pr) * w + c0;
+                                out.extend_from_slice(&planes[start..start + p]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smart_resize_rounds_scales_and_rejects() {
+        // Within budget: nearest multiple of 32, half to even (48/32 = 1.5 -> 2, 80/32 = 2.5 -> 2).
+        assert_eq!(smart_resize(48, 80, 32, 1, 1 << 30).unwrap(), (64, 64));
+        assert_eq!(smart_resize(211, 97, 32, 4096, 65536).unwrap(), (224, 96));
+        // Above max: floor after scaling. 480x640 with max 65536: beta = sqrt(307200/65536).
+        assert_eq!(smart_resize(480, 640, 32, 4096, 65536).unwrap(), (192, 288));
+        // Below min: ceil after scaling. 24x40, min 4096: beta = sqrt(4096/960).
+        assert_eq!(smart_resize(24, 40, 32, 4096, 65536).unwrap(), (64, 96));
+        let err = smart_resize(10, 2010, 32, 1, 1 << 30)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("aspect ratio 201.0"), "{err}");
+    }
+
+    #[test]
+    fn compositing_matches_pillow_on_white() {
+        assert_eq!(composite_on_white(0, 0), 255);
+        assert_eq!(composite_on_white(10, 255), 10);
+        assert_eq!(composite_on_white(0, 128), 127);
+        assert_eq!(composite_on_white(200, 64), 241);
+    }
+
+    #[test]
+    fn patchify_orders_merge_blocks_then_channels_then_time() {
+        // 4x4 image, patch 1, merge 2, temporal 2: value = ch*100 + row*10 + col.
+        let c = PreprocessorConfig {
+            patch_size: 1,
+            merge_size: 2,
+            temporal_patch_size: 2,
+            ..Default::default()
+        };
+        let planes: Vec<f32> = (0..3)
+            .flat_map(|ch| {
+                (0..4).flat_map(move |r| (0..4).map(move |col| (ch * 100 + r * 10 + col) as f32))
+            })
+            .collect();
+        let rows = patchify(&planes, 4, 4, &c);
+        assert_eq!(rows.len(), 16 * 6);
+        let row = |i: usize| &rows[i * 6..i * 6 + 6];
+        assert_eq!(row(0), &[0., 0., 100., 100., 200., 200.]); // (0,0)
+        assert_eq!(row(1), &[1., 1., 101., 101., 201., 201.]); // (0,1)
+        assert_eq!(row(2), &[10., 10., 110., 110., 210., 210.]); // (1,0)
+        assert_eq!(row(4), &[2., 2., 102., 102., 202., 202.]); // block (0,1) starts at (0,2)
+        assert_eq!(row(8), &[20., 20., 120., 120., 220., 220.]); // block (1,0) at (2,0)
+    }
+}
