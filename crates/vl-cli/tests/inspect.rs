@@ -6,17 +6,11 @@ use std::process::Command;
 use vl_models::checkpoint::{write_safetensors, Checkpoint, RawTensor};
 
 fn golden(g: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../goldens")
-        .join(g)
-        .join("checkpoint")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../goldens").join(g).join("checkpoint")
 }
 
 fn vl(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_vl"))
-        .args(args)
-        .output()
-        .expect("run vl");
+    let out = Command::new(env!("CARGO_BIN_EXE_vl")).args(args).output().expect("run vl");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -28,20 +22,9 @@ fn vl(args: &[&str]) -> (i32, String, String) {
 fn inspect_prints_the_layout_and_counts() {
     let (code, out, err) = vl(&["inspect", "--model", golden("tiny-a").to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
-    assert!(
-        out.contains("4 text layers, 4 vision blocks, 3 deepstack mergers, merger, tied lm_head"),
-        "{out}"
-    );
-    assert!(
-        out.contains("vision 173.0K (172960), text 4.91M (4910496), lm_head tied"),
-        "{out}"
-    );
-    let (code, out, err) = vl(&[
-        "inspect",
-        "--model",
-        golden("tiny-b").to_str().unwrap(),
-        "--json",
-    ]);
+    assert!(out.contains("4 text layers, 4 vision blocks, 3 deepstack mergers, merger, tied lm_head"), "{out}");
+    assert!(out.contains("vision 173.0K (172960), text 4.91M (4910496), lm_head tied"), "{out}");
+    let (code, out, err) = vl(&["inspect", "--model", golden("tiny-b").to_str().unwrap(), "--json"]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["text_layers"], 3);
@@ -63,22 +46,14 @@ fn inspect_fails_with_the_name_of_a_missing_tensor() {
         .filter(|k| k.as_str() != gone)
         .map(|k| {
             let (info, data) = ck.raw(k).unwrap();
-            RawTensor {
-                name: k.clone(),
-                dtype: info.dtype,
-                shape: info.shape.clone(),
-                data,
-            }
+            RawTensor { name: k.clone(), dtype: info.dtype, shape: info.shape.clone(), data }
         })
         .collect();
     write_safetensors(&tmp.path().join("model.safetensors"), &raws).unwrap();
     let (code, out, err) = vl(&["inspect", "--model", tmp.path().to_str().unwrap()]);
     assert_ne!(code, 0);
     assert!(out.is_empty(), "{out}");
-    assert!(
-        err.contains(gone) && err.contains("1 missing tensor"),
-        "{err}"
-    );
+    assert!(err.contains(gone) && err.contains("1 missing tensor"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "one clear line: {err}");
 }
 

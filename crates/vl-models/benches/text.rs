@@ -24,10 +24,7 @@ fn main() {
     let dev = Device::Cpu;
     let cfg = Qwen3VlConfig::from_json_str(presets::QWEN3_VL_2B, Path::new("qwen3-vl-2b")).unwrap();
     let plan = tensor_plan(&cfg);
-    let decode: usize = std::env::var("VL_BENCH_DECODE")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(8);
+    let decode: usize = std::env::var("VL_BENCH_DECODE").ok().and_then(|s| s.parse().ok()).unwrap_or(8);
     let dtypes = std::env::var("VL_BENCH_DTYPES").unwrap_or_else(|_| "f32,bf16".into());
     println!("| dtype | weights | prefill {PROMPT} tok | prefill tok/s | decode tok/s | KV cache | peak live (allocator) | peak RSS |");
     println!("|---|---|---|---|---|---|---|---|");
@@ -48,9 +45,7 @@ fn main() {
         let mut cache = model.new_cache();
         let t0 = Instant::now();
         let x = model.embed(&ids).unwrap();
-        let h = model
-            .forward(&x, &positions, &mut cache, None, &mut |_, _| {})
-            .unwrap();
+        let h = model.forward(&x, &positions, &mut cache, None, &mut |_, _| {}).unwrap();
         let logits = model.logits(&h.narrow(0, PROMPT - 1, 1).unwrap()).unwrap();
         let mut next = logits.argmax(1).unwrap().to_vec1::<u32>().unwrap()[0];
         let prefill = t0.elapsed().as_secs_f64();
@@ -58,9 +53,7 @@ fn main() {
         for step in 0..decode {
             let x = model.embed(&[next]).unwrap();
             let p = (PROMPT + step) as i64;
-            let h = model
-                .forward(&x, &[[p; 3]], &mut cache, None, &mut |_, _| {})
-                .unwrap();
+            let h = model.forward(&x, &[[p; 3]], &mut cache, None, &mut |_, _| {}).unwrap();
             let l: Tensor = model.logits(&h).unwrap();
             next = l.argmax(1).unwrap().to_vec1::<u32>().unwrap()[0];
         }

@@ -22,8 +22,7 @@ const DEPTH: usize = 3;
 const GRID: usize = 64; // 1024 px / 16
 
 fn config() -> Qwen3VlConfig {
-    let mut cfg =
-        Qwen3VlConfig::from_json_str(presets::QWEN3_VL_2B, Path::new("qwen3-vl-2b")).unwrap();
+    let mut cfg = Qwen3VlConfig::from_json_str(presets::QWEN3_VL_2B, Path::new("qwen3-vl-2b")).unwrap();
     cfg.vision.depth = DEPTH;
     cfg.vision.deepstack_visual_indexes = vec![1];
     cfg
@@ -40,8 +39,7 @@ fn bench(c: &mut Criterion) {
         let weights = random::random_weights(&plan, &[Group::Vision], dtype, &dev);
         let vb = candle_nn::VarBuilder::from_tensors(weights, dtype, &dev);
         let tower = VisionTower::load(&cfg.vision, vb.pp("model.visual")).unwrap();
-        let pixels =
-            Tensor::randn(0f32, 1., (GRID * GRID, cfg.vision.patch_row_len()), &dev).unwrap();
+        let pixels = Tensor::randn(0f32, 1., (GRID * GRID, cfg.vision.patch_row_len()), &dev).unwrap();
         let grids = [[1, GRID, GRID]];
         let baseline = alloc::live();
         alloc::reset_peak();

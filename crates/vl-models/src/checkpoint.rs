@@ -60,10 +60,8 @@ impl Checkpoint {
         let index = dir.join(SHARD_INDEX);
         if index.is_file() {
             let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
-            let idx: ShardIndex = serde_json::from_str(&text).map_err(|source| Error::Json {
-                path: index.clone(),
-                source,
-            })?;
+            let idx: ShardIndex =
+                serde_json::from_str(&text).map_err(|source| Error::Json { path: index.clone(), source })?;
             let mut names: Vec<&String> = idx.weight_map.values().collect();
             names.sort();
             names.dedup();
@@ -74,9 +72,7 @@ impl Checkpoint {
                 if in_file != Some(&dir.join(file)) {
                     return Err(Error::Safetensors {
                         path: index,
-                        message: format!(
-                            "weight_map puts `{key}` in {file}, but that file does not hold it"
-                        ),
+                        message: format!("weight_map puts `{key}` in {file}, but that file does not hold it"),
                     });
                 }
             }
@@ -84,14 +80,9 @@ impl Checkpoint {
         } else if dir.join(SINGLE_FILE).is_file() {
             Self::open_files(dir, vec![dir.join(SINGLE_FILE)])
         } else if !dir.is_dir() {
-            Err(Error::io(
-                dir,
-                std::io::Error::new(std::io::ErrorKind::NotFound, "model directory not found"),
-            ))
+            Err(Error::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, "model directory not found")))
         } else {
-            Err(Error::NoWeights {
-                dir: dir.to_path_buf(),
-            })
+            Err(Error::NoWeights { dir: dir.to_path_buf() })
         }
     }
 
@@ -104,11 +95,10 @@ impl Checkpoint {
             // SAFETY: the map is read-only; a file truncated underneath us is outside our contract,
             // as with every mmap-based loader.
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-            let (header, meta) =
-                SafeTensors::read_metadata(&mmap).map_err(|e| Error::Safetensors {
-                    path: path.clone(),
-                    message: format!("not a valid safetensors file: {e:?}"),
-                })?;
+            let (header, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| Error::Safetensors {
+                path: path.clone(),
+                message: format!("not a valid safetensors file: {e:?}"),
+            })?;
             let base = 8 + header;
             for (name, info) in meta.tensors() {
                 let ti = TensorInfo {
@@ -121,21 +111,13 @@ impl Checkpoint {
                 if let Some(prev) = tensors.insert(name.clone(), ti) {
                     return Err(Error::Safetensors {
                         path: path.clone(),
-                        message: format!(
-                            "tensor `{name}` also appears in {}",
-                            files[prev.file].display()
-                        ),
+                        message: format!("tensor `{name}` also appears in {}", files[prev.file].display()),
                     });
                 }
             }
             mmaps.push(mmap);
         }
-        Ok(Self {
-            dir: dir.to_path_buf(),
-            files,
-            mmaps,
-            tensors,
-        })
+        Ok(Self { dir: dir.to_path_buf(), files, mmaps, tensors })
     }
 
     pub fn dir(&self) -> &Path {
@@ -165,16 +147,12 @@ impl Checkpoint {
 
     /// The stored bytes of `key` (little-endian, row-major), with its info.
     pub fn raw(&self, key: &str) -> Option<(&TensorInfo, &[u8])> {
-        self.tensors
-            .get(key)
-            .map(|t| (t, &self.mmaps[t.file][t.start..t.end]))
+        self.tensors.get(key).map(|t| (t, &self.mmaps[t.file][t.start..t.end]))
     }
 
     /// Loads `key` in its stored dtype.
     pub fn load(&self, key: &str, device: &Device) -> Result<Tensor> {
-        let info = self.tensors.get(key).ok_or_else(|| Error::MissingTensor {
-            key: key.to_string(),
-        })?;
+        let info = self.tensors.get(key).ok_or_else(|| Error::MissingTensor { key: key.to_string() })?;
         let dtype = candle_dtype(info.dtype).ok_or_else(|| Error::UnsupportedDtype {
             key: key.to_string(),
             path: self.files[info.file].clone(),
@@ -185,13 +163,7 @@ impl Checkpoint {
     }
 
     /// Loads `key` converted to `dtype`, checking its shape.
-    pub fn load_as(
-        &self,
-        key: &str,
-        shape: &Shape,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Tensor> {
+    pub fn load_as(&self, key: &str, shape: &Shape, dtype: DType, device: &Device) -> Result<Tensor> {
         let t = self.load(key, device)?;
         if t.shape() != shape {
             return Err(Error::TensorPlan {
@@ -246,42 +218,32 @@ pub fn write_safetensors(path: &Path, tensors: &[RawTensor<'_>]) -> Result<()> {
     let views = tensors
         .iter()
         .map(|t| {
-            safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), t.data)
-                .map(|v| (t.name.clone(), v))
-                .map_err(|e| Error::Safetensors {
-                    path: path.to_path_buf(),
-                    message: format!("tensor `{}`: {e:?}", t.name),
-                })
+            safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), t.data).map(|v| (t.name.clone(), v)).map_err(
+                |e| Error::Safetensors { path: path.to_path_buf(), message: format!("tensor `{}`: {e:?}", t.name) },
+            )
         })
         .collect::<Result<Vec<_>>>()?;
-    safetensors::tensor::serialize_to_file(views, None, path).map_err(|e| Error::Safetensors {
-        path: path.to_path_buf(),
-        message: format!("write failed: {e:?}"),
-    })
+    safetensors::tensor::serialize_to_file(views, None, path)
+        .map_err(|e| Error::Safetensors { path: path.to_path_buf(), message: format!("write failed: {e:?}") })
 }
 
+/// Called once per tensor loaded through a `VarBuilder` (for progress bars).
+pub type LoadProgress = std::sync::Arc<dyn Fn(&str) + Send + Sync>;
+
 /// candle `VarBuilder` backend over a checkpoint: loads by key, checks the shape, converts dtype.
-struct Backend(std::sync::Arc<Checkpoint>);
+struct Backend(std::sync::Arc<Checkpoint>, Option<LoadProgress>);
 
 impl candle_nn::var_builder::SimpleBackend for Backend {
-    fn get(
-        &self,
-        s: Shape,
-        name: &str,
-        _: candle_nn::Init,
-        dtype: DType,
-        dev: &Device,
-    ) -> candle_core::Result<Tensor> {
-        self.0
-            .load_as(name, &s, dtype, dev)
-            .map_err(candle_core::Error::wrap)
+    fn get(&self, s: Shape, name: &str, _: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        let t = self.0.load_as(name, &s, dtype, dev).map_err(candle_core::Error::wrap)?;
+        if let Some(progress) = &self.1 {
+            progress(name);
+        }
+        Ok(t)
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        self.0
-            .load(name, dev)
-            .and_then(|t| Ok(t.to_dtype(dtype)?))
-            .map_err(candle_core::Error::wrap)
+        self.0.load(name, dev).and_then(|t| Ok(t.to_dtype(dtype)?)).map_err(candle_core::Error::wrap)
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
@@ -291,11 +253,17 @@ impl candle_nn::var_builder::SimpleBackend for Backend {
 
 impl Checkpoint {
     /// A `VarBuilder` that loads from this checkpoint, converting to `dtype` on `device`.
-    pub fn var_builder(
+    pub fn var_builder(self: &std::sync::Arc<Self>, dtype: DType, device: &Device) -> candle_nn::VarBuilder<'static> {
+        self.var_builder_with_progress(dtype, device, None)
+    }
+
+    /// Like `var_builder`, calling `progress(key)` after each tensor is loaded.
+    pub fn var_builder_with_progress(
         self: &std::sync::Arc<Self>,
         dtype: DType,
         device: &Device,
+        progress: Option<LoadProgress>,
     ) -> candle_nn::VarBuilder<'static> {
-        candle_nn::VarBuilder::from_backend(Box::new(Backend(self.clone())), dtype, device.clone())
+        candle_nn::VarBuilder::from_backend(Box::new(Backend(self.clone(), progress)), dtype, device.clone())
     }
 }

@@ -29,39 +29,19 @@ pub enum Error {
     #[error("{path}: not a model directory (no config.json)")]
     NotAModelDir { path: PathBuf },
     #[error("{path}: unsupported architecture {found:?} (model_type {model_type:?}); this build supports {supported}")]
-    UnknownArchitecture {
-        path: PathBuf,
-        found: Vec<String>,
-        model_type: Option<String>,
-        supported: &'static str,
-    },
+    UnknownArchitecture { path: PathBuf, found: Vec<String>, model_type: Option<String>, supported: &'static str },
     #[error("{path}: config field `{field}`: {message}")]
-    Config {
-        path: PathBuf,
-        field: String,
-        message: String,
-    },
+    Config { path: PathBuf, field: String, message: String },
     #[error("{path}: {message}")]
     Safetensors { path: PathBuf, message: String },
-    #[error(
-        "{dir}: no weights found (expected model.safetensors or model.safetensors.index.json)"
-    )]
+    #[error("{dir}: no weights found (expected model.safetensors or model.safetensors.index.json)")]
     NoWeights { dir: PathBuf },
     #[error("checkpoint {dir} does not match its config: {}", describe_mismatch(.missing, .unexpected, .wrong_shape))]
-    TensorPlan {
-        dir: PathBuf,
-        missing: Vec<String>,
-        unexpected: Vec<String>,
-        wrong_shape: Vec<ShapeMismatch>,
-    },
+    TensorPlan { dir: PathBuf, missing: Vec<String>, unexpected: Vec<String>, wrong_shape: Vec<ShapeMismatch> },
     #[error("tensor `{key}` not found in the checkpoint")]
     MissingTensor { key: String },
     #[error("tensor `{key}` in {path}: unsupported dtype {dtype}")]
-    UnsupportedDtype {
-        key: String,
-        path: PathBuf,
-        dtype: String,
-    },
+    UnsupportedDtype { key: String, path: PathBuf, dtype: String },
     #[error("{what}: {message}")]
     Input { what: String, message: String },
     #[error(transparent)]
@@ -82,39 +62,21 @@ fn describe_mismatch(missing: &[String], unexpected: &[String], wrong: &[ShapeMi
     }
     let mut parts = Vec::new();
     if !missing.is_empty() {
-        parts.push(format!(
-            "{} missing tensor(s): {}",
-            missing.len(),
-            list(missing.to_vec())
-        ));
+        parts.push(format!("{} missing tensor(s): {}", missing.len(), list(missing.to_vec())));
     }
     if !wrong.is_empty() {
-        let items = wrong
-            .iter()
-            .map(|w| {
-                format!(
-                    "{} has shape {:?}, expected {:?}",
-                    w.key, w.found, w.expected
-                )
-            })
-            .collect();
+        let items =
+            wrong.iter().map(|w| format!("{} has shape {:?}, expected {:?}", w.key, w.found, w.expected)).collect();
         parts.push(format!("{} wrongly shaped: {}", wrong.len(), list(items)));
     }
     if !unexpected.is_empty() {
-        parts.push(format!(
-            "{} unexpected tensor(s): {}",
-            unexpected.len(),
-            list(unexpected.to_vec())
-        ));
+        parts.push(format!("{} unexpected tensor(s): {}", unexpected.len(), list(unexpected.to_vec())));
     }
     parts.join("; ")
 }
 
 impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.into(),
-            source,
-        }
+        Error::Io { path: path.into(), source }
     }
 }

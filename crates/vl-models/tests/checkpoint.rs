@@ -11,9 +11,7 @@ use vl_models::Error;
 const GEOMETRIES: [&str; 2] = ["tiny-a", "tiny-b"];
 
 fn golden(g: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../goldens")
-        .join(g)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../goldens").join(g)
 }
 
 fn read_json(p: &Path) -> Value {
@@ -25,19 +23,12 @@ fn scratch(g: &str) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().unwrap();
     let src = golden(g).join("checkpoint");
     std::fs::copy(src.join("config.json"), tmp.path().join("config.json")).unwrap();
-    std::os::unix::fs::symlink(
-        src.join("model.safetensors"),
-        tmp.path().join("model.safetensors"),
-    )
-    .unwrap();
+    std::os::unix::fs::symlink(src.join("model.safetensors"), tmp.path().join("model.safetensors")).unwrap();
     tmp
 }
 
 /// Rewrites the weights of `dir` through `edit`, which sees every tensor.
-fn rewrite_weights(
-    dir: &Path,
-    edit: impl Fn(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
-) {
+fn rewrite_weights(dir: &Path, edit: impl Fn(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>)) {
     let ck = Checkpoint::open(dir).unwrap();
     let mut all: Vec<_> = ck
         .tensors()
@@ -49,15 +40,8 @@ fn rewrite_weights(
         .collect();
     drop(ck);
     edit(&mut all);
-    let raws: Vec<RawTensor> = all
-        .iter()
-        .map(|(n, d, s, b)| RawTensor {
-            name: n.clone(),
-            dtype: *d,
-            shape: s.clone(),
-            data: b,
-        })
-        .collect();
+    let raws: Vec<RawTensor> =
+        all.iter().map(|(n, d, s, b)| RawTensor { name: n.clone(), dtype: *d, shape: s.clone(), data: b }).collect();
     std::fs::remove_file(dir.join("model.safetensors")).unwrap();
     write_safetensors(&dir.join("model.safetensors"), &raws).unwrap();
 }
@@ -75,10 +59,7 @@ fn to_v4_dialect(mut cfg: Value) -> Value {
     let tie = cfg["tie_word_embeddings"].clone();
     cfg["text_config"]["tie_word_embeddings"] = tie;
     cfg.as_object_mut().unwrap().remove("tie_word_embeddings");
-    cfg["vision_config"]
-        .as_object_mut()
-        .unwrap()
-        .remove("rope_parameters");
+    cfg["vision_config"].as_object_mut().unwrap().remove("rope_parameters");
     cfg["transformers_version"] = json!("4.57.0");
     cfg
 }
@@ -89,42 +70,16 @@ fn parameter_counts_match_the_reference() {
         let reference = read_json(&golden(g).join("reference.json"))["parameter_counts"].clone();
         let s = inspect(&golden(g).join("checkpoint")).unwrap();
         println!("{g}: {}", s.layout());
-        assert_eq!(
-            s.parameters.vision as u64,
-            reference["vision"].as_u64().unwrap(),
-            "{g} vision"
-        );
-        assert_eq!(
-            s.parameters.text as u64,
-            reference["text"].as_u64().unwrap(),
-            "{g} text"
-        );
-        assert_eq!(
-            s.parameters.lm_head as u64,
-            reference["lm_head"].as_u64().unwrap(),
-            "{g} lm_head"
-        );
-        assert_eq!(
-            s.tensors as u64,
-            reference["tensors_in_checkpoint"].as_u64().unwrap(),
-            "{g} tensors"
-        );
-        assert!(
-            s.unknown_config_keys.is_empty(),
-            "{g}: {:?}",
-            s.unknown_config_keys
-        );
+        assert_eq!(s.parameters.vision as u64, reference["vision"].as_u64().unwrap(), "{g} vision");
+        assert_eq!(s.parameters.text as u64, reference["text"].as_u64().unwrap(), "{g} text");
+        assert_eq!(s.parameters.lm_head as u64, reference["lm_head"].as_u64().unwrap(), "{g} lm_head");
+        assert_eq!(s.tensors as u64, reference["tensors_in_checkpoint"].as_u64().unwrap(), "{g} tensors");
+        assert!(s.unknown_config_keys.is_empty(), "{g}: {:?}", s.unknown_config_keys);
     }
     let a = inspect(&golden("tiny-a").join("checkpoint")).unwrap();
-    assert_eq!(
-        a.layout(),
-        "4 text layers, 4 vision blocks, 3 deepstack mergers, merger, tied lm_head"
-    );
+    assert_eq!(a.layout(), "4 text layers, 4 vision blocks, 3 deepstack mergers, merger, tied lm_head");
     let b = inspect(&golden("tiny-b").join("checkpoint")).unwrap();
-    assert_eq!(
-        b.layout(),
-        "3 text layers, 3 vision blocks, 1 deepstack merger, merger, untied lm_head"
-    );
+    assert_eq!(b.layout(), "3 text layers, 3 vision blocks, 1 deepstack merger, merger, untied lm_head");
     assert_eq!(b.dtypes.keys().collect::<Vec<_>>(), vec!["bfloat16"]);
 }
 
@@ -132,23 +87,13 @@ fn parameter_counts_match_the_reference() {
 fn both_config_dialects_give_the_same_model() {
     for g in GEOMETRIES {
         let v5 = read_json(&golden(g).join("checkpoint/config.json"));
-        assert!(
-            v5["text_config"].get("rope_parameters").is_some(),
-            "golden config is transformers-5 dialect"
-        );
+        assert!(v5["text_config"].get("rope_parameters").is_some(), "golden config is transformers-5 dialect");
         let dir = scratch(g);
-        std::fs::write(
-            dir.path().join("config.json"),
-            to_v4_dialect(v5.clone()).to_string(),
-        )
-        .unwrap();
+        std::fs::write(dir.path().join("config.json"), to_v4_dialect(v5.clone()).to_string()).unwrap();
         let old = Qwen3VlConfig::from_dir(dir.path()).unwrap();
         let new = Qwen3VlConfig::from_dir(&golden(g).join("checkpoint")).unwrap();
         assert_eq!(old, new, "{g}: dialects differ");
-        let (s_old, s_new) = (
-            inspect(dir.path()).unwrap(),
-            inspect(&golden(g).join("checkpoint")).unwrap(),
-        );
+        let (s_old, s_new) = (inspect(dir.path()).unwrap(), inspect(&golden(g).join("checkpoint")).unwrap());
         assert_eq!(s_old.to_string(), s_new.to_string());
     }
 }
@@ -158,35 +103,14 @@ fn tie_flag_is_read_at_either_level() {
     let v5 = read_json(&golden("tiny-a").join("checkpoint/config.json"));
     let path = Path::new("config.json");
     let mut top_only = v5.clone();
-    top_only["text_config"]
-        .as_object_mut()
-        .unwrap()
-        .remove("tie_word_embeddings");
-    assert!(
-        Qwen3VlConfig::from_json_str(&top_only.to_string(), path)
-            .unwrap()
-            .tie_word_embeddings
-    );
+    top_only["text_config"].as_object_mut().unwrap().remove("tie_word_embeddings");
+    assert!(Qwen3VlConfig::from_json_str(&top_only.to_string(), path).unwrap().tie_word_embeddings);
     let mut text_only = v5.clone();
-    text_only
-        .as_object_mut()
-        .unwrap()
-        .remove("tie_word_embeddings");
-    assert!(
-        Qwen3VlConfig::from_json_str(&text_only.to_string(), path)
-            .unwrap()
-            .tie_word_embeddings
-    );
+    text_only.as_object_mut().unwrap().remove("tie_word_embeddings");
+    assert!(Qwen3VlConfig::from_json_str(&text_only.to_string(), path).unwrap().tie_word_embeddings);
     let mut neither = text_only.clone();
-    neither["text_config"]
-        .as_object_mut()
-        .unwrap()
-        .remove("tie_word_embeddings");
-    assert!(
-        !Qwen3VlConfig::from_json_str(&neither.to_string(), path)
-            .unwrap()
-            .tie_word_embeddings
-    );
+    neither["text_config"].as_object_mut().unwrap().remove("tie_word_embeddings");
+    assert!(!Qwen3VlConfig::from_json_str(&neither.to_string(), path).unwrap().tie_word_embeddings);
 }
 
 #[test]
@@ -195,12 +119,7 @@ fn a_removed_tensor_is_named() {
     let key = "model.language_model.layers.1.self_attn.k_norm.weight";
     rewrite_weights(dir.path(), |all| all.retain(|t| t.0 != key));
     match inspect(dir.path()) {
-        Err(Error::TensorPlan {
-            missing,
-            unexpected,
-            wrong_shape,
-            ..
-        }) => {
+        Err(Error::TensorPlan { missing, unexpected, wrong_shape, .. }) => {
             assert_eq!(missing, vec![key.to_string()]);
             assert!(unexpected.is_empty() && wrong_shape.is_empty());
         }
@@ -220,10 +139,7 @@ fn a_reshaped_tensor_is_named_with_both_shapes() {
     });
     let err = inspect(dir.path()).unwrap_err();
     let msg = err.to_string();
-    assert!(
-        msg.contains(key) && msg.contains("[32, 80]") && msg.contains("[80, 32]"),
-        "{msg}"
-    );
+    assert!(msg.contains(key) && msg.contains("[32, 80]") && msg.contains("[80, 32]"), "{msg}");
     assert!(matches!(err, Error::TensorPlan { ref wrong_shape, .. } if wrong_shape.len() == 1));
 }
 
@@ -231,18 +147,10 @@ fn a_reshaped_tensor_is_named_with_both_shapes() {
 fn an_extra_tensor_is_reported_as_unexpected() {
     let dir = scratch("tiny-a");
     rewrite_weights(dir.path(), |all| {
-        all.push((
-            "model.visual.extra.weight".into(),
-            safetensors::Dtype::F32,
-            vec![2],
-            vec![0; 8],
-        ))
+        all.push(("model.visual.extra.weight".into(), safetensors::Dtype::F32, vec![2], vec![0; 8]))
     });
     let msg = inspect(dir.path()).unwrap_err().to_string();
-    assert!(
-        msg.contains("unexpected") && msg.contains("model.visual.extra.weight"),
-        "{msg}"
-    );
+    assert!(msg.contains("unexpected") && msg.contains("model.visual.extra.weight"), "{msg}");
 }
 
 #[test]
@@ -261,39 +169,22 @@ fn sharded_weights_load_like_one_file() {
                 .map(|k| {
                     let (info, data) = ck.raw(k).unwrap();
                     map.insert((*k).clone(), json!(name));
-                    RawTensor {
-                        name: (*k).clone(),
-                        dtype: info.dtype,
-                        shape: info.shape.clone(),
-                        data,
-                    }
+                    RawTensor { name: (*k).clone(), dtype: info.dtype, shape: info.shape.clone(), data }
                 })
                 .collect();
             write_safetensors(&dir.path().join(&name), &raws).unwrap();
         }
         let index = json!({"metadata": {}, "weight_map": map});
-        std::fs::write(
-            dir.path().join("model.safetensors.index.json"),
-            index.to_string(),
-        )
-        .unwrap();
+        std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).unwrap();
         let sharded = inspect(dir.path()).unwrap();
         let single = inspect(&src).unwrap();
         assert_eq!((sharded.files, sharded.sharded), (3, true));
         assert_eq!(sharded.parameters, single.parameters);
         let dev = candle_core::Device::Cpu;
         let key = "model.language_model.norm.weight";
-        let a = Checkpoint::open(dir.path())
-            .unwrap()
-            .load(key, &dev)
-            .unwrap()
-            .to_dtype(candle_core::DType::F32)
-            .unwrap();
-        let b = ck
-            .load(key, &dev)
-            .unwrap()
-            .to_dtype(candle_core::DType::F32)
-            .unwrap();
+        let a =
+            Checkpoint::open(dir.path()).unwrap().load(key, &dev).unwrap().to_dtype(candle_core::DType::F32).unwrap();
+        let b = ck.load(key, &dev).unwrap().to_dtype(candle_core::DType::F32).unwrap();
         assert_eq!(a.to_vec1::<f32>().unwrap(), b.to_vec1::<f32>().unwrap());
     }
 }
@@ -307,25 +198,15 @@ fn broken_inputs_give_precise_errors() {
     cfg["architectures"] = json!(["LlavaForConditionalGeneration"]);
     std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
     let msg = inspect(dir.path()).unwrap_err().to_string();
-    assert!(
-        msg.contains("LlavaForConditionalGeneration") && msg.contains("unsupported architecture"),
-        "{msg}"
-    );
+    assert!(msg.contains("LlavaForConditionalGeneration") && msg.contains("unsupported architecture"), "{msg}");
 
     // Truncated weights file.
     let dir = scratch("tiny-a");
     let bytes = std::fs::read(dir.path().join("model.safetensors")).unwrap();
     std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
-    std::fs::write(
-        dir.path().join("model.safetensors"),
-        &bytes[..bytes.len() / 2],
-    )
-    .unwrap();
+    std::fs::write(dir.path().join("model.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
     let msg = inspect(dir.path()).unwrap_err().to_string();
-    assert!(
-        msg.contains("model.safetensors") && msg.contains("not a valid safetensors"),
-        "{msg}"
-    );
+    assert!(msg.contains("model.safetensors") && msg.contains("not a valid safetensors"), "{msg}");
 
     // No weights at all.
     let dir = scratch("tiny-a");
@@ -338,17 +219,11 @@ fn broken_inputs_give_precise_errors() {
     cfg["text_config"]["rope_parameters"]["rope_type"] = json!("yarn");
     std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
     let msg = inspect(dir.path()).unwrap_err().to_string();
-    assert!(
-        msg.contains("text_config.rope_parameters.rope_type") && msg.contains("yarn"),
-        "{msg}"
-    );
+    assert!(msg.contains("text_config.rope_parameters.rope_type") && msg.contains("yarn"), "{msg}");
 
     // Invalid JSON names the file.
     let dir = scratch("tiny-a");
     std::fs::write(dir.path().join("config.json"), "{ not json").unwrap();
     let msg = inspect(dir.path()).unwrap_err().to_string();
-    assert!(
-        msg.contains("config.json") && msg.contains("invalid JSON"),
-        "{msg}"
-    );
+    assert!(msg.contains("config.json") && msg.contains("invalid JSON"), "{msg}");
 }

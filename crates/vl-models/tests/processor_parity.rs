@@ -34,40 +34,15 @@ fn processor() -> ImageProcessor {
 }
 
 fn compare(name: &str, proc: &ImageProcessor, file: &str, golden: &str) -> (f32, f32) {
-    let got = proc
-        .process_file(&goldens().join("images").join(file))
-        .unwrap();
-    let want = load(
-        &goldens()
-            .join("processor")
-            .join(format!("{golden}.safetensors")),
-    );
-    assert_eq!(
-        vec![got.grid],
-        grids(&want["image_grid_thw"]),
-        "{name}: grid"
-    );
-    let wp = want["pixel_values"]
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
+    let got = proc.process_file(&goldens().join("images").join(file)).unwrap();
+    let want = load(&goldens().join("processor").join(format!("{golden}.safetensors")));
+    assert_eq!(vec![got.grid], grids(&want["image_grid_thw"]), "{name}: grid");
+    let wp = want["pixel_values"].to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     assert_eq!(got.pixels.len(), wp.len(), "{name}: pixel count");
-    let diffs: Vec<f32> = got
-        .pixels
-        .iter()
-        .zip(&wp)
-        .map(|(a, b)| (a - b).abs())
-        .collect();
+    let diffs: Vec<f32> = got.pixels.iter().zip(&wp).map(|(a, b)| (a - b).abs()).collect();
     let max = diffs.iter().cloned().fold(0.0, f32::max);
     let mean = diffs.iter().sum::<f32>() / diffs.len() as f32;
-    println!(
-        "{name}: grid {:?}, {} tokens, pixel max|diff| {max:.4}, mean {mean:.2e}",
-        got.grid,
-        got.num_tokens(2)
-    );
+    println!("{name}: grid {:?}, {} tokens, pixel max|diff| {max:.4}, mean {mean:.2e}", got.grid, got.num_tokens(2));
     (max, mean)
 }
 
@@ -77,10 +52,7 @@ fn pixel_values_match_the_reference_processor() {
     for (name, file) in image_files() {
         let (max, mean) = compare(name, &proc, &file, name);
         let bound = if name == "jpeg" { JPEG_MAX } else { PIXEL_MAX };
-        assert!(
-            max <= bound && mean <= PIXEL_MEAN,
-            "{name}: max {max}, mean {mean}"
-        );
+        assert!(max <= bound && mean <= PIXEL_MEAN, "{name}: max {max}, mean {mean}");
     }
 }
 
@@ -105,12 +77,8 @@ fn messages(meta: &serde_json::Value) -> Vec<Message> {
                 .unwrap()
                 .iter()
                 .map(|c| match c["type"].as_str().unwrap() {
-                    "image" => Content::Image {
-                        image: c["image"].as_str().unwrap().into(),
-                    },
-                    _ => Content::Text {
-                        text: c["text"].as_str().unwrap().into(),
-                    },
+                    "image" => Content::Image { image: c["image"].as_str().unwrap().into() },
+                    _ => Content::Text { text: c["text"].as_str().unwrap().into() },
                 })
                 .collect();
             Message::new(m["role"].as_str().unwrap(), content)
@@ -124,11 +92,7 @@ fn prompts_match_the_reference_processor() {
         let proc = Processor::from_dir(&goldens().join(g).join("checkpoint")).unwrap();
         for case in CASES {
             let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
-            let want = load(
-                &goldens()
-                    .join("prompts")
-                    .join(format!("{case}.safetensors")),
-            );
+            let want = load(&goldens().join("prompts").join(format!("{case}.safetensors")));
             let msgs = messages(&meta);
             assert_eq!(
                 proc.template.render(&msgs, true).unwrap(),
@@ -141,31 +105,15 @@ fn prompts_match_the_reference_processor() {
                 .iter()
                 .map(|n| {
                     proc.images
-                        .process_file(
-                            &goldens()
-                                .join("images")
-                                .join(format!("{}.png", n.as_str().unwrap())),
-                        )
+                        .process_file(&goldens().join("images").join(format!("{}.png", n.as_str().unwrap())))
                         .unwrap()
                 })
                 .collect();
             let prompt = proc.prepare(&msgs, &images, &Device::Cpu).unwrap();
-            let want_ids: Vec<u32> = want["input_ids"]
-                .to_vec1::<i64>()
-                .unwrap()
-                .iter()
-                .map(|&i| i as u32)
-                .collect();
+            let want_ids: Vec<u32> = want["input_ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
             assert_eq!(prompt.input_ids, want_ids, "{g}/{case}: input_ids");
-            let types: Vec<i64> = token_types(&prompt.input_ids, 151655, 151656)
-                .iter()
-                .map(|&t| t as i64)
-                .collect();
-            assert_eq!(
-                types,
-                want["mm_token_type_ids"].to_vec1::<i64>().unwrap(),
-                "{g}/{case}: token types"
-            );
+            let types: Vec<i64> = token_types(&prompt.input_ids, 151655, 151656).iter().map(|&t| t as i64).collect();
+            assert_eq!(types, want["mm_token_type_ids"].to_vec1::<i64>().unwrap(), "{g}/{case}: token types");
             if let Some(img) = &prompt.images {
                 assert_eq!(img.grids, grids(&want["image_grid_thw"]));
             }
@@ -180,17 +128,9 @@ fn greedy_text_decodes_like_the_reference() {
         let proc = Processor::from_dir(&goldens().join(g).join("checkpoint")).unwrap();
         for case in CASES {
             let meta = read_json(&goldens().join(g).join("cases").join(format!("{case}.json")));
-            let ids: Vec<u32> = meta["greedy"]["ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect();
-            assert_eq!(
-                proc.decode(&ids, false).unwrap(),
-                meta["greedy"]["text"].as_str().unwrap(),
-                "{g}/{case}"
-            );
+            let ids: Vec<u32> =
+                meta["greedy"]["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+            assert_eq!(proc.decode(&ids, false).unwrap(), meta["greedy"]["text"].as_str().unwrap(), "{g}/{case}");
         }
     }
 }
@@ -202,10 +142,7 @@ fn streaming_never_splits_a_character() {
     let ids = proc.encode(text).unwrap();
     assert!(ids.len() > 10);
     // At least one character must span several tokens for this test to mean anything.
-    let lone: Vec<String> = ids
-        .iter()
-        .map(|&i| proc.decode(&[i], false).unwrap())
-        .collect();
+    let lone: Vec<String> = ids.iter().map(|&i| proc.decode(&[i], false).unwrap()).collect();
     assert!(lone.iter().any(|s| s.contains('\u{FFFD}')), "{lone:?}");
     let mut dec = proc.stream_decoder();
     let mut out = String::new();
@@ -236,13 +173,7 @@ fn bad_images_are_named() {
     let thin = tmp.path().join("thin.png");
     image::RgbImage::new(402, 2).save(&thin).unwrap();
     let err = proc.process_file(&thin).unwrap_err().to_string();
-    assert!(
-        err.contains("thin.png") && err.contains("aspect ratio"),
-        "{err}"
-    );
-    let err = proc
-        .process_file(&tmp.path().join("missing.png"))
-        .unwrap_err()
-        .to_string();
+    assert!(err.contains("thin.png") && err.contains("aspect ratio"), "{err}");
+    let err = proc.process_file(&tmp.path().join("missing.png")).unwrap_err().to_string();
     assert!(err.contains("missing.png"), "{err}");
 }

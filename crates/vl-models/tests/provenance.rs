@@ -11,15 +11,11 @@ fn goldens() -> PathBuf {
 
 fn sha256(path: &Path) -> String {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    Sha256::digest(&bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn pinned(root: &Path) -> BTreeMap<String, String> {
-    let text =
-        std::fs::read_to_string(root.join("provenance.json")).expect("goldens/provenance.json");
+    let text = std::fs::read_to_string(root.join("provenance.json")).expect("goldens/provenance.json");
     let v: serde_json::Value = serde_json::from_str(&text).expect("provenance.json is JSON");
     v["files"]
         .as_object()
@@ -58,11 +54,7 @@ fn walk(dir: &Path, root: &Path, out: &mut Vec<String>) {
 fn every_golden_matches_its_pinned_hash() {
     let root = goldens();
     let files = pinned(&root);
-    assert!(
-        files.len() > 40,
-        "provenance lists only {} files",
-        files.len()
-    );
+    assert!(files.len() > 40, "provenance lists only {} files", files.len());
     let bad = mismatches(&root, &files);
     assert!(bad.is_empty(), "golden files changed or missing: {bad:?}");
     println!("{} golden files verified", files.len());
@@ -74,14 +66,8 @@ fn every_golden_file_is_pinned() {
     let files = pinned(&root);
     let mut found = Vec::new();
     walk(&root, &root, &mut found);
-    let unpinned: Vec<_> = found
-        .iter()
-        .filter(|f| *f != "provenance.json" && !files.contains_key(*f))
-        .collect();
-    assert!(
-        unpinned.is_empty(),
-        "files under goldens/ without a pinned hash: {unpinned:?}"
-    );
+    let unpinned: Vec<_> = found.iter().filter(|f| *f != "provenance.json" && !files.contains_key(*f)).collect();
+    assert!(unpinned.is_empty(), "files under goldens/ without a pinned hash: {unpinned:?}");
 }
 
 #[test]
@@ -95,10 +81,7 @@ fn a_changed_byte_is_detected() {
     let mut bytes = std::fs::read(root.join(rel)).unwrap();
     let one: BTreeMap<_, _> = [(rel.to_string(), files[rel].clone())].into();
     std::fs::write(&copy, &bytes).unwrap();
-    assert!(
-        mismatches(tmp.path(), &one).is_empty(),
-        "an intact copy must verify"
-    );
+    assert!(mismatches(tmp.path(), &one).is_empty(), "an intact copy must verify");
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0x01;
     std::fs::write(&copy, &bytes).unwrap();

@@ -12,108 +12,54 @@ use vl_models::qwen3_vl::{GenerationOptions, Prompt, Qwen3VlModel, StopReason, V
 const LOGIT_TOL: f32 = 1e-3;
 
 fn model(g: &str) -> Qwen3VlModel {
-    Qwen3VlModel::load(
-        &goldens().join(g).join("checkpoint"),
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap()
+    Qwen3VlModel::load(&goldens().join(g).join("checkpoint"), DType::F32, &Device::Cpu).unwrap()
 }
 
 /// The golden prompt `case`: ids from prompts/, pixels from the processor goldens of its images.
 pub fn prompt(case: &str) -> Prompt {
-    let t = load(
-        &goldens()
-            .join("prompts")
-            .join(format!("{case}.safetensors")),
-    );
+    let t = load(&goldens().join("prompts").join(format!("{case}.safetensors")));
     let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
-    let ids: Vec<u32> = t["input_ids"]
-        .to_vec1::<i64>()
-        .unwrap()
-        .iter()
-        .map(|&i| i as u32)
-        .collect();
-    let names: Vec<String> = meta["images"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|n| n.as_str().unwrap().to_string())
-        .collect();
+    let ids: Vec<u32> = t["input_ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
+    let names: Vec<String> =
+        meta["images"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
     let images = (!names.is_empty()).then(|| {
         let px: Vec<Tensor> = names
             .iter()
-            .map(|n| {
-                load(&goldens().join("processor").join(format!("{n}.safetensors")))["pixel_values"]
-                    .clone()
-            })
+            .map(|n| load(&goldens().join("processor").join(format!("{n}.safetensors")))["pixel_values"].clone())
             .collect();
-        VisionInput {
-            pixels: Tensor::cat(&px, 0).unwrap(),
-            grids: grids(&t["image_grid_thw"]),
-        }
+        VisionInput { pixels: Tensor::cat(&px, 0).unwrap(), grids: grids(&t["image_grid_thw"]) }
     });
-    Prompt {
-        input_ids: ids,
-        images,
-        videos: None,
-    }
+    Prompt { input_ids: ids, images, videos: None }
 }
 
 #[test]
 fn token_types_match_the_processor() {
     for case in CASES {
-        let t = load(
-            &goldens()
-                .join("prompts")
-                .join(format!("{case}.safetensors")),
-        );
-        let ids: Vec<u32> = t["input_ids"]
-            .to_vec1::<i64>()
-            .unwrap()
-            .iter()
-            .map(|&i| i as u32)
-            .collect();
+        let t = load(&goldens().join("prompts").join(format!("{case}.safetensors")));
+        let ids: Vec<u32> = t["input_ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
         let want: Vec<i64> = t["mm_token_type_ids"].to_vec1::<i64>().unwrap();
-        let got: Vec<i64> = vl_models::qwen3_vl::positions::token_types(&ids, 151655, 151656)
-            .iter()
-            .map(|&t| t as i64)
-            .collect();
+        let got: Vec<i64> =
+            vl_models::qwen3_vl::positions::token_types(&ids, 151655, 151656).iter().map(|&t| t as i64).collect();
         assert_eq!(got, want, "{case}");
     }
 }
 
 #[test]
 fn prompt_logits_match_the_reference() {
-    let sampled = load(&goldens().join("sampled_vocab_ids.safetensors"))["vocab_ids"]
-        .to_dtype(DType::U32)
-        .unwrap();
+    let sampled = load(&goldens().join("sampled_vocab_ids.safetensors"))["vocab_ids"].to_dtype(DType::U32).unwrap();
     for g in GEOMETRIES {
         let m = model(g);
         for case in CASES {
-            let want = load(
-                &goldens()
-                    .join(g)
-                    .join("cases")
-                    .join(format!("{case}.safetensors")),
-            );
+            let want = load(&goldens().join(g).join("cases").join(format!("{case}.safetensors")));
             let p = prompt(case);
             let mut cache = m.new_cache();
             let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
             let last = m.last_logits(&state).unwrap();
             let d_last = max_abs_diff(&last, &want["logits.last"]);
-            let all = m
-                .text()
-                .logits(&state.hidden)
-                .unwrap()
-                .index_select(&sampled, 1)
-                .unwrap();
+            let all = m.text().logits(&state.hidden).unwrap().index_select(&sampled, 1).unwrap();
             let d_all = max_abs_diff(&all, &want["logits.sampled"]);
             println!("{g}/{case} ({} tokens): last-position logits max|diff| {d_last:.2e}, all positions (sampled ids) {d_all:.2e}", p.input_ids.len());
-            assert!(
-                d_last <= LOGIT_TOL && d_all <= LOGIT_TOL,
-                "{g}/{case}: {d_last:e} {d_all:e}"
-            );
+            assert!(d_last <= LOGIT_TOL && d_all <= LOGIT_TOL, "{g}/{case}: {d_last:e} {d_all:e}");
         }
     }
 }
@@ -125,16 +71,9 @@ fn hidden_states_match_the_reference() {
         let want = load(&goldens().join(g).join("cases/one_image.safetensors"));
         let mut layers = Vec::new();
         let mut cache = m.new_cache();
-        let state = m
-            .prefill(&prompt("one_image"), &mut cache, &mut |_, h| {
-                layers.push(h.clone())
-            })
-            .unwrap();
+        let state = m.prefill(&prompt("one_image"), &mut cache, &mut |_, h| layers.push(h.clone())).unwrap();
         let n = layers.len() - 1;
-        assert_eq!(
-            want.keys().filter(|k| k.starts_with("hidden.")).count(),
-            n + 1
-        );
+        assert_eq!(want.keys().filter(|k| k.starts_with("hidden.")).count(), n + 1);
         let mut line = Vec::new();
         for i in 0..=n {
             // hidden.0: embeddings after substitution; hidden.i: output of decoder layer i-1
@@ -151,10 +90,7 @@ fn hidden_states_match_the_reference() {
                 .unwrap()
                 .to_scalar::<f32>()
                 .unwrap();
-            assert!(
-                d <= 1e-4 * scale.max(1.0),
-                "{g} hidden.{i}: {d:e} (max |ref| {scale})"
-            );
+            assert!(d <= 1e-4 * scale.max(1.0), "{g} hidden.{i}: {d:e} (max |ref| {scale})");
         }
         println!("{g}: {}", line.join(", "));
     }
@@ -165,22 +101,9 @@ fn greedy_generation_matches_the_reference() {
     for g in GEOMETRIES {
         let m = model(g);
         for case in CASES {
-            let want = load(
-                &goldens()
-                    .join(g)
-                    .join("cases")
-                    .join(format!("{case}.safetensors")),
-            );
-            let want_ids: Vec<u32> = want["greedy.ids"]
-                .to_vec1::<i64>()
-                .unwrap()
-                .iter()
-                .map(|&i| i as u32)
-                .collect();
-            let opts = GenerationOptions {
-                max_new_tokens: want_ids.len(),
-                ..Default::default()
-            };
+            let want = load(&goldens().join(g).join("cases").join(format!("{case}.safetensors")));
+            let want_ids: Vec<u32> = want["greedy.ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
+            let opts = GenerationOptions { max_new_tokens: want_ids.len(), ..Default::default() };
             let mut streamed = Vec::new();
             let gen = m
                 .generate(&prompt(case), &opts, &mut |t| {
@@ -194,12 +117,7 @@ fn greedy_generation_matches_the_reference() {
         }
         // Each step's logits of the captured case, through the KV cache.
         let want = load(&goldens().join(g).join("cases/one_image.safetensors"));
-        let ids: Vec<u32> = want["greedy.ids"]
-            .to_vec1::<i64>()
-            .unwrap()
-            .iter()
-            .map(|&i| i as u32)
-            .collect();
+        let ids: Vec<u32> = want["greedy.ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
         let top_ids = want["greedy.top_ids"].to_dtype(DType::U32).unwrap();
         let top = &want["greedy.top_logits"];
         let p = prompt("one_image");
@@ -226,39 +144,19 @@ fn greedy_generation_matches_the_reference() {
 fn eos_stops_generation_and_mismatches_are_errors() {
     let m = model("tiny-a");
     let want = load(&goldens().join("tiny-a/cases/text_only.safetensors"));
-    let ids: Vec<u32> = want["greedy.ids"]
-        .to_vec1::<i64>()
-        .unwrap()
-        .iter()
-        .map(|&i| i as u32)
-        .collect();
-    let opts = GenerationOptions {
-        max_new_tokens: 16,
-        eos_token_ids: vec![ids[2]],
-        ..Default::default()
-    };
-    let gen = m
-        .generate(&prompt("text_only"), &opts, &mut |_| true)
-        .unwrap();
-    assert_eq!(
-        (gen.tokens.as_slice(), gen.stop),
-        (&ids[..3], StopReason::Eos)
-    );
+    let ids: Vec<u32> = want["greedy.ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
+    let opts = GenerationOptions { max_new_tokens: 16, eos_token_ids: vec![ids[2]], ..Default::default() };
+    let gen = m.generate(&prompt("text_only"), &opts, &mut |_| true).unwrap();
+    assert_eq!((gen.tokens.as_slice(), gen.stop), (&ids[..3], StopReason::Eos));
 
     let mut p = prompt("one_image");
     p.input_ids.retain(|&t| t != 151655);
-    let err = m
-        .generate(&p, &GenerationOptions::default(), &mut |_| true)
-        .unwrap_err()
-        .to_string();
+    let err = m.generate(&p, &GenerationOptions::default(), &mut |_| true).unwrap_err().to_string();
     assert!(err.contains("placeholder"), "{err}");
 
     let mut p = prompt("one_image");
     let first = p.input_ids.iter().position(|&t| t == 151655).unwrap();
     p.input_ids.remove(first);
-    let err = m
-        .generate(&p, &GenerationOptions::default(), &mut |_| true)
-        .unwrap_err()
-        .to_string();
+    let err = m.generate(&p, &GenerationOptions::default(), &mut |_| true).unwrap_err().to_string();
     assert!(err.contains("15") && err.contains("16"), "{err}");
 }

@@ -13,11 +13,7 @@ const TOL: f32 = 1e-4;
 
 fn tower(g: &str, dtype: DType) -> VisionTower {
     let (cfg, ck) = checkpoint(g);
-    VisionTower::load(
-        &cfg.vision,
-        ck.var_builder(dtype, &Device::Cpu).pp("model.visual"),
-    )
-    .unwrap()
+    VisionTower::load(&cfg.vision, ck.var_builder(dtype, &Device::Cpu).pp("model.visual")).unwrap()
 }
 
 /// Runs the tower on `pixels`, returns the worst (name, diff) against `want` after checking all.
@@ -37,18 +33,14 @@ fn compare(
         .unwrap();
     let mut names: Vec<&String> = want
         .keys()
-        .filter(|k| {
-            !k.starts_with("logits") && !k.starts_with("greedy") && !k.starts_with("hidden")
-        })
+        .filter(|k| !k.starts_with("logits") && !k.starts_with("greedy") && !k.starts_with("hidden"))
         .collect();
     names.sort();
     let mut worst: f32 = 0.0;
     let mut line = Vec::new();
     for name in names {
         let key = name.trim_start_matches("vision.");
-        let g = got
-            .get(key)
-            .unwrap_or_else(|| panic!("{label}: no intermediate {key}"));
+        let g = got.get(key).unwrap_or_else(|| panic!("{label}: no intermediate {key}"));
         let d = max_abs_diff(g, &want[name.as_str()]);
         line.push(format!("{key} {d:.2e}"));
         assert!(d <= tol, "{label}: {key} differs by {d:e} (> {tol:e})");
@@ -68,27 +60,12 @@ fn every_probe_image_matches_the_reference() {
         let tower = tower(g, DType::F32);
         let mut worst: f32 = 0.0;
         for probe in PROBES {
-            let p = load(
-                &goldens()
-                    .join("processor")
-                    .join(format!("{probe}.safetensors")),
-            );
-            let want = load(
-                &goldens()
-                    .join(g)
-                    .join("vision")
-                    .join(format!("{probe}.safetensors")),
-            );
+            let p = load(&goldens().join("processor").join(format!("{probe}.safetensors")));
+            let want = load(&goldens().join(g).join("vision").join(format!("{probe}.safetensors")));
             assert!(want.len() >= 5, "golden has {} tensors", want.len());
             let grids = grids(&p["image_grid_thw"]);
-            worst = worst.max(compare(
-                &tower,
-                &p["pixel_values"],
-                &grids,
-                &want,
-                &format!("{g}/{probe} {grids:?}"),
-                TOL,
-            ));
+            worst =
+                worst.max(compare(&tower, &p["pixel_values"], &grids, &want, &format!("{g}/{probe} {grids:?}"), TOL));
         }
         println!("{g}: worst max|diff| over all probes and intermediates {worst:.2e}");
     }
@@ -99,44 +76,23 @@ fn multi_image_batches_match_the_reference() {
     for g in GEOMETRIES {
         let tower = tower(g, DType::F32);
         for case in ["two_images", "image_mid", "one_image"] {
-            let prompt = load(
-                &goldens()
-                    .join("prompts")
-                    .join(format!("{case}.safetensors")),
-            );
+            let prompt = load(&goldens().join("prompts").join(format!("{case}.safetensors")));
             let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
             let pixels: Vec<Tensor> = meta["images"]
                 .as_array()
                 .unwrap()
                 .iter()
                 .map(|n| {
-                    load(
-                        &goldens()
-                            .join("processor")
-                            .join(format!("{}.safetensors", n.as_str().unwrap())),
-                    )["pixel_values"]
+                    load(&goldens().join("processor").join(format!("{}.safetensors", n.as_str().unwrap())))
+                        ["pixel_values"]
                         .clone()
                 })
                 .collect();
             let pixels = Tensor::cat(&pixels, 0).unwrap();
-            let want = load(
-                &goldens()
-                    .join(g)
-                    .join("cases")
-                    .join(format!("{case}.safetensors")),
-            );
-            let want: std::collections::HashMap<String, Tensor> = want
-                .into_iter()
-                .filter(|(k, _)| k.starts_with("vision."))
-                .collect();
-            compare(
-                &tower,
-                &pixels,
-                &grids(&prompt["image_grid_thw"]),
-                &want,
-                &format!("{g}/{case}"),
-                TOL,
-            );
+            let want = load(&goldens().join(g).join("cases").join(format!("{case}.safetensors")));
+            let want: std::collections::HashMap<String, Tensor> =
+                want.into_iter().filter(|(k, _)| k.starts_with("vision.")).collect();
+            compare(&tower, &pixels, &grids(&prompt["image_grid_thw"]), &want, &format!("{g}/{case}"), TOL);
         }
     }
 }
@@ -162,36 +118,16 @@ fn bf16_tower_stays_within_its_documented_bound() {
         let mut worst: f32 = 0.0;
         let mut worst_rel: f32 = 0.0;
         for probe in PROBES {
-            let p = load(
-                &goldens()
-                    .join("processor")
-                    .join(format!("{probe}.safetensors")),
-            );
-            let want = load(
-                &goldens()
-                    .join(g)
-                    .join("vision")
-                    .join(format!("{probe}.safetensors")),
-            );
-            let out = tower
-                .forward(&p["pixel_values"], &grids(&p["image_grid_thw"]))
-                .unwrap();
+            let p = load(&goldens().join("processor").join(format!("{probe}.safetensors")));
+            let want = load(&goldens().join(g).join("vision").join(format!("{probe}.safetensors")));
+            let out = tower.forward(&p["pixel_values"], &grids(&p["image_grid_thw"])).unwrap();
             let d = max_abs_diff(&out.merged[0], &want["merged"]);
-            let scale = want["merged"]
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let scale =
+                want["merged"].abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
             worst = worst.max(d);
             worst_rel = worst_rel.max(d / scale);
         }
-        println!(
-            "{g}: bf16 merged rows max|diff| {worst:.3e} (relative to max|ref| {worst_rel:.3e})"
-        );
+        println!("{g}: bf16 merged rows max|diff| {worst:.3e} (relative to max|ref| {worst_rel:.3e})");
         assert!(worst < BF16_MERGED_BOUND, "{g}: bf16 deviation {worst}");
     }
 }
@@ -200,15 +136,9 @@ fn bf16_tower_stays_within_its_documented_bound() {
 fn wrong_inputs_are_errors_not_panics() {
     let tower = tower("tiny-a", DType::F32);
     let p = load(&goldens().join("processor/square.safetensors"));
-    let err = tower
-        .forward(&p["pixel_values"], &[[1, 8, 6]])
-        .unwrap_err()
-        .to_string();
+    let err = tower.forward(&p["pixel_values"], &[[1, 8, 6]]).unwrap_err().to_string();
     assert!(err.contains("64 patch rows") && err.contains("48"), "{err}");
-    let err = tower
-        .forward(&p["pixel_values"], &[[1, 7, 9]])
-        .unwrap_err()
-        .to_string();
+    let err = tower.forward(&p["pixel_values"], &[[1, 7, 9]]).unwrap_err().to_string();
     assert!(err.contains("multiples of 2"), "{err}");
     let short = p["pixel_values"].narrow(1, 0, 100).unwrap();
     let err = tower.forward(&short, &[[1, 8, 8]]).unwrap_err().to_string();

@@ -24,13 +24,7 @@ pub struct SegmentRotaryAttention {
 impl SegmentRotaryAttention {
     /// `qkv` maps hidden -> 3 * hidden (q | k | v, heads contiguous within each); `proj` maps back.
     pub fn new(qkv: Linear, proj: Linear, num_heads: usize, head_dim: usize) -> Self {
-        Self {
-            qkv,
-            proj,
-            num_heads,
-            head_dim,
-            query_block: DEFAULT_QUERY_BLOCK,
-        }
+        Self { qkv, proj, num_heads, head_dim, query_block: DEFAULT_QUERY_BLOCK }
     }
 
     /// Rows of queries processed at once (the memory/speed trade-off), at least 1.
@@ -41,13 +35,7 @@ impl SegmentRotaryAttention {
 
     /// `x`: [seq, hidden]; `cos`/`sin`: [seq, head_dim / 2]; `cu_seqlens`: segment boundaries
     /// `[0, ..., seq]`. Returns [seq, hidden].
-    pub fn forward(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        cu_seqlens: &[usize],
-    ) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cu_seqlens: &[usize]) -> Result<Tensor> {
         let (seq, hidden) = x.dims2()?;
         if cu_seqlens.first() != Some(&0)
             || cu_seqlens.last() != Some(&seq)
@@ -60,23 +48,15 @@ impl SegmentRotaryAttention {
         }
         let (h, d) = (self.num_heads, self.head_dim);
         // [seq, 3, heads, d] -> [3, heads, seq, d]
-        let qkv = self
-            .qkv
-            .forward(x)?
-            .reshape((seq, 3, h, d))?
-            .permute((1, 2, 0, 3))?;
+        let qkv = self.qkv.forward(x)?.reshape((seq, 3, h, d))?.permute((1, 2, 0, 3))?;
         let q = qkv.get(0)?.unsqueeze(0)?.contiguous()?;
         let k = qkv.get(1)?.unsqueeze(0)?.contiguous()?;
         let v = qkv.get(2)?.contiguous()?;
         let dtype = q.dtype();
         // Rotary in f32, as the reference does, then back to the compute dtype.
         let (cos, sin) = (cos.to_dtype(DType::F32)?, sin.to_dtype(DType::F32)?);
-        let q = candle_nn::rotary_emb::rope(&q.to_dtype(DType::F32)?, &cos, &sin)?
-            .to_dtype(dtype)?
-            .squeeze(0)?;
-        let k = candle_nn::rotary_emb::rope(&k.to_dtype(DType::F32)?, &cos, &sin)?
-            .to_dtype(dtype)?
-            .squeeze(0)?;
+        let q = candle_nn::rotary_emb::rope(&q.to_dtype(DType::F32)?, &cos, &sin)?.to_dtype(dtype)?.squeeze(0)?;
+        let k = candle_nn::rotary_emb::rope(&k.to_dtype(DType::F32)?, &cos, &sin)?.to_dtype(dtype)?.squeeze(0)?;
         let scale = 1.0 / (d as f64).sqrt();
 
         let mut outs = Vec::new();
@@ -92,15 +72,12 @@ impl SegmentRotaryAttention {
                 let rows = self.query_block.min(len - qb);
                 let qs = q.narrow(1, start + qb, rows)?.contiguous()?; // [h, rows, d]
                 let scores = (qs.matmul(&ks)? * scale)?;
-                let probs = candle_nn::ops::softmax_last_dim(&scores.to_dtype(DType::F32)?)?
-                    .to_dtype(dtype)?;
+                let probs = candle_nn::ops::softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(dtype)?;
                 outs.push(probs.matmul(&vs)?); // [h, rows, d]
                 qb += rows;
             }
         }
-        let out = Tensor::cat(&outs, 1)?
-            .transpose(0, 1)?
-            .reshape((seq, hidden))?;
+        let out = Tensor::cat(&outs, 1)?.transpose(0, 1)?.reshape((seq, hidden))?;
         Ok(self.proj.forward(&out)?)
     }
 }
@@ -109,12 +86,7 @@ impl SegmentRotaryAttention {
 /// [kv_heads, total, d] (cached positions first, the `new` ones last; views are fine). Query `i`
 /// sits at absolute position `total - new + i` and sees keys up to it. Queries are processed in
 /// blocks of `query_block` rows, bounding the live score matrix. Returns [heads, new, d].
-pub fn causal_gqa_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    query_block: usize,
-) -> Result<Tensor> {
+pub fn causal_gqa_attention(q: &Tensor, k: &Tensor, v: &Tensor, query_block: usize) -> Result<Tensor> {
     let (heads, new, d) = q.dims3()?;
     let (kv, total, _) = k.dims3()?;
     if kv == 0 || heads % kv != 0 || total < new {
@@ -137,30 +109,17 @@ pub fn causal_gqa_attention(
         let visible = offset + start + rows;
         let qs = q.narrow(2, start, rows)?.reshape((kv, rep * rows, d))?;
         let ks = kt.narrow(2, 0, visible)?;
-        let mut scores = (qs.matmul(&ks)? * scale)?
-            .to_dtype(DType::F32)?
-            .reshape((kv, rep, rows, visible))?;
+        let mut scores = (qs.matmul(&ks)? * scale)?.to_dtype(DType::F32)?.reshape((kv, rep, rows, visible))?;
         if rows > 1 {
             let mask: Vec<f32> = (0..rows)
-                .flat_map(|i| {
-                    (0..visible).map(move |j| {
-                        if j > offset + start + i {
-                            f32::NEG_INFINITY
-                        } else {
-                            0.0
-                        }
-                    })
-                })
+                .flat_map(|i| (0..visible).map(move |j| if j > offset + start + i { f32::NEG_INFINITY } else { 0.0 }))
                 .collect();
             let mask = Tensor::from_vec(mask, (rows, visible), q.device())?;
             scores = scores.broadcast_add(&mask)?;
         }
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?
-            .to_dtype(v.dtype())?
-            .reshape((kv, rep * rows, visible))?;
-        let out = probs
-            .matmul(&v.narrow(1, 0, visible)?)?
-            .reshape((kv, rep, rows, d))?;
+        let probs =
+            candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?.reshape((kv, rep * rows, visible))?;
+        let out = probs.matmul(&v.narrow(1, 0, visible)?)?.reshape((kv, rep, rows, d))?;
         outs.push(out);
         start += rows;
     }
@@ -169,12 +128,7 @@ pub fn causal_gqa_attention(
 
 /// Reference implementation for tests: full score matrix per segment, no blocking.
 #[cfg(test)]
-pub(crate) fn naive_segment_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    cu: &[usize],
-) -> Result<Tensor> {
+pub(crate) fn naive_segment_attention(q: &Tensor, k: &Tensor, v: &Tensor, cu: &[usize]) -> Result<Tensor> {
     // q, k, v: [heads, seq, d]
     let d = q.dim(candle_core::D::Minus1)?;
     let mut outs = Vec::new();
@@ -200,12 +154,7 @@ mod tests {
     fn attn(hidden: usize, heads: usize) -> SegmentRotaryAttention {
         let eye = Tensor::eye(hidden, DType::F32, &Device::Cpu).unwrap();
         let w = Tensor::cat(&[&eye, &eye, &eye], 0).unwrap();
-        SegmentRotaryAttention::new(
-            Linear::new(w, None),
-            identity_linear(hidden),
-            heads,
-            hidden / heads,
-        )
+        SegmentRotaryAttention::new(Linear::new(w, None), identity_linear(hidden), heads, hidden / heads)
     }
 
     #[test]
@@ -215,11 +164,7 @@ mod tests {
         let x = Tensor::new(&[[1f32, 0., 0., 0.], [1., 0., 0., 0.]], &Device::Cpu).unwrap();
         let zeros = Tensor::zeros((2, 2), DType::F32, &Device::Cpu).unwrap();
         let ones = Tensor::ones((2, 2), DType::F32, &Device::Cpu).unwrap();
-        let y = a
-            .forward(&x, &ones, &zeros, &[0, 2])
-            .unwrap()
-            .to_vec2::<f32>()
-            .unwrap();
+        let y = a.forward(&x, &ones, &zeros, &[0, 2]).unwrap().to_vec2::<f32>().unwrap();
         assert_eq!(y, vec![vec![1.0, 0.0, 0.0, 0.0]; 2]);
     }
 
@@ -227,11 +172,7 @@ mod tests {
     fn segments_never_see_each_other() {
         // Each row alone in its segment attends only to itself: output == input.
         let a = attn(4, 2);
-        let x = Tensor::new(
-            &[[1f32, 2., 3., 4.], [-1., 5., 0.5, 2.], [3., -2., 1., 0.]],
-            &Device::Cpu,
-        )
-        .unwrap();
+        let x = Tensor::new(&[[1f32, 2., 3., 4.], [-1., 5., 0.5, 2.], [3., -2., 1., 0.]], &Device::Cpu).unwrap();
         let zeros = Tensor::zeros((3, 1), DType::F32, &Device::Cpu).unwrap();
         let ones = Tensor::ones((3, 1), DType::F32, &Device::Cpu).unwrap();
         let y = a.forward(&x, &ones, &zeros, &[0, 1, 2, 3]).unwrap();
@@ -244,69 +185,30 @@ mod tests {
         let (hidden, heads, seq) = (8, 2, 37);
         let x = Tensor::randn(0f32, 1., (seq, hidden), &dev).unwrap();
         let wq = Tensor::randn(0f32, 0.5, (3 * hidden, hidden), &dev).unwrap();
-        let a = SegmentRotaryAttention::new(
-            Linear::new(wq.clone(), None),
-            identity_linear(hidden),
-            heads,
-            hidden / heads,
-        );
+        let a =
+            SegmentRotaryAttention::new(Linear::new(wq.clone(), None), identity_linear(hidden), heads, hidden / heads);
         let ang = Tensor::randn(0f32, 1., (seq, 2), &dev).unwrap();
         let (cos, sin) = (ang.cos().unwrap(), ang.sin().unwrap());
         let cu = [0, 20, 37];
-        let full = a
-            .clone()
-            .with_query_block(1000)
-            .forward(&x, &cos, &sin, &cu)
-            .unwrap();
+        let full = a.clone().with_query_block(1000).forward(&x, &cos, &sin, &cu).unwrap();
         for block in [1, 3, 7, 16] {
-            let b = a
-                .clone()
-                .with_query_block(block)
-                .forward(&x, &cos, &sin, &cu)
-                .unwrap();
-            let diff = (b - &full)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let b = a.clone().with_query_block(block).forward(&x, &cos, &sin, &cu).unwrap();
+            let diff = (b - &full).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
             assert!(diff < 1e-6, "block {block}: {diff}");
         }
         // And it equals the unblocked reference formula.
-        let qkv = x
-            .matmul(&wq.t().unwrap())
-            .unwrap()
-            .reshape((seq, 3, heads, 4))
-            .unwrap()
-            .permute((1, 2, 0, 3))
-            .unwrap();
+        let qkv =
+            x.matmul(&wq.t().unwrap()).unwrap().reshape((seq, 3, heads, 4)).unwrap().permute((1, 2, 0, 3)).unwrap();
         let rot = |t: Tensor| {
             candle_nn::rotary_emb::rope(&t.unsqueeze(0).unwrap().contiguous().unwrap(), &cos, &sin)
                 .unwrap()
                 .squeeze(0)
                 .unwrap()
         };
-        let (q, k, v) = (
-            rot(qkv.get(0).unwrap()),
-            rot(qkv.get(1).unwrap()),
-            qkv.get(2).unwrap().contiguous().unwrap(),
-        );
-        let want = naive_segment_attention(&q, &k, &v, &cu)
-            .unwrap()
-            .transpose(0, 1)
-            .unwrap()
-            .reshape((seq, hidden))
-            .unwrap();
-        let diff = (full - want)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let (q, k, v) = (rot(qkv.get(0).unwrap()), rot(qkv.get(1).unwrap()), qkv.get(2).unwrap().contiguous().unwrap());
+        let want =
+            naive_segment_attention(&q, &k, &v, &cu).unwrap().transpose(0, 1).unwrap().reshape((seq, hidden)).unwrap();
+        let diff = (full - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert!(diff < 1e-5, "{diff}");
     }
 
@@ -332,11 +234,7 @@ mod causal_tests {
         let rep = heads / kv;
         let mut outs = Vec::new();
         for h in 0..heads {
-            let (qh, kh, vh) = (
-                q.get(h).unwrap(),
-                k.get(h / rep).unwrap(),
-                v.get(h / rep).unwrap(),
-            );
+            let (qh, kh, vh) = (q.get(h).unwrap(), k.get(h / rep).unwrap(), v.get(h / rep).unwrap());
             let sc = (qh.matmul(&kh.t().unwrap()).unwrap() / (d as f64).sqrt()).unwrap();
             let mut rows = sc.to_vec2::<f32>().unwrap();
             for (i, r) in rows.iter_mut().enumerate() {
@@ -347,12 +245,7 @@ mod causal_tests {
                 }
             }
             let sc = Tensor::new(rows, &Device::Cpu).unwrap();
-            outs.push(
-                candle_nn::ops::softmax_last_dim(&sc)
-                    .unwrap()
-                    .matmul(&vh)
-                    .unwrap(),
-            );
+            outs.push(candle_nn::ops::softmax_last_dim(&sc).unwrap().matmul(&vh).unwrap());
         }
         Tensor::stack(&outs, 0).unwrap()
     }
@@ -392,15 +285,7 @@ mod causal_tests {
         let v = Tensor::new(&[[[1f32, 2.], [3., 4.], [5., 6.]]], &dev).unwrap();
         let out = causal_gqa_attention(&q, &k, &v, 256).unwrap();
         for h in 0..2 {
-            assert_eq!(
-                out.get(h)
-                    .unwrap()
-                    .get(0)
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap(),
-                vec![1., 2.]
-            );
+            assert_eq!(out.get(h).unwrap().get(0).unwrap().to_vec1::<f32>().unwrap(), vec![1., 2.]);
         }
     }
 }

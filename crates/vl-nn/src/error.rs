@@ -6,10 +6,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 pub enum Error {
     /// A layer was given an input whose shape it cannot take; the message names both shapes.
     #[error("{layer}: {message}")]
-    Shape {
-        layer: &'static str,
-        message: String,
-    },
+    Shape { layer: &'static str, message: String },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

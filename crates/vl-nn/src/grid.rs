@@ -32,12 +32,7 @@ pub fn bilinear_axis_taps(i: usize, size: usize, side: usize) -> [(usize, f32); 
 
 /// For every patch of an `h x w` grid in block-major order: 4 (index, weight) taps into a
 /// `side x side` row-major table, the bilinear (align_corners) resample of that table.
-pub fn bilinear_taps_block_major(
-    h: usize,
-    w: usize,
-    side: usize,
-    merge: usize,
-) -> Vec<[(usize, f32); 4]> {
+pub fn bilinear_taps_block_major(h: usize, w: usize, side: usize, merge: usize) -> Vec<[(usize, f32); 4]> {
     block_major_positions(h, w, merge)
         .into_iter()
         .map(|(r, c)| {
@@ -71,16 +66,7 @@ mod tests {
         // Two 2x2 blocks side by side: block (0,0) then block (0,1).
         assert_eq!(
             block_major_positions(2, 4, 2),
-            vec![
-                (0, 0),
-                (0, 1),
-                (1, 0),
-                (1, 1),
-                (0, 2),
-                (0, 3),
-                (1, 2),
-                (1, 3)
-            ]
+            vec![(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3)]
         );
     }
 
@@ -88,25 +74,13 @@ mod tests {
     fn block_major_order_of_a_4x2_grid() {
         assert_eq!(
             block_major_positions(4, 2, 2),
-            vec![
-                (0, 0),
-                (0, 1),
-                (1, 0),
-                (1, 1),
-                (2, 0),
-                (2, 1),
-                (3, 0),
-                (3, 1)
-            ]
+            vec![(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
         );
     }
 
     #[test]
     fn merge_one_is_raster_order() {
-        assert_eq!(
-            block_major_positions(2, 2, 1),
-            vec![(0, 0), (0, 1), (1, 0), (1, 1)]
-        );
+        assert_eq!(block_major_positions(2, 2, 1), vec![(0, 0), (0, 1), (1, 0), (1, 1)]);
     }
 
     #[test]
@@ -128,10 +102,7 @@ mod tests {
         // 2x2 grid from a 3x3 table: the four corners, each with full weight on one tap.
         let taps = bilinear_taps_block_major(2, 2, 3, 2);
         let corner = |t: &[(usize, f32); 4]| t.iter().find(|x| x.1 == 1.0).unwrap().0;
-        assert_eq!(
-            taps.iter().map(corner).collect::<Vec<_>>(),
-            vec![0, 2, 6, 8]
-        );
+        assert_eq!(taps.iter().map(corner).collect::<Vec<_>>(), vec![0, 2, 6, 8]);
         for t in &taps {
             assert!((t.iter().map(|x| x.1).sum::<f32>() - 1.0).abs() < 1e-6);
         }

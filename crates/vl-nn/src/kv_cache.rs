@@ -38,11 +38,7 @@ impl KvCache {
 
     /// Bytes held by the key and value buffers (capacity, not just the used part).
     pub fn bytes(&self) -> usize {
-        [&self.k, &self.v]
-            .iter()
-            .filter_map(|t| t.as_ref())
-            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-            .sum()
+        [&self.k, &self.v].iter().filter_map(|t| t.as_ref()).map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
     }
 
     /// Drops everything, memory included.
@@ -110,10 +106,7 @@ mod tests {
         let mut c = KvCache::new();
         assert_eq!((c.len(), c.bytes()), (0, 0));
         let (k, _) = c.append(&t(&[1., 2.]), &t(&[10., 20.])).unwrap();
-        assert_eq!(
-            k.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-            vec![1., 2.]
-        );
+        assert_eq!(k.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![1., 2.]);
         assert_eq!(c.capacity(), 64);
         assert_eq!(c.bytes(), 2 * 64 * 4);
         let many: Vec<f32> = (0..70).map(|i| i as f32).collect();
@@ -126,10 +119,7 @@ mod tests {
         assert_eq!(v.dims(), &[1, 72, 1]);
         c.truncate(2);
         let (k, _) = c.append(&t(&[7.]), &t(&[7.])).unwrap();
-        assert_eq!(
-            k.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-            vec![1., 2., 7.]
-        );
+        assert_eq!(k.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![1., 2., 7.]);
         c.reset();
         assert_eq!((c.len(), c.bytes()), (0, 0));
     }

@@ -18,20 +18,8 @@ pub struct PatchMerger {
 }
 
 impl PatchMerger {
-    pub fn new(
-        norm: LayerNorm,
-        fc1: Linear,
-        fc2: Linear,
-        unit: usize,
-        postshuffle_norm: bool,
-    ) -> Self {
-        Self {
-            norm,
-            fc1,
-            fc2,
-            unit,
-            postshuffle_norm,
-        }
+    pub fn new(norm: LayerNorm, fc1: Linear, fc2: Linear, unit: usize, postshuffle_norm: bool) -> Self {
+        Self { norm, fc1, fc2, unit, postshuffle_norm }
     }
 
     /// `x`: [rows, hidden] with rows a multiple of `unit`; returns [rows / unit, out].
@@ -40,10 +28,7 @@ impl PatchMerger {
         if rows % self.unit != 0 {
             return Err(crate::Error::Shape {
                 layer: "PatchMerger",
-                message: format!(
-                    "{rows} rows are not a multiple of the merge unit {}",
-                    self.unit
-                ),
+                message: format!("{rows} rows are not a multiple of the merge unit {}", self.unit),
             });
         }
         let merged = (rows / self.unit, hidden * self.unit);

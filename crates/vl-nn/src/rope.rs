@@ -9,9 +9,7 @@ use crate::Result;
 
 /// Inverse frequencies `1 / theta^(2i / dim)` for `i < dim / 2`, in f32 as the reference computes them.
 pub fn inv_freq(dim: usize, theta: f64) -> Vec<f32> {
-    (0..dim / 2)
-        .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / dim as f32))
-        .collect()
+    (0..dim / 2).map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / dim as f32)).collect()
 }
 
 /// 2-axis rotary: frequencies over head_dim / 2, row angles then column angles.
@@ -23,9 +21,7 @@ pub struct TwoAxisRope {
 impl TwoAxisRope {
     /// `head_dim` of the attention heads; each axis gets head_dim / 4 frequencies.
     pub fn new(head_dim: usize, theta: f64) -> Self {
-        Self {
-            inv_freq: inv_freq(head_dim / 2, theta),
-        }
+        Self { inv_freq: inv_freq(head_dim / 2, theta) }
     }
 
     /// cos and sin tables, each [positions, head_dim / 2]: `[row * f, col * f]` per position.
@@ -43,10 +39,7 @@ impl TwoAxisRope {
             }
         }
         let n = positions.len();
-        Ok((
-            Tensor::from_vec(cos, (n, 2 * q), device)?,
-            Tensor::from_vec(sin, (n, 2 * q), device)?,
-        ))
+        Ok((Tensor::from_vec(cos, (n, 2 * q), device)?, Tensor::from_vec(sin, (n, 2 * q), device)?))
     }
 }
 
@@ -70,10 +63,7 @@ impl MultiAxisRope {
                 _ => 0,
             })
             .collect();
-        Self {
-            inv_freq,
-            axis_of_slot,
-        }
+        Self { inv_freq, axis_of_slot }
     }
 
     pub fn axis_of_slot(&self) -> &[usize] {
@@ -93,10 +83,7 @@ impl MultiAxisRope {
             }
         }
         let n = positions.len();
-        Ok((
-            Tensor::from_vec(cos, (n, q), device)?,
-            Tensor::from_vec(sin, (n, q), device)?,
-        ))
+        Ok((Tensor::from_vec(cos, (n, q), device)?, Tensor::from_vec(sin, (n, q), device)?))
     }
 }
 
@@ -137,10 +124,7 @@ mod tests {
         assert_eq!(a.iter().filter(|&&x| x == 0).count(), 24);
         assert_eq!(a.iter().filter(|&&x| x == 1).count(), 20);
         // Small: 8 slots, [4, 2, 2] -> T H W T H W T T.
-        assert_eq!(
-            MultiAxisRope::new(16, 1e4, [4, 2, 2]).axis_of_slot(),
-            &[0, 1, 2, 0, 1, 2, 0, 0]
-        );
+        assert_eq!(MultiAxisRope::new(16, 1e4, [4, 2, 2]).axis_of_slot(), &[0, 1, 2, 0, 1, 2, 0, 0]);
     }
 
     #[test]

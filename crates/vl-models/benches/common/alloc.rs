@@ -57,9 +57,7 @@ pub fn peak_rss() -> usize {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .map(|l| l.split_whitespace().nth(1).unwrap_or("0").to_string())
+            s.lines().find(|l| l.starts_with("VmHWM:")).map(|l| l.split_whitespace().nth(1).unwrap_or("0").to_string())
         })
         .and_then(|kb| kb.parse::<usize>().ok())
         .map_or(0, |kb| kb * 1024)

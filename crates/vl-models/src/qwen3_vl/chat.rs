@@ -34,10 +34,7 @@ pub struct Message {
 
 impl Message {
     pub fn new(role: &str, content: Vec<Content>) -> Self {
-        Self {
-            role: role.into(),
-            content,
-        }
+        Self { role: role.into(), content }
     }
     pub fn text(role: &str, text: &str) -> Self {
         Self::new(role, vec![Content::Text { text: text.into() }])
@@ -65,17 +62,12 @@ impl ChatTemplate {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let tc_path = dir.join("tokenizer_config.json");
         let tc: serde_json::Value = match std::fs::read_to_string(&tc_path) {
-            Ok(t) => serde_json::from_str(&t).map_err(|source| Error::Json {
-                path: tc_path.clone(),
-                source,
-            })?,
+            Ok(t) => serde_json::from_str(&t).map_err(|source| Error::Json { path: tc_path.clone(), source })?,
             Err(_) => serde_json::Value::Null,
         };
         let token = |k: &str| match &tc[k] {
             serde_json::Value::String(s) => Some(s.clone()),
-            serde_json::Value::Object(o) => {
-                o.get("content").and_then(|c| c.as_str()).map(String::from)
-            }
+            serde_json::Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(String::from),
             _ => None,
         };
         let (src, source) = find_template(dir, &tc, &tc_path)?;
@@ -92,30 +84,16 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> std::result::Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
         let name = match &source {
             TemplateSource::File(p) => p.display().to_string(),
             TemplateSource::BuiltIn => "built-in chat template".into(),
         };
         env.add_template_owned("chat", src)
-            .map_err(|e| Error::Input {
-                what: name.clone(),
-                message: format!("invalid chat template: {e}"),
-            })?;
-        Ok(Self {
-            env,
-            source,
-            bos_token,
-            eos_token,
-        })
+            .map_err(|e| Error::Input { what: name.clone(), message: format!("invalid chat template: {e}") })?;
+        Ok(Self { env, source, bos_token, eos_token })
     }
 
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
@@ -127,18 +105,11 @@ impl ChatTemplate {
             bos_token => self.bos_token,
             eos_token => self.eos_token,
         })
-        .map_err(|e| Error::Input {
-            what: "chat template".into(),
-            message: format!("render failed: {e}"),
-        })
+        .map_err(|e| Error::Input { what: "chat template".into(), message: format!("render failed: {e}") })
     }
 }
 
-fn find_template(
-    dir: &Path,
-    tc: &serde_json::Value,
-    tc_path: &Path,
-) -> Result<(String, TemplateSource)> {
+fn find_template(dir: &Path, tc: &serde_json::Value, tc_path: &Path) -> Result<(String, TemplateSource)> {
     let jinja = dir.join("chat_template.jinja");
     if jinja.is_file() {
         let s = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
@@ -147,10 +118,8 @@ fn find_template(
     let json = dir.join("chat_template.json");
     if json.is_file() {
         let s = std::fs::read_to_string(&json).map_err(|e| Error::io(&json, e))?;
-        let v: serde_json::Value = serde_json::from_str(&s).map_err(|source| Error::Json {
-            path: json.clone(),
-            source,
-        })?;
+        let v: serde_json::Value =
+            serde_json::from_str(&s).map_err(|source| Error::Json { path: json.clone(), source })?;
         let t = v["chat_template"].as_str().ok_or_else(|| Error::Config {
             path: json.clone(),
             field: "chat_template".into(),
@@ -159,9 +128,7 @@ fn find_template(
         return Ok((t.to_string(), TemplateSource::File(json)));
     }
     match &tc["chat_template"] {
-        serde_json::Value::String(s) => {
-            Ok((s.clone(), TemplateSource::File(tc_path.to_path_buf())))
-        }
+        serde_json::Value::String(s) => Ok((s.clone(), TemplateSource::File(tc_path.to_path_buf()))),
         // A list of named templates: take "default".
         serde_json::Value::Array(list) => list
             .iter()
@@ -197,51 +164,33 @@ impl Processor {
             what: path.display().to_string(),
             message: format!("invalid tokenizer: {e}"),
         })?;
-        Ok(Self {
-            tokenizer,
-            template: ChatTemplate::from_dir(dir)?,
-            images: ImageProcessor::from_dir(dir)?,
-        })
+        Ok(Self { tokenizer, template: ChatTemplate::from_dir(dir)?, images: ImageProcessor::from_dir(dir)? })
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self
             .tokenizer
             .encode(text, true)
-            .map_err(|e| Error::Input {
-                what: "tokenizer".into(),
-                message: e.to_string(),
-            })?;
+            .map_err(|e| Error::Input { what: "tokenizer".into(), message: e.to_string() })?;
         Ok(enc.get_ids().to_vec())
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
         self.tokenizer
             .decode(ids, skip_special_tokens)
-            .map_err(|e| Error::Input {
-                what: "tokenizer".into(),
-                message: e.to_string(),
-            })
+            .map_err(|e| Error::Input { what: "tokenizer".into(), message: e.to_string() })
     }
 
     /// Renders `messages` (with the generation prompt), expands each `<|image_pad|>` to its
     /// image's token count (images in prompt order) and tokenizes.
-    pub fn prepare(
-        &self,
-        messages: &[Message],
-        images: &[ProcessedImage],
-        device: &Device,
-    ) -> Result<Prompt> {
+    pub fn prepare(&self, messages: &[Message], images: &[ProcessedImage], device: &Device) -> Result<Prompt> {
         let text = self.template.render(messages, true)?;
         let merge = self.images.config.merge_size;
         let pads = text.matches(IMAGE_PAD).count();
         if pads != images.len() {
             return Err(Error::Input {
                 what: "prompt".into(),
-                message: format!(
-                    "the rendered prompt has {pads} image placeholders for {} images",
-                    images.len()
-                ),
+                message: format!("the rendered prompt has {pads} image placeholders for {} images", images.len()),
             });
         }
         let mut expanded = String::with_capacity(text.len());
@@ -254,23 +203,12 @@ impl Processor {
         }
         expanded.push_str(rest);
         let input_ids = self.encode(&expanded)?;
-        let images = (!images.is_empty())
-            .then(|| self.images.batch(images, device))
-            .transpose()?;
-        Ok(Prompt {
-            input_ids,
-            images,
-            videos: None,
-        })
+        let images = (!images.is_empty()).then(|| self.images.batch(images, device)).transpose()?;
+        Ok(Prompt { input_ids, images, videos: None })
     }
 
     pub fn stream_decoder(&self) -> StreamDecoder<'_> {
-        StreamDecoder {
-            tokenizer: &self.tokenizer,
-            ids: Vec::new(),
-            prefix: 0,
-            read: 0,
-        }
+        StreamDecoder { tokenizer: &self.tokenizer, ids: Vec::new(), prefix: 0, read: 0 }
     }
 }
 
@@ -288,10 +226,9 @@ impl StreamDecoder<'_> {
     pub fn push(&mut self, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
         let dec = |ids: &[u32]| {
-            self.tokenizer.decode(ids, true).map_err(|e| Error::Input {
-                what: "tokenizer".into(),
-                message: e.to_string(),
-            })
+            self.tokenizer
+                .decode(ids, true)
+                .map_err(|e| Error::Input { what: "tokenizer".into(), message: e.to_string() })
         };
         let before = dec(&self.ids[self.prefix..self.read])?;
         let now = dec(&self.ids[self.prefix..])?;
@@ -308,10 +245,9 @@ impl StreamDecoder<'_> {
     /// Whatever is left (possibly an incomplete sequence, decoded with replacement characters).
     pub fn finish(&mut self) -> Result<Option<String>> {
         let dec = |ids: &[u32]| {
-            self.tokenizer.decode(ids, true).map_err(|e| Error::Input {
-                what: "tokenizer".into(),
-                message: e.to_string(),
-            })
+            self.tokenizer
+                .decode(ids, true)
+                .map_err(|e| Error::Input { what: "tokenizer".into(), message: e.to_string() })
         };
         let before = dec(&self.ids[self.prefix..self.read])?;
         let now = dec(&self.ids[self.prefix..])?;

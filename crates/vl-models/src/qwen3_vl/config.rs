@@ -57,14 +57,8 @@ const IGNORED_TEXT: &[&str] = &[
     "tie_word_embeddings",
     "transformers_version",
 ];
-const IGNORED_VISION: &[&str] = &[
-    "model_type",
-    "initializer_range",
-    "dtype",
-    "torch_dtype",
-    "rope_parameters",
-    "transformers_version",
-];
+const IGNORED_VISION: &[&str] =
+    &["model_type", "initializer_range", "dtype", "torch_dtype", "rope_parameters", "transformers_version"];
 
 /// Rotary parameters in either dialect (`rope_scaling` in 4.57, `rope_parameters` in 5).
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -250,9 +244,7 @@ impl Qwen3VlConfig {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
         if !path.is_file() {
-            return Err(Error::NotAModelDir {
-                path: dir.to_path_buf(),
-            });
+            return Err(Error::NotAModelDir { path: dir.to_path_buf() });
         }
         let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
         Self::from_json_str(&text, &path)
@@ -260,10 +252,7 @@ impl Qwen3VlConfig {
 
     /// Parses a config.json body; `path` is used in error messages only.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
-        let json_err = |source| Error::Json {
-            path: path.to_path_buf(),
-            source,
-        };
+        let json_err = |source| Error::Json { path: path.to_path_buf(), source };
         let value: Value = serde_json::from_str(text).map_err(json_err)?;
         check_architecture(&value, path)?;
         let top: RawTop = serde_json::from_value(value).map_err(json_err)?;
@@ -272,20 +261,15 @@ impl Qwen3VlConfig {
             field: field.to_string(),
             message,
         };
-        let raw_text: RawText = serde_json::from_value(top.text_config.clone())
-            .map_err(|e| field_err("text_config", e.to_string()))?;
-        let raw_vision: RawVision = serde_json::from_value(top.vision_config.clone())
-            .map_err(|e| field_err("vision_config", e.to_string()))?;
+        let raw_text: RawText =
+            serde_json::from_value(top.text_config.clone()).map_err(|e| field_err("text_config", e.to_string()))?;
+        let raw_vision: RawVision =
+            serde_json::from_value(top.vision_config.clone()).map_err(|e| field_err("vision_config", e.to_string()))?;
 
         let mut unknown = Vec::new();
         collect_unknown(&top.extra, IGNORED_TOP, "", &mut unknown);
         collect_unknown(&raw_text.extra, IGNORED_TEXT, "text_config.", &mut unknown);
-        collect_unknown(
-            &raw_vision.extra,
-            IGNORED_VISION,
-            "vision_config.",
-            &mut unknown,
-        );
+        collect_unknown(&raw_vision.extra, IGNORED_VISION, "vision_config.", &mut unknown);
 
         if raw_text.hidden_act != "silu" {
             return Err(field_err(
@@ -294,18 +278,12 @@ impl Qwen3VlConfig {
             ));
         }
         if raw_text.attention_bias {
-            return Err(field_err(
-                "text_config.attention_bias",
-                "true is not supported".into(),
-            ));
+            return Err(field_err("text_config.attention_bias", "true is not supported".into()));
         }
         if raw_vision.hidden_act != "gelu_pytorch_tanh" {
             return Err(field_err(
                 "vision_config.hidden_act",
-                format!(
-                    "{:?} is not supported (gelu_pytorch_tanh only)",
-                    raw_vision.hidden_act
-                ),
+                format!("{:?} is not supported (gelu_pytorch_tanh only)", raw_vision.hidden_act),
             ));
         }
 
@@ -315,16 +293,9 @@ impl Qwen3VlConfig {
             (None, Some(r)) => ("text_config.rope_scaling", r.clone()),
             (None, None) => ("text_config.rope_parameters", RawRope::default()),
         };
-        let rope_type = rope
-            .rope_type
-            .clone()
-            .or(rope.type_alias.clone())
-            .unwrap_or_else(|| "default".into());
+        let rope_type = rope.rope_type.clone().or(rope.type_alias.clone()).unwrap_or_else(|| "default".into());
         if rope_type != "default" && rope_type != "mrope" {
-            return Err(field_err(
-                &format!("{rope_field}.rope_type"),
-                format!("{rope_type:?} is not supported"),
-            ));
+            return Err(field_err(&format!("{rope_field}.rope_type"), format!("{rope_type:?} is not supported")));
         }
         if rope.mrope_interleaved == Some(false) {
             return Err(field_err(
@@ -335,36 +306,20 @@ impl Qwen3VlConfig {
         for k in rope.extra.keys() {
             unknown.push(format!("{rope_field}.{k}"));
         }
-        let rope_theta = rope
-            .rope_theta
-            .or(raw_text.rope_theta)
-            .unwrap_or(DEFAULT_TEXT_ROPE_THETA);
-        let mrope_section = rope
-            .mrope_section
-            .clone()
-            .unwrap_or_else(|| DEFAULT_MROPE_SECTION.to_vec());
-        let head_dim = raw_text
-            .head_dim
-            .unwrap_or(raw_text.hidden_size / raw_text.num_attention_heads);
+        let rope_theta = rope.rope_theta.or(raw_text.rope_theta).unwrap_or(DEFAULT_TEXT_ROPE_THETA);
+        let mrope_section = rope.mrope_section.clone().unwrap_or_else(|| DEFAULT_MROPE_SECTION.to_vec());
+        let head_dim = raw_text.head_dim.unwrap_or(raw_text.hidden_size / raw_text.num_attention_heads);
         if mrope_section.len() != 3 || mrope_section.iter().sum::<usize>() > head_dim / 2 {
             return Err(field_err(
                 &format!("{rope_field}.mrope_section"),
-                format!(
-                    "{mrope_section:?} must be 3 sections summing to at most head_dim/2 = {}",
-                    head_dim / 2
-                ),
+                format!("{mrope_section:?} must be 3 sections summing to at most head_dim/2 = {}", head_dim / 2),
             ));
         }
-        let kv_heads = raw_text
-            .num_key_value_heads
-            .unwrap_or(raw_text.num_attention_heads);
+        let kv_heads = raw_text.num_key_value_heads.unwrap_or(raw_text.num_attention_heads);
         if kv_heads == 0 || raw_text.num_attention_heads % kv_heads != 0 {
             return Err(field_err(
                 "text_config.num_key_value_heads",
-                format!(
-                    "{kv_heads} does not divide num_attention_heads {}",
-                    raw_text.num_attention_heads
-                ),
+                format!("{kv_heads} does not divide num_attention_heads {}", raw_text.num_attention_heads),
             ));
         }
         let text = TextConfig {
@@ -384,10 +339,7 @@ impl Qwen3VlConfig {
         let vrope = raw_vision.rope_parameters.clone().unwrap_or_default();
         if let Some(t) = vrope.rope_type.as_deref().or(vrope.type_alias.as_deref()) {
             if t != "axial" && t != "default" {
-                return Err(field_err(
-                    "vision_config.rope_parameters.rope_type",
-                    format!("{t:?} is not supported"),
-                ));
+                return Err(field_err("vision_config.rope_parameters.rope_type", format!("{t:?} is not supported")));
             }
         }
         let vision = VisionConfig {
@@ -410,10 +362,7 @@ impl Qwen3VlConfig {
             text,
             vision,
             // transformers 5 reads the top level; 4.57 checkpoints also carry it in text_config.
-            tie_word_embeddings: top
-                .tie_word_embeddings
-                .or(raw_text.tie_word_embeddings)
-                .unwrap_or(false),
+            tie_word_embeddings: top.tie_word_embeddings.or(raw_text.tie_word_embeddings).unwrap_or(false),
             image_token_id: top.image_token_id,
             video_token_id: top.video_token_id,
             vision_start_token_id: top.vision_start_token_id,
@@ -427,16 +376,9 @@ fn check_architecture(value: &Value, path: &Path) -> Result<()> {
     let archs: Vec<String> = value
         .get("architectures")
         .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(|v| v.as_str().map(String::from))
-                .collect()
-        })
+        .map(|a| a.iter().filter_map(|v| v.as_str().map(String::from)).collect())
         .unwrap_or_default();
-    let model_type = value
-        .get("model_type")
-        .and_then(Value::as_str)
-        .map(String::from);
+    let model_type = value.get("model_type").and_then(Value::as_str).map(String::from);
     let arch_ok = archs.is_empty() || archs.iter().any(|a| a == ARCHITECTURE);
     let type_ok = model_type.as_deref() == Some(MODEL_TYPE);
     if arch_ok && type_ok {
@@ -451,18 +393,11 @@ fn check_architecture(value: &Value, path: &Path) -> Result<()> {
 }
 
 fn validate_vision(v: &VisionConfig, t: &TextConfig, path: &Path) -> Result<()> {
-    let err = |field: &str, message: String| Error::Config {
-        path: PathBuf::from(path),
-        field: field.into(),
-        message,
-    };
+    let err = |field: &str, message: String| Error::Config { path: PathBuf::from(path), field: field.into(), message };
     if v.num_heads == 0 || v.hidden_size % v.num_heads != 0 || v.head_dim() % 4 != 0 {
         return Err(err(
             "vision_config.num_heads",
-            format!(
-                "hidden_size {} / num_heads {} must give a head_dim divisible by 4",
-                v.hidden_size, v.num_heads
-            ),
+            format!("hidden_size {} / num_heads {} must give a head_dim divisible by 4", v.hidden_size, v.num_heads),
         ));
     }
     let side = v.num_grid_per_side();
@@ -473,10 +408,7 @@ fn validate_vision(v: &VisionConfig, t: &TextConfig, path: &Path) -> Result<()> 
         ));
     }
     if let Some(&bad) = v.deepstack_visual_indexes.iter().find(|&&i| i >= v.depth) {
-        return Err(err(
-            "vision_config.deepstack_visual_indexes",
-            format!("index {bad} >= depth {}", v.depth),
-        ));
+        return Err(err("vision_config.deepstack_visual_indexes", format!("index {bad} >= depth {}", v.depth)));
     }
     if v.deepstack_visual_indexes.len() > t.num_hidden_layers {
         return Err(err(
@@ -491,25 +423,12 @@ fn validate_vision(v: &VisionConfig, t: &TextConfig, path: &Path) -> Result<()> 
     if v.out_hidden_size != t.hidden_size {
         return Err(err(
             "vision_config.out_hidden_size",
-            format!(
-                "{} differs from text_config.hidden_size {}",
-                v.out_hidden_size, t.hidden_size
-            ),
+            format!("{} differs from text_config.hidden_size {}", v.out_hidden_size, t.hidden_size),
         ));
     }
     Ok(())
 }
 
-fn collect_unknown(
-    extra: &BTreeMap<String, Value>,
-    ignored: &[&str],
-    prefix: &str,
-    out: &mut Vec<String>,
-) {
-    out.extend(
-        extra
-            .keys()
-            .filter(|k| !ignored.contains(&k.as_str()))
-            .map(|k| format!("{prefix}{k}")),
-    );
+fn collect_unknown(extra: &BTreeMap<String, Value>, ignored: &[&str], prefix: &str, out: &mut Vec<String>) {
+    out.extend(extra.keys().filter(|k| !ignored.contains(&k.as_str())).map(|k| format!("{prefix}{k}")));
 }

@@ -59,7 +59,9 @@ pub struct Generation {
     pub tokens: Vec<u32>,
     pub stop: StopReason,
     pub prompt_tokens: usize,
-    /// Vision tower + prefill time.
+    /// Vision tower time (images and videos of the prompt).
+    pub vision_time: Duration,
+    /// Text prefill time (after the vision tower).
     pub prefill_time: Duration,
     pub decode_time: Duration,
     /// f32 logits that chose the first generated token.
@@ -148,8 +150,12 @@ impl Qwen3VlModel {
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Generation> {
         let t0 = Instant::now();
+        let images = prompt.images.as_ref().map(|i| self.encode_vision(i)).transpose()?;
+        let videos = prompt.videos.as_ref().map(|v| self.encode_vision(v)).transpose()?;
+        let vision_time = t0.elapsed();
+        let t0 = Instant::now();
         let mut cache = self.new_cache();
-        let state = self.prefill(prompt, &mut cache, &mut |_, _| {})?;
+        let state = self.prefill_encoded(prompt, images.as_ref(), videos.as_ref(), &mut cache, &mut |_, _| {})?;
         let first_logits = self.last_logits(&state)?;
         let prefill_time = t0.elapsed();
         let t1 = Instant::now();
@@ -158,11 +164,7 @@ impl Qwen3VlModel {
         let mut tokens = Vec::new();
         let mut logits = first_logits.clone();
         let mut stop = StopReason::MaxTokens;
-        let room = self
-            .config()
-            .text
-            .max_position_embeddings
-            .saturating_sub(prompt.input_ids.len());
+        let room = self.config().text.max_position_embeddings.saturating_sub(prompt.input_ids.len());
         for step in 0..opts.max_new_tokens.min(room) {
             let next = sample(&logits.to_vec1::<f32>()?, &seen, opts, &mut rng);
             tokens.push(next);
@@ -184,6 +186,7 @@ impl Qwen3VlModel {
             tokens,
             stop,
             prompt_tokens: prompt.input_ids.len(),
+            vision_time,
             prefill_time,
             decode_time: t1.elapsed(),
             first_logits,
@@ -197,10 +200,7 @@ mod tests {
     use super::*;
 
     fn opts() -> GenerationOptions {
-        GenerationOptions {
-            temperature: 1.0,
-            ..Default::default()
-        }
+        GenerationOptions { temperature: 1.0, ..Default::default() }
     }
 
     #[test]
@@ -209,16 +209,10 @@ mod tests {
         let l = [1.0, 3.0, 2.9];
         assert_eq!(sample(&l, &[], &GenerationOptions::default(), &mut rng), 1);
         // Penalty 2 on token 1: 3.0 / 2 = 1.5 < 2.9.
-        let o = GenerationOptions {
-            repetition_penalty: 2.0,
-            ..Default::default()
-        };
+        let o = GenerationOptions { repetition_penalty: 2.0, ..Default::default() };
         assert_eq!(sample(&l, &[1], &o, &mut rng), 2);
         // Negative logits are multiplied.
-        let o = GenerationOptions {
-            repetition_penalty: 2.0,
-            ..Default::default()
-        };
+        let o = GenerationOptions { repetition_penalty: 2.0, ..Default::default() };
         assert_eq!(sample(&[-1.0, -1.5], &[0], &o, &mut rng), 1);
     }
 
@@ -227,14 +221,8 @@ mod tests {
         let l = [0.5, 0.2, 0.9, 0.1];
         for o in [
             GenerationOptions { top_k: 1, ..opts() },
-            GenerationOptions {
-                top_p: 0.01,
-                ..opts()
-            },
-            GenerationOptions {
-                min_p: 0.999,
-                ..opts()
-            },
+            GenerationOptions { top_p: 0.01, ..opts() },
+            GenerationOptions { min_p: 0.999, ..opts() },
         ] {
             let mut rng = StdRng::seed_from_u64(7);
             for _ in 0..20 {
@@ -248,19 +236,14 @@ mod tests {
         let l = [0.0f32, (3.0f32).ln()]; // probabilities 1/4, 3/4
         let draw = |seed| {
             let mut rng = StdRng::seed_from_u64(seed);
-            (0..4000)
-                .map(|_| sample(&l, &[], &opts(), &mut rng))
-                .collect::<Vec<_>>()
+            (0..4000).map(|_| sample(&l, &[], &opts(), &mut rng)).collect::<Vec<_>>()
         };
         assert_eq!(draw(3), draw(3));
         let ones = draw(3).iter().filter(|&&t| t == 1).count() as f64 / 4000.0;
         assert!((ones - 0.75).abs() < 0.03, "{ones}");
         // top_k 2 keeps both; top_p 0.7 keeps only the 3/4 token.
         let mut rng = StdRng::seed_from_u64(1);
-        let o = GenerationOptions {
-            top_p: 0.7,
-            ..opts()
-        };
+        let o = GenerationOptions { top_p: 0.7, ..opts() };
         assert!((0..100).all(|_| sample(&l, &[], &o, &mut rng) == 1));
     }
 }

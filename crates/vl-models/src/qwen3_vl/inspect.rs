@@ -105,11 +105,7 @@ impl Summary {
             plural(self.text_layers, "text layer"),
             plural(self.vision_blocks, "vision block"),
             plural(self.deepstack_mergers, "deepstack merger"),
-            if self.tied_lm_head {
-                "tied lm_head"
-            } else {
-                "untied lm_head"
-            }
+            if self.tied_lm_head { "tied lm_head" } else { "untied lm_head" }
         )
     }
 }
@@ -130,17 +126,9 @@ fn human(n: usize) -> String {
 impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let p = &self.parameters;
-        writeln!(
-            f,
-            "architecture: {} ({})",
-            self.architecture, self.model_type
-        )?;
+        writeln!(f, "architecture: {} ({})", self.architecture, self.model_type)?;
         writeln!(f, "layout:       {}", self.layout())?;
-        let dt: Vec<String> = self
-            .dtypes
-            .iter()
-            .map(|(k, n)| format!("{k} ({n} tensors)"))
-            .collect();
+        let dt: Vec<String> = self.dtypes.iter().map(|(k, n)| format!("{k} ({n} tensors)")).collect();
         writeln!(
             f,
             "weights:      {} tensors in {} file{}{}, {}",
@@ -150,11 +138,7 @@ impl fmt::Display for Summary {
             if self.sharded { " (sharded)" } else { "" },
             dt.join(", ")
         )?;
-        let head = if self.tied_lm_head {
-            "tied".to_string()
-        } else {
-            format!("{} ({})", human(p.lm_head), p.lm_head)
-        };
+        let head = if self.tied_lm_head { "tied".to_string() } else { format!("{} ({})", human(p.lm_head), p.lm_head) };
         writeln!(
             f,
             "parameters:   {} ({}): vision {} ({}), text {} ({}), lm_head {}",
@@ -172,11 +156,7 @@ impl fmt::Display for Summary {
             write!(f, "\nignored:      {}", self.ignored_tensors.join(", "))?;
         }
         if !self.unknown_config_keys.is_empty() {
-            write!(
-                f,
-                "\nwarning:      config keys not understood: {}",
-                self.unknown_config_keys.join(", ")
-            )?;
+            write!(f, "\nwarning:      config keys not understood: {}", self.unknown_config_keys.join(", "))?;
         }
         Ok(())
     }

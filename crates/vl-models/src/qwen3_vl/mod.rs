@@ -3,6 +3,7 @@
 pub mod chat;
 pub mod config;
 pub mod generate;
+pub mod generation_config;
 pub mod inspect;
 pub mod model;
 pub mod plan;
@@ -15,6 +16,7 @@ pub mod vision;
 pub use chat::{Content, Message, Processor, StreamDecoder};
 pub use config::{Qwen3VlConfig, TextConfig, VisionConfig};
 pub use generate::{Generation, GenerationOptions, StopReason};
+pub use generation_config::GenerationConfig;
 pub use inspect::{inspect, Summary};
 pub use model::{PrefillOutput, Prompt, Qwen3VlModel, VisionInput};
 pub use plan::{check_plan, tensor_plan, Group, PlanReport, PlannedTensor};

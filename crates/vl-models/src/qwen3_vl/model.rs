@@ -59,14 +59,19 @@ impl Qwen3VlModel {
         Self::from_checkpoint(cfg, &ck, dtype, device)
     }
 
-    pub fn from_checkpoint(
+    pub fn from_checkpoint(cfg: Qwen3VlConfig, ck: &Arc<Checkpoint>, dtype: DType, device: &Device) -> Result<Self> {
+        Self::from_var_builder(cfg, ck.var_builder(dtype, device))
+    }
+
+    /// Loads a checked checkpoint, calling `progress(key)` per tensor.
+    pub fn from_checkpoint_with_progress(
         cfg: Qwen3VlConfig,
         ck: &Arc<Checkpoint>,
         dtype: DType,
         device: &Device,
+        progress: crate::checkpoint::LoadProgress,
     ) -> Result<Self> {
-        let vb = ck.var_builder(dtype, device);
-        Self::from_var_builder(cfg, vb)
+        Self::from_var_builder(cfg, ck.var_builder_with_progress(dtype, device, Some(progress)))
     }
 
     pub fn from_var_builder(cfg: Qwen3VlConfig, vb: candle_nn::VarBuilder) -> Result<Self> {
@@ -101,16 +106,8 @@ impl Qwen3VlModel {
         cache: &mut TextCache,
         trace: &mut dyn FnMut(usize, &Tensor),
     ) -> Result<PrefillOutput> {
-        let images = prompt
-            .images
-            .as_ref()
-            .map(|i| self.encode_vision(i))
-            .transpose()?;
-        let videos = prompt
-            .videos
-            .as_ref()
-            .map(|v| self.encode_vision(v))
-            .transpose()?;
+        let images = prompt.images.as_ref().map(|i| self.encode_vision(i)).transpose()?;
+        let videos = prompt.videos.as_ref().map(|v| self.encode_vision(v)).transpose()?;
         self.prefill_encoded(prompt, images.as_ref(), videos.as_ref(), cache, trace)
     }
 
@@ -125,18 +122,12 @@ impl Qwen3VlModel {
     ) -> Result<PrefillOutput> {
         let ids = &prompt.input_ids;
         if ids.is_empty() {
-            return Err(Error::Input {
-                what: "prompt".into(),
-                message: "no tokens".into(),
-            });
+            return Err(Error::Input { what: "prompt".into(), message: "no tokens".into() });
         }
         if !cache.is_empty() {
             return Err(Error::Input {
                 what: "cache".into(),
-                message: format!(
-                    "prefill needs an empty cache, it holds {} positions",
-                    cache.len()
-                ),
+                message: format!("prefill needs an empty cache, it holds {} positions", cache.len()),
             });
         }
         let max = self.cfg.text.max_position_embeddings;
@@ -147,8 +138,7 @@ impl Qwen3VlModel {
             });
         }
         let types = token_types(ids, self.cfg.image_token_id, self.cfg.video_token_id);
-        let grids =
-            |v: &Option<VisionInput>| v.as_ref().map(|v| v.grids.clone()).unwrap_or_default();
+        let grids = |v: &Option<VisionInput>| v.as_ref().map(|v| v.grids.clone()).unwrap_or_default();
         let (positions, rope_delta) = mrope_positions(
             &types,
             &grids(&prompt.images),
@@ -161,25 +151,14 @@ impl Qwen3VlModel {
         let mut levels: Vec<Tensor> = Vec::new();
         // Per modality: substitute merged rows in order; collect DeepStack rows in sequence order.
         let mut ds_parts: Vec<(Vec<u32>, &VisionOutput)> = Vec::new();
-        for (kind, out, name) in [
-            (TokenType::Image, images, "image"),
-            (TokenType::Video, videos, "video"),
-        ] {
-            let rows: Vec<u32> = types
-                .iter()
-                .enumerate()
-                .filter(|(_, &t)| t == kind)
-                .map(|(i, _)| i as u32)
-                .collect();
+        for (kind, out, name) in [(TokenType::Image, images, "image"), (TokenType::Video, videos, "video")] {
+            let rows: Vec<u32> = types.iter().enumerate().filter(|(_, &t)| t == kind).map(|(i, _)| i as u32).collect();
             match out {
                 None if rows.is_empty() => continue,
                 None => {
                     return Err(Error::Input {
                         what: "prompt".into(),
-                        message: format!(
-                            "{} {name} placeholder tokens but no {name} input",
-                            rows.len()
-                        ),
+                        message: format!("{} {name} placeholder tokens but no {name} input", rows.len()),
                     })
                 }
                 Some(out) => {
@@ -203,11 +182,7 @@ impl Qwen3VlModel {
             }
         }
         if !ds_parts.is_empty() {
-            let n_levels = ds_parts
-                .iter()
-                .map(|(_, o)| o.deepstack.len())
-                .min()
-                .unwrap_or(0);
+            let n_levels = ds_parts.iter().map(|(_, o)| o.deepstack.len()).min().unwrap_or(0);
             // Order the visual rows by sequence position across modalities.
             let mut order: Vec<(u32, usize, usize)> = Vec::new(); // (row, part, index within part)
             for (p, (rows, _)) in ds_parts.iter().enumerate() {
@@ -231,51 +206,30 @@ impl Qwen3VlModel {
                             Some(o)
                         })
                         .collect();
-                    let gather: Vec<u32> = order
-                        .iter()
-                        .map(|&(_, p, k)| (offsets[p] + k) as u32)
-                        .collect();
+                    let gather: Vec<u32> = order.iter().map(|&(_, p, k)| (offsets[p] + k) as u32).collect();
                     let all = Tensor::cat(&per_part, 0)?;
                     all.index_select(&Tensor::from_slice(&gather, gather.len(), all.device())?, 0)?
                 };
                 levels.push(level_rows);
             }
         }
-        let deepstack = (!visual_rows.is_empty()).then_some(DeepStack {
-            positions: &visual_rows,
-            levels: &levels,
-        });
+        let deepstack = (!visual_rows.is_empty()).then_some(DeepStack { positions: &visual_rows, levels: &levels });
         let hidden = self.text.forward(&x, &positions, cache, deepstack, trace)?;
-        Ok(PrefillOutput {
-            hidden,
-            rope_delta,
-            prompt_len: ids.len(),
-        })
+        Ok(PrefillOutput { hidden, rope_delta, prompt_len: ids.len() })
     }
 
     /// Feeds one generated token at decoding step `step` (0 for the first token after the prompt);
     /// returns the f32 logits [vocab] of the next position.
-    pub fn decode_step(
-        &self,
-        token: u32,
-        state: &PrefillOutput,
-        step: usize,
-        cache: &mut TextCache,
-    ) -> Result<Tensor> {
+    pub fn decode_step(&self, token: u32, state: &PrefillOutput, step: usize, cache: &mut TextCache) -> Result<Tensor> {
         let pos = (state.prompt_len + step) as i64 + state.rope_delta;
         if cache.len() + 1 > self.cfg.text.max_position_embeddings {
             return Err(Error::Input {
                 what: "generation".into(),
-                message: format!(
-                    "context of {} tokens is full",
-                    self.cfg.text.max_position_embeddings
-                ),
+                message: format!("context of {} tokens is full", self.cfg.text.max_position_embeddings),
             });
         }
         let x = self.text.embed(&[token])?;
-        let h = self
-            .text
-            .forward(&x, &[[pos; 3]], cache, None, &mut |_, _| {})?;
+        let h = self.text.forward(&x, &[[pos; 3]], cache, None, &mut |_, _| {})?;
         Ok(self.text.logits(&h)?.squeeze(0)?)
     }
 

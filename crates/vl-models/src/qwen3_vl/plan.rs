@@ -34,12 +34,7 @@ pub const LM_HEAD: &str = "lm_head.weight";
 pub fn tensor_plan(cfg: &Qwen3VlConfig) -> Vec<PlannedTensor> {
     let mut plan = Vec::new();
     let mut add = |key: String, shape: Vec<usize>, group: Group, required: bool| {
-        plan.push(PlannedTensor {
-            key,
-            shape,
-            group,
-            required,
-        });
+        plan.push(PlannedTensor { key, shape, group, required });
     };
     let v = &cfg.vision;
     let vp = VISION_PREFIX;
@@ -48,19 +43,10 @@ pub fn tensor_plan(cfg: &Qwen3VlConfig) -> Vec<PlannedTensor> {
     let mut vis = |key: String, shape: Vec<usize>| add(key, shape, Group::Vision, true);
     vis(
         format!("{vp}.patch_embed.proj.weight"),
-        vec![
-            h,
-            v.in_channels,
-            v.temporal_patch_size,
-            v.patch_size,
-            v.patch_size,
-        ],
+        vec![h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size],
     );
     vis(format!("{vp}.patch_embed.proj.bias"), vec![h]);
-    vis(
-        format!("{vp}.pos_embed.weight"),
-        vec![v.num_position_embeddings, h],
-    );
+    vis(format!("{vp}.pos_embed.weight"), vec![v.num_position_embeddings, h]);
     for i in 0..v.depth {
         let b = format!("{vp}.blocks.{i}");
         for n in ["norm1", "norm2"] {
@@ -76,29 +62,20 @@ pub fn tensor_plan(cfg: &Qwen3VlConfig) -> Vec<PlannedTensor> {
         vis(format!("{b}.mlp.linear_fc2.weight"), vec![h, vi]);
         vis(format!("{b}.mlp.linear_fc2.bias"), vec![h]);
     }
-    let mergers = std::iter::once((format!("{vp}.merger"), h)).chain(
-        (0..v.deepstack_visual_indexes.len())
-            .map(|j| (format!("{vp}.deepstack_merger_list.{j}"), merged)),
-    );
+    let mergers = std::iter::once((format!("{vp}.merger"), h))
+        .chain((0..v.deepstack_visual_indexes.len()).map(|j| (format!("{vp}.deepstack_merger_list.{j}"), merged)));
     for (m, norm_dim) in mergers {
         vis(format!("{m}.norm.weight"), vec![norm_dim]);
         vis(format!("{m}.norm.bias"), vec![norm_dim]);
         vis(format!("{m}.linear_fc1.weight"), vec![merged, merged]);
         vis(format!("{m}.linear_fc1.bias"), vec![merged]);
-        vis(
-            format!("{m}.linear_fc2.weight"),
-            vec![v.out_hidden_size, merged],
-        );
+        vis(format!("{m}.linear_fc2.weight"), vec![v.out_hidden_size, merged]);
         vis(format!("{m}.linear_fc2.bias"), vec![v.out_hidden_size]);
     }
 
     let t = &cfg.text;
     let tp = TEXT_PREFIX;
-    let (d, q, kv) = (
-        t.hidden_size,
-        t.num_attention_heads * t.head_dim,
-        t.num_key_value_heads * t.head_dim,
-    );
+    let (d, q, kv) = (t.hidden_size, t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim);
     let mut txt = |key: String, shape: Vec<usize>| add(key, shape, Group::Text, true);
     txt(format!("{tp}.embed_tokens.weight"), vec![t.vocab_size, d]);
     for i in 0..t.num_hidden_layers {
@@ -111,26 +88,12 @@ pub fn tensor_plan(cfg: &Qwen3VlConfig) -> Vec<PlannedTensor> {
         txt(format!("{l}.self_attn.o_proj.weight"), vec![d, q]);
         txt(format!("{l}.self_attn.q_norm.weight"), vec![t.head_dim]);
         txt(format!("{l}.self_attn.k_norm.weight"), vec![t.head_dim]);
-        txt(
-            format!("{l}.mlp.gate_proj.weight"),
-            vec![t.intermediate_size, d],
-        );
-        txt(
-            format!("{l}.mlp.up_proj.weight"),
-            vec![t.intermediate_size, d],
-        );
-        txt(
-            format!("{l}.mlp.down_proj.weight"),
-            vec![d, t.intermediate_size],
-        );
+        txt(format!("{l}.mlp.gate_proj.weight"), vec![t.intermediate_size, d]);
+        txt(format!("{l}.mlp.up_proj.weight"), vec![t.intermediate_size, d]);
+        txt(format!("{l}.mlp.down_proj.weight"), vec![d, t.intermediate_size]);
     }
     txt(format!("{tp}.norm.weight"), vec![d]);
-    add(
-        LM_HEAD.to_string(),
-        vec![t.vocab_size, d],
-        Group::LmHead,
-        !cfg.tie_word_embeddings,
-    );
+    add(LM_HEAD.to_string(), vec![t.vocab_size, d], Group::LmHead, !cfg.tie_word_embeddings);
     plan
 }
 
@@ -161,20 +124,10 @@ pub fn check_plan(plan: &[PlannedTensor], ck: &Checkpoint) -> Result<PlanReport>
             Some(_) => {}
         }
     }
-    let unexpected: Vec<String> = ck
-        .tensors()
-        .keys()
-        .filter(|k| !planned.contains(k.as_str()))
-        .cloned()
-        .collect();
+    let unexpected: Vec<String> = ck.tensors().keys().filter(|k| !planned.contains(k.as_str())).cloned().collect();
     if missing.is_empty() && unexpected.is_empty() && wrong_shape.is_empty() {
         Ok(report)
     } else {
-        Err(Error::TensorPlan {
-            dir: ck.dir().to_path_buf(),
-            missing,
-            unexpected,
-            wrong_shape,
-        })
+        Err(Error::TensorPlan { dir: ck.dir().to_path_buf(), missing, unexpected, wrong_shape })
     }
 }

@@ -36,10 +36,7 @@ pub fn mrope_positions(
     video_grids: &[Grid],
     spatial_merge: usize,
 ) -> Result<(Vec<[i64; 3]>, i64)> {
-    let frames: Vec<Grid> = video_grids
-        .iter()
-        .flat_map(|&[t, h, w]| std::iter::repeat_n([1, h, w], t))
-        .collect();
+    let frames: Vec<Grid> = video_grids.iter().flat_map(|&[t, h, w]| std::iter::repeat_n([1, h, w], t)).collect();
     let mut grids = [image_grids.iter(), frames.iter()];
     let mut out = Vec::with_capacity(types.len());
     let mut pos: i64 = 0;
@@ -51,11 +48,8 @@ pub fn mrope_positions(
             out.extend((0..run as i64).map(|k| [pos + k; 3]));
             pos += run as i64;
         } else {
-            let (name, list) = if kind == TokenType::Image {
-                ("image", &mut grids[0])
-            } else {
-                ("video frame", &mut grids[1])
-            };
+            let (name, list) =
+                if kind == TokenType::Image { ("image", &mut grids[0]) } else { ("video frame", &mut grids[1]) };
             let mut left = run;
             while left > 0 {
                 let &[_, h, w] = list.next().ok_or_else(|| Error::Input {
@@ -91,11 +85,7 @@ pub fn mrope_positions(
             });
         }
     }
-    let max = out
-        .iter()
-        .flat_map(|p| p.iter().copied())
-        .max()
-        .unwrap_or(-1);
+    let max = out.iter().flat_map(|p| p.iter().copied()).max().unwrap_or(-1);
     Ok((out, max + 1 - types.len() as i64))
 }
 
@@ -163,44 +153,22 @@ mod tests {
         // <t0> frame 1x2 merged, <t1> frame 1x2 merged: each frame restarts t at its own start.
         let types = [T, V, V, T, V, V];
         let (p, delta) = mrope_positions(&types, &[], &[[2, 2, 4]], 2).unwrap();
-        assert_eq!(
-            p,
-            vec![
-                [0, 0, 0],
-                [1, 1, 1],
-                [1, 1, 2],
-                [3, 3, 3],
-                [4, 4, 4],
-                [4, 4, 5]
-            ]
-        );
+        assert_eq!(p, vec![[0, 0, 0], [1, 1, 1], [1, 1, 2], [3, 3, 3], [4, 4, 4], [4, 4, 5]]);
         assert_eq!(delta, 6 - 6);
     }
 
     #[test]
     fn count_mismatches_are_errors() {
-        let err = mrope_positions(&[T, I, I, I], &[[1, 4, 4]], &[], 2)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("3 image placeholder tokens") && err.contains("needs 4"),
-            "{err}"
-        );
-        let err = mrope_positions(&[T, I], &[], &[], 2)
-            .unwrap_err()
-            .to_string();
+        let err = mrope_positions(&[T, I, I, I], &[[1, 4, 4]], &[], 2).unwrap_err().to_string();
+        assert!(err.contains("3 image placeholder tokens") && err.contains("needs 4"), "{err}");
+        let err = mrope_positions(&[T, I], &[], &[], 2).unwrap_err().to_string();
         assert!(err.contains("more image tokens than image grids"), "{err}");
-        let err = mrope_positions(&[T], &[[1, 2, 2]], &[], 2)
-            .unwrap_err()
-            .to_string();
+        let err = mrope_positions(&[T], &[[1, 2, 2]], &[], 2).unwrap_err().to_string();
         assert!(err.contains("fewer image"), "{err}");
     }
 
     #[test]
     fn token_types_from_ids() {
-        assert_eq!(
-            token_types(&[1, 151655, 151656, 151652], 151655, 151656),
-            vec![T, I, V, T]
-        );
+        assert_eq!(token_types(&[1, 151655, 151656, 151652], 151655, 151656), vec![T, I, V, T]);
     }
 }

@@ -114,36 +114,20 @@ impl PreprocessorConfig {
             return Ok(Self::default());
         }
         let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-        let raw: RawPreprocessor = serde_json::from_str(&text).map_err(|source| Error::Json {
-            path: path.clone(),
-            source,
-        })?;
-        let field = |f: &str, m: String| Error::Config {
-            path: path.clone(),
-            field: f.into(),
-            message: m,
-        };
+        let raw: RawPreprocessor =
+            serde_json::from_str(&text).map_err(|source| Error::Json { path: path.clone(), source })?;
+        let field = |f: &str, m: String| Error::Config { path: path.clone(), field: f.into(), message: m };
         if raw.resample != 3 {
-            return Err(field(
-                "resample",
-                format!("{} is not supported (3 = bicubic only)", raw.resample),
-            ));
+            return Err(field("resample", format!("{} is not supported (3 = bicubic only)", raw.resample)));
         }
         let three = |v: &[f32], f: &str| -> Result<[f32; 3]> {
-            v.try_into()
-                .map_err(|_| field(f, format!("{v:?} must have 3 values")))
+            v.try_into().map_err(|_| field(f, format!("{v:?} must have 3 values")))
         };
         let d = Self::default();
         let size = raw.size.clone();
         Ok(Self {
-            min_pixels: raw
-                .min_pixels
-                .or(size.as_ref().and_then(|s| s.shortest_edge))
-                .unwrap_or(d.min_pixels),
-            max_pixels: raw
-                .max_pixels
-                .or(size.as_ref().and_then(|s| s.longest_edge))
-                .unwrap_or(d.max_pixels),
+            min_pixels: raw.min_pixels.or(size.as_ref().and_then(|s| s.shortest_edge)).unwrap_or(d.min_pixels),
+            max_pixels: raw.max_pixels.or(size.as_ref().and_then(|s| s.longest_edge)).unwrap_or(d.max_pixels),
             patch_size: raw.patch_size,
             temporal_patch_size: raw.temporal_patch_size,
             merge_size: raw.merge_size,
@@ -173,18 +157,13 @@ pub fn smart_resize(
     max_pixels: usize,
 ) -> Result<(usize, usize)> {
     if height == 0 || width == 0 {
-        return Err(Error::Input {
-            what: "image".into(),
-            message: format!("empty image {width}x{height}"),
-        });
+        return Err(Error::Input { what: "image".into(), message: format!("empty image {width}x{height}") });
     }
     let ratio = height.max(width) as f64 / height.min(width) as f64;
     if ratio > MAX_ASPECT_RATIO {
         return Err(Error::Input {
             what: "image".into(),
-            message: format!(
-                "aspect ratio {ratio:.1} ({width}x{height}) exceeds {MAX_ASPECT_RATIO}"
-            ),
+            message: format!("aspect ratio {ratio:.1} ({width}x{height}) exceeds {MAX_ASPECT_RATIO}"),
         });
     }
     let (h, w, f) = (height as f64, width as f64, factor as f64);
@@ -205,29 +184,19 @@ pub fn smart_resize(
 /// Decodes an image file (PNG, JPEG, WebP, GIF's first frame, BMP), applies its EXIF
 /// orientation, and converts it to RGB the way the reference does.
 pub fn load_image(path: &Path) -> Result<RgbImage> {
-    let bad = |message: String| Error::Input {
-        what: format!("image {}", path.display()),
-        message,
-    };
+    let bad = |message: String| Error::Input { what: format!("image {}", path.display()), message };
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
     let reader = image::ImageReader::new(std::io::Cursor::new(&bytes))
         .with_guessed_format()
         .map_err(|e| bad(format!("cannot read: {e}")))?;
-    let format = reader
-        .format()
-        .ok_or_else(|| bad("not a recognized image format (PNG, JPEG, WebP, GIF, BMP)".into()))?;
-    let mut decoder = reader
-        .into_decoder()
-        .map_err(|e| bad(format!("cannot decode: {e}")))?;
+    let format =
+        reader.format().ok_or_else(|| bad("not a recognized image format (PNG, JPEG, WebP, GIF, BMP)".into()))?;
+    let mut decoder = reader.into_decoder().map_err(|e| bad(format!("cannot decode: {e}")))?;
     let orientation = image::ImageDecoder::orientation(&mut decoder).ok();
-    let jpeg = (format == image::ImageFormat::Jpeg)
-        .then(|| decode_jpeg(&bytes))
-        .flatten();
+    let jpeg = (format == image::ImageFormat::Jpeg).then(|| decode_jpeg(&bytes)).flatten();
     let mut img = match jpeg {
         Some(img) => img,
-        None => {
-            DynamicImage::from_decoder(decoder).map_err(|e| bad(format!("cannot decode: {e}")))?
-        }
+        None => DynamicImage::from_decoder(decoder).map_err(|e| bad(format!("cannot decode: {e}")))?,
     };
     if let Some(o) = orientation {
         img.apply_orientation(o);
@@ -244,12 +213,8 @@ fn decode_jpeg(bytes: &[u8]) -> Option<DynamicImage> {
     let info = d.info()?;
     let (w, h) = (info.width as u32, info.height as u32);
     match info.pixel_format {
-        jpeg_decoder::PixelFormat::RGB24 => {
-            RgbImage::from_raw(w, h, pixels).map(DynamicImage::ImageRgb8)
-        }
-        jpeg_decoder::PixelFormat::L8 => {
-            image::GrayImage::from_raw(w, h, pixels).map(DynamicImage::ImageLuma8)
-        }
+        jpeg_decoder::PixelFormat::RGB24 => RgbImage::from_raw(w, h, pixels).map(DynamicImage::ImageRgb8),
+        jpeg_decoder::PixelFormat::L8 => image::GrayImage::from_raw(w, h, pixels).map(DynamicImage::ImageLuma8),
         _ => None,
     }
 }
@@ -316,11 +281,7 @@ impl ImageProcessor {
     }
 
     /// Overrides the pixel budget (per call, like the reference's `size=` argument).
-    pub fn with_pixel_budget(
-        mut self,
-        min_pixels: Option<usize>,
-        max_pixels: Option<usize>,
-    ) -> Self {
+    pub fn with_pixel_budget(mut self, min_pixels: Option<usize>, max_pixels: Option<usize>) -> Self {
         if let Some(m) = min_pixels {
             self.config.min_pixels = m;
         }
@@ -334,10 +295,7 @@ impl ImageProcessor {
     pub fn process_file(&self, path: &Path) -> Result<ProcessedImage> {
         let img = load_image(path)?;
         self.process(&img).map_err(|e| match e {
-            Error::Input { message, .. } => Error::Input {
-                what: format!("image {}", path.display()),
-                message,
-            },
+            Error::Input { message, .. } => Error::Input { what: format!("image {}", path.display()), message },
             other => other,
         })
     }
@@ -345,25 +303,14 @@ impl ImageProcessor {
     pub fn process(&self, img: &RgbImage) -> Result<ProcessedImage> {
         let c = &self.config;
         let (w0, h0) = (img.width() as usize, img.height() as usize);
-        let (h, w) = if c.do_resize {
-            smart_resize(h0, w0, c.factor(), c.min_pixels, c.max_pixels)?
-        } else {
-            (h0, w0)
-        };
+        let (h, w) = if c.do_resize { smart_resize(h0, w0, c.factor(), c.min_pixels, c.max_pixels)? } else { (h0, w0) };
         if h % c.factor() != 0 || w % c.factor() != 0 {
             return Err(Error::Input {
                 what: "image".into(),
-                message: format!(
-                    "{w}x{h} is not a multiple of {} (enable do_resize)",
-                    c.factor()
-                ),
+                message: format!("{w}x{h} is not a multiple of {} (enable do_resize)", c.factor()),
             });
         }
-        let rgb: Vec<u8> = if (h, w) == (h0, w0) {
-            img.as_raw().clone()
-        } else {
-            resize_bicubic(img, w, h)?
-        };
+        let rgb: Vec<u8> = if (h, w) == (h0, w0) { img.as_raw().clone() } else { resize_bicubic(img, w, h)? };
         // Channel-first float planes: rescale, then normalize.
         let plane = h * w;
         let mut planes = vec![0f32; 3 * plane];
@@ -388,12 +335,8 @@ impl ImageProcessor {
 
     /// Stacks processed images into one vision input.
     pub fn batch(&self, images: &[ProcessedImage], device: &Device) -> Result<VisionInput> {
-        let row =
-            3 * self.config.temporal_patch_size * self.config.patch_size * self.config.patch_size;
-        let data: Vec<f32> = images
-            .iter()
-            .flat_map(|i| i.pixels.iter().copied())
-            .collect();
+        let row = 3 * self.config.temporal_patch_size * self.config.patch_size * self.config.patch_size;
+        let data: Vec<f32> = images.iter().flat_map(|i| i.pixels.iter().copied()).collect();
         let rows = data.len() / row;
         Ok(VisionInput {
             pixels: Tensor::from_vec(data, (rows, row), device)?,
@@ -406,23 +349,15 @@ impl ImageProcessor {
 /// first, rounded to u8, then the vertical pass. (fast_image_resize alone runs the vertical pass
 /// first for u8 images, which moves values near sharp edges by several levels.)
 fn resize_bicubic(img: &RgbImage, w: usize, h: usize) -> Result<Vec<u8>> {
-    let err = |e: String| Error::Input {
-        what: "image".into(),
-        message: format!("resize: {e}"),
-    };
+    let err = |e: String| Error::Input { what: "image".into(), message: format!("resize: {e}") };
     let opts = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::CatmullRom));
     let mut resizer = Resizer::new();
     let (w0, h0) = img.dimensions();
-    let src = FirImage::from_vec_u8(w0, h0, img.as_raw().clone(), PixelType::U8x3)
-        .map_err(|e| err(e.to_string()))?;
+    let src = FirImage::from_vec_u8(w0, h0, img.as_raw().clone(), PixelType::U8x3).map_err(|e| err(e.to_string()))?;
     let mut wide = FirImage::new(w as u32, h0, PixelType::U8x3);
-    resizer
-        .resize(&src, &mut wide, &opts)
-        .map_err(|e| err(e.to_string()))?;
+    resizer.resize(&src, &mut wide, &opts).map_err(|e| err(e.to_string()))?;
     let mut dst = FirImage::new(w as u32, h as u32, PixelType::U8x3);
-    resizer
-        .resize(&wide, &mut dst, &opts)
-        .map_err(|e| err(e.to_string()))?;
+    resizer.resize(&wide, &mut dst, &opts).map_err(|e| err(e.to_string()))?;
     Ok(dst.into_vec())
 }
 
@@ -466,9 +401,7 @@ mod tests {
         assert_eq!(smart_resize(480, 640, 32, 4096, 65536).unwrap(), (192, 288));
         // Below min: ceil after scaling. 24x40, min 4096: beta = sqrt(4096/960).
         assert_eq!(smart_resize(24, 40, 32, 4096, 65536).unwrap(), (64, 96));
-        let err = smart_resize(10, 2010, 32, 1, 1 << 30)
-            .unwrap_err()
-            .to_string();
+        let err = smart_resize(10, 2010, 32, 1, 1 << 30).unwrap_err().to_string();
         assert!(err.contains("aspect ratio 201.0"), "{err}");
     }
 
@@ -483,16 +416,9 @@ mod tests {
     #[test]
     fn patchify_orders_merge_blocks_then_channels_then_time() {
         // 4x4 image, patch 1, merge 2, temporal 2: value = ch*100 + row*10 + col.
-        let c = PreprocessorConfig {
-            patch_size: 1,
-            merge_size: 2,
-            temporal_patch_size: 2,
-            ..Default::default()
-        };
+        let c = PreprocessorConfig { patch_size: 1, merge_size: 2, temporal_patch_size: 2, ..Default::default() };
         let planes: Vec<f32> = (0..3)
-            .flat_map(|ch| {
-                (0..4).flat_map(move |r| (0..4).map(move |col| (ch * 100 + r * 10 + col) as f32))
-            })
+            .flat_map(|ch| (0..4).flat_map(move |r| (0..4).map(move |col| (ch * 100 + r * 10 + col) as f32)))
             .collect();
         let rows = patchify(&planes, 4, 4, &c);
         assert_eq!(rows.len(), 16 * 6);

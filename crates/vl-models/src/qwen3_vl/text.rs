@@ -52,34 +52,15 @@ impl Attention {
     }
 
     /// `x`: [new, hidden]; `cos`/`sin`: [new, head_dim / 2].
-    fn forward(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        cache: &mut KvCache,
-    ) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         let (n, _) = x.dims2()?;
         let hd = self.head_dim;
         // [new, heads, hd] -> per-head norm -> [1, heads, new, hd] for rope
-        let q = self
-            .q_norm
-            .forward(&self.q_proj.forward(x)?.reshape((n, self.heads, hd))?)?;
-        let k = self
-            .k_norm
-            .forward(&self.k_proj.forward(x)?.reshape((n, self.kv_heads, hd))?)?;
-        let v = self
-            .v_proj
-            .forward(x)?
-            .reshape((n, self.kv_heads, hd))?
-            .transpose(0, 1)?
-            .contiguous()?;
-        let q =
-            candle_nn::rotary_emb::rope(&q.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?
-                .squeeze(0)?;
-        let k =
-            candle_nn::rotary_emb::rope(&k.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?
-                .squeeze(0)?;
+        let q = self.q_norm.forward(&self.q_proj.forward(x)?.reshape((n, self.heads, hd))?)?;
+        let k = self.k_norm.forward(&self.k_proj.forward(x)?.reshape((n, self.kv_heads, hd))?)?;
+        let v = self.v_proj.forward(x)?.reshape((n, self.kv_heads, hd))?.transpose(0, 1)?.contiguous()?;
+        let q = candle_nn::rotary_emb::rope(&q.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?;
+        let k = candle_nn::rotary_emb::rope(&k.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?;
         let (k, v) = cache.append(&k, &v)?;
         let out = causal_gqa_attention(&q, &k, &v, PREFILL_QUERY_BLOCK)?; // [heads, new, hd]
         let out = out.transpose(0, 1)?.reshape((n, self.heads * hd))?;
@@ -123,25 +104,13 @@ impl DecoderLayer {
         Ok(Self {
             input_norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
             attn: Attention::load(cfg, vb.pp("self_attn"))?,
-            post_attn_norm: rms_norm(
-                cfg.hidden_size,
-                cfg.rms_norm_eps,
-                vb.pp("post_attention_layernorm"),
-            )?,
+            post_attn_norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"))?,
             mlp: Mlp::load(cfg, vb.pp("mlp"))?,
         })
     }
 
-    fn forward(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        cache: &mut KvCache,
-    ) -> Result<Tensor> {
-        let x = (x + self
-            .attn
-            .forward(&self.input_norm.forward(x)?, cos, sin, cache)?)?;
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let x = (x + self.attn.forward(&self.input_norm.forward(x)?, cos, sin, cache)?)?;
         Ok((&x + self.mlp.forward(&self.post_attn_norm.forward(&x)?)?)?)
     }
 }
@@ -230,9 +199,7 @@ impl TextModel {
     }
 
     pub fn new_cache(&self) -> TextCache {
-        TextCache {
-            layers: vec![KvCache::new(); self.layers.len()],
-        }
+        TextCache { layers: vec![KvCache::new(); self.layers.len()] }
     }
 
     /// Token embeddings [n, hidden]; ids must be below the vocabulary size.
@@ -240,10 +207,7 @@ impl TextModel {
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.cfg.vocab_size) {
             return Err(Error::Input {
                 what: "token ids".into(),
-                message: format!(
-                    "id {bad} is outside the vocabulary of {}",
-                    self.cfg.vocab_size
-                ),
+                message: format!("id {bad} is outside the vocabulary of {}", self.cfg.vocab_size),
             });
         }
         let t = Tensor::from_slice(ids, ids.len(), &self.device)?;
@@ -275,10 +239,9 @@ impl TextModel {
         let (cos, sin) = self.rope.cos_sin(positions, &self.device)?;
         let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
         let visual = match deepstack {
-            Some(ds) if !ds.positions.is_empty() => Some((
-                Tensor::from_slice(ds.positions, ds.positions.len(), &self.device)?,
-                ds.levels,
-            )),
+            Some(ds) if !ds.positions.is_empty() => {
+                Some((Tensor::from_slice(ds.positions, ds.positions.len(), &self.device)?, ds.levels))
+            }
             _ => None,
         };
         let mut x = x.clone();

@@ -21,11 +21,7 @@ const LN_EPS: f64 = 1e-6;
 pub type Grid = [usize; 3];
 
 fn layer_norm(dim: usize, vb: VarBuilder) -> Result<LayerNorm> {
-    Ok(LayerNorm::new(
-        vb.get(dim, "weight")?,
-        vb.get(dim, "bias")?,
-        LN_EPS,
-    ))
+    Ok(LayerNorm::new(vb.get(dim, "weight")?, vb.get(dim, "bias")?, LN_EPS))
 }
 
 fn linear(i: usize, o: usize, vb: VarBuilder) -> Result<Linear> {
@@ -35,10 +31,7 @@ fn linear(i: usize, o: usize, vb: VarBuilder) -> Result<Linear> {
 fn merger(cfg: &VisionConfig, postshuffle: bool, vb: VarBuilder) -> Result<PatchMerger> {
     let unit = cfg.spatial_merge_size * cfg.spatial_merge_size;
     let merged = cfg.hidden_size * unit;
-    let norm = layer_norm(
-        if postshuffle { merged } else { cfg.hidden_size },
-        vb.pp("norm"),
-    )?;
+    let norm = layer_norm(if postshuffle { merged } else { cfg.hidden_size }, vb.pp("norm"))?;
     let fc1 = linear(merged, merged, vb.pp("linear_fc1"))?;
     let fc2 = linear(merged, cfg.out_hidden_size, vb.pp("linear_fc2"))?;
     Ok(PatchMerger::new(norm, fc1, fc2, unit, postshuffle))
@@ -74,9 +67,7 @@ impl VisionBlock {
 
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cu: &[usize]) -> Result<Tensor> {
         let x = (x + self.attn.forward(&self.norm1.forward(x)?, cos, sin, cu)?)?;
-        let mlp = self
-            .fc2
-            .forward(&self.fc1.forward(&self.norm2.forward(&x)?)?.gelu()?)?;
+        let mlp = self.fc2.forward(&self.fc1.forward(&self.norm2.forward(&x)?)?.gelu()?)?;
         Ok((x + mlp)?)
     }
 }
@@ -108,13 +99,10 @@ impl VisionTower {
     pub fn load(cfg: &VisionConfig, vb: VarBuilder) -> Result<Self> {
         let h = cfg.hidden_size;
         let (c, t, p) = (cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size);
-        let w = vb
-            .get((h, c, t, p, p), "patch_embed.proj.weight")?
-            .reshape((h, cfg.patch_row_len()))?;
+        let w = vb.get((h, c, t, p, p), "patch_embed.proj.weight")?.reshape((h, cfg.patch_row_len()))?;
         let b = vb.get(h, "patch_embed.proj.bias")?;
-        let blocks = (0..cfg.depth)
-            .map(|i| VisionBlock::load(cfg, vb.pp(format!("blocks.{i}"))))
-            .collect::<Result<_>>()?;
+        let blocks =
+            (0..cfg.depth).map(|i| VisionBlock::load(cfg, vb.pp(format!("blocks.{i}")))).collect::<Result<_>>()?;
         let deepstack = (0..cfg.deepstack_visual_indexes.len())
             .map(|j| merger(cfg, true, vb.pp(format!("deepstack_merger_list.{j}"))))
             .collect::<Result<_>>()?;
@@ -175,23 +163,14 @@ impl VisionTower {
             }
         }
         let (cos, sin) = self.rope.cos_sin(&positions, &self.device)?;
-        let cu = cumulative(
-            grids
-                .iter()
-                .flat_map(|&[t, h, w]| std::iter::repeat_n(h * w, t)),
-        );
+        let cu = cumulative(grids.iter().flat_map(|&[t, h, w]| std::iter::repeat_n(h * w, t)));
 
         let mut x = x;
         let mut deepstack = Vec::with_capacity(self.deepstack.len());
         for (i, block) in self.blocks.iter().enumerate() {
             x = block.forward(&x, &cos, &sin, &cu)?;
             trace(&format!("block.{i}"), &x);
-            if let Some(j) = self
-                .cfg
-                .deepstack_visual_indexes
-                .iter()
-                .position(|&d| d == i)
-            {
+            if let Some(j) = self.cfg.deepstack_visual_indexes.iter().position(|&d| d == i) {
                 let f = self.deepstack[j].forward(&x)?;
                 trace(&format!("deepstack.{j}"), &f);
                 deepstack.push((j, f));
@@ -203,40 +182,26 @@ impl VisionTower {
         let sizes: Vec<usize> = grids.iter().map(|g| self.merged_len(g)).collect();
         Ok(VisionOutput {
             merged: split_rows(&merged, &sizes)?,
-            deepstack: deepstack
-                .iter()
-                .map(|(_, f)| split_rows(f, &sizes))
-                .collect::<Result<_>>()?,
+            deepstack: deepstack.iter().map(|(_, f)| split_rows(f, &sizes)).collect::<Result<_>>()?,
         })
     }
 
     fn check_input(&self, pixels: &Tensor, grids: &[Grid]) -> Result<()> {
-        let bad = |message: String| Error::Input {
-            what: "vision input".into(),
-            message,
-        };
-        let (rows, cols) = pixels
-            .dims2()
-            .map_err(|_| bad(format!("pixel rows must be 2-D, got {:?}", pixels.dims())))?;
+        let bad = |message: String| Error::Input { what: "vision input".into(), message };
+        let (rows, cols) =
+            pixels.dims2().map_err(|_| bad(format!("pixel rows must be 2-D, got {:?}", pixels.dims())))?;
         if cols != self.cfg.patch_row_len() {
-            return Err(bad(format!(
-                "patch rows have {cols} values, expected {}",
-                self.cfg.patch_row_len()
-            )));
+            return Err(bad(format!("patch rows have {cols} values, expected {}", self.cfg.patch_row_len())));
         }
         let merge = self.cfg.spatial_merge_size;
         for g in grids {
             if g.contains(&0) || g[1] % merge != 0 || g[2] % merge != 0 {
-                return Err(bad(format!(
-                    "grid {g:?} must be non-empty with h, w multiples of {merge}"
-                )));
+                return Err(bad(format!("grid {g:?} must be non-empty with h, w multiples of {merge}")));
             }
         }
         let want: usize = grids.iter().map(|g| g[0] * g[1] * g[2]).sum();
         if rows != want {
-            return Err(bad(format!(
-                "{rows} patch rows but the grids {grids:?} need {want}"
-            )));
+            return Err(bad(format!("{rows} patch rows but the grids {grids:?} need {want}")));
         }
         Ok(())
     }
@@ -260,10 +225,7 @@ impl VisionTower {
         let n = idx.len() / 4;
         let idx = Tensor::from_vec(idx, n * 4, &self.device)?;
         let wts = Tensor::from_vec(wts, (n, 4, 1), &self.device)?.to_dtype(self.dtype)?;
-        let rows = self
-            .pos_embed
-            .index_select(&idx, 0)?
-            .reshape((n, 4, self.cfg.hidden_size))?;
+        let rows = self.pos_embed.index_select(&idx, 0)?.reshape((n, 4, self.cfg.hidden_size))?;
         Ok(rows.broadcast_mul(&wts)?.sum(1)?)
     }
 }

@@ -18,8 +18,7 @@ pub fn goldens() -> PathBuf {
 }
 
 pub fn load(path: &Path) -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(path, &Device::Cpu)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    candle_core::safetensors::load(path, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 pub fn read_json(path: &Path) -> serde_json::Value {
@@ -28,10 +27,7 @@ pub fn read_json(path: &Path) -> serde_json::Value {
 
 pub fn checkpoint(g: &str) -> (Qwen3VlConfig, Arc<Checkpoint>) {
     let dir = goldens().join(g).join("checkpoint");
-    (
-        Qwen3VlConfig::from_dir(&dir).unwrap(),
-        Arc::new(Checkpoint::open(&dir).unwrap()),
-    )
+    (Qwen3VlConfig::from_dir(&dir).unwrap(), Arc::new(Checkpoint::open(&dir).unwrap()))
 }
 
 /// Max absolute difference, both sides in f32.
@@ -39,22 +35,9 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims(), "shape mismatch");
     let a = a.to_dtype(DType::F32).unwrap();
     let b = b.to_dtype(DType::F32).unwrap();
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
 }
 
 pub fn grids(t: &Tensor) -> Vec<[usize; 3]> {
-    t.to_vec2::<i64>()
-        .unwrap()
-        .iter()
-        .map(|r| [r[0] as usize, r[1] as usize, r[2] as usize])
-        .collect()
+    t.to_vec2::<i64>().unwrap().iter().map(|r| [r[0] as usize, r[1] as usize, r[2] as usize]).collect()
 }

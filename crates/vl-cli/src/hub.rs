@@ -1,0 +1,110 @@
+//! `--model`: a local directory, or a Hugging Face hub id resolved through the local cache
+//! (`HF_HUB_CACHE`, else `HF_HOME/hub`, else ~/.cache/huggingface/hub) and downloaded when absent.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+
+/// Files a checkpoint directory may hold; the first group is required.
+const REQUIRED: &[&str] = &["config.json", "tokenizer.json"];
+const OPTIONAL: &[&str] = &[
+    "tokenizer_config.json",
+    "preprocessor_config.json",
+    "generation_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+];
+const WEIGHTS: &str = "model.safetensors";
+const INDEX: &str = "model.safetensors.index.json";
+
+fn cache() -> hf_hub::Cache {
+    match std::env::var("HF_HUB_CACHE") {
+        Ok(p) => hf_hub::Cache::new(PathBuf::from(p)),
+        Err(_) => hf_hub::Cache::from_env(),
+    }
+}
+
+fn offline() -> bool {
+    std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+fn looks_like_hub_id(s: &str) -> bool {
+    let parts: Vec<&str> = s.split('/').collect();
+    parts.len() == 2 && parts.iter().all(|p| !p.is_empty() && !p.starts_with('.')) && !s.contains('\\')
+}
+
+/// Returns a local directory holding the checkpoint.
+pub fn resolve(model: &str) -> Result<PathBuf> {
+    let path = Path::new(model);
+    if path.is_dir() {
+        return Ok(path.to_path_buf());
+    }
+    if path.exists() {
+        bail!("--model {model}: not a directory");
+    }
+    if !looks_like_hub_id(model) {
+        bail!("model directory {model} not found");
+    }
+    if let Some(dir) = cached(model) {
+        return Ok(dir);
+    }
+    if offline() {
+        bail!("{model} is not in the local Hugging Face cache ({}) and HF_HUB_OFFLINE is set; pass --model DIR with a local checkpoint", cache().path().display());
+    }
+    download(model).map_err(|e| {
+        anyhow::anyhow!(
+            "cannot download {model} ({}) and there is no cached copy in {}; when offline, pass --model DIR with a local checkpoint",
+            e.root_cause().to_string().lines().next().unwrap_or("unknown error"),
+            cache().path().display()
+        )
+    })
+}
+
+/// The snapshot directory when every needed file is cached.
+fn cached(model: &str) -> Option<PathBuf> {
+    let repo = cache().model(model.to_string());
+    let config = repo.get("config.json")?;
+    let dir = config.parent()?.to_path_buf();
+    let have = |f: &str| repo.get(f).is_some();
+    if !REQUIRED.iter().all(|f| have(f)) {
+        return None;
+    }
+    if have(INDEX) {
+        let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join(INDEX)).ok()?).ok()?;
+        let shards = index["weight_map"].as_object()?;
+        if !shards.values().filter_map(|v| v.as_str()).all(have) {
+            return None;
+        }
+    } else if !have(WEIGHTS) {
+        return None;
+    }
+    Some(dir)
+}
+
+fn download(model: &str) -> Result<PathBuf> {
+    let api = hf_hub::api::sync::ApiBuilder::from_cache(cache()).with_progress(true).build()?;
+    let repo = api.model(model.to_string());
+    let config = repo.get("config.json").context("config.json")?;
+    for f in REQUIRED {
+        repo.get(f).with_context(|| f.to_string())?;
+    }
+    for f in OPTIONAL {
+        let _ = repo.get(f);
+    }
+    match repo.get(INDEX) {
+        Ok(index) => {
+            let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index)?)?;
+            let mut shards: Vec<&str> =
+                v["weight_map"].as_object().context("weight_map")?.values().filter_map(|s| s.as_str()).collect();
+            shards.sort();
+            shards.dedup();
+            for s in shards {
+                repo.get(s).with_context(|| s.to_string())?;
+            }
+        }
+        Err(_) => {
+            repo.get(WEIGHTS).context(WEIGHTS)?;
+        }
+    }
+    Ok(config.parent().context("snapshot directory")?.to_path_buf())
+}

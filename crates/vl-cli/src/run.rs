@@ -1,0 +1,264 @@
+//! `vl run`: load a checkpoint, preprocess images, render the chat prompt, generate with
+//! streaming output, and report timings.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use clap::{Args, ValueEnum};
+use vl_models::checkpoint::{write_safetensors, Checkpoint, RawTensor};
+use vl_models::qwen3_vl::{
+    check_plan, tensor_plan, Content, GenerationConfig, GenerationOptions, Message, Processor, Qwen3VlConfig,
+    Qwen3VlModel, StopReason,
+};
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum DeviceArg {
+    Cpu,
+    Metal,
+    Cuda,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum DtypeArg {
+    F32,
+    Bf16,
+    F16,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// A local model directory or a Hugging Face hub id (from the local cache, downloaded when absent).
+    #[arg(long, default_value = "Qwen/Qwen3-VL-2B-Instruct")]
+    model: String,
+    /// An image file (PNG, JPEG, WebP, GIF, BMP); repeat for several, in prompt order.
+    #[arg(long = "image")]
+    images: Vec<PathBuf>,
+    /// The user's message.
+    #[arg(long, default_value = "Describe this image.")]
+    prompt: String,
+    /// An optional system message.
+    #[arg(long)]
+    system: Option<String>,
+    #[arg(long, default_value_t = 256)]
+    max_new_tokens: usize,
+    /// Sampling temperature; 0 (the default) is greedy decoding.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Keep the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    /// Drop tokens below min_p times the top probability (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f64,
+    /// Penalize tokens already seen (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Compute dtype (default: f32 on CPU, bf16 on GPUs).
+    #[arg(long, value_enum)]
+    dtype: Option<DtypeArg>,
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: DeviceArg,
+    /// Lower bound of the per-image pixel budget (default from preprocessor_config.json).
+    #[arg(long)]
+    min_pixels: Option<usize>,
+    /// Upper bound of the per-image pixel budget; fewer pixels, fewer tokens, faster.
+    #[arg(long)]
+    max_pixels: Option<usize>,
+    /// Print one JSON object (text, token ids, counts, timings) instead of streaming.
+    #[arg(long)]
+    json: bool,
+    /// Write the f32 logits of the first generated position to this safetensors file (key "logits").
+    #[arg(long)]
+    logits_out: Option<PathBuf>,
+}
+
+fn device(arg: DeviceArg) -> Result<Device> {
+    match arg {
+        DeviceArg::Cpu => Ok(Device::Cpu),
+        DeviceArg::Cuda if !candle_core::utils::cuda_is_available() => {
+            bail!("--device cuda: this build has no CUDA support; rebuild with `--features cuda`")
+        }
+        DeviceArg::Metal if !candle_core::utils::metal_is_available() => {
+            bail!("--device metal: this build has no Metal support; rebuild with `--features metal` on macOS")
+        }
+        DeviceArg::Cuda => Ok(Device::new_cuda(0).context("--device cuda")?),
+        DeviceArg::Metal => Ok(Device::new_metal(0).context("--device metal")?),
+    }
+}
+
+fn dtype(arg: Option<DtypeArg>, dev: &Device) -> DType {
+    match arg {
+        Some(DtypeArg::F32) => DType::F32,
+        Some(DtypeArg::Bf16) => DType::BF16,
+        Some(DtypeArg::F16) => DType::F16,
+        // bf16 matvec on CPU is ~18x slower than f32 (docs/engine.md): f32 there.
+        None if dev.is_cpu() => DType::F32,
+        None => DType::BF16,
+    }
+}
+
+/// Peak resident set size of this process, where the OS reports it.
+fn peak_rss() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = s.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+pub fn run(args: RunArgs) -> Result<()> {
+    let t_start = Instant::now();
+    let dev = device(args.device)?;
+    let dtype = dtype(args.dtype, &dev);
+    let dir = crate::hub::resolve(&args.model)?;
+
+    // Everything cheap is checked before the weights are read.
+    let cfg = Qwen3VlConfig::from_dir(&dir)?;
+    let ck = Arc::new(Checkpoint::open(&dir)?);
+    let plan = tensor_plan(&cfg);
+    check_plan(&plan, &ck)?;
+    let mut proc = Processor::from_dir(&dir)?;
+    proc.images = proc.images.with_pixel_budget(args.min_pixels, args.max_pixels);
+    let images = args.images.iter().map(|p| proc.images.process_file(p)).collect::<vl_models::Result<Vec<_>>>()?;
+    let mut messages = Vec::new();
+    if let Some(s) = &args.system {
+        messages.push(Message::text("system", s));
+    }
+    let mut content: Vec<Content> =
+        args.images.iter().map(|p| Content::Image { image: p.display().to_string() }).collect();
+    content.push(Content::Text { text: args.prompt.clone() });
+    messages.push(Message::new("user", content));
+    let prompt = proc.prepare(&messages, &images, &dev)?;
+    let context = cfg.text.max_position_embeddings;
+    if prompt.input_ids.len() >= context {
+        bail!("the prompt is {} tokens, longer than the model's context of {context} tokens", prompt.input_ids.len());
+    }
+    let gen_cfg = GenerationConfig::from_dir(&dir, &[151_645, 151_643])?;
+
+    // Weights, with a progress bar on a terminal.
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let b = indicatif::ProgressBar::new(plan.iter().filter(|p| p.required).count() as u64);
+        b.set_style(indicatif::ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors").unwrap());
+        b
+    });
+    let progress_bar = bar.clone();
+    let progress: vl_models::checkpoint::LoadProgress = Arc::new(move |_key: &str| {
+        if let Some(b) = &progress_bar {
+            b.inc(1);
+        }
+    });
+    let model = Qwen3VlModel::from_checkpoint_with_progress(cfg, &ck, dtype, &dev, progress)?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    let load_time = t_start.elapsed();
+
+    let opts = GenerationOptions {
+        max_new_tokens: args.max_new_tokens,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+        eos_token_ids: gen_cfg.eos_token_ids.clone(),
+    };
+    let mut stream = proc.stream_decoder();
+    let mut stdout = std::io::stdout().lock();
+    let mut write_err: Option<std::io::Error> = None;
+    let gen = model.generate(&prompt, &opts, &mut |id| {
+        if args.json || opts.eos_token_ids.contains(&id) {
+            return true;
+        }
+        if let Ok(Some(piece)) = stream.push(id) {
+            if let Err(e) = stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()) {
+                write_err = Some(e);
+                return false;
+            }
+        }
+        true
+    })?;
+    if let Some(e) = write_err {
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            return Err(e).context("writing to stdout");
+        }
+        return Ok(());
+    }
+    let text_ids: Vec<u32> = gen.tokens.iter().copied().filter(|t| !opts.eos_token_ids.contains(t)).collect();
+    let text = proc.decode(&text_ids, true)?;
+    if !args.json {
+        if let Some(rest) = stream.finish()? {
+            write!(stdout, "{rest}")?;
+        }
+        writeln!(stdout)?;
+    }
+
+    if let Some(path) = &args.logits_out {
+        let v = gen.first_logits.to_vec1::<f32>()?;
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        write_safetensors(
+            path,
+            &[RawTensor { name: "logits".into(), dtype: safetensors::Dtype::F32, shape: vec![v.len()], data: &bytes }],
+        )
+        .with_context(|| format!("--logits-out {}", path.display()))?;
+    }
+
+    let n_img_tokens = prompt.input_ids.iter().filter(|&&t| t == model.config().image_token_id).count();
+    let prefill_s = gen.prefill_time.as_secs_f64();
+    let decode_s = gen.decode_time.as_secs_f64();
+    // The first token comes from the prefill; the others from decode steps.
+    let decode_steps = gen.tokens.len().saturating_sub(1);
+    let decode_tps = if decode_s > 0.0 { decode_steps as f64 / decode_s } else { 0.0 };
+    let prefill_tps = gen.prompt_tokens as f64 / prefill_s.max(1e-9);
+    let stop = match gen.stop {
+        StopReason::Eos => "eos",
+        StopReason::MaxTokens => "max_tokens",
+        StopReason::Callback => "stopped",
+    };
+    if args.json {
+        let out = serde_json::json!({
+            "model": dir.display().to_string(),
+            "text": text,
+            "token_ids": gen.tokens,
+            "prompt_tokens": gen.prompt_tokens,
+            "image_tokens": n_img_tokens,
+            "generated_tokens": gen.tokens.len(),
+            "stop_reason": stop,
+            "dtype": format!("{dtype:?}").to_lowercase(),
+            "device": format!("{:?}", args.device).to_lowercase(),
+            "timings": {
+                "load_s": load_time.as_secs_f64(),
+                "vision_s": gen.vision_time.as_secs_f64(),
+                "prefill_s": prefill_s,
+                "prefill_tokens_per_s": prefill_tps,
+                "decode_s": decode_s,
+                "decode_tokens_per_s": decode_tps,
+            },
+            "kv_cache_bytes": gen.cache_bytes,
+            "peak_rss_bytes": peak_rss(),
+        });
+        println!("{}", serde_json::to_string(&out)?);
+    } else {
+        eprintln!(
+            "[load {:.2}s | vision {:.2}s ({} images, {} tokens) | prefill {} tokens {:.2}s, {:.1} tok/s | decode {} tokens, {:.1} tok/s | stop: {stop} | peak RSS {}]",
+            load_time.as_secs_f64(),
+            gen.vision_time.as_secs_f64(),
+            images.len(),
+            n_img_tokens,
+            gen.prompt_tokens,
+            prefill_s,
+            prefill_tps,
+            gen.tokens.len(),
+            decode_tps,
+            peak_rss().map_or("n/a".into(), |b| format!("{:.0} MiB", b as f64 / 1048576.0)),
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,210 @@
+//! `vl run` end to end on the tiny checkpoints: the reference's greedy text, `--json`,
+//! `--logits-out`, hub-id resolution through a local cache, and one clear line per error.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn goldens() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../goldens")
+}
+
+fn checkpoint(g: &str) -> String {
+    goldens().join(g).join("checkpoint").display().to_string()
+}
+
+fn image(name: &str) -> String {
+    goldens().join("images").join(name).display().to_string()
+}
+
+fn read_json(p: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+/// Runs `vl` with a private, empty Hugging Face cache and no network.
+fn vl(args: &[&str]) -> (i32, String, String) {
+    let home = tempfile::tempdir().unwrap();
+    vl_env(args, home.path())
+}
+
+fn vl_env(args: &[&str], hf_home: &Path) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_vl"))
+        .args(args)
+        .env("HF_HOME", hf_home)
+        .env_remove("HF_HUB_CACHE")
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .expect("run vl");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// (case, extra args) for the golden prompts the CLI can express.
+fn cases() -> Vec<(&'static str, Vec<String>)> {
+    vec![
+        ("one_image", vec!["--image".into(), image("square.png"), "--prompt".into(), "Describe this image.".into()]),
+        (
+            "two_images",
+            vec![
+                "--system".into(),
+                "You are a careful assistant.".into(),
+                "--image".into(),
+                image("odd.png"),
+                "--image".into(),
+                image("large.png"),
+                "--prompt".into(),
+                "Compare the two pictures.".into(),
+            ],
+        ),
+        ("text_only", vec!["--prompt".into(), "Write a haiku about the sea, in Ünïcödé 🌊.".into()]),
+    ]
+}
+
+#[test]
+fn greedy_run_prints_the_reference_text() {
+    for g in ["tiny-a", "tiny-b"] {
+        for (case, extra) in cases() {
+            let meta = read_json(&goldens().join(g).join("cases").join(format!("{case}.json")));
+            let want = meta["greedy"]["text"].as_str().unwrap();
+            let n = meta["greedy"]["ids"].as_array().unwrap().len().to_string();
+            let ck = checkpoint(g);
+            let mut args = vec!["run", "--model", &ck, "--max-new-tokens", &n];
+            args.extend(extra.iter().map(String::as_str));
+            let (code, out, err) = vl(&args);
+            assert_eq!(code, 0, "{g}/{case}: {err}");
+            assert_eq!(out.strip_suffix('\n').unwrap(), want, "{g}/{case}");
+            assert!(err.contains("prefill") && err.contains("tok/s") && err.contains("peak RSS"), "{err}");
+        }
+    }
+}
+
+#[test]
+fn json_output_and_logits_out() {
+    let tmp = tempfile::tempdir().unwrap();
+    let logits = tmp.path().join("logits.safetensors");
+    let ck = checkpoint("tiny-b");
+    let img = image("square.png");
+    let (code, out, err) = vl(&[
+        "run",
+        "--model",
+        &ck,
+        "--image",
+        &img,
+        "--prompt",
+        "Describe this image.",
+        "--max-new-tokens",
+        "16",
+        "--json",
+        "--logits-out",
+        logits.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    let meta = read_json(&goldens().join("tiny-b/cases/one_image.json"));
+    assert_eq!(v["token_ids"], meta["greedy"]["ids"]);
+    assert_eq!(v["text"], meta["greedy"]["text"]);
+    assert_eq!(v["prompt_tokens"], 30);
+    assert_eq!(v["image_tokens"], 16);
+    assert_eq!(v["generated_tokens"], 16);
+    assert_eq!(v["stop_reason"], "max_tokens");
+    assert!(v["timings"]["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+
+    let got = candle_core::safetensors::load(&logits, &candle_core::Device::Cpu).unwrap();
+    let want =
+        candle_core::safetensors::load(goldens().join("tiny-b/cases/one_image.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    let d = (&got["logits"] - &want["logits.last"]).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    assert!(d < 1e-3, "logits-out differs from the reference by {d}");
+}
+
+#[test]
+fn a_hub_id_resolves_through_the_local_cache() {
+    let home = tempfile::tempdir().unwrap();
+    let repo = home.path().join("hub/models--tiny--qwen3-vl-a");
+    let snap = repo.join("snapshots/0123abcd");
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "0123abcd").unwrap();
+    for entry in std::fs::read_dir(checkpoint("tiny-a")).unwrap() {
+        let p = entry.unwrap().path();
+        std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), snap.join(p.file_name().unwrap())).unwrap();
+    }
+    let img = image("square.png");
+    let (code, out, err) =
+        vl_env(&["run", "--model", "tiny/qwen3-vl-a", "--image", &img, "--max-new-tokens", "4"], home.path());
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with(".dm.dm"), "{out}");
+    let (code, _, err) = vl_env(&["run", "--model", "tiny/not-cached", "--max-new-tokens", "1"], home.path());
+    assert_ne!(code, 0);
+    assert!(err.contains("tiny/not-cached") && err.contains("--model DIR") && err.contains("HF_HUB_OFFLINE"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
+/// A scratch copy of tiny-a's small files with links to the big ones.
+fn scratch() -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(checkpoint("tiny-a")).unwrap() {
+        let p = entry.unwrap().path();
+        let name = p.file_name().unwrap();
+        if name == "model.safetensors" || name == "tokenizer.json" || name == "vocab.json" || name == "merges.txt" {
+            std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), tmp.path().join(name)).unwrap();
+        } else {
+            std::fs::copy(&p, tmp.path().join(name)).unwrap();
+        }
+    }
+    tmp
+}
+
+fn assert_error(args: &[&str], needles: &[&str]) {
+    let (code, out, err) = vl(args);
+    assert_ne!(code, 0, "{args:?} should fail; stdout {out}");
+    assert_eq!(err.trim().lines().count(), 1, "one clear line: {err}");
+    assert!(err.starts_with("error: "), "{err}");
+    for n in needles {
+        assert!(err.contains(n), "{args:?}: {err:?} lacks {n:?}");
+    }
+}
+
+#[test]
+fn each_error_is_one_clear_line() {
+    let img = image("square.png");
+    // Missing model directory.
+    assert_error(&["run", "--model", "/no/such/model", "--image", &img], &["/no/such/model", "not found"]);
+    // Missing weights.
+    let dir = scratch();
+    std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
+    let d = dir.path().to_str().unwrap();
+    assert_error(&["run", "--model", d, "--image", &img], &["no weights"]);
+    // Corrupt weights.
+    let dir = scratch();
+    let bytes = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+    std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
+    std::fs::write(dir.path().join("model.safetensors"), &bytes[..1000]).unwrap();
+    let d = dir.path().to_str().unwrap();
+    assert_error(&["run", "--model", d, "--image", &img], &["model.safetensors", "not a valid safetensors"]);
+    // Unknown architecture.
+    let dir = scratch();
+    let cfg = std::fs::read_to_string(dir.path().join("config.json"))
+        .unwrap()
+        .replace("Qwen3VLForConditionalGeneration", "MllamaForConditionalGeneration");
+    std::fs::write(dir.path().join("config.json"), cfg).unwrap();
+    let d = dir.path().to_str().unwrap();
+    assert_error(
+        &["run", "--model", d, "--image", &img],
+        &["unsupported architecture", "MllamaForConditionalGeneration"],
+    );
+    // Missing image, unreadable image.
+    let ck = checkpoint("tiny-a");
+    assert_error(&["run", "--model", &ck, "--image", "/no/such.png"], &["/no/such.png"]);
+    let tmp = tempfile::tempdir().unwrap();
+    let junk = tmp.path().join("junk.jpg");
+    std::fs::write(&junk, b"\xff\xd8\xff\xe0 definitely not a jpeg").unwrap();
+    assert_error(&["run", "--model", &ck, "--image", junk.to_str().unwrap()], &["junk.jpg", "decode"]);
+    // Prompt longer than the context (2048 tokens for the tiny checkpoints).
+    let long = "lorem ipsum ".repeat(1500);
+    assert_error(&["run", "--model", &ck, "--prompt", &long], &["longer than the model's context of 2048"]);
+    // A GPU backend this build does not have.
+    assert_error(&["run", "--model", &ck, "--device", "metal"], &["--device metal", "--features metal"]);
+}

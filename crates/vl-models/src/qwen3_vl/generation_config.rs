@@ -1,0 +1,52 @@
+//! `generation_config.json`: the stop ids (and the checkpoint's suggested sampling values, which
+//! the CLI reports but does not apply: decoding is greedy unless asked otherwise).
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GenerationConfig {
+    pub eos_token_ids: Vec<u32>,
+    pub temperature: Option<f64>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f64>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+#[derive(Deserialize)]
+struct Raw {
+    eos_token_id: Option<OneOrMany>,
+    temperature: Option<f64>,
+    top_k: Option<usize>,
+    top_p: Option<f64>,
+}
+
+impl GenerationConfig {
+    /// Reads `dir/generation_config.json`; `default_eos` when the file or its eos is absent.
+    pub fn from_dir(dir: &Path, default_eos: &[u32]) -> Result<Self> {
+        let path = dir.join("generation_config.json");
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            return Ok(Self { eos_token_ids: default_eos.to_vec(), ..Default::default() });
+        };
+        let raw: Raw = serde_json::from_str(&text).map_err(|source| Error::Json { path, source })?;
+        Ok(Self {
+            eos_token_ids: match raw.eos_token_id {
+                Some(OneOrMany::One(i)) => vec![i],
+                Some(OneOrMany::Many(v)) => v,
+                None => default_eos.to_vec(),
+            },
+            temperature: raw.temperature,
+            top_k: raw.top_k,
+            top_p: raw.top_p,
+        })
+    }
+}
