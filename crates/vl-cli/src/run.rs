@@ -9,11 +9,13 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
-use vl_models::checkpoint::{write_safetensors, Checkpoint, RawTensor};
+use vl_models::checkpoint::{write_safetensors, RawTensor};
+use vl_models::qwen3_vl::plan::{Group, VISION_PREFIX};
 use vl_models::qwen3_vl::{
     check_plan, tensor_plan, Content, GenerationConfig, GenerationOptions, Message, Processor, Qwen3VlConfig,
-    Qwen3VlModel, StopReason,
+    Qwen3VlModel, StopReason, TextModel, VisionTower, Weights,
 };
+use vl_nn::QuantType;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum DeviceArg {
@@ -27,6 +29,19 @@ pub enum DtypeArg {
     F32,
     Bf16,
     F16,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum QuantArg {
+    /// Keep the stored weights (MLX-quantized checkpoints are requantized to the nearest k-quant).
+    None,
+    Q4k,
+    Q5k,
+    Q6k,
+    /// 8-bit k-quant.
+    Q8,
+    /// Dequantize everything to the compute dtype (no quantized matmuls).
+    Off,
 }
 
 #[derive(Debug, Args)]
@@ -67,6 +82,9 @@ pub struct RunArgs {
     dtype: Option<DtypeArg>,
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceArg,
+    /// Quantize the text decoder's linears, embeddings and lm_head at load (CPU decoding speed).
+    #[arg(long, value_enum, default_value = "none")]
+    quantize: QuantArg,
     /// Lower bound of the per-image pixel budget (default from preprocessor_config.json).
     #[arg(long)]
     min_pixels: Option<usize>,
@@ -106,6 +124,30 @@ fn dtype(arg: Option<DtypeArg>, dev: &Device) -> DType {
     }
 }
 
+/// The k-quant to use: the one asked for, or for an MLX-quantized checkpoint the k-quant of
+/// the same width (requantized at load: k-quant matmuls are the fast CPU kernels).
+fn quant_for(arg: QuantArg, weights: &Weights) -> Option<QuantType> {
+    match arg {
+        QuantArg::Q4k => Some(QuantType::Q4K),
+        QuantArg::Q5k => Some(QuantType::Q5K),
+        QuantArg::Q6k => Some(QuantType::Q6K),
+        QuantArg::Q8 => Some(QuantType::Q8K),
+        QuantArg::Off => None,
+        QuantArg::None => {
+            let bits = weights.entries().values().find_map(|e| match e.storage {
+                vl_models::qwen3_vl::weights::Storage::Affine { bits, .. } => Some(bits),
+                _ => None,
+            })?;
+            Some(match bits {
+                0..=4 => QuantType::Q4K,
+                5 => QuantType::Q5K,
+                6 => QuantType::Q6K,
+                _ => QuantType::Q8K,
+            })
+        }
+    }
+}
+
 /// Peak resident set size of this process, where the OS reports it.
 fn peak_rss() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -121,9 +163,10 @@ pub fn run(args: RunArgs) -> Result<()> {
 
     // Everything cheap is checked before the weights are read.
     let cfg = Qwen3VlConfig::from_dir(&dir)?;
-    let ck = Arc::new(Checkpoint::open(&dir)?);
+    let weights = Arc::new(Weights::open(&dir)?);
     let plan = tensor_plan(&cfg);
-    check_plan(&plan, &ck)?;
+    check_plan(&plan, &weights)?;
+    let quant = quant_for(args.quantize, &weights);
     let mut proc = Processor::from_dir(&dir)?;
     proc.images = proc.images.with_pixel_budget(args.min_pixels, args.max_pixels);
     let images = args.images.iter().map(|p| proc.images.process_file(p)).collect::<vl_models::Result<Vec<_>>>()?;
@@ -142,9 +185,11 @@ pub fn run(args: RunArgs) -> Result<()> {
     }
     let gen_cfg = GenerationConfig::from_dir(&dir, &[151_645, 151_643])?;
 
-    // Weights, with a progress bar on a terminal.
+    // Weights, with a progress bar on a terminal. The vision tower is loaded first, encodes the
+    // images and is released before the text weights are read: the two never peak together.
+    let needed = plan.iter().filter(|p| p.required && (prompt.images.is_some() || p.group != Group::Vision)).count();
     let bar = std::io::stderr().is_terminal().then(|| {
-        let b = indicatif::ProgressBar::new(plan.iter().filter(|p| p.required).count() as u64);
+        let b = indicatif::ProgressBar::new(needed as u64);
         b.set_style(indicatif::ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors").unwrap());
         b
     });
@@ -154,11 +199,28 @@ pub fn run(args: RunArgs) -> Result<()> {
             b.inc(1);
         }
     });
-    let model = Qwen3VlModel::from_checkpoint_with_progress(cfg, &ck, dtype, &dev, progress)?;
+    let vb = weights.var_builder(dtype, &dev, Some(progress));
+    let mut load_time = t_start.elapsed();
+    let mut vision_time = std::time::Duration::ZERO;
+    let vision_out = match &prompt.images {
+        Some(input) => {
+            let t = Instant::now();
+            let tower = VisionTower::load(&cfg.vision, vb.pp(VISION_PREFIX))?;
+            load_time += t.elapsed();
+            let t = Instant::now();
+            let out = tower.forward(&input.pixels, &input.grids)?;
+            vision_time = t.elapsed();
+            Some(out)
+        }
+        None => None,
+    };
+    let t = Instant::now();
+    let text = TextModel::load(&cfg.text, cfg.tie_word_embeddings, vb, quant)?;
+    let model = Qwen3VlModel::from_parts(cfg, None, text);
+    load_time += t.elapsed();
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-    let load_time = t_start.elapsed();
 
     let opts = GenerationOptions {
         max_new_tokens: args.max_new_tokens,
@@ -173,7 +235,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let mut stream = proc.stream_decoder();
     let mut stdout = std::io::stdout().lock();
     let mut write_err: Option<std::io::Error> = None;
-    let gen = model.generate(&prompt, &opts, &mut |id| {
+    let gen = model.generate_encoded(&prompt, vision_out.as_ref(), None, &opts, &mut |id| {
         if args.json || opts.eos_token_ids.contains(&id) {
             return true;
         }
@@ -233,9 +295,10 @@ pub fn run(args: RunArgs) -> Result<()> {
             "stop_reason": stop,
             "dtype": format!("{dtype:?}").to_lowercase(),
             "device": format!("{:?}", args.device).to_lowercase(),
+            "quantization": quant.map(|q| q.name()),
             "timings": {
                 "load_s": load_time.as_secs_f64(),
-                "vision_s": gen.vision_time.as_secs_f64(),
+                "vision_s": vision_time.as_secs_f64(),
                 "prefill_s": prefill_s,
                 "prefill_tokens_per_s": prefill_tps,
                 "decode_s": decode_s,
@@ -249,7 +312,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         eprintln!(
             "[load {:.2}s | vision {:.2}s ({} images, {} tokens) | prefill {} tokens {:.2}s, {:.1} tok/s | decode {} tokens, {:.1} tok/s | stop: {stop} | peak RSS {}]",
             load_time.as_secs_f64(),
-            gen.vision_time.as_secs_f64(),
+            vision_time.as_secs_f64(),
             images.len(),
             n_img_tokens,
             gen.prompt_tokens,

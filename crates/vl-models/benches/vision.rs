@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use criterion::{criterion_group, criterion_main, Criterion};
-use vl_models::qwen3_vl::{presets, tensor_plan, Group, Qwen3VlConfig, VisionTower};
+use vl_models::qwen3_vl::{presets, Qwen3VlConfig, VisionTower};
 
 #[global_allocator]
 static GLOBAL: alloc::Counting = alloc::Counting;
@@ -31,13 +31,11 @@ fn config() -> Qwen3VlConfig {
 fn bench(c: &mut Criterion) {
     let dev = Device::Cpu;
     let cfg = config();
-    let plan = tensor_plan(&cfg);
     let mut group = c.benchmark_group("vision_2b_3blocks_1024px/cpu");
     group.sample_size(10);
     for dtype in [DType::F32, DType::BF16] {
         let before_weights = alloc::live();
-        let weights = random::random_weights(&plan, &[Group::Vision], dtype, &dev);
-        let vb = candle_nn::VarBuilder::from_tensors(weights, dtype, &dev);
+        let vb = random::var_builder(dtype, &dev);
         let tower = VisionTower::load(&cfg.vision, vb.pp("model.visual")).unwrap();
         let pixels = Tensor::randn(0f32, 1., (GRID * GRID, cfg.vision.patch_row_len()), &dev).unwrap();
         let grids = [[1, GRID, GRID]];

@@ -3,6 +3,7 @@
 //! Layout follows the house style: generic layers live in `vl-nn`; this crate composes them.
 //! `checkpoint` is model-agnostic safetensors access; `qwen3_vl` holds everything Qwen-named.
 
+pub mod affine;
 pub mod checkpoint;
 pub mod error;
 pub mod qwen3_vl;

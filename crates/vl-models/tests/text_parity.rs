@@ -5,31 +5,14 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use common::*;
-use vl_models::qwen3_vl::{GenerationOptions, Prompt, Qwen3VlModel, StopReason, VisionInput};
+use vl_models::qwen3_vl::{GenerationOptions, Qwen3VlModel, StopReason};
 
 const LOGIT_TOL: f32 = 1e-3;
 
 fn model(g: &str) -> Qwen3VlModel {
     Qwen3VlModel::load(&goldens().join(g).join("checkpoint"), DType::F32, &Device::Cpu).unwrap()
-}
-
-/// The golden prompt `case`: ids from prompts/, pixels from the processor goldens of its images.
-pub fn prompt(case: &str) -> Prompt {
-    let t = load(&goldens().join("prompts").join(format!("{case}.safetensors")));
-    let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
-    let ids: Vec<u32> = t["input_ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
-    let names: Vec<String> =
-        meta["images"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
-    let images = (!names.is_empty()).then(|| {
-        let px: Vec<Tensor> = names
-            .iter()
-            .map(|n| load(&goldens().join("processor").join(format!("{n}.safetensors")))["pixel_values"].clone())
-            .collect();
-        VisionInput { pixels: Tensor::cat(&px, 0).unwrap(), grids: grids(&t["image_grid_thw"]) }
-    });
-    Prompt { input_ids: ids, images, videos: None }
 }
 
 #[test]

@@ -5,11 +5,13 @@ pub mod attention;
 pub mod error;
 pub mod grid;
 pub mod kv_cache;
+pub mod linear;
 pub mod merger;
 pub mod rope;
 
 pub use attention::{causal_gqa_attention, SegmentRotaryAttention};
 pub use error::{Error, Result};
 pub use kv_cache::KvCache;
+pub use linear::{QEmbedding, QLinear, QuantType};
 pub use merger::PatchMerger;
 pub use rope::{MultiAxisRope, TwoAxisRope};

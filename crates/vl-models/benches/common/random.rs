@@ -1,19 +1,35 @@
-//! Random weights for a tensor plan, so benches run at real geometry without a checkpoint.
+//! Random weights at real geometry without a checkpoint: a `VarBuilder` backend that makes each
+//! tensor when the model asks for it, so a loader that quantizes as it goes never holds the
+//! whole model in f32.
 
-use std::collections::HashMap;
+use candle_core::{DType, Device, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
 
-use candle_core::{DType, Device, Tensor};
-use vl_models::qwen3_vl::{Group, PlannedTensor};
+pub struct RandomBackend;
 
-pub fn random_weights(plan: &[PlannedTensor], groups: &[Group], dtype: DType, dev: &Device) -> HashMap<String, Tensor> {
-    plan.iter()
-        .filter(|p| p.required && groups.contains(&p.group))
-        .map(|p| {
-            let fan_in: usize = p.shape.iter().skip(1).product::<usize>().max(1);
-            let std = if p.shape.len() == 1 { 0.1 } else { 1.0 / (fan_in as f64).sqrt() };
-            let mean = if p.key.contains("norm") && p.key.ends_with("weight") { 1.0 } else { 0.0 };
-            let t = Tensor::randn(mean as f32, std as f32, p.shape.as_slice(), dev).unwrap().to_dtype(dtype).unwrap();
-            (p.key.clone(), t)
-        })
-        .collect()
+impl SimpleBackend for RandomBackend {
+    fn get(&self, s: Shape, name: &str, _: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        let dims = s.dims();
+        let fan_in: usize = dims.iter().skip(1).product::<usize>().max(1);
+        let (mean, std) = if name.contains("norm") && name.ends_with("weight") {
+            (1.0, 0.1)
+        } else if dims.len() == 1 {
+            (0.0, 0.1)
+        } else {
+            (0.0, 1.0 / (fan_in as f64).sqrt())
+        };
+        Tensor::randn(mean as f32, std as f32, s, dev)?.to_dtype(dtype)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        candle_core::bail!("random backend needs a shape for {name}")
+    }
+
+    fn contains_tensor(&self, _: &str) -> bool {
+        true
+    }
+}
+
+pub fn var_builder(dtype: DType, dev: &Device) -> candle_nn::VarBuilder<'static> {
+    candle_nn::VarBuilder::from_backend(Box::new(RandomBackend), dtype, dev.clone())
 }

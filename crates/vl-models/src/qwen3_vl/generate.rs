@@ -153,9 +153,25 @@ impl Qwen3VlModel {
         let images = prompt.images.as_ref().map(|i| self.encode_vision(i)).transpose()?;
         let videos = prompt.videos.as_ref().map(|v| self.encode_vision(v)).transpose()?;
         let vision_time = t0.elapsed();
+        let mut gen = self.generate_encoded(prompt, images.as_ref(), videos.as_ref(), opts, on_token)?;
+        gen.vision_time = vision_time;
+        Ok(gen)
+    }
+
+    /// Like `generate`, with the prompt's vision features already computed
+    /// (`VisionTower::forward`); `vision_time` is then zero.
+    pub fn generate_encoded(
+        &self,
+        prompt: &Prompt,
+        images: Option<&super::vision::VisionOutput>,
+        videos: Option<&super::vision::VisionOutput>,
+        opts: &GenerationOptions,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Generation> {
+        let vision_time = Duration::ZERO;
         let t0 = Instant::now();
         let mut cache = self.new_cache();
-        let state = self.prefill_encoded(prompt, images.as_ref(), videos.as_ref(), &mut cache, &mut |_, _| {})?;
+        let state = self.prefill_encoded(prompt, images, videos, &mut cache, &mut |_, _| {})?;
         let first_logits = self.last_logits(&state)?;
         let prefill_time = t0.elapsed();
         let t1 = Instant::now();

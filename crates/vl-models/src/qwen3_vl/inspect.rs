@@ -6,11 +6,12 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::checkpoint::{dtype_name, Checkpoint};
+use crate::checkpoint::SHARD_INDEX;
 use crate::error::Result;
 
 use super::config::{Qwen3VlConfig, ARCHITECTURE, MODEL_TYPE};
 use super::plan::{check_plan, tensor_plan, Group};
+use super::weights::{Layout, Storage, Weights};
 
 /// A checked checkpoint, summarized.
 #[derive(Debug, Clone, Serialize)]
@@ -19,6 +20,12 @@ pub struct Summary {
     pub model_type: String,
     pub files: usize,
     pub sharded: bool,
+    /// Key layout: "transformers" or "mlx-community".
+    pub layout: String,
+    /// Stored format per tensor group, e.g. "text decoder: mlx 4-bit (group 64, f32 scales) (14 tensors)".
+    pub storage: Vec<String>,
+    /// How the stored formats are computed.
+    pub compute: String,
     pub tensors: usize,
     /// Stored dtype -> number of tensors.
     pub dtypes: BTreeMap<String, usize>,
@@ -47,35 +54,66 @@ pub struct ParameterCounts {
 /// Reads the config and weights of `dir`, checks them against each other and summarizes.
 pub fn inspect(dir: &Path) -> Result<Summary> {
     let cfg = Qwen3VlConfig::from_dir(dir)?;
-    let ck = Checkpoint::open(dir)?;
+    let w = Weights::open(dir)?;
     let plan = tensor_plan(&cfg);
-    let report = check_plan(&plan, &ck)?;
+    let report = check_plan(&plan, &w)?;
     let mut params = ParameterCounts::default();
     let mut dtypes = BTreeMap::new();
+    let mut storage: BTreeMap<&str, BTreeMap<String, usize>> = BTreeMap::new();
+    let mut quantized = false;
     for p in &plan {
-        let Some(info) = ck.info(&p.key) else {
+        let Some(e) = w.get(&p.key) else {
             continue;
         };
         if !p.required {
             continue;
         }
-        *dtypes.entry(dtype_name(info.dtype)).or_insert(0) += 1;
-        let n = info.numel();
-        match p.group {
-            Group::Vision => params.vision += n,
-            Group::Text => params.text += n,
-            Group::LmHead => params.lm_head += n,
-        }
+        *dtypes.entry(e.describe()).or_insert(0) += 1;
+        quantized |= matches!(e.storage, Storage::Affine { .. });
+        let n: usize = e.shape.iter().product();
+        let group = match p.group {
+            Group::Vision => {
+                params.vision += n;
+                "vision tower"
+            }
+            Group::Text => {
+                params.text += n;
+                "text decoder"
+            }
+            Group::LmHead => {
+                params.lm_head += n;
+                "lm_head"
+            }
+        };
+        *storage.entry(group).or_default().entry(e.describe()).or_insert(0) += 1;
     }
+    let compute = if quantized {
+        "CPU: MLX-quantized tensors are dequantized exactly at load and computed in f32, or requantized to k-quants with --quantize; GPU: bf16"
+    } else {
+        "CPU: f32 (stored bf16/f16 upcast at load; --quantize q4k|q6k|q8 quantizes the text decoder); GPU: bf16"
+    };
+    let storage = storage
+        .into_iter()
+        .map(|(g, m)| {
+            let parts: Vec<String> = m.into_iter().map(|(d, n)| format!("{d} ({n} tensors)")).collect();
+            format!("{g}: {}", parts.join(", "))
+        })
+        .collect();
     params.total = params.vision + params.text + params.lm_head;
     let (t, v) = (&cfg.text, &cfg.vision);
     let side = v.num_grid_per_side();
     Ok(Summary {
         architecture: ARCHITECTURE.into(),
         model_type: MODEL_TYPE.into(),
-        files: ck.files().len(),
-        sharded: dir.join(crate::checkpoint::SHARD_INDEX).is_file(),
-        tensors: ck.tensors().len(),
+        files: w.checkpoint().files().len(),
+        sharded: dir.join(SHARD_INDEX).is_file(),
+        tensors: w.checkpoint().tensors().len(),
+        layout: match w.layout {
+            Layout::HuggingFace => "transformers".into(),
+            Layout::MlxCommunity => "mlx-community".into(),
+        },
+        storage,
+        compute: compute.into(),
         dtypes,
         parameters: params,
         text_layers: t.num_hidden_layers,
@@ -150,6 +188,8 @@ impl fmt::Display for Summary {
             p.text,
             head
         )?;
+        writeln!(f, "storage:      {} layout; {}", self.layout, self.storage.join("; "))?;
+        writeln!(f, "compute:      {}", self.compute)?;
         writeln!(f, "text:         {}", self.text)?;
         write!(f, "vision:       {}", self.vision)?;
         if !self.ignored_tensors.is_empty() {

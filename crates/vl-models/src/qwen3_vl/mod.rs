@@ -12,6 +12,7 @@ pub mod presets;
 pub mod processor;
 pub mod text;
 pub mod vision;
+pub mod weights;
 
 pub use chat::{Content, Message, Processor, StreamDecoder};
 pub use config::{Qwen3VlConfig, TextConfig, VisionConfig};
@@ -23,3 +24,4 @@ pub use plan::{check_plan, tensor_plan, Group, PlanReport, PlannedTensor};
 pub use processor::{ImageProcessor, PreprocessorConfig, ProcessedImage};
 pub use text::{TextCache, TextModel};
 pub use vision::{Grid, VisionOutput, VisionTower};
+pub use weights::{Layout, Weights};

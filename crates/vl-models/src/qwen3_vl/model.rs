@@ -14,7 +14,7 @@ use super::plan::{check_plan, tensor_plan, VISION_PREFIX};
 use super::positions::{mrope_positions, token_types, TokenType};
 use super::text::{DeepStack, TextCache, TextModel};
 use super::vision::{Grid, VisionOutput, VisionTower};
-use crate::checkpoint::Checkpoint;
+use super::weights::Weights;
 use crate::error::{Error, Result};
 
 /// Preprocessed vision input: patch rows [sum t*h*w, C*T*P*P] and one grid per image / video.
@@ -46,45 +46,52 @@ pub struct PrefillOutput {
 #[derive(Debug, Clone)]
 pub struct Qwen3VlModel {
     cfg: Qwen3VlConfig,
-    vision: VisionTower,
+    /// None once released (see `without_vision`): prompts must then come with encoded vision.
+    vision: Option<VisionTower>,
     text: TextModel,
 }
 
 impl Qwen3VlModel {
     /// Loads a model directory: config, weights (checked against the tensor plan first).
     pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
+        Self::load_quantized(dir, dtype, device, None)
+    }
+
+    /// Loads a model directory (HF or MLX-community layout; MLX-quantized weights are
+    /// dequantized exactly), quantizing the text decoder to `quant` when given.
+    pub fn load_quantized(dir: &Path, dtype: DType, device: &Device, quant: Option<vl_nn::QuantType>) -> Result<Self> {
         let cfg = Qwen3VlConfig::from_dir(dir)?;
-        let ck = Arc::new(Checkpoint::open(dir)?);
-        check_plan(&tensor_plan(&cfg), &ck)?;
-        Self::from_checkpoint(cfg, &ck, dtype, device)
-    }
-
-    pub fn from_checkpoint(cfg: Qwen3VlConfig, ck: &Arc<Checkpoint>, dtype: DType, device: &Device) -> Result<Self> {
-        Self::from_var_builder(cfg, ck.var_builder(dtype, device))
-    }
-
-    /// Loads a checked checkpoint, calling `progress(key)` per tensor.
-    pub fn from_checkpoint_with_progress(
-        cfg: Qwen3VlConfig,
-        ck: &Arc<Checkpoint>,
-        dtype: DType,
-        device: &Device,
-        progress: crate::checkpoint::LoadProgress,
-    ) -> Result<Self> {
-        Self::from_var_builder(cfg, ck.var_builder_with_progress(dtype, device, Some(progress)))
+        let w = Arc::new(Weights::open(dir)?);
+        check_plan(&tensor_plan(&cfg), &w)?;
+        Self::from_var_builder_quantized(cfg, w.var_builder(dtype, device, None), quant)
     }
 
     pub fn from_var_builder(cfg: Qwen3VlConfig, vb: candle_nn::VarBuilder) -> Result<Self> {
+        Self::from_var_builder_quantized(cfg, vb, None)
+    }
+
+    /// Loads with the text decoder quantized to `quant` (see `TextModel::load`).
+    pub fn from_var_builder_quantized(
+        cfg: Qwen3VlConfig,
+        vb: candle_nn::VarBuilder,
+        quant: Option<vl_nn::QuantType>,
+    ) -> Result<Self> {
         let vision = VisionTower::load(&cfg.vision, vb.pp(VISION_PREFIX))?;
-        let text = TextModel::load(&cfg.text, cfg.tie_word_embeddings, vb)?;
-        Ok(Self { cfg, vision, text })
+        let text = TextModel::load(&cfg.text, cfg.tie_word_embeddings, vb, quant)?;
+        Ok(Self { cfg, vision: Some(vision), text })
     }
 
     pub fn config(&self) -> &Qwen3VlConfig {
         &self.cfg
     }
-    pub fn vision(&self) -> &VisionTower {
-        &self.vision
+    /// A model from separately loaded parts; `vision` may be None when the caller encodes images
+    /// beforehand (e.g. to free the tower before loading the text weights).
+    pub fn from_parts(cfg: Qwen3VlConfig, vision: Option<VisionTower>, text: TextModel) -> Self {
+        Self { cfg, vision, text }
+    }
+
+    pub fn vision(&self) -> Option<&VisionTower> {
+        self.vision.as_ref()
     }
     pub fn text(&self) -> &TextModel {
         &self.text
@@ -95,7 +102,11 @@ impl Qwen3VlModel {
 
     /// Runs the vision tower on every image (or video) of a prompt.
     pub fn encode_vision(&self, input: &VisionInput) -> Result<VisionOutput> {
-        self.vision.forward(&input.pixels, &input.grids)
+        let tower = self.vision.as_ref().ok_or_else(|| Error::Input {
+            what: "model".into(),
+            message: "the vision tower was not loaded; pass encoded vision features".into(),
+        })?;
+        tower.forward(&input.pixels, &input.grids)
     }
 
     /// Prefills `cache` (which must be empty) with the prompt. `trace(k, h)` sees the embeddings

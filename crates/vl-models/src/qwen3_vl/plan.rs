@@ -4,10 +4,10 @@
 
 use std::collections::BTreeSet;
 
-use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result, ShapeMismatch};
 
 use super::config::Qwen3VlConfig;
+use super::weights::Weights;
 
 /// Which part of the model a tensor belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -106,13 +106,13 @@ pub struct PlanReport {
 
 /// Checks the checkpoint's key set and shapes against the plan; names every missing,
 /// unexpected and wrongly shaped tensor.
-pub fn check_plan(plan: &[PlannedTensor], ck: &Checkpoint) -> Result<PlanReport> {
+pub fn check_plan(plan: &[PlannedTensor], ck: &Weights) -> Result<PlanReport> {
     let mut missing = Vec::new();
     let mut wrong_shape = Vec::new();
     let mut report = PlanReport::default();
     let planned: BTreeSet<&str> = plan.iter().map(|p| p.key.as_str()).collect();
     for p in plan {
-        match ck.info(&p.key) {
+        match ck.get(&p.key) {
             None if p.required => missing.push(p.key.clone()),
             None => {}
             Some(info) if info.shape != p.shape => wrong_shape.push(ShapeMismatch {
@@ -124,7 +124,7 @@ pub fn check_plan(plan: &[PlannedTensor], ck: &Checkpoint) -> Result<PlanReport>
             Some(_) => {}
         }
     }
-    let unexpected: Vec<String> = ck.tensors().keys().filter(|k| !planned.contains(k.as_str())).cloned().collect();
+    let unexpected: Vec<String> = ck.entries().keys().filter(|k| !planned.contains(k.as_str())).cloned().collect();
     if missing.is_empty() && unexpected.is_empty() && wrong_shape.is_empty() {
         Ok(report)
     } else {

@@ -4,8 +4,8 @@
 //! visual positions after the first layers, final norm, lm_head (tied or not).
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
-use vl_nn::{causal_gqa_attention, KvCache, MultiAxisRope};
+use candle_nn::{RmsNorm, VarBuilder};
+use vl_nn::{causal_gqa_attention, KvCache, MultiAxisRope, QEmbedding, QLinear, QuantType};
 
 use super::config::TextConfig;
 use crate::error::{Error, Result};
@@ -13,8 +13,8 @@ use crate::error::{Error, Result};
 /// Query rows per attention block during prefill (bounds the live score matrix).
 const PREFILL_QUERY_BLOCK: usize = 512;
 
-fn linear_no_bias(i: usize, o: usize, vb: VarBuilder) -> Result<Linear> {
-    Ok(candle_nn::linear_no_bias(i, o, vb)?)
+fn linear_no_bias(i: usize, o: usize, vb: VarBuilder, q: Option<QuantType>) -> Result<QLinear> {
+    Ok(QLinear::new(candle_nn::linear_no_bias(i, o, vb)?, q)?)
 }
 
 fn rms_norm(dim: usize, eps: f64, vb: VarBuilder) -> Result<RmsNorm> {
@@ -23,10 +23,10 @@ fn rms_norm(dim: usize, eps: f64, vb: VarBuilder) -> Result<RmsNorm> {
 
 #[derive(Debug, Clone)]
 struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
+    q_proj: QLinear,
+    k_proj: QLinear,
+    v_proj: QLinear,
+    o_proj: QLinear,
     q_norm: RmsNorm,
     k_norm: RmsNorm,
     heads: usize,
@@ -35,14 +35,14 @@ struct Attention {
 }
 
 impl Attention {
-    fn load(cfg: &TextConfig, vb: VarBuilder) -> Result<Self> {
+    fn load(cfg: &TextConfig, vb: VarBuilder, qt: Option<QuantType>) -> Result<Self> {
         let (d, hd) = (cfg.hidden_size, cfg.head_dim);
         let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         Ok(Self {
-            q_proj: linear_no_bias(d, q, vb.pp("q_proj"))?,
-            k_proj: linear_no_bias(d, kv, vb.pp("k_proj"))?,
-            v_proj: linear_no_bias(d, kv, vb.pp("v_proj"))?,
-            o_proj: linear_no_bias(q, d, vb.pp("o_proj"))?,
+            q_proj: linear_no_bias(d, q, vb.pp("q_proj"), qt)?,
+            k_proj: linear_no_bias(d, kv, vb.pp("k_proj"), qt)?,
+            v_proj: linear_no_bias(d, kv, vb.pp("v_proj"), qt)?,
+            o_proj: linear_no_bias(q, d, vb.pp("o_proj"), qt)?,
             q_norm: rms_norm(hd, cfg.rms_norm_eps, vb.pp("q_norm"))?,
             k_norm: rms_norm(hd, cfg.rms_norm_eps, vb.pp("k_norm"))?,
             heads: cfg.num_attention_heads,
@@ -70,18 +70,18 @@ impl Attention {
 
 #[derive(Debug, Clone)]
 struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    gate: QLinear,
+    up: QLinear,
+    down: QLinear,
 }
 
 impl Mlp {
-    fn load(cfg: &TextConfig, vb: VarBuilder) -> Result<Self> {
+    fn load(cfg: &TextConfig, vb: VarBuilder, qt: Option<QuantType>) -> Result<Self> {
         let (d, i) = (cfg.hidden_size, cfg.intermediate_size);
         Ok(Self {
-            gate: linear_no_bias(d, i, vb.pp("gate_proj"))?,
-            up: linear_no_bias(d, i, vb.pp("up_proj"))?,
-            down: linear_no_bias(i, d, vb.pp("down_proj"))?,
+            gate: linear_no_bias(d, i, vb.pp("gate_proj"), qt)?,
+            up: linear_no_bias(d, i, vb.pp("up_proj"), qt)?,
+            down: linear_no_bias(i, d, vb.pp("down_proj"), qt)?,
         })
     }
 
@@ -100,12 +100,12 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn load(cfg: &TextConfig, vb: VarBuilder) -> Result<Self> {
+    fn load(cfg: &TextConfig, vb: VarBuilder, qt: Option<QuantType>) -> Result<Self> {
         Ok(Self {
             input_norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
-            attn: Attention::load(cfg, vb.pp("self_attn"))?,
+            attn: Attention::load(cfg, vb.pp("self_attn"), qt)?,
             post_attn_norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"))?,
-            mlp: Mlp::load(cfg, vb.pp("mlp"))?,
+            mlp: Mlp::load(cfg, vb.pp("mlp"), qt)?,
         })
     }
 
@@ -151,27 +151,30 @@ impl TextCache {
 #[derive(Debug, Clone)]
 pub struct TextModel {
     cfg: TextConfig,
-    embed: Embedding,
+    embed: QEmbedding,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
-    lm_head: Linear,
+    lm_head: QLinear,
     rope: MultiAxisRope,
     dtype: DType,
     device: Device,
 }
 
 impl TextModel {
-    /// `vb` at the checkpoint root (`model.language_model.*`, `lm_head.weight`).
-    pub fn load(cfg: &TextConfig, tie_word_embeddings: bool, vb: VarBuilder) -> Result<Self> {
+    /// `vb` at the checkpoint root (`model.language_model.*`, `lm_head.weight`). With `quant`,
+    /// every decoder linear, the embedding table and the lm_head whose input dimension fits
+    /// the block size are quantized as they are loaded.
+    pub fn load(cfg: &TextConfig, tie_word_embeddings: bool, vb: VarBuilder, quant: Option<QuantType>) -> Result<Self> {
         let tvb = vb.pp("model.language_model");
-        let embed = candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, tvb.pp("embed_tokens"))?;
+        let table = tvb.pp("embed_tokens").get((cfg.vocab_size, cfg.hidden_size), "weight")?;
+        let embed = QEmbedding::new(table, quant)?;
         let lm_head = if tie_word_embeddings {
-            Linear::new(embed.embeddings().clone(), None)
+            embed.as_linear()?
         } else {
-            linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+            linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"), quant)?
         };
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| DecoderLayer::load(cfg, tvb.pp(format!("layers.{i}"))))
+            .map(|i| DecoderLayer::load(cfg, tvb.pp(format!("layers.{i}")), quant))
             .collect::<Result<_>>()?;
         let s = &cfg.mrope_section;
         Ok(Self {
@@ -188,6 +191,21 @@ impl TextModel {
 
     pub fn config(&self) -> &TextConfig {
         &self.cfg
+    }
+
+    /// (group, storage, weight bytes) of the decoder's big tensors, for reports.
+    pub fn storage(&self) -> Vec<(String, String, usize)> {
+        let mut layers: std::collections::BTreeMap<String, usize> = Default::default();
+        for l in &self.layers {
+            let a = &l.attn;
+            for q in [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &l.mlp.gate, &l.mlp.up, &l.mlp.down] {
+                *layers.entry(q.storage()).or_default() += q.weight_bytes();
+            }
+        }
+        let mut out: Vec<_> = layers.into_iter().map(|(s, b)| ("text decoder linears".to_string(), s, b)).collect();
+        out.push(("token embeddings".into(), self.embed.storage(), self.embed.weight_bytes()));
+        out.push(("lm_head".into(), self.lm_head.storage(), self.lm_head.weight_bytes()));
+        out
     }
 
     pub fn dtype(&self) -> DType {
@@ -210,8 +228,7 @@ impl TextModel {
                 message: format!("id {bad} is outside the vocabulary of {}", self.cfg.vocab_size),
             });
         }
-        let t = Tensor::from_slice(ids, ids.len(), &self.device)?;
-        Ok(self.embed.forward(&t)?)
+        Ok(self.embed.lookup(ids, self.dtype)?)
     }
 
     /// Runs the decoder on `x` ([new, hidden]) at M-RoPE `positions` (one (t, h, w) per row),

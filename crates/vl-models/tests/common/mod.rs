@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use vl_models::checkpoint::Checkpoint;
-use vl_models::qwen3_vl::Qwen3VlConfig;
+use vl_models::qwen3_vl::{Prompt, Qwen3VlConfig, VisionInput};
 
 pub const GEOMETRIES: [&str; 2] = ["tiny-a", "tiny-b"];
 pub const PROBES: [&str; 6] = ["square", "odd", "small", "large", "wide", "alpha"];
@@ -40,4 +40,21 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 
 pub fn grids(t: &Tensor) -> Vec<[usize; 3]> {
     t.to_vec2::<i64>().unwrap().iter().map(|r| [r[0] as usize, r[1] as usize, r[2] as usize]).collect()
+}
+
+/// The golden prompt `case`: ids from prompts/, pixels from the processor goldens of its images.
+pub fn prompt(case: &str) -> Prompt {
+    let t = load(&goldens().join("prompts").join(format!("{case}.safetensors")));
+    let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
+    let ids: Vec<u32> = t["input_ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
+    let names: Vec<String> =
+        meta["images"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
+    let images = (!names.is_empty()).then(|| {
+        let px: Vec<Tensor> = names
+            .iter()
+            .map(|n| load(&goldens().join("processor").join(format!("{n}.safetensors")))["pixel_values"].clone())
+            .collect();
+        VisionInput { pixels: Tensor::cat(&px, 0).unwrap(), grids: grids(&t["image_grid_thw"]) }
+    });
+    Prompt { input_ids: ids, images, videos: None }
 }

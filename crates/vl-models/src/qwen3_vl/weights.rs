@@ -1,0 +1,269 @@
+//! The logical weight view of a Qwen3-VL checkpoint: transformers key names and shapes, whatever
+//! the stored layout. The one key-mapping place: MLX-community checkpoints (`vision_tower.*`,
+//! `language_model.model.*`, `language_model.lm_head.*`, channels-last patch-embed conv,
+//! affine-quantized linears and embeddings with `.scales` / `.biases`) map to the HF names here.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Shape, Tensor};
+use safetensors::Dtype as StDtype;
+use serde_json::Value;
+
+use crate::affine;
+use crate::checkpoint::{Checkpoint, LoadProgress};
+use crate::error::{Error, Result};
+
+/// Stored-to-HF prefix pairs of the MLX-community layout.
+const MLX_PREFIXES: [(&str, &str); 3] = [
+    ("vision_tower.", "model.visual."),
+    ("language_model.model.", "model.language_model."),
+    ("language_model.lm_head.", "lm_head."),
+];
+
+const PATCH_EMBED: &str = "model.visual.patch_embed.proj.weight";
+
+/// The HF name of a stored key. Idempotent: HF names map to themselves.
+pub fn hf_key(stored: &str) -> String {
+    for (from, to) in MLX_PREFIXES {
+        if let Some(rest) = stored.strip_prefix(from) {
+            return format!("{to}{rest}");
+        }
+    }
+    stored.to_string()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    HuggingFace,
+    MlxCommunity,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Storage {
+    /// Stored as is (any float dtype).
+    Plain,
+    /// MLX affine quantization; `dtype` is that of the scales and biases.
+    Affine { bits: usize, group: usize },
+    /// A 5-D conv weight stored (out, t, h, w, in) instead of (out, in, t, h, w).
+    ChannelsLast,
+}
+
+#[derive(Debug, Clone)]
+pub struct Entry {
+    pub stored_key: String,
+    /// Logical (HF) shape.
+    pub shape: Vec<usize>,
+    pub dtype: StDtype,
+    pub storage: Storage,
+}
+
+impl Entry {
+    /// "f32", "bf16", "mlx-affine-4bit/g64", ...
+    pub fn describe(&self) -> String {
+        let d = crate::checkpoint::dtype_name(self.dtype);
+        match &self.storage {
+            Storage::Affine { bits, group } => format!("mlx {bits}-bit (group {group}, {d} scales)"),
+            _ => d,
+        }
+    }
+}
+
+/// Bits and group size of one quantized module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AffineParams {
+    pub bits: usize,
+    pub group: usize,
+}
+
+pub struct Weights {
+    ck: Arc<Checkpoint>,
+    entries: BTreeMap<String, Entry>,
+    pub layout: Layout,
+}
+
+fn quant_params(q: &Value) -> Option<AffineParams> {
+    Some(AffineParams { bits: q.get("bits")?.as_u64()? as usize, group: q.get("group_size")?.as_u64()? as usize })
+}
+
+impl Weights {
+    /// Opens the weights of `dir`, reading `config.json`'s `quantization` (global bits and group
+    /// size, per-module overrides keyed by stored module path) when present.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let ck = Arc::new(Checkpoint::open(dir)?);
+        let cfg_path = dir.join("config.json");
+        let cfg: Value = match std::fs::read_to_string(&cfg_path) {
+            Ok(t) => serde_json::from_str(&t).map_err(|source| Error::Json { path: cfg_path.clone(), source })?,
+            Err(_) => Value::Null,
+        };
+        let quant = cfg.get("quantization").or_else(|| cfg.get("quantization_config")).cloned().unwrap_or(Value::Null);
+        Self::new(ck, &quant, &cfg_path)
+    }
+
+    pub fn new(ck: Arc<Checkpoint>, quant: &Value, cfg_path: &Path) -> Result<Self> {
+        let layout = if ck.tensors().keys().any(|k| MLX_PREFIXES.iter().any(|(p, _)| k.starts_with(p))) {
+            Layout::MlxCommunity
+        } else {
+            Layout::HuggingFace
+        };
+        let global = quant_params(quant);
+        let mut entries = BTreeMap::new();
+        for (key, info) in ck.tensors() {
+            if (key.ends_with(".scales") || key.ends_with(".biases"))
+                && ck.contains(&format!("{}.weight", &key[..key.len() - 7]))
+            {
+                continue;
+            }
+            let module = key.strip_suffix(".weight");
+            let scales = module.map(|m| format!("{m}.scales"));
+            let mut shape = info.shape.clone();
+            let mut dtype = info.dtype;
+            let storage = match scales.as_ref().and_then(|s| ck.info(s)) {
+                Some(sinfo) => {
+                    let m = module.unwrap();
+                    let p = match quant.get(m) {
+                        Some(Value::Bool(false)) => None,
+                        Some(v) => quant_params(v).or(global),
+                        None => global,
+                    };
+                    let p = p.ok_or_else(|| Error::Config {
+                        path: cfg_path.to_path_buf(),
+                        field: "quantization".into(),
+                        message: format!("`{key}` is quantized but no bits / group_size apply to it"),
+                    })?;
+                    let cols = sinfo.shape.last().copied().unwrap_or(0) * p.group;
+                    let packed = info.shape.last().copied().unwrap_or(0);
+                    if info.dtype != StDtype::U32
+                        || packed * 32 != cols * p.bits
+                        || !affine::SUPPORTED_BITS.contains(&p.bits)
+                    {
+                        return Err(Error::Safetensors {
+                            path: ck.file_of(key).unwrap().to_path_buf(),
+                            message: format!(
+                                "`{key}` ({:?} {:?}) does not match {} bits, group {} with scales {:?}",
+                                info.dtype, info.shape, p.bits, p.group, sinfo.shape
+                            ),
+                        });
+                    }
+                    *shape.last_mut().unwrap() = cols;
+                    dtype = sinfo.dtype;
+                    Storage::Affine { bits: p.bits, group: p.group }
+                }
+                None if layout == Layout::MlxCommunity && hf_key(key) == PATCH_EMBED && shape.len() == 5 => {
+                    shape = vec![shape[0], shape[4], shape[1], shape[2], shape[3]];
+                    Storage::ChannelsLast
+                }
+                None => Storage::Plain,
+            };
+            entries.insert(hf_key(key), Entry { stored_key: key.clone(), shape, dtype, storage });
+        }
+        Ok(Self { ck, entries, layout })
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.ck.dir()
+    }
+    pub fn checkpoint(&self) -> &Arc<Checkpoint> {
+        &self.ck
+    }
+    pub fn entries(&self) -> &BTreeMap<String, Entry> {
+        &self.entries
+    }
+    pub fn get(&self, key: &str) -> Option<&Entry> {
+        self.entries.get(key)
+    }
+
+    /// Loads a logical tensor in `dtype`: affine tensors are dequantized exactly in f32,
+    /// channels-last convs permuted.
+    pub fn load(&self, key: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
+        let e = self.entries.get(key).ok_or_else(|| Error::MissingTensor { key: key.to_string() })?;
+        let t = match &e.storage {
+            Storage::Plain => self.ck.load(&e.stored_key, dev)?,
+            Storage::ChannelsLast => self.ck.load(&e.stored_key, dev)?.permute((0, 4, 1, 2, 3))?.contiguous()?,
+            Storage::Affine { bits, group } => {
+                let module = &e.stored_key[..e.stored_key.len() - ".weight".len()];
+                let f32s = |k: &str| -> Result<Vec<f32>> {
+                    Ok(self.ck.load(k, &Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+                };
+                let scales = f32s(&format!("{module}.scales"))?;
+                let biases = f32s(&format!("{module}.biases"))?;
+                let (_, packed) = self.ck.raw(&e.stored_key).expect("indexed");
+                let cols = *e.shape.last().unwrap();
+                let rows = e.shape.iter().product::<usize>() / cols;
+                let w = affine::dequantize(packed, &scales, &biases, rows, cols, *bits, *group).map_err(
+                    |err| match err {
+                        Error::Input { message, .. } => {
+                            Error::Input { what: format!("tensor `{}`", e.stored_key), message }
+                        }
+                        other => other,
+                    },
+                )?;
+                Tensor::from_vec(w, e.shape.as_slice(), dev)?
+            }
+        };
+        Ok(t.to_dtype(dtype)?)
+    }
+
+    /// A `VarBuilder` over the logical view, checking shapes, calling `progress` per tensor.
+    pub fn var_builder(
+        self: &Arc<Self>,
+        dtype: DType,
+        dev: &Device,
+        progress: Option<LoadProgress>,
+    ) -> candle_nn::VarBuilder<'static> {
+        candle_nn::VarBuilder::from_backend(Box::new(Backend(self.clone(), progress)), dtype, dev.clone())
+    }
+}
+
+struct Backend(Arc<Weights>, Option<LoadProgress>);
+
+impl candle_nn::var_builder::SimpleBackend for Backend {
+    fn get(&self, s: Shape, name: &str, _: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        let e = self.0.get(name).ok_or_else(|| candle_core::Error::wrap(Error::MissingTensor { key: name.into() }))?;
+        if e.shape != s.dims() {
+            return Err(candle_core::Error::wrap(Error::TensorPlan {
+                dir: self.0.dir().to_path_buf(),
+                missing: vec![],
+                unexpected: vec![],
+                wrong_shape: vec![crate::error::ShapeMismatch {
+                    key: name.into(),
+                    expected: s.dims().to_vec(),
+                    found: e.shape.clone(),
+                }],
+            }));
+        }
+        let t = self.0.load(name, dtype, dev).map_err(candle_core::Error::wrap)?;
+        if let Some(p) = &self.1 {
+            p(name);
+        }
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.0.load(name, dtype, dev).map_err(candle_core::Error::wrap)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.get(name).is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_mapping_is_idempotent() {
+        for (stored, hf) in [
+            ("vision_tower.blocks.0.attn.qkv.weight", "model.visual.blocks.0.attn.qkv.weight"),
+            ("language_model.model.layers.3.mlp.up_proj.scales", "model.language_model.layers.3.mlp.up_proj.scales"),
+            ("language_model.lm_head.weight", "lm_head.weight"),
+            ("model.visual.merger.norm.bias", "model.visual.merger.norm.bias"),
+            ("lm_head.weight", "lm_head.weight"),
+        ] {
+            assert_eq!(hf_key(stored), hf);
+            assert_eq!(hf_key(&hf_key(stored)), hf_key(stored));
+        }
+    }
+}

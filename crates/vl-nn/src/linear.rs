@@ -1,0 +1,244 @@
+//! Linear layers and embeddings whose storage is chosen at load time: dense (any float dtype)
+//! or a k-quant (candle's GGML block formats with fast AVX2/NEON kernels). Quantization is a
+//! property of the layer, not a second copy of the model.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::{DType, Module, Tensor};
+use candle_nn::Linear;
+
+use crate::{Error, Result};
+
+/// Weight storage of a quantized layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantType {
+    Q4K,
+    Q5K,
+    Q6K,
+    Q8K,
+    Q8_0,
+}
+
+impl QuantType {
+    pub fn ggml(self) -> GgmlDType {
+        match self {
+            QuantType::Q4K => GgmlDType::Q4K,
+            QuantType::Q5K => GgmlDType::Q5K,
+            QuantType::Q6K => GgmlDType::Q6K,
+            QuantType::Q8K => GgmlDType::Q8K,
+            QuantType::Q8_0 => GgmlDType::Q8_0,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantType::Q4K => "q4k",
+            QuantType::Q5K => "q5k",
+            QuantType::Q6K => "q6k",
+            QuantType::Q8K => "q8k",
+            QuantType::Q8_0 => "q8_0",
+        }
+    }
+
+    /// Rows of this many values quantize; others stay dense.
+    pub fn block(self) -> usize {
+        self.ggml().block_size()
+    }
+}
+
+/// A linear layer, dense or quantized.
+#[derive(Debug, Clone)]
+pub enum QLinear {
+    Dense(Linear),
+    Quant { w: QMatMul, qtype: QuantType, bias: Option<Tensor>, out_dim: usize },
+}
+
+impl QLinear {
+    /// Quantizes `l` to `qtype` when its input dimension is a multiple of the block size;
+    /// otherwise keeps it dense (reported by `storage`).
+    pub fn new(l: Linear, qtype: Option<QuantType>) -> Result<Self> {
+        let Some(q) = qtype else { return Ok(QLinear::Dense(l)) };
+        let (out_dim, in_dim) = l.weight().dims2()?;
+        if in_dim % q.block() != 0 {
+            return Ok(QLinear::Dense(l));
+        }
+        let w = QTensor::quantize(&l.weight().to_dtype(DType::F32)?, q.ggml())?;
+        Ok(QLinear::Quant { w: QMatMul::from_qtensor(w)?, qtype: q, bias: l.bias().cloned(), out_dim })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            QLinear::Dense(l) => Ok(l.forward(x)?),
+            QLinear::Quant { w, bias, .. } => {
+                let dtype = x.dtype();
+                let y = w.forward(&x.to_dtype(DType::F32)?)?.to_dtype(dtype)?;
+                Ok(match bias {
+                    Some(b) => y.broadcast_add(&b.to_dtype(dtype)?)?,
+                    None => y,
+                })
+            }
+        }
+    }
+
+    /// "f32", "bf16", "q4k", ...
+    pub fn storage(&self) -> String {
+        match self {
+            QLinear::Dense(l) => dtype_name(l.weight().dtype()).into(),
+            QLinear::Quant { qtype, .. } => qtype.name().into(),
+        }
+    }
+
+    /// Bytes held by the weight.
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            QLinear::Dense(l) => l.weight().elem_count() * l.weight().dtype().size_in_bytes(),
+            QLinear::Quant { w: QMatMul::QTensor(t), .. } => t.storage_size_in_bytes(),
+            QLinear::Quant { w: QMatMul::Tensor(t) | QMatMul::TensorF16(t), .. } => {
+                t.elem_count() * t.dtype().size_in_bytes()
+            }
+        }
+    }
+
+    pub fn out_dim(&self) -> usize {
+        match self {
+            QLinear::Dense(l) => l.weight().dim(0).unwrap_or(0),
+            QLinear::Quant { out_dim, .. } => *out_dim,
+        }
+    }
+}
+
+pub fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::F64 => "f64",
+        _ => "other",
+    }
+}
+
+/// A token embedding table, dense or quantized. A quantized table dequantizes only the rows it
+/// looks up, so a tied lm_head and the embedding can share one quantized copy.
+#[derive(Debug, Clone)]
+pub enum QEmbedding {
+    Dense(Tensor),
+    Quant { table: Arc<QTensor>, qtype: QuantType, rows: usize, dim: usize },
+}
+
+impl QEmbedding {
+    pub fn new(table: Tensor, qtype: Option<QuantType>) -> Result<Self> {
+        let (rows, dim) = table.dims2()?;
+        match qtype {
+            Some(q) if dim % q.block() == 0 => {
+                let t = QTensor::quantize(&table.to_dtype(DType::F32)?, q.ggml())?;
+                Ok(QEmbedding::Quant { table: Arc::new(t), qtype: q, rows, dim })
+            }
+            _ => Ok(QEmbedding::Dense(table)),
+        }
+    }
+
+    /// Rows for `ids` as [n, dim] in `dtype`.
+    pub fn lookup(&self, ids: &[u32], dtype: DType) -> Result<Tensor> {
+        match self {
+            QEmbedding::Dense(t) => {
+                let idx = Tensor::from_slice(ids, ids.len(), t.device())?;
+                Ok(t.index_select(&idx, 0)?.to_dtype(dtype)?)
+            }
+            QEmbedding::Quant { table, qtype, rows, dim } => {
+                let data = table.data()?;
+                let row_bytes = data.len() / rows;
+                let mut buf = Vec::with_capacity(ids.len() * row_bytes);
+                for &i in ids {
+                    let i = i as usize;
+                    if i >= *rows {
+                        return Err(Error::Shape { layer: "QEmbedding", message: format!("id {i} >= {rows} rows") });
+                    }
+                    buf.extend_from_slice(&data[i * row_bytes..(i + 1) * row_bytes]);
+                }
+                let dev = table.device();
+                let storage = QStorage::from_data(Cow::Owned(buf), &dev, qtype.ggml())?;
+                let q = QTensor::new(storage, (ids.len(), *dim))?;
+                Ok(q.dequantize(&dev)?.to_dtype(dtype)?)
+            }
+        }
+    }
+
+    /// The table as an lm_head (logits = x @ table^T).
+    pub fn as_linear(&self) -> Result<QLinear> {
+        match self {
+            QEmbedding::Dense(t) => Ok(QLinear::Dense(Linear::new(t.clone(), None))),
+            QEmbedding::Quant { table, qtype, rows, .. } => {
+                Ok(QLinear::Quant { w: QMatMul::from_arc(table.clone())?, qtype: *qtype, bias: None, out_dim: *rows })
+            }
+        }
+    }
+
+    pub fn storage(&self) -> String {
+        match self {
+            QEmbedding::Dense(t) => dtype_name(t.dtype()).into(),
+            QEmbedding::Quant { qtype, .. } => qtype.name().into(),
+        }
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            QEmbedding::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            QEmbedding::Quant { table, .. } => table.storage_size_in_bytes(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    #[test]
+    fn quantized_linear_is_close_and_small_dims_stay_dense() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 0.05, (64, 512), &dev).unwrap();
+        let x = Tensor::randn(0f32, 1., (3, 512), &dev).unwrap();
+        let dense = QLinear::new(Linear::new(w.clone(), None), None).unwrap();
+        let want = dense.forward(&x).unwrap();
+        let scale = want.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+        // Activations are quantized to 8 bits too, hence a percent-level error even for 8-bit weights.
+        for (q, rel) in
+            [(QuantType::Q8K, 0.025), (QuantType::Q8_0, 0.025), (QuantType::Q6K, 0.04), (QuantType::Q4K, 0.1)]
+        {
+            let l = QLinear::new(Linear::new(w.clone(), None), Some(q)).unwrap();
+            assert_eq!(l.storage(), q.name());
+            let d = max_diff(&l.forward(&x).unwrap(), &want);
+            assert!(d < rel * scale, "{q:?}: {d} vs scale {scale}");
+            assert!(l.weight_bytes() < 512 * 64 * 4 / 3);
+        }
+        let small =
+            QLinear::new(Linear::new(Tensor::zeros((4, 48), DType::F32, &dev).unwrap(), None), Some(QuantType::Q4K))
+                .unwrap();
+        assert_eq!(small.storage(), "f32");
+    }
+
+    #[test]
+    fn quantized_embedding_rows_match_the_dequantized_table() {
+        let dev = Device::Cpu;
+        let t = Tensor::randn(0f32, 1., (10, 256), &dev).unwrap();
+        let e = QEmbedding::new(t.clone(), Some(QuantType::Q6K)).unwrap();
+        let QEmbedding::Quant { table, .. } = &e else { panic!("not quantized") };
+        let full = table.dequantize(&dev).unwrap();
+        let rows = e.lookup(&[7, 2, 7], DType::F32).unwrap();
+        let idx = Tensor::new(&[7u32, 2, 7], &dev).unwrap();
+        assert_eq!(max_diff(&rows, &full.index_select(&idx, 0).unwrap()), 0.0);
+        assert!(max_diff(&rows, &t.index_select(&idx, 0).unwrap()) < 0.1);
+        assert!(e.lookup(&[10], DType::F32).is_err());
+        // The same table as an lm_head.
+        let x = Tensor::randn(0f32, 1., (2, 256), &dev).unwrap();
+        let want = x.matmul(&full.t().unwrap()).unwrap();
+        let scale = want.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+        assert!(max_diff(&e.as_linear().unwrap().forward(&x).unwrap(), &want) < 0.025 * scale);
+    }
+}
