@@ -222,21 +222,22 @@ pub struct StreamDecoder<'a> {
 }
 
 impl StreamDecoder<'_> {
+    /// The text already emitted from the current prefix, and the text with every pending token.
+    fn texts(&self) -> Result<(String, String)> {
+        let dec = |ids: &[u32]| {
+            self.tokenizer.decode(ids, true).map_err(|e| Error::Input { what: "tokenizer".into(), message: e.to_string() })
+        };
+        Ok((dec(&self.ids[self.prefix..self.read])?, dec(&self.ids[self.prefix..])?))
+    }
+
     /// Adds a token; returns the text it completes, if any.
     pub fn push(&mut self, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
-        let dec = |ids: &[u32]| {
-            self.tokenizer
-                .decode(ids, true)
-                .map_err(|e| Error::Input { what: "tokenizer".into(), message: e.to_string() })
-        };
-        let before = dec(&self.ids[self.prefix..self.read])?;
-        let now = dec(&self.ids[self.prefix..])?;
+        let (before, now) = self.texts()?;
         if now.len() > before.len() && !now.ends_with('\u{FFFD}') {
-            let piece = now[before.len()..].to_string();
             self.prefix = self.read;
             self.read = self.ids.len();
-            Ok(Some(piece))
+            Ok(Some(now[before.len()..].to_string()))
         } else {
             Ok(None)
         }
@@ -244,13 +245,7 @@ impl StreamDecoder<'_> {
 
     /// Whatever is left (possibly an incomplete sequence, decoded with replacement characters).
     pub fn finish(&mut self) -> Result<Option<String>> {
-        let dec = |ids: &[u32]| {
-            self.tokenizer
-                .decode(ids, true)
-                .map_err(|e| Error::Input { what: "tokenizer".into(), message: e.to_string() })
-        };
-        let before = dec(&self.ids[self.prefix..self.read])?;
-        let now = dec(&self.ids[self.prefix..])?;
+        let (before, now) = self.texts()?;
         self.prefix = self.ids.len();
         self.read = self.ids.len();
         Ok((now.len() > before.len()).then(|| now[before.len()..].to_string()))

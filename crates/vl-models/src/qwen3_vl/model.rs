@@ -149,11 +149,14 @@ impl Qwen3VlModel {
             });
         }
         let types = token_types(ids, self.cfg.image_token_id, self.cfg.video_token_id);
-        let grids = |v: &Option<VisionInput>| v.as_ref().map(|v| v.grids.clone()).unwrap_or_default();
+        // Grids from the encoded features when given, else from the prompt's inputs.
+        let grids = |enc: Option<&VisionOutput>, inp: &Option<VisionInput>| {
+            enc.map(|o| o.grids.clone()).or_else(|| inp.as_ref().map(|v| v.grids.clone())).unwrap_or_default()
+        };
         let (positions, rope_delta) = mrope_positions(
             &types,
-            &grids(&prompt.images),
-            &grids(&prompt.videos),
+            &grids(images, &prompt.images),
+            &grids(videos, &prompt.videos),
             self.cfg.vision.spatial_merge_size,
         )?;
 

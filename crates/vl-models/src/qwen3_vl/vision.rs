@@ -79,6 +79,8 @@ pub struct VisionOutput {
     pub merged: Vec<Tensor>,
     /// DeepStack rows: `deepstack[level][input]`, shaped like `merged`.
     pub deepstack: Vec<Vec<Tensor>>,
+    /// The patch grid of each input.
+    pub grids: Vec<Grid>,
 }
 
 #[derive(Debug, Clone)]
@@ -183,6 +185,7 @@ impl VisionTower {
         Ok(VisionOutput {
             merged: split_rows(&merged, &sizes)?,
             deepstack: deepstack.iter().map(|(_, f)| split_rows(f, &sizes)).collect::<Result<_>>()?,
+            grids: grids.to_vec(),
         })
     }
 
