@@ -66,7 +66,8 @@ fn run_e2e(name: &str, quant: Option<QuantType>) {
         tower.forward(&pixels, &[grid]).unwrap()
     };
     let vision_s = t0.elapsed().as_secs_f64();
-    let text = TextModel::load(&cfg.text, cfg.tie_word_embeddings, random::var_builder(DType::F32, &dev), quant).unwrap();
+    let text =
+        TextModel::load(&cfg.text, cfg.tie_word_embeddings, random::var_builder(DType::F32, &dev), quant).unwrap();
     let model = Qwen3VlModel::from_parts(cfg.clone(), None, text);
     let mut ids: Vec<u32> = vec![151644, 872, 198, cfg.vision_start_token_id];
     ids.extend(std::iter::repeat_n(cfg.image_token_id, 196));

@@ -36,9 +36,8 @@ impl SimpleBackend for Seeded {
             (0.0, 1.5 / (fan_in as f32).sqrt())
         };
         // Sum of uniforms: cheap, deterministic, roughly normal.
-        let v: Vec<f32> = (0..n)
-            .map(|_| mean + std * ((0..4).map(|_| rng.random::<f32>()).sum::<f32>() - 2.0) * 1.732)
-            .collect();
+        let v: Vec<f32> =
+            (0..n).map(|_| mean + std * ((0..4).map(|_| rng.random::<f32>()).sum::<f32>() - 2.0) * 1.732).collect();
         Tensor::from_vec(v, s, dev)?.to_dtype(dtype)
     }
     fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {

@@ -225,7 +225,9 @@ impl StreamDecoder<'_> {
     /// The text already emitted from the current prefix, and the text with every pending token.
     fn texts(&self) -> Result<(String, String)> {
         let dec = |ids: &[u32]| {
-            self.tokenizer.decode(ids, true).map_err(|e| Error::Input { what: "tokenizer".into(), message: e.to_string() })
+            self.tokenizer
+                .decode(ids, true)
+                .map_err(|e| Error::Input { what: "tokenizer".into(), message: e.to_string() })
         };
         Ok((dec(&self.ids[self.prefix..self.read])?, dec(&self.ids[self.prefix..])?))
     }
