@@ -25,6 +25,11 @@ const DEFAULT_MROPE_SECTION: [usize; 3] = [24, 20, 20];
 
 /// Keys that carry no meaning for inference (training knobs, bookkeeping), ignored on purpose.
 const IGNORED_TOP: &[&str] = &[
+    // Read by `weights.rs` (MLX affine quantization).
+    "quantization",
+    "quantization_config",
+    // A copy of generation_config.json that mlx-vlm embeds; the file is authoritative.
+    "generation_config",
     "architectures",
     "model_type",
     "transformers_version",
