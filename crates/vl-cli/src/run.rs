@@ -194,7 +194,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         b
     });
     let progress_bar = bar.clone();
-    let progress: vl_models::checkpoint::LoadProgress = Arc::new(move |_key: &str| {
+    let progress: vl_models::qwen3_vl::weights::LoadProgress = Arc::new(move |_key: &str| {
         if let Some(b) = &progress_bar {
             b.inc(1);
         }

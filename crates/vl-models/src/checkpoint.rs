@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::{DType, Device, Tensor};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype as StDtype, SafeTensors};
 
@@ -161,24 +161,6 @@ impl Checkpoint {
         let bytes = &self.mmaps[info.file][info.start..info.end];
         Ok(Tensor::from_raw_buffer(bytes, dtype, &info.shape, device)?)
     }
-
-    /// Loads `key` converted to `dtype`, checking its shape.
-    pub fn load_as(&self, key: &str, shape: &Shape, dtype: DType, device: &Device) -> Result<Tensor> {
-        let t = self.load(key, device)?;
-        if t.shape() != shape {
-            return Err(Error::TensorPlan {
-                dir: self.dir.clone(),
-                missing: vec![],
-                unexpected: vec![],
-                wrong_shape: vec![crate::error::ShapeMismatch {
-                    key: key.to_string(),
-                    expected: shape.dims().to_vec(),
-                    found: t.dims().to_vec(),
-                }],
-            });
-        }
-        Ok(t.to_dtype(dtype)?)
-    }
 }
 
 /// The candle dtype for a stored dtype, where candle has one.
@@ -225,45 +207,4 @@ pub fn write_safetensors(path: &Path, tensors: &[RawTensor<'_>]) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     safetensors::tensor::serialize_to_file(views, None, path)
         .map_err(|e| Error::Safetensors { path: path.to_path_buf(), message: format!("write failed: {e:?}") })
-}
-
-/// Called once per tensor loaded through a `VarBuilder` (for progress bars).
-pub type LoadProgress = std::sync::Arc<dyn Fn(&str) + Send + Sync>;
-
-/// candle `VarBuilder` backend over a checkpoint: loads by key, checks the shape, converts dtype.
-struct Backend(std::sync::Arc<Checkpoint>, Option<LoadProgress>);
-
-impl candle_nn::var_builder::SimpleBackend for Backend {
-    fn get(&self, s: Shape, name: &str, _: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        let t = self.0.load_as(name, &s, dtype, dev).map_err(candle_core::Error::wrap)?;
-        if let Some(progress) = &self.1 {
-            progress(name);
-        }
-        Ok(t)
-    }
-
-    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        self.0.load(name, dev).and_then(|t| Ok(t.to_dtype(dtype)?)).map_err(candle_core::Error::wrap)
-    }
-
-    fn contains_tensor(&self, name: &str) -> bool {
-        self.0.contains(name)
-    }
-}
-
-impl Checkpoint {
-    /// A `VarBuilder` that loads from this checkpoint, converting to `dtype` on `device`.
-    pub fn var_builder(self: &std::sync::Arc<Self>, dtype: DType, device: &Device) -> candle_nn::VarBuilder<'static> {
-        self.var_builder_with_progress(dtype, device, None)
-    }
-
-    /// Like `var_builder`, calling `progress(key)` after each tensor is loaded.
-    pub fn var_builder_with_progress(
-        self: &std::sync::Arc<Self>,
-        dtype: DType,
-        device: &Device,
-        progress: Option<LoadProgress>,
-    ) -> candle_nn::VarBuilder<'static> {
-        candle_nn::VarBuilder::from_backend(Box::new(Backend(self.clone(), progress)), dtype, device.clone())
-    }
 }

@@ -13,7 +13,7 @@ const TOL: f32 = 1e-4;
 
 fn tower(g: &str, dtype: DType) -> VisionTower {
     let (cfg, ck) = checkpoint(g);
-    VisionTower::load(&cfg.vision, ck.var_builder(dtype, &Device::Cpu).pp("model.visual")).unwrap()
+    VisionTower::load(&cfg.vision, ck.var_builder(dtype, &Device::Cpu, None).pp("model.visual")).unwrap()
 }
 
 /// Runs the tower on `pixels`, returns the worst (name, diff) against `want` after checking all.

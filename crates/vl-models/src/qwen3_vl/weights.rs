@@ -12,8 +12,11 @@ use safetensors::Dtype as StDtype;
 use serde_json::Value;
 
 use crate::affine;
-use crate::checkpoint::{Checkpoint, LoadProgress};
+use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
+
+/// Called once per tensor loaded through a `VarBuilder` (for progress bars).
+pub type LoadProgress = Arc<dyn Fn(&str) + Send + Sync>;
 
 /// Stored-to-HF prefix pairs of the MLX-community layout.
 const MLX_PREFIXES: [(&str, &str); 3] = [

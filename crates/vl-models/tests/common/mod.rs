@@ -6,8 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use vl_models::checkpoint::Checkpoint;
-use vl_models::qwen3_vl::{Prompt, Qwen3VlConfig, VisionInput};
+use vl_models::qwen3_vl::{Prompt, Qwen3VlConfig, VisionInput, Weights};
 
 pub const GEOMETRIES: [&str; 2] = ["tiny-a", "tiny-b"];
 pub const PROBES: [&str; 6] = ["square", "odd", "small", "large", "wide", "alpha"];
@@ -25,9 +24,9 @@ pub fn read_json(path: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-pub fn checkpoint(g: &str) -> (Qwen3VlConfig, Arc<Checkpoint>) {
+pub fn checkpoint(g: &str) -> (Qwen3VlConfig, Arc<Weights>) {
     let dir = goldens().join(g).join("checkpoint");
-    (Qwen3VlConfig::from_dir(&dir).unwrap(), Arc::new(Checkpoint::open(&dir).unwrap()))
+    (Qwen3VlConfig::from_dir(&dir).unwrap(), Arc::new(Weights::open(&dir).unwrap()))
 }
 
 /// Max absolute difference, both sides in f32.
