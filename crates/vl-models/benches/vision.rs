@@ -2,6 +2,8 @@
 //! reduced depth (3 blocks, one DeepStack tap), random weights, on one 1024x1024 image
 //! (64x64 = 4096 patches), f32 and bf16. Prints per-image memory before timing:
 //!   cargo bench -p vl-models --bench vision
+//! Env: VL_BENCH_DTYPES=f32,bf16, VL_BENCH_QUICK=1 (first run only, no criterion sampling), VL_BENCH_QUERY_BLOCK=rows,
+//! VL_BENCH_DEPTH=blocks.
 
 #[path = "common/alloc.rs"]
 mod alloc;
@@ -23,7 +25,7 @@ const GRID: usize = 64; // 1024 px / 16
 
 fn config() -> Qwen3VlConfig {
     let mut cfg = Qwen3VlConfig::from_json_str(presets::QWEN3_VL_2B, Path::new("qwen3-vl-2b")).unwrap();
-    cfg.vision.depth = DEPTH;
+    cfg.vision.depth = std::env::var("VL_BENCH_DEPTH").ok().and_then(|s| s.parse().ok()).unwrap_or(DEPTH);
     cfg.vision.deepstack_visual_indexes = vec![1];
     cfg
 }
@@ -33,10 +35,17 @@ fn bench(c: &mut Criterion) {
     let cfg = config();
     let mut group = c.benchmark_group("vision_2b_3blocks_1024px/cpu");
     group.sample_size(10);
+    let wanted = std::env::var("VL_BENCH_DTYPES").unwrap_or_else(|_| "f32,bf16".into());
     for dtype in [DType::F32, DType::BF16] {
+        if !wanted.split(',').any(|w| w.trim() == format!("{dtype:?}").to_lowercase()) {
+            continue;
+        }
         let before_weights = alloc::live();
         let vb = random::var_builder(dtype, &dev);
-        let tower = VisionTower::load(&cfg.vision, vb.pp("model.visual")).unwrap();
+        let mut tower = VisionTower::load(&cfg.vision, vb.pp("model.visual")).unwrap();
+        if let Some(rows) = std::env::var("VL_BENCH_QUERY_BLOCK").ok().and_then(|s| s.parse().ok()) {
+            tower.set_query_block(rows);
+        }
         let pixels = Tensor::randn(0f32, 1., (GRID * GRID, cfg.vision.patch_row_len()), &dev).unwrap();
         let grids = [[1, GRID, GRID]];
         let baseline = alloc::live();

@@ -57,7 +57,9 @@ impl SegmentRotaryAttention {
         let (cos, sin) = (cos.to_dtype(DType::F32)?, sin.to_dtype(DType::F32)?);
         let q = candle_nn::rotary_emb::rope(&q.to_dtype(DType::F32)?, &cos, &sin)?.to_dtype(dtype)?.squeeze(0)?;
         let k = candle_nn::rotary_emb::rope(&k.to_dtype(DType::F32)?, &cos, &sin)?.to_dtype(dtype)?.squeeze(0)?;
-        let scale = 1.0 / (d as f64).sqrt();
+        // Scaling q (seq x d values) instead of the scores (heads x rows x seq per block) saves a
+        // full pass over the largest tensor of the layer.
+        let q = (q * (1.0 / (d as f64).sqrt()))?;
 
         let mut outs = Vec::new();
         for w in cu_seqlens.windows(2) {
@@ -71,7 +73,7 @@ impl SegmentRotaryAttention {
             while qb < len {
                 let rows = self.query_block.min(len - qb);
                 let qs = q.narrow(1, start + qb, rows)?.contiguous()?; // [h, rows, d]
-                let scores = (qs.matmul(&ks)? * scale)?;
+                let scores = qs.matmul(&ks)?;
                 let probs = candle_nn::ops::softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(dtype)?;
                 outs.push(probs.matmul(&vs)?); // [h, rows, d]
                 qb += rows;
@@ -97,9 +99,8 @@ pub fn causal_gqa_attention(q: &Tensor, k: &Tensor, v: &Tensor, query_block: usi
     }
     let rep = heads / kv;
     let offset = total - new;
-    let scale = 1.0 / (d as f64).sqrt();
     let kt = k.t()?; // [kv, d, total]
-    let q = q.reshape((kv, rep, new, d))?;
+    let q = (q * (1.0 / (d as f64).sqrt()))?.reshape((kv, rep, new, d))?;
     let block = query_block.max(1);
     let mut outs = Vec::new();
     let mut start = 0;
@@ -109,7 +110,7 @@ pub fn causal_gqa_attention(q: &Tensor, k: &Tensor, v: &Tensor, query_block: usi
         let visible = offset + start + rows;
         let qs = q.narrow(2, start, rows)?.reshape((kv, rep * rows, d))?;
         let ks = kt.narrow(2, 0, visible)?;
-        let mut scores = (qs.matmul(&ks)? * scale)?.to_dtype(DType::F32)?.reshape((kv, rep, rows, visible))?;
+        let mut scores = qs.matmul(&ks)?.to_dtype(DType::F32)?.reshape((kv, rep, rows, visible))?;
         if rows > 1 {
             let mask: Vec<f32> = (0..rows)
                 .flat_map(|i| (0..visible).map(move |j| if j > offset + start + i { f32::NEG_INFINITY } else { 0.0 }))

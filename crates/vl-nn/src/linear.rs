@@ -131,7 +131,8 @@ impl QEmbedding {
     pub fn new(table: Tensor, qtype: Option<QuantType>) -> Result<Self> {
         let (rows, dim) = table.dims2()?;
         match qtype {
-            Some(q) if dim % q.block() == 0 => {
+            // Row lookups read the quantized bytes in place on CPU; a GPU table stays dense.
+            Some(q) if dim % q.block() == 0 && table.device().is_cpu() => {
                 let t = QTensor::quantize(&table.to_dtype(DType::F32)?, q.ggml())?;
                 Ok(QEmbedding::Quant { table: Arc::new(t), qtype: q, rows, dim })
             }
