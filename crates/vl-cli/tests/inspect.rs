@@ -63,3 +63,16 @@ fn inspect_fails_on_a_missing_directory() {
     assert_ne!(code, 0);
     assert!(err.contains("/nonexistent/model"), "{err}");
 }
+
+#[test]
+fn inspect_reports_the_mlx_layout_and_storage() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../goldens/tiny-q-mlx4/checkpoint");
+    let (code, out, err) = vl(&["inspect", "--model", dir.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("mlx-community layout"), "{out}");
+    assert!(
+        out.contains("text decoder: float32 (9 tensors), mlx 4-bit (group 64, float32 scales) (15 tensors)"),
+        "{out}"
+    );
+    assert!(!out.contains("warning"), "{out}");
+}

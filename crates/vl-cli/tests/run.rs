@@ -208,3 +208,31 @@ fn each_error_is_one_clear_line() {
     // A GPU backend this build does not have.
     assert_error(&["run", "--model", &ck, "--device", "metal"], &["--device metal", "--features metal"]);
 }
+
+#[test]
+fn mlx_checkpoints_run_exact_and_requantized() {
+    let ck = goldens().join("tiny-q-mlx8/checkpoint").display().to_string();
+    let img = image("square.png");
+    let want: Vec<u64> = {
+        let t = candle_core::safetensors::load(
+            goldens().join("tiny-q-mlx8/cases/one_image.safetensors"),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        t["greedy.ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u64).collect()
+    };
+    let n = want.len().to_string();
+    // Exact dequantized weights: the reference's greedy ids.
+    let (code, out, err) =
+        vl(&["run", "--model", &ck, "--image", &img, "--max-new-tokens", &n, "--quantize", "off", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let got: Vec<u64> = v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+    assert_eq!(got, want);
+    assert_eq!(v["quantization"], serde_json::Value::Null);
+    // Default: requantized to the k-quant of the same width (layers whose dims fit; here none do).
+    let (code, out, err) = vl(&["run", "--model", &ck, "--image", &img, "--max-new-tokens", "2", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["quantization"], "q8k");
+}
