@@ -187,10 +187,14 @@ impl Qwen3VlModel {
                             ),
                         });
                     }
-                    let idx = Tensor::from_slice(&rows, rows.len(), x.device())?;
-                    let current = x.index_select(&idx, 0)?;
-                    // Replace = add (merged - current) at those rows.
-                    x = x.index_add(&idx, &(merged.to_dtype(x.dtype())? - current)?, 0)?;
+                    // Exact replacement: gather every row from [embeddings; merged rows].
+                    let n = x.dim(0)? as u32;
+                    let mut order: Vec<u32> = (0..n).collect();
+                    for (j, &r) in rows.iter().enumerate() {
+                        order[r as usize] = n + j as u32;
+                    }
+                    let all = Tensor::cat(&[&x, &merged.to_dtype(x.dtype())?], 0)?;
+                    x = all.index_select(&Tensor::from_vec(order, n as usize, x.device())?, 0)?;
                     ds_parts.push((rows, out));
                 }
             }
