@@ -118,7 +118,7 @@ fn dtype(arg: Option<DtypeArg>, dev: &Device) -> DType {
         Some(DtypeArg::F32) => DType::F32,
         Some(DtypeArg::Bf16) => DType::BF16,
         Some(DtypeArg::F16) => DType::F16,
-        // bf16 matvec on CPU is ~18x slower than f32 (docs/engine.md): f32 there.
+        // bf16 matmuls on CPU are far slower than f32 (docs/performance.md): f32 there.
         None if dev.is_cpu() => DType::F32,
         None => DType::BF16,
     }
