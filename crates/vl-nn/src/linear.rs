@@ -52,7 +52,7 @@ impl QuantType {
 #[derive(Debug, Clone)]
 pub enum QLinear {
     Dense(Linear),
-    Quant { w: QMatMul, qtype: QuantType, bias: Option<Tensor>, out_dim: usize },
+    Quant { w: QMatMul, qtype: QuantType, bias: Option<Tensor> },
 }
 
 impl QLinear {
@@ -60,12 +60,12 @@ impl QLinear {
     /// otherwise keeps it dense (reported by `storage`).
     pub fn new(l: Linear, qtype: Option<QuantType>) -> Result<Self> {
         let Some(q) = qtype else { return Ok(QLinear::Dense(l)) };
-        let (out_dim, in_dim) = l.weight().dims2()?;
+        let (_, in_dim) = l.weight().dims2()?;
         if in_dim % q.block() != 0 {
             return Ok(QLinear::Dense(l));
         }
         let w = QTensor::quantize(&l.weight().to_dtype(DType::F32)?, q.ggml())?;
-        Ok(QLinear::Quant { w: QMatMul::from_qtensor(w)?, qtype: q, bias: l.bias().cloned(), out_dim })
+        Ok(QLinear::Quant { w: QMatMul::from_qtensor(w)?, qtype: q, bias: l.bias().cloned() })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -98,13 +98,6 @@ impl QLinear {
             QLinear::Quant { w: QMatMul::Tensor(t) | QMatMul::TensorF16(t), .. } => {
                 t.elem_count() * t.dtype().size_in_bytes()
             }
-        }
-    }
-
-    pub fn out_dim(&self) -> usize {
-        match self {
-            QLinear::Dense(l) => l.weight().dim(0).unwrap_or(0),
-            QLinear::Quant { out_dim, .. } => *out_dim,
         }
     }
 }
@@ -170,8 +163,8 @@ impl QEmbedding {
     pub fn as_linear(&self) -> Result<QLinear> {
         match self {
             QEmbedding::Dense(t) => Ok(QLinear::Dense(Linear::new(t.clone(), None))),
-            QEmbedding::Quant { table, qtype, rows, .. } => {
-                Ok(QLinear::Quant { w: QMatMul::from_arc(table.clone())?, qtype: *qtype, bias: None, out_dim: *rows })
+            QEmbedding::Quant { table, qtype, .. } => {
+                Ok(QLinear::Quant { w: QMatMul::from_arc(table.clone())?, qtype: *qtype, bias: None })
             }
         }
     }

@@ -1,5 +1,5 @@
-//! `generation_config.json`: the stop ids (and the checkpoint's suggested sampling values, which
-//! the CLI reports but does not apply: decoding is greedy unless asked otherwise).
+//! `generation_config.json`: the stop ids. The checkpoint's suggested sampling values are not
+//! read: decoding is greedy unless the caller asks otherwise.
 
 use std::path::Path;
 
@@ -10,9 +10,6 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct GenerationConfig {
     pub eos_token_ids: Vec<u32>,
-    pub temperature: Option<f64>,
-    pub top_k: Option<usize>,
-    pub top_p: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -25,9 +22,6 @@ enum OneOrMany {
 #[derive(Deserialize)]
 struct Raw {
     eos_token_id: Option<OneOrMany>,
-    temperature: Option<f64>,
-    top_k: Option<usize>,
-    top_p: Option<f64>,
 }
 
 impl GenerationConfig {
@@ -35,7 +29,7 @@ impl GenerationConfig {
     pub fn from_dir(dir: &Path, default_eos: &[u32]) -> Result<Self> {
         let path = dir.join("generation_config.json");
         let Ok(text) = std::fs::read_to_string(&path) else {
-            return Ok(Self { eos_token_ids: default_eos.to_vec(), ..Default::default() });
+            return Ok(Self { eos_token_ids: default_eos.to_vec() });
         };
         let raw: Raw = serde_json::from_str(&text).map_err(|source| Error::Json { path, source })?;
         Ok(Self {
@@ -44,9 +38,6 @@ impl GenerationConfig {
                 Some(OneOrMany::Many(v)) => v,
                 None => default_eos.to_vec(),
             },
-            temperature: raw.temperature,
-            top_k: raw.top_k,
-            top_p: raw.top_p,
         })
     }
 }

@@ -66,10 +66,6 @@ impl Qwen3VlModel {
         Self::from_var_builder_quantized(cfg, w.var_builder(dtype, device, None), quant)
     }
 
-    pub fn from_var_builder(cfg: Qwen3VlConfig, vb: candle_nn::VarBuilder) -> Result<Self> {
-        Self::from_var_builder_quantized(cfg, vb, None)
-    }
-
     /// Loads with the text decoder quantized to `quant` (see `TextModel::load`).
     pub fn from_var_builder_quantized(
         cfg: Qwen3VlConfig,
