@@ -9,13 +9,15 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
-use vl_models::checkpoint::{write_safetensors, RawTensor};
+use vl_models::checkpoint::{encode_safetensors, RawTensor};
+use vl_models::limits::ImageLimits;
 use vl_models::qwen3_vl::plan::{Group, VISION_PREFIX};
 use vl_models::qwen3_vl::{
-    check_plan, tensor_plan, Content, GenerationConfig, GenerationOptions, Message, Processor, Qwen3VlConfig,
-    Qwen3VlModel, StopReason, TextModel, VisionTower, Weights,
+    Content, GenerationOptions, ImageFile, Message, ModelDir, Qwen3VlModel, StopReason, TextModel, VisionTower, Weights,
 };
 use vl_nn::QuantType;
+
+use crate::note;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum DeviceArg {
@@ -91,6 +93,12 @@ pub struct RunArgs {
     /// Upper bound of the per-image pixel budget; fewer pixels, fewer tokens, faster.
     #[arg(long)]
     max_pixels: Option<usize>,
+    /// Largest image file read, in bytes (checked before reading).
+    #[arg(long, default_value_t = ImageLimits::default().max_file_bytes)]
+    max_image_bytes: u64,
+    /// Largest decoded image, in pixels (width x height, checked from the header before decoding).
+    #[arg(long, default_value_t = ImageLimits::default().max_pixels)]
+    max_image_pixels: u64,
     /// Print one JSON object (text, token ids, counts, timings) instead of streaming.
     #[arg(long)]
     json: bool,
@@ -155,21 +163,72 @@ fn peak_rss() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// The file `--logits-out` names, created before any work so that an unwritable path fails
+/// first; removed again if the run fails.
+struct LogitsOut {
+    path: PathBuf,
+    file: Option<std::fs::File>,
+}
+
+impl LogitsOut {
+    fn create(path: &std::path::Path) -> Result<Self> {
+        let file = std::fs::File::create(path)
+            .with_context(|| format!("--logits-out {}: cannot create the file", path.display()))?;
+        Ok(Self { path: path.to_path_buf(), file: Some(file) })
+    }
+
+    fn write(mut self, logits: &[f32]) -> Result<()> {
+        let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let t = [RawTensor {
+            name: "logits".into(),
+            dtype: safetensors::Dtype::F32,
+            shape: vec![logits.len()],
+            data: &bytes,
+        }];
+        let encoded = encode_safetensors(&self.path, &t)?;
+        let mut file = self.file.take().expect("written once");
+        file.write_all(&encoded)
+            .and_then(|_| file.sync_all())
+            .with_context(|| format!("--logits-out {}: cannot write", self.path.display()))
+    }
+}
+
+impl Drop for LogitsOut {
+    fn drop(&mut self) {
+        if self.file.take().is_some() {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
 pub fn run(args: RunArgs) -> Result<()> {
     let t_start = Instant::now();
+    // Flags first: a typo costs nothing.
+    let opts = GenerationOptions {
+        max_new_tokens: args.max_new_tokens,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+        eos_token_ids: vec![],
+    };
+    opts.validate().map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;
     let dev = device(args.device)?;
     let dtype = dtype(args.dtype, &dev);
     let dir = crate::hub::resolve(&args.model)?;
+    let logits_out = args.logits_out.as_deref().map(LogitsOut::create).transpose()?;
 
-    // Everything cheap is checked before the weights are read.
-    let cfg = Qwen3VlConfig::from_dir(&dir)?;
-    let weights = Arc::new(Weights::open(&dir)?);
-    let plan = tensor_plan(&cfg);
-    check_plan(&plan, &weights)?;
+    // Every file of the model directory is checked before a weight is read.
+    let ModelDir { config: cfg, weights, plan, mut processor, generation: gen_cfg, .. } = ModelDir::open(&dir)?;
+    let opts = GenerationOptions { eos_token_ids: gen_cfg.eos_token_ids.clone(), ..opts };
     let quant = quant_for(args.quantize, &weights);
-    let mut proc = Processor::from_dir(&dir)?;
-    proc.images = proc.images.with_pixel_budget(args.min_pixels, args.max_pixels);
-    let images = args.images.iter().map(|p| proc.images.process_file(p)).collect::<vl_models::Result<Vec<_>>>()?;
+    processor.images = processor.images.clone().with_pixel_budget(args.min_pixels, args.max_pixels).map_err(|e| {
+        anyhow::anyhow!("--{}", e.to_string().replace("min_pixels", "min-pixels").replace("max_pixels", "max-pixels"))
+    })?;
+    processor.images.limits = ImageLimits { max_file_bytes: args.max_image_bytes, max_pixels: args.max_image_pixels };
+
     let mut messages = Vec::new();
     if let Some(s) = &args.system {
         messages.push(Message::text("system", s));
@@ -178,19 +237,50 @@ pub fn run(args: RunArgs) -> Result<()> {
         args.images.iter().map(|p| Content::Image { image: p.display().to_string() }).collect();
     content.push(Content::Text { text: args.prompt.clone() });
     messages.push(Message::new("user", content));
-    let prompt = proc.prepare(&messages, &images, &dev)?;
+
+    // Image headers, then the prompt's length, against the context before any pixel is decoded.
+    let files = args
+        .images
+        .iter()
+        .map(|p| ImageFile::open(p, &processor.images.limits))
+        .collect::<vl_models::Result<Vec<_>>>()?;
+    let tokens = files.iter().map(|f| processor.images.tokens_for(f)).collect::<vl_models::Result<Vec<_>>>()?;
     let context = cfg.text.max_position_embeddings;
+    let prompt_len = processor.prompt_len(&messages, &tokens)?;
+    if prompt_len >= context {
+        bail!(
+            "the prompt is {prompt_len} tokens ({} from {} image(s)), longer than the model's context of {context} tokens; lower --max-pixels",
+            tokens.iter().sum::<usize>(),
+            tokens.len()
+        );
+    }
+    let images = files
+        .iter()
+        .zip(&args.images)
+        .map(|(f, p)| {
+            processor.images.process(&f.decode()?).map_err(|e| match e {
+                vl_models::Error::Input { message, .. } => {
+                    vl_models::Error::Input { what: format!("image {}", p.display()), message }
+                }
+                other => other,
+            })
+        })
+        .collect::<vl_models::Result<Vec<_>>>()?;
+    drop(files);
+    let prompt = processor.prepare(&messages, &images, &dev)?;
     if prompt.input_ids.len() >= context {
         bail!("the prompt is {} tokens, longer than the model's context of {context} tokens", prompt.input_ids.len());
     }
-    let gen_cfg = GenerationConfig::from_dir(&dir, &[151_645, 151_643])?;
 
     // Weights, with a progress bar on a terminal. The vision tower is loaded first, encodes the
     // images and is released before the text weights are read: the two never peak together.
     let needed = plan.iter().filter(|p| p.required && (prompt.images.is_some() || p.group != Group::Vision)).count();
     let bar = std::io::stderr().is_terminal().then(|| {
         let b = indicatif::ProgressBar::new(needed as u64);
-        b.set_style(indicatif::ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors").unwrap());
+        b.set_style(
+            indicatif::ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
         b
     });
     let progress_bar = bar.clone();
@@ -216,60 +306,54 @@ pub fn run(args: RunArgs) -> Result<()> {
     };
     let t = Instant::now();
     let text = TextModel::load(&cfg.text, cfg.tie_word_embeddings, vb, quant)?;
+    let storage = text.storage();
     let model = Qwen3VlModel::from_parts(cfg, None, text);
     load_time += t.elapsed();
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    if let Some(q) = quant {
+        if storage.iter().all(|(_, s, _)| s != q.name()) {
+            note!(
+                "note: --quantize {} applied to no tensor: every input dimension must be a multiple of {}; the weights stay {}",
+                q.name(),
+                q.block(),
+                vl_nn::linear::dtype_name(dtype)
+            );
+        }
+    }
 
-    let opts = GenerationOptions {
-        max_new_tokens: args.max_new_tokens,
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repetition_penalty: args.repetition_penalty,
-        seed: args.seed,
-        eos_token_ids: gen_cfg.eos_token_ids.clone(),
-    };
-    let mut stream = proc.stream_decoder();
+    let mut stream = processor.stream_decoder();
     let mut stdout = std::io::stdout().lock();
     let mut write_err: Option<std::io::Error> = None;
-    let gen = model.generate_encoded(&prompt, vision_out.as_ref(), None, &opts, &mut |id| {
-        if args.json || opts.eos_token_ids.contains(&id) {
-            return true;
-        }
-        if let Ok(Some(piece)) = stream.push(id) {
-            if let Err(e) = stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()) {
-                write_err = Some(e);
-                return false;
+    let gen = model
+        .generate_encoded(&prompt, vision_out.as_ref(), None, &opts, &mut |id| {
+            if args.json || opts.eos_token_ids.contains(&id) {
+                return true;
             }
-        }
-        true
-    })?;
+            if let Ok(Some(piece)) = stream.push(id) {
+                if let Err(e) = stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()) {
+                    write_err = Some(e);
+                    return false;
+                }
+            }
+            true
+        })
+        .with_context(|| format!("model {}", dir.display()))?;
     if let Some(e) = write_err {
-        if e.kind() != std::io::ErrorKind::BrokenPipe {
-            return Err(e).context("writing to stdout");
-        }
-        return Ok(());
+        return Err(e).context("writing to stdout");
     }
     let text_ids: Vec<u32> = gen.tokens.iter().copied().filter(|t| !opts.eos_token_ids.contains(t)).collect();
-    let text = proc.decode(&text_ids, true)?;
+    let text = processor.decode(&text_ids, true)?;
     if !args.json {
         if let Some(rest) = stream.finish()? {
-            write!(stdout, "{rest}")?;
+            write!(stdout, "{rest}").context("writing to stdout")?;
         }
-        writeln!(stdout)?;
+        writeln!(stdout).and_then(|_| stdout.flush()).context("writing to stdout")?;
     }
 
-    if let Some(path) = &args.logits_out {
-        let v = gen.first_logits.to_vec1::<f32>()?;
-        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        write_safetensors(
-            path,
-            &[RawTensor { name: "logits".into(), dtype: safetensors::Dtype::F32, shape: vec![v.len()], data: &bytes }],
-        )
-        .with_context(|| format!("--logits-out {}", path.display()))?;
+    if let Some(out) = logits_out {
+        out.write(&gen.first_logits.to_vec1::<f32>()?)?;
     }
 
     let n_img_tokens = prompt.input_ids.iter().filter(|&&t| t == model.config().image_token_id).count();
@@ -282,6 +366,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let stop = match gen.stop {
         StopReason::Eos => "eos",
         StopReason::MaxTokens => "max_tokens",
+        StopReason::ContextFull => "context_full",
         StopReason::Callback => "stopped",
     };
     if args.json {
@@ -295,7 +380,13 @@ pub fn run(args: RunArgs) -> Result<()> {
             "stop_reason": stop,
             "dtype": format!("{dtype:?}").to_lowercase(),
             "device": format!("{:?}", args.device).to_lowercase(),
+            // What was asked for, and what each tensor group got (a layer whose input dimension
+            // is not a multiple of the k-quant block stays dense).
             "quantization": quant.map(|q| q.name()),
+            "weights": storage
+                .iter()
+                .map(|(group, storage, bytes)| serde_json::json!({"group": group, "storage": storage, "bytes": bytes}))
+                .collect::<Vec<_>>(),
             "timings": {
                 "load_s": load_time.as_secs_f64(),
                 "vision_s": vision_time.as_secs_f64(),
@@ -307,9 +398,9 @@ pub fn run(args: RunArgs) -> Result<()> {
             "kv_cache_bytes": gen.cache_bytes,
             "peak_rss_bytes": peak_rss(),
         });
-        println!("{}", serde_json::to_string(&out)?);
+        writeln!(stdout, "{out}").and_then(|_| stdout.flush()).context("writing to stdout")?;
     } else {
-        eprintln!(
+        note!(
             "[load {:.2}s | vision {:.2}s ({} images, {} tokens) | prefill {} tokens {:.2}s, {:.1} tok/s | decode {} tokens, {:.1} tok/s | stop: {stop} | peak RSS {}]",
             load_time.as_secs_f64(),
             vision_time.as_secs_f64(),

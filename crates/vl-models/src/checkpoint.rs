@@ -59,7 +59,7 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Self> {
         let index = dir.join(SHARD_INDEX);
         if index.is_file() {
-            let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+            let text = crate::limits::read_text(&index, crate::limits::MAX_METADATA_FILE_BYTES)?;
             let idx: ShardIndex =
                 serde_json::from_str(&text).map_err(|source| Error::Json { path: index.clone(), source })?;
             let mut names: Vec<&String> = idx.weight_map.values().collect();
@@ -97,7 +97,7 @@ impl Checkpoint {
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
             let (header, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| Error::Safetensors {
                 path: path.clone(),
-                message: format!("not a valid safetensors file: {e:?}"),
+                message: format!("not a valid safetensors file: {e}"),
             })?;
             let base = 8 + header;
             for (name, info) in meta.tensors() {
@@ -195,16 +195,22 @@ pub struct RawTensor<'a> {
     pub data: &'a [u8],
 }
 
-/// Writes tensors as one safetensors file (used for sharding, rewriting and `--logits-out`).
-pub fn write_safetensors(path: &Path, tensors: &[RawTensor<'_>]) -> Result<()> {
+/// Serializes tensors as one safetensors file's bytes; `path` names the destination in errors.
+pub fn encode_safetensors(path: &Path, tensors: &[RawTensor<'_>]) -> Result<Vec<u8>> {
     let views = tensors
         .iter()
         .map(|t| {
             safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), t.data).map(|v| (t.name.clone(), v)).map_err(
-                |e| Error::Safetensors { path: path.to_path_buf(), message: format!("tensor `{}`: {e:?}", t.name) },
+                |e| Error::Safetensors { path: path.to_path_buf(), message: format!("tensor `{}`: {e}", t.name) },
             )
         })
         .collect::<Result<Vec<_>>>()?;
-    safetensors::tensor::serialize_to_file(views, None, path)
-        .map_err(|e| Error::Safetensors { path: path.to_path_buf(), message: format!("write failed: {e:?}") })
+    safetensors::tensor::serialize(views, None)
+        .map_err(|e| Error::Safetensors { path: path.to_path_buf(), message: format!("cannot serialize: {e}") })
+}
+
+/// Writes tensors as one safetensors file (used for sharding, rewriting and `--logits-out`).
+pub fn write_safetensors(path: &Path, tensors: &[RawTensor<'_>]) -> Result<()> {
+    let bytes = encode_safetensors(path, tensors)?;
+    std::fs::write(path, bytes).map_err(|e| Error::io(path, e))
 }

@@ -28,7 +28,11 @@ pub enum Error {
     },
     #[error("{path}: not a model directory (no config.json)")]
     NotAModelDir { path: PathBuf },
-    #[error("{path}: unsupported architecture {found:?} (model_type {model_type:?}); this build supports {supported}")]
+    #[error(
+        "{path}: unsupported architecture {} (model_type {}); this build supports {supported}",
+        if found.is_empty() { "(none listed)".to_string() } else { found.join(", ") },
+        model_type.as_deref().unwrap_or("missing")
+    )]
     UnknownArchitecture { path: PathBuf, found: Vec<String>, model_type: Option<String>, supported: &'static str },
     #[error("{path}: config field `{field}`: {message}")]
     Config { path: PathBuf, field: String, message: String },
@@ -44,6 +48,12 @@ pub enum Error {
     UnsupportedDtype { key: String, path: PathBuf, dtype: String },
     #[error("{what}: {message}")]
     Input { what: String, message: String },
+    /// An input over a size limit, found before the work it would cost.
+    #[error("{what}: {message}")]
+    Limit { what: String, message: String, kind: crate::limits::LimitKind },
+    /// The model produced NaN or infinite logits: broken weights or config values.
+    #[error("{message}")]
+    NonFinite { message: String },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
     #[error(transparent)]

@@ -6,6 +6,7 @@
 pub mod affine;
 pub mod checkpoint;
 pub mod error;
+pub mod limits;
 pub mod qwen3_vl;
 
 pub use error::{Error, Result};

@@ -18,13 +18,26 @@ fn read_json(p: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 
-/// A scratch model dir with the golden config and a link to the golden weights.
+/// A scratch model dir with the golden config, links to the golden weights and to the
+/// tokenizer, template and processor files.
 fn scratch(g: &str) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().unwrap();
     let src = golden(g).join("checkpoint");
     std::fs::copy(src.join("config.json"), tmp.path().join("config.json")).unwrap();
     std::os::unix::fs::symlink(src.join("model.safetensors"), tmp.path().join("model.safetensors")).unwrap();
+    link_processor_files(&src, tmp.path());
     tmp
+}
+
+/// Links every file of `src` but the config and weights into `dst`.
+fn link_processor_files(src: &Path, dst: &Path) {
+    for entry in std::fs::read_dir(src).unwrap() {
+        let p = entry.unwrap().path();
+        let name = p.file_name().unwrap().to_str().unwrap().to_string();
+        if name != "config.json" && !name.starts_with("model") {
+            std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), dst.join(&name)).unwrap();
+        }
+    }
 }
 
 /// Rewrites the weights of `dir` through `edit`, which sees every tensor.
@@ -160,6 +173,7 @@ fn sharded_weights_load_like_one_file() {
         let ck = Checkpoint::open(&src).unwrap();
         let dir = tempfile::tempdir().unwrap();
         std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+        link_processor_files(&src, dir.path());
         let keys: Vec<&String> = ck.tensors().keys().collect();
         let mut map = serde_json::Map::new();
         for (i, part) in keys.chunks(keys.len().div_ceil(3)).enumerate() {

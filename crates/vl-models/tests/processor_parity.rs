@@ -58,10 +58,10 @@ fn pixel_values_match_the_reference_processor() {
 
 #[test]
 fn pixel_budget_overrides_match_the_reference() {
-    let p = processor().with_pixel_budget(Some(64 * 64), Some(128 * 128));
+    let p = processor().with_pixel_budget(Some(64 * 64), Some(128 * 128)).unwrap();
     let (max, mean) = compare("large@max16384", &p, "large.png", "large@max16384");
     assert!(max <= PIXEL_MAX && mean <= PIXEL_MEAN);
-    let p = processor().with_pixel_budget(Some(128 * 128), Some(256 * 256));
+    let p = processor().with_pixel_budget(Some(128 * 128), Some(256 * 256)).unwrap();
     let (max, mean) = compare("small@min16384", &p, "small.png", "small@min16384");
     assert!(max <= PIXEL_MAX && mean <= PIXEL_MEAN);
 }

@@ -182,13 +182,12 @@ mod tests {
 
     #[test]
     fn query_blocking_does_not_change_the_result() {
-        let dev = Device::Cpu;
         let (hidden, heads, seq) = (8, 2, 37);
-        let x = Tensor::randn(0f32, 1., (seq, hidden), &dev).unwrap();
-        let wq = Tensor::randn(0f32, 0.5, (3 * hidden, hidden), &dev).unwrap();
+        let x = crate::testing::randn(201, 1., (seq, hidden)).unwrap();
+        let wq = crate::testing::randn(202, 0.5, (3 * hidden, hidden)).unwrap();
         let a =
             SegmentRotaryAttention::new(Linear::new(wq.clone(), None), identity_linear(hidden), heads, hidden / heads);
-        let ang = Tensor::randn(0f32, 1., (seq, 2), &dev).unwrap();
+        let ang = crate::testing::randn(203, 1., (seq, 2)).unwrap();
         let (cos, sin) = (ang.cos().unwrap(), ang.sin().unwrap());
         let cu = [0, 20, 37];
         let full = a.clone().with_query_block(1000).forward(&x, &cos, &sin, &cu).unwrap();
@@ -253,12 +252,11 @@ mod causal_tests {
 
     #[test]
     fn matches_the_plain_formula_for_prefill_and_decode() {
-        let dev = Device::Cpu;
         let (heads, kv, d, total) = (6, 2, 4, 11);
-        let k = Tensor::randn(0f32, 1., (kv, total, d), &dev).unwrap();
-        let v = Tensor::randn(0f32, 1., (kv, total, d), &dev).unwrap();
+        let k = crate::testing::randn(204, 1., (kv, total, d)).unwrap();
+        let v = crate::testing::randn(205, 1., (kv, total, d)).unwrap();
         for new in [total, 3, 1] {
-            let q = Tensor::randn(0f32, 1., (heads, new, d), &dev).unwrap();
+            let q = crate::testing::randn(206, 1., (heads, new, d)).unwrap();
             let want = naive(&q, &k, &v);
             for block in [1, 2, 5, 64] {
                 let got = causal_gqa_attention(&q, &k, &v, block).unwrap();
@@ -281,8 +279,8 @@ mod causal_tests {
     fn the_first_position_sees_only_itself() {
         // Hand-computed: row 0 of a prefill output equals v[0] whatever the scores.
         let dev = Device::Cpu;
-        let q = Tensor::randn(0f32, 1., (2, 3, 2), &dev).unwrap();
-        let k = Tensor::randn(0f32, 1., (1, 3, 2), &dev).unwrap();
+        let q = crate::testing::randn(207, 1., (2, 3, 2)).unwrap();
+        let k = crate::testing::randn(208, 1., (1, 3, 2)).unwrap();
         let v = Tensor::new(&[[[1f32, 2.], [3., 4.], [5., 6.]]], &dev).unwrap();
         let out = causal_gqa_attention(&q, &k, &v, 256).unwrap();
         for h in 0..2 {

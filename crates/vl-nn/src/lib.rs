@@ -8,6 +8,8 @@ pub mod kv_cache;
 pub mod linear;
 pub mod merger;
 pub mod rope;
+#[cfg(test)]
+pub(crate) mod testing;
 
 pub use attention::{causal_gqa_attention, SegmentRotaryAttention};
 pub use error::{Error, Result};

@@ -196,8 +196,8 @@ mod tests {
     #[test]
     fn quantized_linear_is_close_and_small_dims_stay_dense() {
         let dev = Device::Cpu;
-        let w = Tensor::randn(0f32, 0.05, (64, 512), &dev).unwrap();
-        let x = Tensor::randn(0f32, 1., (3, 512), &dev).unwrap();
+        let w = crate::testing::randn(101, 0.05, (64, 512)).unwrap();
+        let x = crate::testing::randn(102, 1., (3, 512)).unwrap();
         let dense = QLinear::new(Linear::new(w.clone(), None), None).unwrap();
         let want = dense.forward(&x).unwrap();
         let scale = want.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
@@ -220,7 +220,7 @@ mod tests {
     #[test]
     fn quantized_embedding_rows_match_the_dequantized_table() {
         let dev = Device::Cpu;
-        let t = Tensor::randn(0f32, 1., (10, 256), &dev).unwrap();
+        let t = crate::testing::randn(103, 1., (10, 256)).unwrap();
         let e = QEmbedding::new(t.clone(), Some(QuantType::Q6K)).unwrap();
         let QEmbedding::Quant { table, .. } = &e else { panic!("not quantized") };
         let full = table.dequantize(&dev).unwrap();
@@ -230,7 +230,7 @@ mod tests {
         assert!(max_diff(&rows, &t.index_select(&idx, 0).unwrap()) < 0.1);
         assert!(e.lookup(&[10], DType::F32).is_err());
         // The same table as an lm_head.
-        let x = Tensor::randn(0f32, 1., (2, 256), &dev).unwrap();
+        let x = crate::testing::randn(104, 1., (2, 256)).unwrap();
         let want = x.matmul(&full.t().unwrap()).unwrap();
         let scale = want.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
         assert!(max_diff(&e.as_linear().unwrap().forward(&x).unwrap(), &want) < 0.025 * scale);

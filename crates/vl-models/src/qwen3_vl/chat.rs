@@ -12,6 +12,7 @@ use tokenizers::Tokenizer;
 use super::model::Prompt;
 use super::processor::{ImageProcessor, ProcessedImage};
 use crate::error::{Error, Result};
+use crate::limits::{read_text, MAX_METADATA_FILE_BYTES};
 
 /// Used only when a checkpoint ships no template of its own.
 pub const BUILTIN_TEMPLATE: &str = include_str!("chat_template.jinja");
@@ -61,9 +62,11 @@ impl ChatTemplate {
     /// tokenizer_config.json's `chat_template`; the built-in Qwen3-VL template otherwise.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let tc_path = dir.join("tokenizer_config.json");
-        let tc: serde_json::Value = match std::fs::read_to_string(&tc_path) {
-            Ok(t) => serde_json::from_str(&t).map_err(|source| Error::Json { path: tc_path.clone(), source })?,
-            Err(_) => serde_json::Value::Null,
+        let tc: serde_json::Value = if tc_path.is_file() {
+            let t = read_text(&tc_path, MAX_METADATA_FILE_BYTES)?;
+            serde_json::from_str(&t).map_err(|source| Error::Json { path: tc_path.clone(), source })?
+        } else {
+            serde_json::Value::Null
         };
         let token = |k: &str| match &tc[k] {
             serde_json::Value::String(s) => Some(s.clone()),
@@ -112,12 +115,12 @@ impl ChatTemplate {
 fn find_template(dir: &Path, tc: &serde_json::Value, tc_path: &Path) -> Result<(String, TemplateSource)> {
     let jinja = dir.join("chat_template.jinja");
     if jinja.is_file() {
-        let s = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
+        let s = read_text(&jinja, MAX_METADATA_FILE_BYTES)?;
         return Ok((s, TemplateSource::File(jinja)));
     }
     let json = dir.join("chat_template.json");
     if json.is_file() {
-        let s = std::fs::read_to_string(&json).map_err(|e| Error::io(&json, e))?;
+        let s = read_text(&json, MAX_METADATA_FILE_BYTES)?;
         let v: serde_json::Value =
             serde_json::from_str(&s).map_err(|source| Error::Json { path: json.clone(), source })?;
         let t = v["chat_template"].as_str().ok_or_else(|| Error::Config {
@@ -160,9 +163,10 @@ impl Processor {
                 std::io::Error::new(std::io::ErrorKind::NotFound, "tokenizer.json not found"),
             ));
         }
-        let tokenizer = Tokenizer::from_file(&path).map_err(|e| Error::Input {
+        let json = read_text(&path, MAX_METADATA_FILE_BYTES)?;
+        let tokenizer = Tokenizer::from_bytes(json.as_bytes()).map_err(|e| Error::Input {
             what: path.display().to_string(),
-            message: format!("invalid tokenizer: {e}"),
+            message: format!("invalid tokenizer: {}", e.to_string().replace('\n', " ")),
         })?;
         Ok(Self { tokenizer, template: ChatTemplate::from_dir(dir)?, images: ImageProcessor::from_dir(dir)? })
     }
@@ -179,6 +183,22 @@ impl Processor {
         self.tokenizer
             .decode(ids, skip_special_tokens)
             .map_err(|e| Error::Input { what: "tokenizer".into(), message: e.to_string() })
+    }
+
+    /// The prompt length `prepare` would produce for images of these token counts, computed
+    /// without the pixels (to check a prompt against the context before decoding any image).
+    pub fn prompt_len(&self, messages: &[Message], image_tokens: &[usize]) -> Result<usize> {
+        let text = self.template.render(messages, true)?;
+        let pads = text.matches(IMAGE_PAD).count();
+        if pads != image_tokens.len() {
+            return Err(Error::Input {
+                what: "prompt".into(),
+                message: format!("the rendered prompt has {pads} image placeholders for {} images", image_tokens.len()),
+            });
+        }
+        // Each placeholder is one special token, expanded to its image's count.
+        let n = self.encode(&text)?.len();
+        Ok(image_tokens.iter().fold(n, |acc, &t| acc.saturating_add(t).saturating_sub(1)))
     }
 
     /// Renders `messages` (with the generation prompt), expands each `<|image_pad|>` to its

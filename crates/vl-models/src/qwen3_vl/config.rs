@@ -251,7 +251,7 @@ impl Qwen3VlConfig {
         if !path.is_file() {
             return Err(Error::NotAModelDir { path: dir.to_path_buf() });
         }
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let text = crate::limits::read_text(&path, crate::limits::MAX_METADATA_FILE_BYTES)?;
         Self::from_json_str(&text, &path)
     }
 
@@ -313,7 +313,26 @@ impl Qwen3VlConfig {
         }
         let rope_theta = rope.rope_theta.or(raw_text.rope_theta).unwrap_or(DEFAULT_TEXT_ROPE_THETA);
         let mrope_section = rope.mrope_section.clone().unwrap_or_else(|| DEFAULT_MROPE_SECTION.to_vec());
+        // Sizes first (bounds keep every product of them far from overflow), then relations.
+        let b = Bounds { path };
+        b.size("text_config.vocab_size", raw_text.vocab_size, MAX_VOCAB)?;
+        b.size("text_config.hidden_size", raw_text.hidden_size, MAX_HIDDEN)?;
+        b.size("text_config.intermediate_size", raw_text.intermediate_size, MAX_INTERMEDIATE)?;
+        b.size("text_config.num_hidden_layers", raw_text.num_hidden_layers, MAX_LAYERS)?;
+        b.size("text_config.num_attention_heads", raw_text.num_attention_heads, MAX_HEADS)?;
+        b.size("text_config.max_position_embeddings", raw_text.max_position_embeddings, MAX_POSITIONS)?;
+        if let Some(hd) = raw_text.head_dim {
+            b.size("text_config.head_dim", hd, MAX_HEAD_DIM)?;
+        }
         let head_dim = raw_text.head_dim.unwrap_or(raw_text.hidden_size / raw_text.num_attention_heads);
+        if head_dim == 0 || head_dim % 2 != 0 || head_dim > MAX_HEAD_DIM {
+            return Err(field_err(
+                "text_config.head_dim",
+                format!("{head_dim} must be even and in 2..={MAX_HEAD_DIM} (rotary pairs)"),
+            ));
+        }
+        b.positive_float("text_config.rms_norm_eps", raw_text.rms_norm_eps, MAX_NORM_EPS)?;
+        b.positive_float(&format!("{rope_field}.rope_theta"), rope_theta, MAX_ROPE_THETA)?;
         if mrope_section.len() != 3 || mrope_section.iter().sum::<usize>() > head_dim / 2 {
             return Err(field_err(
                 &format!("{rope_field}.mrope_section"),
@@ -321,7 +340,7 @@ impl Qwen3VlConfig {
             ));
         }
         let kv_heads = raw_text.num_key_value_heads.unwrap_or(raw_text.num_attention_heads);
-        if kv_heads == 0 || raw_text.num_attention_heads % kv_heads != 0 {
+        if kv_heads == 0 || kv_heads > MAX_HEADS || raw_text.num_attention_heads % kv_heads != 0 {
             return Err(field_err(
                 "text_config.num_key_value_heads",
                 format!("{kv_heads} does not divide num_attention_heads {}", raw_text.num_attention_heads),
@@ -362,6 +381,20 @@ impl Qwen3VlConfig {
             rope_theta: vrope.rope_theta.unwrap_or(DEFAULT_VISION_ROPE_THETA),
         };
         validate_vision(&vision, &text, path)?;
+        let ids = [
+            ("image_token_id", top.image_token_id),
+            ("video_token_id", top.video_token_id),
+            ("vision_start_token_id", top.vision_start_token_id),
+            ("vision_end_token_id", top.vision_end_token_id),
+        ];
+        for (i, (name, id)) in ids.iter().enumerate() {
+            if *id as usize >= text.vocab_size {
+                return Err(field_err(name, format!("{id} is outside the vocabulary of {}", text.vocab_size)));
+            }
+            if let Some((other, _)) = ids[..i].iter().find(|(_, o)| o == id) {
+                return Err(field_err(name, format!("{id} is also the {other}")));
+            }
+        }
 
         Ok(Self {
             text,
@@ -397,8 +430,69 @@ fn check_architecture(value: &Value, path: &Path) -> Result<()> {
     })
 }
 
+// Upper bounds on config values: several times the largest released Qwen3-VL (32B: hidden 5120,
+// 64 layers, vocab 151936, context 262144), low enough that nothing sized by them can exhaust
+// memory before the checkpoint's own tensors are checked against them.
+const MAX_VOCAB: usize = 1 << 22;
+const MAX_HIDDEN: usize = 1 << 16;
+const MAX_INTERMEDIATE: usize = 1 << 18;
+const MAX_LAYERS: usize = 1024;
+const MAX_HEADS: usize = 1024;
+const MAX_HEAD_DIM: usize = 1024;
+const MAX_POSITIONS: usize = 1 << 24;
+const MAX_VISION_DEPTH: usize = 256;
+const MAX_PATCH: usize = 64;
+const MAX_MERGE: usize = 8;
+const MAX_TEMPORAL_PATCH: usize = 16;
+const MAX_POSITION_GRID: usize = 1 << 20;
+const MAX_NORM_EPS: f64 = 0.1;
+const MAX_ROPE_THETA: f64 = 1e12;
+
+/// Range checks that name the file, field, value and bound.
+struct Bounds<'a> {
+    path: &'a Path,
+}
+
+impl Bounds<'_> {
+    fn err(&self, field: &str, message: String) -> Error {
+        Error::Config { path: self.path.to_path_buf(), field: field.into(), message }
+    }
+    fn size(&self, field: &str, v: usize, max: usize) -> Result<()> {
+        if v == 0 || v > max {
+            return Err(self.err(field, format!("{v} is outside 1..={max}")));
+        }
+        Ok(())
+    }
+    fn positive_float(&self, field: &str, v: f64, max: f64) -> Result<()> {
+        if !(v.is_finite() && v > 0.0 && v <= max) {
+            return Err(self.err(field, format!("{v} must be a finite number in (0, {max:e}]")));
+        }
+        Ok(())
+    }
+}
+
 fn validate_vision(v: &VisionConfig, t: &TextConfig, path: &Path) -> Result<()> {
     let err = |field: &str, message: String| Error::Config { path: PathBuf::from(path), field: field.into(), message };
+    let b = Bounds { path };
+    b.size("vision_config.depth", v.depth, MAX_VISION_DEPTH)?;
+    b.size("vision_config.hidden_size", v.hidden_size, MAX_HIDDEN)?;
+    b.size("vision_config.intermediate_size", v.intermediate_size, MAX_INTERMEDIATE)?;
+    b.size("vision_config.num_heads", v.num_heads, MAX_HEADS)?;
+    b.size("vision_config.patch_size", v.patch_size, MAX_PATCH)?;
+    b.size("vision_config.spatial_merge_size", v.spatial_merge_size, MAX_MERGE)?;
+    b.size("vision_config.temporal_patch_size", v.temporal_patch_size, MAX_TEMPORAL_PATCH)?;
+    b.size("vision_config.num_position_embeddings", v.num_position_embeddings, MAX_POSITION_GRID)?;
+    b.positive_float("vision_config.rope_parameters.rope_theta", v.rope_theta, MAX_ROPE_THETA)?;
+    if v.in_channels != 3 {
+        return Err(err("vision_config.in_channels", format!("{} is not supported (RGB: 3)", v.in_channels)));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(dup) = v.deepstack_visual_indexes.iter().find(|&&i| !seen.insert(i)) {
+        return Err(err(
+            "vision_config.deepstack_visual_indexes",
+            format!("block {dup} is listed twice in {:?}", v.deepstack_visual_indexes),
+        ));
+    }
     if v.num_heads == 0 || v.hidden_size % v.num_heads != 0 || v.head_dim() % 4 != 0 {
         return Err(err(
             "vision_config.num_heads",

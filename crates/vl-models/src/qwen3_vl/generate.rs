@@ -10,7 +10,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::model::{Prompt, Qwen3VlModel};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerationOptions {
@@ -45,10 +45,53 @@ impl Default for GenerationOptions {
     }
 }
 
+impl GenerationOptions {
+    /// Checks every option's range; the message names the option and its value.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: &str, message: String| Err(Error::Input { what: what.into(), message });
+        if self.max_new_tokens == 0 {
+            return bad("max_new_tokens", "0: at least one token must be generated".into());
+        }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return bad("temperature", format!("{} must be a finite number >= 0 (0 = greedy)", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", format!("{} must be in (0, 1] (1 = off)", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", format!("{} must be in [0, 1] (0 = off)", self.min_p));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return bad(
+                "repetition_penalty",
+                format!("{} must be a finite number > 0 (1 = off)", self.repetition_penalty),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Fails on NaN or infinite logits (broken weights or config values) instead of sampling junk.
+pub fn check_logits(logits: &[f32], step: usize) -> Result<()> {
+    if let Some(i) = logits.iter().position(|x| !x.is_finite()) {
+        let n = logits.iter().filter(|x| !x.is_finite()).count();
+        return Err(Error::NonFinite {
+            message: format!(
+                "the model produced {n} non-finite logits at generated position {step} (token {i}: {}); its weights \
+                 hold NaN/inf values or its config (rms_norm_eps, rope_theta) breaks the arithmetic",
+                logits[i]
+            ),
+        });
+    }
+    Ok(())
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopReason {
     Eos,
     MaxTokens,
+    /// The model's context (max_position_embeddings) is full.
+    ContextFull,
     /// The callback asked to stop.
     Callback,
 }
@@ -168,6 +211,7 @@ impl Qwen3VlModel {
         opts: &GenerationOptions,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Generation> {
+        opts.validate()?;
         let vision_time = Duration::ZERO;
         let t0 = Instant::now();
         let mut cache = self.new_cache();
@@ -181,8 +225,13 @@ impl Qwen3VlModel {
         let mut logits = first_logits.clone();
         let mut stop = StopReason::MaxTokens;
         let room = self.config().text.max_position_embeddings.saturating_sub(prompt.input_ids.len());
+        if room < opts.max_new_tokens {
+            stop = StopReason::ContextFull;
+        }
         for step in 0..opts.max_new_tokens.min(room) {
-            let next = sample(&logits.to_vec1::<f32>()?, &seen, opts, &mut rng);
+            let l = logits.to_vec1::<f32>()?;
+            check_logits(&l, step)?;
+            let next = sample(&l, &seen, opts, &mut rng);
             tokens.push(next);
             seen.push(next);
             if !on_token(next) {

@@ -28,9 +28,10 @@ impl GenerationConfig {
     /// Reads `dir/generation_config.json`; `default_eos` when the file or its eos is absent.
     pub fn from_dir(dir: &Path, default_eos: &[u32]) -> Result<Self> {
         let path = dir.join("generation_config.json");
-        let Ok(text) = std::fs::read_to_string(&path) else {
+        if !path.is_file() {
             return Ok(Self { eos_token_ids: default_eos.to_vec() });
-        };
+        }
+        let text = crate::limits::read_text(&path, crate::limits::MAX_METADATA_FILE_BYTES)?;
         let raw: Raw = serde_json::from_str(&text).map_err(|source| Error::Json { path, source })?;
         Ok(Self {
             eos_token_ids: match raw.eos_token_id {

@@ -9,9 +9,10 @@ use serde::Serialize;
 use crate::checkpoint::SHARD_INDEX;
 use crate::error::Result;
 
-use super::config::{Qwen3VlConfig, ARCHITECTURE, MODEL_TYPE};
-use super::plan::{check_plan, tensor_plan, Group};
-use super::weights::{Layout, Storage, Weights};
+use super::config::{ARCHITECTURE, MODEL_TYPE};
+use super::plan::Group;
+use super::preflight::ModelDir;
+use super::weights::{Layout, Storage};
 
 /// A checked checkpoint, summarized.
 #[derive(Debug, Clone, Serialize)]
@@ -51,12 +52,11 @@ pub struct ParameterCounts {
     pub total: usize,
 }
 
-/// Reads the config and weights of `dir`, checks them against each other and summarizes.
+/// Runs every check that loading `dir` runs (`ModelDir::open`: config, weights, tokenizer,
+/// template, processor, generation config), without loading weights, and summarizes.
 pub fn inspect(dir: &Path) -> Result<Summary> {
-    let cfg = Qwen3VlConfig::from_dir(dir)?;
-    let w = Weights::open(dir)?;
-    let plan = tensor_plan(&cfg);
-    let report = check_plan(&plan, &w)?;
+    let m = ModelDir::open(dir)?;
+    let (cfg, w, plan, report) = (m.config, m.weights, m.plan, m.plan_report);
     let mut params = ParameterCounts::default();
     let mut dtypes = BTreeMap::new();
     let mut storage: BTreeMap<&str, BTreeMap<String, usize>> = BTreeMap::new();

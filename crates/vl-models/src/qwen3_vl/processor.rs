@@ -15,9 +15,16 @@ use serde::Deserialize;
 use super::model::VisionInput;
 use super::vision::Grid;
 use crate::error::{Error, Result};
+use crate::limits::{self, ImageLimits, LimitKind, MAX_IMAGE_SIDE};
 
 /// Largest accepted aspect ratio (the reference raises above it).
 pub const MAX_ASPECT_RATIO: f64 = 200.0;
+/// Largest pixel budget (`max_pixels`, `min_pixels`) of a resized image: 2^25 pixels, 32768
+/// tokens at the 32-pixel merge factor (twice the shipped `longest_edge` of 16777216).
+pub const MAX_PIXEL_BUDGET: usize = 1 << 25;
+const MAX_PATCH: usize = 64;
+const MAX_MERGE: usize = 8;
+const MAX_TEMPORAL_PATCH: usize = 16;
 
 #[derive(Debug, Clone, Deserialize)]
 struct RawSize {
@@ -113,7 +120,7 @@ impl PreprocessorConfig {
         if !path.is_file() {
             return Ok(Self::default());
         }
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let text = limits::read_text(&path, limits::MAX_METADATA_FILE_BYTES)?;
         let raw: RawPreprocessor =
             serde_json::from_str(&text).map_err(|source| Error::Json { path: path.clone(), source })?;
         let field = |f: &str, m: String| Error::Config { path: path.clone(), field: f.into(), message: m };
@@ -125,19 +132,47 @@ impl PreprocessorConfig {
         };
         let d = Self::default();
         let size = raw.size.clone();
-        Ok(Self {
+        for (f, v, max) in [
+            ("patch_size", raw.patch_size, MAX_PATCH),
+            ("merge_size", raw.merge_size, MAX_MERGE),
+            ("temporal_patch_size", raw.temporal_patch_size, MAX_TEMPORAL_PATCH),
+        ] {
+            if v == 0 || v > max {
+                return Err(field(f, format!("{v} is outside 1..={max}")));
+            }
+        }
+        if !(raw.rescale_factor.is_finite() && raw.rescale_factor > 0.0) {
+            return Err(field("rescale_factor", format!("{} must be a finite number > 0", raw.rescale_factor)));
+        }
+        let mean = three(&raw.image_mean, "image_mean")?;
+        let std = three(&raw.image_std, "image_std")?;
+        if mean.iter().any(|m| !m.is_finite()) {
+            return Err(field("image_mean", format!("{mean:?} must be finite")));
+        }
+        if std.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+            return Err(field("image_std", format!("{std:?} must be finite and > 0 (pixels are divided by it)")));
+        }
+        let (min_key, max_key) = if raw.min_pixels.is_some() || raw.max_pixels.is_some() {
+            ("min_pixels", "max_pixels")
+        } else {
+            ("size.shortest_edge", "size.longest_edge")
+        };
+        let cfg = Self {
             min_pixels: raw.min_pixels.or(size.as_ref().and_then(|s| s.shortest_edge)).unwrap_or(d.min_pixels),
             max_pixels: raw.max_pixels.or(size.as_ref().and_then(|s| s.longest_edge)).unwrap_or(d.max_pixels),
             patch_size: raw.patch_size,
             temporal_patch_size: raw.temporal_patch_size,
             merge_size: raw.merge_size,
-            image_mean: three(&raw.image_mean, "image_mean")?,
-            image_std: three(&raw.image_std, "image_std")?,
+            image_mean: mean,
+            image_std: std,
             rescale_factor: raw.rescale_factor,
             do_resize: raw.do_resize,
             do_rescale: raw.do_rescale,
             do_normalize: raw.do_normalize,
-        })
+        };
+        check_budget(cfg.min_pixels, cfg.max_pixels)
+            .map_err(|(which, m)| field(if which == 0 { min_key } else { max_key }, m))?;
+        Ok(cfg)
     }
 
     /// Side multiple of resized images: patch * merge.
@@ -166,6 +201,12 @@ pub fn smart_resize(
             message: format!("aspect ratio {ratio:.1} ({width}x{height}) exceeds {MAX_ASPECT_RATIO}"),
         });
     }
+    if factor == 0 || max_pixels == 0 {
+        return Err(Error::Input {
+            what: "image".into(),
+            message: format!("resize factor {factor} and max_pixels {max_pixels} must be > 0"),
+        });
+    }
     let (h, w, f) = (height as f64, width as f64, factor as f64);
     let mut h_bar = (h / f).round_ties_even() as usize * factor;
     let mut w_bar = (w / f).round_ties_even() as usize * factor;
@@ -178,37 +219,186 @@ pub fn smart_resize(
         h_bar = (h * beta / f).ceil() as usize * factor;
         w_bar = (w * beta / f).ceil() as usize * factor;
     }
-    Ok((h_bar, w_bar))
+    // Rounding up to min_pixels can pass max_pixels slightly (as in the reference), but never the
+    // hard budget: the caller's allocation is sized by this product.
+    match h_bar.checked_mul(w_bar) {
+        Some(n) if n <= MAX_PIXEL_BUDGET.max(max_pixels).saturating_mul(2) => Ok((h_bar, w_bar)),
+        _ => Err(Error::Input {
+            what: "image".into(),
+            message: format!("resizing {width}x{height} gives {w_bar}x{h_bar}, over the pixel budget {max_pixels}"),
+        }),
+    }
 }
 
-/// Decodes an image file (PNG, JPEG, WebP, GIF's first frame, BMP), applies its EXIF
-/// orientation, and converts it to RGB the way the reference does.
-pub fn load_image(path: &Path) -> Result<RgbImage> {
-    let bad = |message: String| Error::Input { what: format!("image {}", path.display()), message };
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    let reader = image::ImageReader::new(std::io::Cursor::new(&bytes))
-        .with_guessed_format()
-        .map_err(|e| bad(format!("cannot read: {e}")))?;
-    let format =
-        reader.format().ok_or_else(|| bad("not a recognized image format (PNG, JPEG, WebP, GIF, BMP)".into()))?;
-    let mut decoder = reader.into_decoder().map_err(|e| bad(format!("cannot decode: {e}")))?;
-    let orientation = image::ImageDecoder::orientation(&mut decoder).ok();
-    let jpeg = (format == image::ImageFormat::Jpeg).then(|| decode_jpeg(&bytes)).flatten();
-    let mut img = match jpeg {
-        Some(img) => img,
-        None => DynamicImage::from_decoder(decoder).map_err(|e| bad(format!("cannot decode: {e}")))?,
-    };
-    if let Some(o) = orientation {
-        img.apply_orientation(o);
+/// Checks the pixel budget pair: `Err((0 | 1, message))` names min (0) or max (1).
+fn check_budget(min_pixels: usize, max_pixels: usize) -> std::result::Result<(), (u8, String)> {
+    if min_pixels == 0 || min_pixels > MAX_PIXEL_BUDGET {
+        return Err((0, format!("{min_pixels} is outside 1..={MAX_PIXEL_BUDGET}")));
     }
-    Ok(to_rgb(img))
+    if max_pixels == 0 || max_pixels > MAX_PIXEL_BUDGET {
+        return Err((1, format!("{max_pixels} is outside 1..={MAX_PIXEL_BUDGET}")));
+    }
+    if min_pixels > max_pixels {
+        return Err((0, format!("{min_pixels} is above max_pixels {max_pixels}")));
+    }
+    Ok(())
+}
+
+/// An image file read within `ImageLimits`, its header checked, not yet decoded.
+pub struct ImageFile {
+    path: std::path::PathBuf,
+    bytes: Vec<u8>,
+    format: image::ImageFormat,
+    /// Stored (not EXIF-rotated) width and height.
+    pub width: u32,
+    pub height: u32,
+    limits: ImageLimits,
+}
+
+impl ImageFile {
+    /// Reads `path` (at most `limits.max_file_bytes`) and checks the header's dimensions against
+    /// `limits` before any pixel is decoded. Truncated JPEGs are refused here, as Pillow does.
+    pub fn open(path: &Path, limits: &ImageLimits) -> Result<Self> {
+        let what = || format!("image {}", path.display());
+        let bad = |message: String| Error::Input { what: what(), message };
+        let bytes = limits::read_bytes(path, limits.max_file_bytes, LimitKind::ImageBytes).map_err(|e| match e {
+            Error::Limit { message, kind, .. } => Error::Limit { what: what(), message, kind },
+            other => other,
+        })?;
+        let reader = image::ImageReader::new(std::io::Cursor::new(&bytes[..]))
+            .with_guessed_format()
+            .map_err(|e| bad(format!("cannot read: {e}")))?;
+        let format =
+            reader.format().ok_or_else(|| bad("not a recognized image format (PNG, JPEG, WebP, GIF, BMP)".into()))?;
+        let (width, height) = {
+            let decoder = Self::decoder(reader, limits).map_err(|e| Self::decode_error(e, path, limits))?;
+            image::ImageDecoder::dimensions(&decoder)
+        };
+        if width == 0 || height == 0 {
+            return Err(bad(format!("empty image {width}x{height}")));
+        }
+        let pixels = width as u64 * height as u64;
+        if pixels > limits.max_pixels {
+            return Err(Error::Limit {
+                what: what(),
+                message: format!(
+                    "{width}x{height} is {pixels} pixels, over the limit of {} pixels per image",
+                    limits.max_pixels
+                ),
+                kind: LimitKind::ImagePixels,
+            });
+        }
+        if format == image::ImageFormat::Jpeg {
+            jpeg_complete(&bytes).map_err(bad)?;
+        }
+        Ok(Self { path: path.to_path_buf(), bytes, format, width, height, limits: *limits })
+    }
+
+    fn decoder<'a>(
+        mut reader: image::ImageReader<std::io::Cursor<&'a [u8]>>,
+        limits: &ImageLimits,
+    ) -> image::ImageResult<impl image::ImageDecoder + 'a> {
+        let mut l = image::Limits::default();
+        l.max_image_width = Some(MAX_IMAGE_SIDE);
+        l.max_image_height = Some(MAX_IMAGE_SIDE);
+        l.max_alloc = Some(limits.max_decoder_alloc());
+        reader.limits(l);
+        reader.into_decoder()
+    }
+
+    fn decode_error(e: image::ImageError, path: &Path, limits: &ImageLimits) -> Error {
+        let what = format!("image {}", path.display());
+        match e {
+            image::ImageError::Limits(l) => Error::Limit {
+                what,
+                message: format!(
+                    "{l} (sides up to {MAX_IMAGE_SIDE}, decoder memory up to {} bytes for {} pixels)",
+                    limits.max_decoder_alloc(),
+                    limits.max_pixels
+                ),
+                kind: LimitKind::ImagePixels,
+            },
+            e => Error::Input { what, message: format!("cannot decode: {e}") },
+        }
+    }
+
+    /// Decodes the pixels, applies the EXIF orientation, and converts to RGB as the reference does.
+    pub fn decode(&self) -> Result<RgbImage> {
+        let reader = image::ImageReader::with_format(std::io::Cursor::new(&self.bytes[..]), self.format);
+        let mut decoder =
+            Self::decoder(reader, &self.limits).map_err(|e| Self::decode_error(e, &self.path, &self.limits))?;
+        let orientation = image::ImageDecoder::orientation(&mut decoder).ok();
+        let jpeg = (self.format == image::ImageFormat::Jpeg).then(|| decode_jpeg(&self.bytes, &self.limits)).flatten();
+        let mut img = match jpeg {
+            Some(img) => img,
+            None => DynamicImage::from_decoder(decoder).map_err(|e| Self::decode_error(e, &self.path, &self.limits))?,
+        };
+        if let Some(o) = orientation {
+            img.apply_orientation(o);
+        }
+        Ok(to_rgb(img))
+    }
+}
+
+/// Decodes an image file (PNG, JPEG, WebP, GIF's first frame, BMP) within the default
+/// `ImageLimits`, applies its EXIF orientation, and converts it to RGB the way the reference does.
+pub fn load_image(path: &Path) -> Result<RgbImage> {
+    ImageFile::open(path, &ImageLimits::default())?.decode()
+}
+
+/// Walks a JPEG's marker segments to its end-of-image marker; a file that ends first is
+/// truncated (Pillow raises "image file is truncated"; jpeg-decoder would fill in gray).
+fn jpeg_complete(b: &[u8]) -> std::result::Result<(), String> {
+    let truncated =
+        |at: usize| Err(format!("truncated JPEG: the data ends at byte {at} before the end-of-image marker"));
+    if !b.starts_with(&[0xFF, 0xD8]) {
+        return Err("not a JPEG (no start-of-image marker)".into());
+    }
+    let mut i = 2;
+    loop {
+        // Extraneous bytes before a marker are skipped, as libjpeg does.
+        while i < b.len() && b[i] != 0xFF {
+            i += 1;
+        }
+        while i < b.len() && b[i] == 0xFF {
+            i += 1;
+        }
+        let Some(&marker) = b.get(i) else { return truncated(b.len()) };
+        i += 1;
+        match marker {
+            0xD9 => return Ok(()),
+            0x01 | 0xD0..=0xD7 => continue,
+            _ => {}
+        }
+        if i + 2 > b.len() {
+            return truncated(b.len());
+        }
+        let len = u16::from_be_bytes([b[i], b[i + 1]]) as usize;
+        if len < 2 || i + len > b.len() {
+            return truncated(b.len());
+        }
+        i += len;
+        if marker == 0xDA {
+            // Entropy-coded data runs to the next marker that is not a stuffed 0xFF00 or a restart.
+            loop {
+                if i + 1 >= b.len() {
+                    return truncated(b.len());
+                }
+                if b[i] == 0xFF && b[i + 1] != 0 && !(0xD0..=0xD7).contains(&b[i + 1]) {
+                    break;
+                }
+                i += 1;
+            }
+        }
+    }
 }
 
 /// JPEG through `jpeg-decoder`, whose IDCT and fancy chroma upsampling follow libjpeg (what
 /// Pillow uses) more closely than the `image` crate's decoder. `None` (use the `image` crate) for
 /// CMYK and for anything it cannot decode.
-fn decode_jpeg(bytes: &[u8]) -> Option<DynamicImage> {
+fn decode_jpeg(bytes: &[u8], limits: &ImageLimits) -> Option<DynamicImage> {
     let mut d = jpeg_decoder::Decoder::new(bytes);
+    d.set_max_decoding_buffer_size(usize::try_from(limits.max_decoder_alloc()).unwrap_or(usize::MAX));
     let pixels = d.decode().ok()?;
     let info = d.info()?;
     let (w, h) = (info.width as u32, info.height as u32);
@@ -269,47 +459,76 @@ impl ProcessedImage {
 #[derive(Debug, Clone)]
 pub struct ImageProcessor {
     pub config: PreprocessorConfig,
+    pub limits: ImageLimits,
 }
 
 impl ImageProcessor {
     pub fn new(config: PreprocessorConfig) -> Self {
-        Self { config }
+        Self { config, limits: ImageLimits::default() }
     }
 
     pub fn from_dir(dir: &Path) -> Result<Self> {
         Ok(Self::new(PreprocessorConfig::from_dir(dir)?))
     }
 
-    /// Overrides the pixel budget (per call, like the reference's `size=` argument).
-    pub fn with_pixel_budget(mut self, min_pixels: Option<usize>, max_pixels: Option<usize>) -> Self {
-        if let Some(m) = min_pixels {
-            self.config.min_pixels = m;
+    /// Overrides the pixel budget (per call, like the reference's `size=` argument); the
+    /// resulting pair must satisfy 1 <= min_pixels <= max_pixels <= `MAX_PIXEL_BUDGET`. A bound
+    /// given alone moves the other one with it when they would cross; both given and crossed is
+    /// an error.
+    pub fn with_pixel_budget(mut self, min_pixels: Option<usize>, max_pixels: Option<usize>) -> Result<Self> {
+        let c = &mut self.config;
+        match (min_pixels, max_pixels) {
+            (Some(lo), Some(hi)) => (c.min_pixels, c.max_pixels) = (lo, hi),
+            (Some(lo), None) => (c.min_pixels, c.max_pixels) = (lo, c.max_pixels.max(lo)),
+            (None, Some(hi)) => (c.min_pixels, c.max_pixels) = (c.min_pixels.min(hi), hi),
+            (None, None) => {}
         }
-        if let Some(m) = max_pixels {
-            self.config.max_pixels = m;
-        }
-        self
+        check_budget(self.config.min_pixels, self.config.max_pixels).map_err(|(which, message)| Error::Input {
+            what: if which == 0 { "min_pixels".into() } else { "max_pixels".into() },
+            message,
+        })?;
+        Ok(self)
     }
 
-    /// Loads and preprocesses an image file; errors name the file.
+    /// Loads and preprocesses an image file within `self.limits`; errors name the file.
     pub fn process_file(&self, path: &Path) -> Result<ProcessedImage> {
-        let img = load_image(path)?;
-        self.process(&img).map_err(|e| match e {
+        let file = ImageFile::open(path, &self.limits)?;
+        self.process(&file.decode()?).map_err(|e| match e {
             Error::Input { message, .. } => Error::Input { what: format!("image {}", path.display()), message },
             other => other,
         })
     }
 
-    pub fn process(&self, img: &RgbImage) -> Result<ProcessedImage> {
+    /// (height, width) an image of `height0` x `width0` is resized to.
+    pub fn target_size(&self, height0: usize, width0: usize) -> Result<(usize, usize)> {
         let c = &self.config;
-        let (w0, h0) = (img.width() as usize, img.height() as usize);
-        let (h, w) = if c.do_resize { smart_resize(h0, w0, c.factor(), c.min_pixels, c.max_pixels)? } else { (h0, w0) };
+        let (h, w) = if c.do_resize {
+            smart_resize(height0, width0, c.factor(), c.min_pixels, c.max_pixels)?
+        } else {
+            (height0, width0)
+        };
         if h % c.factor() != 0 || w % c.factor() != 0 {
             return Err(Error::Input {
                 what: "image".into(),
                 message: format!("{w}x{h} is not a multiple of {} (enable do_resize)", c.factor()),
             });
         }
+        Ok((h, w))
+    }
+
+    /// LLM tokens an image of this stored size becomes (from its header, before decoding).
+    pub fn tokens_for(&self, file: &ImageFile) -> Result<usize> {
+        let (h, w) = self.target_size(file.height as usize, file.width as usize).map_err(|e| match e {
+            Error::Input { message, .. } => Error::Input { what: format!("image {}", file.path.display()), message },
+            other => other,
+        })?;
+        Ok(h * w / (self.config.factor() * self.config.factor()))
+    }
+
+    pub fn process(&self, img: &RgbImage) -> Result<ProcessedImage> {
+        let c = &self.config;
+        let (w0, h0) = (img.width() as usize, img.height() as usize);
+        let (h, w) = self.target_size(h0, w0)?;
         let rgb: Vec<u8> = if (h, w) == (h0, w0) { img.as_raw().clone() } else { resize_bicubic(img, w, h)? };
         // Channel-first float planes: rescale, then normalize.
         let plane = h * w;

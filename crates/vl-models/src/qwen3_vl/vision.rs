@@ -175,16 +175,16 @@ impl VisionTower {
             if let Some(j) = self.cfg.deepstack_visual_indexes.iter().position(|&d| d == i) {
                 let f = self.deepstack[j].forward(&x)?;
                 trace(&format!("deepstack.{j}"), &f);
-                deepstack.push((j, f));
+                // Levels in block order, as the reference appends them (not in merger-index order).
+                deepstack.push(f);
             }
         }
-        deepstack.sort_by_key(|(j, _)| *j);
         let merged = self.merger.forward(&x)?;
         trace("merged", &merged);
         let sizes: Vec<usize> = grids.iter().map(|g| self.merged_len(g)).collect();
         Ok(VisionOutput {
             merged: split_rows(&merged, &sizes)?,
-            deepstack: deepstack.iter().map(|(_, f)| split_rows(f, &sizes)).collect::<Result<_>>()?,
+            deepstack: deepstack.iter().map(|f| split_rows(f, &sizes)).collect::<Result<_>>()?,
             grids: grids.to_vec(),
         })
     }

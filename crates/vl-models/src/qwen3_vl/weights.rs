@@ -86,6 +86,11 @@ pub struct Weights {
     pub layout: Layout,
 }
 
+/// Weights are stored as f32, f16 or bf16 (or packed u32 with float scales when affine-quantized).
+fn is_float(d: StDtype) -> bool {
+    matches!(d, StDtype::F32 | StDtype::F16 | StDtype::BF16)
+}
+
 fn quant_params(q: &Value) -> Option<AffineParams> {
     Some(AffineParams { bits: q.get("bits")?.as_u64()? as usize, group: q.get("group_size")?.as_u64()? as usize })
 }
@@ -96,9 +101,11 @@ impl Weights {
     pub fn open(dir: &Path) -> Result<Self> {
         let ck = Arc::new(Checkpoint::open(dir)?);
         let cfg_path = dir.join("config.json");
-        let cfg: Value = match std::fs::read_to_string(&cfg_path) {
-            Ok(t) => serde_json::from_str(&t).map_err(|source| Error::Json { path: cfg_path.clone(), source })?,
-            Err(_) => Value::Null,
+        let cfg: Value = if cfg_path.is_file() {
+            let t = crate::limits::read_text(&cfg_path, crate::limits::MAX_METADATA_FILE_BYTES)?;
+            serde_json::from_str(&t).map_err(|source| Error::Json { path: cfg_path.clone(), source })?
+        } else {
+            Value::Null
         };
         let quant = cfg.get("quantization").or_else(|| cfg.get("quantization_config")).cloned().unwrap_or(Value::Null);
         Self::new(ck, &quant, &cfg_path)
@@ -135,10 +142,45 @@ impl Weights {
                         field: "quantization".into(),
                         message: format!("`{key}` is quantized but no bits / group_size apply to it"),
                     })?;
-                    let cols = sinfo.shape.last().copied().unwrap_or(0) * p.group;
+                    let file = ck.file_of(key).unwrap().to_path_buf();
+                    let biases = format!("{m}.biases");
+                    match ck.info(&biases) {
+                        Some(b) if b.shape == sinfo.shape && b.dtype == sinfo.dtype => {}
+                        found => {
+                            return Err(Error::Safetensors {
+                                path: file,
+                                message: format!(
+                                    "`{key}` is affine-quantized but `{biases}` is {}",
+                                    match found {
+                                        None => "missing".to_string(),
+                                        Some(b) => format!(
+                                            "{} {:?}, not {} {:?} like its scales",
+                                            crate::checkpoint::dtype_name(b.dtype),
+                                            b.shape,
+                                            crate::checkpoint::dtype_name(sinfo.dtype),
+                                            sinfo.shape
+                                        ),
+                                    }
+                                ),
+                            });
+                        }
+                    }
+                    if !is_float(sinfo.dtype) {
+                        return Err(Error::UnsupportedDtype {
+                            key: format!("{m}.scales"),
+                            path: file,
+                            dtype: crate::checkpoint::dtype_name(sinfo.dtype),
+                        });
+                    }
+                    let cols = sinfo.shape.last().copied().unwrap_or(0).checked_mul(p.group).unwrap_or(0);
                     let packed = info.shape.last().copied().unwrap_or(0);
+                    let rows_match = info.shape.len() == sinfo.shape.len()
+                        && info.shape[..info.shape.len().saturating_sub(1)]
+                            == sinfo.shape[..sinfo.shape.len().saturating_sub(1)];
                     if info.dtype != StDtype::U32
-                        || packed * 32 != cols * p.bits
+                        || !rows_match
+                        || packed.checked_mul(32) != cols.checked_mul(p.bits)
+                        || cols == 0
                         || !affine::SUPPORTED_BITS.contains(&p.bits)
                     {
                         return Err(Error::Safetensors {
@@ -159,6 +201,13 @@ impl Weights {
                 }
                 None => Storage::Plain,
             };
+            if !matches!(storage, Storage::Affine { .. }) && !is_float(dtype) {
+                return Err(Error::UnsupportedDtype {
+                    key: key.clone(),
+                    path: ck.file_of(key).unwrap().to_path_buf(),
+                    dtype: crate::checkpoint::dtype_name(dtype),
+                });
+            }
             entries.insert(hf_key(key), Entry { stored_key: key.clone(), shape, dtype, storage });
         }
         Ok(Self { ck, entries, layout })

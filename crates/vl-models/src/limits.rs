@@ -1,0 +1,103 @@
+//! Bounds on what input files may make us read or allocate, checked before the work happens.
+//! Every limit that a user may need to raise is a field of `ImageLimits` (the CLI exposes each as
+//! a flag); the others are fixed far above any real checkpoint's needs.
+
+use std::io::Read;
+use std::path::Path;
+
+use crate::error::{Error, Result};
+
+/// Largest JSON or text file read whole (config, tokenizer, chat template, shard index).
+/// Qwen3-VL's tokenizer.json, the largest of them, is 11 MB.
+pub const MAX_METADATA_FILE_BYTES: u64 = 256 << 20;
+
+/// Which configurable limit an input exceeded (the CLI names the flag that raises it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitKind {
+    ImageBytes,
+    ImagePixels,
+    /// A fixed bound, not configurable.
+    Fixed,
+}
+
+/// Limits on image files, checked from the file size and the image header before decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImageLimits {
+    /// Bytes read from one image file.
+    pub max_file_bytes: u64,
+    /// Decoded pixels (width * height) of one image, before resizing.
+    pub max_pixels: u64,
+}
+
+/// Longest image side accepted (in pixels); above `max_pixels` for any image it could admit.
+pub const MAX_IMAGE_SIDE: u32 = 1 << 16;
+
+impl Default for ImageLimits {
+    fn default() -> Self {
+        // 128 MiB holds any real photo or screenshot; 2^26 pixels (67 MP) is above a 48 MP phone
+        // photo and keeps a decode (up to 8 bytes a pixel for 16-bit RGBA) near 512 MiB.
+        Self { max_file_bytes: 128 << 20, max_pixels: 1 << 26 }
+    }
+}
+
+impl ImageLimits {
+    /// Bytes a decoder may allocate: the decoded image at up to 16 bytes a pixel.
+    pub fn max_decoder_alloc(&self) -> u64 {
+        self.max_pixels.saturating_mul(16).max(64 << 20)
+    }
+}
+
+/// Reads at most `limit` bytes of `path`; a longer file (or an endless one such as /dev/zero)
+/// is an error that names the file and the limit.
+pub fn read_bytes(path: &Path, limit: u64, kind: LimitKind) -> Result<Vec<u8>> {
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let meta = file.metadata().map_err(|e| Error::io(path, e))?;
+    if meta.is_dir() {
+        return Err(Error::io(path, std::io::Error::other("is a directory")));
+    }
+    let too_big = |size: String| Error::Limit {
+        what: path.display().to_string(),
+        message: format!("{size} exceeds the limit of {limit} bytes"),
+        kind,
+    };
+    if meta.is_file() && meta.len() > limit {
+        return Err(too_big(format!("file size {} bytes", meta.len())));
+    }
+    let mut buf = Vec::with_capacity(if meta.is_file() { meta.len() as usize } else { 0 });
+    file.take(limit + 1).read_to_end(&mut buf).map_err(|e| Error::io(path, e))?;
+    if buf.len() as u64 > limit {
+        return Err(too_big("more than that many bytes readable".into()));
+    }
+    Ok(buf)
+}
+
+/// `read_bytes` for UTF-8 text with the metadata bound.
+pub fn read_text(path: &Path, limit: u64) -> Result<String> {
+    let bytes = read_bytes(path, limit, LimitKind::Fixed)?;
+    String::from_utf8(bytes).map_err(|e| Error::Input {
+        what: path.display().to_string(),
+        message: format!("not UTF-8 text (invalid byte at offset {})", e.utf8_error().valid_up_to()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endless_and_oversized_files_are_refused() {
+        let err = read_bytes(Path::new("/dev/zero"), 1000, LimitKind::ImageBytes).unwrap_err();
+        assert!(matches!(err, Error::Limit { kind: LimitKind::ImageBytes, .. }));
+        assert!(err.to_string().contains("/dev/zero") && err.to_string().contains("1000 bytes"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        std::fs::write(&p, vec![b'x'; 1001]).unwrap();
+        let err = read_text(&p, 1000).unwrap_err().to_string();
+        assert!(err.contains("file size 1001 bytes exceeds the limit of 1000 bytes"), "{err}");
+        std::fs::write(&p, b"ok").unwrap();
+        assert_eq!(read_text(&p, 1000).unwrap(), "ok");
+        std::fs::write(&p, [0xff, 0xfe]).unwrap();
+        assert!(read_text(&p, 1000).unwrap_err().to_string().contains("not UTF-8"));
+        assert!(read_bytes(dir.path(), 10, LimitKind::Fixed).unwrap_err().to_string().contains("is a directory"));
+    }
+}
