@@ -225,7 +225,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let opts = GenerationOptions { eos_token_ids: gen_cfg.eos_token_ids.clone(), ..opts };
     let quant = quant_for(args.quantize, &weights);
     processor.images = processor.images.clone().with_pixel_budget(args.min_pixels, args.max_pixels).map_err(|e| {
-        anyhow::anyhow!("--{}", e.to_string().replace("min_pixels", "min-pixels").replace("max_pixels", "max-pixels"))
+        anyhow::anyhow!("{}", e.to_string().replace("min_pixels", "--min-pixels").replace("max_pixels", "--max-pixels"))
     })?;
     processor.images.limits = ImageLimits { max_file_bytes: args.max_image_bytes, max_pixels: args.max_image_pixels };
 

@@ -232,11 +232,11 @@ pub fn smart_resize(
 
 /// Checks the pixel budget pair: `Err((0 | 1, message))` names min (0) or max (1).
 fn check_budget(min_pixels: usize, max_pixels: usize) -> std::result::Result<(), (u8, String)> {
-    if min_pixels == 0 || min_pixels > MAX_PIXEL_BUDGET {
-        return Err((0, format!("{min_pixels} is outside 1..={MAX_PIXEL_BUDGET}")));
-    }
     if max_pixels == 0 || max_pixels > MAX_PIXEL_BUDGET {
         return Err((1, format!("{max_pixels} is outside 1..={MAX_PIXEL_BUDGET}")));
+    }
+    if min_pixels == 0 || min_pixels > MAX_PIXEL_BUDGET {
+        return Err((0, format!("{min_pixels} is outside 1..={MAX_PIXEL_BUDGET}")));
     }
     if min_pixels > max_pixels {
         return Err((0, format!("{min_pixels} is above max_pixels {max_pixels}")));
@@ -476,6 +476,14 @@ impl ImageProcessor {
     /// given alone moves the other one with it when they would cross; both given and crossed is
     /// an error.
     pub fn with_pixel_budget(mut self, min_pixels: Option<usize>, max_pixels: Option<usize>) -> Result<Self> {
+        for (name, v) in [("min_pixels", min_pixels), ("max_pixels", max_pixels)] {
+            if let Some(v) = v.filter(|&v| v == 0 || v > MAX_PIXEL_BUDGET) {
+                return Err(Error::Input {
+                    what: name.into(),
+                    message: format!("{v} is outside 1..={MAX_PIXEL_BUDGET}"),
+                });
+            }
+        }
         let c = &mut self.config;
         match (min_pixels, max_pixels) {
             (Some(lo), Some(hi)) => (c.min_pixels, c.max_pixels) = (lo, hi),
