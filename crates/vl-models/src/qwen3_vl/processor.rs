@@ -121,8 +121,14 @@ impl PreprocessorConfig {
             return Ok(Self::default());
         }
         let text = limits::read_text(&path, limits::MAX_METADATA_FILE_BYTES)?;
+        Self::from_json_str(&text, &path)
+    }
+
+    /// Parses a preprocessor_config.json body; `path` is used in error messages only.
+    pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
+        let path = path.to_path_buf();
         let raw: RawPreprocessor =
-            serde_json::from_str(&text).map_err(|source| Error::Json { path: path.clone(), source })?;
+            serde_json::from_str(text).map_err(|source| Error::Json { path: path.clone(), source })?;
         let field = |f: &str, m: String| Error::Config { path: path.clone(), field: f.into(), message: m };
         if raw.resample != 3 {
             return Err(field("resample", format!("{} is not supported (3 = bicubic only)", raw.resample)));
@@ -208,16 +214,26 @@ pub fn smart_resize(
         });
     }
     let (h, w, f) = (height as f64, width as f64, factor as f64);
-    let mut h_bar = (h / f).round_ties_even() as usize * factor;
-    let mut w_bar = (w / f).round_ties_even() as usize * factor;
-    if h_bar * w_bar > max_pixels {
+    // Sides as multiples of the factor, saturating instead of overflowing (refused below).
+    let sides = |units: f64| -> usize {
+        let v = units * f;
+        if v < (1u64 << 52) as f64 {
+            v as usize
+        } else {
+            usize::MAX
+        }
+    };
+    let area = |a: usize, b: usize| a as f64 * b as f64;
+    let mut h_bar = sides((h / f).round_ties_even());
+    let mut w_bar = sides((w / f).round_ties_even());
+    if area(h_bar, w_bar) > max_pixels as f64 {
         let beta = ((h * w) / max_pixels as f64).sqrt();
-        h_bar = factor.max((h / beta / f).floor() as usize * factor);
-        w_bar = factor.max((w / beta / f).floor() as usize * factor);
-    } else if h_bar * w_bar < min_pixels {
+        h_bar = factor.max(sides((h / beta / f).floor()));
+        w_bar = factor.max(sides((w / beta / f).floor()));
+    } else if area(h_bar, w_bar) < min_pixels as f64 {
         let beta = (min_pixels as f64 / (h * w)).sqrt();
-        h_bar = (h * beta / f).ceil() as usize * factor;
-        w_bar = (w * beta / f).ceil() as usize * factor;
+        h_bar = sides((h * beta / f).ceil());
+        w_bar = sides((w * beta / f).ceil());
     }
     // Rounding up to min_pixels can pass max_pixels slightly (as in the reference), but never the
     // hard budget: the caller's allocation is sized by this product.
