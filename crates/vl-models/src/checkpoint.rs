@@ -62,6 +62,16 @@ impl Checkpoint {
             let text = crate::limits::read_text(&index, crate::limits::MAX_METADATA_FILE_BYTES)?;
             let idx: ShardIndex =
                 serde_json::from_str(&text).map_err(|source| Error::Json { path: index.clone(), source })?;
+            // Shards are files of this directory: no paths elsewhere (`../x`, `/dev/zero`).
+            if let Some((key, bad)) = idx.weight_map.iter().find(|(_, f)| {
+                let p = Path::new(f.as_str());
+                p.file_name().map(|n| n != p.as_os_str()).unwrap_or(true)
+            }) {
+                return Err(Error::Safetensors {
+                    path: index,
+                    message: format!("weight_map puts `{key}` in {bad:?}, which is not a file name in this directory"),
+                });
+            }
             let mut names: Vec<&String> = idx.weight_map.values().collect();
             names.sort();
             names.dedup();

@@ -246,6 +246,11 @@ pub fn smart_resize(
     }
 }
 
+/// A decoder's message on one line.
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
 /// Checks the pixel budget pair: `Err((0 | 1, message))` names min (0) or max (1).
 fn check_budget(min_pixels: usize, max_pixels: usize) -> std::result::Result<(), (u8, String)> {
     if max_pixels == 0 || max_pixels > MAX_PIXEL_BUDGET {
@@ -283,7 +288,7 @@ impl ImageFile {
         })?;
         let reader = image::ImageReader::new(std::io::Cursor::new(&bytes[..]))
             .with_guessed_format()
-            .map_err(|e| bad(format!("cannot read: {e}")))?;
+            .map_err(|e| bad(format!("cannot read: {}", one_line(&e.to_string()))))?;
         let format =
             reader.format().ok_or_else(|| bad("not a recognized image format (PNG, JPEG, WebP, GIF, BMP)".into()))?;
         let (width, height) = {
@@ -328,13 +333,14 @@ impl ImageFile {
             image::ImageError::Limits(l) => Error::Limit {
                 what,
                 message: format!(
-                    "{l} (sides up to {MAX_IMAGE_SIDE}, decoder memory up to {} bytes for {} pixels)",
+                    "{} (sides up to {MAX_IMAGE_SIDE}, decoder memory up to {} bytes for {} pixels)",
+                    one_line(&l.to_string()),
                     limits.max_decoder_alloc(),
                     limits.max_pixels
                 ),
                 kind: LimitKind::ImagePixels,
             },
-            e => Error::Input { what, message: format!("cannot decode: {e}") },
+            e => Error::Input { what, message: format!("cannot decode: {}", one_line(&e.to_string())) },
         }
     }
 
