@@ -144,3 +144,28 @@ fn wrong_inputs_are_errors_not_panics() {
     let err = tower.forward(&short, &[[1, 8, 8]]).unwrap_err().to_string();
     assert!(err.contains("100 values"), "{err}");
 }
+
+/// The reference appends DeepStack features in the order the blocks run
+/// (`for layer_num, blk in enumerate(blocks): if layer_num in deepstack_visual_indexes:
+/// deepstack_merger_list[deepstack_visual_indexes.index(layer_num)](x)`), so with the taps
+/// listed out of order, level k belongs to the k-th tapped block, whatever its merger's index.
+#[test]
+fn deepstack_levels_follow_block_order_not_merger_order() {
+    let (mut cfg, ck) = checkpoint("tiny-a");
+    assert_eq!(cfg.vision.deepstack_visual_indexes, vec![0, 2, 3]);
+    // Merger 0 taps block 3, merger 1 block 0, merger 2 block 2: levels are mergers 1, 2, 0.
+    cfg.vision.deepstack_visual_indexes = vec![3, 0, 2];
+    let tower =
+        VisionTower::load(&cfg.vision, ck.var_builder(DType::F32, &Device::Cpu, None).pp("model.visual")).unwrap();
+    let p = load(&goldens().join("processor").join("square.safetensors"));
+    let mut traced = BTreeMap::new();
+    let out = tower
+        .forward_traced(&p["pixel_values"], &grids(&p["image_grid_thw"]), &mut |name, t| {
+            traced.insert(name.to_string(), t.clone());
+        })
+        .unwrap();
+    for (level, merger) in [(0, 1), (1, 2), (2, 0)] {
+        let d = max_abs_diff(&out.deepstack[level][0], &traced[&format!("deepstack.{merger}")]);
+        assert_eq!(d, 0.0, "level {level} should be merger {merger}'s output");
+    }
+}
