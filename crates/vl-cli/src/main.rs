@@ -56,7 +56,25 @@ fn main() -> ExitCode {
         let at = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
         note!("error: internal error (a bug; please report it): {}{at}", msg.replace('\n', " "));
     }));
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(
+                e.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) {
+                e.exit();
+            }
+            // Usage errors in one line too (clap adds a usage block and a hint).
+            let text = e.render().to_string();
+            let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("error: invalid arguments");
+            note!("{first} (see vl --help)");
+            return ExitCode::from(2);
+        }
+    };
     let result = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Inspect { model, json } => inspect(&model, json),

@@ -354,6 +354,14 @@ fn bad_flags_are_refused_with_the_flag_and_value() {
         args.extend(flags);
         fails(&args, &needles);
     }
+    // Values that are not numbers are usage errors: one line, exit code 2.
+    for (flag, value) in [("--min-pixels", "1e12"), ("--temperature", "warm"), ("--max-new-tokens", "many")] {
+        let o = run_vl(&["run", "--model", &ck, "--image", &img, flag, value], Out::Piped);
+        assert_eq!(o.code, 2, "{flag} {value}: {}", o.stderr);
+        let err = o.stderr.trim_end();
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(err.starts_with("error: ") && err.contains(flag) && err.contains(value), "{err}");
+    }
     // A pixel budget whose image alone overflows the 2048-token context fails from the header,
     // before the image is resized (2^25 pixels would be 800 MB of patch rows).
     let o = fails(
