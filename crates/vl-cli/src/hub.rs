@@ -70,7 +70,8 @@ fn cached(model: &str) -> Option<PathBuf> {
         return None;
     }
     if have(INDEX) {
-        let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join(INDEX)).ok()?).ok()?;
+        let text = vl_models::limits::read_text(&dir.join(INDEX), vl_models::limits::MAX_METADATA_FILE_BYTES).ok()?;
+        let index: serde_json::Value = serde_json::from_str(&text).ok()?;
         let shards = index["weight_map"].as_object()?;
         if !shards.values().filter_map(|v| v.as_str()).all(have) {
             return None;
@@ -93,7 +94,8 @@ fn download(model: &str) -> Result<PathBuf> {
     }
     match repo.get(INDEX) {
         Ok(index) => {
-            let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index)?)?;
+            let text = vl_models::limits::read_text(&index, vl_models::limits::MAX_METADATA_FILE_BYTES)?;
+            let v: serde_json::Value = serde_json::from_str(&text)?;
             let mut shards: Vec<&str> =
                 v["weight_map"].as_object().context("weight_map")?.values().filter_map(|s| s.as_str()).collect();
             shards.sort();
