@@ -308,6 +308,8 @@ pub fn run(args: RunArgs) -> Result<()> {
     let text = TextModel::load(&cfg.text, cfg.tie_word_embeddings, vb, quant)?;
     let storage = text.storage();
     let model = Qwen3VlModel::from_parts(cfg, None, text);
+    // The weights are built: unmap the checkpoint.
+    drop(weights);
     load_time += t.elapsed();
     if let Some(b) = bar {
         b.finish_and_clear();
@@ -326,8 +328,10 @@ pub fn run(args: RunArgs) -> Result<()> {
     let mut stream = processor.stream_decoder();
     let mut stdout = std::io::stdout().lock();
     let mut write_err: Option<std::io::Error> = None;
+    let mut first_token: Option<std::time::Duration> = None;
     let gen = model
         .generate_encoded(&prompt, vision_out.as_ref(), None, &opts, &mut |id| {
+            first_token.get_or_insert_with(|| t_start.elapsed());
             if args.json || opts.eos_token_ids.contains(&id) {
                 return true;
             }
@@ -394,6 +398,8 @@ pub fn run(args: RunArgs) -> Result<()> {
                 "prefill_tokens_per_s": prefill_tps,
                 "decode_s": decode_s,
                 "decode_tokens_per_s": decode_tps,
+                // From process start (flags parsed) to the first generated token.
+                "time_to_first_token_s": first_token.map(|d| d.as_secs_f64()),
             },
             "kv_cache_bytes": gen.cache_bytes,
             "peak_rss_bytes": peak_rss(),

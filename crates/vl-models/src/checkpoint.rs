@@ -160,6 +160,24 @@ impl Checkpoint {
         self.tensors.get(key).map(|t| (t, &self.mmaps[t.file][t.start..t.end]))
     }
 
+    /// Drops the resident pages of `key`'s bytes from this process (they stay in the page cache
+    /// and are read back if touched again): a loaded tensor's file bytes need not count twice.
+    pub fn release(&self, key: &str) {
+        if let Some(t) = self.tensors.get(key) {
+            if t.end > t.start {
+                // SAFETY: a read-only private file mapping; MADV_DONTNEED only drops pages, which
+                // the kernel re-reads from the unchanged file on the next access.
+                let _ = unsafe {
+                    self.mmaps[t.file].unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        t.start,
+                        t.end - t.start,
+                    )
+                };
+            }
+        }
+    }
+
     /// Loads `key` in its stored dtype.
     pub fn load(&self, key: &str, device: &Device) -> Result<Tensor> {
         let info = self.tensors.get(key).ok_or_else(|| Error::MissingTensor { key: key.to_string() })?;

@@ -48,6 +48,67 @@ impl QuantType {
     }
 }
 
+/// Rows quantized per task: bounds the f32 scratch of a bf16 weight to a few MiB per thread.
+const QUANT_CHUNK_ROWS: usize = 64;
+
+/// Quantizes a 2-D weight [rows, cols] (any float dtype; cols a multiple of the block size).
+/// On CPU, chunks of rows are widened to f32 and quantized on every core (candle's quantizer is
+/// single-threaded and wants a full f32 copy): the blocks of a row never span two rows, so the
+/// chunks' bytes concatenate to the whole tensor's.
+pub fn quantize_rows(w: &Tensor, q: QuantType) -> Result<QTensor> {
+    let (rows, cols) = w.dims2()?;
+    let threads = candle_core::utils::get_num_threads().clamp(1, rows.div_ceil(QUANT_CHUNK_ROWS).max(1));
+    if !w.device().is_cpu() || threads == 1 {
+        return Ok(QTensor::quantize(&w.to_dtype(DType::F32)?, q.ggml())?);
+    }
+    let w = w.contiguous()?;
+    let chunks = rows.div_ceil(QUANT_CHUNK_ROWS);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<Result<Vec<(usize, Vec<u8>)>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let c = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if c >= chunks {
+                            return Ok(done);
+                        }
+                        let start = c * QUANT_CHUNK_ROWS;
+                        let n = QUANT_CHUNK_ROWS.min(rows - start);
+                        // A fresh buffer: candle's quantizer reads the storage from its start,
+                        // ignoring a view's offset (an f32 `narrow` is such a view).
+                        let part = w.narrow(0, start, n)?;
+                        let part = if part.dtype() == DType::F32 {
+                            Tensor::from_vec(
+                                part.flatten_all()?.to_vec1::<f32>()?,
+                                (n, cols),
+                                &candle_core::Device::Cpu,
+                            )?
+                        } else {
+                            part.to_dtype(DType::F32)?
+                        };
+                        let qt = QTensor::quantize(&part, q.ggml())?;
+                        done.push((c, qt.data()?.into_owned()));
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("quantization thread panicked")).collect()
+    });
+    let mut parts: Vec<(usize, Vec<u8>)> = Vec::with_capacity(chunks);
+    for r in results {
+        parts.extend(r?);
+    }
+    parts.sort_unstable_by_key(|(c, _)| *c);
+    let mut bytes = Vec::with_capacity(parts.iter().map(|(_, b)| b.len()).sum());
+    for (_, b) in parts {
+        bytes.extend_from_slice(&b);
+    }
+    let storage = QStorage::from_data(Cow::Owned(bytes), &candle_core::Device::Cpu, q.ggml())?;
+    Ok(QTensor::new(storage, (rows, cols))?)
+}
+
 /// A linear layer, dense or quantized.
 #[derive(Debug, Clone)]
 pub enum QLinear {
@@ -64,7 +125,7 @@ impl QLinear {
         if in_dim % q.block() != 0 {
             return Ok(QLinear::Dense(l));
         }
-        let w = QTensor::quantize(&l.weight().to_dtype(DType::F32)?, q.ggml())?;
+        let w = quantize_rows(l.weight(), q)?;
         Ok(QLinear::Quant { w: QMatMul::from_qtensor(w)?, qtype: q, bias: l.bias().cloned() })
     }
 
@@ -126,7 +187,7 @@ impl QEmbedding {
         match qtype {
             // Row lookups read the quantized bytes in place on CPU; a GPU table stays dense.
             Some(q) if dim % q.block() == 0 && table.device().is_cpu() => {
-                let t = QTensor::quantize(&table.to_dtype(DType::F32)?, q.ggml())?;
+                let t = quantize_rows(&table, q)?;
                 Ok(QEmbedding::Quant { table: Arc::new(t), qtype: q, rows, dim })
             }
             _ => Ok(QEmbedding::Dense(table)),
@@ -215,6 +276,21 @@ mod tests {
             QLinear::new(Linear::new(Tensor::zeros((4, 48), DType::F32, &dev).unwrap(), None), Some(QuantType::Q4K))
                 .unwrap();
         assert_eq!(small.storage(), "f32");
+    }
+
+    #[test]
+    fn chunked_quantization_equals_whole_tensor_quantization() {
+        // 200 rows: three full chunks and a partial one, from bf16 and from f32.
+        let w = crate::testing::randn(105, 1., (200, 512)).unwrap();
+        for q in [QuantType::Q4K, QuantType::Q6K, QuantType::Q8K, QuantType::Q8_0] {
+            for dtype in [DType::F32, DType::BF16] {
+                let w = w.to_dtype(dtype).unwrap();
+                let whole = QTensor::quantize(&w.to_dtype(DType::F32).unwrap(), q.ggml()).unwrap();
+                let chunked = quantize_rows(&w, q).unwrap();
+                assert_eq!(chunked.shape().dims(), &[200, 512]);
+                assert!(whole.data().unwrap() == chunked.data().unwrap(), "{q:?} {dtype:?}");
+            }
+        }
     }
 
     #[test]

@@ -254,7 +254,15 @@ impl Weights {
                 Tensor::from_vec(w, e.shape.as_slice(), dev)?
             }
         };
-        Ok(t.to_dtype(dtype)?)
+        let t = t.to_dtype(dtype)?;
+        // The bytes are copied into `t`: the mapped pages can leave this process's memory.
+        self.ck.release(&e.stored_key);
+        if let Storage::Affine { .. } = e.storage {
+            let module = &e.stored_key[..e.stored_key.len() - ".weight".len()];
+            self.ck.release(&format!("{module}.scales"));
+            self.ck.release(&format!("{module}.biases"));
+        }
+        Ok(t)
     }
 
     /// A `VarBuilder` over the logical view, checking shapes, calling `progress` per tensor.
