@@ -254,18 +254,7 @@ pub fn run(args: RunArgs) -> Result<()> {
             tokens.len()
         );
     }
-    let images = files
-        .iter()
-        .zip(&args.images)
-        .map(|(f, p)| {
-            processor.images.process(&f.decode()?).map_err(|e| match e {
-                vl_models::Error::Input { message, .. } => {
-                    vl_models::Error::Input { what: format!("image {}", p.display()), message }
-                }
-                other => other,
-            })
-        })
-        .collect::<vl_models::Result<Vec<_>>>()?;
+    let images = files.iter().map(|f| processor.images.process_opened(f)).collect::<vl_models::Result<Vec<_>>>()?;
     drop(files);
     let prompt = processor.prepare(&messages, &images, &dev)?;
     if prompt.input_ids.len() >= context {

@@ -344,6 +344,14 @@ impl ImageFile {
         }
     }
 
+    /// An input error about this image, named by its path.
+    fn name_error(&self, e: Error) -> Error {
+        match e {
+            Error::Input { message, .. } => Error::Input { what: format!("image {}", self.path.display()), message },
+            other => other,
+        }
+    }
+
     /// Decodes the pixels, applies the EXIF orientation, and converts to RGB as the reference does.
     pub fn decode(&self) -> Result<RgbImage> {
         let reader = image::ImageReader::with_format(std::io::Cursor::new(&self.bytes[..]), self.format);
@@ -522,11 +530,12 @@ impl ImageProcessor {
 
     /// Loads and preprocesses an image file within `self.limits`; errors name the file.
     pub fn process_file(&self, path: &Path) -> Result<ProcessedImage> {
-        let file = ImageFile::open(path, &self.limits)?;
-        self.process(&file.decode()?).map_err(|e| match e {
-            Error::Input { message, .. } => Error::Input { what: format!("image {}", path.display()), message },
-            other => other,
-        })
+        self.process_opened(&ImageFile::open(path, &self.limits)?)
+    }
+
+    /// Decodes and preprocesses an image file already opened (and checked) by `ImageFile::open`.
+    pub fn process_opened(&self, file: &ImageFile) -> Result<ProcessedImage> {
+        self.process(&file.decode()?).map_err(|e| file.name_error(e))
     }
 
     /// (height, width) an image of `height0` x `width0` is resized to.
@@ -548,10 +557,7 @@ impl ImageProcessor {
 
     /// LLM tokens an image of this stored size becomes (from its header, before decoding).
     pub fn tokens_for(&self, file: &ImageFile) -> Result<usize> {
-        let (h, w) = self.target_size(file.height as usize, file.width as usize).map_err(|e| match e {
-            Error::Input { message, .. } => Error::Input { what: format!("image {}", file.path.display()), message },
-            other => other,
-        })?;
+        let (h, w) = self.target_size(file.height as usize, file.width as usize).map_err(|e| file.name_error(e))?;
         Ok(h * w / (self.config.factor() * self.config.factor()))
     }
 
