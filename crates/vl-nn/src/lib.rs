@@ -7,6 +7,7 @@ pub mod grid;
 pub mod kv_cache;
 pub mod linear;
 pub mod merger;
+pub mod quant;
 pub mod rope;
 #[cfg(test)]
 pub(crate) mod testing;

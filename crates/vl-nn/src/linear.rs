@@ -58,6 +58,9 @@ const QUANT_CHUNK_ROWS: usize = 64;
 pub fn quantize_rows(w: &Tensor, q: QuantType) -> Result<QTensor> {
     let (rows, cols) = w.dims2()?;
     let threads = candle_core::utils::get_num_threads().clamp(1, rows.div_ceil(QUANT_CHUNK_ROWS).max(1));
+    if q == QuantType::Q4K && w.device().is_cpu() && matches!(w.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+        return quantize_q4k_cpu(&w.contiguous()?, rows, cols, threads);
+    }
     if !w.device().is_cpu() || threads == 1 {
         return Ok(QTensor::quantize(&w.to_dtype(DType::F32)?, q.ggml())?);
     }
@@ -106,6 +109,54 @@ pub fn quantize_rows(w: &Tensor, q: QuantType) -> Result<QTensor> {
         bytes.extend_from_slice(&b);
     }
     let storage = QStorage::from_data(Cow::Owned(bytes), &candle_core::Device::Cpu, q.ggml())?;
+    Ok(QTensor::new(storage, (rows, cols))?)
+}
+
+/// Q4K straight from the checkpoint's rows (`crate::quant`, byte-identical to candle's
+/// quantizer): chunks of rows on `threads` cores, written in place, no f32 copy of the weight.
+fn quantize_q4k_cpu(w: &Tensor, rows: usize, cols: usize, threads: usize) -> Result<QTensor> {
+    use crate::quant::{q4k_row, Row, Q4K_BLOCK_BYTES, QK_K};
+    if cols % QK_K != 0 {
+        return Err(Error::Shape { layer: "q4k", message: format!("row length {cols} is not a multiple of {QK_K}") });
+    }
+    let row_bytes = cols / QK_K * Q4K_BLOCK_BYTES;
+    let mut bytes = vec![0u8; rows * row_bytes];
+    {
+        let (storage, layout) = w.storage_and_layout();
+        let candle_core::Storage::Cpu(cpu) = &*storage else {
+            return Err(Error::Shape { layer: "q4k", message: "weight is not on the CPU".into() });
+        };
+        let start = layout.start_offset();
+        let n = rows * cols;
+        let row = |r: usize| -> Result<Row<'_>> {
+            let range = start + r * cols..start + (r + 1) * cols;
+            Ok(match w.dtype() {
+                DType::F32 => Row::F32(&cpu.as_slice::<f32>()?[..start + n][range]),
+                DType::BF16 => Row::BF16(&cpu.as_slice::<half::bf16>()?[..start + n][range]),
+                DType::F16 => Row::F16(&cpu.as_slice::<half::f16>()?[..start + n][range]),
+                other => return Err(Error::Shape { layer: "q4k", message: format!("cannot quantize {other:?}") }),
+            })
+        };
+        let chunks: Vec<(usize, &mut [u8])> =
+            bytes.chunks_mut(QUANT_CHUNK_ROWS * row_bytes).enumerate().collect();
+        let work = std::sync::Mutex::new(chunks.into_iter());
+        let results: Vec<Result<()>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads.max(1))
+                .map(|_| {
+                    s.spawn(|| loop {
+                        let next = work.lock().expect("q4k work queue").next();
+                        let Some((c, out)) = next else { return Ok(()) };
+                        for (i, dst) in out.chunks_exact_mut(row_bytes).enumerate() {
+                            q4k_row(row(c * QUANT_CHUNK_ROWS + i)?, dst);
+                        }
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("quantization thread panicked")).collect()
+        });
+        results.into_iter().collect::<Result<Vec<()>>>()?;
+    }
+    let storage = QStorage::from_data(Cow::Owned(bytes), &candle_core::Device::Cpu, GgmlDType::Q4K)?;
     Ok(QTensor::new(storage, (rows, cols))?)
 }
 

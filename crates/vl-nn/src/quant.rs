@@ -1,0 +1,334 @@
+//! Q4K quantization at load speed, byte-identical to candle's `BlockQ4K::from_float`.
+//!
+//! candle's quantizer allocates a scratch vector per 32-value sub-block and rounds through libm's
+//! `roundf` (not inlined without SSE4.1), which made it ~70% of `vl run --quantize q4k`'s load.
+//! This is the same algorithm (ggml's `make_qkx1_quants` search, 5 tries), on stack arrays, with
+//! an exact branch-free round-half-away-from-zero, reading bf16/f16/f32 rows directly so no f32
+//! copy of the weight is ever made. The float operations and their order are candle's, so the
+//! bytes are identical (tested against candle on random and edge-case rows).
+
+use half::{bf16, f16};
+
+/// Values per Q4K super-block.
+pub const QK_K: usize = 256;
+/// Bytes per Q4K super-block: d, dmin (f16), 12 bytes of 6-bit scales/mins, 128 bytes of nibbles.
+pub const Q4K_BLOCK_BYTES: usize = 2 + 2 + 12 + QK_K / 2;
+
+/// `v.round() as i32` (half away from zero, saturating, NaN -> 0) without a libm call.
+#[inline(always)]
+fn nearest_int(v: f32) -> i32 {
+    let t = v as i32; // truncates toward zero, saturates, NaN -> 0
+    // Exact: for |v| < 2^23, v - trunc(v) is representable; above that v is an integer.
+    let f = v - t as f32;
+    t.saturating_add((f >= 0.5) as i32 - (f <= -0.5) as i32)
+}
+
+/// `nearest_int(v).clamp(0, hi)` for every `v` (NaN -> 0), in a form the compiler vectorizes.
+#[inline(always)]
+fn round_clamp(v: f32, hi: i32) -> i32 {
+    let c = v.max(-1.0).min(hi as f32 + 1.0); // NaN -> -1
+    let t = c as i32;
+    let f = c - t as f32;
+    (t + (f >= 0.5) as i32 - (f <= -0.5) as i32).clamp(0, hi)
+}
+
+/// Sub-blocks searched side by side, one per lane: a super-block's eight.
+const LANES: usize = QK_K / 32;
+
+/// ggml's `make_qkx1_quants` as candle writes it, (scale, -min) per 32-value sub-block, for the
+/// eight sub-blocks of a super-block at once. Each lane performs exactly candle's sequence of
+/// float operations on its own sub-block (the sums stay sequential within a lane, so the result
+/// is bit-identical); running eight independent chains side by side is what makes it fast. A
+/// lane that stops searching (no change, as candle's early `break`) keeps its values.
+#[inline(always)]
+fn make_qkx1_quants_x8(nmax: i32, ntry: usize, x: &[f32; QK_K]) -> ([f32; LANES], [f32; LANES]) {
+    const N: usize = 32;
+    // xt[i][lane] = value i of sub-block `lane`.
+    let mut xt = [[0f32; LANES]; N];
+    for lane in 0..LANES {
+        for i in 0..N {
+            xt[i][lane] = x[lane * N + i];
+        }
+    }
+    let mut active = [true; LANES];
+    let mut min = [0f32; LANES];
+    let mut iscale = [0f32; LANES];
+    let mut scale = [0f32; LANES];
+    for lane in 0..LANES {
+        let sub = &x[lane * N..lane * N + N];
+        let mut lo = sub[0];
+        let mut hi = sub[0];
+        for &v in &sub[1..] {
+            if v.total_cmp(&lo).is_lt() {
+                lo = v;
+            }
+            if v.total_cmp(&hi).is_ge() {
+                hi = v;
+            }
+        }
+        if hi == lo {
+            active[lane] = false; // candle returns (0, 0)
+            continue;
+        }
+        min[lane] = lo.min(0.);
+        iscale[lane] = nmax as f32 / (hi - min[lane]);
+    }
+    let mut l = [[0i32; LANES]; N];
+    for _ in 0..ntry {
+        if !active.iter().any(|&a| a) {
+            break;
+        }
+        let mut sumlx = [0f32; LANES];
+        let mut suml2 = [0i32; LANES];
+        let mut changed = [0i32; LANES];
+        for i in 0..N {
+            for lane in 0..LANES {
+                let v = xt[i][lane];
+                let li = round_clamp(iscale[lane] * (v - min[lane]), nmax);
+                changed[lane] |= (li != l[i][lane]) as i32;
+                l[i][lane] = li;
+                sumlx[lane] += (v - min[lane]) * li as f32;
+                suml2[lane] += li * li;
+            }
+        }
+        let mut new_scale = [0f32; LANES];
+        for lane in 0..LANES {
+            new_scale[lane] = sumlx[lane] / suml2[lane] as f32;
+        }
+        let mut sum = [0f32; LANES];
+        for i in 0..N {
+            for lane in 0..LANES {
+                sum[lane] += xt[i][lane] - new_scale[lane] * l[i][lane] as f32;
+            }
+        }
+        for lane in 0..LANES {
+            if active[lane] {
+                scale[lane] = new_scale[lane];
+                let mut m = sum[lane] / N as f32;
+                if m > 0.0 {
+                    m = 0.0;
+                }
+                min[lane] = m;
+                iscale[lane] = 1.0 / new_scale[lane];
+                if changed[lane] == 0 {
+                    active[lane] = false;
+                }
+            }
+        }
+    }
+    let mut neg_min = [0f32; LANES];
+    for lane in 0..LANES {
+        neg_min[lane] = if scale[lane] == 0.0 && min[lane] == 0.0 { 0.0 } else { -min[lane] };
+    }
+    (scale, neg_min)
+}
+
+fn get_scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+/// Quantizes one super-block of 256 values into its 144 bytes (ggml's `block_q4_K` layout).
+pub fn q4k_block(x: &[f32; QK_K], out: &mut [u8; Q4K_BLOCK_BYTES]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked above); the function is plain Rust otherwise.
+        unsafe { q4k_block_avx2(x, out) };
+        return;
+    }
+    q4k_block_generic(x, out)
+}
+
+/// The same code compiled for AVX2 (8 lanes a register; no FMA, so no contraction changes a bit).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn q4k_block_avx2(x: &[f32; QK_K], out: &mut [u8; Q4K_BLOCK_BYTES]) {
+    q4k_block_generic(x, out)
+}
+
+#[inline(always)]
+fn q4k_block_generic(x: &[f32; QK_K], out: &mut [u8; Q4K_BLOCK_BYTES]) {
+    let (scales, mins) = make_qkx1_quants_x8(15, 5, x);
+    let max_scale = scales.iter().fold(0.0f32, |max, &v| v.max(max));
+    let max_min = mins.iter().fold(0.0f32, |max, &v| v.max(max));
+    let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
+    let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
+
+    let mut sc = [0u8; 12];
+    for j in 0..QK_K / 32 {
+        let ls = nearest_int(inv_scale * scales[j]).min(63) as u8;
+        let lm = nearest_int(inv_min * mins[j]).min(63) as u8;
+        if j < 4 {
+            sc[j] = ls;
+            sc[j + 4] = lm;
+        } else {
+            sc[j + 4] = (ls & 0xF) | ((lm & 0xF) << 4);
+            sc[j - 4] |= (ls >> 4) << 6;
+            sc[j] |= (lm >> 4) << 6;
+        }
+    }
+    let d = f16::from_f32(max_scale / 63.0);
+    let dmin = f16::from_f32(max_min / 63.0);
+
+    let mut l = [0u8; QK_K];
+    for j in 0..QK_K / 32 {
+        let (s, m) = get_scale_min_k4(j, &sc);
+        let dj = d.to_f32() * s as f32;
+        if dj != 0.0 {
+            let dm = dmin.to_f32() * m as f32;
+            for ii in 0..32 {
+                l[32 * j + ii] = round_clamp((x[32 * j + ii] + dm) / dj, 15) as u8;
+            }
+        }
+    }
+    out[0..2].copy_from_slice(&d.to_bits().to_le_bytes());
+    out[2..4].copy_from_slice(&dmin.to_bits().to_le_bytes());
+    out[4..16].copy_from_slice(&sc);
+    let qs = &mut out[16..];
+    for j in (0..QK_K).step_by(64) {
+        for i in 0..32 {
+            qs[(j / 64) * 32 + i] = l[j + i] | (l[j + i + 32] << 4);
+        }
+    }
+}
+
+/// A row of weights in one of the float formats checkpoints are stored in.
+#[derive(Clone, Copy)]
+pub enum Row<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+impl Row<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Row::F32(r) => r.len(),
+            Row::BF16(r) => r.len(),
+            Row::F16(r) => r.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn block(&self, b: usize, dst: &mut [f32; QK_K]) {
+        let range = b * QK_K..(b + 1) * QK_K;
+        match self {
+            Row::F32(r) => dst.copy_from_slice(&r[range]),
+            Row::BF16(r) => {
+                for (d, s) in dst.iter_mut().zip(&r[range]) {
+                    *d = s.to_f32();
+                }
+            }
+            Row::F16(r) => {
+                for (d, s) in dst.iter_mut().zip(&r[range]) {
+                    *d = s.to_f32();
+                }
+            }
+        }
+    }
+}
+
+/// Quantizes a row (length a multiple of 256) into `out` (`len / 256 * 144` bytes).
+pub fn q4k_row(row: Row<'_>, out: &mut [u8]) {
+    assert_eq!(row.len() % QK_K, 0, "q4k_row: row length {} is not a multiple of {QK_K}", row.len());
+    let blocks = row.len() / QK_K;
+    assert_eq!(out.len(), blocks * Q4K_BLOCK_BYTES, "q4k_row: output size");
+    let mut buf = [0f32; QK_K];
+    for (b, dst) in out.chunks_exact_mut(Q4K_BLOCK_BYTES).enumerate() {
+        row.block(b, &mut buf);
+        q4k_block(&buf, dst.try_into().expect("144 bytes"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+
+    fn candle_bytes(x: &[f32]) -> Vec<u8> {
+        let t = Tensor::from_slice(x, (x.len() / QK_K, QK_K), &Device::Cpu).unwrap();
+        QTensor::quantize(&t, GgmlDType::Q4K).unwrap().data().unwrap().into_owned()
+    }
+
+    fn ours(x: &[f32]) -> Vec<u8> {
+        let mut out = vec![0u8; x.len() / QK_K * Q4K_BLOCK_BYTES];
+        for (r, o) in x.chunks(QK_K).zip(out.chunks_mut(Q4K_BLOCK_BYTES)) {
+            q4k_row(Row::F32(r), o);
+        }
+        out
+    }
+
+    #[test]
+    fn nearest_int_is_round_half_away() {
+        let cases = [
+            0.0f32, -0.0, 0.5, -0.5, 1.5, -1.5, 2.5, 0.49999997, -0.49999997, 14.5, 15.499999,
+            8388607.5, 8388608.0, 1e10, -1e10, f32::INFINITY, f32::NEG_INFINITY, f32::NAN,
+            2147483520.0, 2147483648.0, -2147483648.0, 1e-45, -1e-45,
+        ];
+        for v in cases {
+            assert_eq!(nearest_int(v), v.round() as i32, "nearest_int({v:e})");
+        }
+        let mut s = 0x9E3779B97F4A7C15u64;
+        for _ in 0..200_000 {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let v = f32::from_bits(s as u32);
+            assert_eq!(nearest_int(v), v.round() as i32, "nearest_int({v:e})");
+        }
+    }
+
+    #[test]
+    fn identical_bytes_to_candle() {
+        // Gaussian rows at several scales (weight-like), plus heavy-tailed outliers.
+        let mut x: Vec<f32> = Vec::new();
+        for scale in [1e-3f32, 0.02, 1.0, 50.0] {
+            let t = crate::testing::randn(11 + scale.to_bits() as u64, scale, (16, QK_K)).unwrap();
+            x.extend(t.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        }
+        for (i, v) in x.iter_mut().enumerate().step_by(97) {
+            *v *= if i % 2 == 0 { 40.0 } else { -40.0 };
+        }
+        // Edge cases: constant, all zero, one non-zero, all negative, all positive, halves.
+        let mut edge = vec![0f32; 8 * QK_K];
+        edge[..QK_K].fill(0.25);
+        edge[2 * QK_K + 3] = -1.0;
+        for (i, v) in edge[3 * QK_K..4 * QK_K].iter_mut().enumerate() {
+            *v = -(i as f32) - 1.0;
+        }
+        for (i, v) in edge[4 * QK_K..5 * QK_K].iter_mut().enumerate() {
+            *v = i as f32 * 0.5;
+        }
+        for (i, v) in edge[5 * QK_K..6 * QK_K].iter_mut().enumerate() {
+            *v = (i % 16) as f32 - 7.5;
+        }
+        for (i, v) in edge[6 * QK_K..7 * QK_K].iter_mut().enumerate() {
+            *v = if i % 32 == 0 { 1e-30 } else { 0.0 };
+        }
+        for (i, v) in edge[7 * QK_K..].iter_mut().enumerate() {
+            *v = (i as f32 * 0.37).sin() * 1e4;
+        }
+        x.extend(edge);
+        assert_eq!(ours(&x), candle_bytes(&x));
+    }
+
+    #[test]
+    fn bf16_rows_quantize_as_their_f32_widening() {
+        let t = crate::testing::randn(3, 0.02, (4, 2 * QK_K)).unwrap();
+        let f: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        let b: Vec<bf16> = f.iter().map(|&v| bf16::from_f32(v)).collect();
+        let widened: Vec<f32> = b.iter().map(|v| v.to_f32()).collect();
+        let mut got = vec![0u8; f.len() / QK_K * Q4K_BLOCK_BYTES];
+        for (r, o) in b.chunks(2 * QK_K).zip(got.chunks_mut(2 * Q4K_BLOCK_BYTES)) {
+            q4k_row(Row::BF16(r), o);
+        }
+        assert_eq!(got, candle_bytes(&widened));
+    }
+}
