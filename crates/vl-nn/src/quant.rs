@@ -5,7 +5,7 @@
 //! This is the same algorithm (ggml's `make_qkx1_quants` search, 5 tries), on stack arrays, with
 //! an exact branch-free round-half-away-from-zero, reading bf16/f16/f32 rows directly so no f32
 //! copy of the weight is ever made. The float operations and their order are candle's, so the
-//! bytes are identical (tested against candle on random and edge-case rows).
+//! bytes are identical for finite weights (tested against candle on random and edge-case rows).
 
 use half::{bf16, f16};
 
@@ -27,7 +27,9 @@ fn nearest_int(v: f32) -> i32 {
 #[inline(always)]
 fn round_clamp(v: f32, hi: i32) -> i32 {
     let c = v.max(-1.0).min(hi as f32 + 1.0); // NaN -> -1
-    let t = c as i32;
+    // SAFETY: `c` is finite and within [-1, hi + 1], so it fits an i32 (a plain truncating
+    // conversion the compiler vectorizes, unlike the saturating `as`).
+    let t = unsafe { c.to_int_unchecked::<i32>() };
     let f = c - t as f32;
     (t + (f >= 0.5) as i32 - (f <= -0.5) as i32).clamp(0, hi)
 }
@@ -54,18 +56,20 @@ fn make_qkx1_quants_x8(nmax: i32, ntry: usize, x: &[f32; QK_K]) -> ([f32; LANES]
     let mut min = [0f32; LANES];
     let mut iscale = [0f32; LANES];
     let mut scale = [0f32; LANES];
-    for lane in 0..LANES {
-        let sub = &x[lane * N..lane * N + N];
-        let mut lo = sub[0];
-        let mut hi = sub[0];
-        for &v in &sub[1..] {
-            if v.total_cmp(&lo).is_lt() {
-                lo = v;
-            }
-            if v.total_cmp(&hi).is_ge() {
-                hi = v;
-            }
+    // candle takes min/max by `total_cmp`; without NaNs that differs from a float min/max only
+    // in the sign of a zero, which no later step can see (`hi == lo` and `hi - min` treat the
+    // two zeros alike). Rows with NaNs quantize to other (equally meaningless) bytes than
+    // candle's; nothing here is undefined for them.
+    let mut lo = xt[0];
+    let mut hi = xt[0];
+    for row in &xt[1..] {
+        for lane in 0..LANES {
+            lo[lane] = if row[lane] < lo[lane] { row[lane] } else { lo[lane] };
+            hi[lane] = if row[lane] > hi[lane] { row[lane] } else { hi[lane] };
         }
+    }
+    for lane in 0..LANES {
+        let (lo, hi) = (lo[lane], hi[lane]);
         if hi == lo {
             active[lane] = false; // candle returns (0, 0)
             continue;
