@@ -160,6 +160,27 @@ fn quantize_q4k_cpu(w: &Tensor, rows: usize, cols: usize, threads: usize) -> Res
     Ok(QTensor::new(storage, (rows, cols))?)
 }
 
+/// `QLinear::prepare` for many layers, on every core (each repack is single-threaded).
+pub fn prepare_all(layers: &[&QLinear]) -> Result<()> {
+    let threads = candle_core::utils::get_num_threads().clamp(1, layers.len().max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    match layers.get(i) {
+                        Some(l) => l.prepare()?,
+                        None => return Ok(()),
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("prepare thread panicked")).collect::<Result<Vec<()>>>()
+    })?;
+    Ok(())
+}
+
 /// A linear layer, dense or quantized.
 #[derive(Debug, Clone)]
 pub enum QLinear {
@@ -200,6 +221,20 @@ impl QLinear {
             QLinear::Dense(l) => dtype_name(l.weight().dtype()).into(),
             QLinear::Quant { qtype, .. } => qtype.name().into(),
         }
+    }
+
+    /// Pays the kernels' one-time weight preparation now rather than in the first forward:
+    /// candle repacks CPU k-quant weights into its tile layout on first use (a product with a
+    /// two-row input triggers what both prefill and decode use). A no-op for dense weights.
+    pub fn prepare(&self) -> Result<()> {
+        if let QLinear::Quant { w: w @ QMatMul::QTensor(t), .. } = self {
+            let dev = t.device();
+            if dev.is_cpu() {
+                let (_, k) = t.shape().dims2()?;
+                w.forward(&Tensor::zeros((2, k), DType::F32, &dev)?)?;
+            }
+        }
+        Ok(())
     }
 
     /// Bytes held by the weight.

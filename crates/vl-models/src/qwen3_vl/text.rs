@@ -177,7 +177,7 @@ impl TextModel {
             .map(|i| DecoderLayer::load(cfg, tvb.pp(format!("layers.{i}")), quant))
             .collect::<Result<_>>()?;
         let s = &cfg.mrope_section;
-        Ok(Self {
+        let model = Self {
             cfg: cfg.clone(),
             embed,
             layers,
@@ -186,7 +186,20 @@ impl TextModel {
             rope: MultiAxisRope::new(cfg.head_dim, cfg.rope_theta, [s[0], s[1], s[2]]),
             dtype: vb.dtype(),
             device: vb.device().clone(),
-        })
+        };
+        model.prepare()?;
+        Ok(model)
+    }
+
+    /// Quantized weights get their kernels' one-time repacking at load, on every core, so the
+    /// first prefill runs at the speed of every later one.
+    fn prepare(&self) -> Result<()> {
+        let mut all: Vec<&QLinear> = vec![&self.lm_head];
+        for l in &self.layers {
+            let a = &l.attn;
+            all.extend([&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &l.mlp.gate, &l.mlp.up, &l.mlp.down]);
+        }
+        Ok(vl_nn::linear::prepare_all(&all)?)
     }
 
     pub fn config(&self) -> &TextConfig {
