@@ -13,7 +13,7 @@ use vl_models::checkpoint::{encode_safetensors, RawTensor};
 use vl_models::limits::ImageLimits;
 use vl_models::qwen3_vl::plan::{Group, VISION_PREFIX};
 use vl_models::qwen3_vl::{
-    Content, GenerationOptions, ImageFile, Message, ModelDir, Qwen3VlModel, StopReason, TextModel, VisionTower, Weights,
+    Content, GenerationOptions, ImageFile, Message, ModelDir, QuantLoad, Qwen3VlModel, StopReason, TextModel, VisionTower, Weights,
 };
 use vl_nn::QuantType;
 
@@ -294,7 +294,9 @@ pub fn run(args: RunArgs) -> Result<()> {
         None => None,
     };
     let t = Instant::now();
-    let text = TextModel::load(&cfg.text, cfg.tie_word_embeddings, vb, quant)?;
+    // Weights to be quantized are read in the checkpoint's own dtype (no f32 copy of a weight).
+    let quant_load = quant.map(|qtype| QuantLoad { qtype, read_as: weights.text_float_dtype() });
+    let text = TextModel::load_with(&cfg.text, cfg.tie_word_embeddings, vb, quant_load)?;
     let storage = text.storage();
     let model = Qwen3VlModel::from_parts(cfg, None, text);
     // The weights are built: unmap the checkpoint.

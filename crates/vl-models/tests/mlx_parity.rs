@@ -29,7 +29,18 @@ fn mlx_layout_maps_to_the_plan_with_quantized_tensors() {
             assert_eq!(w.get(k).unwrap().storage, Storage::Affine { bits, group: 64 });
         }
         assert_eq!(w.get("model.visual.patch_embed.proj.weight").unwrap().storage, Storage::ChannelsLast);
+        // Affine weights dequantize in f32: that is what a requantization reads.
+        assert_eq!(w.text_float_dtype(), DType::F32);
         println!("{name}: {} quantized tensors", quantized.len());
+    }
+}
+
+#[test]
+fn text_weights_are_read_for_quantization_in_their_stored_dtype() {
+    // tiny-a is stored in f32, tiny-b in bf16 (goldens/provenance.json).
+    for (name, want) in [("tiny-a", DType::F32), ("tiny-b", DType::BF16)] {
+        let w = Weights::open(&goldens().join(name).join("checkpoint")).unwrap();
+        assert_eq!(w.text_float_dtype(), want, "{name}");
     }
 }
 

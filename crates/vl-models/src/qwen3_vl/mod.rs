@@ -24,6 +24,6 @@ pub use model::{PrefillOutput, Prompt, Qwen3VlModel, VisionInput};
 pub use plan::{check_plan, tensor_plan, Group, PlanReport, PlannedTensor};
 pub use preflight::ModelDir;
 pub use processor::{ImageFile, ImageProcessor, PreprocessorConfig, ProcessedImage};
-pub use text::{TextCache, TextModel};
+pub use text::{QuantLoad, TextCache, TextModel};
 pub use vision::{Grid, VisionOutput, VisionTower};
 pub use weights::{Layout, Weights};

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 use super::config::Qwen3VlConfig;
 use super::plan::{check_plan, tensor_plan, VISION_PREFIX};
 use super::positions::{mrope_positions, token_types, TokenType};
-use super::text::{DeepStack, TextCache, TextModel};
+use super::text::{DeepStack, QuantLoad, TextCache, TextModel};
 use super::vision::{Grid, VisionOutput, VisionTower};
 use super::weights::Weights;
 use crate::error::{Error, Result};
@@ -63,7 +63,11 @@ impl Qwen3VlModel {
         let cfg = Qwen3VlConfig::from_dir(dir)?;
         let w = Arc::new(Weights::open(dir)?);
         check_plan(&tensor_plan(&cfg), &w)?;
-        Self::from_var_builder_quantized(cfg, w.var_builder(dtype, device, None), quant)
+        let read_as = w.text_float_dtype();
+        let vision = VisionTower::load(&cfg.vision, w.var_builder(dtype, device, None).pp(VISION_PREFIX))?;
+        let quant = quant.map(|qtype| QuantLoad { qtype, read_as });
+        let text = TextModel::load_with(&cfg.text, cfg.tie_word_embeddings, w.var_builder(dtype, device, None), quant)?;
+        Ok(Self { cfg, vision: Some(vision), text })
     }
 
     /// Loads with the text decoder quantized to `quant` (see `TextModel::load`).

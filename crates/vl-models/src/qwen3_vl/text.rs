@@ -13,8 +13,28 @@ use crate::error::{Error, Result};
 /// Query rows per attention block during prefill (bounds the live score matrix).
 const PREFILL_QUERY_BLOCK: usize = 512;
 
-fn linear_no_bias(i: usize, o: usize, vb: VarBuilder, q: Option<QuantType>) -> Result<QLinear> {
-    Ok(QLinear::new(candle_nn::linear_no_bias(i, o, vb)?, q)?)
+/// How the decoder's weights are quantized at load: to `qtype`, reading each weight in
+/// `read_as` first (the checkpoint's own dtype, e.g. bf16, so no f32 copy of a weight is made).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantLoad {
+    pub qtype: QuantType,
+    pub read_as: DType,
+}
+
+/// A weight `vb`'s `name` of `shape`: in `q.read_as` when it will be quantized (its last
+/// dimension fits the block), else in the model's dtype.
+fn weight(shape: (usize, usize), name: &str, vb: &VarBuilder, q: Option<QuantLoad>) -> Result<(Tensor, Option<QuantType>)> {
+    match q {
+        Some(q) if shape.1 % q.qtype.block() == 0 => {
+            Ok((vb.get_with_hints_dtype(shape, name, candle_nn::Init::Const(0.), q.read_as)?, Some(q.qtype)))
+        }
+        _ => Ok((vb.get(shape, name)?, None)),
+    }
+}
+
+fn linear_no_bias(i: usize, o: usize, vb: VarBuilder, q: Option<QuantLoad>) -> Result<QLinear> {
+    let (w, qt) = weight((o, i), "weight", &vb, q)?;
+    Ok(QLinear::new(candle_nn::Linear::new(w, None), qt)?)
 }
 
 fn rms_norm(dim: usize, eps: f64, vb: VarBuilder) -> Result<RmsNorm> {
@@ -35,7 +55,7 @@ struct Attention {
 }
 
 impl Attention {
-    fn load(cfg: &TextConfig, vb: VarBuilder, qt: Option<QuantType>) -> Result<Self> {
+    fn load(cfg: &TextConfig, vb: VarBuilder, qt: Option<QuantLoad>) -> Result<Self> {
         let (d, hd) = (cfg.hidden_size, cfg.head_dim);
         let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         Ok(Self {
@@ -76,7 +96,7 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn load(cfg: &TextConfig, vb: VarBuilder, qt: Option<QuantType>) -> Result<Self> {
+    fn load(cfg: &TextConfig, vb: VarBuilder, qt: Option<QuantLoad>) -> Result<Self> {
         let (d, i) = (cfg.hidden_size, cfg.intermediate_size);
         Ok(Self {
             gate: linear_no_bias(d, i, vb.pp("gate_proj"), qt)?,
@@ -100,7 +120,7 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn load(cfg: &TextConfig, vb: VarBuilder, qt: Option<QuantType>) -> Result<Self> {
+    fn load(cfg: &TextConfig, vb: VarBuilder, qt: Option<QuantLoad>) -> Result<Self> {
         Ok(Self {
             input_norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
             attn: Attention::load(cfg, vb.pp("self_attn"), qt)?,
@@ -165,9 +185,16 @@ impl TextModel {
     /// every decoder linear, the embedding table and the lm_head whose input dimension fits
     /// the block size are quantized as they are loaded.
     pub fn load(cfg: &TextConfig, tie_word_embeddings: bool, vb: VarBuilder, quant: Option<QuantType>) -> Result<Self> {
+        let read_as = vb.dtype();
+        Self::load_with(cfg, tie_word_embeddings, vb, quant.map(|qtype| QuantLoad { qtype, read_as }))
+    }
+
+    /// `load`, reading the weights to be quantized in `quant.read_as` (the checkpoint's dtype:
+    /// `Weights::stored_float_dtype`) instead of the model's dtype.
+    pub fn load_with(cfg: &TextConfig, tie_word_embeddings: bool, vb: VarBuilder, quant: Option<QuantLoad>) -> Result<Self> {
         let tvb = vb.pp("model.language_model");
-        let table = tvb.pp("embed_tokens").get((cfg.vocab_size, cfg.hidden_size), "weight")?;
-        let embed = QEmbedding::new(table, quant)?;
+        let (table, tq) = weight((cfg.vocab_size, cfg.hidden_size), "weight", &tvb.pp("embed_tokens"), quant)?;
+        let embed = QEmbedding::new(table, tq)?;
         let lm_head = if tie_word_embeddings {
             embed.as_linear()?
         } else {

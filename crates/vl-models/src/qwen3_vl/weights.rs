@@ -226,6 +226,26 @@ impl Weights {
         self.entries.get(key)
     }
 
+    /// The float dtype the text decoder's weights are stored in (bf16 or f16 when every text
+    /// weight is stored so, plainly), else f32: what weights are read in before quantization,
+    /// so that no wider copy is made and no precision is lost.
+    pub fn text_float_dtype(&self) -> DType {
+        let prefix = format!("{}.", super::plan::TEXT_PREFIX);
+        let mut kinds = self
+            .entries
+            .iter()
+            .filter(|(k, e)| k.starts_with(&prefix) && e.shape.len() == 2)
+            .map(|(_, e)| match (&e.storage, e.dtype) {
+                (Storage::Plain, StDtype::BF16) => DType::BF16,
+                (Storage::Plain, StDtype::F16) => DType::F16,
+                _ => DType::F32,
+            });
+        match kinds.next() {
+            Some(first) if kinds.all(|d| d == first) => first,
+            _ => DType::F32,
+        }
+    }
+
     /// Loads a logical tensor in `dtype`: affine tensors are dequantized exactly in f32,
     /// channels-last convs permuted.
     pub fn load(&self, key: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
