@@ -98,6 +98,11 @@ pub fn causal_gqa_attention(q: &Tensor, k: &Tensor, v: &Tensor, query_block: usi
         });
     }
     let rep = heads / kv;
+    if new == 1 {
+        if let Some(out) = decode_attention(q, k, v)? {
+            return Ok(out);
+        }
+    }
     let offset = total - new;
     let kt = k.t()?; // [kv, d, total]
     let q = (q * (1.0 / (d as f64).sqrt()))?.reshape((kv, rep, new, d))?;
@@ -125,6 +130,174 @@ pub fn causal_gqa_attention(q: &Tensor, k: &Tensor, v: &Tensor, query_block: usi
         start += rows;
     }
     Ok(Tensor::cat(&outs, 2)?.reshape((heads, new, d))?)
+}
+
+fn as_f32(s: &candle_core::Storage) -> Option<&[f32]> {
+    match s {
+        candle_core::Storage::Cpu(c) => c.as_slice::<f32>().ok(),
+        _ => None,
+    }
+}
+
+/// One query row per head against the whole cache, read in place (decode): for each KV head,
+/// each cached key row is read once for all `rep` query heads sharing it, then softmax, then the
+/// weighted sum of value rows. Runs on candle's own worker pool (one KV head per work item), so
+/// it never competes with the pool's spinning workers. None when the inputs are not CPU f32
+/// with unit-stride rows; the caller then takes the general path.
+fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>> {
+    let (heads, _, d) = q.dims3()?;
+    let (kv, total, _) = k.dims3()?;
+    let rep = heads / kv;
+    if [q, k, v].iter().any(|t| !t.device().is_cpu() || t.dtype() != DType::F32) {
+        return Ok(None);
+    }
+    let q = q.contiguous()?;
+    let ((qs, ql), (ks, kl), (vs, vl)) = (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout());
+    let (Some(qs), Some(ks), Some(vs)) = (as_f32(&qs), as_f32(&ks), as_f32(&vs)) else {
+        return Ok(None);
+    };
+    let (qo, ko, vo) = (ql.start_offset(), kl.start_offset(), vl.start_offset());
+    let (kst, vst) = (kl.stride(), vl.stride());
+    if kst[2] != 1 || vst[2] != 1 || (total > 1 && (kst[1] < d || vst[1] < d)) {
+        return Ok(None);
+    }
+    let (k_head, k_row, v_head, v_row) = (kst[0], kst[1], vst[0], vst[1]);
+    let last = |o: usize, hs: usize, rs: usize| o + (kv - 1) * hs + (total - 1) * rs + d;
+    if last(ko, k_head, k_row) > ks.len() || last(vo, v_head, v_row) > vs.len() || qo + heads * d > qs.len() {
+        return Ok(None);
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut out = vec![0f32; heads * d];
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(kv, |range| {
+        let mut scores = vec![0f32; rep * total];
+        for g in range {
+            let qg = &qs[qo + g * rep * d..qo + (g + 1) * rep * d];
+            let kg = &ks[ko + g * k_head..];
+            let vg = &vs[vo + g * v_head..];
+            // SAFETY: work items are distinct KV heads, writing disjoint rows of `out`.
+            let og = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(g * rep * d), rep * d) };
+            decode_group(qg, kg, k_row, vg, v_row, total, d, rep, scale, &mut scores, og);
+        }
+    });
+    Ok(Some(Tensor::from_vec(out, (heads, 1, d), q.device())?))
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+impl SendPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn decode_group(
+    q: &[f32],
+    k: &[f32],
+    k_row: usize,
+    v: &[f32],
+    v_row: usize,
+    total: usize,
+    d: usize,
+    rep: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        unsafe { decode_group_avx2(q, k, k_row, v, v_row, total, d, rep, scale, scores, out) };
+        return;
+    }
+    decode_group_generic(q, k, k_row, v, v_row, total, d, rep, scale, scores, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn decode_group_avx2(
+    q: &[f32],
+    k: &[f32],
+    k_row: usize,
+    v: &[f32],
+    v_row: usize,
+    total: usize,
+    d: usize,
+    rep: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    decode_group_generic(q, k, k_row, v, v_row, total, d, rep, scale, scores, out)
+}
+
+/// Dot product with eight independent partial sums (vectorizes; the order is fixed).
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, ar) = a.as_chunks::<8>();
+    let (bc, br) = b.as_chunks::<8>();
+    for (x, y) in ac.iter().zip(bc) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ar.iter().zip(br) {
+        s += x * y;
+    }
+    s
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn decode_group_generic(
+    q: &[f32],
+    k: &[f32],
+    k_row: usize,
+    v: &[f32],
+    v_row: usize,
+    total: usize,
+    d: usize,
+    rep: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    for j in 0..total {
+        let kj = &k[j * k_row..j * k_row + d];
+        for r in 0..rep {
+            scores[r * total + j] = dot(&q[r * d..(r + 1) * d], kj) * scale;
+        }
+    }
+    for r in 0..rep {
+        let s = &mut scores[r * total..(r + 1) * total];
+        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for x in s.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        let inv = 1.0 / sum;
+        for x in s.iter_mut() {
+            *x *= inv;
+        }
+    }
+    out.fill(0.0);
+    for j in 0..total {
+        let vj = &v[j * v_row..j * v_row + d];
+        for r in 0..rep {
+            let p = scores[r * total + j];
+            let o = &mut out[r * d..(r + 1) * d];
+            for (o, &x) in o.iter_mut().zip(vj) {
+                *o += p * x;
+            }
+        }
+    }
 }
 
 /// Reference implementation for tests: full score matrix per segment, no blocking.
@@ -273,6 +446,35 @@ mod causal_tests {
                 assert!(diff < 1e-5, "new {new} block {block}: {diff}");
             }
         }
+    }
+
+    #[test]
+    fn decode_reads_cache_views_in_place_and_matches_the_plain_formula() {
+        // Head dims 128 (the real one: full 8-wide chunks) and 12 (a remainder), GQA 2 and 3,
+        // keys and values as views of a cache with spare capacity (strided rows of heads).
+        for (heads, kv, d, total) in [(16, 8, 128, 300), (6, 2, 12, 37), (4, 4, 8, 1)] {
+            let mut cache = crate::KvCache::new();
+            let k_all = crate::testing::randn(210 + d as u64, 1., (kv, total, d)).unwrap();
+            let v_all = crate::testing::randn(220 + d as u64, 1., (kv, total, d)).unwrap();
+            if total > 1 {
+                cache.append(&k_all.narrow(1, 0, total - 1).unwrap(), &v_all.narrow(1, 0, total - 1).unwrap()).unwrap();
+            }
+            let (k, v) = cache
+                .append(&k_all.narrow(1, total - 1, 1).unwrap(), &v_all.narrow(1, total - 1, 1).unwrap())
+                .unwrap();
+            assert!(cache.capacity() > total, "the views must be strided");
+            let q = crate::testing::randn(230 + d as u64, 1., (heads, 1, d)).unwrap();
+            let fast = decode_attention(&q, &k, &v).unwrap().expect("the in-place path applies");
+            let want = naive(&q, &k_all, &v_all);
+            let diff = (fast - &want).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+            let diff = diff.to_scalar::<f32>().unwrap();
+            assert!(diff < 1e-5, "heads {heads} kv {kv} d {d} total {total}: {diff}");
+        }
+        // Not f32: the general path.
+        let q = crate::testing::randn(240, 1., (2, 1, 8)).unwrap().to_dtype(DType::BF16).unwrap();
+        let k = crate::testing::randn(241, 1., (1, 5, 8)).unwrap().to_dtype(DType::BF16).unwrap();
+        assert!(decode_attention(&q, &k, &k).unwrap().is_none());
+        assert_eq!(causal_gqa_attention(&q, &k, &k, 64).unwrap().dims(), &[2, 1, 8]);
     }
 
     #[test]
