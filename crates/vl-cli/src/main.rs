@@ -2,6 +2,7 @@
 
 mod hub;
 mod run;
+mod serve;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -29,6 +30,9 @@ struct Cli {
 enum Command {
     /// Generate a reply to a prompt about zero or more images, streamed to stdout.
     Run(run::RunArgs),
+    /// Serve the OpenAI chat completions API (`/v1/chat/completions`, `/v1/models`, `/health`,
+    /// `/metrics`) from one resident model.
+    Serve(serve::ServeArgs),
     /// Check a model directory as `run` would (config, weights, tokenizer, template, processor)
     /// without loading weights, and summarize it.
     Inspect {
@@ -77,6 +81,7 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Run(args) => run::run(args),
+        Command::Serve(args) => serve::serve(args),
         Command::Inspect { model, json } => inspect(&model, json),
     };
     match result {

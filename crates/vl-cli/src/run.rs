@@ -107,7 +107,7 @@ pub struct RunArgs {
     logits_out: Option<PathBuf>,
 }
 
-fn device(arg: DeviceArg) -> Result<Device> {
+pub(crate) fn device(arg: DeviceArg) -> Result<Device> {
     match arg {
         DeviceArg::Cpu => Ok(Device::Cpu),
         DeviceArg::Cuda if !candle_core::utils::cuda_is_available() => {
@@ -121,7 +121,7 @@ fn device(arg: DeviceArg) -> Result<Device> {
     }
 }
 
-fn dtype(arg: Option<DtypeArg>, dev: &Device) -> DType {
+pub(crate) fn dtype(arg: Option<DtypeArg>, dev: &Device) -> DType {
     match arg {
         Some(DtypeArg::F32) => DType::F32,
         Some(DtypeArg::Bf16) => DType::BF16,
@@ -134,7 +134,7 @@ fn dtype(arg: Option<DtypeArg>, dev: &Device) -> DType {
 
 /// The k-quant to use: the one asked for, or for an MLX-quantized checkpoint the k-quant of
 /// the same width (requantized at load: k-quant matmuls are the fast CPU kernels).
-fn quant_for(arg: QuantArg, weights: &Weights) -> Option<QuantType> {
+pub(crate) fn quant_for(arg: QuantArg, weights: &Weights) -> Option<QuantType> {
     match arg {
         QuantArg::Q4k => Some(QuantType::Q4K),
         QuantArg::Q5k => Some(QuantType::Q5K),
@@ -211,6 +211,8 @@ pub fn run(args: RunArgs) -> Result<()> {
         top_p: args.top_p,
         min_p: args.min_p,
         repetition_penalty: args.repetition_penalty,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
         seed: args.seed,
         eos_token_ids: vec![],
     };

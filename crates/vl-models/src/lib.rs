@@ -5,6 +5,7 @@
 
 pub mod affine;
 pub mod checkpoint;
+pub mod engine;
 pub mod error;
 pub mod limits;
 pub mod qwen3_vl;

@@ -15,6 +15,9 @@ pub struct KvCache {
     k: Option<Tensor>,
     v: Option<Tensor>,
     len: usize,
+    /// Positions the first allocation reserves (e.g. prompt + max new tokens), so a known
+    /// total never pays a doubling copy.
+    reserve: usize,
 }
 
 impl KvCache {
@@ -46,6 +49,12 @@ impl KvCache {
         *self = Self::default();
     }
 
+    /// The next allocation holds at least `positions` (an expected total length): growth to
+    /// that length then copies nothing.
+    pub fn reserve(&mut self, positions: usize) {
+        self.reserve = positions;
+    }
+
     /// Keeps the first `len` positions.
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
@@ -62,7 +71,7 @@ impl KvCache {
         }
         let need = self.len + new;
         if need > self.capacity() {
-            let cap = need.max(2 * self.capacity()).max(MIN_CAPACITY);
+            let cap = if need <= self.reserve { self.reserve } else { need.max(2 * self.capacity()) }.max(MIN_CAPACITY);
             let grow = |old: &Option<Tensor>| -> Result<Tensor> {
                 let buf = Tensor::zeros((heads, cap, dim), k.dtype(), k.device())?;
                 if let Some(old) = old {

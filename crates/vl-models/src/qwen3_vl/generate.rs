@@ -25,6 +25,10 @@ pub struct GenerationOptions {
     pub min_p: f64,
     /// 1.0 disables; >1 discourages tokens already in the prompt or output.
     pub repetition_penalty: f64,
+    /// OpenAI's: subtracted once from every token already generated (0 = off, in [-2, 2]).
+    pub presence_penalty: f64,
+    /// OpenAI's: subtracted per occurrence in the generated tokens (0 = off, in [-2, 2]).
+    pub frequency_penalty: f64,
     pub seed: u64,
     /// Generation stops after emitting one of these.
     pub eos_token_ids: Vec<u32>,
@@ -39,6 +43,8 @@ impl Default for GenerationOptions {
             top_p: 1.0,
             min_p: 0.0,
             repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 0,
             eos_token_ids: vec![],
         }
@@ -67,7 +73,29 @@ impl GenerationOptions {
                 format!("{} must be a finite number > 0 (1 = off)", self.repetition_penalty),
             );
         }
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !(v.is_finite() && (-2.0..=2.0).contains(&v)) {
+                return bad(name, format!("{v} must be in [-2, 2] (0 = off)"));
+            }
+        }
         Ok(())
+    }
+}
+
+/// OpenAI's presence and frequency penalties over the tokens generated so far:
+/// `logit[t] -= presence * (count[t] > 0) + frequency * count[t]`.
+pub fn apply_presence_frequency(logits: &mut [f32], generated: &[u32], opts: &GenerationOptions) {
+    if opts.presence_penalty == 0.0 && opts.frequency_penalty == 0.0 {
+        return;
+    }
+    let mut counts: std::collections::HashMap<u32, usize> = Default::default();
+    for &t in generated {
+        *counts.entry(t).or_default() += 1;
+    }
+    for (t, c) in counts {
+        if let Some(x) = logits.get_mut(t as usize) {
+            *x -= (opts.presence_penalty + opts.frequency_penalty * c as f64) as f32;
+        }
     }
 }
 
@@ -215,6 +243,8 @@ impl Qwen3VlModel {
         let vision_time = Duration::ZERO;
         let t0 = Instant::now();
         let mut cache = self.new_cache();
+        let room = self.config().text.max_position_embeddings.saturating_sub(prompt.input_ids.len());
+        cache.reserve(prompt.input_ids.len() + opts.max_new_tokens.min(room));
         let state = self.prefill_encoded(prompt, images, videos, &mut cache, &mut |_, _| {})?;
         let first_logits = self.last_logits(&state)?;
         let prefill_time = t0.elapsed();
@@ -224,13 +254,13 @@ impl Qwen3VlModel {
         let mut tokens = Vec::new();
         let mut logits = first_logits.clone();
         let mut stop = StopReason::MaxTokens;
-        let room = self.config().text.max_position_embeddings.saturating_sub(prompt.input_ids.len());
         if room < opts.max_new_tokens {
             stop = StopReason::ContextFull;
         }
         for step in 0..opts.max_new_tokens.min(room) {
-            let l = logits.to_vec1::<f32>()?;
+            let mut l = logits.to_vec1::<f32>()?;
             check_logits(&l, step)?;
+            apply_presence_frequency(&mut l, &tokens, opts);
             let next = sample(&l, &seen, opts, &mut rng);
             tokens.push(next);
             seen.push(next);
@@ -279,6 +309,17 @@ mod tests {
         // Negative logits are multiplied.
         let o = GenerationOptions { repetition_penalty: 2.0, ..Default::default() };
         assert_eq!(sample(&[-1.0, -1.5], &[0], &o, &mut rng), 1);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_follow_openai() {
+        let o = GenerationOptions { presence_penalty: 0.5, frequency_penalty: 0.25, ..Default::default() };
+        let mut l = [1.0f32, 1.0, 1.0];
+        apply_presence_frequency(&mut l, &[0, 0, 2], &o);
+        // token 0: 1 - 0.5 - 2 * 0.25 = 0; token 1 untouched; token 2: 1 - 0.5 - 0.25.
+        assert_eq!(l, [0.0, 1.0, 0.25]);
+        assert!(GenerationOptions { presence_penalty: 2.5, ..Default::default() }.validate().is_err());
+        assert!(GenerationOptions { frequency_penalty: f64::NAN, ..Default::default() }.validate().is_err());
     }
 
     #[test]

@@ -131,14 +131,37 @@ impl Qwen3VlModel {
         cache: &mut TextCache,
         trace: &mut dyn FnMut(usize, &Tensor),
     ) -> Result<PrefillOutput> {
-        let ids = &prompt.input_ids;
-        if ids.is_empty() {
-            return Err(Error::Input { what: "prompt".into(), message: "no tokens".into() });
-        }
         if !cache.is_empty() {
             return Err(Error::Input {
                 what: "cache".into(),
                 message: format!("prefill needs an empty cache, it holds {} positions", cache.len()),
+            });
+        }
+        self.prefill_from(prompt, images, videos, cache, trace)
+    }
+
+    /// Prefills the prompt positions after the `cache.len()` already cached (prefix reuse: the
+    /// cache must hold exactly this prompt's first positions, and must not end inside an image's
+    /// placeholder run). Positions, vision substitution and DeepStack rows are those of the whole
+    /// prompt, so the result equals a full prefill's; only the new rows run through the decoder.
+    /// `hidden` of the output holds the new rows.
+    pub fn prefill_from(
+        &self,
+        prompt: &Prompt,
+        images: Option<&VisionOutput>,
+        videos: Option<&VisionOutput>,
+        cache: &mut TextCache,
+        trace: &mut dyn FnMut(usize, &Tensor),
+    ) -> Result<PrefillOutput> {
+        let ids = &prompt.input_ids;
+        let start = cache.len();
+        if ids.is_empty() {
+            return Err(Error::Input { what: "prompt".into(), message: "no tokens".into() });
+        }
+        if start >= ids.len() {
+            return Err(Error::Input {
+                what: "cache".into(),
+                message: format!("the cache holds {start} positions, the prompt only {}", ids.len()),
             });
         }
         let max = self.cfg.text.max_position_embeddings;
@@ -231,8 +254,21 @@ impl Qwen3VlModel {
                 levels.push(level_rows);
             }
         }
+        if start > 0 {
+            // Only the rows after the cached prefix run; DeepStack rows follow them.
+            x = x.narrow(0, start, ids.len() - start)?;
+            let keep: Vec<usize> = (0..visual_rows.len()).filter(|&i| visual_rows[i] as usize >= start).collect();
+            if keep.len() != visual_rows.len() {
+                let idx = Tensor::from_vec(keep.iter().map(|&i| i as u32).collect::<Vec<_>>(), keep.len(), x.device())?;
+                levels = levels.iter().map(|l| l.index_select(&idx, 0)).collect::<candle_core::Result<_>>()?;
+                visual_rows = keep.iter().map(|&i| visual_rows[i] - start as u32).collect();
+            } else {
+                visual_rows.iter_mut().for_each(|r| *r -= start as u32);
+            }
+        }
+        let positions = &positions[start..];
         let deepstack = (!visual_rows.is_empty()).then_some(DeepStack { positions: &visual_rows, levels: &levels });
-        let hidden = self.text.forward(&x, &positions, cache, deepstack, trace)?;
+        let hidden = self.text.forward(&x, positions, cache, deepstack, trace)?;
         Ok(PrefillOutput { hidden, rope_delta, prompt_len: ids.len() })
     }
 
@@ -253,7 +289,7 @@ impl Qwen3VlModel {
 
     /// f32 logits [vocab] of the last prompt position.
     pub fn last_logits(&self, state: &PrefillOutput) -> Result<Tensor> {
-        let h = state.hidden.narrow(0, state.prompt_len - 1, 1)?;
+        let h = state.hidden.narrow(0, state.hidden.dim(0)? - 1, 1)?;
         Ok(self.text.logits(&h)?.squeeze(0)?)
     }
 }

@@ -281,11 +281,26 @@ impl ImageFile {
     /// `limits` before any pixel is decoded. Truncated JPEGs are refused here, as Pillow does.
     pub fn open(path: &Path, limits: &ImageLimits) -> Result<Self> {
         let what = || format!("image {}", path.display());
-        let bad = |message: String| Error::Input { what: what(), message };
         let bytes = limits::read_bytes(path, limits.max_file_bytes, LimitKind::ImageBytes).map_err(|e| match e {
             Error::Limit { message, kind, .. } => Error::Limit { what: what(), message, kind },
             other => other,
         })?;
+        Self::from_bytes(bytes, path, limits)
+    }
+
+    /// An image already in memory (e.g. a request's base64 data), checked as `open` checks a
+    /// file; `name` stands for it in errors.
+    pub fn from_bytes(bytes: Vec<u8>, name: &Path, limits: &ImageLimits) -> Result<Self> {
+        let path = name;
+        let what = || format!("image {}", path.display());
+        let bad = |message: String| Error::Input { what: what(), message };
+        if bytes.len() as u64 > limits.max_file_bytes {
+            return Err(Error::Limit {
+                what: what(),
+                message: format!("{} bytes, over the limit of {} bytes", bytes.len(), limits.max_file_bytes),
+                kind: LimitKind::ImageBytes,
+            });
+        }
         let reader = image::ImageReader::new(std::io::Cursor::new(&bytes[..]))
             .with_guessed_format()
             .map_err(|e| bad(format!("cannot read: {}", one_line(&e.to_string()))))?;

@@ -163,6 +163,10 @@ impl TextCache {
     pub fn reset(&mut self) {
         self.layers.iter_mut().for_each(KvCache::reset);
     }
+    /// Reserve room for `positions` in total (see `KvCache::reserve`).
+    pub fn reserve(&mut self, positions: usize) {
+        self.layers.iter_mut().for_each(|c| c.reserve(positions));
+    }
     pub fn truncate(&mut self, len: usize) {
         self.layers.iter_mut().for_each(|c| c.truncate(len));
     }

@@ -1,0 +1,758 @@
+//! `vl serve`: the OpenAI chat completions API on the resident engine (axum + tokio).
+//!
+//! One worker thread owns the engine and serves requests in arrival order from a bounded queue
+//! (full: 503). Handlers parse and check the request, queue it, and stream the worker's text
+//! pieces back (SSE) or gather them. A client that goes away cancels its generation. SIGINT and
+//! SIGTERM stop accepting, let running requests finish, and exit.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use base64::Engine as _;
+use clap::Args;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use vl_models::engine::{ChatMessage, Completion, Engine, EngineOptions, Part, Request};
+use vl_models::limits::{ImageLimits, LimitKind};
+use vl_models::qwen3_vl::{GenerationOptions, ModelDir};
+
+use crate::note;
+use crate::run::{device, dtype, quant_for, DeviceArg, DtypeArg, QuantArg};
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// A local model directory or a Hugging Face hub id (from the local cache, downloaded when absent).
+    #[arg(long, default_value = "Qwen/Qwen3-VL-2B-Instruct")]
+    model: String,
+    /// Address to bind (loopback by default; 0.0.0.0 exposes the server to the network).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port (0 picks a free one; the address is printed on stderr).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// The model id clients send and `/v1/models` lists (default: the --model value).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    #[arg(long, value_enum)]
+    dtype: Option<DtypeArg>,
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: DeviceArg,
+    #[arg(long, value_enum, default_value = "none")]
+    quantize: QuantArg,
+    /// Lower bound of the per-image pixel budget; requests may ask within [min, max].
+    #[arg(long)]
+    min_pixels: Option<usize>,
+    /// Upper bound of the per-image pixel budget.
+    #[arg(long)]
+    max_pixels: Option<usize>,
+    #[arg(long, default_value_t = ImageLimits::default().max_file_bytes)]
+    max_image_bytes: u64,
+    #[arg(long, default_value_t = ImageLimits::default().max_pixels)]
+    max_image_pixels: u64,
+    /// Largest request body in bytes (base64 images included).
+    #[arg(long, default_value_t = 64 << 20)]
+    max_body_bytes: usize,
+    /// Requests waiting beyond the running one; more are refused with 503.
+    #[arg(long, default_value_t = 16)]
+    queue: usize,
+    /// Local image paths (and file:// URLs) are read only under this directory.
+    #[arg(long)]
+    allowed_media_dir: Option<PathBuf>,
+    /// Vision features kept for repeated images, in MiB (0 = off).
+    #[arg(long, default_value_t = 256)]
+    image_cache_mib: usize,
+    /// Default sampling when a request sets none: `greedy`, or `model` (generation_config.json's
+    /// temperature, top_k, top_p).
+    #[arg(long, default_value = "greedy")]
+    sampling: String,
+}
+
+/// A parsed request and where its answer goes.
+struct Job {
+    req: Request,
+    tx: mpsc::UnboundedSender<Msg>,
+    queued: Instant,
+}
+
+enum Msg {
+    Text(String),
+    Done(std::result::Result<Completion, ApiError>),
+}
+
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    code: Option<&'static str>,
+    message: String,
+}
+
+impl ApiError {
+    fn bad(message: impl Into<String>) -> Self {
+        Self { status: StatusCode::BAD_REQUEST, kind: "invalid_request_error", code: None, message: message.into() }
+    }
+    fn with(status: StatusCode, kind: &'static str, code: &'static str, message: impl Into<String>) -> Self {
+        Self { status, kind, code: Some(code), message: message.into() }
+    }
+    fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "code": self.code, "param": Value::Null}})
+    }
+    fn from_engine(e: &vl_models::Error) -> Self {
+        let message = e.to_string().split_whitespace().collect::<Vec<_>>().join(" ");
+        match e {
+            vl_models::Error::Limit { what, kind, .. } if what == "prompt" && *kind == LimitKind::Fixed => {
+                Self::with(StatusCode::BAD_REQUEST, "invalid_request_error", "context_length_exceeded", message)
+            }
+            vl_models::Error::Limit { .. } => {
+                Self::with(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "image_too_large", message)
+            }
+            vl_models::Error::Input { .. } => Self::bad(message),
+            _ => Self::with(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error", message),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+struct Metrics {
+    registry: Registry,
+    requests: Family<Vec<(String, String)>, Counter>,
+    prompt_tokens: Counter,
+    cached_tokens: Counter,
+    completion_tokens: Counter,
+    image_cache_hits: Counter,
+    queue_depth: Gauge,
+    running: Gauge,
+    ttft: Histogram,
+    queue_wait: Histogram,
+}
+
+impl Metrics {
+    fn new() -> Self {
+        let buckets = || Histogram::new([0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0].into_iter());
+        let m = Self {
+            registry: Registry::with_prefix("vl"),
+            requests: Family::default(),
+            prompt_tokens: Counter::default(),
+            cached_tokens: Counter::default(),
+            completion_tokens: Counter::default(),
+            image_cache_hits: Counter::default(),
+            queue_depth: Gauge::default(),
+            running: Gauge::default(),
+            ttft: buckets(),
+            queue_wait: buckets(),
+        };
+        let mut m = m;
+        let r = &mut m.registry;
+        r.register("requests", "Chat completion requests by HTTP status", m.requests.clone());
+        r.register("prompt_tokens", "Prompt tokens of answered requests", m.prompt_tokens.clone());
+        r.register("cached_prompt_tokens", "Prompt tokens served from the prefix cache", m.cached_tokens.clone());
+        r.register("completion_tokens", "Generated tokens", m.completion_tokens.clone());
+        r.register("image_cache_hits", "Images whose features came from the image cache", m.image_cache_hits.clone());
+        r.register("queue_depth", "Requests waiting for the engine", m.queue_depth.clone());
+        r.register("requests_running", "Requests being generated", m.running.clone());
+        r.register("time_to_first_token_seconds", "Time from queueing to the first token", m.ttft.clone());
+        r.register("queue_wait_seconds", "Time a request waited in the queue", m.queue_wait.clone());
+        m
+    }
+}
+
+struct App {
+    id: String,
+    created: u64,
+    jobs: std::sync::mpsc::SyncSender<Job>,
+    context: usize,
+    defaults: GenerationOptions,
+    allowed_media_dir: Option<PathBuf>,
+    max_image_bytes: u64,
+    metrics: Metrics,
+    next_id: AtomicU64,
+}
+
+pub fn serve(args: ServeArgs) -> Result<()> {
+    let dev = device(args.device)?;
+    let dtype = dtype(args.dtype, &dev);
+    let dir = crate::hub::resolve(&args.model)?;
+    let defaults = match args.sampling.as_str() {
+        "greedy" => GenerationOptions::default(),
+        "model" => model_sampling(&dir)?,
+        other => anyhow::bail!("--sampling {other}: expected `greedy` or `model`"),
+    };
+    let allowed_media_dir = args
+        .allowed_media_dir
+        .as_ref()
+        .map(|d| d.canonicalize().with_context(|| format!("--allowed-media-dir {}", d.display())))
+        .transpose()?;
+    // Bind first: a taken port fails before minutes of loading.
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = std::net::TcpListener::bind(&addr).with_context(|| format!("binding {addr}"))?;
+    listener.set_nonblocking(true)?;
+    let local = listener.local_addr()?;
+
+    let weights = ModelDir::open(&dir)?.weights;
+    let opts = EngineOptions {
+        dtype,
+        device: dev,
+        quant: quant_for(args.quantize, &weights),
+        min_pixels: args.min_pixels,
+        max_pixels: args.max_pixels,
+        image_limits: ImageLimits { max_file_bytes: args.max_image_bytes, max_pixels: args.max_image_pixels },
+        image_cache_bytes: args.image_cache_mib << 20,
+        prefix_cache: true,
+    };
+    drop(weights);
+    let id = args.served_model_name.clone().unwrap_or_else(|| args.model.clone());
+    let t = Instant::now();
+    let engine = Arc::new(Engine::load(&dir, &id, opts).with_context(|| format!("model {}", dir.display()))?);
+    note!("loaded {} in {:.1}s", dir.display(), t.elapsed().as_secs_f64());
+
+    let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(args.queue);
+    let app = Arc::new(App {
+        id,
+        created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        jobs,
+        context: engine.context(),
+        defaults,
+        allowed_media_dir,
+        max_image_bytes: args.max_image_bytes,
+        metrics: Metrics::new(),
+        next_id: AtomicU64::new(1),
+    });
+    let worker = {
+        let app = app.clone();
+        let engine = engine.clone();
+        std::thread::Builder::new().name("vl-engine".into()).spawn(move || work(&engine, &app, rx))?
+    };
+
+    let router = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { axum::Json(json!({"status": "ok"})) }))
+        .route("/metrics", get(metrics))
+        .fallback(|| async {
+            ApiError::with(StatusCode::NOT_FOUND, "invalid_request_error", "not_found", "no such endpoint")
+        })
+        .layer(DefaultBodyLimit::max(args.max_body_bytes))
+        .with_state(app.clone());
+
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        note!("listening on http://{local}");
+        axum::serve(listener, router).with_graceful_shutdown(shutdown_signal()).await
+    })?;
+    drop(app);
+    note!("stopping: finishing queued requests");
+    let _ = worker.join();
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            s.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}
+
+/// generation_config.json's sampling values (temperature, top_k, top_p), for `--sampling model`.
+fn model_sampling(dir: &std::path::Path) -> Result<GenerationOptions> {
+    let path = dir.join("generation_config.json");
+    let mut o = GenerationOptions::default();
+    if !path.is_file() {
+        return Ok(o);
+    }
+    let text = vl_models::limits::read_text(&path, vl_models::limits::MAX_METADATA_FILE_BYTES)?;
+    let v: Value = serde_json::from_str(&text).with_context(|| format!("{}", path.display()))?;
+    if v.get("do_sample").and_then(Value::as_bool) != Some(false) {
+        if let Some(t) = v.get("temperature").and_then(Value::as_f64) {
+            o.temperature = t;
+        }
+        if let Some(k) = v.get("top_k").and_then(Value::as_u64) {
+            o.top_k = k as usize;
+        }
+        if let Some(p) = v.get("top_p").and_then(Value::as_f64) {
+            o.top_p = p;
+        }
+        if let Some(p) = v.get("repetition_penalty").and_then(Value::as_f64) {
+            o.repetition_penalty = p;
+        }
+    }
+    o.validate().with_context(|| format!("{}", path.display()))?;
+    Ok(o)
+}
+
+/// The engine thread: requests in arrival order; a request whose client left is skipped.
+fn work(engine: &Engine, app: &App, rx: std::sync::mpsc::Receiver<Job>) {
+    for job in rx {
+        app.metrics.queue_depth.dec();
+        if job.tx.is_closed() {
+            continue;
+        }
+        app.metrics.queue_wait.observe(job.queued.elapsed().as_secs_f64());
+        app.metrics.running.inc();
+        let mut first = true;
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            engine.generate(&job.req, &mut |piece| {
+                if first {
+                    first = false;
+                    app.metrics.ttft.observe(job.queued.elapsed().as_secs_f64());
+                }
+                job.tx.send(Msg::Text(piece.to_string())).is_ok()
+            })
+        }));
+        app.metrics.running.dec();
+        let done = match result {
+            Ok(Ok(c)) => {
+                app.metrics.prompt_tokens.inc_by(c.prompt_tokens as u64);
+                app.metrics.cached_tokens.inc_by(c.cached_tokens as u64);
+                app.metrics.completion_tokens.inc_by(c.token_ids.len() as u64);
+                app.metrics.image_cache_hits.inc_by(c.image_cache_hits as u64);
+                Ok(c)
+            }
+            Ok(Err(e)) => Err(ApiError::from_engine(&e)),
+            Err(_) => Err(ApiError::with(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "internal_error",
+                "internal error while generating (a bug; see the server log)",
+            )),
+        };
+        let _ = job.tx.send(Msg::Done(done));
+    }
+}
+
+async fn models(State(app): State<Arc<App>>) -> Response {
+    axum::Json(json!({
+        "object": "list",
+        "data": [{"id": app.id, "object": "model", "created": app.created, "owned_by": "vl",
+                  "context_length": app.context}],
+    }))
+    .into_response()
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    let mut text = String::new();
+    if encode(&mut text, &app.metrics.registry).is_err() {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+fn count(app: &App, status: StatusCode) {
+    app.metrics.requests.get_or_create(&vec![("status".to_string(), status.as_u16().to_string())]).inc();
+}
+
+async fn chat_completions(State(app): State<Arc<App>>, body: std::result::Result<Bytes, BytesRejection>) -> Response {
+    let resp = match handle(&app, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    };
+    count(&app, resp.status());
+    resp
+}
+
+async fn handle(app: &Arc<App>, body: std::result::Result<Bytes, BytesRejection>) -> std::result::Result<Response, ApiError> {
+    let body = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::with(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "body_too_large", e.body_text())
+        } else {
+            ApiError::bad(e.body_text())
+        }
+    })?;
+    let v: Value = serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("malformed JSON body: {e}")))?;
+    let parsed = parse_request(app, &v)?;
+    let (tx, mut rx) = mpsc::unbounded_channel::<Msg>();
+    let job = Job { req: parsed.req, tx, queued: Instant::now() };
+    app.metrics.queue_depth.inc();
+    if let Err(e) = app.jobs.try_send(job) {
+        app.metrics.queue_depth.dec();
+        return Err(match e {
+            std::sync::mpsc::TrySendError::Full(_) => ApiError::with(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "overloaded",
+                "the server is busy (request queue full); retry later",
+            ),
+            std::sync::mpsc::TrySendError::Disconnected(_) => ApiError::with(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "shutting_down",
+                "the server is stopping",
+            ),
+        });
+    }
+    let id = format!("chatcmpl-{}", app.next_id.fetch_add(1, Ordering::Relaxed));
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    // The first message decides the status: a request the engine refuses gets its error status
+    // even when streaming.
+    let first = rx.recv().await.ok_or_else(|| {
+        ApiError::with(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error", "the engine stopped")
+    })?;
+    if !parsed.stream {
+        let mut text = String::new();
+        let mut msg = first;
+        loop {
+            match msg {
+                Msg::Text(t) => text.push_str(&t),
+                Msg::Done(done) => {
+                    let c = done?;
+                    return Ok(axum::Json(json!({
+                        "id": id,
+                        "object": "chat.completion",
+                        "created": created,
+                        "model": app.id,
+                        "choices": [{
+                            "index": 0,
+                            "message": {"role": "assistant", "content": c.text},
+                            "finish_reason": c.finish.openai(),
+                            "logprobs": Value::Null,
+                        }],
+                        "usage": usage(&c),
+                    }))
+                    .into_response());
+                }
+            }
+            msg = rx.recv().await.ok_or_else(|| {
+                ApiError::with(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error", "the engine stopped")
+            })?;
+        }
+    }
+    if let Msg::Done(Err(e)) = first {
+        return Err(e);
+    }
+    let model = app.id.clone();
+    let (usage_id, usage_model) = (id.clone(), model.clone());
+    let include_usage = parsed.include_usage;
+    let chunk = move |delta: Value, finish: Value| {
+        json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": Value::Null}]})
+        .to_string()
+    };
+    // A task turns the worker's messages into SSE lines; when the client goes away the stream
+    // (and its receiver) is dropped, the task's send fails, it drops the worker's channel, and
+    // the worker's next send fails: the generation is cancelled.
+    let (lines, out) = mpsc::channel::<String>(64);
+    tokio::spawn(async move {
+        let mut msg = Some(first);
+        if lines.send(chunk(json!({"role": "assistant", "content": ""}), Value::Null)).await.is_err() {
+            return;
+        }
+        loop {
+            let m = match msg.take() {
+                Some(m) => m,
+                None => match rx.recv().await {
+                    Some(m) => m,
+                    None => return,
+                },
+            };
+            match m {
+                Msg::Text(t) => {
+                    if lines.send(chunk(json!({"content": t}), Value::Null)).await.is_err() {
+                        return;
+                    }
+                }
+                Msg::Done(Ok(c)) => {
+                    let _ = lines.send(chunk(json!({}), json!(c.finish.openai()))).await;
+                    if include_usage {
+                        let v = json!({"id": usage_id, "object": "chat.completion.chunk", "created": created,
+                                       "model": usage_model, "choices": [], "usage": usage(&c)});
+                        let _ = lines.send(v.to_string()).await;
+                    }
+                    let _ = lines.send("[DONE]".to_string()).await;
+                    return;
+                }
+                Msg::Done(Err(e)) => {
+                    let _ = lines.send(e.body().to_string()).await;
+                    let _ = lines.send("[DONE]".to_string()).await;
+                    return;
+                }
+            }
+        }
+    });
+    let stream = futures_util::stream::unfold(out, |mut out| async move {
+        let line = out.recv().await?;
+        Some((Ok::<_, std::convert::Infallible>(Event::default().data(line)), out))
+    });
+    Ok(Sse::new(stream).keep_alive(axum::response::sse::KeepAlive::new().interval(Duration::from_secs(15))).into_response())
+}
+
+fn usage(c: &Completion) -> Value {
+    json!({
+        "prompt_tokens": c.prompt_tokens,
+        "completion_tokens": c.token_ids.len(),
+        "total_tokens": c.prompt_tokens + c.token_ids.len(),
+        "prompt_tokens_details": {"cached_tokens": c.cached_tokens},
+    })
+}
+
+struct Parsed {
+    req: Request,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn field<'a>(v: &'a Value, name: &str) -> Option<&'a Value> {
+    v.get(name).filter(|x| !x.is_null())
+}
+
+fn num(v: &Value, name: &str) -> std::result::Result<Option<f64>, ApiError> {
+    match field(v, name) {
+        None => Ok(None),
+        Some(x) => x.as_f64().map(Some).ok_or_else(|| ApiError::bad(format!("`{name}` must be a number, got {x}"))),
+    }
+}
+
+fn uint(v: &Value, name: &str) -> std::result::Result<Option<u64>, ApiError> {
+    match field(v, name) {
+        None => Ok(None),
+        Some(x) => x
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| ApiError::bad(format!("`{name}` must be a non-negative integer, got {x}"))),
+    }
+}
+
+fn parse_request(app: &App, v: &Value) -> std::result::Result<Parsed, ApiError> {
+    if !v.is_object() {
+        return Err(ApiError::bad("the body must be a JSON object"));
+    }
+    if let Some(m) = field(v, "model") {
+        let m = m.as_str().ok_or_else(|| ApiError::bad("`model` must be a string"))?;
+        if m != app.id {
+            return Err(ApiError::with(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "model_not_found",
+                format!("the model `{m}` does not exist; this server serves `{}`", app.id),
+            ));
+        }
+    }
+    if let Some(n) = uint(v, "n")? {
+        if n != 1 {
+            return Err(ApiError::bad(format!("`n` = {n}: only one choice per request is supported")));
+        }
+    }
+    if field(v, "tools").and_then(Value::as_array).is_some_and(|t| !t.is_empty()) || field(v, "functions").is_some() {
+        return Err(ApiError::bad("`tools` / `functions` are not supported by this server yet"));
+    }
+    if field(v, "logprobs").and_then(Value::as_bool) == Some(true) {
+        return Err(ApiError::bad("`logprobs` is not supported by this server yet"));
+    }
+    let stream = match field(v, "stream") {
+        None => false,
+        Some(s) => s.as_bool().ok_or_else(|| ApiError::bad("`stream` must be a boolean"))?,
+    };
+    let include_usage = field(v, "stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .map(|b| b.as_bool().ok_or_else(|| ApiError::bad("`stream_options.include_usage` must be a boolean")))
+        .transpose()?
+        .unwrap_or(false);
+
+    let mut o = app.defaults.clone();
+    let max = match (uint(v, "max_completion_tokens")?, uint(v, "max_tokens")?) {
+        (Some(a), _) => Some(a),
+        (None, b) => b,
+    };
+    if let Some(m) = max {
+        if m == 0 {
+            return Err(ApiError::bad("`max_tokens` must be at least 1"));
+        }
+        o.max_new_tokens = m.min(app.context as u64) as usize;
+    } else {
+        o.max_new_tokens = app.context;
+    }
+    if let Some(t) = num(v, "temperature")? {
+        if !(0.0..=2.0).contains(&t) {
+            return Err(ApiError::bad(format!("`temperature` = {t} must be in [0, 2]")));
+        }
+        o.temperature = t;
+    }
+    if let Some(p) = num(v, "top_p")? {
+        o.top_p = p;
+    }
+    if let Some(k) = field(v, "top_k") {
+        // vLLM's convention: -1 disables.
+        o.top_k = match k.as_i64() {
+            Some(-1) => 0,
+            Some(k) if k >= 0 => k as usize,
+            _ => return Err(ApiError::bad(format!("`top_k` must be an integer >= 0 (or -1), got {k}"))),
+        };
+    }
+    if let Some(p) = num(v, "min_p")? {
+        o.min_p = p;
+    }
+    if let Some(p) = num(v, "presence_penalty")? {
+        o.presence_penalty = p;
+    }
+    if let Some(p) = num(v, "frequency_penalty")? {
+        o.frequency_penalty = p;
+    }
+    if let Some(p) = num(v, "repetition_penalty")? {
+        o.repetition_penalty = p;
+    }
+    if let Some(s) = field(v, "seed") {
+        o.seed = match s.as_i64() {
+            Some(s) => s as u64,
+            None => return Err(ApiError::bad(format!("`seed` must be an integer, got {s}"))),
+        };
+    }
+    o.validate().map_err(|e| ApiError::bad(e.to_string()))?;
+    let stop: Vec<String> = match field(v, "stop") {
+        None => vec![],
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|s| s.as_str().map(String::from).ok_or_else(|| ApiError::bad("`stop` must be a string or a list of strings")))
+            .collect::<std::result::Result<_, _>>()?,
+        Some(_) => return Err(ApiError::bad("`stop` must be a string or a list of strings")),
+    };
+    if stop.len() > 16 || stop.iter().any(|s| s.is_empty() || s.len() > 256) {
+        return Err(ApiError::bad("`stop`: at most 16 non-empty strings of at most 256 bytes"));
+    }
+
+    let msgs = field(v, "messages")
+        .ok_or_else(|| ApiError::bad("`messages` is required"))?
+        .as_array()
+        .ok_or_else(|| ApiError::bad("`messages` must be a list"))?;
+    if msgs.is_empty() {
+        return Err(ApiError::bad("`messages` must not be empty"));
+    }
+    let mut messages = Vec::with_capacity(msgs.len());
+    for (i, m) in msgs.iter().enumerate() {
+        let role = m
+            .get("role")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ApiError::bad(format!("`messages[{i}].role` must be a string")))?;
+        let role = match role {
+            "system" | "user" | "assistant" | "tool" => role,
+            "developer" => "system",
+            other => return Err(ApiError::bad(format!("`messages[{i}].role` = {other:?} is not a known role"))),
+        };
+        let parts = match m.get("content") {
+            None | Some(Value::Null) if role == "assistant" => vec![],
+            Some(Value::String(s)) => vec![Part::Text(s.clone())],
+            Some(Value::Array(items)) => items
+                .iter()
+                .enumerate()
+                .map(|(j, p)| part(app, p, &format!("messages[{i}].content[{j}]")))
+                .collect::<std::result::Result<_, _>>()?,
+            _ => return Err(ApiError::bad(format!("`messages[{i}].content` must be a string or a list of parts"))),
+        };
+        messages.push(ChatMessage { role: role.to_string(), parts });
+    }
+    Ok(Parsed { req: Request { messages, options: o, stop }, stream, include_usage })
+}
+
+fn part(app: &App, p: &Value, at: &str) -> std::result::Result<Part, ApiError> {
+    let kind = p.get("type").and_then(Value::as_str).ok_or_else(|| ApiError::bad(format!("`{at}.type` must be a string")))?;
+    match kind {
+        "text" => Ok(Part::Text(
+            p.get("text").and_then(Value::as_str).ok_or_else(|| ApiError::bad(format!("`{at}.text` must be a string")))?.into(),
+        )),
+        "image_url" | "image" => {
+            let iu = p.get("image_url").or_else(|| p.get("image"));
+            let url = match iu {
+                Some(Value::String(s)) => s.as_str(),
+                Some(o @ Value::Object(_)) => {
+                    o.get("url").and_then(Value::as_str).ok_or_else(|| ApiError::bad(format!("`{at}.image_url.url` must be a string")))?
+                }
+                _ => return Err(ApiError::bad(format!("`{at}.image_url` must be an object with a `url`"))),
+            };
+            let budget = |name: &str| -> std::result::Result<Option<usize>, ApiError> {
+                let from = [Some(p), iu].into_iter().flatten().find_map(|o| field(o, name));
+                match from {
+                    None => Ok(None),
+                    Some(x) => x
+                        .as_u64()
+                        .map(|n| Some(n as usize))
+                        .ok_or_else(|| ApiError::bad(format!("`{at}.{name}` must be a positive integer"))),
+                }
+            };
+            let (min_pixels, max_pixels) = (budget("min_pixels")?, budget("max_pixels")?);
+            let (data, name) = image_bytes(app, url, at)?;
+            Ok(Part::Image { data, name, min_pixels, max_pixels })
+        }
+        other => Err(ApiError::bad(format!("`{at}.type` = {other:?}: expected `text` or `image_url`"))),
+    }
+}
+
+/// An image's bytes from a data URL or, under --allowed-media-dir, a local path.
+fn image_bytes(app: &App, url: &str, at: &str) -> std::result::Result<(Vec<u8>, String), ApiError> {
+    let too_big = |n: u64| {
+        ApiError::with(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "image_too_large",
+            format!("`{at}`: the image is {n} bytes, over the server's limit of {} bytes", app.max_image_bytes),
+        )
+    };
+    if let Some(rest) = url.strip_prefix("data:") {
+        let (meta, payload) = rest.split_once(',').ok_or_else(|| ApiError::bad(format!("`{at}`: malformed data URL")))?;
+        if !meta.ends_with(";base64") {
+            return Err(ApiError::bad(format!("`{at}`: only base64 data URLs are supported")));
+        }
+        if payload.len() as u64 / 4 * 3 > app.max_image_bytes + 3 {
+            return Err(too_big(payload.len() as u64 / 4 * 3));
+        }
+        let data = base64::engine::general_purpose::STANDARD
+            .decode(payload.trim())
+            .map_err(|e| ApiError::bad(format!("`{at}`: invalid base64 image data: {e}")))?;
+        return Ok((data, format!("{at} (data URL)")));
+    }
+    if url.starts_with("http://") || url.starts_with("https://") {
+        return Err(ApiError::bad(format!(
+            "`{at}`: remote image URLs are not fetched by this server; send the image as a base64 data URL"
+        )));
+    }
+    let path = url.strip_prefix("file://").unwrap_or(url);
+    let Some(root) = &app.allowed_media_dir else {
+        return Err(ApiError::bad(format!(
+            "`{at}`: local image paths are disabled; start the server with --allowed-media-dir DIR or send a data URL"
+        )));
+    };
+    let real = std::path::Path::new(path)
+        .canonicalize()
+        .map_err(|e| ApiError::bad(format!("`{at}`: cannot open {path}: {e}")))?;
+    if !real.starts_with(root) {
+        return Err(ApiError::with(
+            StatusCode::FORBIDDEN,
+            "invalid_request_error",
+            "media_not_allowed",
+            format!("`{at}`: {path} is outside the allowed media directory"),
+        ));
+    }
+    let data = vl_models::limits::read_bytes(&real, app.max_image_bytes, LimitKind::ImageBytes).map_err(|e| match e {
+        vl_models::Error::Limit { .. } => too_big(std::fs::metadata(&real).map_or(0, |m| m.len())),
+        other => ApiError::bad(format!("`{at}`: {other}")),
+    })?;
+    Ok((data, path.to_string()))
+}

@@ -1,0 +1,589 @@
+//! A resident engine: loads a checkpoint once (both towers) and answers many requests in turn:
+//! messages with text and images in, a stream of text out, with the stop reason, token counts
+//! and timings. What makes a conversation cheap lives here:
+//! - prefix reuse: the KV cache of the last request is kept; a request whose prompt starts with
+//!   the same tokens (and, at image placeholders, the same image content) prefills only the rest;
+//! - an image cache keyed by the image's content hash and resized size: a repeated image skips
+//!   the vision tower (bounded by bytes, least recently used out first);
+//! - the KV cache reserved for prompt + max new tokens (no doubling copy while decoding).
+//!
+//! Requests are served one at a time (the caller queues them); a callback that returns `false`
+//! cancels a generation, leaving the engine ready for the next request.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use sha2::{Digest, Sha256};
+use vl_nn::QuantType;
+
+use crate::error::{Error, Result};
+use crate::limits::ImageLimits;
+use crate::qwen3_vl::generate::{apply_presence_frequency, check_logits, sample};
+use crate::qwen3_vl::plan::VISION_PREFIX;
+use crate::qwen3_vl::{
+    Content, GenerationOptions, ImageFile, Message, ModelDir, Processor, QuantLoad, Qwen3VlModel, TextCache,
+    TextModel, VisionOutput, VisionTower,
+};
+
+/// How an engine loads and what it bounds.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    pub dtype: DType,
+    pub device: Device,
+    pub quant: Option<QuantType>,
+    /// Server-wide image budget (defaults from preprocessor_config.json); a request may ask for
+    /// less, never more.
+    pub min_pixels: Option<usize>,
+    pub max_pixels: Option<usize>,
+    pub image_limits: ImageLimits,
+    /// Bytes of vision features kept for repeated images (0 disables the cache).
+    pub image_cache_bytes: usize,
+    /// Keep the last request's KV cache for prefix reuse.
+    pub prefix_cache: bool,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            dtype: DType::F32,
+            device: Device::Cpu,
+            quant: None,
+            min_pixels: None,
+            max_pixels: None,
+            image_limits: ImageLimits::default(),
+            image_cache_bytes: 256 << 20,
+            prefix_cache: true,
+        }
+    }
+}
+
+/// One part of a request message.
+#[derive(Debug, Clone)]
+pub enum Part {
+    Text(String),
+    /// Encoded image bytes (PNG, JPEG, WebP, GIF, BMP); `name` stands for it in errors. A
+    /// per-image pixel budget may narrow the engine's.
+    Image { data: Vec<u8>, name: String, min_pixels: Option<usize>, max_pixels: Option<usize> },
+}
+
+#[derive(Debug, Clone)]
+pub struct ChatMessage {
+    pub role: String,
+    pub parts: Vec<Part>,
+}
+
+impl ChatMessage {
+    pub fn text(role: &str, text: &str) -> Self {
+        Self { role: role.into(), parts: vec![Part::Text(text.into())] }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Request {
+    pub messages: Vec<ChatMessage>,
+    pub options: GenerationOptions,
+    /// Generation stops before any of these strings would be emitted (the string is not part
+    /// of the answer).
+    pub stop: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// An end-of-sequence token or a stop string.
+    Stop,
+    /// `max_new_tokens` reached.
+    Length,
+    /// The model's context is full.
+    ContextFull,
+    /// The callback asked to stop (e.g. the client went away).
+    Cancelled,
+}
+
+impl Finish {
+    /// The OpenAI `finish_reason`.
+    pub fn openai(self) -> &'static str {
+        match self {
+            Finish::Stop | Finish::Cancelled => "stop",
+            Finish::Length | Finish::ContextFull => "length",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Completion {
+    pub text: String,
+    /// Generated ids (an eos id included when it ended the answer).
+    pub token_ids: Vec<u32>,
+    pub prompt_tokens: usize,
+    /// Prompt positions whose KV came from the previous request (not prefilled again).
+    pub cached_tokens: usize,
+    pub image_tokens: usize,
+    /// Images whose features came from the image cache.
+    pub image_cache_hits: usize,
+    pub finish: Finish,
+    pub vision_time: Duration,
+    pub prefill_time: Duration,
+    pub decode_time: Duration,
+    pub time_to_first_token: Duration,
+    /// f32 logits that chose the first generated token.
+    pub first_logits: Vec<f32>,
+}
+
+/// What the KV cache holds: per position the token id and, at image placeholders, the image's
+/// content key (0 elsewhere).
+type Identity = (u32, u64);
+
+struct ImageCache {
+    limit: usize,
+    bytes: usize,
+    tick: u64,
+    entries: HashMap<u64, (VisionOutput, usize, u64)>,
+}
+
+impl ImageCache {
+    fn get(&mut self, key: u64) -> Option<VisionOutput> {
+        self.tick += 1;
+        let tick = self.tick;
+        self.entries.get_mut(&key).map(|e| {
+            e.2 = tick;
+            e.0.clone()
+        })
+    }
+
+    fn put(&mut self, key: u64, out: &VisionOutput) -> Result<()> {
+        let size: usize = out
+            .merged
+            .iter()
+            .chain(out.deepstack.iter().flatten())
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum();
+        if size > self.limit {
+            return Ok(());
+        }
+        while self.bytes + size > self.limit {
+            let Some((&old, _)) = self.entries.iter().min_by_key(|(_, e)| e.2) else { break };
+            if let Some(e) = self.entries.remove(&old) {
+                self.bytes -= e.1;
+            }
+        }
+        self.tick += 1;
+        self.bytes += size;
+        if let Some(e) = self.entries.insert(key, (out.clone(), size, self.tick)) {
+            self.bytes -= e.1;
+        }
+        Ok(())
+    }
+}
+
+struct State {
+    cache: TextCache,
+    cached: Vec<Identity>,
+    images: ImageCache,
+}
+
+pub struct Engine {
+    model: Qwen3VlModel,
+    processor: Processor,
+    eos: Vec<u32>,
+    id: String,
+    opts: EngineOptions,
+    state: Mutex<State>,
+}
+
+/// Statistics for `/metrics`-style reports.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EngineStats {
+    pub kv_cache_bytes: usize,
+    pub cached_positions: usize,
+    pub image_cache_bytes: usize,
+    pub image_cache_entries: usize,
+}
+
+impl Engine {
+    /// Checks the model directory (as `vl run` does), then loads both towers once.
+    pub fn load(dir: &Path, id: &str, opts: EngineOptions) -> Result<Self> {
+        let ModelDir { config, weights, mut processor, generation, .. } = ModelDir::open(dir)?;
+        processor.images = processor.images.clone().with_pixel_budget(opts.min_pixels, opts.max_pixels)?;
+        processor.images.limits = opts.image_limits;
+        let vb = weights.var_builder(opts.dtype, &opts.device, None);
+        let vision = VisionTower::load(&config.vision, vb.pp(VISION_PREFIX))?;
+        let quant = opts.quant.map(|qtype| QuantLoad { qtype, read_as: weights.text_float_dtype() });
+        let text = TextModel::load_with(&config.text, config.tie_word_embeddings, vb, quant)?;
+        drop(weights);
+        let model = Qwen3VlModel::from_parts(config, Some(vision), text);
+        let cache = model.new_cache();
+        let images = ImageCache { limit: opts.image_cache_bytes, bytes: 0, tick: 0, entries: HashMap::new() };
+        Ok(Self {
+            model,
+            processor,
+            eos: generation.eos_token_ids,
+            id: id.to_string(),
+            opts,
+            state: Mutex::new(State { cache, cached: Vec::new(), images }),
+        })
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn model(&self) -> &Qwen3VlModel {
+        &self.model
+    }
+
+    pub fn processor(&self) -> &Processor {
+        &self.processor
+    }
+
+    /// The model's context in tokens.
+    pub fn context(&self) -> usize {
+        self.model.config().text.max_position_embeddings
+    }
+
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let s = self.lock();
+        EngineStats {
+            kv_cache_bytes: s.cache.bytes(),
+            cached_positions: s.cached.len(),
+            image_cache_bytes: s.images.bytes,
+            image_cache_entries: s.images.entries.len(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic inside a generation cannot leave a half-written cache in use: the state is
+        // reset below on every error, so a poisoned lock's data is still consistent.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Answers `req`, calling `on_text(piece)` with each new piece of the answer as it is
+    /// decoded (returning `false` cancels).
+    pub fn generate(&self, req: &Request, on_text: &mut dyn FnMut(&str) -> bool) -> Result<Completion> {
+        let t0 = Instant::now();
+        let opts = GenerationOptions { eos_token_ids: self.eos.clone(), ..req.options.clone() };
+        opts.validate()?;
+        if req.messages.is_empty() {
+            return Err(Error::Input { what: "messages".into(), message: "no messages".into() });
+        }
+        if let Some(s) = req.stop.iter().find(|s| s.is_empty()) {
+            return Err(Error::Input { what: "stop".into(), message: format!("{s:?}: stop strings must not be empty") });
+        }
+
+        // Images: headers and budgets first, then the prompt length, then pixels.
+        let mut messages = Vec::with_capacity(req.messages.len());
+        let mut files = Vec::new();
+        for m in &req.messages {
+            let mut content = Vec::with_capacity(m.parts.len());
+            for p in &m.parts {
+                match p {
+                    Part::Text(t) => content.push(Content::Text { text: t.clone() }),
+                    Part::Image { data, name, min_pixels, max_pixels } => {
+                        let proc = self.image_processor(*min_pixels, *max_pixels)?;
+                        let file = ImageFile::from_bytes(data.clone(), Path::new(name), &proc.limits)?;
+                        content.push(Content::Image { image: name.clone() });
+                        files.push((file, proc, Sha256::digest(data)));
+                    }
+                }
+            }
+            messages.push(Message::new(&m.role, content));
+        }
+        let tokens: Vec<usize> = files.iter().map(|(f, p, _)| p.tokens_for(f)).collect::<Result<_>>()?;
+        let context = self.context();
+        let prompt_len = self.processor.prompt_len(&messages, &tokens)?;
+        if prompt_len >= context {
+            return Err(Error::Limit {
+                what: "prompt".into(),
+                message: format!(
+                    "{prompt_len} tokens ({} from {} image(s)) do not fit the model's context of {context} tokens",
+                    tokens.iter().sum::<usize>(),
+                    tokens.len()
+                ),
+                kind: crate::limits::LimitKind::Fixed,
+            });
+        }
+        let processed: Vec<_> = files.iter().map(|(f, p, _)| p.process_opened(f)).collect::<Result<_>>()?;
+        let keys: Vec<u64> = files
+            .iter()
+            .zip(&processed)
+            .map(|((_, _, h), img)| {
+                let mut k = [0u8; 8];
+                k.copy_from_slice(&h[..8]);
+                u64::from_le_bytes(k) ^ ((img.resized.0 as u64) << 32 | img.resized.1 as u64).rotate_left(17) | 1
+            })
+            .collect();
+        let prompt = self.processor.prepare(&messages, &processed, &self.opts.device)?;
+        let image_token = self.model.config().image_token_id;
+        let image_tokens = prompt.input_ids.iter().filter(|&&t| t == image_token).count();
+
+        // Identities: which image each placeholder run belongs to, in prompt order.
+        let mut ident: Vec<Identity> = Vec::with_capacity(prompt.input_ids.len());
+        let (mut img, mut in_run) = (0usize, false);
+        for &t in &prompt.input_ids {
+            if t == image_token {
+                if !in_run {
+                    in_run = true;
+                }
+                ident.push((t, keys.get(img).copied().unwrap_or(0)));
+            } else {
+                if in_run {
+                    img += 1;
+                    in_run = false;
+                }
+                ident.push((t, 0));
+            }
+        }
+
+        let mut state = self.lock();
+        let result = self.generate_locked(&mut state, &prompt, &ident, &processed, &keys, &opts, req, on_text, t0);
+        if result.is_err() {
+            state.cache.reset();
+            state.cached.clear();
+        }
+        result.map(|mut c| {
+            c.image_tokens = image_tokens;
+            c
+        })
+    }
+
+    fn image_processor(
+        &self,
+        min_pixels: Option<usize>,
+        max_pixels: Option<usize>,
+    ) -> Result<crate::qwen3_vl::ImageProcessor> {
+        let base = &self.processor.images;
+        let (lo, hi) = (base.config.min_pixels, base.config.max_pixels);
+        for (name, v) in [("min_pixels", min_pixels), ("max_pixels", max_pixels)] {
+            if let Some(v) = v {
+                if v < lo || v > hi {
+                    return Err(Error::Input {
+                        what: name.into(),
+                        message: format!("{v} is outside the server's image budget [{lo}, {hi}] pixels"),
+                    });
+                }
+            }
+        }
+        if min_pixels.is_none() && max_pixels.is_none() {
+            return Ok(base.clone());
+        }
+        let mut p = base.clone().with_pixel_budget(min_pixels, max_pixels)?;
+        p.limits = base.limits;
+        Ok(p)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn generate_locked(
+        &self,
+        state: &mut State,
+        prompt: &crate::qwen3_vl::Prompt,
+        ident: &[Identity],
+        processed: &[crate::qwen3_vl::ProcessedImage],
+        keys: &[u64],
+        opts: &GenerationOptions,
+        req: &Request,
+        on_text: &mut dyn FnMut(&str) -> bool,
+        t0: Instant,
+    ) -> Result<Completion> {
+        // Vision: each image once, from the cache when seen before.
+        let tv = Instant::now();
+        let mut hits = 0;
+        let mut parts: Vec<VisionOutput> = Vec::with_capacity(processed.len());
+        for (img, &key) in processed.iter().zip(keys) {
+            if let Some(out) = state.images.get(key) {
+                hits += 1;
+                parts.push(out);
+                continue;
+            }
+            let input = self.processor.images.batch(std::slice::from_ref(img), &self.opts.device)?;
+            let out = self.model.encode_vision(&input)?;
+            state.images.put(key, &out)?;
+            parts.push(out);
+        }
+        let vision = (!parts.is_empty()).then(|| {
+            let levels = parts.iter().map(|p| p.deepstack.len()).min().unwrap_or(0);
+            VisionOutput {
+                merged: parts.iter().flat_map(|p| p.merged.iter().cloned()).collect(),
+                deepstack: (0..levels).map(|l| parts.iter().flat_map(|p| p.deepstack[l].iter().cloned()).collect()).collect(),
+                grids: parts.iter().flat_map(|p| p.grids.iter().copied()).collect(),
+            }
+        });
+        let vision_time = tv.elapsed();
+
+        // Prefix reuse: the longest common prefix, never all of the prompt (the last position's
+        // logits are needed), never ending inside an image's placeholder run.
+        let n = prompt.input_ids.len();
+        let mut common = 0;
+        if self.opts.prefix_cache {
+            common = state.cached.iter().zip(ident).take_while(|(a, b)| a == b).count().min(n - 1);
+            while common > 0 && ident[common].1 != 0 && ident[common - 1] == ident[common] {
+                common -= 1;
+            }
+        }
+        if common == 0 {
+            state.cache.reset();
+        } else {
+            state.cache.truncate(common);
+        }
+        state.cached.truncate(common);
+        let budget = opts.max_new_tokens.min(self.context().saturating_sub(n));
+        state.cache.reserve(n + budget);
+
+        let tp = Instant::now();
+        let pre = self.model.prefill_from(prompt, vision.as_ref(), None, &mut state.cache, &mut |_, _| {})?;
+        state.cached = ident.to_vec();
+        let mut logits = self.model.last_logits(&pre)?;
+        let first_logits = logits.to_vec1::<f32>()?;
+        let prefill_time = tp.elapsed();
+
+        let td = Instant::now();
+        let mut rng = StdRng::seed_from_u64(opts.seed);
+        let mut seen = prompt.input_ids.clone();
+        let mut tokens: Vec<u32> = Vec::new();
+        let mut stream = self.processor.stream_decoder();
+        let mut out = StopFilter::new(&req.stop);
+        let mut finish = if budget < opts.max_new_tokens { Finish::ContextFull } else { Finish::Length };
+        let mut ttft = None;
+        for step in 0..budget {
+            let mut l = if step == 0 { first_logits.clone() } else { logits.to_vec1::<f32>()? };
+            check_logits(&l, step)?;
+            apply_presence_frequency(&mut l, &tokens, opts);
+            let next = sample(&l, &seen, opts, &mut rng);
+            ttft.get_or_insert_with(|| t0.elapsed());
+            tokens.push(next);
+            seen.push(next);
+            if opts.eos_token_ids.contains(&next) {
+                finish = Finish::Stop;
+                break;
+            }
+            if let Some(piece) = stream.push(next)? {
+                let (emit, stopped) = out.push(&piece);
+                if !emit.is_empty() && !on_text(&emit) {
+                    finish = Finish::Cancelled;
+                    break;
+                }
+                if stopped {
+                    finish = Finish::Stop;
+                    break;
+                }
+            }
+            if step + 1 == budget {
+                break;
+            }
+            logits = self.model.decode_step(next, &pre, step, &mut state.cache)?;
+            state.cached.push((next, 0));
+        }
+        if finish != Finish::Cancelled && !out.stopped {
+            if let Some(rest) = stream.finish()? {
+                let (emit, _) = out.push(&rest);
+                if !emit.is_empty() {
+                    on_text(&emit);
+                }
+            }
+            let rest = out.flush();
+            if !rest.is_empty() {
+                on_text(&rest);
+            }
+        }
+        Ok(Completion {
+            text: out.text,
+            token_ids: tokens,
+            prompt_tokens: n,
+            cached_tokens: common,
+            image_tokens: 0,
+            image_cache_hits: hits,
+            finish,
+            vision_time,
+            prefill_time,
+            decode_time: td.elapsed(),
+            time_to_first_token: ttft.unwrap_or_default(),
+            first_logits,
+        })
+    }
+}
+
+/// Holds back text that may be the start of a stop string; cuts the answer at a stop string.
+struct StopFilter<'a> {
+    stops: &'a [String],
+    /// Everything emitted so far.
+    text: String,
+    pending: String,
+    stopped: bool,
+}
+
+impl<'a> StopFilter<'a> {
+    fn new(stops: &'a [String]) -> Self {
+        Self { stops, text: String::new(), pending: String::new(), stopped: false }
+    }
+
+    /// Adds a decoded piece; returns the text safe to emit and whether a stop string was hit.
+    fn push(&mut self, piece: &str) -> (String, bool) {
+        if self.stopped {
+            return (String::new(), true);
+        }
+        self.pending.push_str(piece);
+        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+            let emit = self.pending[..at].to_string();
+            self.text.push_str(&emit);
+            self.pending.clear();
+            self.stopped = true;
+            return (emit, true);
+        }
+        // Keep the longest tail that is a proper prefix of some stop string.
+        let mut keep = 0;
+        for s in self.stops {
+            for (i, _) in s.char_indices().skip(1) {
+                if self.pending.ends_with(&s[..i]) {
+                    keep = keep.max(i);
+                }
+            }
+        }
+        let cut = self.pending.len() - keep;
+        let emit = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        self.text.push_str(&emit);
+        (emit, false)
+    }
+
+    fn flush(&mut self) -> String {
+        let rest = std::mem::take(&mut self.pending);
+        self.text.push_str(&rest);
+        rest
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_cut_the_answer_and_hold_back_partial_matches() {
+        let stops = vec!["END".to_string(), "\n\n".to_string()];
+        let mut f = StopFilter::new(&stops);
+        assert_eq!(f.push("Hello E"), ("Hello ".to_string(), false));
+        assert_eq!(f.push("N"), (String::new(), false));
+        assert_eq!(f.push("Dless"), (String::new(), true));
+        assert_eq!(f.text, "Hello ");
+        let mut f = StopFilter::new(&stops);
+        assert_eq!(f.push("a\n"), ("a".to_string(), false));
+        assert_eq!(f.push("b"), ("\nb".to_string(), false));
+        assert_eq!(f.flush(), "");
+        assert_eq!(f.text, "a\nb");
+        // No stops: everything passes at once.
+        let none: Vec<String> = vec![];
+        let mut f = StopFilter::new(&none);
+        assert_eq!(f.push("xyz"), ("xyz".to_string(), false));
+        // A multi-byte stop string never splits a character.
+        let uni = vec!["é!".to_string()];
+        let mut f = StopFilter::new(&uni);
+        assert_eq!(f.push("caf é"), ("caf ".to_string(), false));
+        assert_eq!(f.push("!"), (String::new(), true));
+    }
+}
