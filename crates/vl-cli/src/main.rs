@@ -1,5 +1,6 @@
 //! `vl`: run and inspect Qwen3-VL checkpoints.
 
+mod chat;
 mod hub;
 mod run;
 mod serve;
@@ -30,6 +31,8 @@ struct Cli {
 enum Command {
     /// Generate a reply to a prompt about zero or more images, streamed to stdout.
     Run(run::RunArgs),
+    /// A multi-turn chat in the terminal (history kept; /image PATH, /reset, /exit).
+    Chat(chat::ChatArgs),
     /// Serve the OpenAI chat completions API (`/v1/chat/completions`, `/v1/models`, `/health`,
     /// `/metrics`) from one resident model.
     Serve(serve::ServeArgs),
@@ -82,6 +85,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Serve(args) => serve::serve(args),
+        Command::Chat(args) => chat::chat(args),
         Command::Inspect { model, json } => inspect(&model, json),
     };
     match result {

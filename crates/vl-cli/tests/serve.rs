@@ -1,0 +1,304 @@
+//! `vl serve` end to end: a server on a free loopback port with a tiny checkpoint, driven over
+//! HTTP as an OpenAI client drives it. Answers equal the reference's greedy text; every error
+//! has its status and OpenAI-shaped body; concurrency, overload and disconnects are bounded.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use serde_json::{json, Value};
+
+fn goldens() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../goldens")
+}
+
+fn read_json(p: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(g: &str, extra: &[&str]) -> Server {
+    let ck = goldens().join(g).join("checkpoint");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vl"))
+        .args(["serve", "--model", ck.to_str().unwrap(), "--served-model-name", g, "--port", "0"])
+        .args(extra)
+        .env("HF_HUB_OFFLINE", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start vl serve");
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let base = loop {
+        assert!(Instant::now() < deadline, "the server did not start in time");
+        let line = lines.next().expect("server exited before listening").unwrap();
+        if let Some(url) = line.strip_prefix("listening on ") {
+            break url.trim().to_string();
+        }
+    };
+    assert!(base.starts_with("http://127.0.0.1:"), "{base}");
+    // Keep draining stderr so the server never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    Server { child, base }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::AgentBuilder::new().timeout(Duration::from_secs(120)).build()
+}
+
+/// (status, body as JSON) of a POST; error statuses are answers here, not failures.
+fn post(s: &Server, path: &str, body: &str) -> (u16, Value) {
+    let r = agent().post(&format!("{}{path}", s.base)).set("Content-Type", "application/json").send_string(body);
+    let resp = match r {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("POST {path}: {e}"),
+    };
+    let status = resp.status();
+    let text = resp.into_string().unwrap();
+    (status, serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON ({status}): {text}")))
+}
+
+fn get(s: &Server, path: &str) -> (u16, String) {
+    match agent().get(&format!("{}{path}", s.base)).call() {
+        Ok(r) => (r.status(), r.into_string().unwrap()),
+        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap()),
+        Err(e) => panic!("GET {path}: {e}"),
+    }
+}
+
+fn data_url(name: &str) -> String {
+    let bytes = std::fs::read(goldens().join("images").join(name)).unwrap();
+    format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes))
+}
+
+fn one_image(model: &str, max: usize, extra: Value) -> Value {
+    let mut v = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url("square.png")}},
+            {"type": "text", "text": "Describe this image."},
+        ]}],
+        "max_tokens": max,
+    });
+    for (k, x) in extra.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    v
+}
+
+fn golden(g: &str) -> (String, usize, usize) {
+    let meta = read_json(&goldens().join(g).join("cases/one_image.json"));
+    let n = meta["greedy"]["ids"].as_array().unwrap().len();
+    (meta["greedy"]["text"].as_str().unwrap().to_string(), n, meta["num_tokens"].as_u64().unwrap() as usize)
+}
+
+fn assert_error(status: u16, body: &Value, want_status: u16, needle: &str) {
+    assert_eq!(status, want_status, "{body}");
+    let msg = body["error"]["message"].as_str().unwrap_or_else(|| panic!("no error.message: {body}"));
+    assert!(body["error"]["type"].is_string(), "{body}");
+    assert!(msg.contains(needle), "{msg:?} should mention {needle:?}");
+}
+
+/// The SSE data lines of a streamed answer.
+fn stream(s: &Server, body: &Value) -> Vec<String> {
+    let resp = agent()
+        .post(&format!("{}/v1/chat/completions", s.base))
+        .set("Content-Type", "application/json")
+        .send_string(&body.to_string())
+        .expect("stream");
+    assert_eq!(resp.header("content-type"), Some("text/event-stream"));
+    let mut out = Vec::new();
+    for line in BufReader::new(resp.into_reader()).lines() {
+        let line = line.unwrap();
+        if let Some(d) = line.strip_prefix("data: ") {
+            out.push(d.to_string());
+            if d == "[DONE]" {
+                break;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn answers_stream_and_report_usage_like_the_reference() {
+    let g = "tiny-b";
+    let s = start(g, &[]);
+    let (want, n, prompt) = golden(g);
+
+    let (status, v) = post(&s, "/v1/chat/completions", &one_image(g, n, json!({})).to_string());
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], g);
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["prompt_tokens"], prompt);
+    assert_eq!(v["usage"]["completion_tokens"], n);
+    assert_eq!(v["usage"]["total_tokens"], prompt + n);
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+
+    let lines = stream(&s, &one_image(g, n, json!({"stream": true, "stream_options": {"include_usage": true}})));
+    assert_eq!(lines.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = lines[..lines.len() - 1].iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String =
+        chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect::<Vec<_>>().concat();
+    assert_eq!(text, want);
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    let finish: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["finish_reason"]).filter(|f| !f.is_null()).collect();
+    assert_eq!(finish, vec![&json!("length")]);
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["prompt_tokens"], prompt);
+    assert_eq!(usage["completion_tokens"], n);
+    // The second identical prompt reuses all but its last position.
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], prompt - 1);
+
+    let (status, models) = get(&s, "/v1/models");
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["data"][0]["id"], g);
+    assert_eq!(get(&s, "/health").0, 200);
+    let (status, metrics) = get(&s, "/metrics");
+    assert_eq!(status, 200);
+    assert!(metrics.contains("vl_requests_total{status=\"200\"} 2"), "{metrics}");
+    assert!(metrics.contains(&format!("vl_completion_tokens_total {}", 2 * n)), "{metrics}");
+    assert!(metrics.contains("vl_image_cache_hits_total 1"), "{metrics}");
+    assert!(metrics.contains("vl_queue_depth 0"), "{metrics}");
+}
+
+#[test]
+fn every_bad_request_gets_its_status_and_an_openai_error() {
+    let g = "tiny-a";
+    let s = start(g, &["--max-body-bytes", "100000"]);
+    let c = "/v1/chat/completions";
+    let ok = |extra: Value| one_image(g, 2, extra).to_string();
+    let (st, b) = post(&s, c, "{\"messages\": [");
+    assert_error(st, &b, 400, "malformed JSON");
+    let (st, b) = post(&s, c, &ok(json!({"temperature": "hot"})));
+    assert_error(st, &b, 400, "temperature");
+    let (st, b) = post(&s, c, &ok(json!({"temperature": 3.5})));
+    assert_error(st, &b, 400, "temperature");
+    let (st, b) = post(&s, c, &ok(json!({"model": "gpt-4o"})));
+    assert_error(st, &b, 404, "gpt-4o");
+    let (st, b) = post(&s, c, &ok(json!({"n": 2})));
+    assert_error(st, &b, 400, "n");
+    let (st, b) = post(&s, c, &ok(json!({"tools": [{"type": "function"}]})));
+    assert_error(st, &b, 400, "tools");
+    let (st, b) = post(&s, c, &ok(json!({"max_tokens": 0})));
+    assert_error(st, &b, 400, "max_tokens");
+    let (st, b) = post(&s, c, &ok(json!({"stop": 7})));
+    assert_error(st, &b, 400, "stop");
+    let (st, b) = post(&s, c, &json!({"model": g}).to_string());
+    assert_error(st, &b, 400, "messages");
+    let (st, b) = post(&s, c, &json!({"messages": [{"role": "user", "content": 5}]}).to_string());
+    assert_error(st, &b, 400, "content");
+    let bad_image = json!({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]});
+    let (st, b) = post(&s, c, &bad_image.to_string());
+    assert_error(st, &b, 400, "image");
+    let remote = json!({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]});
+    let (st, b) = post(&s, c, &remote.to_string());
+    assert_error(st, &b, 400, "remote");
+    let local = json!({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}]});
+    let (st, b) = post(&s, c, &local.to_string());
+    assert_error(st, &b, 400, "allowed-media-dir");
+    let long = json!({"messages": [{"role": "user", "content": "word ".repeat(3000)}]});
+    let (st, b) = post(&s, c, &long.to_string());
+    assert_error(st, &b, 400, "context of 2048");
+    assert_eq!(b["error"]["code"], "context_length_exceeded");
+    let huge = json!({"messages": [{"role": "user", "content": "x".repeat(200_000)}]});
+    let (st, b) = post(&s, c, &huge.to_string());
+    assert_error(st, &b, 413, "");
+    let (st, _) = get(&s, "/v1/nothing");
+    assert_eq!(st, 404);
+    // After all that, a good request is answered correctly.
+    let (want, n, _) = golden(g);
+    let (st, v) = post(&s, c, &one_image(g, n, json!({})).to_string());
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+}
+
+#[test]
+fn concurrent_clients_overload_and_disconnects() {
+    let g = "tiny-a";
+    let s = start(g, &["--queue", "1"]);
+    let (want, n, _) = golden(g);
+
+    // Eight clients at once: the queue of 1 refuses some with 503; every answer given is right.
+    let bodies: Vec<String> = (0..8).map(|_| one_image(g, n, json!({})).to_string()).collect();
+    let results: Vec<(u16, Value)> = std::thread::scope(|sc| {
+        let hs: Vec<_> = bodies.iter().map(|b| sc.spawn(|| post(&s, "/v1/chat/completions", b))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut answered = 0;
+    for (st, v) in &results {
+        match st {
+            200 => {
+                answered += 1;
+                assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+            }
+            503 => assert_error(*st, v, 503, "busy"),
+            other => panic!("status {other}: {v}"),
+        }
+    }
+    assert!(answered >= 1);
+    println!("{answered} of 8 answered, {} refused with 503", 8 - answered);
+    // Eight clients one after another with a queue that holds them: all correct.
+    let s = start(g, &["--queue", "8"]);
+    let results: Vec<(u16, Value)> = std::thread::scope(|sc| {
+        let hs: Vec<_> = bodies.iter().map(|b| sc.spawn(|| post(&s, "/v1/chat/completions", b))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (st, v) in &results {
+        assert_eq!(*st, 200, "{v}");
+        assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+    }
+
+    // A client that leaves mid-stream: the server cancels and keeps serving.
+    let body = one_image(g, 2000, json!({"stream": true})).to_string();
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let mut sock = std::net::TcpStream::connect(&addr).unwrap();
+    write!(
+        sock,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut buf = [0u8; 4096];
+    let got = sock.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..got]).starts_with("HTTP/1.1 200"));
+    drop(sock);
+    let t = Instant::now();
+    let (st, v) = post(&s, "/v1/chat/completions", &one_image(g, n, json!({})).to_string());
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+    assert!(t.elapsed() < Duration::from_secs(60), "the abandoned generation was not cancelled");
+    // Nine answers of n tokens, and the abandoned one stopped far short of its 2000.
+    let (_, metrics) = get(&s, "/metrics");
+    let total: usize = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("vl_completion_tokens_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{metrics}"));
+    let abandoned = total - 9 * n;
+    println!("the abandoned stream generated {abandoned} tokens");
+    assert!(abandoned < 1000, "the abandoned stream generated {abandoned} tokens");
+}
