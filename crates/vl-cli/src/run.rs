@@ -139,7 +139,7 @@ pub(crate) fn quant_for(arg: QuantArg, weights: &Weights) -> Option<QuantType> {
         QuantArg::Q4k => Some(QuantType::Q4K),
         QuantArg::Q5k => Some(QuantType::Q5K),
         QuantArg::Q6k => Some(QuantType::Q6K),
-        QuantArg::Q8 => Some(QuantType::Q8K),
+        QuantArg::Q8 => Some(QuantType::Q8_0),
         QuantArg::Off => None,
         QuantArg::None => {
             let bits = weights.entries().values().find_map(|e| match e.storage {
@@ -150,7 +150,7 @@ pub(crate) fn quant_for(arg: QuantArg, weights: &Weights) -> Option<QuantType> {
                 0..=4 => QuantType::Q4K,
                 5 => QuantType::Q5K,
                 6 => QuantType::Q6K,
-                _ => QuantType::Q8K,
+                _ => QuantType::Q8_0,
             })
         }
     }

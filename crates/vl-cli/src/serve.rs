@@ -12,7 +12,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::sse::{Event, Sse};
@@ -186,6 +185,7 @@ struct App {
     defaults: GenerationOptions,
     allowed_media_dir: Option<PathBuf>,
     max_image_bytes: u64,
+    max_body_bytes: usize,
     metrics: Metrics,
     next_id: AtomicU64,
 }
@@ -236,6 +236,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         defaults,
         allowed_media_dir,
         max_image_bytes: args.max_image_bytes,
+        max_body_bytes: args.max_body_bytes,
         metrics: Metrics::new(),
         next_id: AtomicU64::new(1),
     });
@@ -253,7 +254,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         .fallback(|| async {
             ApiError::with(StatusCode::NOT_FOUND, "invalid_request_error", "not_found", "no such endpoint")
         })
-        .layer(DefaultBodyLimit::max(args.max_body_bytes))
+        .layer(DefaultBodyLimit::disable())
         .with_state(app.clone());
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
@@ -371,23 +372,38 @@ fn count(app: &App, status: StatusCode) {
     app.metrics.requests.get_or_create(&vec![("status".to_string(), status.as_u16().to_string())]).inc();
 }
 
-async fn chat_completions(State(app): State<Arc<App>>, body: std::result::Result<Bytes, BytesRejection>) -> Response {
-    let resp = match handle(&app, body).await {
-        Ok(r) => r,
+async fn chat_completions(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
+    let resp = match read_body(&app, req).await {
+        Ok(body) => match handle(&app, body).await {
+            Ok(r) => r,
+            Err(e) => e.into_response(),
+        },
         Err(e) => e.into_response(),
     };
     count(&app, resp.status());
     resp
 }
 
-async fn handle(app: &Arc<App>, body: std::result::Result<Bytes, BytesRejection>) -> std::result::Result<Response, ApiError> {
-    let body = body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::with(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "body_too_large", e.body_text())
-        } else {
-            ApiError::bad(e.body_text())
-        }
-    })?;
+/// The body within the size limit; a body announced over it is refused before it is read.
+async fn read_body(app: &App, req: axum::extract::Request) -> std::result::Result<Bytes, ApiError> {
+    let too_large = |n: String| {
+        ApiError::with(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "body_too_large",
+            format!("the request body is {n} bytes, over the server's limit of {} bytes", app.max_body_bytes),
+        )
+    };
+    let announced = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if let Some(n) = announced.filter(|&n| n > app.max_body_bytes as u64) {
+        return Err(too_large(n.to_string()));
+    }
+    axum::body::to_bytes(req.into_body(), app.max_body_bytes)
+        .await
+        .map_err(|_| too_large(format!("more than {}", app.max_body_bytes)))
+}
+
+async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, ApiError> {
     let v: Value = serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("malformed JSON body: {e}")))?;
     let parsed = parse_request(app, &v)?;
     let (tx, mut rx) = mpsc::unbounded_channel::<Msg>();

@@ -230,9 +230,10 @@ fn mlx_checkpoints_run_exact_and_requantized() {
     let got: Vec<u64> = v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
     assert_eq!(got, want);
     assert_eq!(v["quantization"], serde_json::Value::Null);
-    // Default: requantized to the k-quant of the same width (layers whose dims fit; here none do).
+    // Default: requantized to the quant of the same width (8 bits: q8_0, whose 32-wide blocks fit
+    // this checkpoint's dims).
     let (code, out, err) = vl(&["run", "--model", &ck, "--image", &img, "--max-new-tokens", "2", "--json"]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    assert_eq!(v["quantization"], "q8k");
+    assert_eq!(v["quantization"], "q8_0");
 }
