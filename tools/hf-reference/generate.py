@@ -227,6 +227,13 @@ def cases():
             {"role": "user", "content": [img("odd"), img("large"), txt("Compare the two pictures.")]},
         ],
         "image_mid": [{"role": "user", "content": [txt("Look at this:"), img("alpha"), txt("What color is it?")]}],
+        # Three turns: an image in turns 1 and 3, an assistant answer between (the engine's
+        # prefix-reuse parity case).
+        "multi_turn": [
+            {"role": "user", "content": [img("square"), txt("Describe this image.")]},
+            {"role": "assistant", "content": [txt("A square with soft colors.")]},
+            {"role": "user", "content": [img("odd"), txt("And this one? Compare them.")]},
+        ],
     }
 
 

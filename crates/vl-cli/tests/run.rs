@@ -133,9 +133,11 @@ fn a_hub_id_resolves_through_the_local_cache() {
     }
     let img = image("square.png");
     let (code, out, err) =
-        vl_env(&["run", "--model", "tiny/qwen3-vl-a", "--image", &img, "--max-new-tokens", "4"], home.path());
+        vl_env(&["run", "--model", "tiny/qwen3-vl-a", "--image", &img, "--max-new-tokens", "4", "--json"], home.path());
     assert_eq!(code, 0, "{err}");
-    assert!(out.starts_with(".dm.dm"), "{out}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let meta = read_json(&goldens().join("tiny-a/cases/one_image.json"));
+    assert_eq!(v["token_ids"].as_array().unwrap()[..], meta["greedy"]["ids"].as_array().unwrap()[..4], "{out}");
     let (code, _, err) = vl_env(&["run", "--model", "tiny/not-cached", "--max-new-tokens", "1"], home.path());
     assert_ne!(code, 0);
     assert!(err.contains("tiny/not-cached") && err.contains("--model DIR") && err.contains("HF_HUB_OFFLINE"), "{err}");

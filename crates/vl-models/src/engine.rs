@@ -23,7 +23,7 @@ use vl_nn::QuantType;
 
 use crate::error::{Error, Result};
 use crate::limits::ImageLimits;
-use crate::qwen3_vl::generate::{apply_presence_frequency, check_logits, sample};
+use crate::sampling::{apply_presence_frequency, check_logits, sample};
 use crate::qwen3_vl::plan::VISION_PREFIX;
 use crate::qwen3_vl::{
     Content, GenerationOptions, ImageFile, Message, ModelDir, Processor, QuantLoad, Qwen3VlModel, TextCache,

@@ -1,7 +1,8 @@
 //! Qwen3-VL on candle: configuration, checkpoint loading and (in later modules) the model.
 //!
 //! Layout follows the house style: generic layers live in `vl-nn`; this crate composes them.
-//! `checkpoint` is model-agnostic safetensors access; `qwen3_vl` holds everything Qwen-named.
+//! Model-agnostic: `checkpoint` (safetensors access), `sampling`, `stream` (streaming
+//! detokenization), `engine` (the resident engine's API); `qwen3_vl` holds everything Qwen-named.
 
 pub mod affine;
 pub mod checkpoint;
@@ -9,5 +10,7 @@ pub mod engine;
 pub mod error;
 pub mod limits;
 pub mod qwen3_vl;
+pub mod sampling;
+pub mod stream;
 
 pub use error::{Error, Result};

@@ -100,6 +100,67 @@ fn a_follow_up_turn_prefills_only_its_new_tokens_and_matches_a_fresh_prefill() {
     }
 }
 
+/// The golden case's messages as an engine request.
+fn golden_request(case: &str, max: usize) -> Request {
+    let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
+    let messages = meta["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| ChatMessage {
+            role: m["role"].as_str().unwrap().into(),
+            parts: m["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| match c["type"].as_str().unwrap() {
+                    "text" => Part::Text(c["text"].as_str().unwrap().into()),
+                    _ => image(&format!("{}.png", c["image"].as_str().unwrap())),
+                })
+                .collect(),
+        })
+        .collect();
+    Request { messages, options: GenerationOptions { max_new_tokens: max, ..Default::default() }, stop: vec![] }
+}
+
+#[test]
+fn a_three_turn_conversation_matches_the_reference_turn_by_turn() {
+    // Turn 1 first (image 1), then the reference's three-turn prompt (turn 1, an assistant
+    // answer, turn 3 with image 2): the engine reuses turn 1's prefix and image, and its answer
+    // is the reference's.
+    let sampled = load(&goldens().join("sampled_vocab_ids.safetensors"))["vocab_ids"].to_vec1::<i64>().unwrap();
+    for g in GEOMETRIES {
+        let e = engine(g, true);
+        let full = golden_request("multi_turn", 1);
+        let turn1 = Request { messages: full.messages[..1].to_vec(), ..full.clone() };
+        let first = e.generate(&turn1, &mut |_| true).unwrap();
+        let (want_text, want_ids, prompt_len) = greedy(g, "multi_turn");
+        let c = e.generate(&golden_request("multi_turn", want_ids.len()), &mut |_| true).unwrap();
+        assert_eq!(c.prompt_tokens, prompt_len, "{g}: input length");
+        assert!(c.cached_tokens >= first.prompt_tokens && c.cached_tokens < prompt_len, "{g}: {} reused", c.cached_tokens);
+        assert_eq!(c.image_cache_hits, 1, "{g}: the turn-1 image again");
+        assert_eq!(c.token_ids, want_ids, "{g}: greedy ids");
+        assert_eq!(c.text, want_text);
+        let want = load(&goldens().join(g).join("cases/multi_turn.safetensors"));
+        let want_last = want["logits.last"].to_vec1::<f32>().unwrap();
+        // End to end the engine sees our resized pixels, which differ from the reference's by
+        // up to one level (7.8e-3; the processor tolerance is 0.02) for the resized second image;
+        // measured: tiny-a 8.3e-3, tiny-b 1.3e-2 (the same images through a fresh engine give the
+        // same figures). With the reference's own pixels the model matches within 1e-3 on this
+        // prompt (text_parity's multi_turn case), and reuse equals a fresh prefill within 1e-4.
+        let d = max_diff(&c.first_logits, &want_last);
+        assert!(d <= 3e-2, "{g}: last-position logits differ from the reference by {d}");
+        let fresh = engine(g, false).generate(&golden_request("multi_turn", 1), &mut |_| true).unwrap();
+        let reuse = max_diff(&c.first_logits, &fresh.first_logits);
+        assert!(reuse <= 1e-4, "{g}: reused-prefix logits differ from a fresh prefill by {reuse}");
+        assert!(sampled.len() > 100);
+        println!(
+            "{g}: multi_turn {prompt_len} tokens, {} reused, logits vs reference {d:.2e}, vs fresh prefill {reuse:.2e}",
+            c.cached_tokens
+        );
+    }
+}
+
 #[test]
 fn stop_strings_cut_the_answer_and_cancelling_leaves_the_engine_usable() {
     let g = "tiny-b";
@@ -158,3 +219,4 @@ fn bad_requests_are_errors_naming_the_problem() {
     let (want, ids, _) = greedy("tiny-a", "one_image");
     assert_eq!(e.generate(&one_image_request(ids.len()), &mut |_| true).unwrap().text, want);
 }
+

@@ -10,7 +10,9 @@ use vl_models::qwen3_vl::{Prompt, Qwen3VlConfig, VisionInput, Weights};
 
 pub const GEOMETRIES: [&str; 2] = ["tiny-a", "tiny-b"];
 pub const PROBES: [&str; 6] = ["square", "odd", "small", "large", "wide", "alpha"];
-pub const CASES: [&str; 4] = ["text_only", "one_image", "two_images", "image_mid"];
+pub const CASES: [&str; 5] = ["text_only", "one_image", "two_images", "image_mid", "multi_turn"];
+/// The cases the MLX fixtures were generated with (`tools/hf-reference/generate-mlx`).
+pub const MLX_CASES: [&str; 4] = ["text_only", "one_image", "two_images", "image_mid"];
 
 pub fn goldens() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../goldens")

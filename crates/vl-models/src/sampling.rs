@@ -1,0 +1,245 @@
+//! Sampling, model-agnostic: options and their ranges, transformers' order of logits processors
+//! (repetition penalty, temperature, top-k, top-p, min-p), OpenAI's presence and frequency
+//! penalties, and the NaN/inf check that runs before every sampling step.
+
+use rand::rngs::StdRng;
+use rand::Rng;
+
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationOptions {
+    pub max_new_tokens: usize,
+    /// 0 means greedy.
+    pub temperature: f64,
+    /// 0 disables.
+    pub top_k: usize,
+    /// 1.0 disables.
+    pub top_p: f64,
+    /// 0.0 disables.
+    pub min_p: f64,
+    /// 1.0 disables; >1 discourages tokens already in the prompt or output.
+    pub repetition_penalty: f64,
+    /// OpenAI's: subtracted once from every token already generated (0 = off, in [-2, 2]).
+    pub presence_penalty: f64,
+    /// OpenAI's: subtracted per occurrence in the generated tokens (0 = off, in [-2, 2]).
+    pub frequency_penalty: f64,
+    pub seed: u64,
+    /// Generation stops after emitting one of these.
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl Default for GenerationOptions {
+    fn default() -> Self {
+        Self {
+            max_new_tokens: 256,
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: 0,
+            eos_token_ids: vec![],
+        }
+    }
+}
+
+impl GenerationOptions {
+    /// Checks every option's range; the message names the option and its value.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: &str, message: String| Err(Error::Input { what: what.into(), message });
+        if self.max_new_tokens == 0 {
+            return bad("max_new_tokens", "0: at least one token must be generated".into());
+        }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return bad("temperature", format!("{} must be a finite number >= 0 (0 = greedy)", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", format!("{} must be in (0, 1] (1 = off)", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", format!("{} must be in [0, 1] (0 = off)", self.min_p));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return bad(
+                "repetition_penalty",
+                format!("{} must be a finite number > 0 (1 = off)", self.repetition_penalty),
+            );
+        }
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !(v.is_finite() && (-2.0..=2.0).contains(&v)) {
+                return bad(name, format!("{v} must be in [-2, 2] (0 = off)"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// OpenAI's presence and frequency penalties over the tokens generated so far:
+/// `logit[t] -= presence * (count[t] > 0) + frequency * count[t]`.
+pub fn apply_presence_frequency(logits: &mut [f32], generated: &[u32], opts: &GenerationOptions) {
+    if opts.presence_penalty == 0.0 && opts.frequency_penalty == 0.0 {
+        return;
+    }
+    let mut counts: std::collections::HashMap<u32, usize> = Default::default();
+    for &t in generated {
+        *counts.entry(t).or_default() += 1;
+    }
+    for (t, c) in counts {
+        if let Some(x) = logits.get_mut(t as usize) {
+            *x -= (opts.presence_penalty + opts.frequency_penalty * c as f64) as f32;
+        }
+    }
+}
+
+/// Fails on NaN or infinite logits (broken weights or config values) instead of sampling junk.
+pub fn check_logits(logits: &[f32], step: usize) -> Result<()> {
+    if let Some(i) = logits.iter().position(|x| !x.is_finite()) {
+        let n = logits.iter().filter(|x| !x.is_finite()).count();
+        return Err(Error::NonFinite {
+            message: format!(
+                "the model produced {n} non-finite logits at generated position {step} (token {i}: {}); its weights \
+                 hold NaN/inf values or its config (rms_norm_eps, rope_theta) breaks the arithmetic",
+                logits[i]
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Picks the next token from f32 `logits` given the tokens seen so far.
+pub fn sample(logits: &[f32], seen: &[u32], opts: &GenerationOptions, rng: &mut StdRng) -> u32 {
+    let mut l: Vec<f32> = logits.to_vec();
+    if opts.repetition_penalty != 1.0 {
+        let p = opts.repetition_penalty as f32;
+        let mut done = std::collections::HashSet::new();
+        for &t in seen {
+            if done.insert(t) {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x = if *x < 0.0 { *x * p } else { *x / p };
+                }
+            }
+        }
+    }
+    if opts.temperature <= 0.0 {
+        return argmax(&l);
+    }
+    let t = opts.temperature as f32;
+    l.iter_mut().for_each(|x| *x /= t);
+    // Candidates sorted by logit, descending (ties by id, for determinism).
+    let mut idx: Vec<usize> = (0..l.len()).collect();
+    idx.sort_unstable_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+    if opts.top_k > 0 {
+        idx.truncate(opts.top_k.max(1));
+    }
+    let max = l[idx[0]];
+    let mut probs: Vec<f64> = idx.iter().map(|&i| ((l[i] - max) as f64).exp()).collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= total);
+    if opts.top_p < 1.0 {
+        let mut cum = 0.0;
+        let keep = probs
+            .iter()
+            .take_while(|&&p| {
+                let before = cum;
+                cum += p;
+                before < opts.top_p
+            })
+            .count()
+            .max(1);
+        idx.truncate(keep);
+        probs.truncate(keep);
+    }
+    if opts.min_p > 0.0 {
+        let floor = probs[0] * opts.min_p;
+        let keep = probs.iter().take_while(|&&p| p >= floor).count().max(1);
+        idx.truncate(keep);
+        probs.truncate(keep);
+    }
+    let total: f64 = probs.iter().sum();
+    let mut r = rng.random::<f64>() * total;
+    for (k, p) in probs.iter().enumerate() {
+        r -= p;
+        if r <= 0.0 {
+            return idx[k] as u32;
+        }
+    }
+    *idx.last().unwrap() as u32
+}
+
+fn argmax(l: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in l.iter().enumerate() {
+        if x > l[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    fn opts() -> GenerationOptions {
+        GenerationOptions { temperature: 1.0, ..Default::default() }
+    }
+
+    #[test]
+    fn greedy_takes_the_argmax_and_penalty_can_change_it() {
+        let mut rng = StdRng::seed_from_u64(0);
+        let l = [1.0, 3.0, 2.9];
+        assert_eq!(sample(&l, &[], &GenerationOptions::default(), &mut rng), 1);
+        // Penalty 2 on token 1: 3.0 / 2 = 1.5 < 2.9.
+        let o = GenerationOptions { repetition_penalty: 2.0, ..Default::default() };
+        assert_eq!(sample(&l, &[1], &o, &mut rng), 2);
+        // Negative logits are multiplied.
+        let o = GenerationOptions { repetition_penalty: 2.0, ..Default::default() };
+        assert_eq!(sample(&[-1.0, -1.5], &[0], &o, &mut rng), 1);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_follow_openai() {
+        let o = GenerationOptions { presence_penalty: 0.5, frequency_penalty: 0.25, ..Default::default() };
+        let mut l = [1.0f32, 1.0, 1.0];
+        apply_presence_frequency(&mut l, &[0, 0, 2], &o);
+        // token 0: 1 - 0.5 - 2 * 0.25 = 0; token 1 untouched; token 2: 1 - 0.5 - 0.25.
+        assert_eq!(l, [0.0, 1.0, 0.25]);
+        assert!(GenerationOptions { presence_penalty: 2.5, ..Default::default() }.validate().is_err());
+        assert!(GenerationOptions { frequency_penalty: f64::NAN, ..Default::default() }.validate().is_err());
+    }
+
+    #[test]
+    fn top_k_1_and_tiny_top_p_and_high_min_p_are_greedy() {
+        let l = [0.5, 0.2, 0.9, 0.1];
+        for o in [
+            GenerationOptions { top_k: 1, ..opts() },
+            GenerationOptions { top_p: 0.01, ..opts() },
+            GenerationOptions { min_p: 0.999, ..opts() },
+        ] {
+            let mut rng = StdRng::seed_from_u64(7);
+            for _ in 0..20 {
+                assert_eq!(sample(&l, &[], &o, &mut rng), 2, "{o:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn sampling_is_seeded_and_follows_the_distribution() {
+        let l = [0.0f32, (3.0f32).ln()]; // probabilities 1/4, 3/4
+        let draw = |seed| {
+            let mut rng = StdRng::seed_from_u64(seed);
+            (0..4000).map(|_| sample(&l, &[], &opts(), &mut rng)).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(3), draw(3));
+        let ones = draw(3).iter().filter(|&&t| t == 1).count() as f64 / 4000.0;
+        assert!((ones - 0.75).abs() < 0.03, "{ones}");
+        // top_k 2 keeps both; top_p 0.7 keeps only the 3/4 token.
+        let mut rng = StdRng::seed_from_u64(1);
+        let o = GenerationOptions { top_p: 0.7, ..opts() };
+        assert!((0..100).all(|_| sample(&l, &[], &o, &mut rng) == 1));
+    }
+}
