@@ -11,10 +11,10 @@ use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use vl_models::checkpoint::{encode_safetensors, RawTensor};
 use vl_models::limits::ImageLimits;
-use vl_models::qwen3_vl::plan::{Group, VISION_PREFIX};
-use vl_models::qwen3_vl::{
-    Content, GenerationOptions, ImageFile, Message, ModelDir, QuantLoad, Qwen3VlModel, StopReason, TextModel, VisionTower, Weights,
-};
+use vl_models::engine::{ChatMessage, Engine, EngineOptions, Finish, Part, Request};
+use vl_models::limits::LimitKind;
+use vl_models::qwen3_vl::weights::LoadProgress;
+use vl_models::qwen3_vl::{GenerationOptions, ImageProcessor, ModelDir, PreprocessorConfig, Weights};
 use vl_nn::QuantType;
 
 use crate::note;
@@ -204,111 +204,118 @@ impl Drop for LogitsOut {
 pub fn run(args: RunArgs) -> Result<()> {
     let t_start = Instant::now();
     // Flags first: a typo costs nothing.
-    let opts = GenerationOptions {
+    let options = GenerationOptions {
         max_new_tokens: args.max_new_tokens,
         temperature: args.temperature,
         top_k: args.top_k,
         top_p: args.top_p,
         min_p: args.min_p,
         repetition_penalty: args.repetition_penalty,
-        presence_penalty: 0.0,
-        frequency_penalty: 0.0,
         seed: args.seed,
-        eos_token_ids: vec![],
+        ..Default::default()
     };
-    opts.validate().map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;
+    options.validate().map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;
     let dev = device(args.device)?;
     let dtype = dtype(args.dtype, &dev);
     let dir = crate::hub::resolve(&args.model)?;
     let logits_out = args.logits_out.as_deref().map(LogitsOut::create).transpose()?;
+    // The pixel-budget flags, checked against the preprocessor before anything is loaded.
+    ImageProcessor::new(PreprocessorConfig::from_dir(&dir)?).with_pixel_budget(args.min_pixels, args.max_pixels).map_err(
+        |e| anyhow::anyhow!("{}", e.to_string().replace("min_pixels", "--min-pixels").replace("max_pixels", "--max-pixels")),
+    )?;
+    let limits = ImageLimits { max_file_bytes: args.max_image_bytes, max_pixels: args.max_image_pixels };
 
-    // Every file of the model directory is checked before a weight is read.
-    let ModelDir { config: cfg, weights, plan, mut processor, generation: gen_cfg, .. } = ModelDir::open(&dir)?;
-    let opts = GenerationOptions { eos_token_ids: gen_cfg.eos_token_ids.clone(), ..opts };
-    let quant = quant_for(args.quantize, &weights);
-    processor.images = processor.images.clone().with_pixel_budget(args.min_pixels, args.max_pixels).map_err(|e| {
-        anyhow::anyhow!("{}", e.to_string().replace("min_pixels", "--min-pixels").replace("max_pixels", "--max-pixels"))
-    })?;
-    processor.images.limits = ImageLimits { max_file_bytes: args.max_image_bytes, max_pixels: args.max_image_pixels };
-
+    // Image files within the byte limit; their headers, the prompt's length and every file of
+    // the model directory are checked by the engine before a weight is read.
+    let mut parts = Vec::with_capacity(args.images.len() + 1);
+    for p in &args.images {
+        let data = vl_models::limits::read_bytes(p, limits.max_file_bytes, LimitKind::ImageBytes).map_err(|e| match e {
+            vl_models::Error::Limit { message, kind, .. } => {
+                vl_models::Error::Limit { what: format!("image {}", p.display()), message, kind }
+            }
+            other => other,
+        })?;
+        parts.push(Part::Image { data, name: p.display().to_string(), min_pixels: None, max_pixels: None });
+    }
+    parts.push(Part::Text(args.prompt.clone()));
     let mut messages = Vec::new();
     if let Some(s) = &args.system {
-        messages.push(Message::text("system", s));
+        messages.push(ChatMessage::text("system", s));
     }
-    let mut content: Vec<Content> =
-        args.images.iter().map(|p| Content::Image { image: p.display().to_string() }).collect();
-    content.push(Content::Text { text: args.prompt.clone() });
-    messages.push(Message::new("user", content));
+    messages.push(ChatMessage { role: "user".into(), parts });
+    let req = Request { messages, options, stop: vec![] };
 
-    // Image headers, then the prompt's length, against the context before any pixel is decoded.
-    let files = args
-        .images
-        .iter()
-        .map(|p| ImageFile::open(p, &processor.images.limits))
-        .collect::<vl_models::Result<Vec<_>>>()?;
-    let tokens = files.iter().map(|f| processor.images.tokens_for(f)).collect::<vl_models::Result<Vec<_>>>()?;
-    let context = cfg.text.max_position_embeddings;
-    let prompt_len = processor.prompt_len(&messages, &tokens)?;
-    if prompt_len >= context {
-        bail!(
-            "the prompt is {prompt_len} tokens ({} from {} image(s)), longer than the model's context of {context} tokens; lower --max-pixels",
-            tokens.iter().sum::<usize>(),
-            tokens.len()
-        );
-    }
-    let images = files.iter().map(|f| processor.images.process_opened(f)).collect::<vl_models::Result<Vec<_>>>()?;
-    drop(files);
-    let prompt = processor.prepare(&messages, &images, &dev)?;
-    if prompt.input_ids.len() >= context {
-        bail!("the prompt is {} tokens, longer than the model's context of {context} tokens", prompt.input_ids.len());
-    }
+    // Every file of the model directory is checked before a weight is read.
+    let model_dir = ModelDir::open(&dir)?;
+    let quant = quant_for(args.quantize, &model_dir.weights);
+    let needed = model_dir.weights.entries().len() as u64;
+    let opts = EngineOptions {
+        dtype,
+        device: dev,
+        quant,
+        min_pixels: args.min_pixels,
+        max_pixels: args.max_pixels,
+        image_limits: limits,
+        image_cache_bytes: usize::MAX,
+        prefix_cache: false,
+    };
 
-    // Weights, with a progress bar on a terminal. The vision tower is loaded first, encodes the
-    // images and is released before the text weights are read: the two never peak together.
-    let needed = plan.iter().filter(|p| p.required && (prompt.images.is_some() || p.group != Group::Vision)).count();
+    // A progress bar on a terminal.
     let bar = std::io::stderr().is_terminal().then(|| {
-        let b = indicatif::ProgressBar::new(needed as u64);
+        let b = indicatif::ProgressBar::new(needed);
         b.set_style(
-            indicatif::ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors")
+            indicatif::ProgressStyle::with_template("loading {bar:40} {pos} tensors")
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         b
     });
     let progress_bar = bar.clone();
-    let progress: vl_models::qwen3_vl::weights::LoadProgress = Arc::new(move |_key: &str| {
+    let progress: LoadProgress = Arc::new(move |_key: &str| {
         if let Some(b) = &progress_bar {
             b.inc(1);
         }
     });
-    let vb = weights.var_builder(dtype, &dev, Some(progress));
-    let mut load_time = t_start.elapsed();
-    let mut vision_time = std::time::Duration::ZERO;
-    let vision_out = match &prompt.images {
-        Some(input) => {
-            let t = Instant::now();
-            let tower = VisionTower::load(&cfg.vision, vb.pp(VISION_PREFIX))?;
-            load_time += t.elapsed();
-            let t = Instant::now();
-            let out = tower.forward(&input.pixels, &input.grids)?;
-            vision_time = t.elapsed();
-            Some(out)
+
+    let mut stdout = std::io::stdout().lock();
+    let mut write_err: Option<std::io::Error> = None;
+    let mut started = false;
+    let before_load = t_start.elapsed();
+    let result = Engine::answer_once(model_dir, &args.model, opts, &req, Some(progress), &mut |piece| {
+        if !started {
+            started = true;
+            if let Some(b) = &bar {
+                b.finish_and_clear();
+            }
         }
-        None => None,
-    };
-    let t = Instant::now();
-    // Weights to be quantized are read in the checkpoint's own dtype (no f32 copy of a weight).
-    let quant_load = quant.map(|qtype| QuantLoad { qtype, read_as: weights.text_float_dtype() });
-    let text = TextModel::load_with(&cfg.text, cfg.tie_word_embeddings, vb, quant_load)?;
-    let storage = text.storage();
-    let model = Qwen3VlModel::from_parts(cfg, None, text);
-    // The weights are built: unmap the checkpoint.
-    drop(weights);
-    load_time += t.elapsed();
-    if let Some(b) = bar {
+        if args.json {
+            return true;
+        }
+        if let Err(e) = stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()) {
+            write_err = Some(e);
+            return false;
+        }
+        true
+    });
+    if let Some(b) = &bar {
         b.finish_and_clear();
     }
+    let shot = result.map_err(|e| match e {
+        vl_models::Error::Limit { what, message, .. } if what == "prompt" => {
+            if args.images.is_empty() {
+                anyhow::anyhow!("{message}")
+            } else {
+                anyhow::anyhow!("{message}; lower --max-pixels")
+            }
+        }
+        e @ (vl_models::Error::Input { .. } | vl_models::Error::Limit { .. }) => anyhow::Error::new(e),
+        other => anyhow::Error::new(other).context(format!("model {}", dir.display())),
+    })?;
+    if let Some(e) = write_err {
+        return Err(e).context("writing to stdout");
+    }
+    let c = &shot.completion;
     if let Some(q) = quant {
-        if storage.iter().all(|(_, s, _)| s != q.name()) {
+        if shot.storage.iter().all(|(_, s, _)| s != q.name()) {
             note!(
                 "note: --quantize {} applied to no tensor: every input dimension must be a multiple of {}; the weights stay {}",
                 q.name(),
@@ -317,98 +324,70 @@ pub fn run(args: RunArgs) -> Result<()> {
             );
         }
     }
-
-    let mut stream = processor.stream_decoder();
-    let mut stdout = std::io::stdout().lock();
-    let mut write_err: Option<std::io::Error> = None;
-    let mut first_token: Option<std::time::Duration> = None;
-    let gen = model
-        .generate_encoded(&prompt, vision_out.as_ref(), None, &opts, &mut |id| {
-            first_token.get_or_insert_with(|| t_start.elapsed());
-            if args.json || opts.eos_token_ids.contains(&id) {
-                return true;
-            }
-            if let Ok(Some(piece)) = stream.push(id) {
-                if let Err(e) = stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()) {
-                    write_err = Some(e);
-                    return false;
-                }
-            }
-            true
-        })
-        .with_context(|| format!("model {}", dir.display()))?;
-    if let Some(e) = write_err {
-        return Err(e).context("writing to stdout");
-    }
-    let text_ids: Vec<u32> = gen.tokens.iter().copied().filter(|t| !opts.eos_token_ids.contains(t)).collect();
-    let text = processor.decode(&text_ids, true)?;
     if !args.json {
-        if let Some(rest) = stream.finish()? {
-            write!(stdout, "{rest}").context("writing to stdout")?;
-        }
         writeln!(stdout).and_then(|_| stdout.flush()).context("writing to stdout")?;
     }
-
     if let Some(out) = logits_out {
-        out.write(&gen.first_logits.to_vec1::<f32>()?)?;
+        out.write(&c.first_logits)?;
     }
 
-    let n_img_tokens = prompt.input_ids.iter().filter(|&&t| t == model.config().image_token_id).count();
-    let prefill_s = gen.prefill_time.as_secs_f64();
-    let decode_s = gen.decode_time.as_secs_f64();
+    let prefill_s = c.prefill_time.as_secs_f64();
+    let decode_s = c.decode_time.as_secs_f64();
     // The first token comes from the prefill; the others from decode steps.
-    let decode_steps = gen.tokens.len().saturating_sub(1);
+    let decode_steps = c.token_ids.len().saturating_sub(1);
     let decode_tps = if decode_s > 0.0 { decode_steps as f64 / decode_s } else { 0.0 };
-    let prefill_tps = gen.prompt_tokens as f64 / prefill_s.max(1e-9);
-    let stop = match gen.stop {
-        StopReason::Eos => "eos",
-        StopReason::MaxTokens => "max_tokens",
-        StopReason::ContextFull => "context_full",
-        StopReason::Callback => "stopped",
+    let prefill_tps = c.prompt_tokens as f64 / prefill_s.max(1e-9);
+    let stop = match c.finish {
+        Finish::Stop => "eos",
+        Finish::Length => "max_tokens",
+        Finish::ContextFull => "context_full",
+        Finish::Cancelled => "stopped",
     };
+    // From process start (flags parsed) to the first generated token.
+    let ttft = (shot.generate_started - t_start + c.time_to_first_token).as_secs_f64();
     if args.json {
         let out = serde_json::json!({
             "model": dir.display().to_string(),
-            "text": text,
-            "token_ids": gen.tokens,
-            "prompt_tokens": gen.prompt_tokens,
-            "image_tokens": n_img_tokens,
-            "generated_tokens": gen.tokens.len(),
+            "text": c.text,
+            "token_ids": c.token_ids,
+            "prompt_tokens": c.prompt_tokens,
+            "image_tokens": c.image_tokens,
+            "generated_tokens": c.token_ids.len(),
             "stop_reason": stop,
             "dtype": format!("{dtype:?}").to_lowercase(),
             "device": format!("{:?}", args.device).to_lowercase(),
             // What was asked for, and what each tensor group got (a layer whose input dimension
-            // is not a multiple of the k-quant block stays dense).
+            // is not a multiple of the quant block stays dense).
             "quantization": quant.map(|q| q.name()),
-            "weights": storage
+            "weights": shot
+                .storage
                 .iter()
                 .map(|(group, storage, bytes)| serde_json::json!({"group": group, "storage": storage, "bytes": bytes}))
                 .collect::<Vec<_>>(),
             "timings": {
-                "load_s": load_time.as_secs_f64(),
-                "vision_s": vision_time.as_secs_f64(),
+                "load_s": (before_load + shot.load_time).as_secs_f64(),
+                "vision_s": shot.vision_time.as_secs_f64(),
                 "prefill_s": prefill_s,
                 "prefill_tokens_per_s": prefill_tps,
                 "decode_s": decode_s,
                 "decode_tokens_per_s": decode_tps,
-                // From process start (flags parsed) to the first generated token.
-                "time_to_first_token_s": first_token.map(|d| d.as_secs_f64()),
+                "time_to_first_token_s": ttft,
             },
-            "kv_cache_bytes": gen.cache_bytes,
+            "kv_cache_bytes": shot.kv_cache_bytes,
             "peak_rss_bytes": peak_rss(),
         });
         writeln!(stdout, "{out}").and_then(|_| stdout.flush()).context("writing to stdout")?;
     } else {
         note!(
             "[load {:.2}s | vision {:.2}s ({} images, {} tokens) | prefill {} tokens {:.2}s, {:.1} tok/s | decode {} tokens, {:.1} tok/s | stop: {stop} | peak RSS {}]",
-            load_time.as_secs_f64(),
-            vision_time.as_secs_f64(),
-            images.len(),
-            n_img_tokens,
-            gen.prompt_tokens,
+            (before_load + shot.load_time).as_secs_f64(),
+            shot.vision_time.as_secs_f64(),
+            args.images.len(),
+            c.image_tokens,
+            c.prompt_tokens,
             prefill_s,
             prefill_tps,
-            gen.tokens.len(),
+            c.token_ids.len(),
             decode_tps,
             peak_rss().map_or("n/a".into(), |b| format!("{:.0} MiB", b as f64 / 1048576.0)),
         );

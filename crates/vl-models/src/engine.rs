@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::limits::ImageLimits;
 use crate::sampling::{apply_presence_frequency, check_logits, sample};
 use crate::qwen3_vl::plan::VISION_PREFIX;
+use crate::qwen3_vl::weights::LoadProgress;
 use crate::qwen3_vl::{
     Content, GenerationOptions, ImageFile, Message, ModelDir, Processor, QuantLoad, Qwen3VlModel, TextCache,
     TextModel, VisionOutput, VisionTower,
@@ -269,114 +270,85 @@ impl Engine {
     /// decoded (returning `false` cancels).
     pub fn generate(&self, req: &Request, on_text: &mut dyn FnMut(&str) -> bool) -> Result<Completion> {
         let t0 = Instant::now();
-        let opts = GenerationOptions { eos_token_ids: self.eos.clone(), ..req.options.clone() };
-        opts.validate()?;
-        if req.messages.is_empty() {
-            return Err(Error::Input { what: "messages".into(), message: "no messages".into() });
-        }
-        if let Some(s) = req.stop.iter().find(|s| s.is_empty()) {
-            return Err(Error::Input { what: "stop".into(), message: format!("{s:?}: stop strings must not be empty") });
-        }
+        let (opts, prepared) = prepare(&self.processor, self.model.config(), &self.eos, &self.opts.device, req)?;
+        self.generate_prepared(&prepared, &opts, req, on_text, t0)
+    }
 
-        // Images: headers and budgets first, then the prompt length, then pixels.
-        let mut messages = Vec::with_capacity(req.messages.len());
-        let mut files = Vec::new();
-        for m in &req.messages {
-            let mut content = Vec::with_capacity(m.parts.len());
-            for p in &m.parts {
-                match p {
-                    Part::Text(t) => content.push(Content::Text { text: t.clone() }),
-                    Part::Image { data, name, min_pixels, max_pixels } => {
-                        let proc = self.image_processor(*min_pixels, *max_pixels)?;
-                        let file = ImageFile::from_bytes(data.clone(), Path::new(name), &proc.limits)?;
-                        content.push(Content::Image { image: name.clone() });
-                        files.push((file, proc, Sha256::digest(data)));
-                    }
-                }
-            }
-            messages.push(Message::new(&m.role, content));
-        }
-        let tokens: Vec<usize> = files.iter().map(|(f, p, _)| p.tokens_for(f)).collect::<Result<_>>()?;
-        let context = self.context();
-        let prompt_len = self.processor.prompt_len(&messages, &tokens)?;
-        if prompt_len >= context {
-            return Err(Error::Limit {
-                what: "prompt".into(),
-                message: format!(
-                    "{prompt_len} tokens ({} from {} image(s)) do not fit the model's context of {context} tokens",
-                    tokens.iter().sum::<usize>(),
-                    tokens.len()
-                ),
-                kind: crate::limits::LimitKind::Fixed,
-            });
-        }
-        let processed: Vec<_> = files.iter().map(|(f, p, _)| p.process_opened(f)).collect::<Result<_>>()?;
-        let keys: Vec<u64> = files
-            .iter()
-            .zip(&processed)
-            .map(|((_, _, h), img)| {
-                let mut k = [0u8; 8];
-                k.copy_from_slice(&h[..8]);
-                u64::from_le_bytes(k) ^ ((img.resized.0 as u64) << 32 | img.resized.1 as u64).rotate_left(17) | 1
-            })
-            .collect();
-        let prompt = self.processor.prepare(&messages, &processed, &self.opts.device)?;
-        let image_token = self.model.config().image_token_id;
-        let image_tokens = prompt.input_ids.iter().filter(|&&t| t == image_token).count();
-
-        // Identities: which image each placeholder run belongs to, in prompt order.
-        let mut ident: Vec<Identity> = Vec::with_capacity(prompt.input_ids.len());
-        let (mut img, mut in_run) = (0usize, false);
-        for &t in &prompt.input_ids {
-            if t == image_token {
-                if !in_run {
-                    in_run = true;
-                }
-                ident.push((t, keys.get(img).copied().unwrap_or(0)));
-            } else {
-                if in_run {
-                    img += 1;
-                    in_run = false;
-                }
-                ident.push((t, 0));
-            }
-        }
-
+    fn generate_prepared(
+        &self,
+        p: &Prepared,
+        opts: &GenerationOptions,
+        req: &Request,
+        on_text: &mut dyn FnMut(&str) -> bool,
+        t0: Instant,
+    ) -> Result<Completion> {
         let mut state = self.lock();
-        let result = self.generate_locked(&mut state, &prompt, &ident, &processed, &keys, &opts, req, on_text, t0);
+        let result = self.generate_locked(&mut state, &p.prompt, &p.ident, &p.processed, &p.keys, opts, req, on_text, t0);
         if result.is_err() {
             state.cache.reset();
             state.cached.clear();
         }
         result.map(|mut c| {
-            c.image_tokens = image_tokens;
+            c.image_tokens = p.image_tokens;
             c
         })
     }
 
-    fn image_processor(
-        &self,
-        min_pixels: Option<usize>,
-        max_pixels: Option<usize>,
-    ) -> Result<crate::qwen3_vl::ImageProcessor> {
-        let base = &self.processor.images;
-        let (lo, hi) = (base.config.min_pixels, base.config.max_pixels);
-        for (name, v) in [("min_pixels", min_pixels), ("max_pixels", max_pixels)] {
-            if let Some(v) = v {
-                if v < lo || v > hi {
-                    return Err(Error::Input {
-                        what: name.into(),
-                        message: format!("{v} is outside the server's image budget [{lo}, {hi}] pixels"),
-                    });
+    /// Answers one request from a cold start with the least memory, as `vl run` does: the
+    /// request is checked and its prompt length counted from the image headers before any
+    /// weight is read; the vision tower is loaded, encodes the images and is released before the
+    /// text weights are read (the two never peak together); the encoded images enter the image
+    /// cache, so the answer comes from `generate`'s own path. `model_dir` is the checked
+    /// directory (`ModelDir::open`); `progress(key)` is called per tensor loaded.
+    pub fn answer_once(
+        model_dir: ModelDir,
+        id: &str,
+        opts: EngineOptions,
+        req: &Request,
+        progress: Option<LoadProgress>,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<OneShot> {
+        let t0 = Instant::now();
+        let ModelDir { config, weights, mut processor, generation, .. } = model_dir;
+        processor.images = processor.images.clone().with_pixel_budget(opts.min_pixels, opts.max_pixels)?;
+        processor.images.limits = opts.image_limits;
+        let (gen_opts, prepared) = prepare(&processor, &config, &generation.eos_token_ids, &opts.device, req)?;
+        let vb = weights.var_builder(opts.dtype, &opts.device, progress);
+        let mut images =
+            ImageCache { limit: usize::MAX, bytes: 0, tick: 0, entries: HashMap::new() };
+        let mut vision_time = Duration::ZERO;
+        if !prepared.processed.is_empty() {
+            let tower = VisionTower::load(&config.vision, vb.pp(VISION_PREFIX))?;
+            let t = Instant::now();
+            for (img, &key) in prepared.processed.iter().zip(&prepared.keys) {
+                if images.entries.contains_key(&key) {
+                    continue;
                 }
+                let input = processor.images.batch(std::slice::from_ref(img), &opts.device)?;
+                images.put(key, &tower.forward(&input.pixels, &input.grids)?)?;
             }
+            vision_time = t.elapsed();
         }
-        if min_pixels.is_none() && max_pixels.is_none() {
-            return Ok(base.clone());
-        }
-        let mut p = base.clone().with_pixel_budget(min_pixels, max_pixels)?;
-        p.limits = base.limits;
-        Ok(p)
+        let quant = opts.quant.map(|qtype| QuantLoad { qtype, read_as: weights.text_float_dtype() });
+        let text = TextModel::load_with(&config.text, config.tie_word_embeddings, vb, quant)?;
+        let storage = text.storage();
+        // The weights are built: unmap the checkpoint.
+        drop(weights);
+        let model = Qwen3VlModel::from_parts(config, None, text);
+        let cache = model.new_cache();
+        let load_time = t0.elapsed() - vision_time;
+        let engine = Engine {
+            model,
+            processor,
+            eos: generation.eos_token_ids,
+            id: id.to_string(),
+            opts,
+            state: Mutex::new(State { cache, cached: Vec::new(), images }),
+        };
+        let generate_started = Instant::now();
+        let completion = engine.generate_prepared(&prepared, &gen_opts, req, on_text, generate_started)?;
+        let kv_cache_bytes = engine.stats().kv_cache_bytes;
+        Ok(OneShot { completion, load_time, vision_time, storage, kv_cache_bytes, generate_started })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -507,6 +479,134 @@ impl Engine {
             first_logits,
         })
     }
+}
+
+/// What `Engine::answer_once` did, for reports.
+#[derive(Debug, Clone)]
+pub struct OneShot {
+    pub completion: Completion,
+    /// Checking the directory and loading the weights (vision tower and text decoder), without
+    /// the vision encoding.
+    pub load_time: Duration,
+    /// Encoding the request's images.
+    pub vision_time: Duration,
+    /// (group, storage, bytes) of the text decoder's weights.
+    pub storage: Vec<(String, String, usize)>,
+    pub kv_cache_bytes: usize,
+    /// When generation (prefill) began; `time_to_first_token` counts from here.
+    pub generate_started: Instant,
+}
+
+/// A request checked, its images read and resized, its prompt tokenized.
+struct Prepared {
+    prompt: crate::qwen3_vl::Prompt,
+    ident: Vec<Identity>,
+    processed: Vec<crate::qwen3_vl::ProcessedImage>,
+    keys: Vec<u64>,
+    image_tokens: usize,
+}
+
+/// An image's cache key: its content hash and its resized size.
+fn image_key(hash: &[u8], resized: (usize, usize)) -> u64 {
+    let mut k = [0u8; 8];
+    k.copy_from_slice(&hash[..8]);
+    u64::from_le_bytes(k) ^ ((resized.0 as u64) << 32 | resized.1 as u64).rotate_left(17) | 1
+}
+
+/// The image processor for one image: the engine's, narrowed by the request's budget.
+fn image_processor(
+    base: &crate::qwen3_vl::ImageProcessor,
+    min_pixels: Option<usize>,
+    max_pixels: Option<usize>,
+) -> Result<crate::qwen3_vl::ImageProcessor> {
+    let (lo, hi) = (base.config.min_pixels, base.config.max_pixels);
+    for (name, v) in [("min_pixels", min_pixels), ("max_pixels", max_pixels)] {
+        if let Some(v) = v {
+            if v < lo || v > hi {
+                return Err(Error::Input {
+                    what: name.into(),
+                    message: format!("{v} is outside the server's image budget [{lo}, {hi}] pixels"),
+                });
+            }
+        }
+    }
+    if min_pixels.is_none() && max_pixels.is_none() {
+        return Ok(base.clone());
+    }
+    let mut p = base.clone().with_pixel_budget(min_pixels, max_pixels)?;
+    p.limits = base.limits;
+    Ok(p)
+}
+
+/// Checks a request and prepares its prompt: options, image headers and budgets, the prompt's
+/// length against the context (before any pixel is decoded), then pixels and tokens.
+fn prepare(
+    processor: &Processor,
+    config: &crate::qwen3_vl::Qwen3VlConfig,
+    eos: &[u32],
+    device: &Device,
+    req: &Request,
+) -> Result<(GenerationOptions, Prepared)> {
+    let opts = GenerationOptions { eos_token_ids: eos.to_vec(), ..req.options.clone() };
+    opts.validate()?;
+    if req.messages.is_empty() {
+        return Err(Error::Input { what: "messages".into(), message: "no messages".into() });
+    }
+    if let Some(s) = req.stop.iter().find(|s| s.is_empty()) {
+        return Err(Error::Input { what: "stop".into(), message: format!("{s:?}: stop strings must not be empty") });
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    let mut files = Vec::new();
+    for m in &req.messages {
+        let mut content = Vec::with_capacity(m.parts.len());
+        for p in &m.parts {
+            match p {
+                Part::Text(t) => content.push(Content::Text { text: t.clone() }),
+                Part::Image { data, name, min_pixels, max_pixels } => {
+                    let proc = image_processor(&processor.images, *min_pixels, *max_pixels)?;
+                    let file = ImageFile::from_bytes(data.clone(), Path::new(name), &proc.limits)?;
+                    content.push(Content::Image { image: name.clone() });
+                    files.push((file, proc, Sha256::digest(data)));
+                }
+            }
+        }
+        messages.push(Message::new(&m.role, content));
+    }
+    let tokens: Vec<usize> = files.iter().map(|(f, p, _)| p.tokens_for(f)).collect::<Result<_>>()?;
+    let context = config.text.max_position_embeddings;
+    let prompt_len = processor.prompt_len(&messages, &tokens)?;
+    if prompt_len >= context {
+        return Err(Error::Limit {
+            what: "prompt".into(),
+            message: format!(
+                "the prompt is {prompt_len} tokens ({} from {} image(s)), longer than the model's context of {context} tokens",
+                tokens.iter().sum::<usize>(),
+                tokens.len()
+            ),
+            kind: crate::limits::LimitKind::Fixed,
+        });
+    }
+    let processed: Vec<_> = files.iter().map(|(f, p, _)| p.process_opened(f)).collect::<Result<_>>()?;
+    let keys: Vec<u64> = files.iter().zip(&processed).map(|((_, _, h), img)| image_key(h, img.resized)).collect();
+    let prompt = processor.prepare(&messages, &processed, device)?;
+    let image_token = config.image_token_id;
+    let image_tokens = prompt.input_ids.iter().filter(|&&t| t == image_token).count();
+    // Identities: which image each placeholder run belongs to, in prompt order.
+    let mut ident: Vec<Identity> = Vec::with_capacity(prompt.input_ids.len());
+    let (mut img, mut in_run) = (0usize, false);
+    for &t in &prompt.input_ids {
+        if t == image_token {
+            in_run = true;
+            ident.push((t, keys.get(img).copied().unwrap_or(0)));
+        } else {
+            if in_run {
+                img += 1;
+                in_run = false;
+            }
+            ident.push((t, 0));
+        }
+    }
+    Ok((opts, Prepared { prompt, ident, processed, keys, image_tokens }))
 }
 
 /// Holds back text that may be the start of a stop string; cuts the answer at a stop string.
