@@ -1,34 +1,39 @@
-//! The library in a dozen lines: load a checkpoint, prepare a chat prompt with an image, stream a
-//! greedy reply. Run from the repository root:
+//! The library in a dozen lines: load a checkpoint into the resident engine, ask about an image,
+//! stream the greedy reply, then ask a follow-up that reuses the conversation's prefix. Run from
+//! the repository root:
 //!   cargo run --release -p vl-models --example describe -- goldens/tiny-a/checkpoint goldens/images/square.png
 
 use std::io::Write;
 use std::path::Path;
 
-use candle_core::{DType, Device};
-use vl_models::qwen3_vl::{Content, GenerationConfig, GenerationOptions, Message, Processor, Qwen3VlModel};
+use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request};
+use vl_models::qwen3_vl::GenerationOptions;
 
 fn main() -> vl_models::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let (dir, image) = (Path::new(&args[1]), Path::new(&args[2]));
-    let model = Qwen3VlModel::load(dir, DType::F32, &Device::Cpu)?;
-    let proc = Processor::from_dir(dir)?;
-    let img = proc.images.process_file(image)?;
-    let messages = [Message::new(
-        "user",
-        vec![Content::Image { image: args[2].clone() }, Content::Text { text: "Describe this image.".into() }],
-    )];
-    let prompt = proc.prepare(&messages, &[img], &Device::Cpu)?;
-    let eos = GenerationConfig::from_dir(dir, &[151_645])?.eos_token_ids;
-    let opts = GenerationOptions { max_new_tokens: 32, eos_token_ids: eos, ..Default::default() };
-    let mut stream = proc.stream_decoder();
-    let gen = model.generate(&prompt, &opts, &mut |id| {
-        if let Ok(Some(piece)) = stream.push(id) {
+    let (dir, image) = (Path::new(&args[1]), &args[2]);
+    let engine = Engine::load(dir, "describe", EngineOptions::default())?;
+    let data = std::fs::read(image).map_err(|e| vl_models::Error::Input { what: image.clone(), message: e.to_string() })?;
+    let mut messages = vec![ChatMessage {
+        role: "user".into(),
+        parts: vec![
+            Part::Image { data, name: image.clone(), min_pixels: None, max_pixels: None },
+            Part::Text("Describe this image.".into()),
+        ],
+    }];
+    let options = GenerationOptions { max_new_tokens: 32, ..Default::default() };
+    for follow_up in ["What stands out most?", ""] {
+        let req = Request { messages: messages.clone(), options: options.clone(), stop: vec![] };
+        let c = engine.generate(&req, &mut |piece| {
             print!("{piece}");
-            let _ = std::io::stdout().flush();
+            std::io::stdout().flush().is_ok()
+        })?;
+        println!("\n[{} prompt tokens, {} reused, {} generated]", c.prompt_tokens, c.cached_tokens, c.token_ids.len());
+        if follow_up.is_empty() {
+            break;
         }
-        true
-    })?;
-    println!("\n[{} prompt tokens, {} generated]", gen.prompt_tokens, gen.tokens.len());
+        messages.push(ChatMessage::text("assistant", &c.text));
+        messages.push(ChatMessage::text("user", follow_up));
+    }
     Ok(())
 }
