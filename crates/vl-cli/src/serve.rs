@@ -74,6 +74,13 @@ pub struct ServeArgs {
     /// Local image paths (and file:// URLs) are read only under this directory.
     #[arg(long)]
     allowed_media_dir: Option<PathBuf>,
+    /// Fetch http(s) image URLs (off by default: the server would make requests on clients'
+    /// behalf). Each fetch is bounded by --max-image-bytes and --remote-media-timeout.
+    #[arg(long)]
+    allow_remote_media: bool,
+    /// Seconds a remote image fetch may take in all.
+    #[arg(long, default_value_t = 20)]
+    remote_media_timeout: u64,
     /// Vision features kept for repeated images, in MiB (0 = off).
     #[arg(long, default_value_t = 256)]
     image_cache_mib: usize,
@@ -180,10 +187,13 @@ impl Metrics {
 struct App {
     id: String,
     created: u64,
-    jobs: std::sync::mpsc::SyncSender<Job>,
+    /// The queue's sending side; taken (closing the queue) when the server stops.
+    jobs: std::sync::Mutex<Option<std::sync::mpsc::SyncSender<Job>>>,
     context: usize,
     defaults: GenerationOptions,
     allowed_media_dir: Option<PathBuf>,
+    /// Some(timeout) when http(s) image URLs may be fetched.
+    remote_media: Option<Duration>,
     max_image_bytes: u64,
     max_body_bytes: usize,
     metrics: Metrics,
@@ -231,10 +241,11 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let app = Arc::new(App {
         id,
         created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
-        jobs,
+        jobs: std::sync::Mutex::new(Some(jobs)),
         context: engine.context(),
         defaults,
         allowed_media_dir,
+        remote_media: args.allow_remote_media.then(|| Duration::from_secs(args.remote_media_timeout.max(1))),
         max_image_bytes: args.max_image_bytes,
         max_body_bytes: args.max_body_bytes,
         metrics: Metrics::new(),
@@ -263,9 +274,12 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         note!("listening on http://{local}");
         axum::serve(listener, router).with_graceful_shutdown(shutdown_signal()).await
     })?;
+    // Close the queue: the worker finishes what is queued, then returns.
+    app.jobs.lock().unwrap_or_else(|p| p.into_inner()).take();
     drop(app);
     note!("stopping: finishing queued requests");
     let _ = worker.join();
+    note!("stopped");
     Ok(())
 }
 
@@ -409,7 +423,11 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
     let (tx, mut rx) = mpsc::unbounded_channel::<Msg>();
     let job = Job { req: parsed.req, tx, queued: Instant::now() };
     app.metrics.queue_depth.inc();
-    if let Err(e) = app.jobs.try_send(job) {
+    let sent = match app.jobs.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        Some(q) => q.try_send(job),
+        None => Err(std::sync::mpsc::TrySendError::Disconnected(job)),
+    };
+    if let Err(e) = sent {
         app.metrics.queue_depth.dec();
         return Err(match e {
             std::sync::mpsc::TrySendError::Full(_) => ApiError::with(
@@ -721,7 +739,32 @@ fn part(app: &App, p: &Value, at: &str) -> std::result::Result<Part, ApiError> {
     }
 }
 
-/// An image's bytes from a data URL or, under --allowed-media-dir, a local path.
+enum Fetch {
+    TooLarge(u64),
+    Failed(String),
+}
+
+/// GETs `url` within `timeout` in all and at most `max` bytes (an announced or actual larger
+/// body is refused without reading it all).
+fn fetch(url: &str, timeout: Duration, max: u64) -> std::result::Result<Vec<u8>, Fetch> {
+    use std::io::Read;
+    let agent = ureq::AgentBuilder::new().timeout(timeout).redirects(3).build();
+    let resp = agent.get(url).call().map_err(|e| Fetch::Failed(e.to_string()))?;
+    if let Some(n) = resp.header("content-length").and_then(|v| v.parse::<u64>().ok()) {
+        if n > max {
+            return Err(Fetch::TooLarge(n));
+        }
+    }
+    let mut data = Vec::new();
+    resp.into_reader().take(max + 1).read_to_end(&mut data).map_err(|e| Fetch::Failed(e.to_string()))?;
+    if data.len() as u64 > max {
+        return Err(Fetch::TooLarge(data.len() as u64));
+    }
+    Ok(data)
+}
+
+/// An image's bytes from a data URL, an http(s) URL (with --allow-remote-media) or, under
+/// --allowed-media-dir, a local path.
 fn image_bytes(app: &App, url: &str, at: &str) -> std::result::Result<(Vec<u8>, String), ApiError> {
     let too_big = |n: u64| {
         ApiError::with(
@@ -745,9 +788,18 @@ fn image_bytes(app: &App, url: &str, at: &str) -> std::result::Result<(Vec<u8>, 
         return Ok((data, format!("{at} (data URL)")));
     }
     if url.starts_with("http://") || url.starts_with("https://") {
-        return Err(ApiError::bad(format!(
-            "`{at}`: remote image URLs are not fetched by this server; send the image as a base64 data URL"
-        )));
+        let Some(timeout) = app.remote_media else {
+            return Err(ApiError::bad(format!(
+                "`{at}`: remote image URLs are disabled; start the server with --allow-remote-media or send a base64 data URL"
+            )));
+        };
+        // A blocking fetch on this worker thread (the runtime keeps serving on the other).
+        let data = tokio::task::block_in_place(|| fetch(url, timeout, app.max_image_bytes))
+            .map_err(|e| match e {
+                Fetch::TooLarge(n) => too_big(n),
+                Fetch::Failed(m) => ApiError::bad(format!("`{at}`: cannot fetch {url}: {m}")),
+            })?;
+        return Ok((data, url.to_string()));
     }
     let path = url.strip_prefix("file://").unwrap_or(url);
     let Some(root) = &app.allowed_media_dir else {

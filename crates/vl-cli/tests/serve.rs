@@ -320,3 +320,91 @@ fn concurrent_clients_overload_and_disconnects() {
     println!("the abandoned stream generated {abandoned} tokens");
     assert!(abandoned < 1000, "the abandoned stream generated {abandoned} tokens");
 }
+
+/// A one-thread HTTP server on a free loopback port: `/square.png` is the golden image, `/big`
+/// announces a gigabyte. Serves `n` connections, then stops.
+fn media_server(n: usize) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let png = std::fs::read(goldens().join("images/square.png")).unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().take(n) {
+            let Ok(mut c) = conn else { continue };
+            c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut req = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                match c.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(k) => req.extend_from_slice(&buf[..k]),
+                }
+            }
+            let head = String::from_utf8_lossy(&req);
+            if head.starts_with("GET /square.png") {
+                let _ = write!(c, "HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", png.len());
+                let _ = c.write_all(&png);
+            } else {
+                let _ = write!(c, "HTTP/1.1 200 OK\r\nContent-Length: 1000000000\r\nConnection: close\r\n\r\n");
+            }
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[test]
+fn remote_images_only_when_allowed_and_within_limits() {
+    let g = "tiny-a";
+    let media = media_server(2);
+    let s = start(g, &["--allow-remote-media", "--remote-media-timeout", "30"]);
+    let (want, n, prompt) = golden(g);
+    let body = |url: String| {
+        json!({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "Describe this image."}]}], "max_tokens": n})
+        .to_string()
+    };
+    let (st, v) = post(&s, "/v1/chat/completions", &body(format!("{media}/square.png")));
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+    assert_eq!(v["usage"]["prompt_tokens"], prompt);
+    let (st, b) = post(&s, "/v1/chat/completions", &body(format!("{media}/big")));
+    assert_error(st, &b, 413, "1000000000 bytes");
+    // Nothing listens on the media server's port any more: a clear 400.
+    let (st, b) = post(&s, "/v1/chat/completions", &body(format!("{media}/square.png")));
+    assert_error(st, &b, 400, "cannot fetch");
+}
+
+#[test]
+fn sigterm_lets_the_running_answer_finish_then_exits() {
+    let g = "tiny-a";
+    let mut s = start(g, &[]);
+    let (want, _, _) = golden(g);
+    // A long answer (1500 tokens, seconds on the tiny model), so SIGTERM arrives mid-generation.
+    let long = 1500;
+    std::thread::scope(|sc| {
+        let running = sc.spawn(|| post(&s, "/v1/chat/completions", &one_image(g, long, json!({})).to_string()));
+        let t = Instant::now();
+        loop {
+            let (_, m) = get(&s, "/metrics");
+            if m.contains("vl_requests_running 1") {
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "the request never started");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+        let (st, v) = running.join().unwrap();
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], long, "the running answer was cut short");
+        assert!(v["choices"][0]["message"]["content"].as_str().unwrap().starts_with(want.as_str()));
+    });
+    let t = Instant::now();
+    let status = loop {
+        if let Some(st) = s.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "the server did not exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "exit status {status}");
+}
