@@ -544,7 +544,9 @@ fn usage(c: &Completion) -> Value {
         "prompt_tokens": c.prompt_tokens,
         "completion_tokens": c.token_ids.len(),
         "total_tokens": c.prompt_tokens + c.token_ids.len(),
-        "prompt_tokens_details": {"cached_tokens": c.cached_tokens},
+        // `image_tokens` is ours (OpenAI has no such field; clients ignore it): the prompt
+        // tokens that stand for images, after each image's pixel budget.
+        "prompt_tokens_details": {"cached_tokens": c.cached_tokens, "image_tokens": c.image_tokens},
     })
 }
 

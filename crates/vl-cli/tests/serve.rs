@@ -169,6 +169,8 @@ fn answers_stream_and_report_usage_like_the_reference() {
     assert_eq!(v["usage"]["completion_tokens"], n);
     assert_eq!(v["usage"]["total_tokens"], prompt + n);
     assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // square.png, 128x128: 8x8 patches merged 2x2.
+    assert_eq!(v["usage"]["prompt_tokens_details"]["image_tokens"], 16);
 
     let lines = stream(&s, &one_image(g, n, json!({"stream": true, "stream_options": {"include_usage": true}})));
     assert_eq!(lines.last().map(String::as_str), Some("[DONE]"));
@@ -186,6 +188,14 @@ fn answers_stream_and_report_usage_like_the_reference() {
     // The second identical prompt reuses all but its last position.
     assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], prompt - 1);
 
+    // A per-image budget within the server's: 64x64 pixels, 2x2 merged tokens.
+    let small = json!({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url("square.png")}, "max_pixels": 4096},
+        {"type": "text", "text": "Describe this image."}]}], "max_tokens": 1});
+    let (status, v) = post(&s, "/v1/chat/completions", &small.to_string());
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens_details"]["image_tokens"], 4);
+    assert_eq!(v["usage"]["prompt_tokens"], prompt - 12);
     let (status, models) = get(&s, "/v1/models");
     assert_eq!(status, 200);
     let models: Value = serde_json::from_str(&models).unwrap();
@@ -193,8 +203,8 @@ fn answers_stream_and_report_usage_like_the_reference() {
     assert_eq!(get(&s, "/health").0, 200);
     let (status, metrics) = get(&s, "/metrics");
     assert_eq!(status, 200);
-    assert!(metrics.contains("vl_requests_total{status=\"200\"} 2"), "{metrics}");
-    assert!(metrics.contains(&format!("vl_completion_tokens_total {}", 2 * n)), "{metrics}");
+    assert!(metrics.contains("vl_requests_total{status=\"200\"} 3"), "{metrics}");
+    assert!(metrics.contains(&format!("vl_completion_tokens_total {}", 2 * n + 1)), "{metrics}");
     assert!(metrics.contains("vl_image_cache_hits_total 1"), "{metrics}");
     assert!(metrics.contains("vl_queue_depth 0"), "{metrics}");
 }
