@@ -212,7 +212,14 @@ impl Engine {
         processor.images = processor.images.clone().with_pixel_budget(opts.min_pixels, opts.max_pixels)?;
         processor.images.limits = opts.image_limits;
         let vb = weights.var_builder(opts.dtype, &opts.device, None);
-        let vision = VisionTower::load(&config.vision, vb.pp(VISION_PREFIX))?;
+        // Resident for every request: a bf16/f16 checkpoint's vision weights stay in that dtype
+        // and are upcast block by block when computing in f32 (exact; half the memory).
+        let stored = if opts.dtype == DType::F32 { weights.vision_float_dtype() } else { opts.dtype };
+        let vision = VisionTower::load_stored(
+            &config.vision,
+            weights.var_builder(stored, &opts.device, None).pp(VISION_PREFIX),
+            opts.dtype,
+        )?;
         let quant = opts.quant.map(|qtype| QuantLoad { qtype, read_as: weights.text_float_dtype() });
         let text = TextModel::load_with(&config.text, config.tie_word_embeddings, vb, quant)?;
         drop(weights);

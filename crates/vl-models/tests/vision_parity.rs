@@ -169,3 +169,27 @@ fn deepstack_levels_follow_block_order_not_merger_order() {
         assert_eq!(d, 0.0, "level {level} should be merger {merger}'s output");
     }
 }
+
+#[test]
+fn bf16_stored_weights_upcast_per_block_equal_the_f32_load_exactly() {
+    // tiny-b is stored in bf16: keeping its vision weights in bf16 and upcasting each block for
+    // its forward is the same arithmetic as loading them as f32 (the upcast is exact).
+    let (cfg, ck) = checkpoint("tiny-b");
+    assert_eq!(ck.vision_float_dtype(), DType::BF16);
+    let full = tower("tiny-b", DType::F32);
+    let stored =
+        VisionTower::load_stored(&cfg.vision, ck.var_builder(DType::BF16, &Device::Cpu, None).pp("model.visual"), DType::F32)
+            .unwrap();
+    for probe in ["square", "odd"] {
+        let p = load(&goldens().join("processor").join(format!("{probe}.safetensors")));
+        let grids = grids(&p["image_grid_thw"]);
+        let a = full.forward(&p["pixel_values"], &grids).unwrap();
+        let b = stored.forward(&p["pixel_values"], &grids).unwrap();
+        assert_eq!(max_abs_diff(&a.merged[0], &b.merged[0]), 0.0, "{probe}: merged");
+        for (x, y) in a.deepstack.iter().zip(&b.deepstack) {
+            assert_eq!(max_abs_diff(&x[0], &y[0]), 0.0, "{probe}: deepstack");
+        }
+    }
+    // tiny-a is stored in f32: nothing to keep smaller.
+    assert_eq!(checkpoint("tiny-a").1.vision_float_dtype(), DType::F32);
+}

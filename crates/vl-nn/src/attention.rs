@@ -27,6 +27,15 @@ impl SegmentRotaryAttention {
         Self { qkv, proj, num_heads, head_dim, query_block: DEFAULT_QUERY_BLOCK }
     }
 
+    /// The same layer with its weights in `dtype` (stored weights upcast for a forward).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        Ok(Self {
+            qkv: crate::linear::cast_linear(&self.qkv, dtype)?,
+            proj: crate::linear::cast_linear(&self.proj, dtype)?,
+            ..self.clone()
+        })
+    }
+
     /// Rows of queries processed at once (the memory/speed trade-off), at least 1.
     pub fn with_query_block(mut self, rows: usize) -> Self {
         self.query_block = rows.max(1);

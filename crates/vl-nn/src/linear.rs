@@ -181,6 +181,21 @@ pub fn prepare_all(layers: &[&QLinear]) -> Result<()> {
     Ok(())
 }
 
+/// `l` with its weight and bias in `dtype` (e.g. bf16-stored weights upcast for an f32 forward).
+pub fn cast_linear(l: &Linear, dtype: DType) -> Result<Linear> {
+    Ok(Linear::new(l.weight().to_dtype(dtype)?, l.bias().map(|b| b.to_dtype(dtype)).transpose()?))
+}
+
+/// `n` with its parameters in `dtype`.
+pub fn cast_layer_norm(n: &candle_nn::LayerNorm, dtype: DType) -> Result<candle_nn::LayerNorm> {
+    let w = n.weight().to_dtype(dtype)?;
+    Ok(match (n.bias(), n.remove_mean()) {
+        (_, false) => candle_nn::LayerNorm::rms_norm(w, n.eps()),
+        (Some(b), true) => candle_nn::LayerNorm::new(w, b.to_dtype(dtype)?, n.eps()),
+        (None, true) => candle_nn::LayerNorm::new_no_bias(w, n.eps()),
+    })
+}
+
 /// A linear layer, dense or quantized.
 #[derive(Debug, Clone)]
 pub enum QLinear {

@@ -22,6 +22,16 @@ impl PatchMerger {
         Self { norm, fc1, fc2, unit, postshuffle_norm }
     }
 
+    /// The same merger with its weights in `dtype`.
+    pub fn to_dtype(&self, dtype: candle_core::DType) -> crate::Result<Self> {
+        Ok(Self {
+            norm: crate::linear::cast_layer_norm(&self.norm, dtype)?,
+            fc1: crate::linear::cast_linear(&self.fc1, dtype)?,
+            fc2: crate::linear::cast_linear(&self.fc2, dtype)?,
+            ..self.clone()
+        })
+    }
+
     /// `x`: [rows, hidden] with rows a multiple of `unit`; returns [rows / unit, out].
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (rows, hidden) = x.dims2()?;

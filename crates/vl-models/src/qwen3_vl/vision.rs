@@ -65,6 +65,17 @@ impl VisionBlock {
         })
     }
 
+    fn to_dtype(&self, d: DType) -> Result<Self> {
+        use vl_nn::linear::{cast_layer_norm, cast_linear};
+        Ok(Self {
+            norm1: cast_layer_norm(&self.norm1, d)?,
+            norm2: cast_layer_norm(&self.norm2, d)?,
+            attn: self.attn.to_dtype(d)?,
+            fc1: cast_linear(&self.fc1, d)?,
+            fc2: cast_linear(&self.fc2, d)?,
+        })
+    }
+
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cu: &[usize]) -> Result<Tensor> {
         let x = (x + self.attn.forward(&self.norm1.forward(x)?, cos, sin, cu)?)?;
         let mlp = self.fc2.forward(&self.fc1.forward(&self.norm2.forward(&x)?)?.gelu()?)?;
@@ -92,13 +103,26 @@ pub struct VisionTower {
     blocks: Vec<VisionBlock>,
     merger: PatchMerger,
     deepstack: Vec<PatchMerger>,
+    /// Compute dtype.
     dtype: DType,
+    /// Dtype the blocks and mergers are kept in; when it differs from `dtype` each is upcast
+    /// for its forward only (e.g. bf16 weights of a bf16 checkpoint, computed in f32: exact,
+    /// half the resident memory).
+    stored: DType,
     device: Device,
 }
 
 impl VisionTower {
     /// `vb` points at the tower's prefix (`model.visual`).
     pub fn load(cfg: &VisionConfig, vb: VarBuilder) -> Result<Self> {
+        let d = vb.dtype();
+        Self::load_stored(cfg, vb, d)
+    }
+
+    /// Loads the blocks and mergers in `vb`'s dtype (their storage) and computes in `compute`:
+    /// each is upcast for its own forward only. The patch embedding and position table (small)
+    /// are kept in `compute`.
+    pub fn load_stored(cfg: &VisionConfig, vb: VarBuilder, compute: DType) -> Result<Self> {
         let h = cfg.hidden_size;
         let (c, t, p) = (cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size);
         let w = vb.get((h, c, t, p, p), "patch_embed.proj.weight")?.reshape((h, cfg.patch_row_len()))?;
@@ -110,14 +134,23 @@ impl VisionTower {
             .collect::<Result<_>>()?;
         Ok(Self {
             cfg: cfg.clone(),
-            patch_embed: Linear::new(w, Some(b)),
-            pos_embed: vb.get((cfg.num_position_embeddings, h), "pos_embed.weight")?,
+            patch_embed: Linear::new(w.to_dtype(compute)?, Some(b.to_dtype(compute)?)),
+            pos_embed: vb.get((cfg.num_position_embeddings, h), "pos_embed.weight")?.to_dtype(compute)?,
             rope: TwoAxisRope::new(cfg.head_dim(), cfg.rope_theta),
             blocks,
             merger: merger(cfg, false, vb.pp("merger"))?,
             deepstack,
-            dtype: vb.dtype(),
+            dtype: compute,
+            stored: vb.dtype(),
             device: vb.device().clone(),
+        })
+    }
+
+    fn merger_in_compute<'a>(&self, m: &'a PatchMerger) -> Result<std::borrow::Cow<'a, PatchMerger>> {
+        Ok(if self.stored == self.dtype {
+            std::borrow::Cow::Borrowed(m)
+        } else {
+            std::borrow::Cow::Owned(m.to_dtype(self.dtype)?)
         })
     }
 
@@ -170,16 +203,20 @@ impl VisionTower {
         let mut x = x;
         let mut deepstack = Vec::with_capacity(self.deepstack.len());
         for (i, block) in self.blocks.iter().enumerate() {
-            x = block.forward(&x, &cos, &sin, &cu)?;
+            x = if self.stored == self.dtype {
+                block.forward(&x, &cos, &sin, &cu)?
+            } else {
+                block.to_dtype(self.dtype)?.forward(&x, &cos, &sin, &cu)?
+            };
             trace(&format!("block.{i}"), &x);
             if let Some(j) = self.cfg.deepstack_visual_indexes.iter().position(|&d| d == i) {
-                let f = self.deepstack[j].forward(&x)?;
+                let f = self.merger_in_compute(&self.deepstack[j])?.forward(&x)?;
                 trace(&format!("deepstack.{j}"), &f);
                 // Levels in block order, as the reference appends them (not in merger-index order).
                 deepstack.push(f);
             }
         }
-        let merged = self.merger.forward(&x)?;
+        let merged = self.merger_in_compute(&self.merger)?.forward(&x)?;
         trace("merged", &merged);
         let sizes: Vec<usize> = grids.iter().map(|g| self.merged_len(g)).collect();
         Ok(VisionOutput {

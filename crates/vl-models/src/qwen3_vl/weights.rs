@@ -230,7 +230,17 @@ impl Weights {
     /// weight is stored so, plainly), else f32: what weights are read in before quantization,
     /// so that no wider copy is made and no precision is lost.
     pub fn text_float_dtype(&self) -> DType {
-        let prefix = format!("{}.", super::plan::TEXT_PREFIX);
+        self.float_dtype_under(super::plan::TEXT_PREFIX)
+    }
+
+    /// Like `text_float_dtype`, for the vision tower: what its weights can be kept in when they
+    /// are computed in f32 (`VisionTower::load_stored`; exact for a bf16 checkpoint).
+    pub fn vision_float_dtype(&self) -> DType {
+        self.float_dtype_under(super::plan::VISION_PREFIX)
+    }
+
+    fn float_dtype_under(&self, prefix: &str) -> DType {
+        let prefix = format!("{prefix}.");
         let mut kinds = self
             .entries
             .iter()
