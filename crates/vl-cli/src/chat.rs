@@ -134,7 +134,12 @@ pub fn chat(args: ChatArgs) -> Result<()> {
                     let path = PathBuf::from(arg);
                     match vl_models::limits::read_bytes(&path, limits.max_file_bytes, LimitKind::ImageBytes) {
                         Ok(data) => {
-                            pending.push(Part::Image { data, name: arg.to_string(), min_pixels: None, max_pixels: None });
+                            pending.push(Part::Image {
+                                data,
+                                name: arg.to_string(),
+                                min_pixels: None,
+                                max_pixels: None,
+                            });
                             note!("(image {arg} attached to the next message)");
                         }
                         Err(e) => note!("error: {arg}: {e}"),
@@ -149,13 +154,14 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         history.push(ChatMessage { role: "user".into(), parts });
         let req = Request { messages: history.clone(), options: options.clone(), stop: vec![] };
         let mut write_err = None;
-        let result = engine.generate(&req, &mut |piece| match out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
-            Ok(()) => true,
-            Err(e) => {
-                write_err = Some(e);
-                false
-            }
-        });
+        let result =
+            engine.generate(&req, &mut |piece| match out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+                Ok(()) => true,
+                Err(e) => {
+                    write_err = Some(e);
+                    false
+                }
+            });
         if let Some(e) = write_err {
             return Err(e).context("writing to stdout");
         }

@@ -10,8 +10,8 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use vl_models::checkpoint::{encode_safetensors, RawTensor};
-use vl_models::limits::ImageLimits;
 use vl_models::engine::{ChatMessage, Engine, EngineOptions, Finish, Part, Request};
+use vl_models::limits::ImageLimits;
 use vl_models::limits::LimitKind;
 use vl_models::qwen3_vl::weights::LoadProgress;
 use vl_models::qwen3_vl::{GenerationOptions, ImageProcessor, ModelDir, PreprocessorConfig, Weights};
@@ -220,21 +220,27 @@ pub fn run(args: RunArgs) -> Result<()> {
     let dir = crate::hub::resolve(&args.model)?;
     let logits_out = args.logits_out.as_deref().map(LogitsOut::create).transpose()?;
     // The pixel-budget flags, checked against the preprocessor before anything is loaded.
-    ImageProcessor::new(PreprocessorConfig::from_dir(&dir)?).with_pixel_budget(args.min_pixels, args.max_pixels).map_err(
-        |e| anyhow::anyhow!("{}", e.to_string().replace("min_pixels", "--min-pixels").replace("max_pixels", "--max-pixels")),
-    )?;
+    ImageProcessor::new(PreprocessorConfig::from_dir(&dir)?)
+        .with_pixel_budget(args.min_pixels, args.max_pixels)
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "{}",
+                e.to_string().replace("min_pixels", "--min-pixels").replace("max_pixels", "--max-pixels")
+            )
+        })?;
     let limits = ImageLimits { max_file_bytes: args.max_image_bytes, max_pixels: args.max_image_pixels };
 
     // Image files within the byte limit; their headers, the prompt's length and every file of
     // the model directory are checked by the engine before a weight is read.
     let mut parts = Vec::with_capacity(args.images.len() + 1);
     for p in &args.images {
-        let data = vl_models::limits::read_bytes(p, limits.max_file_bytes, LimitKind::ImageBytes).map_err(|e| match e {
-            vl_models::Error::Limit { message, kind, .. } => {
-                vl_models::Error::Limit { what: format!("image {}", p.display()), message, kind }
-            }
-            other => other,
-        })?;
+        let data =
+            vl_models::limits::read_bytes(p, limits.max_file_bytes, LimitKind::ImageBytes).map_err(|e| match e {
+                vl_models::Error::Limit { message, kind, .. } => {
+                    vl_models::Error::Limit { what: format!("image {}", p.display()), message, kind }
+                }
+                other => other,
+            })?;
         parts.push(Part::Image { data, name: p.display().to_string(), min_pixels: None, max_pixels: None });
     }
     parts.push(Part::Text(args.prompt.clone()));

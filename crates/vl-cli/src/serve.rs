@@ -476,7 +476,12 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
                 }
             }
             msg = rx.recv().await.ok_or_else(|| {
-                ApiError::with(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error", "the engine stopped")
+                ApiError::with(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    "internal_error",
+                    "the engine stopped",
+                )
             })?;
         }
     }
@@ -536,7 +541,9 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
         let line = out.recv().await?;
         Some((Ok::<_, std::convert::Infallible>(Event::default().data(line)), out))
     });
-    Ok(Sse::new(stream).keep_alive(axum::response::sse::KeepAlive::new().interval(Duration::from_secs(15))).into_response())
+    Ok(Sse::new(stream)
+        .keep_alive(axum::response::sse::KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response())
 }
 
 fn usage(c: &Completion) -> Value {
@@ -667,7 +674,11 @@ fn parse_request(app: &App, v: &Value) -> std::result::Result<Parsed, ApiError> 
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(a)) => a
             .iter()
-            .map(|s| s.as_str().map(String::from).ok_or_else(|| ApiError::bad("`stop` must be a string or a list of strings")))
+            .map(|s| {
+                s.as_str()
+                    .map(String::from)
+                    .ok_or_else(|| ApiError::bad("`stop` must be a string or a list of strings"))
+            })
             .collect::<std::result::Result<_, _>>()?,
         Some(_) => return Err(ApiError::bad("`stop` must be a string or a list of strings")),
     };
@@ -709,18 +720,23 @@ fn parse_request(app: &App, v: &Value) -> std::result::Result<Parsed, ApiError> 
 }
 
 fn part(app: &App, p: &Value, at: &str) -> std::result::Result<Part, ApiError> {
-    let kind = p.get("type").and_then(Value::as_str).ok_or_else(|| ApiError::bad(format!("`{at}.type` must be a string")))?;
+    let kind =
+        p.get("type").and_then(Value::as_str).ok_or_else(|| ApiError::bad(format!("`{at}.type` must be a string")))?;
     match kind {
         "text" => Ok(Part::Text(
-            p.get("text").and_then(Value::as_str).ok_or_else(|| ApiError::bad(format!("`{at}.text` must be a string")))?.into(),
+            p.get("text")
+                .and_then(Value::as_str)
+                .ok_or_else(|| ApiError::bad(format!("`{at}.text` must be a string")))?
+                .into(),
         )),
         "image_url" | "image" => {
             let iu = p.get("image_url").or_else(|| p.get("image"));
             let url = match iu {
                 Some(Value::String(s)) => s.as_str(),
-                Some(o @ Value::Object(_)) => {
-                    o.get("url").and_then(Value::as_str).ok_or_else(|| ApiError::bad(format!("`{at}.image_url.url` must be a string")))?
-                }
+                Some(o @ Value::Object(_)) => o
+                    .get("url")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| ApiError::bad(format!("`{at}.image_url.url` must be a string")))?,
                 _ => return Err(ApiError::bad(format!("`{at}.image_url` must be an object with a `url`"))),
             };
             let budget = |name: &str| -> std::result::Result<Option<usize>, ApiError> {
@@ -777,7 +793,8 @@ fn image_bytes(app: &App, url: &str, at: &str) -> std::result::Result<(Vec<u8>, 
         )
     };
     if let Some(rest) = url.strip_prefix("data:") {
-        let (meta, payload) = rest.split_once(',').ok_or_else(|| ApiError::bad(format!("`{at}`: malformed data URL")))?;
+        let (meta, payload) =
+            rest.split_once(',').ok_or_else(|| ApiError::bad(format!("`{at}`: malformed data URL")))?;
         if !meta.ends_with(";base64") {
             return Err(ApiError::bad(format!("`{at}`: only base64 data URLs are supported")));
         }
@@ -796,11 +813,10 @@ fn image_bytes(app: &App, url: &str, at: &str) -> std::result::Result<(Vec<u8>, 
             )));
         };
         // A blocking fetch on this worker thread (the runtime keeps serving on the other).
-        let data = tokio::task::block_in_place(|| fetch(url, timeout, app.max_image_bytes))
-            .map_err(|e| match e {
-                Fetch::TooLarge(n) => too_big(n),
-                Fetch::Failed(m) => ApiError::bad(format!("`{at}`: cannot fetch {url}: {m}")),
-            })?;
+        let data = tokio::task::block_in_place(|| fetch(url, timeout, app.max_image_bytes)).map_err(|e| match e {
+            Fetch::TooLarge(n) => too_big(n),
+            Fetch::Failed(m) => ApiError::bad(format!("`{at}`: cannot fetch {url}: {m}")),
+        })?;
         return Ok((data, url.to_string()));
     }
     let path = url.strip_prefix("file://").unwrap_or(url);
@@ -820,9 +836,10 @@ fn image_bytes(app: &App, url: &str, at: &str) -> std::result::Result<(Vec<u8>, 
             format!("`{at}`: {path} is outside the allowed media directory"),
         ));
     }
-    let data = vl_models::limits::read_bytes(&real, app.max_image_bytes, LimitKind::ImageBytes).map_err(|e| match e {
-        vl_models::Error::Limit { .. } => too_big(std::fs::metadata(&real).map_or(0, |m| m.len())),
-        other => ApiError::bad(format!("`{at}`: {other}")),
-    })?;
+    let data =
+        vl_models::limits::read_bytes(&real, app.max_image_bytes, LimitKind::ImageBytes).map_err(|e| match e {
+            vl_models::Error::Limit { .. } => too_big(std::fs::metadata(&real).map_or(0, |m| m.len())),
+            other => ApiError::bad(format!("`{at}`: {other}")),
+        })?;
     Ok((data, path.to_string()))
 }

@@ -74,14 +74,16 @@ fn request(g: &str, max: usize, stream: bool) -> CreateChatCompletionRequest {
 fn the_openai_client_gets_the_reference_answer() {
     let g = "tiny-a";
     let meta: Value =
-        serde_json::from_str(&std::fs::read_to_string(goldens().join(g).join("cases/one_image.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(goldens().join(g).join("cases/one_image.json")).unwrap())
+            .unwrap();
     let want = meta["greedy"]["text"].as_str().unwrap().to_string();
     let n = meta["greedy"]["ids"].as_array().unwrap().len();
     let prompt = meta["num_tokens"].as_u64().unwrap() as u32;
     let (_server, base) = start(g);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
-        let client = Client::with_config(OpenAIConfig::new().with_api_base(format!("{base}/v1")).with_api_key("unused"));
+        let client =
+            Client::with_config(OpenAIConfig::new().with_api_base(format!("{base}/v1")).with_api_key("unused"));
 
         let models = client.models().list().await.expect("models");
         assert_eq!(models.data[0].id, g);

@@ -180,7 +180,8 @@ fn answers_stream_and_report_usage_like_the_reference() {
         chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect::<Vec<_>>().concat();
     assert_eq!(text, want);
     assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
-    let finish: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["finish_reason"]).filter(|f| !f.is_null()).collect();
+    let finish: Vec<&Value> =
+        chunks.iter().map(|c| &c["choices"][0]["finish_reason"]).filter(|f| !f.is_null()).collect();
     assert_eq!(finish, vec![&json!("length")]);
     let usage = &chunks.last().unwrap()["usage"];
     assert_eq!(usage["prompt_tokens"], prompt);
@@ -351,7 +352,11 @@ fn media_server(n: usize) -> String {
             }
             let head = String::from_utf8_lossy(&req);
             if head.starts_with("GET /square.png") {
-                let _ = write!(c, "HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", png.len());
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    png.len()
+                );
                 let _ = c.write_all(&png);
             } else {
                 let _ = write!(c, "HTTP/1.1 200 OK\r\nContent-Length: 1000000000\r\nConnection: close\r\n\r\n");

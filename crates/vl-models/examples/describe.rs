@@ -13,7 +13,8 @@ fn main() -> vl_models::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let (dir, image) = (Path::new(&args[1]), &args[2]);
     let engine = Engine::load(dir, "describe", EngineOptions::default())?;
-    let data = std::fs::read(image).map_err(|e| vl_models::Error::Input { what: image.clone(), message: e.to_string() })?;
+    let data =
+        std::fs::read(image).map_err(|e| vl_models::Error::Input { what: image.clone(), message: e.to_string() })?;
     let mut messages = vec![ChatMessage {
         role: "user".into(),
         parts: vec![

@@ -23,13 +23,13 @@ use vl_nn::QuantType;
 
 use crate::error::{Error, Result};
 use crate::limits::ImageLimits;
-use crate::sampling::{apply_presence_frequency, check_logits, sample};
 use crate::qwen3_vl::plan::VISION_PREFIX;
 use crate::qwen3_vl::weights::LoadProgress;
 use crate::qwen3_vl::{
-    Content, GenerationOptions, ImageFile, Message, ModelDir, Processor, QuantLoad, Qwen3VlModel, TextCache,
-    TextModel, VisionOutput, VisionTower,
+    Content, GenerationOptions, ImageFile, Message, ModelDir, Processor, QuantLoad, Qwen3VlModel, TextCache, TextModel,
+    VisionOutput, VisionTower,
 };
+use crate::sampling::{apply_presence_frequency, check_logits, sample};
 
 /// How an engine loads and what it bounds.
 #[derive(Debug, Clone)]
@@ -69,7 +69,12 @@ pub enum Part {
     Text(String),
     /// Encoded image bytes (PNG, JPEG, WebP, GIF, BMP); `name` stands for it in errors. A
     /// per-image pixel budget may narrow the engine's.
-    Image { data: Vec<u8>, name: String, min_pixels: Option<usize>, max_pixels: Option<usize> },
+    Image {
+        data: Vec<u8>,
+        name: String,
+        min_pixels: Option<usize>,
+        max_pixels: Option<usize>,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -290,7 +295,8 @@ impl Engine {
         t0: Instant,
     ) -> Result<Completion> {
         let mut state = self.lock();
-        let result = self.generate_locked(&mut state, &p.prompt, &p.ident, &p.processed, &p.keys, opts, req, on_text, t0);
+        let result =
+            self.generate_locked(&mut state, &p.prompt, &p.ident, &p.processed, &p.keys, opts, req, on_text, t0);
         if result.is_err() {
             state.cache.reset();
             state.cached.clear();
@@ -321,8 +327,7 @@ impl Engine {
         processor.images.limits = opts.image_limits;
         let (gen_opts, prepared) = prepare(&processor, &config, &generation.eos_token_ids, &opts.device, req)?;
         let vb = weights.var_builder(opts.dtype, &opts.device, progress);
-        let mut images =
-            ImageCache { limit: usize::MAX, bytes: 0, tick: 0, entries: HashMap::new() };
+        let mut images = ImageCache { limit: usize::MAX, bytes: 0, tick: 0, entries: HashMap::new() };
         let mut vision_time = Duration::ZERO;
         if !prepared.processed.is_empty() {
             let tower = VisionTower::load(&config.vision, vb.pp(VISION_PREFIX))?;
@@ -390,7 +395,9 @@ impl Engine {
             let levels = parts.iter().map(|p| p.deepstack.len()).min().unwrap_or(0);
             VisionOutput {
                 merged: parts.iter().flat_map(|p| p.merged.iter().cloned()).collect(),
-                deepstack: (0..levels).map(|l| parts.iter().flat_map(|p| p.deepstack[l].iter().cloned()).collect()).collect(),
+                deepstack: (0..levels)
+                    .map(|l| parts.iter().flat_map(|p| p.deepstack[l].iter().cloned()).collect())
+                    .collect(),
                 grids: parts.iter().flat_map(|p| p.grids.iter().copied()).collect(),
             }
         });

@@ -137,7 +137,11 @@ fn a_three_turn_conversation_matches_the_reference_turn_by_turn() {
         let (want_text, want_ids, prompt_len) = greedy(g, "multi_turn");
         let c = e.generate(&golden_request("multi_turn", want_ids.len()), &mut |_| true).unwrap();
         assert_eq!(c.prompt_tokens, prompt_len, "{g}: input length");
-        assert!(c.cached_tokens >= first.prompt_tokens && c.cached_tokens < prompt_len, "{g}: {} reused", c.cached_tokens);
+        assert!(
+            c.cached_tokens >= first.prompt_tokens && c.cached_tokens < prompt_len,
+            "{g}: {} reused",
+            c.cached_tokens
+        );
         assert_eq!(c.image_cache_hits, 1, "{g}: the turn-1 image again");
         assert_eq!(c.token_ids, want_ids, "{g}: greedy ids");
         assert_eq!(c.text, want_text);
@@ -200,7 +204,8 @@ fn stop_strings_cut_the_answer_and_cancelling_leaves_the_engine_usable() {
 fn bad_requests_are_errors_naming_the_problem() {
     let e = engine("tiny-a", true);
     let mut r = one_image_request(4);
-    r.messages[0].parts[0] = Part::Image { data: b"not an image".to_vec(), name: "x.png".into(), min_pixels: None, max_pixels: None };
+    r.messages[0].parts[0] =
+        Part::Image { data: b"not an image".to_vec(), name: "x.png".into(), min_pixels: None, max_pixels: None };
     let err = e.generate(&r, &mut |_| true).unwrap_err().to_string();
     assert!(err.contains("x.png"), "{err}");
     let mut r = one_image_request(4);
@@ -219,4 +224,3 @@ fn bad_requests_are_errors_naming_the_problem() {
     let (want, ids, _) = greedy("tiny-a", "one_image");
     assert_eq!(e.generate(&one_image_request(ids.len()), &mut |_| true).unwrap().text, want);
 }
-

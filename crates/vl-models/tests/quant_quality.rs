@@ -75,7 +75,12 @@ fn kquant_modes_stay_close_to_f32() {
     // Measured (docs/performance.md): q8k 2.1% / 90.9%, q6k 5.0% / 83.4%, q4k 15.2% / 54.5%. A random
     // model has no trained structure and near-tied logits, so these are pessimistic; the bounds
     // catch a broken layout or kernel (which gives ~0% agreement), not a subtle regression.
-    let modes = [(QuantType::Q8_0, 0.04, 0.85), (QuantType::Q8K, 0.04, 0.85), (QuantType::Q6K, 0.08, 0.75), (QuantType::Q4K, 0.20, 0.45)];
+    let modes = [
+        (QuantType::Q8_0, 0.04, 0.85),
+        (QuantType::Q8K, 0.04, 0.85),
+        (QuantType::Q6K, 0.08, 0.75),
+        (QuantType::Q4K, 0.20, 0.45),
+    ];
     let mut refs = Vec::new();
     for case in CASES {
         let p = prompt(case);

@@ -177,9 +177,12 @@ fn bf16_stored_weights_upcast_per_block_equal_the_f32_load_exactly() {
     let (cfg, ck) = checkpoint("tiny-b");
     assert_eq!(ck.vision_float_dtype(), DType::BF16);
     let full = tower("tiny-b", DType::F32);
-    let stored =
-        VisionTower::load_stored(&cfg.vision, ck.var_builder(DType::BF16, &Device::Cpu, None).pp("model.visual"), DType::F32)
-            .unwrap();
+    let stored = VisionTower::load_stored(
+        &cfg.vision,
+        ck.var_builder(DType::BF16, &Device::Cpu, None).pp("model.visual"),
+        DType::F32,
+    )
+    .unwrap();
     for probe in ["square", "odd"] {
         let p = load(&goldens().join("processor").join(format!("{probe}.safetensors")));
         let grids = grids(&p["image_grid_thw"]);

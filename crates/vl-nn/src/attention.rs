@@ -468,9 +468,8 @@ mod causal_tests {
             if total > 1 {
                 cache.append(&k_all.narrow(1, 0, total - 1).unwrap(), &v_all.narrow(1, 0, total - 1).unwrap()).unwrap();
             }
-            let (k, v) = cache
-                .append(&k_all.narrow(1, total - 1, 1).unwrap(), &v_all.narrow(1, total - 1, 1).unwrap())
-                .unwrap();
+            let (k, v) =
+                cache.append(&k_all.narrow(1, total - 1, 1).unwrap(), &v_all.narrow(1, total - 1, 1).unwrap()).unwrap();
             assert!(cache.capacity() > total, "the views must be strided");
             let q = crate::testing::randn(230 + d as u64, 1., (heads, 1, d)).unwrap();
             let fast = decode_attention(&q, &k, &v).unwrap().expect("the in-place path applies");

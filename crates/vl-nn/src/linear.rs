@@ -137,8 +137,7 @@ fn quantize_q4k_cpu(w: &Tensor, rows: usize, cols: usize, threads: usize) -> Res
                 other => return Err(Error::Shape { layer: "q4k", message: format!("cannot quantize {other:?}") }),
             })
         };
-        let chunks: Vec<(usize, &mut [u8])> =
-            bytes.chunks_mut(QUANT_CHUNK_ROWS * row_bytes).enumerate().collect();
+        let chunks: Vec<(usize, &mut [u8])> = bytes.chunks_mut(QUANT_CHUNK_ROWS * row_bytes).enumerate().collect();
         let work = std::sync::Mutex::new(chunks.into_iter());
         let results: Vec<Result<()>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..threads.max(1))

@@ -18,7 +18,7 @@ pub const Q4K_BLOCK_BYTES: usize = 2 + 2 + 12 + QK_K / 2;
 #[inline(always)]
 fn nearest_int(v: f32) -> i32 {
     let t = v as i32; // truncates toward zero, saturates, NaN -> 0
-    // Exact: for |v| < 2^23, v - trunc(v) is representable; above that v is an integer.
+                      // Exact: for |v| < 2^23, v - trunc(v) is representable; above that v is an integer.
     let f = v - t as f32;
     t.saturating_add((f >= 0.5) as i32 - (f <= -0.5) as i32)
 }
@@ -27,8 +27,8 @@ fn nearest_int(v: f32) -> i32 {
 #[inline(always)]
 fn round_clamp(v: f32, hi: i32) -> i32 {
     let c = v.max(-1.0).min(hi as f32 + 1.0); // NaN -> -1
-    // SAFETY: `c` is finite and within [-1, hi + 1], so it fits an i32 (a plain truncating
-    // conversion the compiler vectorizes, unlike the saturating `as`).
+                                              // SAFETY: `c` is finite and within [-1, hi + 1], so it fits an i32 (a plain truncating
+                                              // conversion the compiler vectorizes, unlike the saturating `as`).
     let t = unsafe { c.to_int_unchecked::<i32>() };
     let f = c - t as f32;
     (t + (f >= 0.5) as i32 - (f <= -0.5) as i32).clamp(0, hi)
@@ -272,9 +272,29 @@ mod tests {
     #[test]
     fn nearest_int_is_round_half_away() {
         let cases = [
-            0.0f32, -0.0, 0.5, -0.5, 1.5, -1.5, 2.5, 0.49999997, -0.49999997, 14.5, 15.499999,
-            8388607.5, 8388608.0, 1e10, -1e10, f32::INFINITY, f32::NEG_INFINITY, f32::NAN,
-            2147483520.0, 2147483648.0, -2147483648.0, 1e-45, -1e-45,
+            0.0f32,
+            -0.0,
+            0.5,
+            -0.5,
+            1.5,
+            -1.5,
+            2.5,
+            0.49999997,
+            -0.49999997,
+            14.5,
+            15.499999,
+            8388607.5,
+            8388608.0,
+            1e10,
+            -1e10,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            2147483520.0,
+            2147483648.0,
+            -2147483648.0,
+            1e-45,
+            -1e-45,
         ];
         for v in cases {
             assert_eq!(nearest_int(v), v.round() as i32, "nearest_int({v:e})");

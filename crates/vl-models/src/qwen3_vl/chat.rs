@@ -232,4 +232,3 @@ impl Processor {
         StreamDecoder::new(&self.tokenizer)
     }
 }
-

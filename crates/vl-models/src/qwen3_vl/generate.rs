@@ -118,4 +118,3 @@ impl Qwen3VlModel {
         })
     }
 }
-

@@ -23,7 +23,12 @@ pub struct QuantLoad {
 
 /// A weight `vb`'s `name` of `shape`: in `q.read_as` when it will be quantized (its last
 /// dimension fits the block), else in the model's dtype.
-fn weight(shape: (usize, usize), name: &str, vb: &VarBuilder, q: Option<QuantLoad>) -> Result<(Tensor, Option<QuantType>)> {
+fn weight(
+    shape: (usize, usize),
+    name: &str,
+    vb: &VarBuilder,
+    q: Option<QuantLoad>,
+) -> Result<(Tensor, Option<QuantType>)> {
     match q {
         Some(q) if shape.1 % q.qtype.block() == 0 => {
             Ok((vb.get_with_hints_dtype(shape, name, candle_nn::Init::Const(0.), q.read_as)?, Some(q.qtype)))
@@ -195,7 +200,12 @@ impl TextModel {
 
     /// `load`, reading the weights to be quantized in `quant.read_as` (the checkpoint's dtype:
     /// `Weights::stored_float_dtype`) instead of the model's dtype.
-    pub fn load_with(cfg: &TextConfig, tie_word_embeddings: bool, vb: VarBuilder, quant: Option<QuantLoad>) -> Result<Self> {
+    pub fn load_with(
+        cfg: &TextConfig,
+        tie_word_embeddings: bool,
+        vb: VarBuilder,
+        quant: Option<QuantLoad>,
+    ) -> Result<Self> {
         let tvb = vb.pp("model.language_model");
         let (table, tq) = weight((cfg.vocab_size, cfg.hidden_size), "weight", &tvb.pp("embed_tokens"), quant)?;
         let embed = QEmbedding::new(table, tq)?;

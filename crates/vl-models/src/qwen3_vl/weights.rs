@@ -241,14 +241,13 @@ impl Weights {
 
     fn float_dtype_under(&self, prefix: &str) -> DType {
         let prefix = format!("{prefix}.");
-        let mut kinds = self
-            .entries
-            .iter()
-            .filter(|(k, e)| k.starts_with(&prefix) && e.shape.len() == 2)
-            .map(|(_, e)| match (&e.storage, e.dtype) {
-                (Storage::Plain, StDtype::BF16) => DType::BF16,
-                (Storage::Plain, StDtype::F16) => DType::F16,
-                _ => DType::F32,
+        let mut kinds =
+            self.entries.iter().filter(|(k, e)| k.starts_with(&prefix) && e.shape.len() == 2).map(|(_, e)| {
+                match (&e.storage, e.dtype) {
+                    (Storage::Plain, StDtype::BF16) => DType::BF16,
+                    (Storage::Plain, StDtype::F16) => DType::F16,
+                    _ => DType::F32,
+                }
             });
         match kinds.next() {
             Some(first) if kinds.all(|d| d == first) => first,
