@@ -10,17 +10,16 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request};
-use vl_models::limits::{ImageLimits, LimitKind};
+use vl_models::limits::LimitKind;
 use vl_models::qwen3_vl::{GenerationOptions, ModelDir};
 
 use crate::note;
-use crate::run::{device, dtype, quant_for, DeviceArg, DtypeArg, QuantArg};
+use crate::run::{device, dtype, quant_for, LoadArgs};
 
 #[derive(Debug, Args)]
 pub struct ChatArgs {
-    /// A local model directory or a Hugging Face hub id (from the local cache, downloaded when absent).
-    #[arg(long, default_value = "Qwen/Qwen3-VL-2B-Instruct")]
-    model: String,
+    #[command(flatten)]
+    pub(crate) load: LoadArgs,
     /// An optional system message.
     #[arg(long)]
     system: Option<String>,
@@ -35,18 +34,6 @@ pub struct ChatArgs {
     top_p: f64,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    #[arg(long, value_enum)]
-    dtype: Option<DtypeArg>,
-    #[arg(long, value_enum, default_value = "cpu")]
-    device: DeviceArg,
-    #[arg(long, value_enum, default_value = "none")]
-    quantize: QuantArg,
-    #[arg(long)]
-    min_pixels: Option<usize>,
-    #[arg(long)]
-    max_pixels: Option<usize>,
-    #[arg(long, default_value_t = ImageLimits::default().max_file_bytes)]
-    max_image_bytes: u64,
 }
 
 enum Input {
@@ -81,23 +68,23 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         ..Default::default()
     };
     options.validate().map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;
-    let dev = device(args.device)?;
-    let dtype = dtype(args.dtype, &dev);
-    let dir = crate::hub::resolve(&args.model)?;
+    let dev = device(args.load.device)?;
+    let dtype = dtype(args.load.dtype, &dev);
+    let dir = crate::hub::resolve(&args.load.model)?;
     let weights = ModelDir::open(&dir)?.weights;
-    let limits = ImageLimits { max_file_bytes: args.max_image_bytes, ..Default::default() };
+    let limits = args.load.image_limits();
     let opts = EngineOptions {
         dtype,
         device: dev,
-        quant: quant_for(args.quantize, &weights),
-        min_pixels: args.min_pixels,
-        max_pixels: args.max_pixels,
+        quant: quant_for(args.load.quantize, &weights),
+        min_pixels: args.load.min_pixels,
+        max_pixels: args.load.max_pixels,
         image_limits: limits,
         ..Default::default()
     };
     drop(weights);
     let t = Instant::now();
-    let engine = Engine::load(&dir, &args.model, opts).with_context(|| format!("model {}", dir.display()))?;
+    let engine = Engine::load(&dir, &args.load.model, opts).with_context(|| format!("model {}", dir.display()))?;
     let interactive = std::io::stdin().is_terminal();
     if interactive {
         note!(

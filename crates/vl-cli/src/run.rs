@@ -40,17 +40,50 @@ pub enum QuantArg {
     Q4k,
     Q5k,
     Q6k,
-    /// 8-bit k-quant.
+    /// 8-bit (Q8_0 blocks of 32).
     Q8,
     /// Dequantize everything to the compute dtype (no quantized matmuls).
     Off,
 }
 
+/// How to find and load a model: the flags `run`, `serve` and `chat` share.
 #[derive(Debug, Args)]
-pub struct RunArgs {
+pub struct LoadArgs {
     /// A local model directory or a Hugging Face hub id (from the local cache, downloaded when absent).
     #[arg(long, default_value = "Qwen/Qwen3-VL-2B-Instruct")]
-    model: String,
+    pub model: String,
+    /// Compute dtype (default: f32 on CPU, bf16 on GPUs).
+    #[arg(long, value_enum)]
+    pub dtype: Option<DtypeArg>,
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: DeviceArg,
+    /// Quantize the text decoder's linears, embeddings and lm_head at load (CPU decoding speed).
+    #[arg(long, value_enum, default_value = "none")]
+    pub quantize: QuantArg,
+    /// Lower bound of the per-image pixel budget (default from preprocessor_config.json).
+    #[arg(long)]
+    pub min_pixels: Option<usize>,
+    /// Upper bound of the per-image pixel budget; fewer pixels, fewer tokens, faster.
+    #[arg(long)]
+    pub max_pixels: Option<usize>,
+    /// Largest image file read, in bytes (checked before reading).
+    #[arg(long, default_value_t = ImageLimits::default().max_file_bytes)]
+    pub max_image_bytes: u64,
+    /// Largest decoded image, in pixels (width x height, checked from the header before decoding).
+    #[arg(long, default_value_t = ImageLimits::default().max_pixels)]
+    pub max_image_pixels: u64,
+}
+
+impl LoadArgs {
+    pub fn image_limits(&self) -> ImageLimits {
+        ImageLimits { max_file_bytes: self.max_image_bytes, max_pixels: self.max_image_pixels }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub(crate) load: LoadArgs,
     /// An image file (PNG, JPEG, WebP, GIF, BMP); repeat for several, in prompt order.
     #[arg(long = "image")]
     images: Vec<PathBuf>,
@@ -79,26 +112,6 @@ pub struct RunArgs {
     repetition_penalty: f64,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Compute dtype (default: f32 on CPU, bf16 on GPUs).
-    #[arg(long, value_enum)]
-    dtype: Option<DtypeArg>,
-    #[arg(long, value_enum, default_value = "cpu")]
-    device: DeviceArg,
-    /// Quantize the text decoder's linears, embeddings and lm_head at load (CPU decoding speed).
-    #[arg(long, value_enum, default_value = "none")]
-    quantize: QuantArg,
-    /// Lower bound of the per-image pixel budget (default from preprocessor_config.json).
-    #[arg(long)]
-    min_pixels: Option<usize>,
-    /// Upper bound of the per-image pixel budget; fewer pixels, fewer tokens, faster.
-    #[arg(long)]
-    max_pixels: Option<usize>,
-    /// Largest image file read, in bytes (checked before reading).
-    #[arg(long, default_value_t = ImageLimits::default().max_file_bytes)]
-    max_image_bytes: u64,
-    /// Largest decoded image, in pixels (width x height, checked from the header before decoding).
-    #[arg(long, default_value_t = ImageLimits::default().max_pixels)]
-    max_image_pixels: u64,
     /// Print one JSON object (text, token ids, counts, timings) instead of streaming.
     #[arg(long)]
     json: bool,
@@ -215,20 +228,20 @@ pub fn run(args: RunArgs) -> Result<()> {
         ..Default::default()
     };
     options.validate().map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;
-    let dev = device(args.device)?;
-    let dtype = dtype(args.dtype, &dev);
-    let dir = crate::hub::resolve(&args.model)?;
+    let dev = device(args.load.device)?;
+    let dtype = dtype(args.load.dtype, &dev);
+    let dir = crate::hub::resolve(&args.load.model)?;
     let logits_out = args.logits_out.as_deref().map(LogitsOut::create).transpose()?;
     // The pixel-budget flags, checked against the preprocessor before anything is loaded.
     ImageProcessor::new(PreprocessorConfig::from_dir(&dir)?)
-        .with_pixel_budget(args.min_pixels, args.max_pixels)
+        .with_pixel_budget(args.load.min_pixels, args.load.max_pixels)
         .map_err(|e| {
             anyhow::anyhow!(
                 "{}",
                 e.to_string().replace("min_pixels", "--min-pixels").replace("max_pixels", "--max-pixels")
             )
         })?;
-    let limits = ImageLimits { max_file_bytes: args.max_image_bytes, max_pixels: args.max_image_pixels };
+    let limits = args.load.image_limits();
 
     // Image files within the byte limit; their headers, the prompt's length and every file of
     // the model directory are checked by the engine before a weight is read.
@@ -253,14 +266,14 @@ pub fn run(args: RunArgs) -> Result<()> {
 
     // Every file of the model directory is checked before a weight is read.
     let model_dir = ModelDir::open(&dir)?;
-    let quant = quant_for(args.quantize, &model_dir.weights);
+    let quant = quant_for(args.load.quantize, &model_dir.weights);
     let needed = model_dir.weights.entries().len() as u64;
     let opts = EngineOptions {
         dtype,
         device: dev,
         quant,
-        min_pixels: args.min_pixels,
-        max_pixels: args.max_pixels,
+        min_pixels: args.load.min_pixels,
+        max_pixels: args.load.max_pixels,
         image_limits: limits,
         image_cache_bytes: usize::MAX,
         prefix_cache: false,
@@ -286,7 +299,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let mut write_err: Option<std::io::Error> = None;
     let mut started = false;
     let before_load = t_start.elapsed();
-    let result = Engine::answer_once(model_dir, &args.model, opts, &req, Some(progress), &mut |piece| {
+    let result = Engine::answer_once(model_dir, &args.load.model, opts, &req, Some(progress), &mut |piece| {
         if !started {
             started = true;
             if let Some(b) = &bar {
@@ -361,7 +374,7 @@ pub fn run(args: RunArgs) -> Result<()> {
             "generated_tokens": c.token_ids.len(),
             "stop_reason": stop,
             "dtype": format!("{dtype:?}").to_lowercase(),
-            "device": format!("{:?}", args.device).to_lowercase(),
+            "device": format!("{:?}", args.load.device).to_lowercase(),
             // What was asked for, and what each tensor group got (a layer whose input dimension
             // is not a multiple of the quant block stays dense).
             "quantization": quant.map(|q| q.name()),

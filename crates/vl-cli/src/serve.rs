@@ -29,17 +29,16 @@ use prometheus_client::registry::Registry;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use vl_models::engine::{ChatMessage, Completion, Engine, EngineOptions, Part, Request};
-use vl_models::limits::{ImageLimits, LimitKind};
+use vl_models::limits::LimitKind;
 use vl_models::qwen3_vl::{GenerationOptions, ModelDir};
 
 use crate::note;
-use crate::run::{device, dtype, quant_for, DeviceArg, DtypeArg, QuantArg};
+use crate::run::{device, dtype, quant_for, LoadArgs};
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// A local model directory or a Hugging Face hub id (from the local cache, downloaded when absent).
-    #[arg(long, default_value = "Qwen/Qwen3-VL-2B-Instruct")]
-    model: String,
+    #[command(flatten)]
+    pub(crate) load: LoadArgs,
     /// Address to bind (loopback by default; 0.0.0.0 exposes the server to the network).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -49,22 +48,6 @@ pub struct ServeArgs {
     /// The model id clients send and `/v1/models` lists (default: the --model value).
     #[arg(long)]
     served_model_name: Option<String>,
-    #[arg(long, value_enum)]
-    dtype: Option<DtypeArg>,
-    #[arg(long, value_enum, default_value = "cpu")]
-    device: DeviceArg,
-    #[arg(long, value_enum, default_value = "none")]
-    quantize: QuantArg,
-    /// Lower bound of the per-image pixel budget; requests may ask within [min, max].
-    #[arg(long)]
-    min_pixels: Option<usize>,
-    /// Upper bound of the per-image pixel budget.
-    #[arg(long)]
-    max_pixels: Option<usize>,
-    #[arg(long, default_value_t = ImageLimits::default().max_file_bytes)]
-    max_image_bytes: u64,
-    #[arg(long, default_value_t = ImageLimits::default().max_pixels)]
-    max_image_pixels: u64,
     /// Largest request body in bytes (base64 images included).
     #[arg(long, default_value_t = 64 << 20)]
     max_body_bytes: usize,
@@ -201,9 +184,9 @@ struct App {
 }
 
 pub fn serve(args: ServeArgs) -> Result<()> {
-    let dev = device(args.device)?;
-    let dtype = dtype(args.dtype, &dev);
-    let dir = crate::hub::resolve(&args.model)?;
+    let dev = device(args.load.device)?;
+    let dtype = dtype(args.load.dtype, &dev);
+    let dir = crate::hub::resolve(&args.load.model)?;
     let defaults = match args.sampling.as_str() {
         "greedy" => GenerationOptions::default(),
         "model" => model_sampling(&dir)?,
@@ -224,15 +207,15 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let opts = EngineOptions {
         dtype,
         device: dev,
-        quant: quant_for(args.quantize, &weights),
-        min_pixels: args.min_pixels,
-        max_pixels: args.max_pixels,
-        image_limits: ImageLimits { max_file_bytes: args.max_image_bytes, max_pixels: args.max_image_pixels },
+        quant: quant_for(args.load.quantize, &weights),
+        min_pixels: args.load.min_pixels,
+        max_pixels: args.load.max_pixels,
+        image_limits: args.load.image_limits(),
         image_cache_bytes: args.image_cache_mib << 20,
         prefix_cache: true,
     };
     drop(weights);
-    let id = args.served_model_name.clone().unwrap_or_else(|| args.model.clone());
+    let id = args.served_model_name.clone().unwrap_or_else(|| args.load.model.clone());
     let t = Instant::now();
     let engine = Arc::new(Engine::load(&dir, &id, opts).with_context(|| format!("model {}", dir.display()))?);
     note!("loaded {} in {:.1}s", dir.display(), t.elapsed().as_secs_f64());
@@ -246,7 +229,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         defaults,
         allowed_media_dir,
         remote_media: args.allow_remote_media.then(|| Duration::from_secs(args.remote_media_timeout.max(1))),
-        max_image_bytes: args.max_image_bytes,
+        max_image_bytes: args.load.max_image_bytes,
         max_body_bytes: args.max_body_bytes,
         metrics: Metrics::new(),
         next_id: AtomicU64::new(1),

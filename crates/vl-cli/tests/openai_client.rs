@@ -2,54 +2,16 @@
 //! response and SSE parsing, and error decoding all work against our server, and the answers
 //! are the reference's.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+mod common;
 
 use async_openai::config::OpenAIConfig;
 use async_openai::error::OpenAIError;
 use async_openai::types::chat::CreateChatCompletionRequest;
 use async_openai::Client;
 use base64::Engine as _;
+use common::{goldens, start};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
-
-fn goldens() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../goldens")
-}
-
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start(g: &str) -> (Server, String) {
-    let ck = goldens().join(g).join("checkpoint");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_vl"))
-        .args(["serve", "--model", ck.to_str().unwrap(), "--served-model-name", g, "--port", "0"])
-        .env("HF_HUB_OFFLINE", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start vl serve");
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let base = loop {
-        assert!(Instant::now() < deadline, "the server did not start in time");
-        let line = lines.next().expect("server exited before listening").unwrap();
-        if let Some(url) = line.strip_prefix("listening on ") {
-            break url.trim().to_string();
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
-    (Server(child), base)
-}
 
 fn request(g: &str, max: usize, stream: bool) -> CreateChatCompletionRequest {
     let png = std::fs::read(goldens().join("images/square.png")).unwrap();
@@ -79,7 +41,8 @@ fn the_openai_client_gets_the_reference_answer() {
     let want = meta["greedy"]["text"].as_str().unwrap().to_string();
     let n = meta["greedy"]["ids"].as_array().unwrap().len();
     let prompt = meta["num_tokens"].as_u64().unwrap() as u32;
-    let (_server, base) = start(g);
+    let server = start(g, &[]);
+    let base = server.base.clone();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
         let client =

@@ -3,57 +3,17 @@
 //! has its status and OpenAI-shaped body; concurrency, overload and disconnects are bounded.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use base64::Engine as _;
-use serde_json::{json, Value};
+mod common;
 
-fn goldens() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../goldens")
-}
+use base64::Engine as _;
+use common::{goldens, start, Server};
+use serde_json::{json, Value};
 
 fn read_json(p: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
-}
-
-struct Server {
-    child: Child,
-    base: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start(g: &str, extra: &[&str]) -> Server {
-    let ck = goldens().join(g).join("checkpoint");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_vl"))
-        .args(["serve", "--model", ck.to_str().unwrap(), "--served-model-name", g, "--port", "0"])
-        .args(extra)
-        .env("HF_HUB_OFFLINE", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start vl serve");
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let base = loop {
-        assert!(Instant::now() < deadline, "the server did not start in time");
-        let line = lines.next().expect("server exited before listening").unwrap();
-        if let Some(url) = line.strip_prefix("listening on ") {
-            break url.trim().to_string();
-        }
-    };
-    assert!(base.starts_with("http://127.0.0.1:"), "{base}");
-    // Keep draining stderr so the server never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    Server { child, base }
 }
 
 fn agent() -> ureq::Agent {

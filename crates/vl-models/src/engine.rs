@@ -152,6 +152,10 @@ struct ImageCache {
 }
 
 impl ImageCache {
+    fn new(limit: usize) -> Self {
+        Self { limit, bytes: 0, tick: 0, entries: HashMap::new() }
+    }
+
     fn get(&mut self, key: u64) -> Option<VisionOutput> {
         self.tick += 1;
         let tick = self.tick;
@@ -214,8 +218,7 @@ impl Engine {
     /// Checks the model directory (as `vl run` does), then loads both towers once.
     pub fn load(dir: &Path, id: &str, opts: EngineOptions) -> Result<Self> {
         let ModelDir { config, weights, mut processor, generation, .. } = ModelDir::open(dir)?;
-        processor.images = processor.images.clone().with_pixel_budget(opts.min_pixels, opts.max_pixels)?;
-        processor.images.limits = opts.image_limits;
+        apply_image_options(&mut processor, &opts)?;
         let vb = weights.var_builder(opts.dtype, &opts.device, None);
         // Resident for every request: a bf16/f16 checkpoint's vision weights stay in that dtype
         // and are upcast block by block when computing in f32 (exact; half the memory).
@@ -225,20 +228,24 @@ impl Engine {
             weights.var_builder(stored, &opts.device, None).pp(VISION_PREFIX),
             opts.dtype,
         )?;
-        let quant = opts.quant.map(|qtype| QuantLoad { qtype, read_as: weights.text_float_dtype() });
-        let text = TextModel::load_with(&config.text, config.tie_word_embeddings, vb, quant)?;
+        let text = load_text(&config, &weights, vb, &opts)?;
         drop(weights);
         let model = Qwen3VlModel::from_parts(config, Some(vision), text);
+        let images = ImageCache::new(opts.image_cache_bytes);
+        Ok(Self::assemble(model, processor, generation.eos_token_ids, id, opts, images))
+    }
+
+    fn assemble(
+        model: Qwen3VlModel,
+        processor: Processor,
+        eos: Vec<u32>,
+        id: &str,
+        opts: EngineOptions,
+        images: ImageCache,
+    ) -> Self {
         let cache = model.new_cache();
-        let images = ImageCache { limit: opts.image_cache_bytes, bytes: 0, tick: 0, entries: HashMap::new() };
-        Ok(Self {
-            model,
-            processor,
-            eos: generation.eos_token_ids,
-            id: id.to_string(),
-            opts,
-            state: Mutex::new(State { cache, cached: Vec::new(), images }),
-        })
+        let state = Mutex::new(State { cache, cached: Vec::new(), images });
+        Self { model, processor, eos, id: id.to_string(), opts, state }
     }
 
     pub fn id(&self) -> &str {
@@ -323,11 +330,10 @@ impl Engine {
     ) -> Result<OneShot> {
         let t0 = Instant::now();
         let ModelDir { config, weights, mut processor, generation, .. } = model_dir;
-        processor.images = processor.images.clone().with_pixel_budget(opts.min_pixels, opts.max_pixels)?;
-        processor.images.limits = opts.image_limits;
+        apply_image_options(&mut processor, &opts)?;
         let (gen_opts, prepared) = prepare(&processor, &config, &generation.eos_token_ids, &opts.device, req)?;
         let vb = weights.var_builder(opts.dtype, &opts.device, progress);
-        let mut images = ImageCache { limit: usize::MAX, bytes: 0, tick: 0, entries: HashMap::new() };
+        let mut images = ImageCache::new(usize::MAX);
         let mut vision_time = Duration::ZERO;
         if !prepared.processed.is_empty() {
             let tower = VisionTower::load(&config.vision, vb.pp(VISION_PREFIX))?;
@@ -341,22 +347,13 @@ impl Engine {
             }
             vision_time = t.elapsed();
         }
-        let quant = opts.quant.map(|qtype| QuantLoad { qtype, read_as: weights.text_float_dtype() });
-        let text = TextModel::load_with(&config.text, config.tie_word_embeddings, vb, quant)?;
+        let text = load_text(&config, &weights, vb, &opts)?;
         let storage = text.storage();
         // The weights are built: unmap the checkpoint.
         drop(weights);
         let model = Qwen3VlModel::from_parts(config, None, text);
-        let cache = model.new_cache();
         let load_time = t0.elapsed() - vision_time;
-        let engine = Engine {
-            model,
-            processor,
-            eos: generation.eos_token_ids,
-            id: id.to_string(),
-            opts,
-            state: Mutex::new(State { cache, cached: Vec::new(), images }),
-        };
+        let engine = Self::assemble(model, processor, generation.eos_token_ids, id, opts, images);
         let generate_started = Instant::now();
         let completion = engine.generate_prepared(&prepared, &gen_opts, req, on_text, generate_started)?;
         let kv_cache_bytes = engine.stats().kv_cache_bytes;
@@ -518,6 +515,24 @@ struct Prepared {
     processed: Vec<crate::qwen3_vl::ProcessedImage>,
     keys: Vec<u64>,
     image_tokens: usize,
+}
+
+/// The engine's pixel budget and image limits on the checkpoint's processor.
+fn apply_image_options(processor: &mut Processor, opts: &EngineOptions) -> Result<()> {
+    processor.images = processor.images.clone().with_pixel_budget(opts.min_pixels, opts.max_pixels)?;
+    processor.images.limits = opts.image_limits;
+    Ok(())
+}
+
+/// The text decoder, quantized as `opts` asks, reading weights in the checkpoint's dtype.
+fn load_text(
+    config: &crate::qwen3_vl::Qwen3VlConfig,
+    weights: &crate::qwen3_vl::Weights,
+    vb: candle_nn::VarBuilder<'static>,
+    opts: &EngineOptions,
+) -> Result<TextModel> {
+    let quant = opts.quant.map(|qtype| QuantLoad { qtype, read_as: weights.text_float_dtype() });
+    TextModel::load_with(&config.text, config.tie_word_embeddings, vb, quant)
 }
 
 /// An image's cache key: its content hash and its resized size.

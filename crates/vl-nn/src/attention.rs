@@ -181,12 +181,20 @@ fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>
     candle_core::utils::barrier_pool().execute_chunked(kv, |range| {
         let mut scores = vec![0f32; rep * total];
         for g in range {
-            let qg = &qs[qo + g * rep * d..qo + (g + 1) * rep * d];
-            let kg = &ks[ko + g * k_head..];
-            let vg = &vs[vo + g * v_head..];
+            let group = DecodeGroup {
+                q: &qs[qo + g * rep * d..qo + (g + 1) * rep * d],
+                k: &ks[ko + g * k_head..],
+                k_row,
+                v: &vs[vo + g * v_head..],
+                v_row,
+                total,
+                d,
+                rep,
+                scale,
+            };
             // SAFETY: work items are distinct KV heads, writing disjoint rows of `out`.
             let og = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(g * rep * d), rep * d) };
-            decode_group(qg, kg, k_row, vg, v_row, total, d, rep, scale, &mut scores, og);
+            decode_group(&group, &mut scores, og);
         }
     });
     Ok(Some(Tensor::from_vec(out, (heads, 1, d), q.device())?))
@@ -202,46 +210,34 @@ impl SendPtr {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn decode_group(
-    q: &[f32],
-    k: &[f32],
+/// One KV head's decode work: its `rep` query rows, its cached key and value rows (`total` of
+/// them, `k_row` / `v_row` floats apart), head size `d`.
+struct DecodeGroup<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
     k_row: usize,
-    v: &[f32],
+    v: &'a [f32],
     v_row: usize,
     total: usize,
     d: usize,
     rep: usize,
     scale: f32,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
+}
+
+fn decode_group(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has AVX2 and FMA (checked above).
-        unsafe { decode_group_avx2(q, k, k_row, v, v_row, total, d, rep, scale, scores, out) };
+        unsafe { decode_group_avx2(g, scores, out) };
         return;
     }
-    decode_group_generic(q, k, k_row, v, v_row, total, d, rep, scale, scores, out)
+    decode_group_generic(g, scores, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn decode_group_avx2(
-    q: &[f32],
-    k: &[f32],
-    k_row: usize,
-    v: &[f32],
-    v_row: usize,
-    total: usize,
-    d: usize,
-    rep: usize,
-    scale: f32,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
-    decode_group_generic(q, k, k_row, v, v_row, total, d, rep, scale, scores, out)
+unsafe fn decode_group_avx2(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
+    decode_group_generic(g, scores, out)
 }
 
 /// Dot product with eight independent partial sums (vectorizes; the order is fixed).
@@ -263,20 +259,8 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn decode_group_generic(
-    q: &[f32],
-    k: &[f32],
-    k_row: usize,
-    v: &[f32],
-    v_row: usize,
-    total: usize,
-    d: usize,
-    rep: usize,
-    scale: f32,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
+fn decode_group_generic(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
+    let &DecodeGroup { q, k, k_row, v, v_row, total, d, rep, scale } = g;
     for j in 0..total {
         let kj = &k[j * k_row..j * k_row + d];
         for r in 0..rep {

@@ -1,0 +1,50 @@
+//! `vl serve` for tests: started on a free loopback port with a tiny golden checkpoint, killed
+//! on drop.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn goldens() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../goldens")
+}
+
+pub struct Server {
+    pub child: Child,
+    pub base: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn start(g: &str, extra: &[&str]) -> Server {
+    let ck = goldens().join(g).join("checkpoint");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vl"))
+        .args(["serve", "--model", ck.to_str().unwrap(), "--served-model-name", g, "--port", "0"])
+        .args(extra)
+        .env("HF_HUB_OFFLINE", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start vl serve");
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let base = loop {
+        assert!(Instant::now() < deadline, "the server did not start in time");
+        let line = lines.next().expect("server exited before listening").unwrap();
+        if let Some(url) = line.strip_prefix("listening on ") {
+            break url.trim().to_string();
+        }
+    };
+    assert!(base.starts_with("http://127.0.0.1:"), "{base}");
+    // Keep draining stderr so the server never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    Server { child, base }
+}
