@@ -41,6 +41,10 @@ from safetensors.torch import save_file, load_file
 
 HERE = Path(__file__).resolve().parent
 BUILTIN_TEMPLATE = HERE.parent.parent / "crates/vl-models/src/qwen3_vl/chat_template.jinja"
+# The Qwen3-VL Instruct checkpoints' own template (tools, tool calls, tool responses); origin,
+# license and hash in docs/goldens.md.
+OFFICIAL_TEMPLATE = HERE / "templates" / "Qwen3-VL-Instruct.jinja"
+OFFICIAL_TEMPLATE_SHA256 = "3636d0f0bd6bef02654cdffdc447b79cb2cef8ab02cc75267345946291a489e4"
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"]
 
 # Number of vocabulary ids whose logits are stored for every prompt position, and the number of
@@ -68,10 +72,12 @@ GEOMETRIES = {
         tie=True,
     ),
     # 1 deepstack level, untied lm_head, GQA 3:1, head_dim 24 != 48/6, bfloat16 weights
-    # (computed in float32 by the reference after an exact upcast), chat_template.json.
+    # (computed in float32 by the reference after an exact upcast), the official Qwen3-VL
+    # Instruct template as chat_template.json.
     "tiny-b": dict(
         dtype="bfloat16",
         template_file="json",
+        template="official",
         text=dict(hidden_size=48, intermediate_size=104, num_hidden_layers=3, num_attention_heads=6,
                   num_key_value_heads=2, head_dim=24, mrope_section=[6, 3, 3]),
         vision=dict(depth=3, hidden_size=48, intermediate_size=96, num_heads=3,
@@ -217,23 +223,37 @@ def format_probes(idir):
 # ---------------------------------------------------------------- prompts
 
 def cases():
+    """name -> (messages, tools). Cases with tools run only on a geometry whose template has them."""
     img = lambda n: {"type": "image", "image": n}
     txt = lambda s: {"type": "text", "text": s}
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather of a city, in °C.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "e.g. Zürich"}},
+                       "required": ["city"]}}}
     return {
-        "text_only": [{"role": "user", "content": [txt("Write a haiku about the sea, in Ünïcödé 🌊.")]}],
-        "one_image": [{"role": "user", "content": [img("square"), txt("Describe this image.")]}],
-        "two_images": [
+        "text_only": ([{"role": "user", "content": [txt("Write a haiku about the sea, in Ünïcödé 🌊.")]}], None),
+        "one_image": ([{"role": "user", "content": [img("square"), txt("Describe this image.")]}], None),
+        "two_images": ([
             {"role": "system", "content": [txt("You are a careful assistant.")]},
             {"role": "user", "content": [img("odd"), img("large"), txt("Compare the two pictures.")]},
-        ],
-        "image_mid": [{"role": "user", "content": [txt("Look at this:"), img("alpha"), txt("What color is it?")]}],
+        ], None),
+        "image_mid": ([{"role": "user", "content": [txt("Look at this:"), img("alpha"), txt("What color is it?")]}], None),
         # Three turns: an image in turns 1 and 3, an assistant answer between (the engine's
         # prefix-reuse parity case).
-        "multi_turn": [
+        "multi_turn": ([
             {"role": "user", "content": [img("square"), txt("Describe this image.")]},
             {"role": "assistant", "content": [txt("A square with soft colors.")]},
             {"role": "user", "content": [img("odd"), txt("And this one? Compare them.")]},
-        ],
+        ], None),
+        # Function calling: tool definitions, an assistant call, the tool's answer.
+        "tool_round": ([
+            {"role": "system", "content": [txt("You are a careful assistant.")]},
+            {"role": "user", "content": [img("square"), txt("Where could this be? What is the weather there?")]},
+            {"role": "assistant", "content": [txt("It looks like Zürich. Let me check.")],
+             "tool_calls": [{"type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}}]},
+            {"role": "tool", "content": [txt('{"temp_c": 21, "sky": "clear"}')]},
+        ], [weather]),
     }
 
 
@@ -323,7 +343,7 @@ def image_processor():
     )
 
 
-def check_prompt_golden(out, cname, messages, prompt, names, batch):
+def check_prompt_golden(out, cname, messages, tools, prompt, names, batch):
     """Prompts are geometry-independent: written by the first geometry, checked by the others."""
     pdir = out / "prompts"
     pdir.mkdir(exist_ok=True)
@@ -339,7 +359,7 @@ def check_prompt_golden(out, cname, messages, prompt, names, batch):
         assert old.keys() == t.keys() and all(torch.equal(old[k], t[k]) for k in t), f"{cname} differs"
         return
     save_file(t, path)
-    meta = {"messages": messages, "prompt": prompt, "images": names,
+    meta = {"messages": messages, "tools": tools, "prompt": prompt, "images": names,
             "pixel_values": "concatenation of processor/<image>.safetensors in image order"}
     (pdir / f"{cname}.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
 
@@ -378,6 +398,9 @@ def run_geometry(name, g, seed, out, images, tok_dir, template, sampled_ids, log
         temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.0,
     ).save_pretrained(ck)
 
+    if g.get("template") == "official":
+        template = OFFICIAL_TEMPLATE.read_text()
+        assert sha256(OFFICIAL_TEMPLATE) == OFFICIAL_TEMPLATE_SHA256, "official template changed"
     write_processor_files(ck, out, tok_dir, template, g["template_file"])
     # Goldens come from exactly what is on disk: tokenizer, template and image processor reloaded.
     tok = AutoTokenizer.from_pretrained(ck)
@@ -395,12 +418,14 @@ def run_geometry(name, g, seed, out, images, tok_dir, template, sampled_ids, log
         save_file({k: v.contiguous() for k, v in tap.rec.items()}, vdir / f"{pname}.safetensors")
     cdir = gdir / "cases"
     cdir.mkdir()
-    for cname, messages in cases().items():
+    for cname, (messages, tools) in cases().items():
+        if tools and g.get("template") != "official":
+            continue
         names = image_names(messages)
-        prompt = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = proc.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         imgs = [images[n] for n in names] or None
         batch = proc(text=[prompt], images=imgs, return_tensors="pt")
-        check_prompt_golden(out, cname, messages, prompt, names, batch)
+        check_prompt_golden(out, cname, messages, tools, prompt, names, batch)
         t = {}
         meta = {"case": cname}
         if imgs:
@@ -499,7 +524,9 @@ def mlx_goldens(out, cache):
         model.model.language_model.config._attn_implementation = "eager"
         cdir = out / name / "cases"
         cdir.mkdir(parents=True, exist_ok=True)
-        for cname in cases():
+        for cname, (_, tools) in cases().items():
+            if tools:
+                continue
             prompt = load_file(out / "prompts" / f"{cname}.safetensors")
             meta = json.loads((out / "prompts" / f"{cname}.json").read_text())
             kw = {"input_ids": prompt["input_ids"][None], "mm_token_type_ids": prompt["mm_token_type_ids"][None]}
@@ -625,6 +652,8 @@ def main():
                       "top_ids_per_step": TOP_IDS_PER_STEP, "greedy_steps": GREEDY_STEPS,
                       "min_greedy_margin": MIN_GREEDY_MARGIN},
         "image_processor": "Qwen2VLImageProcessorPil (PIL bicubic resize)",
+        "official_template": {"file": "tools/hf-reference/templates/Qwen3-VL-Instruct.jinja",
+                              "sha256": OFFICIAL_TEMPLATE_SHA256, "used_by": ["tiny-b"]},
         "processor_overrides": OVERRIDES,
         "attention": "eager, float32, CPU",
         "versions": {

@@ -138,8 +138,8 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         }
         let mut parts = std::mem::take(&mut pending);
         parts.push(Part::Text(line.to_string()));
-        history.push(ChatMessage { role: "user".into(), parts });
-        let req = Request { messages: history.clone(), options: options.clone(), stop: vec![] };
+        history.push(ChatMessage::new("user", parts));
+        let req = Request { messages: history.clone(), options: options.clone(), ..Default::default() };
         let mut write_err = None;
         let result =
             engine.generate(&req, &mut |piece| match out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {

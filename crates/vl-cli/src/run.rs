@@ -261,8 +261,8 @@ pub fn run(args: RunArgs) -> Result<()> {
     if let Some(s) = &args.system {
         messages.push(ChatMessage::text("system", s));
     }
-    messages.push(ChatMessage { role: "user".into(), parts });
-    let req = Request { messages, options, stop: vec![] };
+    messages.push(ChatMessage::new("user", parts));
+    let req = Request { messages, options, ..Default::default() };
 
     // Every file of the model directory is checked before a weight is read.
     let model_dir = ModelDir::open(&dir)?;
@@ -361,6 +361,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         Finish::Length => "max_tokens",
         Finish::ContextFull => "context_full",
         Finish::Cancelled => "stopped",
+        Finish::ToolCalls => "tool_calls",
     };
     // From process start (flags parsed) to the first generated token.
     let ttft = (shot.generate_started - t_start + c.time_to_first_token).as_secs_f64();

@@ -28,7 +28,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
-use vl_models::engine::{ChatMessage, Completion, Engine, EngineOptions, Part, Request};
+use vl_models::engine::{ChatMessage, Completion, Engine, EngineOptions, Part, Request, ToolCall};
 use vl_models::limits::LimitKind;
 use vl_models::qwen3_vl::{GenerationOptions, ModelDir};
 
@@ -449,7 +449,7 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
                         "model": app.id,
                         "choices": [{
                             "index": 0,
-                            "message": {"role": "assistant", "content": c.text},
+                            "message": message(&id, &c),
                             "finish_reason": c.finish.openai(),
                             "logprobs": Value::Null,
                         }],
@@ -503,6 +503,10 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
                     }
                 }
                 Msg::Done(Ok(c)) => {
+                    if !c.tool_calls.is_empty() {
+                        let calls = tool_calls_json(&usage_id, &c.tool_calls, true);
+                        let _ = lines.send(chunk(json!({"tool_calls": calls}), Value::Null)).await;
+                    }
                     let _ = lines.send(chunk(json!({}), json!(c.finish.openai()))).await;
                     if include_usage {
                         let v = json!({"id": usage_id, "object": "chat.completion.chunk", "created": created,
@@ -527,6 +531,15 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
     Ok(Sse::new(stream)
         .keep_alive(axum::response::sse::KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response())
+}
+
+/// The response's assistant message: the text (null when the answer is only calls) and the calls.
+fn message(id: &str, c: &Completion) -> Value {
+    if c.tool_calls.is_empty() {
+        return json!({"role": "assistant", "content": c.text});
+    }
+    let content = if c.text.trim().is_empty() { Value::Null } else { json!(c.text) };
+    json!({"role": "assistant", "content": content, "tool_calls": tool_calls_json(id, &c.tool_calls, false)})
 }
 
 fn usage(c: &Completion) -> Value {
@@ -587,8 +600,36 @@ fn parse_request(app: &App, v: &Value) -> std::result::Result<Parsed, ApiError> 
             return Err(ApiError::bad(format!("`n` = {n}: only one choice per request is supported")));
         }
     }
-    if field(v, "tools").and_then(Value::as_array).is_some_and(|t| !t.is_empty()) || field(v, "functions").is_some() {
-        return Err(ApiError::bad("`tools` / `functions` are not supported by this server yet"));
+    if field(v, "functions").is_some() || field(v, "function_call").is_some() {
+        return Err(ApiError::bad("`functions` / `function_call` (deprecated) are not supported: use `tools`"));
+    }
+    let mut tools = match field(v, "tools") {
+        None => vec![],
+        Some(Value::Array(list)) => list.clone(),
+        Some(_) => return Err(ApiError::bad("`tools` must be a list")),
+    };
+    if tools.len() > 128 {
+        return Err(ApiError::bad(format!("`tools`: {} functions, at most 128", tools.len())));
+    }
+    for (i, t) in tools.iter().enumerate() {
+        if t.get("type").and_then(Value::as_str) != Some("function")
+            || t.get("function").and_then(|f| f.get("name")).and_then(Value::as_str).is_none()
+        {
+            return Err(ApiError::bad(format!(
+                "`tools[{i}]` must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
+            )));
+        }
+    }
+    match field(v, "tool_choice") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(c)) if c == "auto" => {}
+        // The model is not told about the functions.
+        Some(Value::String(c)) if c == "none" => tools.clear(),
+        Some(c) => {
+            return Err(ApiError::bad(format!(
+                "`tool_choice` = {c}: only \"auto\" and \"none\" are supported (no constrained decoding)"
+            )))
+        }
     }
     if field(v, "logprobs").and_then(Value::as_bool) == Some(true) {
         return Err(ApiError::bad("`logprobs` is not supported by this server yet"));
@@ -687,6 +728,17 @@ fn parse_request(app: &App, v: &Value) -> std::result::Result<Parsed, ApiError> 
             "developer" => "system",
             other => return Err(ApiError::bad(format!("`messages[{i}].role` = {other:?} is not a known role"))),
         };
+        let tool_calls = match m.get("tool_calls") {
+            None | Some(Value::Null) => vec![],
+            Some(Value::Array(calls)) if role == "assistant" => calls
+                .iter()
+                .enumerate()
+                .map(|(j, c)| tool_call(c, &format!("messages[{i}].tool_calls[{j}]")))
+                .collect::<std::result::Result<_, _>>()?,
+            Some(_) => {
+                return Err(ApiError::bad(format!("`messages[{i}].tool_calls` must be a list on an assistant message")))
+            }
+        };
         let parts = match m.get("content") {
             None | Some(Value::Null) if role == "assistant" => vec![],
             Some(Value::String(s)) => vec![Part::Text(s.clone())],
@@ -697,9 +749,44 @@ fn parse_request(app: &App, v: &Value) -> std::result::Result<Parsed, ApiError> 
                 .collect::<std::result::Result<_, _>>()?,
             _ => return Err(ApiError::bad(format!("`messages[{i}].content` must be a string or a list of parts"))),
         };
-        messages.push(ChatMessage { role: role.to_string(), parts });
+        let mut msg = ChatMessage::new(role, parts);
+        msg.tool_calls = tool_calls;
+        messages.push(msg);
     }
-    Ok(Parsed { req: Request { messages, options: o, stop }, stream, include_usage })
+    Ok(Parsed { req: Request { messages, options: o, stop, tools }, stream, include_usage })
+}
+
+/// An assistant message's call, `{"type": "function", "function": {"name", "arguments"}}`
+/// (arguments as JSON text, or an object).
+fn tool_call(c: &Value, at: &str) -> std::result::Result<ToolCall, ApiError> {
+    let f = c.get("function").ok_or_else(|| ApiError::bad(format!("`{at}.function` is required")))?;
+    let name = f
+        .get("name")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::bad(format!("`{at}.function.name` must be a string")))?;
+    let arguments = match f.get("arguments") {
+        None | Some(Value::Null) => "{}".to_string(),
+        Some(Value::String(s)) => s.clone(),
+        Some(a @ Value::Object(_)) => a.to_string(),
+        Some(_) => return Err(ApiError::bad(format!("`{at}.function.arguments` must be a JSON string"))),
+    };
+    Ok(ToolCall { name: name.into(), arguments })
+}
+
+/// The OpenAI shape of the answer's calls; ids are unique per response.
+fn tool_calls_json(response_id: &str, calls: &[ToolCall], streaming: bool) -> Value {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let mut v = json!({"id": format!("call_{}_{i}", response_id.trim_start_matches("chatcmpl-")),
+                               "type": "function", "function": {"name": c.name, "arguments": c.arguments}});
+            if streaming {
+                v["index"] = json!(i);
+            }
+            v
+        })
+        .collect()
 }
 
 fn part(app: &App, p: &Value, at: &str) -> std::result::Result<Part, ApiError> {
@@ -825,4 +912,46 @@ fn image_bytes(app: &App, url: &str, at: &str) -> std::result::Result<(Vec<u8>, 
             other => ApiError::bad(format!("`{at}`: {other}")),
         })?;
     Ok((data, path.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vl_models::engine::Finish;
+
+    fn completion(text: &str, calls: Vec<ToolCall>) -> Completion {
+        Completion {
+            text: text.into(),
+            finish: if calls.is_empty() { Finish::Stop } else { Finish::ToolCalls },
+            tool_calls: calls,
+            token_ids: vec![],
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            image_tokens: 0,
+            image_cache_hits: 0,
+            vision_time: Duration::ZERO,
+            prefill_time: Duration::ZERO,
+            decode_time: Duration::ZERO,
+            time_to_first_token: Duration::ZERO,
+            first_logits: vec![],
+        }
+    }
+
+    #[test]
+    fn calls_take_the_openai_shape() {
+        let call = ToolCall { name: "get_weather".into(), arguments: r#"{"city": "Zürich"}"#.into() };
+        let c = completion("\n", vec![call.clone(), call]);
+        assert_eq!(c.finish.openai(), "tool_calls");
+        let m = message("chatcmpl-7", &c);
+        // Whitespace before the first call is no content.
+        assert_eq!(m["content"], Value::Null);
+        assert_eq!(m["tool_calls"][1]["id"], "call_7_1");
+        assert_eq!(m["tool_calls"][0]["type"], "function");
+        assert_eq!(m["tool_calls"][0]["function"]["name"], "get_weather");
+        assert_eq!(m["tool_calls"][0]["function"]["arguments"], r#"{"city": "Zürich"}"#);
+        assert!(m["tool_calls"][0].get("index").is_none());
+        assert_eq!(tool_calls_json("chatcmpl-7", &c.tool_calls, true)[1]["index"], 1);
+        let plain = message("chatcmpl-8", &completion("Hello", vec![]));
+        assert_eq!(plain, json!({"role": "assistant", "content": "Hello"}));
+    }
 }

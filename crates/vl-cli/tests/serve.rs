@@ -188,6 +188,16 @@ fn every_bad_request_gets_its_status_and_an_openai_error() {
     assert_error(st, &b, 400, "n");
     let (st, b) = post(&s, c, &ok(json!({"tools": [{"type": "function"}]})));
     assert_error(st, &b, 400, "tools");
+    // tiny-a's built-in template has no tools: refused, not silently dropped.
+    let f = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+    let (st, b) = post(&s, c, &ok(json!({"tools": f})));
+    assert_error(st, &b, 400, "no `tools` variable");
+    let (st, b) = post(&s, c, &ok(json!({"tools": f, "tool_choice": "required"})));
+    assert_error(st, &b, 400, "tool_choice");
+    let bad_call = json!({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"type": "function"}]},
+                                       {"role": "user", "content": "hi"}]});
+    let (st, b) = post(&s, c, &bad_call.to_string());
+    assert_error(st, &b, 400, "tool_calls[0].function");
     let (st, b) = post(&s, c, &ok(json!({"max_tokens": 0})));
     assert_error(st, &b, 400, "max_tokens");
     let (st, b) = post(&s, c, &ok(json!({"stop": 7})));
@@ -223,6 +233,58 @@ fn every_bad_request_gets_its_status_and_an_openai_error() {
     let (st, v) = post(&s, c, &one_image(g, n, json!({})).to_string());
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+}
+
+/// The golden tool round (tool definitions, an assistant call, the tool's answer) in the
+/// OpenAI request shape.
+fn tool_round(max: usize, extra: Value) -> Value {
+    let meta = read_json(&goldens().join("prompts/tool_round.json"));
+    let call = &meta["messages"][2]["tool_calls"][0];
+    let mut v = json!({
+        "messages": [
+            {"role": "system", "content": "You are a careful assistant."},
+            {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url("square.png")}},
+                {"type": "text", "text": "Where could this be? What is the weather there?"}]},
+            {"role": "assistant", "content": "It looks like Zürich. Let me check.",
+             "tool_calls": [{"id": "call_1", "type": "function", "function": call["function"]}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": meta["messages"][3]["content"][0]["text"]},
+        ],
+        "tools": meta["tools"],
+        "max_tokens": max,
+    });
+    for (k, x) in extra.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    v
+}
+
+#[test]
+fn tools_and_tool_results_render_like_the_reference() {
+    let g = "tiny-b";
+    let s = start(g, &[]);
+    let meta = read_json(&goldens().join(g).join("cases/tool_round.json"));
+    let want = meta["greedy"]["text"].as_str().unwrap();
+    let n = meta["greedy"]["ids"].as_array().unwrap().len();
+    let prompt = meta["num_tokens"].as_u64().unwrap();
+    let (st, v) = post(&s, "/v1/chat/completions", &tool_round(n, json!({})).to_string());
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], prompt);
+    // The random weights call no function: the answer is the reference's text.
+    assert_eq!(v["choices"][0]["message"]["content"], want);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert!(v["choices"][0]["message"].get("tool_calls").is_none(), "{v}");
+    let lines = stream(&s, &tool_round(n, json!({"stream": true})));
+    let text: String = lines[..lines.len() - 1]
+        .iter()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(String::from))
+        .collect();
+    assert_eq!(text, want);
+    // tool_choice "none": the functions are left out of the prompt.
+    let (st, v) = post(&s, "/v1/chat/completions", &tool_round(1, json!({"tool_choice": "none"})).to_string());
+    assert_eq!(st, 200, "{v}");
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() < prompt - 50, "{v}");
 }
 
 #[test]

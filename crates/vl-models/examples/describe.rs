@@ -15,16 +15,16 @@ fn main() -> vl_models::Result<()> {
     let engine = Engine::load(dir, "describe", EngineOptions::default())?;
     let data =
         std::fs::read(image).map_err(|e| vl_models::Error::Input { what: image.clone(), message: e.to_string() })?;
-    let mut messages = vec![ChatMessage {
-        role: "user".into(),
-        parts: vec![
+    let mut messages = vec![ChatMessage::new(
+        "user",
+        vec![
             Part::Image { data, name: image.clone(), min_pixels: None, max_pixels: None },
             Part::Text("Describe this image.".into()),
         ],
-    }];
+    )];
     let options = GenerationOptions { max_new_tokens: 32, ..Default::default() };
     for follow_up in ["What stands out most?", ""] {
-        let req = Request { messages: messages.clone(), options: options.clone(), stop: vec![] };
+        let req = Request { messages: messages.clone(), options: options.clone(), ..Default::default() };
         let c = engine.generate(&req, &mut |piece| {
             print!("{piece}");
             std::io::stdout().flush().is_ok()

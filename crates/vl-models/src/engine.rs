@@ -26,10 +26,12 @@ use crate::limits::ImageLimits;
 use crate::qwen3_vl::plan::VISION_PREFIX;
 use crate::qwen3_vl::weights::LoadProgress;
 use crate::qwen3_vl::{
-    Content, GenerationOptions, ImageFile, Message, ModelDir, Processor, QuantLoad, Qwen3VlModel, TextCache, TextModel,
-    VisionOutput, VisionTower,
+    Content, GenerationOptions, ImageFile, Message, ModelDir, Processor, QuantLoad, Qwen3VlModel, TemplateToolCall,
+    TextCache, TextModel, VisionOutput, VisionTower,
 };
 use crate::sampling::{apply_presence_frequency, check_logits, sample};
+pub use crate::tools::ToolCall;
+use crate::tools::{split_tool_calls, CallHold};
 
 /// How an engine loads and what it bounds.
 #[derive(Debug, Clone)]
@@ -81,11 +83,17 @@ pub enum Part {
 pub struct ChatMessage {
     pub role: String,
     pub parts: Vec<Part>,
+    /// An assistant turn's function calls (given back with the tools' answers in `tool`
+    /// messages).
+    pub tool_calls: Vec<ToolCall>,
 }
 
 impl ChatMessage {
+    pub fn new(role: &str, parts: Vec<Part>) -> Self {
+        Self { role: role.into(), parts, tool_calls: vec![] }
+    }
     pub fn text(role: &str, text: &str) -> Self {
-        Self { role: role.into(), parts: vec![Part::Text(text.into())] }
+        Self::new(role, vec![Part::Text(text.into())])
     }
 }
 
@@ -96,6 +104,11 @@ pub struct Request {
     /// Generation stops before any of these strings would be emitted (the string is not part
     /// of the answer).
     pub stop: Vec<String>,
+    /// Function definitions the model may call (OpenAI's `tools`: `{"type": "function",
+    /// "function": {"name", "description", "parameters"}}`), rendered by the chat template.
+    /// With tools, an answer's `<tool_call>` blocks become `Completion::tool_calls` and are not
+    /// streamed as text.
+    pub tools: Vec<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,6 +121,8 @@ pub enum Finish {
     ContextFull,
     /// The callback asked to stop (e.g. the client went away).
     Cancelled,
+    /// The answer is function calls (`Completion::tool_calls`).
+    ToolCalls,
 }
 
 impl Finish {
@@ -116,13 +131,17 @@ impl Finish {
         match self {
             Finish::Stop | Finish::Cancelled => "stop",
             Finish::Length | Finish::ContextFull => "length",
+            Finish::ToolCalls => "tool_calls",
         }
     }
 }
 
 #[derive(Debug, Clone)]
 pub struct Completion {
+    /// The answer's text (with tool calls, the text before the first call).
     pub text: String,
+    /// Function calls the answer made (only when the request offered tools).
+    pub tool_calls: Vec<ToolCall>,
     /// Generated ids (an eos id included when it ended the answer).
     pub token_ids: Vec<u32>,
     pub prompt_tokens: usize,
@@ -432,6 +451,7 @@ impl Engine {
         let mut tokens: Vec<u32> = Vec::new();
         let mut stream = self.processor.stream_decoder();
         let mut out = StopFilter::new(&req.stop);
+        let mut hold = (!req.tools.is_empty()).then(CallHold::default);
         let mut finish = if budget < opts.max_new_tokens { Finish::ContextFull } else { Finish::Length };
         let mut ttft = None;
         for step in 0..budget {
@@ -447,7 +467,10 @@ impl Engine {
                 break;
             }
             if let Some(piece) = stream.push(next)? {
-                let (emit, stopped) = out.push(&piece);
+                let (mut emit, stopped) = out.push(&piece);
+                if let Some(h) = &mut hold {
+                    emit = h.push(&emit);
+                }
                 if !emit.is_empty() && !on_text(&emit) {
                     finish = Finish::Cancelled;
                     break;
@@ -463,20 +486,33 @@ impl Engine {
             logits = self.model.decode_step(next, &pre, step, &mut state.cache)?;
             state.cached.push((next, 0));
         }
+        let mut tail = String::new();
         if finish != Finish::Cancelled && !out.stopped {
             if let Some(rest) = stream.finish()? {
-                let (emit, _) = out.push(&rest);
-                if !emit.is_empty() {
-                    on_text(&emit);
-                }
+                tail.push_str(&out.push(&rest).0);
             }
-            let rest = out.flush();
-            if !rest.is_empty() {
-                on_text(&rest);
+            tail.push_str(&out.flush());
+        }
+        let mut text = out.text;
+        let mut tool_calls = vec![];
+        if let Some(h) = &mut hold {
+            tail = h.push(&tail);
+            match split_tool_calls(&text) {
+                Some((content, calls)) if finish != Finish::Cancelled => {
+                    text = content;
+                    tool_calls = calls;
+                    finish = Finish::ToolCalls;
+                }
+                // Not a call after all: what was held back is text.
+                _ => tail.push_str(&h.take()),
             }
         }
+        if !tail.is_empty() && finish != Finish::Cancelled {
+            on_text(&tail);
+        }
         Ok(Completion {
-            text: out.text,
+            text,
+            tool_calls,
             token_ids: tokens,
             prompt_tokens: n,
             cached_tokens: common,
@@ -599,11 +635,18 @@ fn prepare(
                 }
             }
         }
-        messages.push(Message::new(&m.role, content));
+        let mut msg = Message::new(&m.role, content);
+        msg.tool_calls = m
+            .tool_calls
+            .iter()
+            .map(|c| TemplateToolCall::function(&c.name, serde_json::Value::String(c.arguments.clone())))
+            .collect();
+        messages.push(msg);
     }
     let tokens: Vec<usize> = files.iter().map(|(f, p, _)| p.tokens_for(f)).collect::<Result<_>>()?;
     let context = config.text.max_position_embeddings;
-    let prompt_len = processor.prompt_len(&messages, &tokens)?;
+    let tools = (!req.tools.is_empty()).then_some(req.tools.as_slice());
+    let prompt_len = processor.prompt_len_with(&messages, tools, &tokens)?;
     if prompt_len >= context {
         return Err(Error::Limit {
             what: "prompt".into(),
@@ -617,7 +660,7 @@ fn prepare(
     }
     let processed: Vec<_> = files.iter().map(|(f, p, _)| p.process_opened(f)).collect::<Result<_>>()?;
     let keys: Vec<u64> = files.iter().zip(&processed).map(|((_, _, h), img)| image_key(h, img.resized)).collect();
-    let prompt = processor.prepare(&messages, &processed, device)?;
+    let prompt = processor.prepare_with(&messages, tools, &processed, device)?;
     let image_token = config.image_token_id;
     let image_tokens = prompt.input_ids.iter().filter(|&&t| t == image_token).count();
     // Identities: which image each placeholder run belongs to, in prompt order.

@@ -2,7 +2,8 @@
 //!
 //! Layout follows the house style: generic layers live in `vl-nn`; this crate composes them.
 //! Model-agnostic: `checkpoint` (safetensors access), `sampling`, `stream` (streaming
-//! detokenization), `engine` (the resident engine's API); `qwen3_vl` holds everything Qwen-named.
+//! detokenization), `engine` (the resident engine's API), `tools` (tool-call text
+//! format and transformers' `tojson`); `qwen3_vl` holds everything Qwen-named.
 
 pub mod affine;
 pub mod checkpoint;
@@ -12,5 +13,6 @@ pub mod limits;
 pub mod qwen3_vl;
 pub mod sampling;
 pub mod stream;
+pub mod tools;
 
 pub use error::{Error, Result};

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use vl_models::engine::{ChatMessage, Engine, EngineOptions, Finish, Part, Request};
+use vl_models::engine::{ChatMessage, Engine, EngineOptions, Finish, Part, Request, ToolCall};
 use vl_models::qwen3_vl::GenerationOptions;
 
 fn engine(g: &str, reuse: bool) -> Engine {
@@ -23,12 +23,9 @@ fn image(name: &str) -> Part {
 
 fn one_image_request(max: usize) -> Request {
     Request {
-        messages: vec![ChatMessage {
-            role: "user".into(),
-            parts: vec![image("square.png"), Part::Text("Describe this image.".into())],
-        }],
+        messages: vec![ChatMessage::new("user", vec![image("square.png"), Part::Text("Describe this image.".into())])],
         options: GenerationOptions { max_new_tokens: max, ..Default::default() },
-        stop: vec![],
+        ..Default::default()
     }
 }
 
@@ -78,10 +75,7 @@ fn a_follow_up_turn_prefills_only_its_new_tokens_and_matches_a_fresh_prefill() {
         // Turn 2 repeats turn 1 and the answer, then asks about a second image.
         let mut req = one_image_request(8);
         req.messages.push(ChatMessage::text("assistant", &first.text));
-        req.messages.push(ChatMessage {
-            role: "user".into(),
-            parts: vec![image("odd.png"), Part::Text("And this one?".into())],
-        });
+        req.messages.push(ChatMessage::new("user", vec![image("odd.png"), Part::Text("And this one?".into())]));
         let reused = warm.generate(&req, &mut |_| true).unwrap();
         let fresh = engine(g, false).generate(&req, &mut |_| true).unwrap();
         assert!(reused.cached_tokens >= first.prompt_tokens, "{g}: {} cached", reused.cached_tokens);
@@ -100,16 +94,15 @@ fn a_follow_up_turn_prefills_only_its_new_tokens_and_matches_a_fresh_prefill() {
     }
 }
 
-/// The golden case's messages as an engine request.
+/// The golden case's messages (and tools) as an engine request.
 fn golden_request(case: &str, max: usize) -> Request {
     let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
     let messages = meta["messages"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|m| ChatMessage {
-            role: m["role"].as_str().unwrap().into(),
-            parts: m["content"]
+        .map(|m| {
+            let parts = m["content"]
                 .as_array()
                 .unwrap()
                 .iter()
@@ -117,10 +110,47 @@ fn golden_request(case: &str, max: usize) -> Request {
                     "text" => Part::Text(c["text"].as_str().unwrap().into()),
                     _ => image(&format!("{}.png", c["image"].as_str().unwrap())),
                 })
-                .collect(),
+                .collect();
+            let mut msg = ChatMessage::new(m["role"].as_str().unwrap(), parts);
+            for c in m["tool_calls"].as_array().into_iter().flatten() {
+                msg.tool_calls.push(ToolCall {
+                    name: c["function"]["name"].as_str().unwrap().into(),
+                    arguments: c["function"]["arguments"].as_str().unwrap().into(),
+                });
+            }
+            msg
         })
         .collect();
-    Request { messages, options: GenerationOptions { max_new_tokens: max, ..Default::default() }, stop: vec![] }
+    Request {
+        messages,
+        options: GenerationOptions { max_new_tokens: max, ..Default::default() },
+        tools: meta["tools"].as_array().cloned().unwrap_or_default(),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_tool_round_matches_the_reference() {
+    // tiny-b carries the official template: tool definitions, an assistant call and the tool's
+    // answer render to the reference's ids, and the answer is the reference's greedy one (the
+    // random weights write no call: the text passes the call hold unchanged).
+    let e = engine("tiny-b", true);
+    let (want_text, want_ids, prompt_len) = greedy("tiny-b", "tool_round");
+    let mut streamed = String::new();
+    let c = e
+        .generate(&golden_request("tool_round", want_ids.len()), &mut |p| {
+            streamed.push_str(p);
+            true
+        })
+        .unwrap();
+    assert_eq!(c.prompt_tokens, prompt_len);
+    assert_eq!(c.token_ids, want_ids);
+    assert_eq!((c.text.as_str(), streamed.as_str()), (want_text.as_str(), want_text.as_str()));
+    assert!(c.tool_calls.is_empty());
+    assert_eq!(c.finish, Finish::Length);
+    let want = load(&goldens().join("tiny-b/cases/tool_round.safetensors"));
+    let d = max_diff(&c.first_logits, &want["logits.last"].to_vec1::<f32>().unwrap());
+    assert!(d <= 1e-3, "tool_round logits differ from the reference by {d}");
 }
 
 #[test]

@@ -7,7 +7,7 @@ mod common;
 use candle_core::{DType, Device};
 use common::*;
 use vl_models::qwen3_vl::positions::token_types;
-use vl_models::qwen3_vl::{Content, ImageProcessor, Message, Processor};
+use vl_models::qwen3_vl::{Content, ImageProcessor, Message, Processor, TemplateToolCall};
 
 /// Max |diff| on the normalized scale ([-1, 1]); mean bound below.
 const PIXEL_MAX: f32 = 0.02;
@@ -81,21 +81,38 @@ fn messages(meta: &serde_json::Value) -> Vec<Message> {
                     _ => Content::Text { text: c["text"].as_str().unwrap().into() },
                 })
                 .collect();
-            Message::new(m["role"].as_str().unwrap(), content)
+            let mut msg = Message::new(m["role"].as_str().unwrap(), content);
+            if let Some(calls) = m["tool_calls"].as_array() {
+                msg.tool_calls = calls
+                    .iter()
+                    .map(|c| {
+                        TemplateToolCall::function(
+                            c["function"]["name"].as_str().unwrap(),
+                            c["function"]["arguments"].clone(),
+                        )
+                    })
+                    .collect();
+            }
+            msg
         })
         .collect()
+}
+
+fn tools(meta: &serde_json::Value) -> Option<Vec<serde_json::Value>> {
+    meta["tools"].as_array().cloned()
 }
 
 #[test]
 fn prompts_match_the_reference_processor() {
     for g in GEOMETRIES {
         let proc = Processor::from_dir(&goldens().join(g).join("checkpoint")).unwrap();
-        for case in CASES {
+        for case in cases_of(g) {
             let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
             let want = load(&goldens().join("prompts").join(format!("{case}.safetensors")));
             let msgs = messages(&meta);
+            let tools = tools(&meta);
             assert_eq!(
-                proc.template.render(&msgs, true).unwrap(),
+                proc.template.render_with(&msgs, tools.as_deref(), true).unwrap(),
                 meta["prompt"].as_str().unwrap(),
                 "{g}/{case}: rendered"
             );
@@ -109,7 +126,7 @@ fn prompts_match_the_reference_processor() {
                         .unwrap()
                 })
                 .collect();
-            let prompt = proc.prepare(&msgs, &images, &Device::Cpu).unwrap();
+            let prompt = proc.prepare_with(&msgs, tools.as_deref(), &images, &Device::Cpu).unwrap();
             let want_ids: Vec<u32> = want["input_ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
             assert_eq!(prompt.input_ids, want_ids, "{g}/{case}: input_ids");
             let types: Vec<i64> = token_types(&prompt.input_ids, 151655, 151656).iter().map(|&t| t as i64).collect();
@@ -126,7 +143,7 @@ fn prompts_match_the_reference_processor() {
 fn greedy_text_decodes_like_the_reference() {
     for g in GEOMETRIES {
         let proc = Processor::from_dir(&goldens().join(g).join("checkpoint")).unwrap();
-        for case in CASES {
+        for case in cases_of(g) {
             let meta = read_json(&goldens().join(g).join("cases").join(format!("{case}.json")));
             let ids: Vec<u32> =
                 meta["greedy"]["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
@@ -176,4 +193,22 @@ fn bad_images_are_named() {
     assert!(err.contains("thin.png") && err.contains("aspect ratio"), "{err}");
     let err = proc.process_file(&tmp.path().join("missing.png")).unwrap_err().to_string();
     assert!(err.contains("missing.png"), "{err}");
+}
+
+#[test]
+fn only_a_template_with_tools_takes_them() {
+    let official = Processor::from_dir(&goldens().join("tiny-b/checkpoint")).unwrap();
+    assert!(official.template.takes_tools());
+    // tiny-a ships the built-in template, which has no `tools` variable: tools are refused with
+    // a message that says so, not silently dropped.
+    let builtin = Processor::from_dir(&goldens().join("tiny-a/checkpoint")).unwrap();
+    assert!(!builtin.template.takes_tools());
+    let tool = serde_json::json!({"type": "function", "function": {"name": "f"}});
+    let e = builtin.template.render_with(&[Message::text("user", "hi")], Some(&[tool]), true).unwrap_err();
+    assert!(e.to_string().contains("no `tools` variable"), "{e}");
+    // No tools (or an empty list) renders as without them.
+    assert_eq!(
+        official.template.render_with(&[Message::text("user", "hi")], Some(&[]), true).unwrap(),
+        official.template.render(&[Message::text("user", "hi")], true).unwrap()
+    );
 }

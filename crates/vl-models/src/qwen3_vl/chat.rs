@@ -32,11 +32,36 @@ pub enum Content {
 pub struct Message {
     pub role: String,
     pub content: Vec<Content>,
+    /// An assistant message's tool calls, as the OpenAI API and transformers' templates
+    /// shape them: `{"type": "function", "function": {"name", "arguments"}}`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<TemplateToolCall>,
+}
+
+/// One function call of an assistant message. `arguments` is the JSON text the model wrote (a
+/// string, as OpenAI clients send it back) or an object.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TemplateToolCall {
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FunctionCall {
+    pub name: String,
+    pub arguments: serde_json::Value,
+}
+
+impl TemplateToolCall {
+    pub fn function(name: &str, arguments: serde_json::Value) -> Self {
+        Self { kind: "function", function: FunctionCall { name: name.into(), arguments } }
+    }
 }
 
 impl Message {
     pub fn new(role: &str, content: Vec<Content>) -> Self {
-        Self { role: role.into(), content }
+        Self { role: role.into(), content, tool_calls: vec![] }
     }
     pub fn text(role: &str, text: &str) -> Self {
         Self::new(role, vec![Content::Text { text: text.into() }])
@@ -88,6 +113,9 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        // transformers' `tojson`: Python's json.dumps (", " and ": " separators, non-ASCII kept,
+        // key order kept), not minijinja's HTML-safe compact form.
+        env.add_filter("tojson", crate::tools::py_tojson);
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
@@ -101,8 +129,32 @@ impl ChatTemplate {
     }
 
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.render_with(messages, None, add_generation_prompt)
+    }
+
+    /// Whether the template reads a `tools` variable (function definitions for tool calling).
+    pub fn takes_tools(&self) -> bool {
+        let tmpl = self.env.get_template("chat").expect("added in new");
+        tmpl.undeclared_variables(false).contains("tools")
+    }
+
+    /// Renders with function definitions (`tools`, as the OpenAI API sends them); a template
+    /// that has no `tools` variable refuses them.
+    pub fn render_with(
+        &self,
+        messages: &[Message],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        if tools.is_some_and(|t| !t.is_empty()) && !self.takes_tools() {
+            return Err(Error::Input {
+                what: "tools".into(),
+                message: "this checkpoint's chat template has no `tools` variable: it cannot offer functions".into(),
+            });
+        }
         let tmpl = self.env.get_template("chat").expect("added in new");
         tmpl.render(minijinja::context! {
+            tools => tools.filter(|t| !t.is_empty()),
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             add_vision_id => false,
@@ -189,7 +241,17 @@ impl Processor {
     /// The prompt length `prepare` would produce for images of these token counts, computed
     /// without the pixels (to check a prompt against the context before decoding any image).
     pub fn prompt_len(&self, messages: &[Message], image_tokens: &[usize]) -> Result<usize> {
-        let text = self.template.render(messages, true)?;
+        self.prompt_len_with(messages, None, image_tokens)
+    }
+
+    /// `prompt_len` with function definitions in the prompt.
+    pub fn prompt_len_with(
+        &self,
+        messages: &[Message],
+        tools: Option<&[serde_json::Value]>,
+        image_tokens: &[usize],
+    ) -> Result<usize> {
+        let text = self.template.render_with(messages, tools, true)?;
         let pads = text.matches(IMAGE_PAD).count();
         if pads != image_tokens.len() {
             return Err(Error::Input {
@@ -205,7 +267,18 @@ impl Processor {
     /// Renders `messages` (with the generation prompt), expands each `<|image_pad|>` to its
     /// image's token count (images in prompt order) and tokenizes.
     pub fn prepare(&self, messages: &[Message], images: &[ProcessedImage], device: &Device) -> Result<Prompt> {
-        let text = self.template.render(messages, true)?;
+        self.prepare_with(messages, None, images, device)
+    }
+
+    /// `prepare` with function definitions in the prompt.
+    pub fn prepare_with(
+        &self,
+        messages: &[Message],
+        tools: Option<&[serde_json::Value]>,
+        images: &[ProcessedImage],
+        device: &Device,
+    ) -> Result<Prompt> {
+        let text = self.template.render_with(messages, tools, true)?;
         let merge = self.images.config.merge_size;
         let pads = text.matches(IMAGE_PAD).count();
         if pads != images.len() {

@@ -15,7 +15,7 @@ pub mod text;
 pub mod vision;
 pub mod weights;
 
-pub use chat::{Content, Message, Processor, StreamDecoder};
+pub use chat::{Content, Message, Processor, StreamDecoder, TemplateToolCall};
 pub use config::{Qwen3VlConfig, TextConfig, VisionConfig};
 pub use generate::{Generation, GenerationOptions, StopReason};
 pub use generation_config::GenerationConfig;

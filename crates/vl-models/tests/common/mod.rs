@@ -12,6 +12,18 @@ pub const GEOMETRIES: [&str; 2] = ["tiny-a", "tiny-b"];
 pub const PROBES: [&str; 6] = ["square", "odd", "small", "large", "wide", "alpha"];
 pub const CASES: [&str; 5] = ["text_only", "one_image", "two_images", "image_mid", "multi_turn"];
 /// The cases the MLX fixtures were generated with (`tools/hf-reference/generate-mlx`).
+/// Cases whose prompt offers tools: only tiny-b carries a template with tools (the official one).
+pub const TOOL_CASES: [&str; 1] = ["tool_round"];
+
+/// The golden cases of geometry `g`.
+pub fn cases_of(g: &str) -> Vec<&'static str> {
+    let mut c = CASES.to_vec();
+    if g == "tiny-b" {
+        c.extend(TOOL_CASES);
+    }
+    c
+}
+
 pub const MLX_CASES: [&str; 4] = ["text_only", "one_image", "two_images", "image_mid"];
 
 pub fn goldens() -> PathBuf {
