@@ -6,6 +6,7 @@
 //! tools/bench/make-checkpoint target/bench-2b        # bf16, 2B geometry, random weights
 //! cargo build --release -p vl-cli -p vl-bench
 //! target/release/vl-bench --model target/bench-2b [--modes f32,q8,q6k,q4k] [--repeat N]
+//! target/release/vl-bench --model target/bench-2b --serve [--modes q4k]   # the server path
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -13,6 +14,8 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
+
+mod serve;
 
 /// Square side of the benchmark image after resizing: 448x448 = 196 image tokens.
 const IMAGE_SIDE: usize = 448;
@@ -25,6 +28,7 @@ struct Args {
     image: PathBuf,
     modes: Vec<String>,
     repeat: usize,
+    serve: bool,
 }
 
 fn parse() -> Result<Args> {
@@ -34,6 +38,7 @@ fn parse() -> Result<Args> {
         image: root.join("goldens/images/photo.jpg"),
         modes: ["f32", "q8", "q6k", "q4k"].map(String::from).to_vec(),
         repeat: 1,
+        serve: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -43,8 +48,9 @@ fn parse() -> Result<Args> {
             "--image" => a.image = value()?.into(),
             "--modes" => a.modes = value()?.split(',').map(String::from).collect(),
             "--repeat" => a.repeat = value()?.parse().context("--repeat")?,
+            "--serve" => a.serve = true,
             "--help" | "-h" => {
-                println!("vl-bench [--model DIR] [--image FILE] [--modes f32,q8,q6k,q4k] [--repeat N]");
+                println!("vl-bench [--model DIR] [--image FILE] [--modes f32,q8,q6k,q4k] [--repeat N] [--serve]");
                 std::process::exit(0);
             }
             other => bail!("unknown flag {other} (see --help)"),
@@ -127,6 +133,13 @@ fn main() -> Result<()> {
         IMAGE_SIDE,
         a.repeat
     );
+    if a.serve {
+        for mode in &a.modes {
+            println!("mode {mode}:");
+            serve::bench(&vl, &a.model, quantize_flag(mode)?, &a.image, IMAGE_SIDE, NEW_TOKENS.parse()?)?;
+        }
+        return Ok(());
+    }
     println!(
         "| mode | load s | vision s | image prompt | prefill tok/s | TTFT s | decode tok/s @short | @image | @long | long prefill tok/s | peak RSS image | peak RSS long |"
     );

@@ -67,6 +67,10 @@ pub struct ServeArgs {
     /// Vision features kept for repeated images, in MiB (0 = off).
     #[arg(long, default_value_t = 256)]
     image_cache_mib: usize,
+    /// Prefill every prompt in full (by default a request reuses the KV cache of the longest
+    /// prefix it shares with the previous one).
+    #[arg(long)]
+    no_prefix_cache: bool,
     /// Default sampling when a request sets none: `greedy`, or `model` (generation_config.json's
     /// temperature, top_k, top_p).
     #[arg(long, default_value = "greedy")]
@@ -212,7 +216,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         max_pixels: args.load.max_pixels,
         image_limits: args.load.image_limits(),
         image_cache_bytes: args.image_cache_mib << 20,
-        prefix_cache: true,
+        prefix_cache: !args.no_prefix_cache,
     };
     drop(weights);
     let id = args.served_model_name.clone().unwrap_or_else(|| args.load.model.clone());
