@@ -19,6 +19,13 @@ pub enum QuantType {
     Q6K,
     Q8K,
     Q8_0,
+    // Block types read from GGUF files as they are stored (not produced by our quantizer).
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q2K,
+    Q3K,
 }
 
 impl QuantType {
@@ -29,7 +36,31 @@ impl QuantType {
             QuantType::Q6K => GgmlDType::Q6K,
             QuantType::Q8K => GgmlDType::Q8K,
             QuantType::Q8_0 => GgmlDType::Q8_0,
+            QuantType::Q4_0 => GgmlDType::Q4_0,
+            QuantType::Q4_1 => GgmlDType::Q4_1,
+            QuantType::Q5_0 => GgmlDType::Q5_0,
+            QuantType::Q5_1 => GgmlDType::Q5_1,
+            QuantType::Q2K => GgmlDType::Q2K,
+            QuantType::Q3K => GgmlDType::Q3K,
         }
+    }
+
+    /// The block types candle has kernels for; `None` for float types and the rest.
+    pub fn from_ggml(d: GgmlDType) -> Option<Self> {
+        Some(match d {
+            GgmlDType::Q4K => QuantType::Q4K,
+            GgmlDType::Q5K => QuantType::Q5K,
+            GgmlDType::Q6K => QuantType::Q6K,
+            GgmlDType::Q8K => QuantType::Q8K,
+            GgmlDType::Q8_0 => QuantType::Q8_0,
+            GgmlDType::Q4_0 => QuantType::Q4_0,
+            GgmlDType::Q4_1 => QuantType::Q4_1,
+            GgmlDType::Q5_0 => QuantType::Q5_0,
+            GgmlDType::Q5_1 => QuantType::Q5_1,
+            GgmlDType::Q2K => QuantType::Q2K,
+            GgmlDType::Q3K => QuantType::Q3K,
+            _ => return None,
+        })
     }
 
     pub fn name(self) -> &'static str {
@@ -39,6 +70,12 @@ impl QuantType {
             QuantType::Q6K => "q6k",
             QuantType::Q8K => "q8k",
             QuantType::Q8_0 => "q8_0",
+            QuantType::Q4_0 => "q4_0",
+            QuantType::Q4_1 => "q4_1",
+            QuantType::Q5_0 => "q5_0",
+            QuantType::Q5_1 => "q5_1",
+            QuantType::Q2K => "q2k",
+            QuantType::Q3K => "q3k",
         }
     }
 
@@ -215,6 +252,15 @@ impl QLinear {
         Ok(QLinear::Quant { w: QMatMul::from_qtensor(w)?, qtype: q, bias: l.bias().cloned() })
     }
 
+    /// A layer over weights already quantized (e.g. read from a GGUF file): used as stored.
+    pub fn from_qtensor(w: Arc<QTensor>, bias: Option<Tensor>) -> Result<Self> {
+        let qtype = QuantType::from_ggml(w.dtype()).ok_or_else(|| Error::Shape {
+            layer: "QLinear",
+            message: format!("no kernel for block type {:?}", w.dtype()),
+        })?;
+        Ok(QLinear::Quant { w: QMatMul::from_arc(w)?, qtype, bias })
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             QLinear::Dense(l) => Ok(l.forward(x)?),
@@ -292,6 +338,16 @@ impl QEmbedding {
             }
             _ => Ok(QEmbedding::Dense(table)),
         }
+    }
+
+    /// A table already quantized (e.g. read from a GGUF file), used as stored.
+    pub fn from_qtensor(t: Arc<QTensor>) -> Result<Self> {
+        let (rows, dim) = t.shape().dims2()?;
+        let qtype = QuantType::from_ggml(t.dtype()).ok_or_else(|| Error::Shape {
+            layer: "QEmbedding",
+            message: format!("no kernel for block type {:?}", t.dtype()),
+        })?;
+        Ok(QEmbedding::Quant { table: t, qtype, rows, dim })
     }
 
     /// Rows for `ids` as [n, dim] in `dtype`.

@@ -471,7 +471,7 @@ impl Bounds<'_> {
     }
 }
 
-fn validate_vision(v: &VisionConfig, t: &TextConfig, path: &Path) -> Result<()> {
+pub(crate) fn validate_vision(v: &VisionConfig, t: &TextConfig, path: &Path) -> Result<()> {
     let err = |field: &str, message: String| Error::Config { path: PathBuf::from(path), field: field.into(), message };
     let b = Bounds { path };
     b.size("vision_config.depth", v.depth, MAX_VISION_DEPTH)?;

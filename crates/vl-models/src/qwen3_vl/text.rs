@@ -21,6 +21,24 @@ pub struct QuantLoad {
     pub read_as: DType,
 }
 
+/// Weights already quantized, by checkpoint key (`model.language_model.layers.0.mlp.up_proj.weight`),
+/// used as stored (GGUF files): no dequantize-requantize round trip.
+pub type Prequantized = std::collections::HashMap<String, std::sync::Arc<candle_core::quantized::QTensor>>;
+
+/// How the decoder's weights are built: quantized at load (`quant`) and/or already quantized (`pre`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LoadPlan<'a> {
+    pub quant: Option<QuantLoad>,
+    pub pre: Option<&'a Prequantized>,
+}
+
+impl LoadPlan<'_> {
+    fn stored(&self, vb: &VarBuilder, name: &str) -> Option<std::sync::Arc<candle_core::quantized::QTensor>> {
+        let key = if vb.prefix().is_empty() { name.to_string() } else { format!("{}.{name}", vb.prefix()) };
+        self.pre.and_then(|p| p.get(&key)).cloned()
+    }
+}
+
 /// A weight `vb`'s `name` of `shape`: in `q.read_as` when it will be quantized (its last
 /// dimension fits the block), else in the model's dtype.
 fn weight(
@@ -37,9 +55,23 @@ fn weight(
     }
 }
 
-fn linear_no_bias(i: usize, o: usize, vb: VarBuilder, q: Option<QuantLoad>) -> Result<QLinear> {
-    let (w, qt) = weight((o, i), "weight", &vb, q)?;
+fn linear_no_bias(i: usize, o: usize, vb: VarBuilder, q: LoadPlan) -> Result<QLinear> {
+    if let Some(t) = q.stored(&vb, "weight") {
+        check_stored(&t, (o, i), &vb)?;
+        return Ok(QLinear::from_qtensor(t, None)?);
+    }
+    let (w, qt) = weight((o, i), "weight", &vb, q.quant)?;
     Ok(QLinear::new(candle_nn::Linear::new(w, None), qt)?)
+}
+
+fn check_stored(t: &candle_core::quantized::QTensor, shape: (usize, usize), vb: &VarBuilder) -> Result<()> {
+    if t.shape().dims() != [shape.0, shape.1] {
+        return Err(crate::error::Error::Input {
+            what: format!("{}.weight", vb.prefix()),
+            message: format!("shape {:?}, expected {:?}", t.shape().dims(), [shape.0, shape.1]),
+        });
+    }
+    Ok(())
 }
 
 fn rms_norm(dim: usize, eps: f64, vb: VarBuilder) -> Result<RmsNorm> {
@@ -60,7 +92,7 @@ struct Attention {
 }
 
 impl Attention {
-    fn load(cfg: &TextConfig, vb: VarBuilder, qt: Option<QuantLoad>) -> Result<Self> {
+    fn load(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<Self> {
         let (d, hd) = (cfg.hidden_size, cfg.head_dim);
         let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         Ok(Self {
@@ -101,7 +133,7 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn load(cfg: &TextConfig, vb: VarBuilder, qt: Option<QuantLoad>) -> Result<Self> {
+    fn load(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<Self> {
         let (d, i) = (cfg.hidden_size, cfg.intermediate_size);
         Ok(Self {
             gate: linear_no_bias(d, i, vb.pp("gate_proj"), qt)?,
@@ -125,7 +157,7 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn load(cfg: &TextConfig, vb: VarBuilder, qt: Option<QuantLoad>) -> Result<Self> {
+    fn load(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<Self> {
         Ok(Self {
             input_norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
             attn: Attention::load(cfg, vb.pp("self_attn"), qt)?,
@@ -206,9 +238,24 @@ impl TextModel {
         vb: VarBuilder,
         quant: Option<QuantLoad>,
     ) -> Result<Self> {
+        Self::load_plan(cfg, tie_word_embeddings, vb, LoadPlan { quant, pre: None })
+    }
+
+    /// `load_with`, taking the weights in `plan.pre` as they are stored.
+    pub fn load_plan(cfg: &TextConfig, tie_word_embeddings: bool, vb: VarBuilder, plan: LoadPlan) -> Result<Self> {
+        let quant = plan;
         let tvb = vb.pp("model.language_model");
-        let (table, tq) = weight((cfg.vocab_size, cfg.hidden_size), "weight", &tvb.pp("embed_tokens"), quant)?;
-        let embed = QEmbedding::new(table, tq)?;
+        let evb = tvb.pp("embed_tokens");
+        let embed = match plan.stored(&evb, "weight") {
+            Some(t) => {
+                check_stored(&t, (cfg.vocab_size, cfg.hidden_size), &evb)?;
+                QEmbedding::from_qtensor(t)?
+            }
+            None => {
+                let (table, tq) = weight((cfg.vocab_size, cfg.hidden_size), "weight", &evb, plan.quant)?;
+                QEmbedding::new(table, tq)?
+            }
+        };
         let lm_head = if tie_word_embeddings {
             embed.as_linear()?
         } else {

@@ -1,0 +1,714 @@
+//! GGUF files as llama.cpp publishes Qwen3-VL: a text model (`general.architecture` `qwen3vl`)
+//! and a vision projector (`clip`, projector type `qwen3vl_merger`). The hyperparameters come from
+//! the metadata, the tokenizer from the GGUF vocabulary and merges, the chat template from
+//! `tokenizer.chat_template`. Quantized text weights are used in their stored block type (no
+//! dequantize-requantize round trip); float weights load as the model's dtype.
+//!
+//! Every header is walked with bounds before candle's reader sees it: counts, string and array
+//! lengths and tensor extents are checked against the file's size, so a hostile or truncated
+//! file is an error naming the file and the field, never a panic or a huge allocation.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use tokenizers::Tokenizer;
+
+use super::chat::{ChatTemplate, Processor, TemplateSource};
+use super::config::{Qwen3VlConfig, TextConfig, VisionConfig};
+use super::model::Qwen3VlModel;
+use super::processor::{ImageProcessor, PreprocessorConfig};
+use super::text::{LoadPlan, Prequantized, TextModel};
+use super::vision::VisionTower;
+use crate::error::{Error, Result};
+
+/// Header bounds: more than any real model has, far less than a hostile file may claim.
+const MAX_TENSORS: u64 = 1 << 16;
+const MAX_KV: u64 = 1 << 16;
+const MAX_STRING: u64 = 1 << 24;
+const MAX_DIMS: u32 = 4;
+
+fn bad(path: &Path, message: impl Into<String>) -> Error {
+    Error::Input { what: path.display().to_string(), message: message.into() }
+}
+
+/// Walks a GGUF header within the file's bytes: magic, version, counts, every key and value,
+/// every tensor's dims, type and extent.
+pub fn check_header(path: &Path) -> Result<()> {
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    // SAFETY: read-only map of a file we only read; a concurrent truncation is the user's doing.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    let mut r = Reader { b: &map, at: 0, path };
+    let magic = r.bytes(4, "magic")?;
+    if magic != b"GGUF" {
+        return Err(bad(path, format!("not a GGUF file (magic {magic:02x?})")));
+    }
+    let version = r.u32("version")?;
+    if !(2..=3).contains(&version) {
+        return Err(bad(path, format!("GGUF version {version} is not supported (2 or 3)")));
+    }
+    let tensors = r.u64("tensor count")?;
+    if tensors > MAX_TENSORS {
+        return Err(bad(path, format!("tensor count {tensors} exceeds {MAX_TENSORS}")));
+    }
+    let kvs = r.u64("metadata count")?;
+    if kvs > MAX_KV {
+        return Err(bad(path, format!("metadata count {kvs} exceeds {MAX_KV}")));
+    }
+    let mut alignment = 32u64;
+    for _ in 0..kvs {
+        let key = r.string("metadata key")?;
+        let ty = r.u32(&key)?;
+        if key == "general.alignment" && ty == 4 {
+            alignment = u64::from(r.u32(&key)?);
+            if alignment == 0 || !alignment.is_power_of_two() {
+                return Err(bad(path, format!("general.alignment = {alignment} is not a power of two")));
+            }
+        } else {
+            r.value(ty, &key, 0)?;
+        }
+    }
+    let mut extents = Vec::with_capacity(tensors as usize);
+    for _ in 0..tensors {
+        let name = r.string("tensor name")?;
+        let dims = r.u32(&name)?;
+        if dims == 0 || dims > MAX_DIMS {
+            return Err(bad(path, format!("tensor {name}: {dims} dimensions")));
+        }
+        let shape: Vec<u64> = (0..dims).map(|_| r.u64(&name)).collect::<Result<_>>()?;
+        let ty = r.u32(&name)?;
+        let dtype = ggml_type(ty).ok_or_else(|| {
+            bad(path, format!("tensor {name}: GGML type {ty} ({}) is not supported (no kernel)", ggml_type_name(ty)))
+        })?;
+        let row = shape[0];
+        let elems = shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d).filter(|&e| e <= len.saturating_mul(8)))
+            .ok_or_else(|| {
+            bad(path, format!("tensor {name}: dimensions {shape:?} larger than the file could hold"))
+        })?;
+        let block = dtype.block_size() as u64;
+        if row % block != 0 {
+            return Err(bad(
+                path,
+                format!("tensor {name}: row of {row} values is not a multiple of the block {block}"),
+            ));
+        }
+        let bytes = elems / block * dtype.type_size() as u64;
+        let offset = r.u64(&name)?;
+        extents.push((name, offset, bytes));
+    }
+    let data_start = r.at.div_ceil(alignment as usize) as u64 * alignment;
+    for (name, offset, bytes) in extents {
+        let end = data_start.checked_add(offset).and_then(|o| o.checked_add(bytes));
+        if end.is_none_or(|e| e > len) {
+            return Err(bad(
+                path,
+                format!("tensor {name}: bytes {offset}+{bytes} past the end of the file ({len} bytes; truncated?)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// GGUF type ids candle reads (the ids of ggml.h).
+fn ggml_type(id: u32) -> Option<GgmlDType> {
+    Some(match id {
+        0 => GgmlDType::F32,
+        1 => GgmlDType::F16,
+        2 => GgmlDType::Q4_0,
+        3 => GgmlDType::Q4_1,
+        6 => GgmlDType::Q5_0,
+        7 => GgmlDType::Q5_1,
+        8 => GgmlDType::Q8_0,
+        10 => GgmlDType::Q2K,
+        11 => GgmlDType::Q3K,
+        12 => GgmlDType::Q4K,
+        13 => GgmlDType::Q5K,
+        14 => GgmlDType::Q6K,
+        30 => GgmlDType::BF16,
+        _ => return None,
+    })
+}
+
+fn ggml_type_name(id: u32) -> &'static str {
+    match id {
+        9 => "Q8_1",
+        15 => "Q8_K",
+        16 => "IQ2_XXS",
+        17 => "IQ2_XS",
+        18 => "IQ3_XXS",
+        19 => "IQ1_S",
+        20 => "IQ4_NL",
+        21 => "IQ3_S",
+        22 => "IQ2_S",
+        23 => "IQ4_XS",
+        29 => "IQ1_M",
+        34 => "TQ1_0",
+        35 => "TQ2_0",
+        39 => "MXFP4",
+        _ => "unknown",
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+    path: &'a Path,
+}
+
+impl<'a> Reader<'a> {
+    fn bytes(&mut self, n: u64, what: &str) -> Result<&'a [u8]> {
+        let end = (self.at as u64)
+            .checked_add(n)
+            .filter(|&e| e <= self.b.len() as u64)
+            .ok_or_else(|| bad(self.path, format!("truncated header: {what} needs {n} bytes at offset {}", self.at)))?;
+        let s = &self.b[self.at..end as usize];
+        self.at = end as usize;
+        Ok(s)
+    }
+    fn u32(&mut self, what: &str) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.bytes(4, what)?.try_into().expect("4 bytes")))
+    }
+    fn u64(&mut self, what: &str) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.bytes(8, what)?.try_into().expect("8 bytes")))
+    }
+    fn string(&mut self, what: &str) -> Result<String> {
+        let n = self.u64(what)?;
+        if n > MAX_STRING {
+            return Err(bad(self.path, format!("{what}: string of {n} bytes exceeds {MAX_STRING}")));
+        }
+        Ok(String::from_utf8_lossy(self.bytes(n, what)?).into_owned())
+    }
+    fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<()> {
+        let fixed = match ty {
+            0 | 1 | 7 => 1,
+            2 | 3 => 2,
+            4..=6 => 4,
+            10..=12 => 8,
+            8 => {
+                self.string(key)?;
+                return Ok(());
+            }
+            9 if depth == 0 => {
+                let elem = self.u32(key)?;
+                let n = self.u64(key)?;
+                // Every element takes at least one byte: a count beyond the rest of the file is a lie.
+                if n > (self.b.len() - self.at) as u64 {
+                    return Err(bad(self.path, format!("{key}: array of {n} elements is longer than the file")));
+                }
+                for _ in 0..n {
+                    self.value(elem, key, depth + 1)?;
+                }
+                return Ok(());
+            }
+            _ => return Err(bad(self.path, format!("{key}: value type {ty} is not valid here"))),
+        };
+        self.bytes(fixed, key)?;
+        Ok(())
+    }
+}
+
+/// One GGUF file, its header read.
+pub struct GgufFile {
+    pub path: PathBuf,
+    pub content: Content,
+}
+
+impl GgufFile {
+    pub fn open(path: &Path) -> Result<Self> {
+        check_header(path)?;
+        let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let content = Content::read(&mut f).map_err(|e| bad(path, format!("unreadable GGUF: {e}")))?;
+        Ok(Self { path: path.to_path_buf(), content })
+    }
+
+    fn get(&self, key: &str) -> Result<&Value> {
+        self.content.metadata.get(key).ok_or_else(|| bad(&self.path, format!("metadata key {key} is missing")))
+    }
+    fn usize(&self, key: &str, max: usize) -> Result<usize> {
+        let v = self.get(key)?;
+        let n = v.to_u64().or_else(|_| v.to_u32().map(u64::from)).or_else(|_| v.to_i32().map(|x| x.max(0) as u64));
+        let n = n.map_err(|_| bad(&self.path, format!("{key} is not an integer")))?;
+        if n == 0 || n > max as u64 {
+            return Err(bad(&self.path, format!("{key} = {n} is outside 1..={max}")));
+        }
+        Ok(n as usize)
+    }
+    fn f64(&self, key: &str) -> Result<f64> {
+        let v = self.get(key)?;
+        v.to_f32()
+            .map(f64::from)
+            .or_else(|_| v.to_f64())
+            .map_err(|_| bad(&self.path, format!("{key} is not a number")))
+            .and_then(|x| if x.is_finite() && x > 0.0 { Ok(x) } else { Err(bad(&self.path, format!("{key} = {x}"))) })
+    }
+    fn str(&self, key: &str) -> Result<&str> {
+        self.get(key)?.to_string().map(String::as_str).map_err(|_| bad(&self.path, format!("{key} is not a string")))
+    }
+    fn array(&self, key: &str) -> Result<&Vec<Value>> {
+        self.get(key)?.to_vec().map_err(|_| bad(&self.path, format!("{key} is not an array")))
+    }
+    fn dims(&self, name: &str) -> Option<Vec<usize>> {
+        self.content.tensor_infos.get(name).map(|i| i.shape.dims().to_vec())
+    }
+    fn tensor(&self, name: &str, dev: &Device) -> Result<QTensor> {
+        let mut f = std::fs::File::open(&self.path).map_err(|e| Error::io(&self.path, e))?;
+        self.content.tensor(&mut f, name, dev).map_err(|e| bad(&self.path, format!("tensor {name}: {e}")))
+    }
+}
+
+/// A Qwen3-VL GGUF pair: the text model and (for images) its vision projector.
+pub struct GgufModel {
+    pub text: GgufFile,
+    pub mmproj: Option<GgufFile>,
+    pub config: Qwen3VlConfig,
+}
+
+/// The GGUF files of `path`: the file itself (with `mmproj`, or an `mmproj*.gguf` beside it), or
+/// a directory holding one text GGUF and at most one `mmproj*.gguf`.
+pub fn find_files(path: &Path, mmproj: Option<&Path>) -> Result<(PathBuf, Option<PathBuf>)> {
+    let is_gguf = |p: &Path| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    let is_mmproj = |p: &Path| p.file_name().is_some_and(|n| n.to_string_lossy().to_lowercase().starts_with("mmproj"));
+    let dir = if path.is_dir() { path.to_path_buf() } else { path.parent().unwrap_or(Path::new(".")).to_path_buf() };
+    let mut listed: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .map_err(|e| Error::io(&dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| is_gguf(p))
+        .collect();
+    listed.sort();
+    let text = if path.is_dir() {
+        let texts: Vec<&PathBuf> = listed.iter().filter(|p| !is_mmproj(p)).collect();
+        match texts.as_slice() {
+            [one] => (*one).clone(),
+            [] => return Err(bad(path, "no text-model .gguf file in this directory")),
+            many => {
+                return Err(bad(
+                    path,
+                    format!(
+                        "{} text-model .gguf files ({}); pass one with --model",
+                        many.len(),
+                        many.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+                    ),
+                ))
+            }
+        }
+    } else {
+        path.to_path_buf()
+    };
+    let mm = match mmproj {
+        Some(m) => Some(m.to_path_buf()),
+        None => {
+            let found: Vec<&PathBuf> = listed.iter().filter(|p| is_mmproj(p)).collect();
+            match found.as_slice() {
+                [] => None,
+                [one] => Some((*one).clone()),
+                _ => return Err(bad(&dir, "several mmproj*.gguf files: pick one with --mmproj")),
+            }
+        }
+    };
+    Ok((text, mm))
+}
+
+/// Whether `path` names GGUF weights (a .gguf file, or a directory with one and no config.json).
+pub fn is_gguf(path: &Path) -> bool {
+    if path.is_file() {
+        return path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    }
+    path.is_dir()
+        && !path.join("config.json").exists()
+        && std::fs::read_dir(path).is_ok_and(|mut d| {
+            d.any(|e| e.is_ok_and(|e| e.path().extension().is_some_and(|x| x.eq_ignore_ascii_case("gguf"))))
+        })
+}
+
+impl GgufModel {
+    pub fn open(text: &Path, mmproj: Option<&Path>) -> Result<Self> {
+        let text = GgufFile::open(text)?;
+        let arch = text.str("general.architecture")?;
+        if arch != "qwen3vl" {
+            return Err(bad(
+                &text.path,
+                format!("general.architecture = {arch:?}: not a Qwen3-VL text model (qwen3vl)"),
+            ));
+        }
+        let mmproj = mmproj.map(GgufFile::open).transpose()?;
+        if let Some(m) = &mmproj {
+            let arch = m.str("general.architecture")?;
+            let proj = m.str("clip.projector_type").unwrap_or("");
+            if arch != "clip" || proj != "qwen3vl_merger" {
+                return Err(bad(
+                    &m.path,
+                    format!("not a Qwen3-VL vision projector (architecture {arch:?}, projector {proj:?})"),
+                ));
+            }
+        }
+        let config = Self::read_config(&text, mmproj.as_ref())?;
+        Ok(Self { text, mmproj, config })
+    }
+
+    fn read_config(t: &GgufFile, m: Option<&GgufFile>) -> Result<Qwen3VlConfig> {
+        let a = "qwen3vl";
+        let k = |s: &str| format!("{a}.{s}");
+        let vocab = t.array("tokenizer.ggml.tokens")?.len();
+        let heads = t.usize(&k("attention.head_count"), 1024)?;
+        let kv = t.usize(&k("attention.head_count_kv"), 1024)?;
+        if heads % kv != 0 {
+            return Err(bad(&t.path, format!("head_count_kv {kv} does not divide head_count {heads}")));
+        }
+        let sections: Vec<usize> = t
+            .array(&k("rope.dimension_sections"))?
+            .iter()
+            .map(|v| v.to_i32().map(|x| x.max(0) as usize).or_else(|_| v.to_u32().map(|x| x as usize)))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|_| bad(&t.path, "rope.dimension_sections is not a list of integers"))?;
+        let head_dim = t.usize(&k("attention.key_length"), 1024)?;
+        if sections.len() < 3 || sections[..3].iter().sum::<usize>() * 2 != head_dim {
+            return Err(bad(&t.path, format!("rope.dimension_sections {sections:?} do not cover head_dim {head_dim}")));
+        }
+        let text = TextConfig {
+            vocab_size: vocab,
+            hidden_size: t.usize(&k("embedding_length"), 65_536)?,
+            intermediate_size: t.usize(&k("feed_forward_length"), 262_144)?,
+            num_hidden_layers: t.usize(&k("block_count"), 1024)?,
+            num_attention_heads: heads,
+            num_key_value_heads: kv,
+            head_dim,
+            max_position_embeddings: t.usize(&k("context_length"), 1 << 24)?,
+            rms_norm_eps: t.f64(&k("attention.layer_norm_rms_epsilon"))?,
+            rope_theta: t.f64(&k("rope.freq_base"))?,
+            mrope_section: sections[..3].to_vec(),
+        };
+        let vision = match m {
+            Some(m) => {
+                let deep: Vec<usize> = m
+                    .array("clip.vision.is_deepstack_layers")
+                    .map(|l| {
+                        l.iter().enumerate().filter(|(_, v)| v.to_bool().unwrap_or(false)).map(|(i, _)| i).collect()
+                    })
+                    .unwrap_or_default();
+                let pos = m
+                    .dims("v.position_embd.weight")
+                    .and_then(|d| d.first().copied())
+                    .ok_or_else(|| bad(&m.path, "tensor v.position_embd.weight is missing"))?;
+                VisionConfig {
+                    depth: m.usize("clip.vision.block_count", 256)?,
+                    hidden_size: m.usize("clip.vision.embedding_length", 65_536)?,
+                    intermediate_size: m.usize("clip.vision.feed_forward_length", 262_144)?,
+                    num_heads: m.usize("clip.vision.attention.head_count", 1024)?,
+                    in_channels: 3,
+                    patch_size: m.usize("clip.vision.patch_size", 64)?,
+                    spatial_merge_size: m.usize("clip.vision.spatial_merge_size", 8)?,
+                    temporal_patch_size: 2,
+                    out_hidden_size: m.usize("clip.vision.projection_dim", 65_536)?,
+                    num_position_embeddings: pos,
+                    deepstack_visual_indexes: deep,
+                    rope_theta: 10_000.0,
+                }
+            }
+            // Text only: a placeholder tower that is never loaded.
+            None => VisionConfig {
+                depth: 1,
+                hidden_size: 16,
+                intermediate_size: 16,
+                num_heads: 1,
+                in_channels: 3,
+                patch_size: 16,
+                spatial_merge_size: 2,
+                temporal_patch_size: 2,
+                out_hidden_size: text.hidden_size,
+                num_position_embeddings: 4,
+                deepstack_visual_indexes: vec![],
+                rope_theta: 10_000.0,
+            },
+        };
+        if let Some(m) = m {
+            super::config::validate_vision(&vision, &text, &m.path)?;
+        }
+        let tokens = t.array("tokenizer.ggml.tokens")?;
+        let id_of = |s: &str| -> Result<u32> {
+            tokens
+                .iter()
+                .position(|v| v.to_string().is_ok_and(|x| x == s))
+                .map(|i| i as u32)
+                .ok_or_else(|| bad(&t.path, format!("the vocabulary has no {s} token")))
+        };
+        Ok(Qwen3VlConfig {
+            tie_word_embeddings: t.dims("output.weight").is_none(),
+            image_token_id: id_of("<|image_pad|>")?,
+            video_token_id: id_of("<|video_pad|>")?,
+            vision_start_token_id: id_of("<|vision_start|>")?,
+            vision_end_token_id: id_of("<|vision_end|>")?,
+            text,
+            vision,
+            unknown_keys: vec![],
+        })
+    }
+
+    /// Tokenizer (from the GGUF vocabulary and merges), chat template and image processor.
+    pub fn processor(&self) -> Result<Processor> {
+        let t = &self.text;
+        let tokenizer = tokenizer(t)?;
+        let template = match t.str("tokenizer.chat_template") {
+            Ok(s) => ChatTemplate::new(s.to_string(), TemplateSource::File(t.path.clone()), None, None)?,
+            Err(_) => ChatTemplate::new(super::chat::BUILTIN_TEMPLATE.into(), TemplateSource::BuiltIn, None, None)?,
+        };
+        let mut pp = PreprocessorConfig::default();
+        if let Some(m) = &self.mmproj {
+            pp.patch_size = self.config.vision.patch_size;
+            pp.merge_size = self.config.vision.spatial_merge_size;
+            for (key, dst) in
+                [("clip.vision.image_mean", &mut pp.image_mean), ("clip.vision.image_std", &mut pp.image_std)]
+            {
+                if let Ok(v) = m.array(key) {
+                    for (d, x) in dst.iter_mut().zip(v) {
+                        *d = x.to_f32().map_err(|_| bad(&m.path, format!("{key} is not a list of numbers")))?;
+                    }
+                }
+            }
+        }
+        Ok(Processor { tokenizer, template, images: ImageProcessor::new(pp) })
+    }
+
+    /// End-of-turn ids: the GGUF's eos and `<|im_end|>` / `<|endoftext|>` when present.
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        let mut ids = vec![];
+        if let Ok(v) =
+            self.text.get("tokenizer.ggml.eos_token_id").and_then(|v| v.to_u32().map_err(|_| bad(&self.text.path, "")))
+        {
+            ids.push(v);
+        }
+        if let Ok(tokens) = self.text.array("tokenizer.ggml.tokens") {
+            for s in ["<|im_end|>", "<|endoftext|>"] {
+                if let Some(i) = tokens.iter().position(|v| v.to_string().is_ok_and(|x| x == s)) {
+                    if !ids.contains(&(i as u32)) {
+                        ids.push(i as u32);
+                    }
+                }
+            }
+        }
+        ids
+    }
+
+    /// (group, stored type) per tensor of both files, for `vl inspect`.
+    pub fn storage(&self) -> Vec<(String, String)> {
+        let mut out = vec![];
+        for f in std::iter::once(&self.text).chain(self.mmproj.as_ref()) {
+            for (name, info) in &f.content.tensor_infos {
+                out.push((name.clone(), format!("{:?}", info.ggml_dtype)));
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// The text decoder: quantized tensors as stored, float tensors as `dtype`.
+    pub fn load_text(&self, dtype: DType, dev: &Device) -> Result<TextModel> {
+        let cfg = &self.config;
+        let mut floats = HashMap::new();
+        let mut pre: Prequantized = HashMap::new();
+        for name in self.text.content.tensor_infos.keys() {
+            let Some(hf) = text_key(name) else {
+                return Err(bad(&self.text.path, format!("unexpected tensor {name} in a Qwen3-VL text model")));
+            };
+            let q = self.text.tensor(name, dev)?;
+            let float = matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+            if float || q.shape().rank() == 1 {
+                floats.insert(hf, q.dequantize(dev)?.to_dtype(dtype)?);
+            } else {
+                pre.insert(hf, Arc::new(q));
+            }
+        }
+        let vb = VarBuilder::from_tensors(floats, dtype, dev);
+        TextModel::load_plan(&cfg.text, cfg.tie_word_embeddings, vb, LoadPlan { quant: None, pre: Some(&pre) })
+    }
+
+    /// The vision tower from the mmproj file, as `dtype`.
+    pub fn load_vision(&self, dtype: DType, dev: &Device) -> Result<VisionTower> {
+        let m =
+            self.mmproj.as_ref().ok_or_else(|| bad(&self.text.path, "no mmproj file: images need one (--mmproj)"))?;
+        let deep = &self.config.vision.deepstack_visual_indexes;
+        let mut map = HashMap::new();
+        let mut patch = [None, None];
+        for name in m.content.tensor_infos.keys() {
+            let t = m.tensor(name, dev)?.dequantize(dev)?.to_dtype(dtype)?;
+            match name.as_str() {
+                "v.patch_embd.weight" => patch[0] = Some(t),
+                "v.patch_embd.weight.1" => patch[1] = Some(t),
+                _ => {
+                    let hf = vision_key(name, deep)
+                        .ok_or_else(|| bad(&m.path, format!("unexpected tensor {name} in a Qwen3-VL mmproj")))?;
+                    map.insert(hf, t);
+                }
+            }
+        }
+        match patch {
+            // Two temporal slices of the Conv3D kernel [out, in, kh, kw] -> [out, in, 2, kh, kw].
+            [Some(a), Some(b)] => {
+                map.insert("patch_embed.proj.weight".to_string(), Tensor::stack(&[a, b], 2)?);
+            }
+            _ => return Err(bad(&m.path, "v.patch_embd.weight and v.patch_embd.weight.1 are both needed")),
+        }
+        VisionTower::load(&self.config.vision, VarBuilder::from_tensors(map, dtype, dev))
+    }
+
+    pub fn load_model(&self, dtype: DType, dev: &Device) -> Result<Qwen3VlModel> {
+        let vision = self.mmproj.as_ref().map(|_| self.load_vision(dtype, dev)).transpose()?;
+        Ok(Qwen3VlModel::from_parts(self.config.clone(), vision, self.load_text(dtype, dev)?))
+    }
+}
+
+/// llama.cpp's text tensor names -> the checkpoint keys the loaders use.
+fn text_key(name: &str) -> Option<String> {
+    let p = "model.language_model";
+    Some(match name {
+        "token_embd.weight" => format!("{p}.embed_tokens.weight"),
+        "output_norm.weight" => format!("{p}.norm.weight"),
+        "output.weight" => "lm_head.weight".into(),
+        _ => {
+            let rest = name.strip_prefix("blk.")?;
+            let (i, rest) = rest.split_once('.')?;
+            let i: usize = i.parse().ok()?;
+            let (part, kind) = rest.rsplit_once('.')?;
+            let hf = match part {
+                "attn_q" => "self_attn.q_proj",
+                "attn_k" => "self_attn.k_proj",
+                "attn_v" => "self_attn.v_proj",
+                "attn_output" => "self_attn.o_proj",
+                "attn_q_norm" => "self_attn.q_norm",
+                "attn_k_norm" => "self_attn.k_norm",
+                "attn_norm" => "input_layernorm",
+                "ffn_norm" => "post_attention_layernorm",
+                "ffn_gate" => "mlp.gate_proj",
+                "ffn_up" => "mlp.up_proj",
+                "ffn_down" => "mlp.down_proj",
+                _ => return None,
+            };
+            format!("{p}.layers.{i}.{hf}.{kind}")
+        }
+    })
+}
+
+/// llama.cpp's mmproj tensor names -> the vision tower's keys (relative to `model.visual`).
+fn vision_key(name: &str, deepstack: &[usize]) -> Option<String> {
+    let (part, kind) = name.rsplit_once('.')?;
+    let hf = match part {
+        "v.position_embd" => "pos_embed".to_string(),
+        "v.patch_embd" => "patch_embed.proj".to_string(),
+        "v.post_ln" => "merger.norm".to_string(),
+        "mm.0" => "merger.linear_fc1".to_string(),
+        "mm.2" => "merger.linear_fc2".to_string(),
+        _ => {
+            if let Some(rest) = part.strip_prefix("v.blk.") {
+                let (i, p) = rest.split_once('.')?;
+                let i: usize = i.parse().ok()?;
+                let hf = match p {
+                    "attn_qkv" => "attn.qkv",
+                    "attn_out" => "attn.proj",
+                    "ffn_up" => "mlp.linear_fc1",
+                    "ffn_down" => "mlp.linear_fc2",
+                    "ln1" => "norm1",
+                    "ln2" => "norm2",
+                    _ => return None,
+                };
+                format!("blocks.{i}.{hf}")
+            } else if let Some(rest) = part.strip_prefix("v.deepstack.") {
+                let (layer, p) = rest.split_once('.')?;
+                let layer: usize = layer.parse().ok()?;
+                let k = deepstack.iter().position(|&l| l == layer)?;
+                let hf = match p {
+                    "norm" => "norm",
+                    "fc1" => "linear_fc1",
+                    "fc2" => "linear_fc2",
+                    _ => return None,
+                };
+                format!("deepstack_merger_list.{k}.{hf}")
+            } else {
+                return None;
+            }
+        }
+    };
+    Some(format!("{hf}.{kind}"))
+}
+
+/// The Qwen2 byte-level BPE tokenizer from a GGUF vocabulary: normal tokens and merges form the
+/// BPE model; control tokens become special added tokens, user-defined ones (e.g. `<tool_call>`)
+/// non-special added tokens, as in the checkpoint's tokenizer.json.
+fn tokenizer(t: &GgufFile) -> Result<Tokenizer> {
+    let model = t.str("tokenizer.ggml.model")?;
+    let pre = t.str("tokenizer.ggml.pre").unwrap_or("");
+    if model != "gpt2" || pre != "qwen2" {
+        return Err(bad(
+            &t.path,
+            format!("tokenizer {model:?} with pre-tokenizer {pre:?} is not supported (gpt2 / qwen2)"),
+        ));
+    }
+    let tokens = t.array("tokenizer.ggml.tokens")?;
+    let types = t.array("tokenizer.ggml.token_type").ok();
+    let merges = t.array("tokenizer.ggml.merges")?;
+    let mut vocab = serde_json::Map::new();
+    let mut added = Vec::new();
+    for (i, tok) in tokens.iter().enumerate() {
+        let s = tok.to_string().map_err(|_| bad(&t.path, "tokenizer.ggml.tokens holds a non-string"))?;
+        let ty = types.and_then(|ty| ty.get(i)).and_then(|v| v.to_i32().ok()).unwrap_or(1);
+        match ty {
+            1 => {
+                vocab.insert(s.clone(), serde_json::json!(i));
+            }
+            3 | 4 => added.push(serde_json::json!({"id": i, "content": s, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": ty == 3})),
+            _ => {}
+        }
+    }
+    let merges: Vec<serde_json::Value> = merges
+        .iter()
+        .map(|m| {
+            let s = m.to_string().map_err(|_| bad(&t.path, "tokenizer.ggml.merges holds a non-string"))?;
+            let (a, b) = s.split_once(' ').ok_or_else(|| bad(&t.path, format!("merge {s:?} is not a pair")))?;
+            Ok(serde_json::json!([a, b]))
+        })
+        .collect::<Result<_>>()?;
+    let byte_level =
+        serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
+    let json = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": QWEN2_PATTERN}, "behavior": "Isolated", "invert": false},
+            byte_level.clone()]},
+        "post_processor": byte_level.clone(),
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab, "merges": merges},
+    });
+    Tokenizer::from_bytes(json.to_string().as_bytes())
+        .map_err(|e| bad(&t.path, format!("tokenizer: {}", e.to_string().replace('\n', " "))))
+}
+
+/// llama.cpp's `qwen2` pre-tokenizer: the split regex of Qwen2's tokenizer.json.
+const QWEN2_PATTERN: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_map_to_checkpoint_keys() {
+        assert_eq!(text_key("blk.3.attn_q.weight").unwrap(), "model.language_model.layers.3.self_attn.q_proj.weight");
+        assert_eq!(text_key("token_embd.weight").unwrap(), "model.language_model.embed_tokens.weight");
+        assert_eq!(text_key("blk.x.attn_q.weight"), None);
+        assert_eq!(vision_key("v.deepstack.5.fc1.bias", &[2, 5]).unwrap(), "deepstack_merger_list.1.linear_fc1.bias");
+        assert_eq!(vision_key("v.deepstack.4.fc1.bias", &[2, 5]), None);
+        assert_eq!(vision_key("mm.2.weight", &[]).unwrap(), "merger.linear_fc2.weight");
+    }
+}
