@@ -11,10 +11,10 @@ use anyhow::{Context, Result};
 use clap::Args;
 use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request};
 use vl_models::limits::LimitKind;
-use vl_models::qwen3_vl::{GenerationOptions, ModelDir};
+use vl_models::qwen3_vl::GenerationOptions;
 
 use crate::note;
-use crate::run::{device, dtype, quant_for, LoadArgs};
+use crate::run::{device, dtype, quant_of, LoadArgs};
 
 #[derive(Debug, Args)]
 pub struct ChatArgs {
@@ -71,20 +71,19 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let dev = device(args.load.device)?;
     let dtype = dtype(args.load.dtype, &dev);
     let dir = crate::hub::resolve(&args.load.model)?;
-    let weights = ModelDir::open(&dir)?.weights;
     let limits = args.load.image_limits();
     let opts = EngineOptions {
         dtype,
         device: dev,
-        quant: quant_for(args.load.quantize, &weights),
+        quant: quant_of(args.load.quantize, &dir)?,
         min_pixels: args.load.min_pixels,
         max_pixels: args.load.max_pixels,
         image_limits: limits,
         ..Default::default()
     };
-    drop(weights);
     let t = Instant::now();
-    let engine = Engine::load(&dir, &args.load.model, opts).with_context(|| format!("model {}", dir.display()))?;
+    let engine = Engine::open(&dir, args.load.mmproj.as_deref(), &args.load.model, opts)
+        .with_context(|| format!("model {}", dir.display()))?;
     let interactive = std::io::stdin().is_terminal();
     if interactive {
         note!(

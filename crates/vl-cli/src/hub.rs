@@ -39,8 +39,11 @@ pub fn resolve(model: &str) -> Result<PathBuf> {
     if path.is_dir() {
         return Ok(path.to_path_buf());
     }
+    if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        return Ok(path.to_path_buf());
+    }
     if path.exists() {
-        bail!("--model {model}: not a directory");
+        bail!("--model {model}: not a directory or a .gguf file");
     }
     if !looks_like_hub_id(model) {
         bail!("model directory {model} not found");

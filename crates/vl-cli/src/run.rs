@@ -2,7 +2,7 @@
 //! streaming output, and report timings.
 
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -49,9 +49,14 @@ pub enum QuantArg {
 /// How to find and load a model: the flags `run`, `serve` and `chat` share.
 #[derive(Debug, Args)]
 pub struct LoadArgs {
-    /// A local model directory or a Hugging Face hub id (from the local cache, downloaded when absent).
+    /// A local model directory, a Hugging Face hub id (from the local cache, downloaded when
+    /// absent), or GGUF weights (a .gguf text model, or a directory holding one).
     #[arg(long, default_value = "Qwen/Qwen3-VL-2B-Instruct")]
     pub model: String,
+    /// The GGUF vision projector (mmproj) for a GGUF text model; default: the `mmproj*.gguf`
+    /// beside it. Without one, a GGUF model answers text only.
+    #[arg(long)]
+    pub mmproj: Option<PathBuf>,
     /// Compute dtype (default: f32 on CPU, bf16 on GPUs).
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeArg>,
@@ -147,7 +152,19 @@ pub(crate) fn dtype(arg: Option<DtypeArg>, dev: &Device) -> DType {
 
 /// The k-quant to use: the one asked for, or for an MLX-quantized checkpoint the k-quant of
 /// the same width (requantized at load: k-quant matmuls are the fast CPU kernels).
-pub(crate) fn quant_for(arg: QuantArg, weights: &Weights) -> Option<QuantType> {
+/// `--quantize` for the model at `path`: for GGUF weights only an explicit choice (it applies to
+/// the float tensors; quantized ones stay as stored).
+pub(crate) fn quant_of(arg: QuantArg, path: &Path) -> Result<Option<QuantType>> {
+    if vl_models::qwen3_vl::gguf::is_gguf(path) {
+        return Ok(match arg {
+            QuantArg::None | QuantArg::Off => None,
+            other => quant_for(other, None),
+        });
+    }
+    Ok(quant_for(arg, Some(&ModelDir::open(path)?.weights)))
+}
+
+pub(crate) fn quant_for(arg: QuantArg, weights: Option<&Weights>) -> Option<QuantType> {
     match arg {
         QuantArg::Q4k => Some(QuantType::Q4K),
         QuantArg::Q5k => Some(QuantType::Q5K),
@@ -155,7 +172,7 @@ pub(crate) fn quant_for(arg: QuantArg, weights: &Weights) -> Option<QuantType> {
         QuantArg::Q8 => Some(QuantType::Q8_0),
         QuantArg::Off => None,
         QuantArg::None => {
-            let bits = weights.entries().values().find_map(|e| match e.storage {
+            let bits = weights?.entries().values().find_map(|e| match e.storage {
                 vl_models::qwen3_vl::weights::Storage::Affine { bits, .. } => Some(bits),
                 _ => None,
             })?;
@@ -264,10 +281,18 @@ pub fn run(args: RunArgs) -> Result<()> {
     messages.push(ChatMessage::new("user", parts));
     let req = Request { messages, options, ..Default::default() };
 
+    let gguf = vl_models::qwen3_vl::gguf::is_gguf(&dir);
+    if !gguf && args.load.mmproj.is_some() {
+        anyhow::bail!("--mmproj goes with a GGUF text model; {} is a checkpoint directory", dir.display());
+    }
     // Every file of the model directory is checked before a weight is read.
-    let model_dir = ModelDir::open(&dir)?;
-    let quant = quant_for(args.load.quantize, &model_dir.weights);
-    let needed = model_dir.weights.entries().len() as u64;
+    let model_dir = if gguf { None } else { Some(ModelDir::open(&dir)?) };
+    let quant = if gguf {
+        quant_of(args.load.quantize, &dir)?
+    } else {
+        quant_for(args.load.quantize, model_dir.as_ref().map(|m| &*m.weights))
+    };
+    let needed = model_dir.as_ref().map_or(0, |m| m.weights.entries().len() as u64);
     let opts = EngineOptions {
         dtype,
         device: dev,
@@ -299,7 +324,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let mut write_err: Option<std::io::Error> = None;
     let mut started = false;
     let before_load = t_start.elapsed();
-    let result = Engine::answer_once(model_dir, &args.load.model, opts, &req, Some(progress), &mut |piece| {
+    let mut on_text = |piece: &str| {
         if !started {
             started = true;
             if let Some(b) = &bar {
@@ -314,7 +339,11 @@ pub fn run(args: RunArgs) -> Result<()> {
             return false;
         }
         true
-    });
+    };
+    let result = match model_dir {
+        Some(model_dir) => Engine::answer_once(model_dir, &args.load.model, opts, &req, Some(progress), &mut on_text),
+        None => Engine::answer_once_gguf(&dir, args.load.mmproj.as_deref(), &args.load.model, opts, &req, &mut on_text),
+    };
     if let Some(b) = &bar {
         b.finish_and_clear();
     }

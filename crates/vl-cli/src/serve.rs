@@ -30,10 +30,10 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use vl_models::engine::{ChatMessage, Completion, Engine, EngineOptions, Part, Request, ToolCall};
 use vl_models::limits::LimitKind;
-use vl_models::qwen3_vl::{GenerationOptions, ModelDir};
+use vl_models::qwen3_vl::GenerationOptions;
 
 use crate::note;
-use crate::run::{device, dtype, quant_for, LoadArgs};
+use crate::run::{device, dtype, quant_of, LoadArgs};
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
@@ -207,21 +207,22 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     listener.set_nonblocking(true)?;
     let local = listener.local_addr()?;
 
-    let weights = ModelDir::open(&dir)?.weights;
     let opts = EngineOptions {
         dtype,
         device: dev,
-        quant: quant_for(args.load.quantize, &weights),
+        quant: quant_of(args.load.quantize, &dir)?,
         min_pixels: args.load.min_pixels,
         max_pixels: args.load.max_pixels,
         image_limits: args.load.image_limits(),
         image_cache_bytes: args.image_cache_mib << 20,
         prefix_cache: !args.no_prefix_cache,
     };
-    drop(weights);
     let id = args.served_model_name.clone().unwrap_or_else(|| args.load.model.clone());
     let t = Instant::now();
-    let engine = Arc::new(Engine::load(&dir, &id, opts).with_context(|| format!("model {}", dir.display()))?);
+    let engine = Arc::new(
+        Engine::open(&dir, args.load.mmproj.as_deref(), &id, opts)
+            .with_context(|| format!("model {}", dir.display()))?,
+    );
     note!("loaded {} in {:.1}s", dir.display(), t.elapsed().as_secs_f64());
 
     let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(args.queue);

@@ -23,6 +23,7 @@ use vl_nn::QuantType;
 
 use crate::error::{Error, Result};
 use crate::limits::ImageLimits;
+use crate::qwen3_vl::gguf::{self, GgufModel};
 use crate::qwen3_vl::plan::VISION_PREFIX;
 use crate::qwen3_vl::weights::LoadProgress;
 use crate::qwen3_vl::{
@@ -254,6 +255,62 @@ impl Engine {
         Ok(Self::assemble(model, processor, generation.eos_token_ids, id, opts, images))
     }
 
+    /// Loads `model`: a checkpoint directory (`load`) or GGUF files (`load_gguf`).
+    pub fn open(model: &Path, mmproj: Option<&Path>, id: &str, opts: EngineOptions) -> Result<Self> {
+        if gguf::is_gguf(model) {
+            Self::load_gguf(model, mmproj, id, opts)
+        } else if let Some(m) = mmproj {
+            Err(Error::Input {
+                what: m.display().to_string(),
+                message: "--mmproj goes with a GGUF text model, not a checkpoint directory".into(),
+            })
+        } else {
+            Self::load(model, id, opts)
+        }
+    }
+
+    /// Loads a GGUF text model (a .gguf file, or a directory holding one) and its vision projector
+    /// (`mmproj`, or the `mmproj*.gguf` beside it; without one the engine answers text only).
+    /// Quantized tensors are used in their stored block type; `opts.quant` quantizes the float ones.
+    pub fn load_gguf(model: &Path, mmproj: Option<&Path>, id: &str, opts: EngineOptions) -> Result<Self> {
+        let (text, mm) = gguf::find_files(model, mmproj)?;
+        let g = GgufModel::open(&text, mm.as_deref())?;
+        let mut processor = g.processor()?;
+        apply_image_options(&mut processor, &opts)?;
+        let vision = g.mmproj.as_ref().map(|_| g.load_vision(opts.dtype, &opts.device)).transpose()?;
+        let text = g.load_text_quantized(opts.dtype, &opts.device, opts.quant)?;
+        let eos = g.eos_token_ids();
+        let model = Qwen3VlModel::from_parts(g.config.clone(), vision, text);
+        let images = ImageCache::new(opts.image_cache_bytes);
+        Ok(Self::assemble(model, processor, eos, id, opts, images))
+    }
+
+    /// `answer_once` for GGUF files: the same sequence (the vision tower from the mmproj encodes
+    /// the images and is released before the text model is read; the text weights are used as
+    /// stored, so the load is a read, not a conversion).
+    pub fn answer_once_gguf(
+        model: &Path,
+        mmproj: Option<&Path>,
+        id: &str,
+        opts: EngineOptions,
+        req: &Request,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<OneShot> {
+        let t0 = Instant::now();
+        let (text, mm) = gguf::find_files(model, mmproj)?;
+        let g = GgufModel::open(&text, mm.as_deref())?;
+        let processor = g.processor()?;
+        let parts =
+            OneShotParts { config: g.config.clone(), processor, eos: g.eos_token_ids(), id, opts: opts.clone(), t0 };
+        Self::answer_once_with(
+            parts,
+            req,
+            || g.load_vision(opts.dtype, &opts.device),
+            || g.load_text_quantized(opts.dtype, &opts.device, opts.quant),
+            on_text,
+        )
+    }
+
     fn assemble(
         model: Qwen3VlModel,
         processor: Processor,
@@ -348,14 +405,46 @@ impl Engine {
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<OneShot> {
         let t0 = Instant::now();
-        let ModelDir { config, weights, mut processor, generation, .. } = model_dir;
-        apply_image_options(&mut processor, &opts)?;
-        let (gen_opts, prepared) = prepare(&processor, &config, &generation.eos_token_ids, &opts.device, req)?;
+        let ModelDir { config, weights, processor, generation, .. } = model_dir;
         let vb = weights.var_builder(opts.dtype, &opts.device, progress);
+        let tvb = vb.clone();
+        Self::answer_once_with(
+            OneShotParts {
+                config: config.clone(),
+                processor,
+                eos: generation.eos_token_ids,
+                id,
+                opts: opts.clone(),
+                t0,
+            },
+            req,
+            || VisionTower::load(&config.vision, vb.pp(VISION_PREFIX)),
+            || {
+                let text = load_text(&config, &weights, tvb, &opts);
+                // The weights are built: unmap the checkpoint.
+                drop(weights);
+                text
+            },
+            on_text,
+        )
+    }
+
+    /// The one-shot sequence over any weight source: check the request, load the vision tower
+    /// and encode the images, release the tower, load the text decoder, answer.
+    fn answer_once_with(
+        parts: OneShotParts<'_>,
+        req: &Request,
+        load_vision: impl FnOnce() -> Result<VisionTower>,
+        load_text: impl FnOnce() -> Result<TextModel>,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<OneShot> {
+        let OneShotParts { config, mut processor, eos, id, opts, t0 } = parts;
+        apply_image_options(&mut processor, &opts)?;
+        let (gen_opts, prepared) = prepare(&processor, &config, &eos, &opts.device, req)?;
         let mut images = ImageCache::new(usize::MAX);
         let mut vision_time = Duration::ZERO;
         if !prepared.processed.is_empty() {
-            let tower = VisionTower::load(&config.vision, vb.pp(VISION_PREFIX))?;
+            let tower = load_vision()?;
             let t = Instant::now();
             for (img, &key) in prepared.processed.iter().zip(&prepared.keys) {
                 if images.entries.contains_key(&key) {
@@ -366,13 +455,11 @@ impl Engine {
             }
             vision_time = t.elapsed();
         }
-        let text = load_text(&config, &weights, vb, &opts)?;
+        let text = load_text()?;
         let storage = text.storage();
-        // The weights are built: unmap the checkpoint.
-        drop(weights);
         let model = Qwen3VlModel::from_parts(config, None, text);
         let load_time = t0.elapsed() - vision_time;
-        let engine = Self::assemble(model, processor, generation.eos_token_ids, id, opts, images);
+        let engine = Self::assemble(model, processor, eos, id, opts, images);
         let generate_started = Instant::now();
         let completion = engine.generate_prepared(&prepared, &gen_opts, req, on_text, generate_started)?;
         let kv_cache_bytes = engine.stats().kv_cache_bytes;
@@ -526,6 +613,16 @@ impl Engine {
             first_logits,
         })
     }
+}
+
+/// What the one-shot path needs besides the weights.
+struct OneShotParts<'a> {
+    config: crate::qwen3_vl::Qwen3VlConfig,
+    processor: Processor,
+    eos: Vec<u32>,
+    id: &'a str,
+    opts: EngineOptions,
+    t0: Instant,
 }
 
 /// What `Engine::answer_once` did, for reports.

@@ -31,6 +31,10 @@ pub enum Content {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Message {
     pub role: String,
+    /// Rendered as a string when every part is text (templates written for text models, e.g.
+    /// the Qwen3 template some GGUF files carry, call string methods on it); as the list of
+    /// parts otherwise. Templates that take both render the same text either way.
+    #[serde(serialize_with = "content_value")]
     pub content: Vec<Content>,
     /// An assistant message's tool calls, as the OpenAI API and transformers' templates
     /// shape them: `{"type": "function", "function": {"name", "arguments"}}`.
@@ -51,6 +55,21 @@ pub struct TemplateToolCall {
 pub struct FunctionCall {
     pub name: String,
     pub arguments: serde_json::Value,
+}
+
+fn content_value<S: serde::Serializer>(content: &[Content], s: S) -> std::result::Result<S::Ok, S::Error> {
+    if content.iter().all(|c| matches!(c, Content::Text { .. })) {
+        let text: String = content
+            .iter()
+            .map(|c| match c {
+                Content::Text { text } => text.as_str(),
+                Content::Image { .. } => "",
+            })
+            .collect();
+        s.serialize_str(&text)
+    } else {
+        content.serialize(s)
+    }
 }
 
 impl TemplateToolCall {

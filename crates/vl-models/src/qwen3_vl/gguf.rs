@@ -507,8 +507,18 @@ impl GgufModel {
         out
     }
 
-    /// The text decoder: quantized tensors as stored, float tensors as `dtype`.
+    /// The text decoder: quantized tensors as stored, float tensors as `dtype` (the 2-D ones
+    /// quantized to `quant` when given, e.g. `--quantize q4k` on an f16 GGUF).
     pub fn load_text(&self, dtype: DType, dev: &Device) -> Result<TextModel> {
+        self.load_text_quantized(dtype, dev, None)
+    }
+
+    pub fn load_text_quantized(
+        &self,
+        dtype: DType,
+        dev: &Device,
+        quant: Option<vl_nn::QuantType>,
+    ) -> Result<TextModel> {
         let cfg = &self.config;
         let mut floats = HashMap::new();
         let mut pre: Prequantized = HashMap::new();
@@ -525,18 +535,31 @@ impl GgufModel {
             }
         }
         let vb = VarBuilder::from_tensors(floats, dtype, dev);
-        TextModel::load_plan(&cfg.text, cfg.tie_word_embeddings, vb, LoadPlan { quant: None, pre: Some(&pre) })
+        let quant = quant.map(|qtype| super::text::QuantLoad { qtype, read_as: dtype });
+        TextModel::load_plan(&cfg.text, cfg.tie_word_embeddings, vb, LoadPlan { quant, pre: Some(&pre) })
     }
 
-    /// The vision tower from the mmproj file, as `dtype`.
+    /// The vision tower from the mmproj file, computing in `dtype`. An f16/bf16 mmproj stays in
+    /// its dtype, each block upcast for its own forward (as `VisionTower::load_stored`: the same
+    /// arithmetic, half the resident memory of an f32 copy).
     pub fn load_vision(&self, dtype: DType, dev: &Device) -> Result<VisionTower> {
         let m =
             self.mmproj.as_ref().ok_or_else(|| bad(&self.text.path, "no mmproj file: images need one (--mmproj)"))?;
         let deep = &self.config.vision.deepstack_visual_indexes;
+        let stored = match m.content.tensor_infos.get("v.blk.0.attn_qkv.weight").map(|i| i.ggml_dtype) {
+            Some(GgmlDType::F16) if dtype == DType::F32 => DType::F16,
+            Some(GgmlDType::BF16) if dtype == DType::F32 => DType::BF16,
+            _ => dtype,
+        };
         let mut map = HashMap::new();
         let mut patch = [None, None];
         for name in m.content.tensor_infos.keys() {
-            let t = m.tensor(name, dev)?.dequantize(dev)?.to_dtype(dtype)?;
+            let q = m.tensor(name, dev)?;
+            let t = if stored == DType::F16 && q.dtype() == GgmlDType::F16 {
+                q.dequantize_f16(dev)?
+            } else {
+                q.dequantize(dev)?.to_dtype(stored)?
+            };
             match name.as_str() {
                 "v.patch_embd.weight" => patch[0] = Some(t),
                 "v.patch_embd.weight.1" => patch[1] = Some(t),
@@ -554,7 +577,7 @@ impl GgufModel {
             }
             _ => return Err(bad(&m.path, "v.patch_embd.weight and v.patch_embd.weight.1 are both needed")),
         }
-        VisionTower::load(&self.config.vision, VarBuilder::from_tensors(map, dtype, dev))
+        VisionTower::load_stored(&self.config.vision, VarBuilder::from_tensors(map, stored, dev), dtype)
     }
 
     pub fn load_model(&self, dtype: DType, dev: &Device) -> Result<Qwen3VlModel> {
