@@ -39,12 +39,29 @@ enum Command {
     /// Check a model directory as `run` would (config, weights, tokenizer, template, processor)
     /// without loading weights, and summarize it.
     Inspect {
-        /// A local model directory (config.json + safetensors weights).
+        /// A local model directory (config.json + safetensors weights), or GGUF weights (a
+        /// .gguf text model or a directory holding one, with its mmproj).
         #[arg(long)]
         model: PathBuf,
+        /// The GGUF vision projector (default: the mmproj*.gguf beside the text model).
+        #[arg(long)]
+        mmproj: Option<PathBuf>,
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
+    },
+    /// Quantize a checkpoint once and write it as the GGUF pair llama.cpp uses (text model +
+    /// mmproj), so later runs start without re-quantizing.
+    Quantize {
+        /// A local model directory or a Hugging Face hub id.
+        #[arg(long)]
+        model: String,
+        /// q4k, q5k, q6k, q8 (Q8_0), or q4k_m (llama.cpp's Q4_K_M mix).
+        #[arg(long)]
+        quantize: String,
+        /// The output directory (created when missing).
+        #[arg(long)]
+        out: PathBuf,
     },
 }
 
@@ -86,7 +103,8 @@ fn main() -> ExitCode {
         Command::Run(args) => run::run(args),
         Command::Serve(args) => serve::serve(args),
         Command::Chat(args) => chat::chat(args),
-        Command::Inspect { model, json } => inspect(&model, json),
+        Command::Inspect { model, mmproj, json } => inspect(&model, mmproj.as_deref(), json),
+        Command::Quantize { model, quantize, out } => quantize_cmd(&model, &quantize, &out),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -133,7 +151,48 @@ fn limit_hint(e: &anyhow::Error) -> Option<&'static str> {
     }
 }
 
-fn inspect(model: &std::path::Path, json: bool) -> anyhow::Result<()> {
+fn quantize_cmd(model: &str, quantize: &str, out: &std::path::Path) -> anyhow::Result<()> {
+    use vl_models::qwen3_vl::gguf_write::{save, Recipe};
+    use vl_nn::QuantType;
+    let recipe = match quantize {
+        "q4k" => Recipe::Uniform(QuantType::Q4K),
+        "q5k" => Recipe::Uniform(QuantType::Q5K),
+        "q6k" => Recipe::Uniform(QuantType::Q6K),
+        "q8" | "q8_0" => Recipe::Uniform(QuantType::Q8_0),
+        "q4k_m" => Recipe::Q4KM,
+        other => anyhow::bail!("--quantize {other}: expected q4k, q5k, q6k, q8 or q4k_m"),
+    };
+    let dir = hub::resolve(model)?;
+    let t = std::time::Instant::now();
+    let model_dir = vl_models::qwen3_vl::ModelDir::open(&dir)?;
+    let mut n = 0usize;
+    let (text, mmproj) = save(&model_dir, recipe, out, &mut |_| n += 1)?;
+    note!(
+        "wrote {} and {} ({n} tensors) in {:.1}s; run with: vl run --model {}",
+        text.display(),
+        mmproj.display(),
+        t.elapsed().as_secs_f64(),
+        out.display()
+    );
+    Ok(())
+}
+
+fn inspect(model: &std::path::Path, mmproj: Option<&std::path::Path>, json: bool) -> anyhow::Result<()> {
+    use vl_models::qwen3_vl::gguf;
+    if gguf::is_gguf(model) {
+        let (text, mm) = gguf::find_files(model, mmproj)?;
+        let g = gguf::GgufModel::open(&text, mm.as_deref())?;
+        g.processor()?;
+        let summary = g.summary();
+        let text = if json { serde_json::to_string_pretty(&summary)? } else { gguf::summary_text(&summary) };
+        let mut out = std::io::stdout().lock();
+        return writeln!(out, "{text}")
+            .and_then(|_| out.flush())
+            .map_err(|e| anyhow::Error::new(e).context("writing to stdout"));
+    }
+    if mmproj.is_some() {
+        anyhow::bail!("--mmproj goes with a GGUF text model; {} is a checkpoint directory", model.display());
+    }
     let summary = vl_models::qwen3_vl::inspect(model)?;
     let text = if json { serde_json::to_string_pretty(&summary)? } else { summary.to_string() };
     let mut out = std::io::stdout().lock();

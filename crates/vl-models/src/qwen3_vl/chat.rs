@@ -151,6 +151,11 @@ impl ChatTemplate {
         self.render_with(messages, None, add_generation_prompt)
     }
 
+    /// The template's source text.
+    pub fn source_text(&self) -> String {
+        self.env.get_template("chat").expect("added in new").source().to_string()
+    }
+
     /// Whether the template reads a `tools` variable (function definitions for tool calling).
     pub fn takes_tools(&self) -> bool {
         let tmpl = self.env.get_template("chat").expect("added in new");

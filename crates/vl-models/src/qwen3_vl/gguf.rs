@@ -462,6 +462,17 @@ impl GgufModel {
         if let Some(m) = &self.mmproj {
             pp.patch_size = self.config.vision.patch_size;
             pp.merge_size = self.config.vision.spatial_merge_size;
+            // The pixel budget when the file has one (ours do; llama.cpp's converter leaves it out
+            // and the Qwen3-VL preprocessor defaults apply).
+            if let (Ok(min), Ok(max)) = (
+                m.usize("clip.vision.image_min_pixels", super::processor::MAX_PIXEL_BUDGET),
+                m.usize("clip.vision.image_max_pixels", super::processor::MAX_PIXEL_BUDGET),
+            ) {
+                if min <= max {
+                    pp.min_pixels = min;
+                    pp.max_pixels = max;
+                }
+            }
             for (key, dst) in
                 [("clip.vision.image_mean", &mut pp.image_mean), ("clip.vision.image_std", &mut pp.image_std)]
             {
@@ -493,6 +504,43 @@ impl GgufModel {
             }
         }
         ids
+    }
+
+    /// What `vl inspect` reports: files, geometry, and the storage type of each tensor group.
+    pub fn summary(&self) -> serde_json::Value {
+        let c = &self.config;
+        let mut groups: std::collections::BTreeMap<String, std::collections::BTreeMap<String, usize>> =
+            Default::default();
+        for f in std::iter::once(&self.text).chain(self.mmproj.as_ref()) {
+            for (name, info) in &f.content.tensor_infos {
+                let group = if name.starts_with("v.") || name.starts_with("mm.") {
+                    "vision"
+                } else if name == "token_embd.weight" {
+                    "embeddings"
+                } else if name == "output.weight" {
+                    "lm_head"
+                } else if name.ends_with("norm.weight") {
+                    "norms"
+                } else {
+                    "text"
+                };
+                *groups.entry(group.into()).or_default().entry(format!("{:?}", info.ggml_dtype)).or_default() += 1;
+            }
+        }
+        serde_json::json!({
+            "format": "gguf",
+            "text_file": self.text.path.display().to_string(),
+            "mmproj_file": self.mmproj.as_ref().map(|m| m.path.display().to_string()),
+            "text": {"layers": c.text.num_hidden_layers, "hidden": c.text.hidden_size, "heads": c.text.num_attention_heads,
+                     "kv_heads": c.text.num_key_value_heads, "head_dim": c.text.head_dim, "vocab": c.text.vocab_size,
+                     "context": c.text.max_position_embeddings, "mrope_section": c.text.mrope_section,
+                     "tied_embeddings": c.tie_word_embeddings},
+            "vision": self.mmproj.as_ref().map(|_| serde_json::json!({"depth": c.vision.depth, "hidden": c.vision.hidden_size,
+                     "heads": c.vision.num_heads, "patch": c.vision.patch_size, "merge": c.vision.spatial_merge_size,
+                     "deepstack": c.vision.deepstack_visual_indexes})),
+            "storage": groups,
+            "chat_template": self.text.content.metadata.contains_key("tokenizer.chat_template"),
+        })
     }
 
     /// (group, stored type) per tensor of both files, for `vl inspect`.
@@ -586,8 +634,28 @@ impl GgufModel {
     }
 }
 
+/// `summary` as text lines.
+pub fn summary_text(s: &serde_json::Value) -> String {
+    let mut out = vec![format!("GGUF text model: {}", s["text_file"].as_str().unwrap_or(""))];
+    match s["mmproj_file"].as_str() {
+        Some(m) => out.push(format!("vision projector: {m}")),
+        None => out.push("vision projector: none (text only)".into()),
+    }
+    out.push(format!("text: {}", s["text"]));
+    if !s["vision"].is_null() {
+        out.push(format!("vision: {}", s["vision"]));
+    }
+    if let Some(groups) = s["storage"].as_object() {
+        for (g, types) in groups {
+            let t: Vec<String> = types.as_object().into_iter().flatten().map(|(k, v)| format!("{v} {k}")).collect();
+            out.push(format!("  {g}: {}", t.join(", ")));
+        }
+    }
+    out.join("\n")
+}
+
 /// llama.cpp's text tensor names -> the checkpoint keys the loaders use.
-fn text_key(name: &str) -> Option<String> {
+pub(crate) fn text_key(name: &str) -> Option<String> {
     let p = "model.language_model";
     Some(match name {
         "token_embd.weight" => format!("{p}.embed_tokens.weight"),
@@ -618,7 +686,7 @@ fn text_key(name: &str) -> Option<String> {
 }
 
 /// llama.cpp's mmproj tensor names -> the vision tower's keys (relative to `model.visual`).
-fn vision_key(name: &str, deepstack: &[usize]) -> Option<String> {
+pub(crate) fn vision_key(name: &str, deepstack: &[usize]) -> Option<String> {
     let (part, kind) = name.rsplit_once('.')?;
     let hf = match part {
         "v.position_embd" => "pos_embed".to_string(),

@@ -1,0 +1,405 @@
+//! `vl quantize`: a checkpoint written once as the GGUF pair llama.cpp publishes (text model,
+//! arch `qwen3vl`, quantized; vision projector `mmproj-*-F16.gguf`), with llama.cpp's tensor
+//! names, metadata keys and tokenizer fields, so `vl run --model DIR` starts without
+//! re-quantizing and llama.cpp's tools read the files.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::Value;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use vl_nn::linear::quantize_rows;
+use vl_nn::QuantType;
+
+use super::plan::{tensor_plan, Group, VISION_PREFIX};
+use super::preflight::ModelDir;
+use crate::error::{Error, Result};
+use crate::limits::{read_text, MAX_METADATA_FILE_BYTES};
+
+/// What `vl quantize` writes for the text model's 2-D weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recipe {
+    /// Every 2-D weight in this type (embeddings and lm_head included), as `--quantize` does at load.
+    Uniform(QuantType),
+    /// llama.cpp's Q4_K_M: Q4_K, with the output (or the tied embedding table) in Q6_K, and
+    /// attn_v and ffn_down in Q6_K on the layers `use_more_bits` picks (llama-quant.cpp).
+    Q4KM,
+}
+
+impl Recipe {
+    /// The name in file names, as llama.cpp spells it.
+    pub fn file_tag(self) -> &'static str {
+        match self {
+            Recipe::Q4KM => "Q4_K_M",
+            Recipe::Uniform(QuantType::Q4K) => "Q4_K",
+            Recipe::Uniform(QuantType::Q5K) => "Q5_K",
+            Recipe::Uniform(QuantType::Q6K) => "Q6_K",
+            Recipe::Uniform(QuantType::Q8_0) => "Q8_0",
+            Recipe::Uniform(q) => q.name(),
+        }
+    }
+
+    /// llama.cpp's `general.file_type` (llama_ftype).
+    fn file_type(self) -> u32 {
+        match self {
+            Recipe::Q4KM => 15,
+            Recipe::Uniform(QuantType::Q4K) => 14,
+            Recipe::Uniform(QuantType::Q5K) => 16,
+            Recipe::Uniform(QuantType::Q6K) => 18,
+            Recipe::Uniform(QuantType::Q8_0) => 7,
+            Recipe::Uniform(_) => 0,
+        }
+    }
+
+    /// The block type of a text tensor (llama.cpp name) of `layer` among `layers`.
+    fn text_type(self, name: &str, layer: Option<usize>, layers: usize, tied: bool) -> QuantType {
+        let Recipe::Uniform(q) = self else {
+            let more_bits =
+                |i: usize| i < layers / 8 || i >= 7 * layers / 8 || (i as i64 - (layers / 8) as i64) % 3 == 2;
+            if name == "output.weight" || (tied && name == "token_embd.weight") {
+                return QuantType::Q6K;
+            }
+            if (name.ends_with("attn_v.weight") || name.ends_with("ffn_down.weight")) && layer.is_some_and(more_bits) {
+                return QuantType::Q6K;
+            }
+            return QuantType::Q4K;
+        };
+        q
+    }
+}
+
+/// llama.cpp's fallback when a row does not fill the type's blocks.
+fn fallback(q: QuantType, cols: usize) -> Option<QuantType> {
+    if cols % q.block() == 0 {
+        return Some(q);
+    }
+    let alt = match q {
+        QuantType::Q4K => QuantType::Q5_0,
+        QuantType::Q5K => QuantType::Q5_1,
+        QuantType::Q6K | QuantType::Q8K => QuantType::Q8_0,
+        _ => return None,
+    };
+    (cols % alt.block() == 0).then_some(alt)
+}
+
+fn f32_tensor(t: &Tensor) -> Result<QTensor> {
+    Ok(QTensor::quantize(&t.to_dtype(DType::F32)?.contiguous()?, GgmlDType::F32)?)
+}
+
+fn float_tensor(t: &Tensor, d: GgmlDType) -> Result<QTensor> {
+    Ok(QTensor::quantize(&t.to_dtype(DType::F32)?.contiguous()?, d)?)
+}
+
+/// The llama.cpp name of a text checkpoint key.
+fn text_name(key: &str) -> Option<(String, Option<usize>)> {
+    if key == "lm_head.weight" {
+        return Some(("output.weight".into(), None));
+    }
+    let rest = key.strip_prefix("model.language_model.")?;
+    Some(match rest {
+        "embed_tokens.weight" => ("token_embd.weight".into(), None),
+        "norm.weight" => ("output_norm.weight".into(), None),
+        _ => {
+            let rest = rest.strip_prefix("layers.")?;
+            let (i, rest) = rest.split_once('.')?;
+            let i: usize = i.parse().ok()?;
+            let (part, kind) = rest.rsplit_once('.')?;
+            let name = match part {
+                "self_attn.q_proj" => "attn_q",
+                "self_attn.k_proj" => "attn_k",
+                "self_attn.v_proj" => "attn_v",
+                "self_attn.o_proj" => "attn_output",
+                "self_attn.q_norm" => "attn_q_norm",
+                "self_attn.k_norm" => "attn_k_norm",
+                "input_layernorm" => "attn_norm",
+                "post_attention_layernorm" => "ffn_norm",
+                "mlp.gate_proj" => "ffn_gate",
+                "mlp.up_proj" => "ffn_up",
+                "mlp.down_proj" => "ffn_down",
+                _ => return None,
+            };
+            (format!("blk.{i}.{name}.{kind}"), Some(i))
+        }
+    })
+}
+
+/// The llama.cpp name of a vision key (relative to `model.visual`).
+fn vision_name(key: &str, deepstack: &[usize]) -> Option<String> {
+    let (part, kind) = key.rsplit_once('.')?;
+    let name = match part {
+        "pos_embed" => "v.position_embd".to_string(),
+        "patch_embed.proj" => "v.patch_embd".to_string(),
+        "merger.norm" => "v.post_ln".to_string(),
+        "merger.linear_fc1" => "mm.0".to_string(),
+        "merger.linear_fc2" => "mm.2".to_string(),
+        _ => {
+            if let Some(rest) = part.strip_prefix("blocks.") {
+                let (i, p) = rest.split_once('.')?;
+                let n = match p {
+                    "attn.qkv" => "attn_qkv",
+                    "attn.proj" => "attn_out",
+                    "mlp.linear_fc1" => "ffn_up",
+                    "mlp.linear_fc2" => "ffn_down",
+                    "norm1" => "ln1",
+                    "norm2" => "ln2",
+                    _ => return None,
+                };
+                format!("v.blk.{i}.{n}")
+            } else if let Some(rest) = part.strip_prefix("deepstack_merger_list.") {
+                let (k, p) = rest.split_once('.')?;
+                let layer = deepstack.get(k.parse::<usize>().ok()?)?;
+                let n = match p {
+                    "norm" => "norm",
+                    "linear_fc1" => "fc1",
+                    "linear_fc2" => "fc2",
+                    _ => return None,
+                };
+                format!("v.deepstack.{layer}.{n}")
+            } else {
+                return None;
+            }
+        }
+    };
+    Some(format!("{name}.{kind}"))
+}
+
+/// Token strings and types (llama.cpp: 1 normal, 3 control, 4 user-defined, 5 unused) and the
+/// merges, from the checkpoint's tokenizer.json.
+fn vocabulary(dir: &Path, vocab_size: usize) -> Result<(Vec<String>, Vec<i32>, Vec<String>)> {
+    let path = dir.join("tokenizer.json");
+    let json: serde_json::Value = serde_json::from_str(&read_text(&path, MAX_METADATA_FILE_BYTES)?)
+        .map_err(|source| Error::Json { path: path.clone(), source })?;
+    let bad = |m: &str| Error::Input { what: path.display().to_string(), message: m.into() };
+    let mut tokens: Vec<Option<(String, i32)>> = vec![None; vocab_size];
+    let vocab = json["model"]["vocab"].as_object().ok_or_else(|| bad("model.vocab is not an object"))?;
+    for (s, id) in vocab {
+        let id = id.as_u64().ok_or_else(|| bad("a vocab id is not an integer"))? as usize;
+        if let Some(slot) = tokens.get_mut(id) {
+            *slot = Some((s.clone(), 1));
+        }
+    }
+    for t in json["added_tokens"].as_array().into_iter().flatten() {
+        let (Some(id), Some(s)) = (t["id"].as_u64(), t["content"].as_str()) else { continue };
+        if let Some(slot) = tokens.get_mut(id as usize) {
+            *slot = Some((s.to_string(), if t["special"].as_bool() == Some(true) { 3 } else { 4 }));
+        }
+    }
+    let (strings, types) =
+        tokens.into_iter().enumerate().map(|(i, t)| t.unwrap_or_else(|| (format!("[PAD{i}]"), 5))).unzip();
+    let merges = json["model"]["merges"]
+        .as_array()
+        .ok_or_else(|| bad("model.merges is not a list"))?
+        .iter()
+        .map(|m| match m {
+            serde_json::Value::String(s) => Ok(s.clone()),
+            serde_json::Value::Array(p) if p.len() == 2 => {
+                Ok(format!("{} {}", p[0].as_str().unwrap_or(""), p[1].as_str().unwrap_or("")))
+            }
+            _ => Err(bad("a merge is neither \"a b\" nor [a, b]")),
+        })
+        .collect::<Result<_>>()?;
+    Ok((strings, types, merges))
+}
+
+fn write_file(path: &Path, meta: &[(String, Value)], tensors: &[(String, QTensor)]) -> Result<()> {
+    let tmp = path.with_extension("gguf.partial");
+    let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?);
+    let meta: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    candle_core::quantized::gguf_file::write(&mut f, &meta, &tensors)?;
+    use std::io::Write;
+    f.flush().map_err(|e| Error::io(&tmp, e))?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+}
+
+/// Writes `out/<name>-<TAG>.gguf` and `out/mmproj-<name>-<F16|BF16|F32>.gguf` (the vision
+/// weights in the checkpoint's own float type: exact); returns both paths.
+/// `progress(name)` is called per tensor written.
+pub fn save(
+    model: &ModelDir,
+    recipe: Recipe,
+    out: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(PathBuf, PathBuf)> {
+    let cfg = &model.config;
+    let dev = Device::Cpu;
+    let base = model
+        .dir
+        .canonicalize()
+        .ok()
+        .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "model".into());
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let text_path = out.join(format!("{base}-{}.gguf", recipe.file_tag()));
+    let (vdtype, vtag, vftype) = match model.weights.vision_float_dtype() {
+        DType::F32 => (GgmlDType::F32, "F32", 0),
+        DType::BF16 => (GgmlDType::BF16, "BF16", 32),
+        _ => (GgmlDType::F16, "F16", 1),
+    };
+    let mmproj_path = out.join(format!("mmproj-{base}-{vtag}.gguf"));
+    let t = &cfg.text;
+    let read_as = model.weights.text_float_dtype();
+    let text_float = match read_as {
+        DType::BF16 => GgmlDType::BF16,
+        DType::F16 => GgmlDType::F16,
+        _ => GgmlDType::F32,
+    };
+
+    // Text model.
+    let mut tensors = Vec::new();
+    for p in tensor_plan(cfg) {
+        if p.group == Group::Vision || (p.group == Group::LmHead && cfg.tie_word_embeddings) {
+            continue;
+        }
+        let (name, layer) = text_name(&p.key)
+            .ok_or_else(|| Error::Input { what: p.key.clone(), message: "no llama.cpp name for this tensor".into() })?;
+        let w = model.weights.load(&p.key, read_as, &dev)?;
+        let q = if w.rank() == 2 {
+            let cols = w.dims()[1];
+            match fallback(recipe.text_type(&name, layer, t.num_hidden_layers, cfg.tie_word_embeddings), cols) {
+                Some(q) => quantize_rows(&w, q)?,
+                // No block type fits the row: kept in the checkpoint's float type, as the
+                // runtime keeps such a layer dense.
+                None => float_tensor(&w, text_float)?,
+            }
+        } else {
+            f32_tensor(&w)?
+        };
+        progress(&name);
+        tensors.push((name, q));
+    }
+    let (tokens, types, merges) = vocabulary(&model.dir, t.vocab_size)?;
+    let s = |v: &str| Value::String(v.into());
+    let u = |v: usize| Value::U32(v as u32);
+    let mut meta = vec![
+        ("general.architecture".to_string(), s("qwen3vl")),
+        ("general.type".into(), s("model")),
+        ("general.name".into(), s(&base)),
+        ("general.file_type".into(), Value::U32(recipe.file_type())),
+        ("general.quantization_version".into(), Value::U32(2)),
+        ("qwen3vl.block_count".into(), u(t.num_hidden_layers)),
+        ("qwen3vl.context_length".into(), u(t.max_position_embeddings)),
+        ("qwen3vl.embedding_length".into(), u(t.hidden_size)),
+        ("qwen3vl.feed_forward_length".into(), u(t.intermediate_size)),
+        ("qwen3vl.attention.head_count".into(), u(t.num_attention_heads)),
+        ("qwen3vl.attention.head_count_kv".into(), u(t.num_key_value_heads)),
+        (
+            "qwen3vl.rope.dimension_sections".into(),
+            Value::Array(t.mrope_section.iter().chain(&[0]).map(|&x| Value::I32(x as i32)).collect()),
+        ),
+        ("qwen3vl.rope.freq_base".into(), Value::F32(t.rope_theta as f32)),
+        ("qwen3vl.attention.layer_norm_rms_epsilon".into(), Value::F32(t.rms_norm_eps as f32)),
+        ("qwen3vl.attention.key_length".into(), u(t.head_dim)),
+        ("qwen3vl.attention.value_length".into(), u(t.head_dim)),
+        ("qwen3vl.n_deepstack_layers".into(), u(cfg.vision.deepstack_visual_indexes.len())),
+        ("tokenizer.ggml.model".into(), s("gpt2")),
+        ("tokenizer.ggml.pre".into(), s("qwen2")),
+        ("tokenizer.ggml.tokens".into(), Value::Array(tokens.into_iter().map(Value::String).collect())),
+        ("tokenizer.ggml.token_type".into(), Value::Array(types.into_iter().map(Value::I32).collect())),
+        ("tokenizer.ggml.merges".into(), Value::Array(merges.into_iter().map(Value::String).collect())),
+        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
+        ("tokenizer.ggml.add_eos_token".into(), Value::Bool(false)),
+    ];
+    if let Some(&eos) = model.generation.eos_token_ids.first() {
+        meta.push(("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)));
+    }
+    meta.push(("tokenizer.chat_template".into(), Value::String(model.processor.template.source_text())));
+    write_file(&text_path, &meta, &tensors)?;
+    drop(tensors);
+
+    // Vision projector in the checkpoint's float type (norms, biases and the position table f32,
+    // as llama.cpp writes them).
+    let v = &cfg.vision;
+    let mut tensors = Vec::new();
+    for p in tensor_plan(cfg) {
+        if p.group != Group::Vision {
+            continue;
+        }
+        let key = p.key.strip_prefix(&format!("{VISION_PREFIX}.")).unwrap_or(&p.key).to_string();
+        let w = model.weights.load(&p.key, DType::F32, &dev)?;
+        if key == "patch_embed.proj.weight" {
+            // The Conv3D kernel [out, in, 2, kh, kw] as two temporal Conv2D slices.
+            for (k, name) in ["v.patch_embd.weight", "v.patch_embd.weight.1"].iter().enumerate() {
+                tensors.push((name.to_string(), float_tensor(&w.narrow(2, k, 1)?.squeeze(2)?, vdtype)?));
+            }
+            progress("v.patch_embd.weight");
+            continue;
+        }
+        let name = vision_name(&key, &v.deepstack_visual_indexes)
+            .ok_or_else(|| Error::Input { what: p.key.clone(), message: "no llama.cpp name for this tensor".into() })?;
+        let q = if w.rank() >= 2 && key != "pos_embed.weight" { float_tensor(&w, vdtype)? } else { f32_tensor(&w)? };
+        progress(&name);
+        tensors.push((name, q));
+    }
+    let pp = &model.processor.images.config;
+    let side = (v.num_position_embeddings as f64).sqrt().round() as usize * v.patch_size;
+    let f32s = |x: &[f32]| Value::Array(x.iter().map(|&f| Value::F32(f)).collect());
+    let mut deep = vec![Value::Bool(false); v.depth];
+    for &i in &v.deepstack_visual_indexes {
+        if let Some(d) = deep.get_mut(i) {
+            *d = Value::Bool(true);
+        }
+    }
+    let meta = vec![
+        ("general.architecture".to_string(), s("clip")),
+        ("general.type".into(), s("mmproj")),
+        ("general.name".into(), s(&base)),
+        ("general.file_type".into(), Value::U32(vftype)),
+        ("general.quantization_version".into(), Value::U32(2)),
+        ("clip.has_vision_encoder".into(), Value::Bool(true)),
+        ("clip.projector_type".into(), s("qwen3vl_merger")),
+        ("clip.use_gelu".into(), Value::Bool(true)),
+        ("clip.vision.projection_dim".into(), u(v.out_hidden_size)),
+        ("clip.vision.image_size".into(), u(side)),
+        ("clip.vision.patch_size".into(), u(v.patch_size)),
+        ("clip.vision.embedding_length".into(), u(v.hidden_size)),
+        ("clip.vision.feed_forward_length".into(), u(v.intermediate_size)),
+        ("clip.vision.block_count".into(), u(v.depth)),
+        ("clip.vision.attention.head_count".into(), u(v.num_heads)),
+        ("clip.vision.image_mean".into(), f32s(&pp.image_mean)),
+        ("clip.vision.image_std".into(), f32s(&pp.image_std)),
+        ("clip.vision.spatial_merge_size".into(), u(v.spatial_merge_size)),
+        // The checkpoint's pixel budget (llama.cpp's keys; its converter leaves them out).
+        ("clip.vision.image_min_pixels".into(), u(pp.min_pixels)),
+        ("clip.vision.image_max_pixels".into(), u(pp.max_pixels)),
+        ("clip.vision.attention.layer_norm_epsilon".into(), Value::F32(t.rms_norm_eps as f32)),
+        ("clip.vision.is_deepstack_layers".into(), Value::Array(deep)),
+    ];
+    write_file(&mmproj_path, &meta, &tensors)?;
+    Ok((text_path, mmproj_path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q4k_m_follows_llama_cpp_on_28_layers() {
+        // The published 2B Q4_K_M: 14 of 28 attn_v and 14 of 28 ffn_down in Q6_K, the tied
+        // embedding table Q6_K, the rest Q4_K.
+        let r = Recipe::Q4KM;
+        let q6: Vec<usize> =
+            (0..28).filter(|&i| r.text_type("blk.0.attn_v.weight", Some(i), 28, true) == QuantType::Q6K).collect();
+        assert_eq!(q6, vec![0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27]);
+        assert_eq!(r.text_type("token_embd.weight", None, 28, true), QuantType::Q6K);
+        assert_eq!(r.text_type("token_embd.weight", None, 28, false), QuantType::Q4K);
+        assert_eq!(r.text_type("blk.3.attn_q.weight", Some(3), 28, true), QuantType::Q4K);
+        assert_eq!(fallback(QuantType::Q4K, 32), Some(QuantType::Q5_0));
+        assert_eq!(fallback(QuantType::Q6K, 96), Some(QuantType::Q8_0));
+        assert_eq!(fallback(QuantType::Q8_0, 48), None);
+    }
+
+    #[test]
+    fn names_round_trip_with_the_reader() {
+        for key in ["model.language_model.layers.2.mlp.down_proj.weight", "model.language_model.norm.weight"] {
+            let (name, _) = text_name(key).unwrap();
+            assert_eq!(super::super::gguf::text_key(&name).unwrap(), key);
+        }
+        let deep = [0, 2, 3];
+        for key in ["blocks.1.attn.qkv.bias", "deepstack_merger_list.2.linear_fc1.weight", "merger.norm.weight"] {
+            let name = vision_name(key, &deep).unwrap();
+            assert_eq!(super::super::gguf::vision_key(&name, &deep).unwrap(), key);
+        }
+    }
+}
