@@ -486,3 +486,34 @@ fn reports_say_what_happened() {
     assert_eq!(v["stop_reason"], "context_full", "{v}");
     assert_eq!(v["generated_tokens"].as_u64().unwrap(), 40 - prompt);
 }
+
+#[test]
+fn broken_gguf_files_fail_in_run_and_inspect_alike() {
+    let img = image("square.png");
+    let text = std::fs::read(goldens().join("gguf/tiny-a-f32.gguf")).unwrap();
+    let mmproj = goldens().join("gguf/mmproj-tiny-a-f32.gguf");
+    let dir = tempfile::tempdir().unwrap();
+    let check = |bytes: &[u8], needles: &[&str]| {
+        let f = dir.path().join("model.gguf");
+        std::fs::write(&f, bytes).unwrap();
+        let (f, m) = (f.to_str().unwrap(), mmproj.to_str().unwrap());
+        let run = fails(&["run", "--model", f, "--mmproj", m, "--image", &img, "--max-new-tokens", "2"], needles);
+        let inspect = fails(&["inspect", "--model", f, "--mmproj", m], needles);
+        assert_eq!(run.stderr, inspect.stderr);
+    };
+    // Truncated in the tensor data, and in the header.
+    check(&text[..text.len() / 2], &["model.gguf", "past the end of the file"]);
+    check(&text[..1000], &["model.gguf", "truncated header"]);
+    check(b"not a gguf at all", &["model.gguf", "not a GGUF file"]);
+    // A string length of 2^62 in the first key: refused from the header, nothing allocated.
+    let mut huge = text[..24].to_vec();
+    huge.extend((1u64 << 62).to_le_bytes());
+    huge.extend(&text[32..4096]);
+    check(&huge, &["model.gguf", "exceeds"]);
+    // The mmproj given as the text model.
+    let m = mmproj.to_str().unwrap();
+    fails(&["run", "--model", m, "--max-new-tokens", "2"], &["not a Qwen3-VL text model", "clip"]);
+    // --mmproj with a checkpoint directory.
+    let ck = checkpoint("tiny-a");
+    fails(&["run", "--model", ck.to_str().unwrap(), "--mmproj", m], &["--mmproj goes with a GGUF"]);
+}
