@@ -161,6 +161,20 @@ fn hostile_and_truncated_headers_are_named_errors() {
 }
 
 #[test]
+fn a_tensor_set_that_does_not_match_the_metadata_is_named() {
+    // Rename one tensor of the reference file (same length, so the header stays valid): it is
+    // reported as unexpected, and the one it replaced as missing, both by their GGUF names.
+    let mut b = std::fs::read(goldens().join("gguf/tiny-a-f32.gguf")).unwrap();
+    let at = b.windows(19).position(|w| w == b"blk.1.attn_q.weight").unwrap();
+    b[at..at + 19].copy_from_slice(b"blk.1.attn_z.weight");
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("m.gguf");
+    std::fs::write(&f, &b).unwrap();
+    let e = GgufModel::open(&f, None).err().unwrap().to_string();
+    assert!(e.contains("blk.1.attn_z.weight") && e.contains("blk.1.attn_q.weight"), "{e}");
+}
+
+#[test]
 fn images_without_an_mmproj_are_refused() {
     let dir = goldens().join("gguf");
     let (text, _) = find_files(&dir, None).unwrap();

@@ -349,7 +349,78 @@ impl GgufModel {
             }
         }
         let config = Self::read_config(&text, mmproj.as_ref())?;
-        Ok(Self { text, mmproj, config })
+        let g = Self { text, mmproj, config };
+        g.check_tensors()?;
+        Ok(g)
+    }
+
+    /// The GGUF name of a checkpoint key (for messages).
+    fn gguf_name(&self, key: &str) -> String {
+        let vision = key.strip_prefix(&format!("{}.", super::plan::VISION_PREFIX));
+        match vision {
+            Some("patch_embed.proj.weight") => Some("v.patch_embd.weight".to_string()),
+            Some(k) => super::gguf_write::vision_name(k, &self.config.vision.deepstack_visual_indexes),
+            None => super::gguf_write::text_name(key).map(|(n, _)| n),
+        }
+        .unwrap_or_else(|| key.to_string())
+    }
+
+    /// The tensor set against the tensor plan of the config read from the metadata, before any
+    /// tensor is read: missing, unexpected and wrongly shaped tensors named (by their GGUF names).
+    fn check_tensors(&self) -> Result<()> {
+        let mut have: HashMap<String, (String, Vec<usize>)> = HashMap::new();
+        let mut unexpected = vec![];
+        for (name, info) in &self.text.content.tensor_infos {
+            match text_key(name) {
+                Some(k) => {
+                    have.insert(k, (name.clone(), info.shape.dims().to_vec()));
+                }
+                None => unexpected.push(name.clone()),
+            }
+        }
+        if let Some(m) = &self.mmproj {
+            let deep = &self.config.vision.deepstack_visual_indexes;
+            for (name, info) in &m.content.tensor_infos {
+                let dims = info.shape.dims().to_vec();
+                if name == "v.patch_embd.weight.1" {
+                    continue;
+                }
+                if name == "v.patch_embd.weight" {
+                    let mut d = dims.clone();
+                    if m.content.tensor_infos.contains_key("v.patch_embd.weight.1") && d.len() == 4 {
+                        d.insert(2, 2);
+                    }
+                    have.insert(format!("{}.patch_embed.proj.weight", super::plan::VISION_PREFIX), (name.clone(), d));
+                    continue;
+                }
+                match vision_key(name, deep) {
+                    Some(k) => {
+                        have.insert(format!("{}.{k}", super::plan::VISION_PREFIX), (name.clone(), dims));
+                    }
+                    None => unexpected.push(name.clone()),
+                }
+            }
+        }
+        let mut missing = vec![];
+        let mut wrong_shape = vec![];
+        for p in super::plan::tensor_plan(&self.config) {
+            if p.group == super::plan::Group::Vision && self.mmproj.is_none() {
+                continue;
+            }
+            match have.get(&p.key) {
+                None if p.required => missing.push(self.gguf_name(&p.key)),
+                Some((name, dims)) if *dims != p.shape => wrong_shape.push(crate::error::ShapeMismatch {
+                    key: name.clone(),
+                    expected: p.shape.clone(),
+                    found: dims.clone(),
+                }),
+                _ => {}
+            }
+        }
+        if missing.is_empty() && unexpected.is_empty() && wrong_shape.is_empty() {
+            return Ok(());
+        }
+        Err(Error::TensorPlan { dir: self.text.path.clone(), missing, unexpected, wrong_shape })
     }
 
     fn read_config(t: &GgufFile, m: Option<&GgufFile>) -> Result<Qwen3VlConfig> {

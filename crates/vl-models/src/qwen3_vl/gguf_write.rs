@@ -91,7 +91,7 @@ fn float_tensor(t: &Tensor, d: GgmlDType) -> Result<QTensor> {
 }
 
 /// The llama.cpp name of a text checkpoint key.
-fn text_name(key: &str) -> Option<(String, Option<usize>)> {
+pub(crate) fn text_name(key: &str) -> Option<(String, Option<usize>)> {
     if key == "lm_head.weight" {
         return Some(("output.weight".into(), None));
     }
@@ -124,7 +124,7 @@ fn text_name(key: &str) -> Option<(String, Option<usize>)> {
 }
 
 /// The llama.cpp name of a vision key (relative to `model.visual`).
-fn vision_name(key: &str, deepstack: &[usize]) -> Option<String> {
+pub(crate) fn vision_name(key: &str, deepstack: &[usize]) -> Option<String> {
     let (part, kind) = key.rsplit_once('.')?;
     let name = match part {
         "pos_embed" => "v.position_embd".to_string(),
