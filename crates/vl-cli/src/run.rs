@@ -156,14 +156,13 @@ pub(crate) fn dtype(arg: Option<DtypeArg>, dev: &Device) -> DType {
 /// the float tensors; quantized ones stay as stored).
 pub(crate) fn quant_of(arg: QuantArg, path: &Path) -> Result<Option<QuantType>> {
     if vl_models::qwen3_vl::gguf::is_gguf(path) {
-        return Ok(match arg {
-            QuantArg::None | QuantArg::Off => None,
-            other => quant_for(other, None),
-        });
+        return Ok(quant_for(arg, None));
     }
     Ok(quant_for(arg, Some(&ModelDir::open(path)?.weights)))
 }
 
+/// `weights`: the checkpoint's (an MLX-quantized one picks the k-quant of its width); none for
+/// GGUF, where only an explicit choice applies.
 pub(crate) fn quant_for(arg: QuantArg, weights: Option<&Weights>) -> Option<QuantType> {
     match arg {
         QuantArg::Q4k => Some(QuantType::Q4K),
@@ -287,11 +286,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     }
     // Every file of the model directory is checked before a weight is read.
     let model_dir = if gguf { None } else { Some(ModelDir::open(&dir)?) };
-    let quant = if gguf {
-        quant_of(args.load.quantize, &dir)?
-    } else {
-        quant_for(args.load.quantize, model_dir.as_ref().map(|m| &*m.weights))
-    };
+    let quant = quant_for(args.load.quantize, model_dir.as_ref().map(|m| &*m.weights));
     let needed = model_dir.as_ref().map_or(0, |m| m.weights.entries().len() as u64);
     let opts = EngineOptions {
         dtype,

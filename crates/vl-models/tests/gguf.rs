@@ -58,23 +58,7 @@ fn tokenizer_and_template_from_the_gguf_give_the_reference_ids() {
         expanded.push_str(rest);
         assert_eq!(proc.encode(&expanded).unwrap(), want_ids, "{case}: ids from the GGUF tokenizer");
         // The GGUF's chat template renders the golden prompt.
-        let msgs: Vec<vl_models::qwen3_vl::Message> = meta["messages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|m| {
-                let content = m["content"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|c| match c["type"].as_str().unwrap() {
-                        "image" => vl_models::qwen3_vl::Content::Image { image: c["image"].as_str().unwrap().into() },
-                        _ => vl_models::qwen3_vl::Content::Text { text: c["text"].as_str().unwrap().into() },
-                    })
-                    .collect();
-                vl_models::qwen3_vl::Message::new(m["role"].as_str().unwrap(), content)
-            })
-            .collect();
+        let msgs = golden_messages(&meta);
         assert_eq!(proc.template.render(&msgs, true).unwrap(), text, "{case}: template");
     }
     // Decoding keeps special tokens as the checkpoint's tokenizer does.
@@ -85,18 +69,24 @@ fn tokenizer_and_template_from_the_gguf_give_the_reference_ids() {
 fn f32_gguf_logits_and_greedy_ids_match_the_reference() {
     let m = pair().load_model(DType::F32, &Device::Cpu).unwrap();
     for case in CASES {
-        let want = load(&goldens().join("tiny-a/cases").join(format!("{case}.safetensors")));
-        let p = prompt(case);
-        let mut cache = m.new_cache();
-        let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
-        let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
-        let want_ids: Vec<u32> = want["greedy.ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
-        let opts = GenerationOptions { max_new_tokens: want_ids.len(), ..Default::default() };
-        let gen = m.generate(&p, &opts, &mut |_| true).unwrap();
+        let (d, same_greedy) = against_reference(&m, case);
         println!("gguf f32 {case}: last logits max|diff| {d:.2e}");
         assert!(d <= 1e-3, "{case}: {d}");
-        assert_eq!(gen.tokens, want_ids, "{case}");
+        assert!(same_greedy, "{case}: greedy ids differ");
     }
+}
+
+/// The last prompt position's max |logit difference| against tiny-a's reference on `case`, and
+/// whether the greedy ids equal the reference's.
+fn against_reference(m: &vl_models::qwen3_vl::Qwen3VlModel, case: &str) -> (f32, bool) {
+    let want = load(&goldens().join("tiny-a/cases").join(format!("{case}.safetensors")));
+    let p = prompt(case);
+    let mut cache = m.new_cache();
+    let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
+    let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
+    let want_ids: Vec<u32> = want["greedy.ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
+    let opts = GenerationOptions { max_new_tokens: want_ids.len(), ..Default::default() };
+    (d, m.generate(&p, &opts, &mut |_| true).unwrap().tokens == want_ids)
 }
 
 fn header_error(bytes: &[u8]) -> String {
@@ -286,16 +276,9 @@ fn q8_0_gguf_from_llama_cpp_stays_within_its_measured_bound() {
     let mut worst = 0f32;
     let mut same_greedy = 0;
     for case in CASES {
-        let want = load(&goldens().join("tiny-a/cases").join(format!("{case}.safetensors")));
-        let p = prompt(case);
-        let mut cache = m.new_cache();
-        let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
-        let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
-        let want_ids: Vec<u32> = want["greedy.ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
-        let opts = GenerationOptions { max_new_tokens: want_ids.len(), ..Default::default() };
-        let gen = m.generate(&p, &opts, &mut |_| true).unwrap();
-        same_greedy += usize::from(gen.tokens == want_ids);
-        println!("gguf q8_0 {case}: last logits max|diff| {d:.3e}, greedy ids equal: {}", gen.tokens == want_ids);
+        let (d, same) = against_reference(&m, case);
+        same_greedy += usize::from(same);
+        println!("gguf q8_0 {case}: last logits max|diff| {d:.3e}, greedy ids equal: {same}");
         worst = worst.max(d);
     }
     println!("gguf q8_0: worst {worst:.3e}, {same_greedy}/{} greedy sequences identical", CASES.len());

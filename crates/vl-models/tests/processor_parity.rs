@@ -7,7 +7,7 @@ mod common;
 use candle_core::{DType, Device};
 use common::*;
 use vl_models::qwen3_vl::positions::token_types;
-use vl_models::qwen3_vl::{Content, ImageProcessor, Message, Processor, TemplateToolCall};
+use vl_models::qwen3_vl::{ImageProcessor, Message, Processor};
 
 /// Max |diff| on the normalized scale ([-1, 1]); mean bound below.
 const PIXEL_MAX: f32 = 0.02;
@@ -66,38 +66,6 @@ fn pixel_budget_overrides_match_the_reference() {
     assert!(max <= PIXEL_MAX && mean <= PIXEL_MEAN);
 }
 
-fn messages(meta: &serde_json::Value) -> Vec<Message> {
-    meta["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| {
-            let content = m["content"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|c| match c["type"].as_str().unwrap() {
-                    "image" => Content::Image { image: c["image"].as_str().unwrap().into() },
-                    _ => Content::Text { text: c["text"].as_str().unwrap().into() },
-                })
-                .collect();
-            let mut msg = Message::new(m["role"].as_str().unwrap(), content);
-            if let Some(calls) = m["tool_calls"].as_array() {
-                msg.tool_calls = calls
-                    .iter()
-                    .map(|c| {
-                        TemplateToolCall::function(
-                            c["function"]["name"].as_str().unwrap(),
-                            c["function"]["arguments"].clone(),
-                        )
-                    })
-                    .collect();
-            }
-            msg
-        })
-        .collect()
-}
-
 fn tools(meta: &serde_json::Value) -> Option<Vec<serde_json::Value>> {
     meta["tools"].as_array().cloned()
 }
@@ -109,7 +77,7 @@ fn prompts_match_the_reference_processor() {
         for case in cases_of(g) {
             let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
             let want = load(&goldens().join("prompts").join(format!("{case}.safetensors")));
-            let msgs = messages(&meta);
+            let msgs = golden_messages(&meta);
             let tools = tools(&meta);
             assert_eq!(
                 proc.template.render_with(&msgs, tools.as_deref(), true).unwrap(),

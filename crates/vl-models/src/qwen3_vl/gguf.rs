@@ -20,6 +20,7 @@ use tokenizers::Tokenizer;
 
 use super::chat::{ChatTemplate, Processor, TemplateSource};
 use super::config::{Qwen3VlConfig, TextConfig, VisionConfig};
+use super::gguf_names::{text_key, text_name, vision_key, vision_name};
 use super::model::Qwen3VlModel;
 use super::processor::{ImageProcessor, PreprocessorConfig};
 use super::text::{LoadPlan, Prequantized, TextModel};
@@ -254,6 +255,11 @@ impl GgufFile {
     fn array(&self, key: &str) -> Result<&Vec<Value>> {
         self.get(key)?.to_vec().map_err(|_| bad(&self.path, format!("{key} is not an array")))
     }
+    /// The id of a token string in `tokenizer.ggml.tokens`.
+    fn token_id(&self, token: &str) -> Option<u32> {
+        let tokens = self.array("tokenizer.ggml.tokens").ok()?;
+        tokens.iter().position(|v| v.to_string().is_ok_and(|x| x == token)).map(|i| i as u32)
+    }
     fn dims(&self, name: &str) -> Option<Vec<usize>> {
         self.content.tensor_infos.get(name).map(|i| i.shape.dims().to_vec())
     }
@@ -359,8 +365,8 @@ impl GgufModel {
         let vision = key.strip_prefix(&format!("{}.", super::plan::VISION_PREFIX));
         match vision {
             Some("patch_embed.proj.weight") => Some("v.patch_embd.weight".to_string()),
-            Some(k) => super::gguf_write::vision_name(k, &self.config.vision.deepstack_visual_indexes),
-            None => super::gguf_write::text_name(key).map(|(n, _)| n),
+            Some(k) => vision_name(k, &self.config.vision.deepstack_visual_indexes),
+            None => text_name(key).map(|(n, _)| n),
         }
         .unwrap_or_else(|| key.to_string())
     }
@@ -501,14 +507,7 @@ impl GgufModel {
         if let Some(m) = m {
             super::config::validate_vision(&vision, &text, &m.path)?;
         }
-        let tokens = t.array("tokenizer.ggml.tokens")?;
-        let id_of = |s: &str| -> Result<u32> {
-            tokens
-                .iter()
-                .position(|v| v.to_string().is_ok_and(|x| x == s))
-                .map(|i| i as u32)
-                .ok_or_else(|| bad(&t.path, format!("the vocabulary has no {s} token")))
-        };
+        let id_of = |s: &str| t.token_id(s).ok_or_else(|| bad(&t.path, format!("the vocabulary has no {s} token")));
         Ok(Qwen3VlConfig {
             tie_word_embeddings: t.dims("output.weight").is_none(),
             image_token_id: id_of("<|image_pad|>")?,
@@ -559,19 +558,12 @@ impl GgufModel {
 
     /// End-of-turn ids: the GGUF's eos and `<|im_end|>` / `<|endoftext|>` when present.
     pub fn eos_token_ids(&self) -> Vec<u32> {
-        let mut ids = vec![];
-        if let Ok(v) =
-            self.text.get("tokenizer.ggml.eos_token_id").and_then(|v| v.to_u32().map_err(|_| bad(&self.text.path, "")))
-        {
-            ids.push(v);
-        }
-        if let Ok(tokens) = self.text.array("tokenizer.ggml.tokens") {
-            for s in ["<|im_end|>", "<|endoftext|>"] {
-                if let Some(i) = tokens.iter().position(|v| v.to_string().is_ok_and(|x| x == s)) {
-                    if !ids.contains(&(i as u32)) {
-                        ids.push(i as u32);
-                    }
-                }
+        let t = &self.text;
+        let mut ids: Vec<u32> =
+            t.get("tokenizer.ggml.eos_token_id").ok().and_then(|v| v.to_u32().ok()).into_iter().collect();
+        for id in ["<|im_end|>", "<|endoftext|>"].into_iter().filter_map(|s| t.token_id(s)) {
+            if !ids.contains(&id) {
+                ids.push(id);
             }
         }
         ids
@@ -612,18 +604,6 @@ impl GgufModel {
             "storage": groups,
             "chat_template": self.text.content.metadata.contains_key("tokenizer.chat_template"),
         })
-    }
-
-    /// (group, stored type) per tensor of both files, for `vl inspect`.
-    pub fn storage(&self) -> Vec<(String, String)> {
-        let mut out = vec![];
-        for f in std::iter::once(&self.text).chain(self.mmproj.as_ref()) {
-            for (name, info) in &f.content.tensor_infos {
-                out.push((name.clone(), format!("{:?}", info.ggml_dtype)));
-            }
-        }
-        out.sort();
-        out
     }
 
     /// The text decoder: quantized tensors as stored, float tensors as `dtype` (the 2-D ones
@@ -725,79 +705,6 @@ pub fn summary_text(s: &serde_json::Value) -> String {
     out.join("\n")
 }
 
-/// llama.cpp's text tensor names -> the checkpoint keys the loaders use.
-pub(crate) fn text_key(name: &str) -> Option<String> {
-    let p = "model.language_model";
-    Some(match name {
-        "token_embd.weight" => format!("{p}.embed_tokens.weight"),
-        "output_norm.weight" => format!("{p}.norm.weight"),
-        "output.weight" => "lm_head.weight".into(),
-        _ => {
-            let rest = name.strip_prefix("blk.")?;
-            let (i, rest) = rest.split_once('.')?;
-            let i: usize = i.parse().ok()?;
-            let (part, kind) = rest.rsplit_once('.')?;
-            let hf = match part {
-                "attn_q" => "self_attn.q_proj",
-                "attn_k" => "self_attn.k_proj",
-                "attn_v" => "self_attn.v_proj",
-                "attn_output" => "self_attn.o_proj",
-                "attn_q_norm" => "self_attn.q_norm",
-                "attn_k_norm" => "self_attn.k_norm",
-                "attn_norm" => "input_layernorm",
-                "ffn_norm" => "post_attention_layernorm",
-                "ffn_gate" => "mlp.gate_proj",
-                "ffn_up" => "mlp.up_proj",
-                "ffn_down" => "mlp.down_proj",
-                _ => return None,
-            };
-            format!("{p}.layers.{i}.{hf}.{kind}")
-        }
-    })
-}
-
-/// llama.cpp's mmproj tensor names -> the vision tower's keys (relative to `model.visual`).
-pub(crate) fn vision_key(name: &str, deepstack: &[usize]) -> Option<String> {
-    let (part, kind) = name.rsplit_once('.')?;
-    let hf = match part {
-        "v.position_embd" => "pos_embed".to_string(),
-        "v.patch_embd" => "patch_embed.proj".to_string(),
-        "v.post_ln" => "merger.norm".to_string(),
-        "mm.0" => "merger.linear_fc1".to_string(),
-        "mm.2" => "merger.linear_fc2".to_string(),
-        _ => {
-            if let Some(rest) = part.strip_prefix("v.blk.") {
-                let (i, p) = rest.split_once('.')?;
-                let i: usize = i.parse().ok()?;
-                let hf = match p {
-                    "attn_qkv" => "attn.qkv",
-                    "attn_out" => "attn.proj",
-                    "ffn_up" => "mlp.linear_fc1",
-                    "ffn_down" => "mlp.linear_fc2",
-                    "ln1" => "norm1",
-                    "ln2" => "norm2",
-                    _ => return None,
-                };
-                format!("blocks.{i}.{hf}")
-            } else if let Some(rest) = part.strip_prefix("v.deepstack.") {
-                let (layer, p) = rest.split_once('.')?;
-                let layer: usize = layer.parse().ok()?;
-                let k = deepstack.iter().position(|&l| l == layer)?;
-                let hf = match p {
-                    "norm" => "norm",
-                    "fc1" => "linear_fc1",
-                    "fc2" => "linear_fc2",
-                    _ => return None,
-                };
-                format!("deepstack_merger_list.{k}.{hf}")
-            } else {
-                return None;
-            }
-        }
-    };
-    Some(format!("{hf}.{kind}"))
-}
-
 /// The Qwen2 byte-level BPE tokenizer from a GGUF vocabulary: normal tokens and merges form the
 /// BPE model; control tokens become special added tokens, user-defined ones (e.g. `<tool_call>`)
 /// non-special added tokens, as in the checkpoint's tokenizer.json.
@@ -859,18 +766,3 @@ fn tokenizer(t: &GgufFile) -> Result<Tokenizer> {
 /// llama.cpp's `qwen2` pre-tokenizer: the split regex of Qwen2's tokenizer.json.
 const QWEN2_PATTERN: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names_map_to_checkpoint_keys() {
-        assert_eq!(text_key("blk.3.attn_q.weight").unwrap(), "model.language_model.layers.3.self_attn.q_proj.weight");
-        assert_eq!(text_key("token_embd.weight").unwrap(), "model.language_model.embed_tokens.weight");
-        assert_eq!(text_key("blk.x.attn_q.weight"), None);
-        assert_eq!(vision_key("v.deepstack.5.fc1.bias", &[2, 5]).unwrap(), "deepstack_merger_list.1.linear_fc1.bias");
-        assert_eq!(vision_key("v.deepstack.4.fc1.bias", &[2, 5]), None);
-        assert_eq!(vision_key("mm.2.weight", &[]).unwrap(), "merger.linear_fc2.weight");
-    }
-}

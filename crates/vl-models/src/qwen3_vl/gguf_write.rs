@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use vl_nn::linear::quantize_rows;
 use vl_nn::QuantType;
 
+use super::gguf_names::{text_name, vision_name};
 use super::plan::{tensor_plan, Group, VISION_PREFIX};
 use super::preflight::ModelDir;
 use crate::error::{Error, Result};
@@ -88,79 +89,6 @@ fn f32_tensor(t: &Tensor) -> Result<QTensor> {
 
 fn float_tensor(t: &Tensor, d: GgmlDType) -> Result<QTensor> {
     Ok(QTensor::quantize(&t.to_dtype(DType::F32)?.contiguous()?, d)?)
-}
-
-/// The llama.cpp name of a text checkpoint key.
-pub(crate) fn text_name(key: &str) -> Option<(String, Option<usize>)> {
-    if key == "lm_head.weight" {
-        return Some(("output.weight".into(), None));
-    }
-    let rest = key.strip_prefix("model.language_model.")?;
-    Some(match rest {
-        "embed_tokens.weight" => ("token_embd.weight".into(), None),
-        "norm.weight" => ("output_norm.weight".into(), None),
-        _ => {
-            let rest = rest.strip_prefix("layers.")?;
-            let (i, rest) = rest.split_once('.')?;
-            let i: usize = i.parse().ok()?;
-            let (part, kind) = rest.rsplit_once('.')?;
-            let name = match part {
-                "self_attn.q_proj" => "attn_q",
-                "self_attn.k_proj" => "attn_k",
-                "self_attn.v_proj" => "attn_v",
-                "self_attn.o_proj" => "attn_output",
-                "self_attn.q_norm" => "attn_q_norm",
-                "self_attn.k_norm" => "attn_k_norm",
-                "input_layernorm" => "attn_norm",
-                "post_attention_layernorm" => "ffn_norm",
-                "mlp.gate_proj" => "ffn_gate",
-                "mlp.up_proj" => "ffn_up",
-                "mlp.down_proj" => "ffn_down",
-                _ => return None,
-            };
-            (format!("blk.{i}.{name}.{kind}"), Some(i))
-        }
-    })
-}
-
-/// The llama.cpp name of a vision key (relative to `model.visual`).
-pub(crate) fn vision_name(key: &str, deepstack: &[usize]) -> Option<String> {
-    let (part, kind) = key.rsplit_once('.')?;
-    let name = match part {
-        "pos_embed" => "v.position_embd".to_string(),
-        "patch_embed.proj" => "v.patch_embd".to_string(),
-        "merger.norm" => "v.post_ln".to_string(),
-        "merger.linear_fc1" => "mm.0".to_string(),
-        "merger.linear_fc2" => "mm.2".to_string(),
-        _ => {
-            if let Some(rest) = part.strip_prefix("blocks.") {
-                let (i, p) = rest.split_once('.')?;
-                let n = match p {
-                    "attn.qkv" => "attn_qkv",
-                    "attn.proj" => "attn_out",
-                    "mlp.linear_fc1" => "ffn_up",
-                    "mlp.linear_fc2" => "ffn_down",
-                    "norm1" => "ln1",
-                    "norm2" => "ln2",
-                    _ => return None,
-                };
-                format!("v.blk.{i}.{n}")
-            } else if let Some(rest) = part.strip_prefix("deepstack_merger_list.") {
-                let (k, p) = rest.split_once('.')?;
-                let layer = deepstack.get(k.parse::<usize>().ok()?)?;
-                let n = match p {
-                    "norm" => "norm",
-                    "linear_fc1" => "fc1",
-                    "linear_fc2" => "fc2",
-                    _ => return None,
-                };
-                format!("v.deepstack.{layer}.{n}")
-            } else {
-                return None;
-            }
-        }
-    };
-    Some(format!("{name}.{kind}"))
 }
 
 /// Token strings and types (llama.cpp: 1 normal, 3 control, 4 user-defined, 5 unused) and the
@@ -388,18 +316,5 @@ mod tests {
         assert_eq!(fallback(QuantType::Q4K, 32), Some(QuantType::Q5_0));
         assert_eq!(fallback(QuantType::Q6K, 96), Some(QuantType::Q8_0));
         assert_eq!(fallback(QuantType::Q8_0, 48), None);
-    }
-
-    #[test]
-    fn names_round_trip_with_the_reader() {
-        for key in ["model.language_model.layers.2.mlp.down_proj.weight", "model.language_model.norm.weight"] {
-            let (name, _) = text_name(key).unwrap();
-            assert_eq!(super::super::gguf::text_key(&name).unwrap(), key);
-        }
-        let deep = [0, 2, 3];
-        for key in ["blocks.1.attn.qkv.bias", "deepstack_merger_list.2.linear_fc1.weight", "merger.norm.weight"] {
-            let name = vision_name(key, &deep).unwrap();
-            assert_eq!(super::super::gguf::vision_key(&name, &deep).unwrap(), key);
-        }
     }
 }

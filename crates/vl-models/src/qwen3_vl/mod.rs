@@ -5,6 +5,7 @@ pub mod config;
 pub mod generate;
 pub mod generation_config;
 pub mod gguf;
+mod gguf_names;
 pub mod gguf_write;
 pub mod inspect;
 pub mod model;

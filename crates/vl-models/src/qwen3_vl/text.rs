@@ -243,7 +243,6 @@ impl TextModel {
 
     /// `load_with`, taking the weights in `plan.pre` as they are stored.
     pub fn load_plan(cfg: &TextConfig, tie_word_embeddings: bool, vb: VarBuilder, plan: LoadPlan) -> Result<Self> {
-        let quant = plan;
         let tvb = vb.pp("model.language_model");
         let evb = tvb.pp("embed_tokens");
         let embed = match plan.stored(&evb, "weight") {
@@ -259,10 +258,10 @@ impl TextModel {
         let lm_head = if tie_word_embeddings {
             embed.as_linear()?
         } else {
-            linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"), quant)?
+            linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"), plan)?
         };
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| DecoderLayer::load(cfg, tvb.pp(format!("layers.{i}")), quant))
+            .map(|i| DecoderLayer::load(cfg, tvb.pp(format!("layers.{i}")), plan))
             .collect::<Result<_>>()?;
         let s = &cfg.mrope_section;
         let model = Self {

@@ -71,3 +71,31 @@ pub fn prompt(case: &str) -> Prompt {
     });
     Prompt { input_ids: ids, images, videos: None }
 }
+
+/// A golden prompt's messages (prompts/<case>.json) as the chat template takes them.
+#[allow(dead_code)]
+pub fn golden_messages(meta: &serde_json::Value) -> Vec<vl_models::qwen3_vl::Message> {
+    use vl_models::qwen3_vl::{Content, Message, TemplateToolCall};
+    meta["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let content = m["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| match c["type"].as_str().unwrap() {
+                    "image" => Content::Image { image: c["image"].as_str().unwrap().into() },
+                    _ => Content::Text { text: c["text"].as_str().unwrap().into() },
+                })
+                .collect();
+            let mut msg = Message::new(m["role"].as_str().unwrap(), content);
+            for c in m["tool_calls"].as_array().into_iter().flatten() {
+                let f = &c["function"];
+                msg.tool_calls.push(TemplateToolCall::function(f["name"].as_str().unwrap(), f["arguments"].clone()));
+            }
+            msg
+        })
+        .collect()
+}
