@@ -1,7 +1,9 @@
 //! Bidirectional rotary attention over packed segments (one segment per image or video frame):
 //! fused qkv projection, rotary on q and k, attention confined to each segment, output
-//! projection. Memory is bounded: queries are processed in blocks, so the score matrix resident
-//! at once is `heads x query_block x segment_len`, never `heads x segment_len^2`.
+//! projection. On CPU in f32 the core is `kernels::segment_attention` (query and key tiles,
+//! online softmax: the live scores are one tile per thread). Elsewhere queries are processed in
+//! blocks, so the score matrix resident at once is `heads x query_block x segment_len`, never
+//! `heads x segment_len^2`.
 
 use candle_core::{DType, Module, Tensor};
 use candle_nn::Linear;
@@ -19,12 +21,13 @@ pub struct SegmentRotaryAttention {
     num_heads: usize,
     head_dim: usize,
     query_block: usize,
+    key_block: usize,
 }
 
 impl SegmentRotaryAttention {
     /// `qkv` maps hidden -> 3 * hidden (q | k | v, heads contiguous within each); `proj` maps back.
     pub fn new(qkv: Linear, proj: Linear, num_heads: usize, head_dim: usize) -> Self {
-        Self { qkv, proj, num_heads, head_dim, query_block: DEFAULT_QUERY_BLOCK }
+        Self { qkv, proj, num_heads, head_dim, query_block: DEFAULT_QUERY_BLOCK, key_block: crate::kernels::KEY_TILE }
     }
 
     /// The same layer with its weights in `dtype` (stored weights upcast for a forward).
@@ -36,9 +39,16 @@ impl SegmentRotaryAttention {
         })
     }
 
-    /// Rows of queries processed at once (the memory/speed trade-off), at least 1.
+    /// Rows of queries processed at once (the memory/speed trade-off), at least 1; the fused CPU
+    /// kernel uses at most `kernels::QUERY_TILE` of them per tile.
     pub fn with_query_block(mut self, rows: usize) -> Self {
         self.query_block = rows.max(1);
+        self
+    }
+
+    /// Rows of keys per tile of the fused CPU kernel (at least 1; default `kernels::KEY_TILE`).
+    pub fn with_key_block(mut self, rows: usize) -> Self {
+        self.key_block = rows.max(1);
         self
     }
 
@@ -56,8 +66,12 @@ impl SegmentRotaryAttention {
             });
         }
         let (h, d) = (self.num_heads, self.head_dim);
+        let qkv = self.qkv.forward(x)?;
+        if let Some(out) = self.fused(&qkv, cos, sin, cu_seqlens)? {
+            return Ok(self.proj.forward(&out)?);
+        }
         // [seq, 3, heads, d] -> [3, heads, seq, d]
-        let qkv = self.qkv.forward(x)?.reshape((seq, 3, h, d))?.permute((1, 2, 0, 3))?;
+        let qkv = qkv.reshape((seq, 3, h, d))?.permute((1, 2, 0, 3))?;
         let q = qkv.get(0)?.unsqueeze(0)?.contiguous()?;
         let k = qkv.get(1)?.unsqueeze(0)?.contiguous()?;
         let v = qkv.get(2)?.contiguous()?;
@@ -90,6 +104,52 @@ impl SegmentRotaryAttention {
         }
         let out = Tensor::cat(&outs, 1)?.transpose(0, 1)?.reshape((seq, hidden))?;
         Ok(self.proj.forward(&out)?)
+    }
+}
+
+impl SegmentRotaryAttention {
+    /// The CPU f32 path: `kernels::segment_attention` on the projection's output, read in place.
+    /// None elsewhere (other devices and dtypes take the blocked tensor path).
+    fn fused(&self, qkv: &Tensor, cos: &Tensor, sin: &Tensor, cu: &[usize]) -> Result<Option<Tensor>> {
+        if !qkv.device().is_cpu() || qkv.dtype() != DType::F32 {
+            return Ok(None);
+        }
+        let (seq, cols) = qkv.dims2()?;
+        let (h, d) = (self.num_heads, self.head_dim);
+        let half = d / 2;
+        if cols != 3 * h * d || d % 2 != 0 || cos.dims() != [seq, half] || sin.dims() != [seq, half] {
+            return Err(Error::Shape {
+                layer: "SegmentRotaryAttention",
+                message: format!(
+                    "qkv {:?}, cos {:?}, sin {:?} for {h} heads of {d}",
+                    qkv.dims(),
+                    cos.dims(),
+                    sin.dims()
+                ),
+            });
+        }
+        let qkv = qkv.contiguous()?;
+        let cos = cos.to_dtype(DType::F32)?.contiguous()?;
+        let sin = sin.to_dtype(DType::F32)?.contiguous()?;
+        let (qs, ql) = qkv.storage_and_layout();
+        let (cs, cl) = cos.storage_and_layout();
+        let (ss, sl) = sin.storage_and_layout();
+        let (Some(qs), Some(cs), Some(ss)) = (as_f32(&qs), as_f32(&cs), as_f32(&ss)) else {
+            return Ok(None);
+        };
+        let qkv_rows = &qs[ql.start_offset()..ql.start_offset() + seq * cols];
+        let cos_rows = &cs[cl.start_offset()..cl.start_offset() + seq * half];
+        let sin_rows = &ss[sl.start_offset()..sl.start_offset() + seq * half];
+        let shape = crate::kernels::SegmentAttentionShape {
+            seq,
+            heads: h,
+            head_dim: d,
+            query_tile: self.query_block.min(crate::kernels::QUERY_TILE),
+            key_tile: self.key_block,
+        };
+        let mut out = vec![0f32; seq * h * d];
+        crate::kernels::segment_attention(qkv_rows, cos_rows, sin_rows, cu, shape, &mut out);
+        Ok(Some(Tensor::from_vec(out, (seq, h * d), qkv.device())?))
     }
 }
 

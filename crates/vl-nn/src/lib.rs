@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod error;
 pub mod grid;
+pub mod kernels;
 pub mod kv_cache;
 pub mod linear;
 pub mod merger;

@@ -78,7 +78,8 @@ impl VisionBlock {
 
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cu: &[usize]) -> Result<Tensor> {
         let x = (x + self.attn.forward(&self.norm1.forward(x)?, cos, sin, cu)?)?;
-        let mlp = self.fc2.forward(&self.fc1.forward(&self.norm2.forward(&x)?)?.gelu()?)?;
+        let h = vl_nn::kernels::gelu_tanh_tensor(self.fc1.forward(&self.norm2.forward(&x)?)?)?;
+        let mlp = self.fc2.forward(&h)?;
         Ok((x + mlp)?)
     }
 }

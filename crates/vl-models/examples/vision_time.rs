@@ -1,0 +1,74 @@
+//! Times the vision tower of a checkpoint on the path `vl run` takes (weights read from the
+//! checkpoint's safetensors, kept in their float type and computed in f32), on square images of
+//! the given sizes, and prints one JSON line per run with the per-block breakdown. Used by
+//! `tools/bench/vision-side-by-side` (ours vs transformers/torch in one run):
+//!   cargo run --release -p vl-models --example vision_time -- target/bench-2b 448 1024
+//! Env: VL_VISION_RUNS (runs per size, default 2; the fastest is reported).
+
+use std::path::Path;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use vl_models::qwen3_vl::plan::VISION_PREFIX;
+use vl_models::qwen3_vl::{ModelDir, VisionTower};
+
+fn main() -> vl_models::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() < 3 {
+        eprintln!("usage: vision_time CHECKPOINT_DIR SIZE [SIZE...]");
+        std::process::exit(2);
+    }
+    let dev = Device::Cpu;
+    let ModelDir { config, weights, .. } = ModelDir::open(Path::new(&args[1]))?;
+    let stored = weights.vision_float_dtype();
+    let tower = VisionTower::load_stored(
+        &config.vision,
+        weights.var_builder(stored, &dev, None).pp(VISION_PREFIX),
+        DType::F32,
+    )?;
+    drop(weights);
+    let runs: usize = std::env::var("VL_VISION_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(2).max(1);
+    let cfg = tower.config().clone();
+    for size in &args[2..] {
+        let size: usize = size.parse().expect("SIZE is a pixel count per side");
+        let side = size / cfg.patch_size;
+        let side = side - side % cfg.spatial_merge_size;
+        let rows = side * side;
+        // A fixed, smooth pattern in the normalized pixel range (content does not change the work).
+        let cols = cfg.patch_row_len();
+        let data: Vec<f32> = (0..rows * cols).map(|i| ((i % 9973) as f32 * 0.0007).sin()).collect();
+        let pixels = Tensor::from_vec(data, (rows, cols), &dev)?;
+        let grids = [[1, side, side]];
+        let mut best: Option<(f64, f64, f64, Vec<f64>)> = None;
+        for _ in 0..runs {
+            let t0 = Instant::now();
+            let mut last = t0;
+            let mut blocks = Vec::new();
+            let (mut stem, mut mergers) = (0.0, 0.0);
+            tower.forward_traced(&pixels, &grids, &mut |name, _| {
+                let now = Instant::now();
+                let dt = (now - last).as_secs_f64();
+                if name.starts_with("block.") {
+                    blocks.push(dt);
+                } else if name == "pos_embed" || name == "patch_embed" {
+                    stem += dt;
+                } else {
+                    mergers += dt;
+                }
+                last = now;
+            })?;
+            let total = t0.elapsed().as_secs_f64();
+            if best.as_ref().is_none_or(|(t, ..)| total < *t) {
+                best = Some((total, stem, mergers, blocks));
+            }
+        }
+        let (total, stem, mergers, blocks) = best.unwrap();
+        let line = serde_json::json!({
+            "impl": "vl", "size": size, "patches": rows, "seconds": total, "stem_s": stem, "mergers_s": mergers,
+            "block_mean_s": blocks.iter().sum::<f64>() / blocks.len() as f64,
+            "blocks_s": blocks,
+        });
+        println!("{line}");
+    }
+    Ok(())
+}

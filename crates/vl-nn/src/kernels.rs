@@ -1,0 +1,458 @@
+//! CPU f32 kernels that candle runs scalar or unfused: a vectorized `exp`, the tanh-approximated
+//! GELU in place, and flash-style segment attention (rotary applied once, query/key tiles, online
+//! softmax, no score matrix beyond one tile).
+//!
+//! One portable binary: the loops are written plainly so that LLVM vectorizes them, and each is
+//! compiled once per instruction set by `multiversion` and picked at run time (AVX-512 where
+//! present, AVX2+FMA, NEON on aarch64, the baseline otherwise), so the default build needs no
+//! `-C target-cpu`. The tile products go to the `gemm` crate (what
+//! candle's own matmul calls), single-threaded per tile; tiles run on candle's worker pool.
+
+use candle_core::{DType, Tensor};
+use multiversion::multiversion;
+
+/// `e^x` to about 2 ulp for |x| <= 87 (clamped outside: `exp(-inf)` is ~1e-38, not 0, and large
+/// inputs saturate at ~2^127). Cephes' `expf`: x = n ln2 + r, |r| <= ln2 / 2, degree-7
+/// polynomial for e^r, 2^n from the exponent bits. Branch-free, so loops of it vectorize.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 * 2^23: adding it rounds to the nearest integer and leaves that integer in the low bits.
+    const MAGIC: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 88.0);
+    let t = x.mul_add(LOG2E, MAGIC);
+    let n = t - MAGIC;
+    let r = n.mul_add(-LN2_HI, x);
+    let r = n.mul_add(-LN2_LO, r);
+    let mut p = 1.987_569_1e-4_f32;
+    p = p.mul_add(r, 1.398_199_9e-3);
+    p = p.mul_add(r, 8.333_452e-3);
+    p = p.mul_add(r, 4.166_579_6e-2);
+    p = p.mul_add(r, 1.666_666_5e-1);
+    p = p.mul_add(r, 5.000_000_1e-1);
+    let y = (p * r).mul_add(r, r) + 1.0;
+    // n in [-126, 127]: its biased exponent, shifted into place.
+    let bits = (t.to_bits().wrapping_sub(MAGIC.to_bits()) as i32 + 127) as u32;
+    y * f32::from_bits(bits << 23)
+}
+
+/// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`, written as `x / (1 + e^(-2u))` (the same
+/// function; no cancellation for negative x).
+#[inline(always)]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let u = SQRT_2_OVER_PI * (0.044_715 * x * x).mul_add(x, x);
+    x / (1.0 + exp(-2.0 * u))
+}
+
+/// Applies `gelu_tanh` to every value, in place, on candle's worker pool.
+pub fn gelu_tanh_inplace(values: &mut [f32]) {
+    const CHUNK: usize = 1 << 14;
+    let n = values.len();
+    let ptr = SendPtr(values.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(CHUNK), |range| {
+        let (start, end) = (range.start * CHUNK, (range.end * CHUNK).min(n));
+        // SAFETY: work items are disjoint ranges of `values`, alive for the whole call.
+        gelu_slice(unsafe { std::slice::from_raw_parts_mut(ptr.get().add(start), end - start) });
+    });
+}
+
+#[multiversion(targets = "simd")]
+fn gelu_slice(part: &mut [f32]) {
+    for v in part.iter_mut() {
+        *v = gelu_tanh(*v);
+    }
+}
+
+/// The tanh-approximated GELU of a tensor (`gelu_pytorch_tanh`). A CPU f32 tensor that is the
+/// only view of its storage (a layer's fresh output) is updated in place by the vectorized
+/// kernel; anything else takes candle's `gelu`.
+pub fn gelu_tanh_tensor(x: Tensor) -> candle_core::Result<Tensor> {
+    if x.device().is_cpu() && x.dtype() == DType::F32 && x.is_contiguous() {
+        x.inplace_op1(&GeluTanhInPlace)?;
+        Ok(x)
+    } else {
+        x.gelu()
+    }
+}
+
+struct GeluTanhInPlace;
+
+impl candle_core::InplaceOp1 for GeluTanhInPlace {
+    fn name(&self) -> &'static str {
+        "gelu-tanh-inplace"
+    }
+
+    fn cpu_fwd(&self, storage: &mut candle_core::CpuStorage, layout: &candle_core::Layout) -> candle_core::Result<()> {
+        let candle_core::CpuStorage::F32(values) = storage else {
+            candle_core::bail!("gelu-tanh-inplace: f32 only");
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("gelu-tanh-inplace: contiguous tensors only");
+        };
+        gelu_tanh_inplace(&mut values[start..end]);
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr(pub(crate) *mut f32);
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+impl SendPtr {
+    pub(crate) fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// The shape of one fused segment-attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct SegmentAttentionShape {
+    pub seq: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    /// Query rows per tile (the tile's scores are `query_tile x key_tile` floats).
+    pub query_tile: usize,
+    /// Key rows per tile.
+    pub key_tile: usize,
+}
+
+/// Default tile sizes: a 128 x 256 f32 score tile is 128 KiB, the query, key and value tiles
+/// 32 + 64 + 64 KiB: all in a core's L2.
+pub const QUERY_TILE: usize = 128;
+pub const KEY_TILE: usize = 256;
+
+/// Bidirectional attention within segments, from the fused projection's output.
+///
+/// `qkv`: [seq, 3, heads, head_dim] row-major (q | k | v); `cos`, `sin`: [seq, head_dim / 2]
+/// (rotate-half rotary on q and k); `cu`: segment boundaries `[0, ..., seq]`. Writes
+/// softmax(q k^T / sqrt(d)) v into `out`: [seq, heads * head_dim], heads side by side (what the
+/// output projection reads). The caller checks the lengths.
+pub fn segment_attention(
+    qkv: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    cu: &[usize],
+    shape: SegmentAttentionShape,
+    out: &mut [f32],
+) {
+    let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
+    let hidden = heads * d;
+    assert!(qkv.len() >= seq * 3 * hidden && out.len() >= seq * hidden && d % 2 == 0);
+    assert!(cos.len() >= seq * d / 2 && sin.len() >= seq * d / 2);
+    // Rotary q (scaled by 1/sqrt(d)) and k, head-major [heads, seq, d]: each key tile is read by
+    // every query tile of its segment, so the rotation is paid once.
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut q = vec![0f32; heads * seq * d];
+    let mut k = vec![0f32; heads * seq * d];
+    rotate(qkv, cos, sin, shape, scale, &mut q, &mut k);
+
+    // Work items: (tile, head), longest segments first so the pool's tail stays short.
+    let mut tiles: Vec<(usize, usize, usize, usize)> = Vec::new();
+    for w in cu.windows(2) {
+        let (s0, s1) = (w[0], w[1]);
+        let mut q0 = s0;
+        while q0 < s1 {
+            let rows = shape.query_tile.max(1).min(s1 - q0);
+            tiles.push((s0, s1, q0, rows));
+            q0 += rows;
+        }
+    }
+    tiles.sort_by_key(|&(s0, s1, _, _)| std::cmp::Reverse(s1 - s0));
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    let (q, k) = (&q[..], &k[..]);
+    candle_core::utils::barrier_pool().execute_chunked(tiles.len() * heads, |range| {
+        let mut scratch = Scratch::new(shape);
+        for item in range {
+            let (s0, s1, q0, rows) = tiles[item / heads];
+            let h = item % heads;
+            let tile = Tile { q, k, v: qkv, h, s0, s1, q0, rows };
+            // SAFETY: each (tile, head) item writes its own rows x d block of `out`.
+            unsafe { attend_tile(&tile, shape, &mut scratch, out_ptr) };
+        }
+    });
+}
+
+fn rotate(
+    qkv: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    shape: SegmentAttentionShape,
+    scale: f32,
+    q: &mut [f32],
+    k: &mut [f32],
+) {
+    let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
+    let (hidden, half) = (heads * d, d / 2);
+    let (qp, kp) = (SendPtr(q.as_mut_ptr()), SendPtr(k.as_mut_ptr()));
+    candle_core::utils::barrier_pool().execute_chunked(seq, |range| {
+        for s in range {
+            let (c, sn) = (&cos[s * half..(s + 1) * half], &sin[s * half..(s + 1) * half]);
+            for h in 0..heads {
+                for (which, dst, factor) in [(0, qp, scale), (1, kp, 1.0)] {
+                    let x = &qkv[s * 3 * hidden + which * hidden + h * d..][..d];
+                    // SAFETY: row (h, s) of the head-major buffer is written by this item only.
+                    let y = unsafe { std::slice::from_raw_parts_mut(dst.get().add((h * seq + s) * d), d) };
+                    rotate_half(x, c, sn, factor, y);
+                }
+            }
+        }
+    });
+}
+
+/// `y = (x * cos + rotate_half(x) * sin) * factor` for one head row.
+#[multiversion(targets = "simd")]
+fn rotate_half(x: &[f32], c: &[f32], sn: &[f32], factor: f32, y: &mut [f32]) {
+    let half = x.len() / 2;
+    let (x1, x2) = x.split_at(half);
+    let (y1, y2) = y.split_at_mut(half);
+    for i in 0..half {
+        y1[i] = (x1[i] * c[i] - x2[i] * sn[i]) * factor;
+        y2[i] = (x2[i] * c[i] + x1[i] * sn[i]) * factor;
+    }
+}
+
+/// Per-thread buffers: one score tile, the output accumulator, the running max and sum.
+struct Scratch {
+    s: Vec<f32>,
+    o: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(shape: SegmentAttentionShape) -> Self {
+        let (qt, kt) = (shape.query_tile.max(1), shape.key_tile.max(1));
+        Self { s: vec![0.0; qt * kt], o: vec![0.0; qt * shape.head_dim], max: vec![0.0; qt], sum: vec![0.0; qt] }
+    }
+}
+
+struct Tile<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    h: usize,
+    s0: usize,
+    s1: usize,
+    q0: usize,
+    rows: usize,
+}
+
+/// One head's attention for query rows `q0..q0+rows` over keys `s0..s1`, key tile by key tile
+/// with the running max and sum (online softmax), then normalized into `out`.
+unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scratch, out: SendPtr) {
+    let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
+    let hidden = heads * d;
+    let m = t.rows;
+    let qrows = &t.q[(t.h * seq + t.q0) * d..][..m * d];
+    sc.o[..m * d].fill(0.0);
+    sc.max[..m].fill(f32::NEG_INFINITY);
+    sc.sum[..m].fill(0.0);
+    let mut kt = t.s0;
+    while kt < t.s1 {
+        let n = shape.key_tile.max(1).min(t.s1 - kt);
+        let krows = &t.k[(t.h * seq + kt) * d..][..n * d];
+        // S = Q K^T: [m, d] x [d, n] (K^T read through strides).
+        gemm::gemm(
+            m,
+            n,
+            d,
+            sc.s.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            qrows.as_ptr(),
+            1,
+            d as isize,
+            krows.as_ptr(),
+            d as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+        online_softmax(&mut sc.s[..m * n], n, &mut sc.max[..m], &mut sc.sum[..m], &mut sc.o[..m * d], d);
+        // O += P V: [m, n] x [n, d], value rows read in place from the projection output.
+        let vrows = t.v.as_ptr().add(kt * 3 * hidden + 2 * hidden + t.h * d);
+        gemm::gemm(
+            m,
+            d,
+            n,
+            sc.o.as_mut_ptr(),
+            1,
+            d as isize,
+            true,
+            sc.s.as_ptr(),
+            1,
+            n as isize,
+            vrows,
+            1,
+            (3 * hidden) as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+        kt += n;
+    }
+    for i in 0..m {
+        let inv = 1.0 / sc.sum[i];
+        // SAFETY (caller): this item owns rows q0..q0+m, columns h*d..h*d+d of `out`.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add((t.q0 + i) * hidden + t.h * d), d) };
+        for (y, x) in dst.iter_mut().zip(&sc.o[i * d..(i + 1) * d]) {
+            *y = x * inv;
+        }
+    }
+}
+
+/// For each row of the score tile `s` ([m, n]): raise the running max, turn the scores into
+/// `exp(s - max)` in place, rescale the row's sum and output accumulator by `exp(old - new)`.
+#[multiversion(targets = "simd")]
+fn online_softmax(s: &mut [f32], n: usize, max: &mut [f32], sum: &mut [f32], o: &mut [f32], d: usize) {
+    {
+        {
+            for (i, row) in s.chunks_exact_mut(n).enumerate() {
+                let mut lanes = [f32::NEG_INFINITY; 16];
+                let (body, tail) = row.as_chunks::<16>();
+                for c in body {
+                    for j in 0..16 {
+                        lanes[j] = if c[j] > lanes[j] { c[j] } else { lanes[j] };
+                    }
+                }
+                let mut mx = max[i];
+                for &x in lanes.iter().chain(tail) {
+                    mx = if x > mx { x } else { mx };
+                }
+                let mut acc = [0f32; 16];
+                let (body, tail) = row.as_chunks_mut::<16>();
+                for c in body {
+                    for j in 0..16 {
+                        c[j] = exp(c[j] - mx);
+                        acc[j] += c[j];
+                    }
+                }
+                let mut total = 0.0;
+                for x in tail.iter_mut() {
+                    *x = exp(*x - mx);
+                    total += *x;
+                }
+                total += acc.iter().sum::<f32>();
+                if max[i] == f32::NEG_INFINITY {
+                    sum[i] = total;
+                } else {
+                    let r = exp(max[i] - mx);
+                    sum[i] = sum[i] * r + total;
+                    for y in &mut o[i * d..(i + 1) * d] {
+                        *y *= r;
+                    }
+                }
+                max[i] = mx;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_matches_std_to_a_few_ulp() {
+        let mut worst = 0f32;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let (a, b) = (exp(x), x.exp());
+            worst = worst.max(((a - b) / b).abs());
+            x += 0.001_37;
+        }
+        assert!(worst < 3e-7, "worst relative error {worst}");
+        assert_eq!(exp(0.0), 1.0);
+        assert!(exp(f32::NEG_INFINITY) < 1e-37 && exp(f32::INFINITY).is_finite());
+    }
+
+    #[test]
+    fn gelu_matches_the_tanh_formula() {
+        let mut v: Vec<f32> = (0..100_000).map(|i| (i as f32 - 50_000.0) * 2e-4).collect();
+        let want: Vec<f32> = v
+            .iter()
+            .map(|&x| {
+                let x = x as f64;
+                (0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())) as f32
+            })
+            .collect();
+        gelu_tanh_inplace(&mut v);
+        for (a, b) in v.iter().zip(&want) {
+            assert!((a - b).abs() <= 2e-7 * b.abs().max(1.0), "{a} vs {b}");
+        }
+    }
+
+    /// Plain f64 attention, straight from the definition, for one head of one segment.
+    fn naive(qkv: &[f32], cos: &[f32], sin: &[f32], cu: &[usize], heads: usize, d: usize) -> Vec<f64> {
+        let (hidden, half) = (heads * d, d / 2);
+        let seq = *cu.last().unwrap();
+        let rot = |s: usize, col: usize| -> Vec<f64> {
+            let x = &qkv[s * 3 * hidden + col..][..d];
+            (0..d)
+                .map(|i| {
+                    let (c, sn) = (cos[s * half + i % half] as f64, sin[s * half + i % half] as f64);
+                    let rh = if i < half { -(x[i + half] as f64) } else { x[i - half] as f64 };
+                    x[i] as f64 * c + rh * sn
+                })
+                .collect()
+        };
+        let mut out = vec![0f64; seq * hidden];
+        for w in cu.windows(2) {
+            for h in 0..heads {
+                for i in w[0]..w[1] {
+                    let q = rot(i, h * d);
+                    let scores: Vec<f64> = (w[0]..w[1])
+                        .map(|j| {
+                            q.iter().zip(rot(j, hidden + h * d)).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt()
+                        })
+                        .collect();
+                    let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for (j, p) in (w[0]..w[1]).zip(&e) {
+                        for c in 0..d {
+                            out[i * hidden + h * d + c] += p / z * qkv[j * 3 * hidden + 2 * hidden + h * d + c] as f64;
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn segment_attention_matches_the_definition_across_tiles_and_segments() {
+        let (heads, d) = (3, 16);
+        // Segments shorter than, equal to and longer than the tiles, with ragged last tiles.
+        let cu = [0usize, 1, 6, 70, 203, 203, 260];
+        let seq = *cu.last().unwrap();
+        let qkv = crate::testing::randn(7, 1.5, (seq, 3 * heads * d))
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let ang = crate::testing::randn(8, 3.0, (seq, d / 2)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (cos, sin): (Vec<f32>, Vec<f32>) = ang.iter().map(|a| (a.cos(), a.sin())).unzip();
+        let want = naive(&qkv, &cos, &sin, &cu, heads, d);
+        for (query_tile, key_tile) in [(QUERY_TILE, KEY_TILE), (7, 13), (1, 1), (64, 5)] {
+            let shape = SegmentAttentionShape { seq, heads, head_dim: d, query_tile, key_tile };
+            let mut out = vec![f32::NAN; seq * heads * d];
+            segment_attention(&qkv, &cos, &sin, &cu, shape, &mut out);
+            assert!(out.iter().all(|v| v.is_finite()), "tiles {query_tile}x{key_tile}: a row was not written");
+            let worst = out.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
+            assert!(worst < 2e-5, "tiles {query_tile}x{key_tile}: worst {worst:e}");
+        }
+    }
+}
