@@ -19,6 +19,7 @@ fn main() -> vl_models::Result<()> {
         std::process::exit(2);
     }
     let dev = Device::Cpu;
+    let load = Instant::now();
     let ModelDir { config, weights, .. } = ModelDir::open(Path::new(&args[1]))?;
     let stored = weights.vision_float_dtype();
     let tower = VisionTower::load_stored(
@@ -27,6 +28,7 @@ fn main() -> vl_models::Result<()> {
         DType::F32,
     )?;
     drop(weights);
+    let load_s = load.elapsed().as_secs_f64();
     let runs: usize = std::env::var("VL_VISION_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(2).max(1);
     let cfg = tower.config().clone();
     for size in &args[2..] {
@@ -64,7 +66,7 @@ fn main() -> vl_models::Result<()> {
         }
         let (total, stem, mergers, blocks) = best.unwrap();
         let line = serde_json::json!({
-            "impl": "vl", "size": size, "patches": rows, "seconds": total, "stem_s": stem, "mergers_s": mergers,
+            "impl": "vl", "size": size, "patches": rows, "seconds": total, "load_s": load_s, "stem_s": stem, "mergers_s": mergers,
             "block_mean_s": blocks.iter().sum::<f64>() / blocks.len() as f64,
             "blocks_s": blocks,
         });

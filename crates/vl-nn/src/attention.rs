@@ -5,8 +5,10 @@
 //! blocks, so the score matrix resident at once is `heads x query_block x segment_len`, never
 //! `heads x segment_len^2`.
 
-use candle_core::{DType, Module, Tensor};
+use candle_core::{DType, Tensor};
 use candle_nn::Linear;
+
+use crate::linear::Dense;
 
 use crate::{Error, Result};
 
@@ -16,8 +18,8 @@ pub const DEFAULT_QUERY_BLOCK: usize = 256;
 
 #[derive(Debug, Clone)]
 pub struct SegmentRotaryAttention {
-    qkv: Linear,
-    proj: Linear,
+    qkv: Dense,
+    proj: Dense,
     num_heads: usize,
     head_dim: usize,
     query_block: usize,
@@ -26,17 +28,20 @@ pub struct SegmentRotaryAttention {
 
 impl SegmentRotaryAttention {
     /// `qkv` maps hidden -> 3 * hidden (q | k | v, heads contiguous within each); `proj` maps back.
-    pub fn new(qkv: Linear, proj: Linear, num_heads: usize, head_dim: usize) -> Self {
-        Self { qkv, proj, num_heads, head_dim, query_block: DEFAULT_QUERY_BLOCK, key_block: crate::kernels::KEY_TILE }
+    pub fn new(qkv: &Linear, proj: &Linear, num_heads: usize, head_dim: usize) -> Result<Self> {
+        Ok(Self {
+            qkv: Dense::from_linear(qkv)?,
+            proj: Dense::from_linear(proj)?,
+            num_heads,
+            head_dim,
+            query_block: DEFAULT_QUERY_BLOCK,
+            key_block: crate::kernels::KEY_TILE,
+        })
     }
 
     /// The same layer with its weights in `dtype` (stored weights upcast for a forward).
     pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
-        Ok(Self {
-            qkv: crate::linear::cast_linear(&self.qkv, dtype)?,
-            proj: crate::linear::cast_linear(&self.proj, dtype)?,
-            ..self.clone()
-        })
+        Ok(Self { qkv: self.qkv.to_dtype(dtype)?, proj: self.proj.to_dtype(dtype)?, ..self.clone() })
     }
 
     /// Rows of queries processed at once (the memory/speed trade-off), at least 1; the fused CPU
@@ -68,7 +73,7 @@ impl SegmentRotaryAttention {
         let (h, d) = (self.num_heads, self.head_dim);
         let qkv = self.qkv.forward(x)?;
         if let Some(out) = self.fused(&qkv, cos, sin, cu_seqlens)? {
-            return Ok(self.proj.forward(&out)?);
+            return self.proj.forward(&out);
         }
         // [seq, 3, heads, d] -> [3, heads, seq, d]
         let qkv = qkv.reshape((seq, 3, h, d))?.permute((1, 2, 0, 3))?;
@@ -103,7 +108,7 @@ impl SegmentRotaryAttention {
             }
         }
         let out = Tensor::cat(&outs, 1)?.transpose(0, 1)?.reshape((seq, hidden))?;
-        Ok(self.proj.forward(&out)?)
+        self.proj.forward(&out)
     }
 }
 
@@ -381,7 +386,7 @@ mod tests {
     fn attn(hidden: usize, heads: usize) -> SegmentRotaryAttention {
         let eye = Tensor::eye(hidden, DType::F32, &Device::Cpu).unwrap();
         let w = Tensor::cat(&[&eye, &eye, &eye], 0).unwrap();
-        SegmentRotaryAttention::new(Linear::new(w, None), identity_linear(hidden), heads, hidden / heads)
+        SegmentRotaryAttention::new(&Linear::new(w, None), &identity_linear(hidden), heads, hidden / heads).unwrap()
     }
 
     #[test]
@@ -411,8 +416,13 @@ mod tests {
         let (hidden, heads, seq) = (8, 2, 37);
         let x = crate::testing::randn(201, 1., (seq, hidden)).unwrap();
         let wq = crate::testing::randn(202, 0.5, (3 * hidden, hidden)).unwrap();
-        let a =
-            SegmentRotaryAttention::new(Linear::new(wq.clone(), None), identity_linear(hidden), heads, hidden / heads);
+        let a = SegmentRotaryAttention::new(
+            &Linear::new(wq.clone(), None),
+            &identity_linear(hidden),
+            heads,
+            hidden / heads,
+        )
+        .unwrap();
         let ang = crate::testing::randn(203, 1., (seq, 2)).unwrap();
         let (cos, sin) = (ang.cos().unwrap(), ang.sin().unwrap());
         let cu = [0, 20, 37];

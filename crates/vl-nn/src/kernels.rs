@@ -97,6 +97,66 @@ impl candle_core::InplaceOp1 for GeluTanhInPlace {
     }
 }
 
+/// `t` ([rows, cols], any float dtype) transposed into a new contiguous [cols, rows] tensor of
+/// the same dtype: 64 x 64 tiles on candle's worker pool (candle's strided copy walks the source
+/// element by element). CPU tensors only; others take candle's `t().contiguous()`.
+pub fn transpose(t: &Tensor) -> candle_core::Result<Tensor> {
+    if !t.device().is_cpu() || t.rank() != 2 {
+        return t.t()?.contiguous();
+    }
+    let t = t.contiguous()?;
+    let (rows, cols) = t.dims2()?;
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return t.t()?.contiguous();
+    };
+    let o = layout.start_offset();
+    macro_rules! go {
+        ($ty:ty) => {{
+            let src = &cpu.as_slice::<$ty>()?[o..o + rows * cols];
+            Tensor::from_vec(transpose_slice(src, rows, cols), (cols, rows), t.device())
+        }};
+    }
+    match t.dtype() {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        _ => t.t()?.contiguous(),
+    }
+}
+
+fn transpose_slice<T: Copy + Default + Send + Sync>(src: &[T], rows: usize, cols: usize) -> Vec<T> {
+    const TILE: usize = 64;
+    let mut dst = vec![T::default(); rows * cols];
+    let ptr = SendAny(dst.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(cols.div_ceil(TILE), |range| {
+        for tc in range {
+            let (c0, c1) = (tc * TILE, ((tc + 1) * TILE).min(cols));
+            for r0 in (0..rows).step_by(TILE) {
+                let r1 = (r0 + TILE).min(rows);
+                for c in c0..c1 {
+                    // SAFETY: destination rows c0..c1 belong to this work item.
+                    let out = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(c * rows + r0), r1 - r0) };
+                    for (y, r) in out.iter_mut().zip(r0..r1) {
+                        *y = src[r * cols + c];
+                    }
+                }
+            }
+        }
+    });
+    dst
+}
+
+#[derive(Clone, Copy)]
+struct SendAny<T>(*mut T);
+unsafe impl<T> Send for SendAny<T> {}
+unsafe impl<T> Sync for SendAny<T> {}
+impl<T> SendAny<T> {
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
 #[derive(Clone, Copy)]
 pub(crate) struct SendPtr(pub(crate) *mut f32);
 unsafe impl Send for SendPtr {}
@@ -453,6 +513,19 @@ mod tests {
             assert!(out.iter().all(|v| v.is_finite()), "tiles {query_tile}x{key_tile}: a row was not written");
             let worst = out.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
             assert!(worst < 2e-5, "tiles {query_tile}x{key_tile}: worst {worst:e}");
+        }
+    }
+
+    #[test]
+    fn transpose_is_exact() {
+        let t = crate::testing::randn(11, 1.0, (67, 130)).unwrap();
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let x = t.to_dtype(dtype).unwrap();
+            let want = x.t().unwrap().contiguous().unwrap().to_dtype(DType::F32).unwrap();
+            let got = transpose(&x).unwrap();
+            assert_eq!(got.dtype(), dtype);
+            let diff = (got.to_dtype(DType::F32).unwrap() - &want).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0, "{dtype:?}");
         }
     }
 }

@@ -4,13 +4,14 @@
 use candle_core::{Module, Tensor};
 use candle_nn::{LayerNorm, Linear};
 
+use crate::linear::Dense;
 use crate::Result;
 
 #[derive(Debug, Clone)]
 pub struct PatchMerger {
     norm: LayerNorm,
-    fc1: Linear,
-    fc2: Linear,
+    fc1: Dense,
+    fc2: Dense,
     /// Rows concatenated into one merged row (merge_size^2).
     unit: usize,
     /// Normalize the concatenated row (true) or each patch row before concatenation (false).
@@ -18,16 +19,16 @@ pub struct PatchMerger {
 }
 
 impl PatchMerger {
-    pub fn new(norm: LayerNorm, fc1: Linear, fc2: Linear, unit: usize, postshuffle_norm: bool) -> Self {
-        Self { norm, fc1, fc2, unit, postshuffle_norm }
+    pub fn new(norm: LayerNorm, fc1: &Linear, fc2: &Linear, unit: usize, postshuffle_norm: bool) -> Result<Self> {
+        Ok(Self { norm, fc1: Dense::from_linear(fc1)?, fc2: Dense::from_linear(fc2)?, unit, postshuffle_norm })
     }
 
     /// The same merger with its weights in `dtype`.
     pub fn to_dtype(&self, dtype: candle_core::DType) -> crate::Result<Self> {
         Ok(Self {
             norm: crate::linear::cast_layer_norm(&self.norm, dtype)?,
-            fc1: crate::linear::cast_linear(&self.fc1, dtype)?,
-            fc2: crate::linear::cast_linear(&self.fc2, dtype)?,
+            fc1: self.fc1.to_dtype(dtype)?,
+            fc2: self.fc2.to_dtype(dtype)?,
             ..self.clone()
         })
     }
@@ -70,8 +71,8 @@ mod tests {
             )
         };
         let eye4 = Linear::new(Tensor::eye(4, DType::F32, &dev).unwrap(), None);
-        let pre = PatchMerger::new(ln(2), eye4.clone(), eye4.clone(), 2, false);
-        let post = PatchMerger::new(ln(4), eye4.clone(), eye4, 2, true);
+        let pre = PatchMerger::new(ln(2), &eye4, &eye4, 2, false).unwrap();
+        let post = PatchMerger::new(ln(4), &eye4, &eye4, 2, true).unwrap();
         let g = |v: f32| 0.5 * v * (1.0 + erf(v / 2f32.sqrt()));
         // Pre-shuffle: each row normalized to [-1, 1].
         let want_pre = [g(-1.0), g(1.0), g(-1.0), g(1.0)];

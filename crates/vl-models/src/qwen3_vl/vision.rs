@@ -9,6 +9,7 @@
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{LayerNorm, Linear, VarBuilder};
 use vl_nn::grid::{bilinear_taps_block_major, block_major_positions, cumulative};
+use vl_nn::linear::Dense;
 use vl_nn::{PatchMerger, SegmentRotaryAttention, TwoAxisRope};
 
 use super::config::VisionConfig;
@@ -34,7 +35,7 @@ fn merger(cfg: &VisionConfig, postshuffle: bool, vb: VarBuilder) -> Result<Patch
     let norm = layer_norm(if postshuffle { merged } else { cfg.hidden_size }, vb.pp("norm"))?;
     let fc1 = linear(merged, merged, vb.pp("linear_fc1"))?;
     let fc2 = linear(merged, cfg.out_hidden_size, vb.pp("linear_fc2"))?;
-    Ok(PatchMerger::new(norm, fc1, fc2, unit, postshuffle))
+    Ok(PatchMerger::new(norm, &fc1, &fc2, unit, postshuffle)?)
 }
 
 /// `x = x + attn(norm1(x)); x = x + mlp(norm2(x))`, MLP with tanh-approximated GELU.
@@ -43,36 +44,36 @@ struct VisionBlock {
     norm1: LayerNorm,
     norm2: LayerNorm,
     attn: SegmentRotaryAttention,
-    fc1: Linear,
-    fc2: Linear,
+    fc1: Dense,
+    fc2: Dense,
 }
 
 impl VisionBlock {
     fn load(cfg: &VisionConfig, vb: VarBuilder) -> Result<Self> {
         let h = cfg.hidden_size;
         let attn = SegmentRotaryAttention::new(
-            linear(h, 3 * h, vb.pp("attn.qkv"))?,
-            linear(h, h, vb.pp("attn.proj"))?,
+            &linear(h, 3 * h, vb.pp("attn.qkv"))?,
+            &linear(h, h, vb.pp("attn.proj"))?,
             cfg.num_heads,
             cfg.head_dim(),
-        );
+        )?;
         Ok(Self {
             norm1: layer_norm(h, vb.pp("norm1"))?,
             norm2: layer_norm(h, vb.pp("norm2"))?,
             attn,
-            fc1: linear(h, cfg.intermediate_size, vb.pp("mlp.linear_fc1"))?,
-            fc2: linear(cfg.intermediate_size, h, vb.pp("mlp.linear_fc2"))?,
+            fc1: Dense::from_linear(&linear(h, cfg.intermediate_size, vb.pp("mlp.linear_fc1"))?)?,
+            fc2: Dense::from_linear(&linear(cfg.intermediate_size, h, vb.pp("mlp.linear_fc2"))?)?,
         })
     }
 
     fn to_dtype(&self, d: DType) -> Result<Self> {
-        use vl_nn::linear::{cast_layer_norm, cast_linear};
+        use vl_nn::linear::cast_layer_norm;
         Ok(Self {
             norm1: cast_layer_norm(&self.norm1, d)?,
             norm2: cast_layer_norm(&self.norm2, d)?,
             attn: self.attn.to_dtype(d)?,
-            fc1: cast_linear(&self.fc1, d)?,
-            fc2: cast_linear(&self.fc2, d)?,
+            fc1: self.fc1.to_dtype(d)?,
+            fc2: self.fc2.to_dtype(d)?,
         })
     }
 
