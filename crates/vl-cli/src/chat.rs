@@ -78,6 +78,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         quant: quant_of(args.load.quantize, &dir)?,
         min_pixels: args.load.min_pixels,
         max_pixels: args.load.max_pixels,
+        max_image_tokens: args.load.max_image_tokens(),
         image_limits: limits,
         ..Default::default()
     };

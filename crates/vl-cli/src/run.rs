@@ -69,8 +69,12 @@ pub struct LoadArgs {
     #[arg(long)]
     pub min_pixels: Option<usize>,
     /// Upper bound of the per-image pixel budget; fewer pixels, fewer tokens, faster.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "max_image_tokens")]
     pub max_pixels: Option<usize>,
+    /// Visual tokens per image at most (each is 32x32 pixels for Qwen3-VL): larger images are
+    /// scaled down, and stderr says so. `model`: the checkpoint's own budget (16384 tokens).
+    #[arg(long, value_parser = parse_image_tokens, default_value = "1280")]
+    pub max_image_tokens: ImageTokens,
     /// Largest image file read, in bytes (checked before reading).
     #[arg(long, default_value_t = ImageLimits::default().max_file_bytes)]
     pub max_image_bytes: u64,
@@ -82,6 +86,32 @@ pub struct LoadArgs {
 impl LoadArgs {
     pub fn image_limits(&self) -> ImageLimits {
         ImageLimits { max_file_bytes: self.max_image_bytes, max_pixels: self.max_image_pixels }
+    }
+
+    /// The engine's token cap (`None`: the checkpoint's budget).
+    pub fn max_image_tokens(&self) -> Option<usize> {
+        match self.max_image_tokens {
+            ImageTokens::Model => None,
+            ImageTokens::At(n) => Some(n),
+        }
+    }
+}
+
+/// `--max-image-tokens`: a count, or `model` for the checkpoint's budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageTokens {
+    Model,
+    At(usize),
+}
+
+fn parse_image_tokens(s: &str) -> Result<ImageTokens, String> {
+    if s == "model" {
+        return Ok(ImageTokens::Model);
+    }
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1 (or `model`)".into()),
+        Ok(n) => Ok(ImageTokens::At(n)),
+        Err(_) => Err(format!("{s:?} is not a token count or `model`")),
     }
 }
 
@@ -249,19 +279,39 @@ pub fn run(args: RunArgs) -> Result<()> {
     let dir = crate::hub::resolve(&args.load.model)?;
     let logits_out = args.logits_out.as_deref().map(LogitsOut::create).transpose()?;
     // The pixel-budget flags, checked against the preprocessor before anything is loaded.
-    ImageProcessor::new(PreprocessorConfig::from_dir(&dir)?)
-        .with_pixel_budget(args.load.min_pixels, args.load.max_pixels)
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "{}",
-                e.to_string().replace("min_pixels", "--min-pixels").replace("max_pixels", "--max-pixels")
+    let flag_names = |e: vl_models::Error| {
+        anyhow::anyhow!(
+            "{}",
+            e.to_string()
+                .replace("min_pixels", "--min-pixels")
+                .replace("max_pixels", "--max-pixels")
+                .replace("max_image_tokens", "--max-image-tokens")
+        )
+    };
+    let checkpoint_images = if vl_models::qwen3_vl::gguf::is_gguf(&dir) {
+        None
+    } else {
+        Some(ImageProcessor::new(PreprocessorConfig::from_dir(&dir)?))
+    };
+    let budgeted = match &checkpoint_images {
+        Some(p) => {
+            let (lo, hi) = vl_models::engine::image_budget(
+                &p.config,
+                args.load.min_pixels,
+                args.load.max_pixels,
+                args.load.max_image_tokens(),
             )
-        })?;
+            .map_err(flag_names)?;
+            Some(p.clone().with_pixel_budget(lo, hi).map_err(flag_names)?)
+        }
+        None => None,
+    };
     let limits = args.load.image_limits();
 
     // Image files within the byte limit; their headers, the prompt's length and every file of
     // the model directory are checked by the engine before a weight is read.
     let mut parts = Vec::with_capacity(args.images.len() + 1);
+    let mut sizes = Vec::new();
     for p in &args.images {
         let data =
             vl_models::limits::read_bytes(p, limits.max_file_bytes, LimitKind::ImageBytes).map_err(|e| match e {
@@ -270,6 +320,9 @@ pub fn run(args: RunArgs) -> Result<()> {
                 }
                 other => other,
             })?;
+        if let (Some(model), Some(ours)) = (&checkpoint_images, &budgeted) {
+            sizes.push(image_size_report(p, &data, model, ours, &args.load, &limits)?);
+        }
         parts.push(Part::Image { data, name: p.display().to_string(), min_pixels: None, max_pixels: None });
     }
     parts.push(Part::Text(args.prompt.clone()));
@@ -294,6 +347,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         quant,
         min_pixels: args.load.min_pixels,
         max_pixels: args.load.max_pixels,
+        max_image_tokens: args.load.max_image_tokens(),
         image_limits: limits,
         image_cache_bytes: usize::MAX,
         prefix_cache: false,
@@ -347,7 +401,7 @@ pub fn run(args: RunArgs) -> Result<()> {
             if args.images.is_empty() {
                 anyhow::anyhow!("{message}")
             } else {
-                anyhow::anyhow!("{message}; lower --max-pixels")
+                anyhow::anyhow!("{message}; lower --max-image-tokens (or --max-pixels)")
             }
         }
         e @ (vl_models::Error::Input { .. } | vl_models::Error::Limit { .. }) => anyhow::Error::new(e),
@@ -396,6 +450,7 @@ pub fn run(args: RunArgs) -> Result<()> {
             "token_ids": c.token_ids,
             "prompt_tokens": c.prompt_tokens,
             "image_tokens": c.image_tokens,
+            "images": sizes,
             "generated_tokens": c.token_ids.len(),
             "stop_reason": stop,
             "dtype": format!("{dtype:?}").to_lowercase(),
@@ -437,4 +492,44 @@ pub fn run(args: RunArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// How one image is sized: its stored size, the size and token count it is resized to, and
+/// whether the budget in force scaled it below what the checkpoint's own budget would give (said
+/// on stderr too, with the flag that lifts it).
+fn image_size_report(
+    path: &std::path::Path,
+    data: &[u8],
+    model: &ImageProcessor,
+    ours: &ImageProcessor,
+    load: &LoadArgs,
+    limits: &ImageLimits,
+) -> anyhow::Result<serde_json::Value> {
+    let file = vl_models::qwen3_vl::ImageFile::from_bytes(data.to_vec(), path, limits)?;
+    let (w0, h0) = (file.width as usize, file.height as usize);
+    let (h, w) = ours.target_size(h0, w0)?;
+    let (mh, mw) = model.target_size(h0, w0)?;
+    let unit = ours.config.factor() * ours.config.factor();
+    let tokens = h * w / unit;
+    let scaled = h * w < mh * mw;
+    if scaled {
+        let why = match load.max_image_tokens {
+            ImageTokens::At(n) if load.max_pixels.is_none() => format!("--max-image-tokens {n}"),
+            _ => "--max-pixels".to_string(),
+        };
+        note!(
+            "note: image {}: {w0}x{h0} scaled to {w}x{h} ({tokens} visual tokens) by {why}; the checkpoint's budget would give {mw}x{mh} ({} tokens): --max-image-tokens model",
+            path.display(),
+            mh * mw / unit
+        );
+    }
+    Ok(serde_json::json!({
+        "file": path.display().to_string(),
+        "width": w0,
+        "height": h0,
+        "resized_width": w,
+        "resized_height": h,
+        "tokens": tokens,
+        "scaled_below_checkpoint_budget": scaled,
+    }))
 }

@@ -213,6 +213,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         quant: quant_of(args.load.quantize, &dir)?,
         min_pixels: args.load.min_pixels,
         max_pixels: args.load.max_pixels,
+        max_image_tokens: args.load.max_image_tokens(),
         image_limits: args.load.image_limits(),
         image_cache_bytes: args.image_cache_mib << 20,
         prefix_cache: !args.no_prefix_cache,

@@ -239,3 +239,84 @@ fn mlx_checkpoints_run_exact_and_requantized() {
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(v["quantization"], "q8_0");
 }
+
+/// Writes a `w` x `h` RGB PNG (a smooth gradient) to `path`.
+fn write_png(path: &Path, w: u32, h: u32) {
+    let mut enc = png::Encoder::new(std::fs::File::create(path).unwrap(), w, h);
+    enc.set_color(png::ColorType::Rgb);
+    let data: Vec<u8> = (0..h).flat_map(|y| (0..w).flat_map(move |x| [(x % 251) as u8, (y % 241) as u8, 90])).collect();
+    enc.write_header().unwrap().write_image_data(&data).unwrap();
+}
+
+#[test]
+fn the_default_image_budget_caps_tokens_and_says_so() {
+    // tiny-a with the released checkpoints' budget (16.7 M pixels, 16384 tokens of 32x32).
+    let ck = scratch();
+    let pre = ck.path().join("preprocessor_config.json");
+    let mut cfg = read_json(&pre);
+    cfg["size"] = serde_json::json!({"longest_edge": 16777216, "shortest_edge": 65536});
+    std::fs::write(&pre, cfg.to_string()).unwrap();
+    // A context long enough for the checkpoint-budget case (2914 image tokens).
+    let conf = ck.path().join("config.json");
+    let mut c = read_json(&conf);
+    c["text_config"]["max_position_embeddings"] = serde_json::json!(8192);
+    std::fs::write(&conf, c.to_string()).unwrap();
+    let img = ck.path().join("photo.png");
+    write_png(&img, 2000, 1500);
+    let (ck_s, img_s) = (ck.path().to_str().unwrap(), img.to_str().unwrap());
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", "--model", ck_s, "--image", img_s, "--max-new-tokens", "1", "--json"];
+        args.extend_from_slice(extra);
+        let (code, out, err) = vl(&args);
+        assert_eq!(code, 0, "{extra:?}: {err}");
+        (serde_json::from_str::<serde_json::Value>(out.trim()).unwrap(), err)
+    };
+
+    // 2000x1500 within 16 tokens (16384 pixels), by hand from smart_resize: beta =
+    // sqrt(3e6 / 16384) = 13.53; floor(1500 / 13.53 / 32) * 32 = 96, floor(2000 / 13.53 / 32) * 32 = 128.
+    let (v, err) = run(&["--max-image-tokens", "16"]);
+    let im = &v["images"][0];
+    assert_eq!((im["width"].as_u64(), im["height"].as_u64()), (Some(2000), Some(1500)), "{v}");
+    assert_eq!((im["resized_width"].as_u64(), im["resized_height"].as_u64()), (Some(128), Some(96)), "{v}");
+    assert_eq!(im["tokens"], 12);
+    assert_eq!(v["image_tokens"], 12, "the engine used the same budget");
+    assert_eq!(im["scaled_below_checkpoint_budget"], true);
+    assert!(err.contains("2000x1500 scaled to 128x96 (12 visual tokens) by --max-image-tokens 16"), "{err}");
+    assert!(err.contains("--max-image-tokens model"), "{err}");
+
+    // The default: 1280 tokens. 2000x1500 is 2.9 M pixels, over 1280 x 1024 = 1.31 M:
+    // beta = sqrt(3e6 / 1310720) = 1.513; floor(1500 / 1.513 / 32) * 32 = 960, floor(2000 / 1.513 / 32) * 32 = 1312.
+    let (v, err) = run(&[]);
+    let im = &v["images"][0];
+    assert_eq!((im["resized_width"].as_u64(), im["resized_height"].as_u64()), (Some(1312), Some(960)), "{v}");
+    assert_eq!(v["image_tokens"], 1230);
+    assert!(err.contains("by --max-image-tokens 1280"), "{err}");
+
+    // The checkpoint's own budget: 2000x1500 fits; rounded to multiples of 32 (round half to even: 62.5 -> 62).
+    let (v, err) = run(&["--max-image-tokens", "model"]);
+    let im = &v["images"][0];
+    assert_eq!((im["resized_width"].as_u64(), im["resized_height"].as_u64()), (Some(1984), Some(1504)), "{v}");
+    assert_eq!(v["image_tokens"], 2914);
+    assert_eq!(im["scaled_below_checkpoint_budget"], false);
+    assert!(!err.contains("scaled to"), "{err}");
+
+    // --max-pixels instead of tokens; --min-pixels above the default cap raises it.
+    let (v, err) = run(&["--max-pixels", "16384"]);
+    assert_eq!(v["image_tokens"], 12);
+    assert!(err.contains("by --max-pixels"), "{err}");
+    let (v, _) = run(&["--min-pixels", "3000000"]);
+    assert_eq!(v["images"][0]["scaled_below_checkpoint_budget"], false, "{v}");
+}
+
+#[test]
+fn image_budget_flags_are_checked() {
+    let img = image("square.png");
+    let ck = checkpoint("tiny-a");
+    let base = ["run", "--model", ck.as_str(), "--image", img.as_str(), "--max-new-tokens", "1"];
+    let with = |extra: &[&'static str]| [&base[..], extra].concat();
+    assert_error(&with(&["--max-image-tokens", "0"]), &["--max-image-tokens", "at least 1"]);
+    assert_error(&with(&["--max-image-tokens", "lots"]), &["--max-image-tokens", "lots"]);
+    assert_error(&with(&["--max-image-tokens", "99999999"]), &["--max-image-tokens", "99999999", "1..="]);
+    assert_error(&with(&["--max-image-tokens", "4", "--max-pixels", "5000"]), &["--max-pixels", "--max-image-tokens"]);
+    assert_error(&with(&["--min-pixels", "9000", "--max-pixels", "5000"]), &["--min-pixels", "9000"]);
+}

@@ -34,6 +34,11 @@ use crate::sampling::{apply_presence_frequency, check_logits, sample};
 pub use crate::tools::ToolCall;
 use crate::tools::{split_tool_calls, CallHold};
 
+/// Visual tokens per image an engine allows unless told otherwise: the Qwen team's suggested
+/// balance (1280 x 32 x 32 pixels for Qwen3-VL). The checkpoints' own budget (16384 tokens, 16.7 M
+/// pixels) turns a 12 MP photo into ~47k patches: hours of vision tower on a CPU.
+pub const DEFAULT_MAX_IMAGE_TOKENS: usize = 1280;
+
 /// How an engine loads and what it bounds.
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
@@ -44,6 +49,9 @@ pub struct EngineOptions {
     /// less, never more.
     pub min_pixels: Option<usize>,
     pub max_pixels: Option<usize>,
+    /// Cap on visual tokens per image when `max_pixels` is not given (`None`: the checkpoint's
+    /// own budget). Default `DEFAULT_MAX_IMAGE_TOKENS`. See `image_budget`.
+    pub max_image_tokens: Option<usize>,
     pub image_limits: ImageLimits,
     /// Bytes of vision features kept for repeated images (0 disables the cache).
     pub image_cache_bytes: usize,
@@ -59,6 +67,7 @@ impl Default for EngineOptions {
             quant: None,
             min_pixels: None,
             max_pixels: None,
+            max_image_tokens: Some(DEFAULT_MAX_IMAGE_TOKENS),
             image_limits: ImageLimits::default(),
             image_cache_bytes: 256 << 20,
             prefix_cache: true,
@@ -652,9 +661,35 @@ struct Prepared {
 
 /// The engine's pixel budget and image limits on the checkpoint's processor.
 fn apply_image_options(processor: &mut Processor, opts: &EngineOptions) -> Result<()> {
-    processor.images = processor.images.clone().with_pixel_budget(opts.min_pixels, opts.max_pixels)?;
+    let (min, max) = image_budget(&processor.images.config, opts.min_pixels, opts.max_pixels, opts.max_image_tokens)?;
+    processor.images = processor.images.clone().with_pixel_budget(min, max)?;
     processor.images.limits = opts.image_limits;
     Ok(())
+}
+
+/// The (min, max) pixel budget an engine applies over a checkpoint's preprocessor `config`:
+/// explicit `max_pixels` wins; otherwise `max_image_tokens` caps the checkpoint's maximum at
+/// `tokens x factor^2` pixels (raised to `min_pixels` when that asks for more), and leaves it
+/// alone when the checkpoint's is smaller already. `None` means "the checkpoint's value".
+pub fn image_budget(
+    config: &crate::qwen3_vl::PreprocessorConfig,
+    min_pixels: Option<usize>,
+    max_pixels: Option<usize>,
+    max_image_tokens: Option<usize>,
+) -> Result<(Option<usize>, Option<usize>)> {
+    let Some(tokens) = max_image_tokens.filter(|_| max_pixels.is_none()) else {
+        return Ok((min_pixels, max_pixels));
+    };
+    let unit = config.factor() * config.factor();
+    let most = crate::qwen3_vl::processor::MAX_PIXEL_BUDGET / unit.max(1);
+    if tokens == 0 || tokens > most {
+        return Err(Error::Input {
+            what: "max_image_tokens".into(),
+            message: format!("{tokens} is outside 1..={most}"),
+        });
+    }
+    let cap = (tokens * unit).max(min_pixels.unwrap_or(0));
+    Ok((min_pixels, (cap < config.max_pixels).then_some(cap)))
 }
 
 /// The text decoder, quantized as `opts` asks, reading weights in the checkpoint's dtype.

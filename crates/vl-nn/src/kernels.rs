@@ -31,7 +31,7 @@ pub fn exp(x: f32) -> f32 {
     p = p.mul_add(r, 8.333_452e-3);
     p = p.mul_add(r, 4.166_579_6e-2);
     p = p.mul_add(r, 1.666_666_5e-1);
-    p = p.mul_add(r, 5.000_000_1e-1);
+    p = p.mul_add(r, 0.5);
     let y = (p * r).mul_add(r, r) + 1.0;
     // n in [-126, 127]: its biased exponent, shifted into place.
     let bits = (t.to_bits().wrapping_sub(MAGIC.to_bits()) as i32 + 127) as u32;
