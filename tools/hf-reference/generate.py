@@ -194,7 +194,12 @@ def probe_images():
 OVERRIDES = {
     "large@max16384": ("large", 64 * 64, 128 * 128),
     "small@min16384": ("small", 128 * 128, 256 * 256),
+    # Kept at 640x480: 40x30 = 1200 patches, more than one query tile (128) and one key tile (256)
+    # of the runtime's fused attention, so its tiled path is compared to the reference.
+    "large@max307200": ("large", 64 * 64, 640 * 480),
 }
+# Overrides whose vision tower intermediates are goldens too (besides every probe image).
+VISION_OVERRIDES = ["large@max307200"]
 
 
 def format_probes(idir):
@@ -410,7 +415,7 @@ def run_geometry(name, g, seed, out, images, tok_dir, template, sampled_ids, log
     vis = model.model.visual
     vdir = gdir / "vision"
     vdir.mkdir()
-    for pname in images:
+    for pname in [*images, *VISION_OVERRIDES]:
         pv = load_file(out / "processor" / f"{pname}.safetensors")
         tap = VisionTap(vis)
         vis(pv["pixel_values"], grid_thw=pv["image_grid_thw"])

@@ -64,6 +64,9 @@ fn pixel_budget_overrides_match_the_reference() {
     let p = processor().with_pixel_budget(Some(128 * 128), Some(256 * 256)).unwrap();
     let (max, mean) = compare("small@min16384", &p, "small.png", "small@min16384");
     assert!(max <= PIXEL_MAX && mean <= PIXEL_MEAN);
+    let p = processor().with_pixel_budget(Some(64 * 64), Some(640 * 480)).unwrap();
+    let (max, mean) = compare("large@max307200", &p, "large.png", "large@max307200");
+    assert!(max <= PIXEL_MAX && mean <= PIXEL_MEAN);
 }
 
 fn tools(meta: &serde_json::Value) -> Option<Vec<serde_json::Value>> {

@@ -71,6 +71,24 @@ fn every_probe_image_matches_the_reference() {
     }
 }
 
+/// 1200 patches (640x480): several query tiles (128 rows) and key tiles (256 rows) of the fused
+/// CPU attention, with ragged last tiles, against the reference; also with tiny tiles.
+#[test]
+fn a_large_image_spans_several_attention_tiles_and_matches() {
+    let p = load(&goldens().join("processor").join("large@max307200.safetensors"));
+    let grids = grids(&p["image_grid_thw"]);
+    let patches: usize = grids.iter().map(|g| g.iter().product::<usize>()).sum();
+    assert_eq!(patches, 1200);
+    assert!(patches > 2 * vl_nn::kernels::KEY_TILE && patches % vl_nn::kernels::QUERY_TILE != 0);
+    for g in GEOMETRIES {
+        let want = load(&goldens().join(g).join("vision").join("large@max307200.safetensors"));
+        let mut t = tower(g, DType::F32);
+        compare(&t, &p["pixel_values"], &grids, &want, &format!("{g}/large@max307200 {grids:?}"), TOL);
+        t.set_attention_tiles(7, 13);
+        compare(&t, &p["pixel_values"], &grids, &want, &format!("{g}/large@max307200 tiles 7x13"), TOL);
+    }
+}
+
 #[test]
 fn multi_image_batches_match_the_reference() {
     for g in GEOMETRIES {

@@ -167,6 +167,13 @@ impl VisionTower {
         }
     }
 
+    /// Query and key rows per tile of the fused CPU attention (tests and tuning).
+    pub fn set_attention_tiles(&mut self, query_rows: usize, key_rows: usize) {
+        for b in &mut self.blocks {
+            b.attn = b.attn.clone().with_query_block(query_rows).with_key_block(key_rows);
+        }
+    }
+
     /// Number of merged rows (LLM tokens) an input of this grid produces.
     pub fn merged_len(&self, g: &Grid) -> usize {
         g[0] * g[1] * g[2] / (self.cfg.spatial_merge_size * self.cfg.spatial_merge_size)
