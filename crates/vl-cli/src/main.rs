@@ -70,6 +70,7 @@ fn main() -> ExitCode {
     // part of their message; errors here are one line. Panics still honor RUST_BACKTRACE.
     // Set before any thread exists.
     std::env::set_var("RUST_LIB_BACKTRACE", "0");
+    vl_models::alloc::keep_large_buffers();
     std::panic::set_hook(Box::new(|info| {
         let msg = info
             .payload()

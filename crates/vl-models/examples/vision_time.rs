@@ -18,6 +18,8 @@ fn main() -> vl_models::Result<()> {
         eprintln!("usage: vision_time CHECKPOINT_DIR SIZE [SIZE...]");
         std::process::exit(2);
     }
+    // As the `vl` binary does.
+    vl_models::alloc::keep_large_buffers();
     let dev = Device::Cpu;
     let load = Instant::now();
     let ModelDir { config, weights, .. } = ModelDir::open(Path::new(&args[1]))?;

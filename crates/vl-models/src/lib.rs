@@ -6,6 +6,7 @@
 //! format and transformers' `tojson`); `qwen3_vl` holds everything Qwen-named.
 
 pub mod affine;
+pub mod alloc;
 pub mod checkpoint;
 pub mod engine;
 pub mod error;

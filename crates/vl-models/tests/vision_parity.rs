@@ -71,7 +71,7 @@ fn every_probe_image_matches_the_reference() {
     }
 }
 
-/// 1200 patches (640x480): several query tiles (128 rows) and key tiles (256 rows) of the fused
+/// 1200 patches (640x480): several query tiles (256 rows) and key tiles (512 rows) of the fused
 /// CPU attention, with ragged last tiles, against the reference; also with tiny tiles.
 #[test]
 fn a_large_image_spans_several_attention_tiles_and_matches() {

@@ -179,10 +179,12 @@ pub struct SegmentAttentionShape {
     pub key_tile: usize,
 }
 
-/// Default tile sizes: a 128 x 256 f32 score tile is 128 KiB, the query, key and value tiles
-/// 32 + 64 + 64 KiB: all in a core's L2.
-pub const QUERY_TILE: usize = 128;
-pub const KEY_TILE: usize = 256;
+/// Default tile sizes: a 256 x 512 f32 score tile is 512 KiB per thread, the query, key and value
+/// tiles 64 + 128 + 128 KiB. Larger tiles amortize `gemm`'s packing of each tile: on a 2-core
+/// Xeon (AVX-512), 4096 keys x 16 heads ran at ~140 GFLOP/s with 128 x 256 tiles and ~170-200
+/// with 256 x 512 (the machine's noise is +-10%).
+pub const QUERY_TILE: usize = 256;
+pub const KEY_TILE: usize = 512;
 
 /// Bidirectional attention within segments, from the fused projection's output.
 ///
