@@ -215,11 +215,13 @@ pub fn segment_attention(
     let mut tiles: Vec<(usize, usize, usize, usize)> = Vec::new();
     for w in cu.windows(2) {
         let (s0, s1) = (w[0], w[1]);
+        // Equal tiles of at most `query_tile` rows (784 rows: 4 x 196, not 3 x 256 + 16).
+        let rows = balanced(s1 - s0, shape.query_tile);
         let mut q0 = s0;
         while q0 < s1 {
-            let rows = shape.query_tile.max(1).min(s1 - q0);
-            tiles.push((s0, s1, q0, rows));
-            q0 += rows;
+            let r = rows.min(s1 - q0);
+            tiles.push((s0, s1, q0, r));
+            q0 += r;
         }
     }
     tiles.sort_by_key(|&(s0, s1, _, _)| std::cmp::Reverse(s1 - s0));
@@ -235,6 +237,12 @@ pub fn segment_attention(
             unsafe { attend_tile(&tile, shape, &mut scratch, out_ptr) };
         }
     });
+}
+
+/// The tile size that splits `len` rows into the fewest tiles of at most `max` rows, evenly.
+fn balanced(len: usize, max: usize) -> usize {
+    let max = max.max(1);
+    len.div_ceil(len.div_ceil(max).max(1)).max(1)
 }
 
 fn rotate(
@@ -312,9 +320,10 @@ unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scrat
     sc.o[..m * d].fill(0.0);
     sc.max[..m].fill(f32::NEG_INFINITY);
     sc.sum[..m].fill(0.0);
+    let key_rows = balanced(t.s1 - t.s0, shape.key_tile);
     let mut kt = t.s0;
     while kt < t.s1 {
-        let n = shape.key_tile.max(1).min(t.s1 - kt);
+        let n = key_rows.min(t.s1 - kt);
         let krows = &t.k[(t.h * seq + kt) * d..][..n * d];
         // S = Q K^T: [m, d] x [d, n] (K^T read through strides).
         gemm::gemm(
