@@ -47,6 +47,27 @@ pub fn gelu_tanh(x: f32) -> f32 {
     x / (1.0 + exp(-2.0 * u))
 }
 
+/// The exact GELU, `0.5 x (1 + erf(x / sqrt 2))`, with erfc from Abramowitz & Stegun 7.1.26
+/// (absolute error <= 1.5e-7) computed for |z| and used on the side that does not cancel:
+/// `0.5 x erfc(|z|)` for negative x, `x - 0.5 x erfc(z)` for positive.
+#[inline(always)]
+pub fn gelu_erf(x: f32) -> f32 {
+    let z = x.abs() * std::f32::consts::FRAC_1_SQRT_2;
+    let t = 1.0 / 0.327_591_1f32.mul_add(z, 1.0);
+    let mut p = 1.061_405_4f32;
+    p = p.mul_add(t, -1.453_152);
+    p = p.mul_add(t, 1.421_413_8);
+    p = p.mul_add(t, -0.284_496_74);
+    p = p.mul_add(t, 0.254_829_6);
+    let erfc = p * t * exp(-z * z);
+    let half = 0.5 * x * erfc;
+    if x < 0.0 {
+        half
+    } else {
+        x - half
+    }
+}
+
 /// Applies `gelu_tanh` to every value, in place, on candle's worker pool.
 pub fn gelu_tanh_inplace(values: &mut [f32]) {
     const CHUNK: usize = 1 << 14;
@@ -66,33 +87,69 @@ fn gelu_slice(part: &mut [f32]) {
     }
 }
 
+/// Applies `gelu_erf` to every value, in place, on candle's worker pool.
+pub fn gelu_erf_inplace(values: &mut [f32]) {
+    const CHUNK: usize = 1 << 14;
+    let n = values.len();
+    let ptr = SendPtr(values.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(CHUNK), |range| {
+        let (start, end) = (range.start * CHUNK, (range.end * CHUNK).min(n));
+        // SAFETY: work items are disjoint ranges of `values`, alive for the whole call.
+        gelu_erf_slice(unsafe { std::slice::from_raw_parts_mut(ptr.get().add(start), end - start) });
+    });
+}
+
+#[multiversion(targets = "simd")]
+fn gelu_erf_slice(part: &mut [f32]) {
+    for v in part.iter_mut() {
+        *v = gelu_erf(*v);
+    }
+}
+
 /// The tanh-approximated GELU of a tensor (`gelu_pytorch_tanh`). A CPU f32 tensor that is the
 /// only view of its storage (a layer's fresh output) is updated in place by the vectorized
 /// kernel; anything else takes candle's `gelu`.
 pub fn gelu_tanh_tensor(x: Tensor) -> candle_core::Result<Tensor> {
     if x.device().is_cpu() && x.dtype() == DType::F32 && x.is_contiguous() {
-        x.inplace_op1(&GeluTanhInPlace)?;
+        x.inplace_op1(&GeluInPlace { erf: false })?;
         Ok(x)
     } else {
         x.gelu()
     }
 }
 
-struct GeluTanhInPlace;
+/// The exact (erf) GELU of a tensor, in place on a fresh CPU f32 tensor like `gelu_tanh_tensor`;
+/// candle's `gelu_erf` elsewhere.
+pub fn gelu_erf_tensor(x: Tensor) -> candle_core::Result<Tensor> {
+    if x.device().is_cpu() && x.dtype() == DType::F32 && x.is_contiguous() {
+        x.inplace_op1(&GeluInPlace { erf: true })?;
+        Ok(x)
+    } else {
+        x.gelu_erf()
+    }
+}
 
-impl candle_core::InplaceOp1 for GeluTanhInPlace {
+struct GeluInPlace {
+    erf: bool,
+}
+
+impl candle_core::InplaceOp1 for GeluInPlace {
     fn name(&self) -> &'static str {
-        "gelu-tanh-inplace"
+        "gelu-inplace"
     }
 
     fn cpu_fwd(&self, storage: &mut candle_core::CpuStorage, layout: &candle_core::Layout) -> candle_core::Result<()> {
         let candle_core::CpuStorage::F32(values) = storage else {
-            candle_core::bail!("gelu-tanh-inplace: f32 only");
+            candle_core::bail!("gelu-inplace: f32 only");
         };
         let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("gelu-tanh-inplace: contiguous tensors only");
+            candle_core::bail!("gelu-inplace: contiguous tensors only");
         };
-        gelu_tanh_inplace(&mut values[start..end]);
+        if self.erf {
+            gelu_erf_inplace(&mut values[start..end]);
+        } else {
+            gelu_tanh_inplace(&mut values[start..end]);
+        }
         Ok(())
     }
 }
@@ -524,6 +581,37 @@ mod tests {
             assert!(out.iter().all(|v| v.is_finite()), "tiles {query_tile}x{key_tile}: a row was not written");
             let worst = out.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
             assert!(worst < 2e-5, "tiles {query_tile}x{key_tile}: worst {worst:e}");
+        }
+    }
+
+    #[test]
+    fn gelu_erf_matches_the_definition() {
+        // erf by its Maclaurin series in f64 (converges for |x| < 4 with enough terms), erfc's
+        // tail by the asymptotic series beyond.
+        fn erf(x: f64) -> f64 {
+            if x.abs() > 3.5 {
+                let z = x.abs();
+                let tail = (-z * z).exp() / (z * std::f64::consts::PI.sqrt())
+                    * (1.0 - 1.0 / (2.0 * z * z) + 3.0 / (4.0 * z.powi(4)) - 15.0 / (8.0 * z.powi(6)));
+                return x.signum() * (1.0 - tail);
+            }
+            let (mut sum, mut term) = (0f64, x);
+            for n in 0..120 {
+                sum += term / (2 * n + 1) as f64;
+                term *= -x * x / (n + 1) as f64;
+            }
+            2.0 / std::f64::consts::PI.sqrt() * sum
+        }
+        let mut v: Vec<f32> = (0..40_000).map(|i| (i as f32 - 20_000.0) * 5e-4).collect();
+        let want: Vec<f64> =
+            v.iter().map(|&x| 0.5 * x as f64 * (1.0 + erf(x as f64 / std::f64::consts::SQRT_2))).collect();
+        gelu_erf_inplace(&mut v);
+        for ((a, b), i) in v.iter().zip(&want).zip(0..) {
+            assert!(
+                (*a as f64 - b).abs() <= 4e-7 * b.abs().max(1.0),
+                "x = {}: {a} vs {b}",
+                (i as f32 - 20_000.0) * 5e-4
+            );
         }
     }
 

@@ -48,7 +48,7 @@ impl PatchMerger {
         } else {
             self.norm.forward(x)?.reshape(merged)?
         };
-        let x = self.fc1.forward(&x)?.gelu_erf()?;
+        let x = crate::kernels::gelu_erf_tensor(self.fc1.forward(&x)?)?;
         Ok(self.fc2.forward(&x)?)
     }
 }
