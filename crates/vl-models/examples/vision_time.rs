@@ -1,9 +1,12 @@
-//! Times the vision tower of a checkpoint on the path `vl run` takes (weights read from the
-//! checkpoint's safetensors, kept in their float type and computed in f32), on square images of
-//! the given sizes, and prints one JSON line per run with the per-block breakdown. Used by
-//! `tools/bench/vision-side-by-side` (ours vs transformers/torch in one run):
+//! Times the vision tower of a checkpoint on the path `vl run` takes (`ModelDir::open`, weights
+//! read from the checkpoint's safetensors and upcast to f32 at load, as `Engine::answer_once`
+//! does), on square images of the given sizes, and prints one JSON line per size with the
+//! per-block breakdown. Used by `tools/bench/vision-side-by-side` (ours vs transformers/torch):
 //!   cargo run --release -p vl-models --example vision_time -- target/bench-2b 448 1024
-//! Env: VL_VISION_RUNS (runs per size, default 2; the fastest is reported).
+//! Env: VL_VISION_RUNS (runs per size, default 2; the fastest is reported); VL_VISION_STORED=1
+//! times the resident engine's path instead (`vl serve`/`vl chat`: blocks kept in the
+//! checkpoint's bf16 and upcast per block for each forward: half the memory, ~0.2 s more per
+//! 448 image on the 2B).
 
 use std::path::Path;
 use std::time::Instant;
@@ -23,7 +26,8 @@ fn main() -> vl_models::Result<()> {
     let dev = Device::Cpu;
     let load = Instant::now();
     let ModelDir { config, weights, .. } = ModelDir::open(Path::new(&args[1]))?;
-    let stored = weights.vision_float_dtype();
+    let stored =
+        if std::env::var_os("VL_VISION_STORED").is_some() { weights.vision_float_dtype() } else { DType::F32 };
     let tower = VisionTower::load_stored(
         &config.vision,
         weights.var_builder(stored, &dev, None).pp(VISION_PREFIX),
@@ -68,7 +72,7 @@ fn main() -> vl_models::Result<()> {
         }
         let (total, stem, mergers, blocks) = best.unwrap();
         let line = serde_json::json!({
-            "impl": "vl", "size": size, "patches": rows, "seconds": total, "load_s": load_s, "stem_s": stem, "mergers_s": mergers,
+            "impl": "vl", "weights": format!("{stored:?}").to_lowercase(), "size": size, "patches": rows, "seconds": total, "load_s": load_s, "stem_s": stem, "mergers_s": mergers,
             "block_mean_s": blocks.iter().sum::<f64>() / blocks.len() as f64,
             "blocks_s": blocks,
         });
