@@ -26,8 +26,7 @@ fn main() -> vl_models::Result<()> {
     let dev = Device::Cpu;
     let load = Instant::now();
     let ModelDir { config, weights, .. } = ModelDir::open(Path::new(&args[1]))?;
-    let stored =
-        if std::env::var_os("VL_VISION_STORED").is_some() { weights.vision_float_dtype() } else { DType::F32 };
+    let stored = if std::env::var_os("VL_VISION_STORED").is_some() { weights.vision_float_dtype() } else { DType::F32 };
     let tower = VisionTower::load_stored(
         &config.vision,
         weights.var_builder(stored, &dev, None).pp(VISION_PREFIX),
