@@ -8,6 +8,7 @@
 use candle_core::{DType, Tensor};
 use candle_nn::Linear;
 
+use crate::kernels::{cpu_f32, SendPtr};
 use crate::linear::Dense;
 
 use crate::{Error, Result};
@@ -139,7 +140,7 @@ impl SegmentRotaryAttention {
         let (qs, ql) = qkv.storage_and_layout();
         let (cs, cl) = cos.storage_and_layout();
         let (ss, sl) = sin.storage_and_layout();
-        let (Some(qs), Some(cs), Some(ss)) = (as_f32(&qs), as_f32(&cs), as_f32(&ss)) else {
+        let (Some(qs), Some(cs), Some(ss)) = (cpu_f32(&qs), cpu_f32(&cs), cpu_f32(&ss)) else {
             return Ok(None);
         };
         let qkv_rows = &qs[ql.start_offset()..ql.start_offset() + seq * cols];
@@ -206,13 +207,6 @@ pub fn causal_gqa_attention(q: &Tensor, k: &Tensor, v: &Tensor, query_block: usi
     Ok(Tensor::cat(&outs, 2)?.reshape((heads, new, d))?)
 }
 
-fn as_f32(s: &candle_core::Storage) -> Option<&[f32]> {
-    match s {
-        candle_core::Storage::Cpu(c) => c.as_slice::<f32>().ok(),
-        _ => None,
-    }
-}
-
 /// One query row per head against the whole cache, read in place (decode): for each KV head,
 /// each cached key row is read once for all `rep` query heads sharing it, then softmax, then the
 /// weighted sum of value rows. Runs on candle's own worker pool (one KV head per work item), so
@@ -227,7 +221,7 @@ fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>
     }
     let q = q.contiguous()?;
     let ((qs, ql), (ks, kl), (vs, vl)) = (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout());
-    let (Some(qs), Some(ks), Some(vs)) = (as_f32(&qs), as_f32(&ks), as_f32(&vs)) else {
+    let (Some(qs), Some(ks), Some(vs)) = (cpu_f32(&qs), cpu_f32(&ks), cpu_f32(&vs)) else {
         return Ok(None);
     };
     let (qo, ko, vo) = (ql.start_offset(), kl.start_offset(), vl.start_offset());
@@ -263,16 +257,6 @@ fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>
         }
     });
     Ok(Some(Tensor::from_vec(out, (heads, 1, d), q.device())?))
-}
-
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 /// One KV head's decode work: its `rep` query rows, its cached key and value rows (`total` of

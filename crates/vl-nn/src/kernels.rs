@@ -70,13 +70,23 @@ pub fn gelu_erf(x: f32) -> f32 {
 
 /// Applies `gelu_tanh` to every value, in place, on candle's worker pool.
 pub fn gelu_tanh_inplace(values: &mut [f32]) {
+    map_chunks(values, gelu_slice);
+}
+
+/// Applies `gelu_erf` to every value, in place, on candle's worker pool.
+pub fn gelu_erf_inplace(values: &mut [f32]) {
+    map_chunks(values, gelu_erf_slice);
+}
+
+/// Runs `f` over 16 Ki-value chunks of `values` on candle's worker pool.
+fn map_chunks(values: &mut [f32], f: fn(&mut [f32])) {
     const CHUNK: usize = 1 << 14;
     let n = values.len();
     let ptr = SendPtr(values.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(CHUNK), |range| {
         let (start, end) = (range.start * CHUNK, (range.end * CHUNK).min(n));
         // SAFETY: work items are disjoint ranges of `values`, alive for the whole call.
-        gelu_slice(unsafe { std::slice::from_raw_parts_mut(ptr.get().add(start), end - start) });
+        f(unsafe { std::slice::from_raw_parts_mut(ptr.get().add(start), end - start) });
     });
 }
 
@@ -85,18 +95,6 @@ fn gelu_slice(part: &mut [f32]) {
     for v in part.iter_mut() {
         *v = gelu_tanh(*v);
     }
-}
-
-/// Applies `gelu_erf` to every value, in place, on candle's worker pool.
-pub fn gelu_erf_inplace(values: &mut [f32]) {
-    const CHUNK: usize = 1 << 14;
-    let n = values.len();
-    let ptr = SendPtr(values.as_mut_ptr());
-    candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(CHUNK), |range| {
-        let (start, end) = (range.start * CHUNK, (range.end * CHUNK).min(n));
-        // SAFETY: work items are disjoint ranges of `values`, alive for the whole call.
-        gelu_erf_slice(unsafe { std::slice::from_raw_parts_mut(ptr.get().add(start), end - start) });
-    });
 }
 
 #[multiversion(targets = "simd")]
@@ -185,7 +183,7 @@ pub fn transpose(t: &Tensor) -> candle_core::Result<Tensor> {
 fn transpose_slice<T: Copy + Default + Send + Sync>(src: &[T], rows: usize, cols: usize) -> Vec<T> {
     const TILE: usize = 64;
     let mut dst = vec![T::default(); rows * cols];
-    let ptr = SendAny(dst.as_mut_ptr());
+    let ptr = SendPtr(dst.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(cols.div_ceil(TILE), |range| {
         for tc in range {
             let (c0, c1) = (tc * TILE, ((tc + 1) * TILE).min(cols));
@@ -204,23 +202,27 @@ fn transpose_slice<T: Copy + Default + Send + Sync>(src: &[T], rows: usize, cols
     dst
 }
 
-#[derive(Clone, Copy)]
-struct SendAny<T>(*mut T);
-unsafe impl<T> Send for SendAny<T> {}
-unsafe impl<T> Sync for SendAny<T> {}
-impl<T> SendAny<T> {
-    fn get(self) -> *mut T {
+/// A buffer's base pointer shared with pool workers that write disjoint parts of it.
+pub(crate) struct SendPtr<T>(pub(crate) *mut T);
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendPtr<T> {}
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+impl<T> SendPtr<T> {
+    pub(crate) fn get(self) -> *mut T {
         self.0
     }
 }
 
-#[derive(Clone, Copy)]
-pub(crate) struct SendPtr(pub(crate) *mut f32);
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
-    pub(crate) fn get(self) -> *mut f32 {
-        self.0
+/// The f32 values of a CPU storage (None for other devices and dtypes).
+pub(crate) fn cpu_f32(s: &candle_core::Storage) -> Option<&[f32]> {
+    match s {
+        candle_core::Storage::Cpu(c) => c.as_slice::<f32>().ok(),
+        _ => None,
     }
 }
 
@@ -369,7 +371,7 @@ struct Tile<'a> {
 
 /// One head's attention for query rows `q0..q0+rows` over keys `s0..s1`, key tile by key tile
 /// with the running max and sum (online softmax), then normalized into `out`.
-unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scratch, out: SendPtr) {
+unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scratch, out: SendPtr<f32>) {
     let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
     let hidden = heads * d;
     let m = t.rows;

@@ -9,6 +9,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Module, Tensor};
 use candle_nn::Linear;
 
+use crate::kernels::cpu_f32;
 use crate::{Error, Result};
 
 /// Weight storage of a quantized layer.
@@ -325,13 +326,6 @@ impl Dense {
         let mut shape = dims;
         *shape.last_mut().unwrap() = n;
         Ok(Some(Tensor::from_vec(out, shape, x.device())?))
-    }
-}
-
-fn cpu_f32(s: &candle_core::Storage) -> Option<&[f32]> {
-    match s {
-        candle_core::Storage::Cpu(c) => c.as_slice::<f32>().ok(),
-        _ => None,
     }
 }
 
