@@ -1,5 +1,5 @@
 //! A resident engine: loads a checkpoint once (both towers) and answers many requests in turn:
-//! messages with text and images in, a stream of text out, with the stop reason, token counts
+//! messages with text, images and videos in, a stream of text out, with the stop reason, token counts
 //! and timings. What makes a conversation cheap lives here:
 //! - prefix reuse: the KV cache of the last request is kept; a request whose prompt starts with
 //!   the same tokens (and, at image placeholders, the same image content) prefills only the rest;
@@ -23,6 +23,8 @@ use vl_nn::QuantType;
 
 use crate::error::{Error, Result};
 use crate::limits::ImageLimits;
+use crate::qwen3_vl::video::{ProcessedVideo, VideoOptions, VideoPlan, VideoProcessor};
+use crate::video::{VideoLimits, VideoSource};
 use crate::qwen3_vl::gguf::{self, GgufModel};
 use crate::qwen3_vl::plan::VISION_PREFIX;
 use crate::qwen3_vl::weights::LoadProgress;
@@ -39,6 +41,12 @@ use crate::tools::{split_tool_calls, CallHold};
 /// pixels) turns a 12 MP photo into ~47k patches: hours of vision tower on a CPU.
 pub const DEFAULT_MAX_IMAGE_TOKENS: usize = 1280;
 
+/// A video's pixel budget (frames x height x width over the sampled clip) an engine allows
+/// unless told otherwise: 2560 visual tokens (frame pairs of 32x32-pixel tokens), about a 10 s
+/// clip at 2 frames a second at 512x512. The checkpoints' own (25 M pixels, ~12k tokens) takes
+/// many minutes of vision tower and prefill on a CPU.
+pub const DEFAULT_MAX_VIDEO_PIXELS: usize = 2560 * 2 * 32 * 32;
+
 /// How an engine loads and what it bounds.
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
@@ -53,6 +61,13 @@ pub struct EngineOptions {
     /// own budget). Default `DEFAULT_MAX_IMAGE_TOKENS`. See `image_budget`.
     pub max_image_tokens: Option<usize>,
     pub image_limits: ImageLimits,
+    /// Server-wide video settings over the checkpoint's video processor (a request may ask for
+    /// fewer frames or pixels, never more). `max_pixels` given here wins over `video_pixel_cap`.
+    pub video: VideoOptions,
+    /// Cap on a video's pixel budget when `video.max_pixels` is not given (`None`: the
+    /// checkpoint's own). Default `DEFAULT_MAX_VIDEO_PIXELS`.
+    pub video_pixel_cap: Option<usize>,
+    pub video_limits: VideoLimits,
     /// Bytes of vision features kept for repeated images (0 disables the cache).
     pub image_cache_bytes: usize,
     /// Keep the last request's KV cache for prefix reuse.
@@ -69,6 +84,9 @@ impl Default for EngineOptions {
             max_pixels: None,
             max_image_tokens: Some(DEFAULT_MAX_IMAGE_TOKENS),
             image_limits: ImageLimits::default(),
+            video: VideoOptions::default(),
+            video_pixel_cap: Some(DEFAULT_MAX_VIDEO_PIXELS),
+            video_limits: VideoLimits::default(),
             image_cache_bytes: 256 << 20,
             prefix_cache: true,
         }
@@ -87,6 +105,19 @@ pub enum Part {
         min_pixels: Option<usize>,
         max_pixels: Option<usize>,
     },
+    /// A video: a file (decoded by ffmpeg; animated GIF/PNG/WebP in-process), a directory of
+    /// frames, or encoded bytes; `name` stands for it in errors. `options` may narrow the
+    /// engine's video settings (fewer frames or pixels, another sampling rate).
+    Video { source: VideoData, name: String, options: VideoOptions },
+}
+
+/// Where a video part's data is.
+#[derive(Debug, Clone)]
+pub enum VideoData {
+    /// A file or a directory of frames on this machine.
+    Path(std::path::PathBuf),
+    /// Encoded bytes (e.g. a data URL's).
+    Bytes(Vec<u8>),
 }
 
 #[derive(Debug, Clone)]
@@ -158,6 +189,7 @@ pub struct Completion {
     /// Prompt positions whose KV came from the previous request (not prefilled again).
     pub cached_tokens: usize,
     pub image_tokens: usize,
+    pub video_tokens: usize,
     /// Images whose features came from the image cache.
     pub image_cache_hits: usize,
     pub finish: Finish,
@@ -387,14 +419,14 @@ impl Engine {
         t0: Instant,
     ) -> Result<Completion> {
         let mut state = self.lock();
-        let result =
-            self.generate_locked(&mut state, &p.prompt, &p.ident, &p.processed, &p.keys, opts, req, on_text, t0);
+        let result = self.generate_locked(&mut state, p, opts, req, on_text, t0);
         if result.is_err() {
             state.cache.reset();
             state.cached.clear();
         }
         result.map(|mut c| {
             c.image_tokens = p.image_tokens;
+            c.video_tokens = p.video_tokens;
             c
         })
     }
@@ -452,7 +484,7 @@ impl Engine {
         let (gen_opts, prepared) = prepare(&processor, &config, &eos, &opts.device, req)?;
         let mut images = ImageCache::new(usize::MAX);
         let mut vision_time = Duration::ZERO;
-        if !prepared.processed.is_empty() {
+        if !prepared.processed.is_empty() || !prepared.videos.is_empty() {
             let tower = load_vision()?;
             let t = Instant::now();
             for (img, &key) in prepared.processed.iter().zip(&prepared.keys) {
@@ -460,6 +492,13 @@ impl Engine {
                     continue;
                 }
                 let input = processor.images.batch(std::slice::from_ref(img), &opts.device)?;
+                images.put(key, &tower.forward(&input.pixels, &input.grids)?)?;
+            }
+            for (video, &key) in prepared.videos.iter().zip(&prepared.video_keys) {
+                if images.entries.contains_key(&key) {
+                    continue;
+                }
+                let input = processor.videos.batch(std::slice::from_ref(video), &opts.device)?;
                 images.put(key, &tower.forward(&input.pixels, &input.grids)?)?;
             }
             vision_time = t.elapsed();
@@ -475,44 +514,38 @@ impl Engine {
         Ok(OneShot { completion, load_time, vision_time, storage, kv_cache_bytes, generate_started })
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn generate_locked(
         &self,
         state: &mut State,
-        prompt: &crate::qwen3_vl::Prompt,
-        ident: &[Identity],
-        processed: &[crate::qwen3_vl::ProcessedImage],
-        keys: &[u64],
+        p: &Prepared,
         opts: &GenerationOptions,
         req: &Request,
         on_text: &mut dyn FnMut(&str) -> bool,
         t0: Instant,
     ) -> Result<Completion> {
-        // Vision: each image once, from the cache when seen before.
+        let (prompt, ident) = (&p.prompt, &p.ident[..]);
+        // Vision: each image and video once, from the cache when seen before.
         let tv = Instant::now();
         let mut hits = 0;
-        let mut parts: Vec<VisionOutput> = Vec::with_capacity(processed.len());
-        for (img, &key) in processed.iter().zip(keys) {
+        let mut encode = |input: Result<crate::qwen3_vl::VisionInput>, key: u64| -> Result<VisionOutput> {
             if let Some(out) = state.images.get(key) {
                 hits += 1;
-                parts.push(out);
-                continue;
+                return Ok(out);
             }
-            let input = self.processor.images.batch(std::slice::from_ref(img), &self.opts.device)?;
-            let out = self.model.encode_vision(&input)?;
+            let out = self.model.encode_vision(&input?)?;
             state.images.put(key, &out)?;
-            parts.push(out);
+            Ok(out)
+        };
+        let dev = &self.opts.device;
+        let mut image_parts = Vec::with_capacity(p.processed.len());
+        for (img, &key) in p.processed.iter().zip(&p.keys) {
+            image_parts.push(encode(self.processor.images.batch(std::slice::from_ref(img), dev), key)?);
         }
-        let vision = (!parts.is_empty()).then(|| {
-            let levels = parts.iter().map(|p| p.deepstack.len()).min().unwrap_or(0);
-            VisionOutput {
-                merged: parts.iter().flat_map(|p| p.merged.iter().cloned()).collect(),
-                deepstack: (0..levels)
-                    .map(|l| parts.iter().flat_map(|p| p.deepstack[l].iter().cloned()).collect())
-                    .collect(),
-                grids: parts.iter().flat_map(|p| p.grids.iter().copied()).collect(),
-            }
-        });
+        let mut video_parts = Vec::with_capacity(p.videos.len());
+        for (video, &key) in p.videos.iter().zip(&p.video_keys) {
+            video_parts.push(encode(self.processor.videos.batch(std::slice::from_ref(video), dev), key)?);
+        }
+        let (vision, videos) = (concat_outputs(&image_parts), concat_outputs(&video_parts));
         let vision_time = tv.elapsed();
 
         // Prefix reuse: the longest common prefix, never all of the prompt (the last position's
@@ -535,7 +568,8 @@ impl Engine {
         state.cache.reserve(n + budget);
 
         let tp = Instant::now();
-        let pre = self.model.prefill_from(prompt, vision.as_ref(), None, &mut state.cache, &mut |_, _| {})?;
+        let pre =
+            self.model.prefill_from(prompt, vision.as_ref(), videos.as_ref(), &mut state.cache, &mut |_, _| {})?;
         state.cached = ident.to_vec();
         let mut logits = self.model.last_logits(&pre)?;
         let first_logits = logits.to_vec1::<f32>()?;
@@ -613,6 +647,7 @@ impl Engine {
             prompt_tokens: n,
             cached_tokens: common,
             image_tokens: 0,
+            video_tokens: 0,
             image_cache_hits: hits,
             finish,
             vision_time,
@@ -622,6 +657,18 @@ impl Engine {
             first_logits,
         })
     }
+}
+
+/// The vision outputs of several inputs as one (rows in input order); `None` for none.
+fn concat_outputs(parts: &[VisionOutput]) -> Option<VisionOutput> {
+    (!parts.is_empty()).then(|| {
+        let levels = parts.iter().map(|p| p.deepstack.len()).min().unwrap_or(0);
+        VisionOutput {
+            merged: parts.iter().flat_map(|p| p.merged.iter().cloned()).collect(),
+            deepstack: (0..levels).map(|l| parts.iter().flat_map(|p| p.deepstack[l].iter().cloned()).collect()).collect(),
+            grids: parts.iter().flat_map(|p| p.grids.iter().copied()).collect(),
+        }
+    })
 }
 
 /// What the one-shot path needs besides the weights.
@@ -657,14 +704,53 @@ struct Prepared {
     processed: Vec<crate::qwen3_vl::ProcessedImage>,
     keys: Vec<u64>,
     image_tokens: usize,
+    videos: Vec<ProcessedVideo>,
+    video_keys: Vec<u64>,
+    video_tokens: usize,
 }
 
-/// The engine's pixel budget and image limits on the checkpoint's processor.
+/// The engine's pixel budgets, video settings and input limits on the checkpoint's processors.
 fn apply_image_options(processor: &mut Processor, opts: &EngineOptions) -> Result<()> {
     let (min, max) = image_budget(&processor.images.config, opts.min_pixels, opts.max_pixels, opts.max_image_tokens)?;
     processor.images = processor.images.clone().with_pixel_budget(min, max)?;
     processor.images.limits = opts.image_limits;
+    let mut video = opts.video;
+    if video.max_pixels.is_none() {
+        let cap = opts.video_pixel_cap.map(|c| c.max(video.min_pixels.unwrap_or(0)));
+        video.max_pixels = cap.filter(|&c| c < processor.videos.config.base.max_pixels);
+    }
+    let named = |e: Error| match e {
+        Error::Input { what, message } => Error::Input { what: format!("video {what}"), message },
+        other => other,
+    };
+    processor.videos = processor.videos.clone().with_options(&video).map_err(named)?;
+    processor.videos.limits = opts.video_limits;
     Ok(())
+}
+
+/// The video processor for one video: the engine's, narrowed by the request's options (fewer
+/// frames and pixels only; any sampling rate within bounds).
+fn video_processor(base: &VideoProcessor, o: &VideoOptions) -> Result<VideoProcessor> {
+    let c = &base.config;
+    let over = |name: &str, v: usize, most: usize| {
+        (v > most).then(|| Error::Input {
+            what: format!("video {name}"),
+            message: format!("{v} is above the server's {most}"),
+        })
+    };
+    if let Some(e) = o.max_frames.and_then(|v| over("max_frames", v, c.max_frames)) {
+        return Err(e);
+    }
+    if let Some(e) = o.max_pixels.and_then(|v| over("max_pixels", v, c.base.max_pixels)) {
+        return Err(e);
+    }
+    let narrowed = VideoOptions { min_pixels: None, cap_pixels_per_frame: None, ..*o };
+    let mut p = base.clone().with_options(&narrowed).map_err(|e| match e {
+        Error::Input { what, message } => Error::Input { what: format!("video {what}"), message },
+        other => other,
+    })?;
+    p.limits = base.limits;
+    Ok(p)
 }
 
 /// The (min, max) pixel budget an engine applies over a checkpoint's preprocessor `config`:
@@ -701,6 +787,21 @@ fn load_text(
 ) -> Result<TextModel> {
     let quant = opts.quant.map(|qtype| QuantLoad { qtype, read_as: weights.text_float_dtype() });
     TextModel::load_with(&config.text, config.tie_word_embeddings, vb, quant)
+}
+
+/// A preprocessed video's cache key: the hash of its patch rows and grid.
+fn video_key(v: &ProcessedVideo) -> u64 {
+    let mut h = Sha256::new();
+    for chunk in v.pixels.chunks(1 << 14) {
+        h.update(chunk.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>());
+    }
+    for g in v.plan.grid {
+        h.update((g as u64).to_le_bytes());
+    }
+    let digest = h.finalize();
+    let mut k = [0u8; 8];
+    k.copy_from_slice(&digest[..8]);
+    u64::from_le_bytes(k) | 1
 }
 
 /// An image's cache key: its content hash and its resized size.
@@ -754,6 +855,7 @@ fn prepare(
     }
     let mut messages = Vec::with_capacity(req.messages.len());
     let mut files = Vec::new();
+    let mut clips: Vec<(VideoSource, VideoProcessor, VideoPlan)> = Vec::new();
     for m in &req.messages {
         let mut content = Vec::with_capacity(m.parts.len());
         for p in &m.parts {
@@ -764,6 +866,22 @@ fn prepare(
                     let file = ImageFile::from_bytes(data.clone(), Path::new(name), &proc.limits)?;
                     content.push(Content::Image { image: name.clone() });
                     files.push((file, proc, Sha256::digest(data)));
+                }
+                Part::Video { source, name, options } => {
+                    let proc = video_processor(&processor.videos, options)?;
+                    let src = match source {
+                        VideoData::Path(p) => VideoSource::open(p, proc.config.fps, &proc.limits)?,
+                        VideoData::Bytes(b) => VideoSource::from_bytes(b.clone(), Path::new(name), &proc.limits)?,
+                    };
+                    let info = src.info();
+                    let plan = proc
+                        .plan(info.frames, info.fps, info.height as usize, info.width as usize)
+                        .map_err(|e| match e {
+                            Error::Input { message, .. } => Error::Input { what: format!("video {name}"), message },
+                            other => other,
+                        })?;
+                    content.push(Content::Video { video: name.clone() });
+                    clips.push((src, proc, plan));
                 }
             }
         }
@@ -778,12 +896,16 @@ fn prepare(
     let tokens: Vec<usize> = files.iter().map(|(f, p, _)| p.tokens_for(f)).collect::<Result<_>>()?;
     let context = config.text.max_position_embeddings;
     let tools = (!req.tools.is_empty()).then_some(req.tools.as_slice());
-    let prompt_len = processor.prompt_len_with(&messages, tools, &tokens)?;
+    let plans: Vec<&VideoPlan> = clips.iter().map(|(_, _, plan)| plan).collect();
+    let prompt_len = processor.prompt_len_media(&messages, tools, &tokens, &plans)?;
     if prompt_len >= context {
+        let merge = processor.videos.config.base.merge_size;
+        let video_tokens: usize = plans.iter().map(|p| p.num_tokens(merge)).sum();
+        let videos = if plans.is_empty() { String::new() } else { format!(", {video_tokens} from {} video(s)", plans.len()) };
         return Err(Error::Limit {
             what: "prompt".into(),
             message: format!(
-                "the prompt is {prompt_len} tokens ({} from {} image(s)), longer than the model's context of {context} tokens",
+                "the prompt is {prompt_len} tokens ({} from {} image(s){videos}), longer than the model's context of {context} tokens",
                 tokens.iter().sum::<usize>(),
                 tokens.len()
             ),
@@ -792,25 +914,38 @@ fn prepare(
     }
     let processed: Vec<_> = files.iter().map(|(f, p, _)| p.process_opened(f)).collect::<Result<_>>()?;
     let keys: Vec<u64> = files.iter().zip(&processed).map(|((_, _, h), img)| image_key(h, img.resized)).collect();
-    let prompt = processor.prepare_with(&messages, tools, &processed, device)?;
-    let image_token = config.image_token_id;
-    let image_tokens = prompt.input_ids.iter().filter(|&&t| t == image_token).count();
-    // Identities: which image each placeholder run belongs to, in prompt order.
+    let videos: Vec<ProcessedVideo> = clips.iter().map(|(src, p, _)| p.process_source(src)).collect::<Result<_>>()?;
+    let video_keys: Vec<u64> = videos.iter().map(video_key).collect();
+    let prompt = processor.prepare_media(&messages, tools, &processed, &videos, device)?;
+    let count = |id: u32| prompt.input_ids.iter().filter(|&&t| t == id).count();
+    let (image_tokens, video_tokens) = (count(config.image_token_id), count(config.video_token_id));
+    // Identities: which image or video each placeholder belongs to, in prompt order (a video's
+    // frame pairs are runs of one video, separated by their timestamps).
     let mut ident: Vec<Identity> = Vec::with_capacity(prompt.input_ids.len());
-    let (mut img, mut in_run) = (0usize, false);
+    let mut runs = [(config.image_token_id, &keys, 0usize, false), (config.video_token_id, &video_keys, 0, false)];
+    let mut pairs_left = videos.first().map_or(0, |v| v.plan.grid[0]);
     for &t in &prompt.input_ids {
-        if t == image_token {
-            in_run = true;
-            ident.push((t, keys.get(img).copied().unwrap_or(0)));
-        } else {
-            if in_run {
-                img += 1;
-                in_run = false;
+        let mut key = 0;
+        for (kind, (id, keys, at, in_run)) in runs.iter_mut().enumerate() {
+            if t == *id {
+                *in_run = true;
+                key = keys.get(*at).copied().unwrap_or(0);
+            } else if *in_run {
+                *in_run = false;
+                if kind == 0 {
+                    *at += 1;
+                } else {
+                    pairs_left -= 1;
+                    if pairs_left == 0 {
+                        *at += 1;
+                        pairs_left = videos.get(*at).map_or(0, |v| v.plan.grid[0]);
+                    }
+                }
             }
-            ident.push((t, 0));
         }
+        ident.push((t, key));
     }
-    Ok((opts, Prepared { prompt, ident, processed, keys, image_tokens }))
+    Ok((opts, Prepared { prompt, ident, processed, keys, image_tokens, videos, video_keys, video_tokens }))
 }
 
 /// Holds back text that may be the start of a stop string; cuts the answer at a stop string.

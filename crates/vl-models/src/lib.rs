@@ -15,5 +15,6 @@ pub mod qwen3_vl;
 pub mod sampling;
 pub mod stream;
 pub mod tools;
+pub mod video;
 
 pub use error::{Error, Result};

@@ -1,6 +1,6 @@
 //! Prompts: the checkpoint's chat template rendered with minijinja (as transformers renders it:
 //! trim_blocks, lstrip_blocks, Python string methods), `<|image_pad|>` expanded to each image's
-//! token count, tokenization with the `tokenizers` crate, and incremental detokenization for
+//! token count and `<|video_pad|>` to each video's timestamped frame pairs, tokenization with the `tokenizers` crate, and incremental detokenization for
 //! streaming that never emits a broken UTF-8 sequence.
 
 use std::path::{Path, PathBuf};
@@ -11,6 +11,7 @@ use tokenizers::Tokenizer;
 
 use super::model::Prompt;
 use super::processor::{ImageProcessor, ProcessedImage};
+use super::video::{ProcessedVideo, VideoPlan, VideoProcessor, VIDEO_PAD};
 use crate::error::{Error, Result};
 use crate::limits::{read_text, MAX_METADATA_FILE_BYTES};
 pub use crate::stream::StreamDecoder;
@@ -26,6 +27,7 @@ const IMAGE_PAD: &str = "<|image_pad|>";
 pub enum Content {
     Text { text: String },
     Image { image: String },
+    Video { video: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -63,7 +65,7 @@ fn content_value<S: serde::Serializer>(content: &[Content], s: S) -> std::result
             .iter()
             .map(|c| match c {
                 Content::Text { text } => text.as_str(),
-                Content::Image { .. } => "",
+                _ => "",
             })
             .collect();
         s.serialize_str(&text)
@@ -229,6 +231,7 @@ pub struct Processor {
     pub tokenizer: Tokenizer,
     pub template: ChatTemplate,
     pub images: ImageProcessor,
+    pub videos: VideoProcessor,
 }
 
 impl Processor {
@@ -245,7 +248,12 @@ impl Processor {
             what: path.display().to_string(),
             message: format!("invalid tokenizer: {}", e.to_string().replace('\n', " ")),
         })?;
-        Ok(Self { tokenizer, template: ChatTemplate::from_dir(dir)?, images: ImageProcessor::from_dir(dir)? })
+        Ok(Self {
+            tokenizer,
+            template: ChatTemplate::from_dir(dir)?,
+            images: ImageProcessor::from_dir(dir)?,
+            videos: VideoProcessor::from_dir(dir)?,
+        })
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
@@ -275,17 +283,21 @@ impl Processor {
         tools: Option<&[serde_json::Value]>,
         image_tokens: &[usize],
     ) -> Result<usize> {
+        self.prompt_len_media(messages, tools, image_tokens, &[])
+    }
+
+    /// `prompt_len_with` for images and videos (their plans: timestamps and grids).
+    pub fn prompt_len_media(
+        &self,
+        messages: &[Message],
+        tools: Option<&[serde_json::Value]>,
+        image_tokens: &[usize],
+        videos: &[&VideoPlan],
+    ) -> Result<usize> {
         let text = self.template.render_with(messages, tools, true)?;
-        let pads = text.matches(IMAGE_PAD).count();
-        if pads != image_tokens.len() {
-            return Err(Error::Input {
-                what: "prompt".into(),
-                message: format!("the rendered prompt has {pads} image placeholders for {} images", image_tokens.len()),
-            });
-        }
-        // Each placeholder is one special token, expanded to its image's count.
-        let n = self.encode(&text)?.len();
-        Ok(image_tokens.iter().fold(n, |acc, &t| acc.saturating_add(t).saturating_sub(1)))
+        // Each run of pads is one special token in `short`, expanded to its count after encoding.
+        let (short, extra) = self.expand(&text, image_tokens, videos, false)?;
+        Ok(self.encode(&short)?.len().saturating_add(extra))
     }
 
     /// Renders `messages` (with the generation prompt), expands each `<|image_pad|>` to its
@@ -302,27 +314,65 @@ impl Processor {
         images: &[ProcessedImage],
         device: &Device,
     ) -> Result<Prompt> {
+        self.prepare_media(messages, tools, images, &[], device)
+    }
+
+    /// `prepare_with` for images and videos: each `<|video_pad|>` becomes its video's frame
+    /// pairs, `<{t:.1f} seconds><|vision_start|>` + pads + `<|vision_end|>` each.
+    pub fn prepare_media(
+        &self,
+        messages: &[Message],
+        tools: Option<&[serde_json::Value]>,
+        images: &[ProcessedImage],
+        videos: &[ProcessedVideo],
+        device: &Device,
+    ) -> Result<Prompt> {
         let text = self.template.render_with(messages, tools, true)?;
         let merge = self.images.config.merge_size;
-        let pads = text.matches(IMAGE_PAD).count();
-        if pads != images.len() {
-            return Err(Error::Input {
-                what: "prompt".into(),
-                message: format!("the rendered prompt has {pads} image placeholders for {} images", images.len()),
-            });
-        }
-        let mut expanded = String::with_capacity(text.len());
-        let mut rest = text.as_str();
-        for img in images {
-            let at = rest.find(IMAGE_PAD).expect("counted above");
-            expanded.push_str(&rest[..at]);
-            expanded.push_str(&IMAGE_PAD.repeat(img.num_tokens(merge)));
-            rest = &rest[at + IMAGE_PAD.len()..];
-        }
-        expanded.push_str(rest);
+        let tokens: Vec<usize> = images.iter().map(|i| i.num_tokens(merge)).collect();
+        let plans: Vec<&VideoPlan> = videos.iter().map(|v| &v.plan).collect();
+        let (expanded, _) = self.expand(&text, &tokens, &plans, true)?;
         let input_ids = self.encode(&expanded)?;
         let images = (!images.is_empty()).then(|| self.images.batch(images, device)).transpose()?;
-        Ok(Prompt { input_ids, images, videos: None })
+        let videos = (!videos.is_empty()).then(|| self.videos.batch(videos, device)).transpose()?;
+        Ok(Prompt { input_ids, images, videos })
+    }
+
+    /// Replaces the rendered prompt's image and video pads, in one left-to-right pass, by their
+    /// expansions: every pad run full length (`full`), or one pad per run with the count of the
+    /// missing pads returned.
+    fn expand(&self, text: &str, images: &[usize], videos: &[&VideoPlan], full: bool) -> Result<(String, usize)> {
+        for (pad, n, what) in [(IMAGE_PAD, images.len(), "image"), (VIDEO_PAD, videos.len(), "video")] {
+            let pads = text.matches(pad).count();
+            if pads != n {
+                return Err(Error::Input {
+                    what: "prompt".into(),
+                    message: format!("the rendered prompt has {pads} {what} placeholders for {n} {what}s"),
+                });
+            }
+        }
+        let merge = self.videos.config.base.merge_size;
+        let (mut out, mut extra) = (String::with_capacity(text.len()), 0usize);
+        let (mut images, mut videos) = (images.iter(), videos.iter());
+        let mut rest = text;
+        loop {
+            let next = [IMAGE_PAD, VIDEO_PAD].into_iter().filter_map(|p| rest.find(p).map(|at| (at, p))).min();
+            let Some((at, pad)) = next else { break };
+            out.push_str(&rest[..at]);
+            rest = &rest[at + pad.len()..];
+            if pad == IMAGE_PAD {
+                let n = *images.next().expect("counted above");
+                out.push_str(&IMAGE_PAD.repeat(if full { n } else { 1 }));
+                extra = extra.saturating_add(n.saturating_sub(1));
+            } else {
+                let plan = videos.next().expect("counted above");
+                let n = plan.frame_tokens(merge);
+                out.push_str(&plan.placeholder(if full { n } else { 1 }));
+                extra = extra.saturating_add(plan.grid[0] * n.saturating_sub(1));
+            }
+        }
+        out.push_str(rest);
+        Ok((out, if full { 0 } else { extra }))
     }
 
     pub fn stream_decoder(&self) -> StreamDecoder<'_> {

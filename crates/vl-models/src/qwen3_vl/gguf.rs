@@ -25,6 +25,7 @@ use super::model::Qwen3VlModel;
 use super::processor::{ImageProcessor, PreprocessorConfig};
 use super::text::{LoadPlan, Prequantized, TextModel};
 use super::vision::VisionTower;
+use super::video::{VideoConfig, VideoProcessor};
 use crate::error::{Error, Result};
 
 /// Header bounds: more than any real model has, far less than a hostile file may claim.
@@ -553,7 +554,10 @@ impl GgufModel {
                 }
             }
         }
-        Ok(Processor { tokenizer, template, images: ImageProcessor::new(pp) })
+        // No video config in a GGUF: the video processor's class defaults over the image geometry.
+        let (min_pixels, max_pixels) = VideoConfig::CLASS_BUDGET;
+        let video = VideoConfig { base: PreprocessorConfig { min_pixels, max_pixels, ..pp.clone() }, ..Default::default() };
+        Ok(Processor { tokenizer, template, images: ImageProcessor::new(pp), videos: VideoProcessor::new(video) })
     }
 
     /// End-of-turn ids: the GGUF's eos and `<|im_end|>` / `<|endoftext|>` when present.

@@ -15,6 +15,7 @@ pub mod preflight;
 pub mod presets;
 pub mod processor;
 pub mod text;
+pub mod video;
 pub mod vision;
 pub mod weights;
 
@@ -28,5 +29,6 @@ pub use plan::{check_plan, tensor_plan, Group, PlanReport, PlannedTensor};
 pub use preflight::ModelDir;
 pub use processor::{ImageFile, ImageProcessor, PreprocessorConfig, ProcessedImage};
 pub use text::{LoadPlan, Prequantized, QuantLoad, TextCache, TextModel};
+pub use video::{ProcessedVideo, VideoConfig, VideoOptions, VideoPlan, VideoProcessor};
 pub use vision::{Grid, VisionOutput, VisionTower};
 pub use weights::{Layout, Weights};

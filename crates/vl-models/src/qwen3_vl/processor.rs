@@ -126,6 +126,13 @@ impl PreprocessorConfig {
 
     /// Parses a preprocessor_config.json body; `path` is used in error messages only.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
+        let d = Self::default();
+        Self::parse(text, path, (d.min_pixels, d.max_pixels))
+    }
+
+    /// `from_json_str` with the pixel budget used when the file gives none (the video
+    /// processor's class defaults differ from the image processor's).
+    pub(crate) fn parse(text: &str, path: &Path, default_budget: (usize, usize)) -> Result<Self> {
         let path = path.to_path_buf();
         let raw: RawPreprocessor =
             serde_json::from_str(text).map_err(|source| Error::Json { path: path.clone(), source })?;
@@ -136,7 +143,6 @@ impl PreprocessorConfig {
         let three = |v: &[f32], f: &str| -> Result<[f32; 3]> {
             v.try_into().map_err(|_| field(f, format!("{v:?} must have 3 values")))
         };
-        let d = Self::default();
         let size = raw.size.clone();
         for (f, v, max) in [
             ("patch_size", raw.patch_size, MAX_PATCH),
@@ -164,8 +170,8 @@ impl PreprocessorConfig {
             ("size.shortest_edge", "size.longest_edge")
         };
         let cfg = Self {
-            min_pixels: raw.min_pixels.or(size.as_ref().and_then(|s| s.shortest_edge)).unwrap_or(d.min_pixels),
-            max_pixels: raw.max_pixels.or(size.as_ref().and_then(|s| s.longest_edge)).unwrap_or(d.max_pixels),
+            min_pixels: raw.min_pixels.or(size.as_ref().and_then(|s| s.shortest_edge)).unwrap_or(default_budget.0),
+            max_pixels: raw.max_pixels.or(size.as_ref().and_then(|s| s.longest_edge)).unwrap_or(default_budget.1),
             patch_size: raw.patch_size,
             temporal_patch_size: raw.temporal_patch_size,
             merge_size: raw.merge_size,
@@ -580,24 +586,9 @@ impl ImageProcessor {
         let c = &self.config;
         let (w0, h0) = (img.width() as usize, img.height() as usize);
         let (h, w) = self.target_size(h0, w0)?;
-        let rgb: Vec<u8> = if (h, w) == (h0, w0) { img.as_raw().clone() } else { resize_bicubic(img, w, h)? };
-        // Channel-first float planes: rescale, then normalize.
-        let plane = h * w;
-        let mut planes = vec![0f32; 3 * plane];
-        for (i, px) in rgb.chunks_exact(3).enumerate() {
-            for ch in 0..3 {
-                let mut v = px[ch] as f32;
-                if c.do_rescale {
-                    v = (px[ch] as f64 * c.rescale_factor) as f32;
-                }
-                if c.do_normalize {
-                    v = (v - c.image_mean[ch]) / c.image_std[ch];
-                }
-                planes[ch * plane + i] = v;
-            }
-        }
+        let planes = normalized_planes(img, h, w, c)?;
         Ok(ProcessedImage {
-            pixels: patchify(&planes, h, w, c),
+            pixels: patchify(&vec![&planes[..]; c.temporal_patch_size], h, w, c),
             grid: [1, h / c.patch_size, w / c.patch_size],
             resized: (h, w),
         })
@@ -631,20 +622,48 @@ fn resize_bicubic(img: &RgbImage, w: usize, h: usize) -> Result<Vec<u8>> {
     Ok(dst.into_vec())
 }
 
-/// Channel-first planes [3, h, w] -> rows [(h/P)*(w/P), 3*T*P*P] in merge-block order, each frame
-/// repeated to the temporal patch: row order (block row, block col, in-row, in-col), values
-/// ordered (channel, t, patch row, patch col).
-fn patchify(planes: &[f32], h: usize, w: usize, c: &PreprocessorConfig) -> Vec<f32> {
-    let (p, m, t) = (c.patch_size, c.merge_size, c.temporal_patch_size);
+/// Resized to (h, w) (bicubic, unless already that size), rescaled and normalized: channel-first
+/// float planes [3, h, w].
+pub(crate) fn normalized_planes(img: &RgbImage, h: usize, w: usize, c: &PreprocessorConfig) -> Result<Vec<f32>> {
+    let (w0, h0) = (img.width() as usize, img.height() as usize);
+    let resized;
+    let rgb: &[u8] = if (h, w) == (h0, w0) {
+        img.as_raw()
+    } else {
+        resized = resize_bicubic(img, w, h)?;
+        &resized
+    };
+    let plane = h * w;
+    let mut planes = vec![0f32; 3 * plane];
+    for (i, px) in rgb.chunks_exact(3).enumerate() {
+        for ch in 0..3 {
+            let mut v = px[ch] as f32;
+            if c.do_rescale {
+                v = (px[ch] as f64 * c.rescale_factor) as f32;
+            }
+            if c.do_normalize {
+                v = (v - c.image_mean[ch]) / c.image_std[ch];
+            }
+            planes[ch * plane + i] = v;
+        }
+    }
+    Ok(planes)
+}
+
+/// One temporal patch of channel-first frames (`frames.len()` = the temporal patch size; an
+/// image repeats its one frame) -> rows [(h/P)*(w/P), 3*T*P*P] in merge-block order: row order
+/// (block row, block col, in-row, in-col), values ordered (channel, frame, patch row, patch col).
+pub(crate) fn patchify(frames: &[&[f32]], h: usize, w: usize, c: &PreprocessorConfig) -> Vec<f32> {
+    let (p, m) = (c.patch_size, c.merge_size);
     let (gh, gw) = (h / p, w / p);
-    let mut out = Vec::with_capacity(planes.len() * t);
+    let mut out = Vec::with_capacity(3 * h * w * frames.len());
     for bh in 0..gh / m {
         for bw in 0..gw / m {
             for mh in 0..m {
                 for mw in 0..m {
                     let (r0, c0) = ((bh * m + mh) * p, (bw * m + mw) * p);
                     for ch in 0..3 {
-                        for _ in 0..t {
+                        for planes in frames {
                             for pr in 0..p {
                                 let start = ch * h * w + (r0 + pr) * w + c0;
                                 out.extend_from_slice(&planes[start..start + p]);
@@ -690,7 +709,7 @@ mod tests {
         let planes: Vec<f32> = (0..3)
             .flat_map(|ch| (0..4).flat_map(move |r| (0..4).map(move |col| (ch * 100 + r * 10 + col) as f32)))
             .collect();
-        let rows = patchify(&planes, 4, 4, &c);
+        let rows = patchify(&[&planes[..], &planes[..]], 4, 4, &c);
         assert_eq!(rows.len(), 16 * 6);
         let row = |i: usize| &rows[i * 6..i * 6 + 6];
         assert_eq!(row(0), &[0., 0., 100., 100., 200., 200.]); // (0,0)

@@ -1,0 +1,517 @@
+//! Video sources: files decoded by the `ffmpeg` / `ffprobe` programs found on PATH (driven as
+//! subprocesses, no C library linked), animated GIF / PNG (APNG) / WebP decoded in-process, and
+//! directories of frame images. A source is probed first (frame size, frame count, frame rate:
+//! all that frame sampling and the token count need, before any pixel is decoded); then only the
+//! sampled frames are decoded and handed out one at a time, so memory holds one source frame.
+
+use std::io::{Cursor, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use image::{AnimationDecoder, ImageFormat, RgbImage};
+
+use crate::error::{Error, Result};
+use crate::limits::{self, LimitKind, MAX_IMAGE_SIDE};
+use crate::qwen3_vl::processor::{to_rgb, ImageFile};
+
+/// Bounds on a video source, checked when it is probed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VideoLimits {
+    /// Bytes of a video held in memory (a request's data, an animated image file read whole).
+    pub max_file_bytes: u64,
+    /// Pixels (width x height) of one source frame.
+    pub max_frame_pixels: u64,
+    /// Frames in the source (all of them are decoded to reach the sampled ones).
+    pub max_source_frames: usize,
+}
+
+impl Default for VideoLimits {
+    fn default() -> Self {
+        // 1 GiB of encoded video in memory; 2^26-pixel frames as for images (8K is 2^25); an
+        // hour at 60 fps.
+        Self { max_file_bytes: 1 << 30, max_frame_pixels: 1 << 26, max_source_frames: 216_000 }
+    }
+}
+
+/// Frame rates accepted from a source or a flag: above 0, at most this.
+pub const MAX_FPS: f64 = 1000.0;
+
+/// What a probe learned about a source.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VideoInfo {
+    pub width: u32,
+    pub height: u32,
+    /// Frames in the source.
+    pub frames: usize,
+    /// Source frames per second (the rate timestamps are computed from).
+    pub fps: f64,
+    /// Which decoder reads it: "ffmpeg", "gif", "apng", "webp" or "frames" (a directory).
+    pub decoder: &'static str,
+}
+
+enum Kind {
+    /// Decoded by ffmpeg from this file (a temporary copy for in-memory data, kept alive here).
+    Ffmpeg { file: PathBuf, _temp: Option<tempfile::NamedTempFile> },
+    /// An animated image held in memory.
+    Animated { bytes: Vec<u8>, format: ImageFormat },
+    /// Image files, one per frame, in name order.
+    Frames(Vec<PathBuf>),
+}
+
+/// A probed video source.
+pub struct VideoSource {
+    name: PathBuf,
+    kind: Kind,
+    info: VideoInfo,
+    limits: VideoLimits,
+}
+
+impl std::fmt::Debug for VideoSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VideoSource").field("name", &self.name).field("info", &self.info).finish()
+    }
+}
+
+/// The install hint for a missing ffmpeg.
+pub const FFMPEG_HINT: &str = "decoding video files needs `ffmpeg` and `ffprobe` on PATH (Debian/Ubuntu: apt-get install ffmpeg; macOS: brew install ffmpeg); animated GIF/PNG/WebP files and directories of frames work without them";
+
+impl VideoSource {
+    /// Opens a video file or a directory of frames. A directory's frames (every image file in
+    /// it, in file-name order) are taken as `frames_fps` frames per second.
+    pub fn open(path: &Path, frames_fps: f64, limits: &VideoLimits) -> Result<Self> {
+        let name = path.to_path_buf();
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+        if meta.is_dir() {
+            return Self::frames_dir(name, frames_fps, limits);
+        }
+        let mut head = Vec::with_capacity(64);
+        std::fs::File::open(path)
+            .and_then(|f| f.take(64).read_to_end(&mut head))
+            .map_err(|e| Error::io(path, e))?;
+        if let Some(format) = animated_format(&head) {
+            let bytes = limits::read_bytes(path, limits.max_file_bytes, LimitKind::Fixed)
+                .map_err(|e| rename(e, &name))?;
+            return Self::animated(name, bytes, format, limits);
+        }
+        Self::ffmpeg(name, path.to_path_buf(), None, limits)
+    }
+
+    /// A video held in memory (e.g. a request's base64 data); `name` stands for it in errors.
+    /// Data that is not an animated image is written to a temporary file for ffmpeg.
+    pub fn from_bytes(bytes: Vec<u8>, name: &Path, limits: &VideoLimits) -> Result<Self> {
+        let name = name.to_path_buf();
+        if bytes.len() as u64 > limits.max_file_bytes {
+            return Err(Error::Limit {
+                what: what(&name),
+                message: format!("{} bytes, over the limit of {} bytes", bytes.len(), limits.max_file_bytes),
+                kind: LimitKind::Fixed,
+            });
+        }
+        if let Some(format) = animated_format(&bytes) {
+            return Self::animated(name, bytes, format, limits);
+        }
+        let mut temp = tempfile::Builder::new().prefix("vl-video-").tempfile().map_err(|e| Error::io(&name, e))?;
+        std::io::Write::write_all(&mut temp, &bytes).map_err(|e| Error::io(temp.path(), e))?;
+        let file = temp.path().to_path_buf();
+        Self::ffmpeg(name, file, Some(temp), limits)
+    }
+
+    pub fn info(&self) -> &VideoInfo {
+        &self.info
+    }
+
+    pub fn name(&self) -> &Path {
+        &self.name
+    }
+
+    /// Decodes the frames at `indices` (ascending, each below `info().frames`) and calls
+    /// `each(k, frame)` for the k-th of them, in order. A stream that ends before an index (its
+    /// header counted more frames than it decodes) repeats its last decoded frame.
+    pub fn read_frames(&self, indices: &[usize], each: &mut dyn FnMut(usize, RgbImage) -> Result<()>) -> Result<()> {
+        if indices.windows(2).any(|w| w[0] >= w[1]) || indices.last().is_some_and(|&i| i >= self.info.frames) {
+            return Err(self.input(format!("frame indices {indices:?} are not ascending below {}", self.info.frames)));
+        }
+        let delivered = std::cell::Cell::new(0usize);
+        let mut last: Option<RgbImage> = None;
+        let mut give = |frame: RgbImage, last: &mut Option<RgbImage>| -> Result<()> {
+            let k = delivered.get();
+            if frame.dimensions() != (self.info.width, self.info.height) {
+                return Err(self.input(format!(
+                    "frame {} is {}x{}, the first frame {}x{}: frames of changing size are not supported",
+                    indices[k],
+                    frame.width(),
+                    frame.height(),
+                    self.info.width,
+                    self.info.height
+                )));
+            }
+            *last = Some(frame.clone());
+            each(k, frame)?;
+            delivered.set(k + 1);
+            Ok(())
+        };
+        match &self.kind {
+            Kind::Frames(files) => {
+                for &i in indices {
+                    let frame = ImageFile::open(&files[i], &self.image_limits())?.decode()?;
+                    give(frame, &mut last)?;
+                }
+            }
+            Kind::Animated { bytes, format } => {
+                let mut wanted = indices.iter().peekable();
+                for (i, frame) in animation_frames(bytes, *format).map_err(|e| self.decode_error(e))?.enumerate() {
+                    if wanted.peek().is_none() {
+                        break;
+                    }
+                    let frame = frame.map_err(|e| self.decode_error(e))?;
+                    if wanted.peek() == Some(&&i) {
+                        wanted.next();
+                        give(to_rgb(image::DynamicImage::ImageRgba8(frame.into_buffer())), &mut last)?;
+                    }
+                }
+            }
+            Kind::Ffmpeg { file, .. } => self.ffmpeg_frames(file, indices, &mut |f| give(f, &mut last))?,
+        }
+        if delivered.get() == 0 && !indices.is_empty() {
+            return Err(self.input("no frame could be decoded".into()));
+        }
+        while delivered.get() < indices.len() {
+            let frame = last.clone().expect("one frame delivered");
+            give(frame, &mut last)?;
+        }
+        Ok(())
+    }
+
+    fn image_limits(&self) -> limits::ImageLimits {
+        limits::ImageLimits { max_file_bytes: self.limits.max_file_bytes, max_pixels: self.limits.max_frame_pixels }
+    }
+
+    fn input(&self, message: String) -> Error {
+        Error::Input { what: what(&self.name), message }
+    }
+
+    fn decode_error(&self, e: image::ImageError) -> Error {
+        self.input(format!("cannot decode: {}", one_line(&e.to_string())))
+    }
+
+    fn checked(name: PathBuf, kind: Kind, info: VideoInfo, limits: &VideoLimits) -> Result<Self> {
+        let bad = |message: String| Error::Input { what: what(&name), message };
+        if info.width == 0 || info.height == 0 {
+            return Err(bad(format!("empty frames {}x{}", info.width, info.height)));
+        }
+        let pixels = info.width as u64 * info.height as u64;
+        if pixels > limits.max_frame_pixels || info.width > MAX_IMAGE_SIDE || info.height > MAX_IMAGE_SIDE {
+            return Err(Error::Limit {
+                what: what(&name),
+                message: format!(
+                    "frames of {}x{} are {pixels} pixels, over the limit of {} pixels per frame",
+                    info.width, info.height, limits.max_frame_pixels
+                ),
+                kind: LimitKind::Fixed,
+            });
+        }
+        if info.frames == 0 {
+            return Err(bad("no frames".into()));
+        }
+        if info.frames > limits.max_source_frames {
+            return Err(Error::Limit {
+                what: what(&name),
+                message: format!("{} frames, over the limit of {} frames per video", info.frames, limits.max_source_frames),
+                kind: LimitKind::Fixed,
+            });
+        }
+        check_fps(info.fps).map_err(|m| bad(format!("frame rate {m}")))?;
+        Ok(Self { name, kind, info, limits: *limits })
+    }
+
+    fn frames_dir(name: PathBuf, fps: f64, limits: &VideoLimits) -> Result<Self> {
+        let mut files = Vec::new();
+        for entry in std::fs::read_dir(&name).map_err(|e| Error::io(&name, e))? {
+            let entry = entry.map_err(|e| Error::io(&name, e))?;
+            let file_name = entry.file_name();
+            if file_name.to_string_lossy().starts_with('.') || !entry.path().is_file() {
+                continue;
+            }
+            files.push(entry.path());
+            if files.len() > limits.max_source_frames {
+                return Err(Error::Limit {
+                    what: what(&name),
+                    message: format!("more than {} frame files", limits.max_source_frames),
+                    kind: LimitKind::Fixed,
+                });
+            }
+        }
+        files.sort();
+        let Some(first) = files.first() else {
+            return Err(Error::Input { what: what(&name), message: "an empty directory: no frame images".into() });
+        };
+        let limits_img = limits::ImageLimits { max_file_bytes: limits.max_file_bytes, max_pixels: limits.max_frame_pixels };
+        let head = ImageFile::open(first, &limits_img)?;
+        let info = VideoInfo { width: head.width, height: head.height, frames: files.len(), fps, decoder: "frames" };
+        Self::checked(name, Kind::Frames(files), info, limits)
+    }
+
+    fn animated(name: PathBuf, bytes: Vec<u8>, format: ImageFormat, limits: &VideoLimits) -> Result<Self> {
+        let bad = |e: image::ImageError| Error::Input {
+            what: what(&name),
+            message: format!("cannot decode: {}", one_line(&e.to_string())),
+        };
+        let (width, height) = animation_size(&bytes, format).map_err(bad)?;
+        if width as u64 * height as u64 > limits.max_frame_pixels || width > MAX_IMAGE_SIDE || height > MAX_IMAGE_SIDE
+        {
+            // `checked` refuses the canvas size before anything is decoded.
+            let info = VideoInfo { width, height, frames: 1, fps: 1.0, decoder: "" };
+            return Self::checked(name, Kind::Frames(vec![]), info, limits);
+        }
+        // Count the frames and their display time (one frame decoded at a time).
+        let (mut frames, mut seconds) = (0usize, 0f64);
+        for frame in animation_frames(&bytes, format).map_err(bad)? {
+            let frame = frame.map_err(bad)?;
+            let (num, den) = frame.delay().numer_denom_ms();
+            seconds += if den == 0 { 0.0 } else { num as f64 / den as f64 / 1000.0 };
+            frames += 1;
+            if frames > limits.max_source_frames {
+                break;
+            }
+        }
+        // No timing (all delays 0): 10 frames a second, as browsers show such GIFs.
+        let fps = if seconds > 0.0 { frames as f64 / seconds } else { 10.0 };
+        let decoder = match format {
+            ImageFormat::Gif => "gif",
+            ImageFormat::Png => "apng",
+            _ => "webp",
+        };
+        let info = VideoInfo { width, height, frames, fps, decoder };
+        Self::checked(name, Kind::Animated { bytes, format }, info, limits)
+    }
+
+    fn ffmpeg(name: PathBuf, file: PathBuf, temp: Option<tempfile::NamedTempFile>, limits: &VideoLimits) -> Result<Self> {
+        let out = run_tool(
+            &name,
+            Command::new("ffprobe")
+                .args(["-v", "error", "-select_streams", "v:0", "-count_packets", "-show_entries"])
+                .arg("stream=width,height,avg_frame_rate,r_frame_rate,nb_read_packets")
+                .args(["-of", "json"])
+                .arg(&file),
+        )?;
+        let json: serde_json::Value = serde_json::from_slice(&out).map_err(|e| Error::Input {
+            what: what(&name),
+            message: format!("ffprobe printed no readable JSON: {e}"),
+        })?;
+        let Some(stream) = json.get("streams").and_then(|s| s.get(0)) else {
+            return Err(Error::Input { what: what(&name), message: "no video stream".into() });
+        };
+        let dim = |k: &str| stream.get(k).and_then(|v| v.as_u64()).unwrap_or(0).min(u32::MAX as u64) as u32;
+        let text = |k: &str| stream.get(k).and_then(|v| v.as_str()).unwrap_or("").to_string();
+        let frames = text("nb_read_packets").parse::<usize>().unwrap_or(0);
+        let fps = parse_rate(&text("avg_frame_rate")).or_else(|| parse_rate(&text("r_frame_rate"))).ok_or_else(|| {
+            Error::Input {
+                what: what(&name),
+                message: format!(
+                    "no usable frame rate (avg_frame_rate {:?}, r_frame_rate {:?})",
+                    text("avg_frame_rate"),
+                    text("r_frame_rate")
+                ),
+            }
+        })?;
+        let info = VideoInfo { width: dim("width"), height: dim("height"), frames, fps, decoder: "ffmpeg" };
+        Self::checked(name, Kind::Ffmpeg { file, _temp: temp }, info, limits)
+    }
+
+    /// Streams the selected frames out of ffmpeg as raw RGB, one frame in memory at a time.
+    fn ffmpeg_frames(&self, file: &Path, indices: &[usize], give: &mut dyn FnMut(RgbImage) -> Result<()>) -> Result<()> {
+        if indices.is_empty() {
+            return Ok(());
+        }
+        // Only the sampled frames leave the filter graph (all are decoded; none are converted
+        // or piped besides those).
+        let select: Vec<String> = indices.iter().map(|i| format!("eq(n\\,{i})")).collect();
+        let mut child = Command::new("ffmpeg")
+            .args(["-nostdin", "-v", "error", "-i"])
+            .arg(file)
+            .args(["-map", "0:v:0", "-vf"])
+            .arg(format!("select={}", select.join("+")))
+            .args(["-vsync", "0", "-f", "rawvideo", "-pix_fmt", "rgb24", "pipe:1"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| spawn_error(&self.name, "ffmpeg", e))?;
+        // stderr drained on its own thread (a chatty decoder must not block the pipe); its tail kept.
+        let mut stderr = child.stderr.take().expect("piped");
+        let errors = std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            let _ = (&mut stderr).take(1 << 20).read_to_end(&mut buf);
+            let _ = std::io::copy(&mut stderr, &mut std::io::sink());
+            buf
+        });
+        let mut stdout = child.stdout.take().expect("piped");
+        let (w, h) = (self.info.width, self.info.height);
+        let size = w as usize * h as usize * 3;
+        let mut result = Ok(());
+        let mut got = 0;
+        while got < indices.len() {
+            let mut buf = vec![0u8; size];
+            match read_full(&mut stdout, &mut buf) {
+                Ok(n) if n == size => {}
+                Ok(0) => break,
+                Ok(n) => {
+                    result = Err(self.input(format!(
+                        "ffmpeg ended inside frame {} ({n} of {size} bytes): truncated, or frames of changing size",
+                        indices[got]
+                    )));
+                    break;
+                }
+                Err(e) => {
+                    result = Err(Error::io(&self.name, e));
+                    break;
+                }
+            }
+            if let Err(e) = give(RgbImage::from_raw(w, h, buf).expect("sized")) {
+                result = Err(e);
+                break;
+            }
+            got += 1;
+        }
+        drop(stdout);
+        let _ = child.kill();
+        let status = child.wait().map_err(|e| Error::io(&self.name, e))?;
+        let stderr = errors.join().unwrap_or_default();
+        result?;
+        if got == 0 && !status.success() {
+            return Err(self.input(format!("ffmpeg cannot decode it: {}", last_line(&stderr))));
+        }
+        Ok(())
+    }
+}
+
+/// Reads until `buf` is full or the stream ends; the byte count.
+fn read_full(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+fn what(name: &Path) -> String {
+    format!("video {}", name.display())
+}
+
+fn rename(e: Error, name: &Path) -> Error {
+    match e {
+        Error::Limit { message, kind, .. } => Error::Limit { what: what(name), message, kind },
+        other => other,
+    }
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+fn last_line(stderr: &[u8]) -> String {
+    let text = String::from_utf8_lossy(stderr);
+    text.lines().rev().find(|l| !l.trim().is_empty()).map(one_line).unwrap_or_else(|| "no message".into())
+}
+
+fn spawn_error(name: &Path, tool: &str, e: std::io::Error) -> Error {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        Error::Input { what: what(name), message: FFMPEG_HINT.into() }
+    } else {
+        Error::Input { what: what(name), message: format!("cannot run {tool}: {e}") }
+    }
+}
+
+/// Runs a probe tool to completion; its stdout, or an error with the last line it printed.
+fn run_tool(name: &Path, cmd: &mut Command) -> Result<Vec<u8>> {
+    let tool = cmd.get_program().to_string_lossy().into_owned();
+    let out = cmd.stdin(Stdio::null()).output().map_err(|e| spawn_error(name, &tool, e))?;
+    if !out.status.success() {
+        return Err(Error::Input { what: what(name), message: format!("{tool} cannot read it: {}", last_line(&out.stderr)) });
+    }
+    Ok(out.stdout)
+}
+
+/// `num/den` (or a plain number) as a rate; `None` for 0/0, zero, negative or non-finite.
+fn parse_rate(s: &str) -> Option<f64> {
+    let v = match s.split_once('/') {
+        Some((n, d)) => n.trim().parse::<f64>().ok()? / d.trim().parse::<f64>().ok()?,
+        None => s.trim().parse::<f64>().ok()?,
+    };
+    (v.is_finite() && v > 0.0).then_some(v)
+}
+
+/// A frame rate within (0, `MAX_FPS`]; the message says why not.
+pub fn check_fps(fps: f64) -> std::result::Result<(), String> {
+    if fps.is_finite() && fps > 0.0 && fps <= MAX_FPS {
+        Ok(())
+    } else {
+        Err(format!("{fps} is outside (0, {MAX_FPS}] frames per second"))
+    }
+}
+
+/// Image formats decoded in-process (GIF, PNG, WebP: animated or not; a still image is a
+/// one-frame clip), from the first bytes.
+fn animated_format(head: &[u8]) -> Option<ImageFormat> {
+    match image::guess_format(head).ok()? {
+        f @ (ImageFormat::Gif | ImageFormat::Png | ImageFormat::WebP) => Some(f),
+        _ => None,
+    }
+}
+
+fn animation_size(bytes: &[u8], format: ImageFormat) -> image::ImageResult<(u32, u32)> {
+    use image::ImageDecoder;
+    Ok(match format {
+        ImageFormat::Gif => image::codecs::gif::GifDecoder::new(Cursor::new(bytes))?.dimensions(),
+        ImageFormat::Png => image::codecs::png::PngDecoder::new(Cursor::new(bytes))?.dimensions(),
+        _ => image::codecs::webp::WebPDecoder::new(Cursor::new(bytes))?.dimensions(),
+    })
+}
+
+/// The frames of an animated (or still) GIF / PNG / WebP, each composed onto the full canvas.
+fn animation_frames(bytes: &[u8], format: ImageFormat) -> image::ImageResult<image::Frames<'_>> {
+    Ok(match format {
+        ImageFormat::Gif => image::codecs::gif::GifDecoder::new(Cursor::new(bytes))?.into_frames(),
+        ImageFormat::Png => {
+            let d = image::codecs::png::PngDecoder::new(Cursor::new(bytes))?;
+            if d.is_apng()? {
+                d.apng()?.into_frames()
+            } else {
+                still(image::DynamicImage::from_decoder(d)?)
+            }
+        }
+        _ => {
+            let d = image::codecs::webp::WebPDecoder::new(Cursor::new(bytes))?;
+            if d.has_animation() {
+                d.into_frames()
+            } else {
+                still(image::DynamicImage::from_decoder(d)?)
+            }
+        }
+    })
+}
+
+fn still(img: image::DynamicImage) -> image::Frames<'static> {
+    image::Frames::new(Box::new(std::iter::once(Ok(image::Frame::new(img.to_rgba8())))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_parse_as_ffprobe_prints_them() {
+        assert_eq!(parse_rate("30000/1001"), Some(30000.0 / 1001.0));
+        assert_eq!(parse_rate("15/1"), Some(15.0));
+        assert_eq!(parse_rate("0/0"), None);
+        assert_eq!(parse_rate("-5/1"), None);
+        assert_eq!(parse_rate("abc"), None);
+        assert!(check_fps(0.0).is_err() && check_fps(f64::NAN).is_err() && check_fps(1001.0).is_err());
+        assert!(check_fps(29.97).is_ok());
+    }
+}
