@@ -21,7 +21,7 @@ macro_rules! note {
 }
 
 #[derive(Parser)]
-#[command(name = "vl", version, about = "Qwen3-VL in Rust: describe images, inspect checkpoints")]
+#[command(name = "vl", version, about = "Qwen3-VL in Rust: describe images and videos, inspect checkpoints")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -29,7 +29,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate a reply to a prompt about zero or more images, streamed to stdout.
+    /// Generate a reply to a prompt about zero or more images and videos, streamed to stdout.
     Run(run::RunArgs),
     /// A multi-turn chat in the terminal (history kept; /image PATH, /reset, /exit).
     Chat(chat::ChatArgs),
@@ -81,8 +81,10 @@ fn main() -> ExitCode {
         let at = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
         note!("error: internal error (a bug; please report it): {}{at}", msg.replace('\n', " "));
     }));
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    use clap::{CommandFactory, FromArgMatches};
+    let parsed = Cli::command().try_get_matches().and_then(|m| Ok((Cli::from_arg_matches(&m)?, m)));
+    let (cli, matches) = match parsed {
+        Ok(parsed) => parsed,
         Err(e) => {
             use clap::error::ErrorKind;
             if matches!(
@@ -101,7 +103,7 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Command::Run(args) => run::run(args),
+        Command::Run(args) => run::run(args, run::media_order(matches.subcommand_matches("run"))),
         Command::Serve(args) => serve::serve(args),
         Command::Chat(args) => chat::chat(args),
         Command::Inspect { model, mmproj, json } => inspect(&model, mmproj.as_deref(), json),

@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use vl_models::checkpoint::{encode_safetensors, RawTensor};
-use vl_models::engine::{ChatMessage, Engine, EngineOptions, Finish, Part, Request};
+use vl_models::engine::{ChatMessage, Engine, EngineOptions, Finish, Part, Request, VideoData};
 use vl_models::limits::ImageLimits;
 use vl_models::limits::LimitKind;
 use vl_models::qwen3_vl::weights::LoadProgress;
@@ -81,11 +81,61 @@ pub struct LoadArgs {
     /// Largest decoded image, in pixels (width x height, checked from the header before decoding).
     #[arg(long, default_value_t = ImageLimits::default().max_pixels)]
     pub max_image_pixels: u64,
+    /// Video frames sampled per second of the clip (default: the checkpoint's, 2). A directory
+    /// of frames is taken as frames at this rate.
+    #[arg(long)]
+    pub video_fps: Option<f64>,
+    /// Frames sampled from one video at most (default: the checkpoint's, 768).
+    #[arg(long)]
+    pub video_max_frames: Option<usize>,
+    /// A video's pixel budget: sampled frames x height x width (frames are scaled to fit).
+    /// `model`: the checkpoint's own (25 M pixels for Qwen3-VL, ~12k visual tokens).
+    #[arg(long, value_parser = parse_video_pixels, default_value = "5242880")]
+    pub video_max_pixels: VideoPixels,
+    /// Cap each video frame at 768 visual tokens and an even share of the budget, as
+    /// qwen-vl-utils does (transformers' `cap_pixels_per_frame`; off in transformers 5.23).
+    #[arg(long)]
+    pub video_cap_pixels_per_frame: bool,
+}
+
+/// `--video-max-pixels`: a pixel count, or `model` for the checkpoint's budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VideoPixels {
+    Model,
+    At(usize),
+}
+
+fn parse_video_pixels(s: &str) -> Result<VideoPixels, String> {
+    if s == "model" {
+        return Ok(VideoPixels::Model);
+    }
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1 (or `model`)".into()),
+        Ok(n) => Ok(VideoPixels::At(n)),
+        Err(_) => Err(format!("{s:?} is not a pixel count or `model`")),
+    }
 }
 
 impl LoadArgs {
     pub fn image_limits(&self) -> ImageLimits {
         ImageLimits { max_file_bytes: self.max_image_bytes, max_pixels: self.max_image_pixels }
+    }
+
+    /// The engine's video settings: explicit flags, and the cap on the budget (`None`: the
+    /// checkpoint's).
+    pub fn video_options(&self) -> (vl_models::qwen3_vl::VideoOptions, Option<usize>) {
+        let opts = vl_models::qwen3_vl::VideoOptions {
+            fps: self.video_fps,
+            max_frames: self.video_max_frames,
+            min_pixels: None,
+            max_pixels: None,
+            cap_pixels_per_frame: self.video_cap_pixels_per_frame.then_some(true),
+        };
+        let cap = match self.video_max_pixels {
+            VideoPixels::Model => None,
+            VideoPixels::At(n) => Some(n),
+        };
+        (opts, cap)
     }
 
     /// The engine's token cap (`None`: the checkpoint's budget).
@@ -122,9 +172,14 @@ pub struct RunArgs {
     /// An image file (PNG, JPEG, WebP, GIF, BMP); repeat for several, in prompt order.
     #[arg(long = "image")]
     images: Vec<PathBuf>,
-    /// The user's message.
-    #[arg(long, default_value = "Describe this image.")]
-    prompt: String,
+    /// A video: a file (mp4, mkv, webm, mov, avi, ...: decoded by ffmpeg on PATH), an animated
+    /// GIF/PNG/WebP, or a directory of frame images (name order, at --video-fps); repeat for
+    /// several. Images and videos enter the prompt in the order given.
+    #[arg(long = "video")]
+    videos: Vec<PathBuf>,
+    /// The user's message (default: "Describe this image." / "Describe this video.").
+    #[arg(long)]
+    prompt: Option<String>,
     /// An optional system message.
     #[arg(long)]
     system: Option<String>,
@@ -260,7 +315,24 @@ impl Drop for LogitsOut {
     }
 }
 
-pub fn run(args: RunArgs) -> Result<()> {
+/// Whether each media flag was an image or a video, in command-line order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Media {
+    Image,
+    Video,
+}
+
+/// The order of `--image` and `--video` on the command line (images first when unknown).
+pub fn media_order(m: Option<&clap::ArgMatches>) -> Vec<Media> {
+    let Some(m) = m else { return vec![] };
+    let at = |id: &str| m.indices_of(id).map(|i| i.collect::<Vec<_>>()).unwrap_or_default();
+    let mut all: Vec<(usize, Media)> = at("images").into_iter().map(|i| (i, Media::Image)).collect();
+    all.extend(at("videos").into_iter().map(|i| (i, Media::Video)));
+    all.sort_unstable_by_key(|&(i, _)| i);
+    all.into_iter().map(|(_, k)| k).collect()
+}
+
+pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     let t_start = Instant::now();
     // Flags first: a typo costs nothing.
     let options = GenerationOptions {
@@ -308,11 +380,27 @@ pub fn run(args: RunArgs) -> Result<()> {
     };
     let limits = args.load.image_limits();
 
-    // Image files within the byte limit; their headers, the prompt's length and every file of
-    // the model directory are checked by the engine before a weight is read.
-    let mut parts = Vec::with_capacity(args.images.len() + 1);
+    // Image files within the byte limit; their headers, video probes, the prompt's length and
+    // every file of the model directory are checked by the engine before a weight is read.
+    let mut parts = Vec::with_capacity(args.images.len() + args.videos.len() + 1);
     let mut sizes = Vec::new();
-    for p in &args.images {
+    let order = if order.len() == args.images.len() + args.videos.len() {
+        order
+    } else {
+        [vec![Media::Image; args.images.len()], vec![Media::Video; args.videos.len()]].concat()
+    };
+    let (mut images, mut videos) = (args.images.iter(), args.videos.iter());
+    for kind in order {
+        if kind == Media::Video {
+            let p = videos.next().expect("counted");
+            parts.push(Part::Video {
+                source: VideoData::Path(p.clone()),
+                name: p.display().to_string(),
+                options: Default::default(),
+            });
+            continue;
+        }
+        let p = images.next().expect("counted");
         let data =
             vl_models::limits::read_bytes(p, limits.max_file_bytes, LimitKind::ImageBytes).map_err(|e| match e {
                 vl_models::Error::Limit { message, kind, .. } => {
@@ -325,7 +413,9 @@ pub fn run(args: RunArgs) -> Result<()> {
         }
         parts.push(Part::Image { data, name: p.display().to_string(), min_pixels: None, max_pixels: None });
     }
-    parts.push(Part::Text(args.prompt.clone()));
+    let default_prompt =
+        if args.images.is_empty() && !args.videos.is_empty() { "Describe this video." } else { "Describe this image." };
+    parts.push(Part::Text(args.prompt.clone().unwrap_or_else(|| default_prompt.into())));
     let mut messages = Vec::new();
     if let Some(s) = &args.system {
         messages.push(ChatMessage::text("system", s));
@@ -349,6 +439,9 @@ pub fn run(args: RunArgs) -> Result<()> {
         max_pixels: args.load.max_pixels,
         max_image_tokens: args.load.max_image_tokens(),
         image_limits: limits,
+        video: args.load.video_options().0,
+        video_pixel_cap: args.load.video_options().1,
+        video_limits: Default::default(),
         image_cache_bytes: usize::MAX,
         prefix_cache: false,
     };
@@ -398,10 +491,17 @@ pub fn run(args: RunArgs) -> Result<()> {
     }
     let shot = result.map_err(|e| match e {
         vl_models::Error::Limit { what, message, .. } if what == "prompt" => {
-            if args.images.is_empty() {
+            let mut hints = vec![];
+            if !args.images.is_empty() {
+                hints.push("lower --max-image-tokens (or --max-pixels)");
+            }
+            if !args.videos.is_empty() {
+                hints.push("lower --video-max-pixels or --video-max-frames");
+            }
+            if hints.is_empty() {
                 anyhow::anyhow!("{message}")
             } else {
-                anyhow::anyhow!("{message}; lower --max-image-tokens (or --max-pixels)")
+                anyhow::anyhow!("{message}; {}", hints.join(", "))
             }
         }
         e @ (vl_models::Error::Input { .. } | vl_models::Error::Limit { .. }) => anyhow::Error::new(e),
@@ -451,6 +551,8 @@ pub fn run(args: RunArgs) -> Result<()> {
             "prompt_tokens": c.prompt_tokens,
             "image_tokens": c.image_tokens,
             "images": sizes,
+            "video_tokens": c.video_tokens,
+            "videos": c.videos.iter().map(video_report).collect::<Vec<_>>(),
             "generated_tokens": c.token_ids.len(),
             "stop_reason": stop,
             "dtype": format!("{dtype:?}").to_lowercase(),
@@ -478,11 +580,12 @@ pub fn run(args: RunArgs) -> Result<()> {
         writeln!(stdout, "{out}").and_then(|_| stdout.flush()).context("writing to stdout")?;
     } else {
         note!(
-            "[load {:.2}s | vision {:.2}s ({} images, {} tokens) | prefill {} tokens {:.2}s, {:.1} tok/s | decode {} tokens, {:.1} tok/s | stop: {stop} | peak RSS {}]",
+            "[load {:.2}s | vision {:.2}s ({} images, {} videos, {} tokens) | prefill {} tokens {:.2}s, {:.1} tok/s | decode {} tokens, {:.1} tok/s | stop: {stop} | peak RSS {}]",
             (before_load + shot.load_time).as_secs_f64(),
             shot.vision_time.as_secs_f64(),
             args.images.len(),
-            c.image_tokens,
+            args.videos.len(),
+            c.image_tokens + c.video_tokens,
             c.prompt_tokens,
             prefill_s,
             prefill_tps,
@@ -492,6 +595,26 @@ pub fn run(args: RunArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// What sampling and resizing made of one video.
+fn video_report(v: &vl_models::engine::VideoReport) -> serde_json::Value {
+    let (h, w) = v.plan.resized;
+    serde_json::json!({
+        "file": v.name,
+        "decoder": v.info.decoder,
+        "width": v.info.width,
+        "height": v.info.height,
+        "frames": v.info.frames,
+        "fps": v.info.fps,
+        "sampled_frames": v.plan.indices.len(),
+        "frame_indices": v.plan.indices,
+        "timestamps": v.plan.timestamps,
+        "resized_width": w,
+        "resized_height": h,
+        "grid_thw": v.plan.grid,
+        "tokens": v.tokens,
+    })
 }
 
 /// How one image is sized: its stored size, the size and token count it is resized to, and

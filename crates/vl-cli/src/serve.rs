@@ -28,7 +28,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
-use vl_models::engine::{ChatMessage, Completion, Engine, EngineOptions, Part, Request, ToolCall};
+use vl_models::engine::{ChatMessage, Completion, Engine, EngineOptions, Part, Request, ToolCall, VideoData};
 use vl_models::limits::LimitKind;
 use vl_models::qwen3_vl::GenerationOptions;
 
@@ -215,6 +215,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         max_pixels: args.load.max_pixels,
         max_image_tokens: args.load.max_image_tokens(),
         image_limits: args.load.image_limits(),
+        video: args.load.video_options().0,
+        video_pixel_cap: args.load.video_options().1,
+        video_limits: Default::default(),
         image_cache_bytes: args.image_cache_mib << 20,
         prefix_cache: !args.no_prefix_cache,
     };
@@ -829,8 +832,82 @@ fn part(app: &App, p: &Value, at: &str) -> std::result::Result<Part, ApiError> {
             let (data, name) = image_bytes(app, url, at)?;
             Ok(Part::Image { data, name, min_pixels, max_pixels })
         }
-        other => Err(ApiError::bad(format!("`{at}.type` = {other:?}: expected `text` or `image_url`"))),
+        "video_url" | "video" | "input_video" => video_part(app, p, kind, at),
+        other => Err(ApiError::bad(format!(
+            "`{at}.type` = {other:?}: expected `text`, `image_url`, `video_url` or `input_video`"
+        ))),
     }
+}
+
+/// A video part: `{"type": "video_url", "video_url": {"url": ...}}` (data URL, http(s) URL with
+/// --allow-remote-media, or a path under --allowed-media-dir: a file or a directory of frames)
+/// or `{"type": "input_video", "input_video": {"data": BASE64}}` (or `{"url": ...}`), with
+/// optional `fps`, `max_frames`, `max_pixels` beside or inside the object.
+fn video_part(app: &App, p: &Value, kind: &str, at: &str) -> std::result::Result<Part, ApiError> {
+    let inner = p.get(kind);
+    let (url, data) = match inner {
+        Some(Value::String(s)) => (Some(s.as_str()), None),
+        Some(o @ Value::Object(_)) => (o.get("url").and_then(Value::as_str), o.get("data").and_then(Value::as_str)),
+        _ => return Err(ApiError::bad(format!("`{at}.{kind}` must be an object with a `url` (or `data`)"))),
+    };
+    let from = |name: &str| [Some(p), inner].into_iter().flatten().find_map(|o| field(o, name));
+    let count = |name: &str| -> std::result::Result<Option<usize>, ApiError> {
+        from(name)
+            .map(|x| {
+                x.as_u64()
+                    .map(|n| n as usize)
+                    .ok_or_else(|| ApiError::bad(format!("`{at}.{name}` must be a positive integer")))
+            })
+            .transpose()
+    };
+    let fps = from("fps")
+        .map(|x| x.as_f64().ok_or_else(|| ApiError::bad(format!("`{at}.fps` must be a number"))))
+        .transpose()?;
+    let options = vl_models::qwen3_vl::VideoOptions {
+        fps,
+        max_frames: count("max_frames")?,
+        max_pixels: count("max_pixels")?,
+        ..Default::default()
+    };
+    let (source, name) = match (data, url) {
+        (Some(b64), _) => {
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(b64.trim())
+                .map_err(|e| ApiError::bad(format!("`{at}`: invalid base64 video data: {e}")))?;
+            (VideoData::Bytes(bytes), format!("{at} (data)"))
+        }
+        (None, Some(url)) if url.starts_with("data:") || url.starts_with("http://") || url.starts_with("https://") => {
+            let (bytes, name) = image_bytes(app, url, at)?;
+            (VideoData::Bytes(bytes), name)
+        }
+        (None, Some(url)) => {
+            let path = url.strip_prefix("file://").unwrap_or(url);
+            (VideoData::Path(allowed_path(app, path, at, "video")?), path.to_string())
+        }
+        (None, None) => return Err(ApiError::bad(format!("`{at}.{kind}` needs a `url` or `data`"))),
+    };
+    Ok(Part::Video { source, name, options })
+}
+
+/// `path` resolved, when it lies under --allowed-media-dir.
+fn allowed_path(app: &App, path: &str, at: &str, what: &str) -> std::result::Result<PathBuf, ApiError> {
+    let Some(root) = &app.allowed_media_dir else {
+        return Err(ApiError::bad(format!(
+            "`{at}`: local {what} paths are disabled; start the server with --allowed-media-dir DIR or send a data URL"
+        )));
+    };
+    let real = std::path::Path::new(path)
+        .canonicalize()
+        .map_err(|e| ApiError::bad(format!("`{at}`: cannot open {path}: {e}")))?;
+    if !real.starts_with(root) {
+        return Err(ApiError::with(
+            StatusCode::FORBIDDEN,
+            "invalid_request_error",
+            "media_not_allowed",
+            format!("`{at}`: {path} is outside the allowed media directory"),
+        ));
+    }
+    Ok(real)
 }
 
 enum Fetch {
@@ -896,22 +973,7 @@ fn image_bytes(app: &App, url: &str, at: &str) -> std::result::Result<(Vec<u8>, 
         return Ok((data, url.to_string()));
     }
     let path = url.strip_prefix("file://").unwrap_or(url);
-    let Some(root) = &app.allowed_media_dir else {
-        return Err(ApiError::bad(format!(
-            "`{at}`: local image paths are disabled; start the server with --allowed-media-dir DIR or send a data URL"
-        )));
-    };
-    let real = std::path::Path::new(path)
-        .canonicalize()
-        .map_err(|e| ApiError::bad(format!("`{at}`: cannot open {path}: {e}")))?;
-    if !real.starts_with(root) {
-        return Err(ApiError::with(
-            StatusCode::FORBIDDEN,
-            "invalid_request_error",
-            "media_not_allowed",
-            format!("`{at}`: {path} is outside the allowed media directory"),
-        ));
-    }
+    let real = allowed_path(app, path, at, "image")?;
     let data =
         vl_models::limits::read_bytes(&real, app.max_image_bytes, LimitKind::ImageBytes).map_err(|e| match e {
             vl_models::Error::Limit { .. } => too_big(std::fs::metadata(&real).map_or(0, |m| m.len())),
@@ -934,6 +996,8 @@ mod tests {
             prompt_tokens: 0,
             cached_tokens: 0,
             image_tokens: 0,
+            video_tokens: 0,
+            videos: vec![],
             image_cache_hits: 0,
             vision_time: Duration::ZERO,
             prefill_time: Duration::ZERO,

@@ -23,10 +23,9 @@ use vl_nn::QuantType;
 
 use crate::error::{Error, Result};
 use crate::limits::ImageLimits;
-use crate::qwen3_vl::video::{ProcessedVideo, VideoOptions, VideoPlan, VideoProcessor};
-use crate::video::{VideoLimits, VideoSource};
 use crate::qwen3_vl::gguf::{self, GgufModel};
 use crate::qwen3_vl::plan::VISION_PREFIX;
+use crate::qwen3_vl::video::{ProcessedVideo, VideoOptions, VideoPlan, VideoProcessor};
 use crate::qwen3_vl::weights::LoadProgress;
 use crate::qwen3_vl::{
     Content, GenerationOptions, ImageFile, Message, ModelDir, Processor, QuantLoad, Qwen3VlModel, TemplateToolCall,
@@ -35,6 +34,7 @@ use crate::qwen3_vl::{
 use crate::sampling::{apply_presence_frequency, check_logits, sample};
 pub use crate::tools::ToolCall;
 use crate::tools::{split_tool_calls, CallHold};
+use crate::video::{VideoLimits, VideoSource};
 
 /// Visual tokens per image an engine allows unless told otherwise: the Qwen team's suggested
 /// balance (1280 x 32 x 32 pixels for Qwen3-VL). The checkpoints' own budget (16384 tokens, 16.7 M
@@ -108,7 +108,21 @@ pub enum Part {
     /// A video: a file (decoded by ffmpeg; animated GIF/PNG/WebP in-process), a directory of
     /// frames, or encoded bytes; `name` stands for it in errors. `options` may narrow the
     /// engine's video settings (fewer frames or pixels, another sampling rate).
-    Video { source: VideoData, name: String, options: VideoOptions },
+    Video {
+        source: VideoData,
+        name: String,
+        options: VideoOptions,
+    },
+}
+
+/// A video as the engine read it.
+#[derive(Debug, Clone)]
+pub struct VideoReport {
+    pub name: String,
+    pub info: crate::video::VideoInfo,
+    pub plan: VideoPlan,
+    /// Video pad tokens (without the timestamp text and frame markers).
+    pub tokens: usize,
 }
 
 /// Where a video part's data is.
@@ -190,6 +204,8 @@ pub struct Completion {
     pub cached_tokens: usize,
     pub image_tokens: usize,
     pub video_tokens: usize,
+    /// Each video of the request: its source and what sampling and resizing made of it.
+    pub videos: Vec<VideoReport>,
     /// Images whose features came from the image cache.
     pub image_cache_hits: usize,
     pub finish: Finish,
@@ -427,6 +443,7 @@ impl Engine {
         result.map(|mut c| {
             c.image_tokens = p.image_tokens;
             c.video_tokens = p.video_tokens;
+            c.videos = p.reports.clone();
             c
         })
     }
@@ -648,6 +665,7 @@ impl Engine {
             cached_tokens: common,
             image_tokens: 0,
             video_tokens: 0,
+            videos: vec![],
             image_cache_hits: hits,
             finish,
             vision_time,
@@ -665,7 +683,9 @@ fn concat_outputs(parts: &[VisionOutput]) -> Option<VisionOutput> {
         let levels = parts.iter().map(|p| p.deepstack.len()).min().unwrap_or(0);
         VisionOutput {
             merged: parts.iter().flat_map(|p| p.merged.iter().cloned()).collect(),
-            deepstack: (0..levels).map(|l| parts.iter().flat_map(|p| p.deepstack[l].iter().cloned()).collect()).collect(),
+            deepstack: (0..levels)
+                .map(|l| parts.iter().flat_map(|p| p.deepstack[l].iter().cloned()).collect())
+                .collect(),
             grids: parts.iter().flat_map(|p| p.grids.iter().copied()).collect(),
         }
     })
@@ -707,6 +727,7 @@ struct Prepared {
     videos: Vec<ProcessedVideo>,
     video_keys: Vec<u64>,
     video_tokens: usize,
+    reports: Vec<VideoReport>,
 }
 
 /// The engine's pixel budgets, video settings and input limits on the checkpoint's processors.
@@ -856,6 +877,7 @@ fn prepare(
     let mut messages = Vec::with_capacity(req.messages.len());
     let mut files = Vec::new();
     let mut clips: Vec<(VideoSource, VideoProcessor, VideoPlan)> = Vec::new();
+    let mut reports = Vec::new();
     for m in &req.messages {
         let mut content = Vec::with_capacity(m.parts.len());
         for p in &m.parts {
@@ -874,13 +896,15 @@ fn prepare(
                         VideoData::Bytes(b) => VideoSource::from_bytes(b.clone(), Path::new(name), &proc.limits)?,
                     };
                     let info = src.info();
-                    let plan = proc
-                        .plan(info.frames, info.fps, info.height as usize, info.width as usize)
-                        .map_err(|e| match e {
+                    let plan = proc.plan(info.frames, info.fps, info.height as usize, info.width as usize).map_err(
+                        |e| match e {
                             Error::Input { message, .. } => Error::Input { what: format!("video {name}"), message },
                             other => other,
-                        })?;
+                        },
+                    )?;
                     content.push(Content::Video { video: name.clone() });
+                    let tokens = plan.num_tokens(proc.config.base.merge_size);
+                    reports.push(VideoReport { name: name.clone(), info: info.clone(), plan: plan.clone(), tokens });
                     clips.push((src, proc, plan));
                 }
             }
@@ -901,7 +925,8 @@ fn prepare(
     if prompt_len >= context {
         let merge = processor.videos.config.base.merge_size;
         let video_tokens: usize = plans.iter().map(|p| p.num_tokens(merge)).sum();
-        let videos = if plans.is_empty() { String::new() } else { format!(", {video_tokens} from {} video(s)", plans.len()) };
+        let videos =
+            if plans.is_empty() { String::new() } else { format!(", {video_tokens} from {} video(s)", plans.len()) };
         return Err(Error::Limit {
             what: "prompt".into(),
             message: format!(
@@ -945,7 +970,7 @@ fn prepare(
         }
         ident.push((t, key));
     }
-    Ok((opts, Prepared { prompt, ident, processed, keys, image_tokens, videos, video_keys, video_tokens }))
+    Ok((opts, Prepared { prompt, ident, processed, keys, image_tokens, videos, video_keys, video_tokens, reports }))
 }
 
 /// Holds back text that may be the start of a stop string; cuts the answer at a stop string.

@@ -85,12 +85,10 @@ impl VideoSource {
             return Self::frames_dir(name, frames_fps, limits);
         }
         let mut head = Vec::with_capacity(64);
-        std::fs::File::open(path)
-            .and_then(|f| f.take(64).read_to_end(&mut head))
-            .map_err(|e| Error::io(path, e))?;
+        std::fs::File::open(path).and_then(|f| f.take(64).read_to_end(&mut head)).map_err(|e| Error::io(path, e))?;
         if let Some(format) = animated_format(&head) {
-            let bytes = limits::read_bytes(path, limits.max_file_bytes, LimitKind::Fixed)
-                .map_err(|e| rename(e, &name))?;
+            let bytes =
+                limits::read_bytes(path, limits.max_file_bytes, LimitKind::Fixed).map_err(|e| rename(e, &name))?;
             return Self::animated(name, bytes, format, limits);
         }
         Self::ffmpeg(name, path.to_path_buf(), None, limits)
@@ -216,7 +214,10 @@ impl VideoSource {
         if info.frames > limits.max_source_frames {
             return Err(Error::Limit {
                 what: what(&name),
-                message: format!("{} frames, over the limit of {} frames per video", info.frames, limits.max_source_frames),
+                message: format!(
+                    "{} frames, over the limit of {} frames per video",
+                    info.frames, limits.max_source_frames
+                ),
                 kind: LimitKind::Fixed,
             });
         }
@@ -245,7 +246,8 @@ impl VideoSource {
         let Some(first) = files.first() else {
             return Err(Error::Input { what: what(&name), message: "an empty directory: no frame images".into() });
         };
-        let limits_img = limits::ImageLimits { max_file_bytes: limits.max_file_bytes, max_pixels: limits.max_frame_pixels };
+        let limits_img =
+            limits::ImageLimits { max_file_bytes: limits.max_file_bytes, max_pixels: limits.max_frame_pixels };
         let head = ImageFile::open(first, &limits_img)?;
         let info = VideoInfo { width: head.width, height: head.height, frames: files.len(), fps, decoder: "frames" };
         Self::checked(name, Kind::Frames(files), info, limits)
@@ -257,8 +259,7 @@ impl VideoSource {
             message: format!("cannot decode: {}", one_line(&e.to_string())),
         };
         let (width, height) = animation_size(&bytes, format).map_err(bad)?;
-        if width as u64 * height as u64 > limits.max_frame_pixels || width > MAX_IMAGE_SIDE || height > MAX_IMAGE_SIDE
-        {
+        if width as u64 * height as u64 > limits.max_frame_pixels || width > MAX_IMAGE_SIDE || height > MAX_IMAGE_SIDE {
             // `checked` refuses the canvas size before anything is decoded.
             let info = VideoInfo { width, height, frames: 1, fps: 1.0, decoder: "" };
             return Self::checked(name, Kind::Frames(vec![]), info, limits);
@@ -285,7 +286,12 @@ impl VideoSource {
         Self::checked(name, Kind::Animated { bytes, format }, info, limits)
     }
 
-    fn ffmpeg(name: PathBuf, file: PathBuf, temp: Option<tempfile::NamedTempFile>, limits: &VideoLimits) -> Result<Self> {
+    fn ffmpeg(
+        name: PathBuf,
+        file: PathBuf,
+        temp: Option<tempfile::NamedTempFile>,
+        limits: &VideoLimits,
+    ) -> Result<Self> {
         let out = run_tool(
             &name,
             Command::new("ffprobe")
@@ -304,22 +310,28 @@ impl VideoSource {
         let dim = |k: &str| stream.get(k).and_then(|v| v.as_u64()).unwrap_or(0).min(u32::MAX as u64) as u32;
         let text = |k: &str| stream.get(k).and_then(|v| v.as_str()).unwrap_or("").to_string();
         let frames = text("nb_read_packets").parse::<usize>().unwrap_or(0);
-        let fps = parse_rate(&text("avg_frame_rate")).or_else(|| parse_rate(&text("r_frame_rate"))).ok_or_else(|| {
-            Error::Input {
-                what: what(&name),
-                message: format!(
-                    "no usable frame rate (avg_frame_rate {:?}, r_frame_rate {:?})",
-                    text("avg_frame_rate"),
-                    text("r_frame_rate")
-                ),
-            }
-        })?;
+        let fps =
+            parse_rate(&text("avg_frame_rate")).or_else(|| parse_rate(&text("r_frame_rate"))).ok_or_else(|| {
+                Error::Input {
+                    what: what(&name),
+                    message: format!(
+                        "no usable frame rate (avg_frame_rate {:?}, r_frame_rate {:?})",
+                        text("avg_frame_rate"),
+                        text("r_frame_rate")
+                    ),
+                }
+            })?;
         let info = VideoInfo { width: dim("width"), height: dim("height"), frames, fps, decoder: "ffmpeg" };
         Self::checked(name, Kind::Ffmpeg { file, _temp: temp }, info, limits)
     }
 
     /// Streams the selected frames out of ffmpeg as raw RGB, one frame in memory at a time.
-    fn ffmpeg_frames(&self, file: &Path, indices: &[usize], give: &mut dyn FnMut(RgbImage) -> Result<()>) -> Result<()> {
+    fn ffmpeg_frames(
+        &self,
+        file: &Path,
+        indices: &[usize],
+        give: &mut dyn FnMut(RgbImage) -> Result<()>,
+    ) -> Result<()> {
         if indices.is_empty() {
             return Ok(());
         }
@@ -432,7 +444,10 @@ fn run_tool(name: &Path, cmd: &mut Command) -> Result<Vec<u8>> {
     let tool = cmd.get_program().to_string_lossy().into_owned();
     let out = cmd.stdin(Stdio::null()).output().map_err(|e| spawn_error(name, &tool, e))?;
     if !out.status.success() {
-        return Err(Error::Input { what: what(name), message: format!("{tool} cannot read it: {}", last_line(&out.stderr)) });
+        return Err(Error::Input {
+            what: what(name),
+            message: format!("{tool} cannot read it: {}", last_line(&out.stderr)),
+        });
     }
     Ok(out.stdout)
 }

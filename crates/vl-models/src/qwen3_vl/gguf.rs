@@ -24,8 +24,8 @@ use super::gguf_names::{text_key, text_name, vision_key, vision_name};
 use super::model::Qwen3VlModel;
 use super::processor::{ImageProcessor, PreprocessorConfig};
 use super::text::{LoadPlan, Prequantized, TextModel};
-use super::vision::VisionTower;
 use super::video::{VideoConfig, VideoProcessor};
+use super::vision::VisionTower;
 use crate::error::{Error, Result};
 
 /// Header bounds: more than any real model has, far less than a hostile file may claim.
@@ -556,7 +556,8 @@ impl GgufModel {
         }
         // No video config in a GGUF: the video processor's class defaults over the image geometry.
         let (min_pixels, max_pixels) = VideoConfig::CLASS_BUDGET;
-        let video = VideoConfig { base: PreprocessorConfig { min_pixels, max_pixels, ..pp.clone() }, ..Default::default() };
+        let video =
+            VideoConfig { base: PreprocessorConfig { min_pixels, max_pixels, ..pp.clone() }, ..Default::default() };
         Ok(Processor { tokenizer, template, images: ImageProcessor::new(pp), videos: VideoProcessor::new(video) })
     }
 

@@ -100,8 +100,7 @@ impl VideoConfig {
             cap_pixels_per_frame: raw.cap_pixels_per_frame.unwrap_or(d.cap_pixels_per_frame),
             max_video_tokens: raw.max_video_tokens.unwrap_or(d.max_video_tokens),
         };
-        cfg.check()
-            .map_err(|(f, m)| Error::Config { path: path.to_path_buf(), field: f.into(), message: m })?;
+        cfg.check().map_err(|(f, m)| Error::Config { path: path.to_path_buf(), field: f.into(), message: m })?;
         Ok(cfg)
     }
 
@@ -311,7 +310,11 @@ impl VideoProcessor {
             if frames[i].dimensions() != first.dimensions() {
                 return Err(Error::Input {
                     what: "video".into(),
-                    message: format!("frame {i} is {:?}, frame 0 {:?}: frames differ in size", frames[i].dimensions(), first.dimensions()),
+                    message: format!(
+                        "frame {i} is {:?}, frame 0 {:?}: frames differ in size",
+                        frames[i].dimensions(),
+                        first.dimensions()
+                    ),
                 });
             }
             builder.push(&frames[i])?;
@@ -382,9 +385,7 @@ pub fn linspace_round(stop: usize, n: usize) -> Vec<usize> {
         return vec![0];
     }
     let step = stop as f64 / (n - 1) as f64;
-    (0..n)
-        .map(|i| if i == n - 1 { stop } else { (i as f64 * step).round_ties_even() as usize })
-        .collect()
+    (0..n).map(|i| if i == n - 1 { stop } else { (i as f64 * step).round_ties_even() as usize }).collect()
 }
 
 /// Seconds of each temporal patch: the sampled indices (the last repeated up to a multiple of
@@ -450,7 +451,9 @@ pub fn smart_resize_video(
     // One frame's pixels stay within the hard budget (the output is sized by it).
     match h_bar.checked_mul(w_bar) {
         Some(p) if p <= MAX_PIXEL_BUDGET => Ok((h_bar, w_bar)),
-        _ => Err(bad(format!("resizing {width}x{height} frames gives {w_bar}x{h_bar}, over {MAX_PIXEL_BUDGET} pixels"))),
+        _ => {
+            Err(bad(format!("resizing {width}x{height} frames gives {w_bar}x{h_bar}, over {MAX_PIXEL_BUDGET} pixels")))
+        }
     }
 }
 
