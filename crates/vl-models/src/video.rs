@@ -152,6 +152,16 @@ impl VideoSource {
             Kind::Frames(files) => {
                 for &i in indices {
                     let frame = ImageFile::open(&files[i], &self.image_limits())?.decode()?;
+                    if frame.dimensions() != (self.info.width, self.info.height) {
+                        return Err(self.input(format!(
+                            "{} is {}x{}, the first frame {}x{}: frames of changing size are not supported",
+                            files[i].display(),
+                            frame.width(),
+                            frame.height(),
+                            self.info.width,
+                            self.info.height
+                        )));
+                    }
                     give(frame, &mut last)?;
                 }
             }

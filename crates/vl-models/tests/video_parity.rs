@@ -1,0 +1,226 @@
+//! Video parity with transformers' `Qwen3VLVideoProcessor` / `Qwen3VLProcessor` and the model:
+//! for every golden clip case (goldens/processor/video-*.json), the clip file decoded here
+//! (lossless FFV1 through ffmpeg, or an APNG in-process), sampled, resized and patchified:
+//! frame indices, grid and prompt ids identical, pixels within `PIXEL_TOL`; the tiny-a video
+//! prompts' logits within 1e-3 and greedy ids identical; the video's vision features within 1e-4.
+//! Needs `ffmpeg` on PATH (.ci/run installs it).
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use vl_models::qwen3_vl::{
+    Content, GenerationOptions, Message, Processor, Prompt, Qwen3VlModel, VideoOptions, VideoProcessor, VisionInput,
+};
+use vl_models::video::{VideoLimits, VideoSource};
+
+/// Pixels: torchvision's uint8 antialiased bicubic against our Pillow-order resizer (the image
+/// processor's bound; the largest difference seen is printed).
+const PIXEL_TOL: f32 = 0.02;
+const LOGIT_TOL: f32 = 1e-3;
+const FEATURE_TOL: f32 = 1e-4;
+
+fn tiny_a() -> std::path::PathBuf {
+    goldens().join("tiny-a/checkpoint")
+}
+
+fn video_cases() -> Vec<(String, serde_json::Value)> {
+    let mut out: Vec<(String, serde_json::Value)> = std::fs::read_dir(goldens().join("processor"))
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().to_string_lossy().into_owned();
+            let case = name.strip_prefix("video-")?.strip_suffix(".json")?.to_string();
+            Some((case, read_json(&goldens().join("processor").join(&name))))
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    assert!(out.len() >= 4, "video processor goldens missing");
+    out
+}
+
+/// tiny-a's video processor with a case's call kwargs and processor attributes applied.
+fn processor_for(meta: &serde_json::Value) -> VideoProcessor {
+    let call = &meta["call_kwargs"];
+    let over = &meta["processor_overrides"];
+    let opts = VideoOptions {
+        fps: call["fps"].as_f64(),
+        max_frames: over["max_frames"].as_u64().map(|n| n as usize),
+        min_pixels: call["size"]["shortest_edge"].as_u64().map(|n| n as usize),
+        max_pixels: call["size"]["longest_edge"].as_u64().map(|n| n as usize),
+        cap_pixels_per_frame: call["cap_pixels_per_frame"].as_bool(),
+    };
+    let mut p = VideoProcessor::from_dir(&tiny_a()).unwrap().with_options(&opts).unwrap();
+    if let Some(n) = over["max_video_tokens"].as_u64() {
+        p.config.max_video_tokens = n as usize;
+    }
+    p
+}
+
+fn open_clip(meta: &serde_json::Value) -> VideoSource {
+    let path = goldens().join(meta["file"].as_str().unwrap());
+    VideoSource::open(&path, 2.0, &VideoLimits::default()).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn ids_of(t: &Tensor) -> Vec<u32> {
+    t.to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect()
+}
+
+#[test]
+fn video_processing_matches_the_reference() {
+    let mut worst = 0f32;
+    for (case, meta) in video_cases() {
+        let want = load(&goldens().join("processor").join(format!("video-{case}.safetensors")));
+        let src = open_clip(&meta);
+        let info = src.info();
+        assert_eq!(info.frames as u64, meta["total_frames"].as_u64().unwrap(), "{case}: frame count");
+        assert_eq!(info.fps, meta["fps"].as_f64().unwrap(), "{case}: frame rate");
+        assert_eq!(
+            (info.width as u64, info.height as u64),
+            (meta["width"].as_u64().unwrap(), meta["height"].as_u64().unwrap())
+        );
+        let vp = processor_for(&meta);
+        let got = vp.process_source(&src).unwrap();
+        let want_idx: Vec<usize> =
+            want["frames_indices"].to_vec1::<i64>().unwrap().iter().map(|&i| i as usize).collect();
+        assert_eq!(got.plan.indices, want_idx, "{case}: sampled frames");
+        assert_eq!(vec![got.plan.grid], grids(&want["video_grid_thw"]), "{case}: grid");
+        let px = Tensor::from_vec(got.pixels.clone(), want["pixel_values_videos"].dims(), &Device::Cpu).unwrap();
+        let d = max_abs_diff(&px, &want["pixel_values_videos"]);
+        worst = worst.max(d);
+        // The prompt: the template's video placeholder expanded to the timestamped frame pairs.
+        let placeholder = got.plan.placeholder(1);
+        for stamp in meta["timestamps"].as_array().unwrap() {
+            assert!(placeholder.contains(stamp.as_str().unwrap()), "{case}: {stamp} not in {placeholder}");
+        }
+        let proc = Processor { videos: vp.clone(), ..Processor::from_dir(&tiny_a()).unwrap() };
+        let messages = vec![Message::new(
+            "user",
+            vec![
+                Content::Video { video: meta["clip"].as_str().unwrap().into() },
+                Content::Text { text: "Describe this video.".into() },
+            ],
+        )];
+        let prompt = proc.prepare_media(&messages, None, &[], std::slice::from_ref(&got), &Device::Cpu).unwrap();
+        assert_eq!(prompt.input_ids, ids_of(&want["input_ids"]), "{case}: prompt ids");
+        let n = proc.prompt_len_media(&messages, None, &[], &[&got.plan]).unwrap();
+        assert_eq!(n, prompt.input_ids.len(), "{case}: counted prompt length");
+        println!(
+            "{case}: {} of {} frames {:?}, grid {:?}, {} tokens, pixels max|diff| {d:.2e}",
+            got.plan.indices.len(),
+            info.frames,
+            got.plan.indices,
+            got.plan.grid,
+            prompt.input_ids.len()
+        );
+        assert!(d <= PIXEL_TOL, "{case}: pixels differ by {d}");
+    }
+    println!("video pixels: worst max|diff| {worst:.2e} (tolerance {PIXEL_TOL})");
+}
+
+/// A golden video case's prompt: ids from prompts/, pixels from the processor goldens of its
+/// clips (the reference's own inputs, so the model is compared alone).
+fn video_prompt(case: &str) -> Prompt {
+    let mut p = prompt(case);
+    let t = load(&goldens().join("prompts").join(format!("{case}.safetensors")));
+    let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
+    let names: Vec<String> =
+        meta["videos"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
+    let px: Vec<Tensor> = names
+        .iter()
+        .map(|n| {
+            load(&goldens().join("processor").join(format!("video-{n}.safetensors")))["pixel_values_videos"].clone()
+        })
+        .collect();
+    p.videos = Some(VisionInput { pixels: Tensor::cat(&px, 0).unwrap(), grids: grids(&t["video_grid_thw"]) });
+    p
+}
+
+#[test]
+fn video_prompts_match_the_reference_logits_and_greedy_ids() {
+    let m = Qwen3VlModel::load(&tiny_a(), DType::F32, &Device::Cpu).unwrap();
+    let sampled = load(&goldens().join("sampled_vocab_ids.safetensors"))["vocab_ids"].to_dtype(DType::U32).unwrap();
+    for case in ["video", "video_image"] {
+        let want = load(&goldens().join("tiny-a/cases").join(format!("{case}.safetensors")));
+        let p = video_prompt(case);
+        // The video's vision features.
+        let out = m.encode_vision(p.videos.as_ref().unwrap()).unwrap();
+        let merged = Tensor::cat(&out.merged, 0).unwrap();
+        let d_vis = max_abs_diff(&merged, &want["video.merged"]);
+        let mut d_ds = 0f32;
+        for (i, level) in out.deepstack.iter().enumerate() {
+            d_ds = d_ds.max(max_abs_diff(&Tensor::cat(level, 0).unwrap(), &want[&format!("video.deepstack.{i}")]));
+        }
+        let mut cache = m.new_cache();
+        let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
+        let d_last = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
+        let all = m.text().logits(&state.hidden).unwrap().index_select(&sampled, 1).unwrap();
+        let d_all = max_abs_diff(&all, &want["logits.sampled"]);
+        let want_ids = ids_of(&want["greedy.ids"]);
+        let gen = m
+            .generate(&p, &GenerationOptions { max_new_tokens: want_ids.len(), ..Default::default() }, &mut |_| true)
+            .unwrap();
+        println!(
+            "tiny-a/{case} ({} tokens): video features {d_vis:.2e} (deepstack {d_ds:.2e}), last logits {d_last:.2e}, all positions {d_all:.2e}",
+            p.input_ids.len()
+        );
+        assert!(d_vis <= FEATURE_TOL && d_ds <= FEATURE_TOL, "{case}: features {d_vis:e} {d_ds:e}");
+        assert!(d_last <= LOGIT_TOL && d_all <= LOGIT_TOL, "{case}: logits {d_last:e} {d_all:e}");
+        assert_eq!(gen.tokens, want_ids, "{case}: greedy ids");
+    }
+}
+
+#[test]
+fn the_engine_answers_a_video_prompt_with_the_reference_ids() {
+    use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
+    // Our whole path: the clip file decoded, processed, prompt built by the engine.
+    let engine =
+        Engine::load(&tiny_a(), "tiny-a", EngineOptions { video_pixel_cap: None, ..Default::default() }).unwrap();
+    for case in ["video", "video_image"] {
+        let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
+        let want = load(&goldens().join("tiny-a/cases").join(format!("{case}.safetensors")));
+        let mut parts = Vec::new();
+        for c in meta["messages"][0]["content"].as_array().unwrap() {
+            parts.push(match c["type"].as_str().unwrap() {
+                "image" => {
+                    let path = goldens().join("images").join(format!("{}.png", c["image"].as_str().unwrap()));
+                    Part::Image {
+                        data: std::fs::read(&path).unwrap(),
+                        name: path.display().to_string(),
+                        min_pixels: None,
+                        max_pixels: None,
+                    }
+                }
+                "video" => {
+                    let v = read_json(
+                        &goldens().join("processor").join(format!("video-{}.json", c["video"].as_str().unwrap())),
+                    );
+                    let path = goldens().join(v["file"].as_str().unwrap());
+                    Part::Video {
+                        source: VideoData::Path(path.clone()),
+                        name: path.display().to_string(),
+                        options: Default::default(),
+                    }
+                }
+                _ => Part::Text(c["text"].as_str().unwrap().into()),
+            });
+        }
+        let want_ids = ids_of(&want["greedy.ids"]);
+        let req = Request {
+            messages: vec![ChatMessage::new("user", parts)],
+            options: GenerationOptions { max_new_tokens: want_ids.len(), ..Default::default() },
+            ..Default::default()
+        };
+        let c = engine.generate(&req, &mut |_| true).unwrap();
+        let prompt_ids = ids_of(&load(&goldens().join("prompts").join(format!("{case}.safetensors")))["input_ids"]);
+        assert_eq!(c.prompt_tokens, prompt_ids.len(), "{case}");
+        let d = Tensor::new(c.first_logits.as_slice(), &Device::Cpu).unwrap();
+        let d_last = max_abs_diff(&d, &want["logits.last"]);
+        println!("engine tiny-a/{case}: {} video tokens, first logits max|diff| {d_last:.2e}", c.video_tokens);
+        assert_eq!(
+            c.token_ids[..want_ids.len().min(c.token_ids.len())],
+            want_ids[..want_ids.len().min(c.token_ids.len())],
+            "{case}"
+        );
+        assert!(d_last <= LOGIT_TOL, "{case}: {d_last:e}");
+    }
+}
