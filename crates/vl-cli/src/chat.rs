@@ -1,6 +1,6 @@
 //! `vl chat`: a multi-turn conversation in the terminal on the resident engine. The history is
-//! kept; prefix reuse makes each turn prefill only its new tokens. `/image PATH` attaches an
-//! image to the next message, `/reset` starts over, `/exit` (or end of input) quits. On a
+//! kept; prefix reuse makes each turn prefill only its new tokens. `/image PATH` (`/video PATH`)
+//! attaches an image (a video) to the next message, `/reset` starts over, `/exit` (or end of input) quits. On a
 //! terminal the line is edited with rustyline; piped input is read one message per line.
 
 use std::io::{BufRead, IsTerminal, Write};
@@ -90,7 +90,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let interactive = std::io::stdin().is_terminal();
     if interactive {
         note!(
-            "loaded {} in {:.1}s. /image PATH attaches an image, /reset forgets, /exit quits.",
+            "loaded {} in {:.1}s. /image PATH attaches an image, /video PATH a video, /reset forgets, /exit quits.",
             dir.display(),
             t.elapsed().as_secs_f64()
         );
@@ -134,7 +134,20 @@ pub fn chat(args: ChatArgs) -> Result<()> {
                         Err(e) => note!("error: {arg}: {e}"),
                     }
                 }
-                _ => note!("commands: /image PATH, /reset, /exit"),
+                "video" if !arg.is_empty() => {
+                    let path = PathBuf::from(arg);
+                    if path.exists() {
+                        pending.push(Part::Video {
+                            source: vl_models::engine::VideoData::Path(path),
+                            name: arg.to_string(),
+                            options: Default::default(),
+                        });
+                        note!("(video {arg} attached to the next message)");
+                    } else {
+                        note!("error: {arg}: no such file or directory");
+                    }
+                }
+                _ => note!("commands: /image PATH, /video PATH, /reset, /exit"),
             }
             continue;
         }

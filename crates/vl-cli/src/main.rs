@@ -31,7 +31,7 @@ struct Cli {
 enum Command {
     /// Generate a reply to a prompt about zero or more images and videos, streamed to stdout.
     Run(run::RunArgs),
-    /// A multi-turn chat in the terminal (history kept; /image PATH, /reset, /exit).
+    /// A multi-turn chat in the terminal (history kept; /image PATH, /video PATH, /reset, /exit).
     Chat(chat::ChatArgs),
     /// Serve the OpenAI chat completions API (`/v1/chat/completions`, `/v1/models`, `/health`,
     /// `/metrics`) from one resident model.

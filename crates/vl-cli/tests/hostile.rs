@@ -250,6 +250,10 @@ fn decompression_bombs_fail_from_the_header_within_bounded_memory() {
         println!("{name} ({} bytes): peak RSS {} MiB: {}", bytes.len(), o.peak_rss >> 20, o.stderr.trim());
     }
     assert!(cases[0].1.len() < 100 && cases[2].1.len() <= 40 && cases[4].1.len() < 400_000);
+    // As a video: the canvas is refused from the header too (the per-frame pixel limit).
+    let gif = tmp.path().join("bomb.gif").display().to_string();
+    let o = fails(&["run", "--model", &ck, "--video", &gif], &["video", "bomb.gif", "65535x65535", "pixels per frame"]);
+    println!("bomb.gif as a video: peak RSS {} MiB", o.peak_rss >> 20);
     // Endless input: read up to the byte limit, then refused.
     let o =
         fails(&["run", "--model", &ck, "--image", "/dev/zero"], &["/dev/zero", "134217728 bytes", "--max-image-bytes"]);

@@ -445,3 +445,64 @@ fn sigterm_lets_the_running_answer_finish_then_exits() {
     };
     assert!(status.success(), "exit status {status}");
 }
+
+fn video_b64(name: &str) -> String {
+    base64::engine::general_purpose::STANDARD.encode(std::fs::read(goldens().join("videos").join(name)).unwrap())
+}
+
+/// The golden tiny-a video cases in the OpenAI request shape: `video_url` (data URL or a path
+/// under --allowed-media-dir) and `input_video` (base64 data) give the reference's greedy text.
+#[test]
+fn video_parts_answer_like_the_reference() {
+    let g = "tiny-a";
+    let media = goldens().canonicalize().unwrap();
+    let s = start(g, &["--allowed-media-dir", media.to_str().unwrap()]);
+    let c = "/v1/chat/completions";
+    let case = |name: &str| {
+        let meta = read_json(&goldens().join(g).join("cases").join(format!("{name}.json")));
+        let text = meta["greedy"]["text"].as_str().unwrap().to_string();
+        (text, meta["greedy"]["ids"].as_array().unwrap().len())
+    };
+    let ask = |content: Value, max: usize| -> (u16, Value) {
+        post(
+            &s,
+            c,
+            &json!({"model": g, "messages": [{"role": "user", "content": content}], "max_tokens": max}).to_string(),
+        )
+    };
+    // [image square, video odd5, text] as a data URL.
+    let (want, n) = case("video_image");
+    let url = format!("data:video/x-matroska;base64,{}", video_b64("odd5.mkv"));
+    let (st, v) = ask(
+        json!([{"type": "image_url", "image_url": {"url": data_url("square.png")}},
+               {"type": "video_url", "video_url": {"url": url}},
+               {"type": "text", "text": "Compare the picture with the clip."}]),
+        n,
+    );
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+    // [video fps15, text]: base64 data, then a local path.
+    let (want, n) = case("video");
+    let text = json!({"type": "text", "text": "What happens in the video?"});
+    let (st, v) = ask(json!([{"type": "input_video", "input_video": {"data": video_b64("fps15.mkv")}}, text]), n);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+    let path = media.join("videos/fps15.mkv").display().to_string();
+    let (st, v) = ask(json!([{"type": "video_url", "video_url": {"url": path}}, text]), n);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+    assert_eq!(v["usage"]["prompt_tokens"].as_u64(), Some(52), "{v}");
+    // Bad video parts: each a 4xx with the culprit named.
+    let (st, b) = ask(json!([{"type": "input_video", "input_video": {"data": "%%%"}}]), 2);
+    assert_error(st, &b, 400, "base64");
+    let (st, b) = ask(json!([{"type": "input_video", "input_video": {"data": "aGVsbG8gd29ybGQ="}}]), 2);
+    assert_error(st, &b, 400, "video");
+    let (st, b) = ask(json!([{"type": "video_url", "video_url": {"url": "/etc/hostname"}}]), 2);
+    assert_error(st, &b, 403, "outside the allowed media directory");
+    let (st, b) = ask(json!([{"type": "video_url", "video_url": {"url": path}, "fps": 0}]), 2);
+    assert_error(st, &b, 400, "fps");
+    let (st, b) = ask(json!([{"type": "video_url", "video_url": {"url": path, "max_frames": 100000}}]), 2);
+    assert_error(st, &b, 400, "max_frames");
+    let (st, b) = ask(json!([{"type": "video_url", "video_url": 7}]), 2);
+    assert_error(st, &b, 400, "video_url");
+}
