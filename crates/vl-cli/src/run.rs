@@ -578,6 +578,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
                 .collect::<Vec<_>>(),
             "timings": {
                 "load_s": (before_load + shot.load_time).as_secs_f64(),
+                "media_s": shot.media_time.as_secs_f64(),
                 "vision_s": shot.vision_time.as_secs_f64(),
                 "prefill_s": prefill_s,
                 "prefill_tokens_per_s": prefill_tps,
@@ -591,8 +592,9 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         writeln!(stdout, "{out}").and_then(|_| stdout.flush()).context("writing to stdout")?;
     } else {
         note!(
-            "[load {:.2}s | vision {:.2}s ({} images, {} videos, {} tokens) | prefill {} tokens {:.2}s, {:.1} tok/s | decode {} tokens, {:.1} tok/s | stop: {stop} | peak RSS {}]",
+            "[load {:.2}s | media {:.2}s | vision {:.2}s ({} images, {} videos, {} tokens) | prefill {} tokens {:.2}s, {:.1} tok/s | decode {} tokens, {:.1} tok/s | stop: {stop} | peak RSS {}]",
             (before_load + shot.load_time).as_secs_f64(),
+            shot.media_time.as_secs_f64(),
             shot.vision_time.as_secs_f64(),
             args.images.len(),
             args.videos.len(),

@@ -829,7 +829,7 @@ fn part(app: &App, p: &Value, at: &str) -> std::result::Result<Part, ApiError> {
                 }
             };
             let (min_pixels, max_pixels) = (budget("min_pixels")?, budget("max_pixels")?);
-            let (data, name) = image_bytes(app, url, at)?;
+            let (data, name) = media_bytes(app, url, at, "image")?;
             Ok(Part::Image { data, name, min_pixels, max_pixels })
         }
         "video_url" | "video" | "input_video" => video_part(app, p, kind, at),
@@ -877,7 +877,7 @@ fn video_part(app: &App, p: &Value, kind: &str, at: &str) -> std::result::Result
             (VideoData::Bytes(bytes), format!("{at} (data)"))
         }
         (None, Some(url)) if url.starts_with("data:") || url.starts_with("http://") || url.starts_with("https://") => {
-            let (bytes, name) = image_bytes(app, url, at)?;
+            let (bytes, name) = media_bytes(app, url, at, "video")?;
             (VideoData::Bytes(bytes), name)
         }
         (None, Some(url)) => {
@@ -934,15 +934,15 @@ fn fetch(url: &str, timeout: Duration, max: u64) -> std::result::Result<Vec<u8>,
     Ok(data)
 }
 
-/// An image's bytes from a data URL, an http(s) URL (with --allow-remote-media) or, under
+/// An image's (a video's) bytes from a data URL, an http(s) URL (with --allow-remote-media) or, under
 /// --allowed-media-dir, a local path.
-fn image_bytes(app: &App, url: &str, at: &str) -> std::result::Result<(Vec<u8>, String), ApiError> {
+fn media_bytes(app: &App, url: &str, at: &str, what: &str) -> std::result::Result<(Vec<u8>, String), ApiError> {
     let too_big = |n: u64| {
         ApiError::with(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
-            "image_too_large",
-            format!("`{at}`: the image is {n} bytes, over the server's limit of {} bytes", app.max_image_bytes),
+            if what == "video" { "video_too_large" } else { "image_too_large" },
+            format!("`{at}`: the {what} is {n} bytes, over the server's limit of {} bytes", app.max_image_bytes),
         )
     };
     if let Some(rest) = url.strip_prefix("data:") {
@@ -956,13 +956,13 @@ fn image_bytes(app: &App, url: &str, at: &str) -> std::result::Result<(Vec<u8>, 
         }
         let data = base64::engine::general_purpose::STANDARD
             .decode(payload.trim())
-            .map_err(|e| ApiError::bad(format!("`{at}`: invalid base64 image data: {e}")))?;
+            .map_err(|e| ApiError::bad(format!("`{at}`: invalid base64 {what} data: {e}")))?;
         return Ok((data, format!("{at} (data URL)")));
     }
     if url.starts_with("http://") || url.starts_with("https://") {
         let Some(timeout) = app.remote_media else {
             return Err(ApiError::bad(format!(
-                "`{at}`: remote image URLs are disabled; start the server with --allow-remote-media or send a base64 data URL"
+                "`{at}`: remote {what} URLs are disabled; start the server with --allow-remote-media or send a base64 data URL"
             )));
         };
         // A blocking fetch on this worker thread (the runtime keeps serving on the other).

@@ -320,6 +320,20 @@ fn absurd_config_values_are_refused_before_allocating() {
             vec!["size.shortest_edge", "above max_pixels 65536"],
         ),
         (
+            "video_preprocessor_config.json",
+            vec![("/patch_size", json!(14))],
+            vec![
+                "video_preprocessor_config.json",
+                "patch_size",
+                "differs from config.json vision_config.patch_size 16",
+            ],
+        ),
+        (
+            "video_preprocessor_config.json",
+            vec![("/size", json!({"shortest_edge": 4096, "longest_edge": 99_999_999_999u64}))],
+            vec!["video_preprocessor_config.json", "size.longest_edge", "99999999999"],
+        ),
+        (
             "generation_config.json",
             vec![("/eos_token_id", json!([151645, 7_000_000]))],
             vec!["eos_token_id", "7000000"],

@@ -498,7 +498,9 @@ impl Engine {
     ) -> Result<OneShot> {
         let OneShotParts { config, mut processor, eos, id, opts, t0 } = parts;
         apply_image_options(&mut processor, &opts)?;
+        let t_media = Instant::now();
         let (gen_opts, prepared) = prepare(&processor, &config, &eos, &opts.device, req)?;
+        let media_time = t_media.elapsed();
         let mut images = ImageCache::new(usize::MAX);
         let mut vision_time = Duration::ZERO;
         if !prepared.processed.is_empty() || !prepared.videos.is_empty() {
@@ -523,12 +525,12 @@ impl Engine {
         let text = load_text()?;
         let storage = text.storage();
         let model = Qwen3VlModel::from_parts(config, None, text);
-        let load_time = t0.elapsed() - vision_time;
+        let load_time = t0.elapsed().saturating_sub(vision_time + media_time);
         let engine = Self::assemble(model, processor, eos, id, opts, images);
         let generate_started = Instant::now();
         let completion = engine.generate_prepared(&prepared, &gen_opts, req, on_text, generate_started)?;
         let kv_cache_bytes = engine.stats().kv_cache_bytes;
-        Ok(OneShot { completion, load_time, vision_time, storage, kv_cache_bytes, generate_started })
+        Ok(OneShot { completion, load_time, media_time, vision_time, storage, kv_cache_bytes, generate_started })
     }
 
     fn generate_locked(
@@ -706,8 +708,11 @@ struct OneShotParts<'a> {
 pub struct OneShot {
     pub completion: Completion,
     /// Checking the directory and loading the weights (vision tower and text decoder), without
-    /// the vision encoding.
+    /// the media preparation and the vision encoding.
     pub load_time: Duration,
+    /// Reading, decoding and preprocessing the request's images and videos (video probing and
+    /// frame decoding included).
+    pub media_time: Duration,
     /// Encoding the request's images.
     pub vision_time: Duration,
     /// (group, storage, bytes) of the text decoder's weights.

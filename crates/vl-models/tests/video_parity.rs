@@ -224,3 +224,33 @@ fn the_engine_answers_a_video_prompt_with_the_reference_ids() {
         assert!(d_last <= LOGIT_TOL, "{case}: {d_last:e}");
     }
 }
+
+#[test]
+fn a_follow_up_question_reuses_the_video_prefix_and_answers_as_a_fresh_engine() {
+    use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
+    let clip = goldens().join("videos/fps15.mkv");
+    let video =
+        || Part::Video { source: VideoData::Path(clip.clone()), name: "fps15".into(), options: Default::default() };
+    let opts = GenerationOptions { max_new_tokens: 4, ..Default::default() };
+    let first = vec![ChatMessage::new("user", vec![video(), Part::Text("What happens in the video?".into())])];
+    let mut second = first.clone();
+    second.push(ChatMessage::text("assistant", "A disk moves."));
+    second.push(ChatMessage::text("user", "And the bar?"));
+    let req = |messages: Vec<ChatMessage>| Request { messages, options: opts.clone(), ..Default::default() };
+
+    let warm = Engine::load(&tiny_a(), "tiny-a", EngineOptions::default()).unwrap();
+    let a = warm.generate(&req(first), &mut |_| true).unwrap();
+    let b = warm.generate(&req(second.clone()), &mut |_| true).unwrap();
+    let cold = Engine::load(&tiny_a(), "tiny-a", EngineOptions::default()).unwrap();
+    let fresh = cold.generate(&req(second), &mut |_| true).unwrap();
+    println!(
+        "follow-up: {} of {} prompt tokens reused, {} feature cache hit(s)",
+        b.cached_tokens, b.prompt_tokens, b.image_cache_hits
+    );
+    // The whole first prompt (video included) is reused, the video's features come from the cache.
+    assert!(b.cached_tokens >= a.prompt_tokens - 1, "{} of {}", b.cached_tokens, a.prompt_tokens);
+    assert_eq!(b.image_cache_hits, 1);
+    assert_eq!(b.token_ids, fresh.token_ids);
+    let d = b.first_logits.iter().zip(&fresh.first_logits).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(d <= 1e-4, "reused prefix changed the logits by {d}");
+}

@@ -55,23 +55,27 @@ impl ModelDir {
     }
 }
 
-/// The processor must produce what the vision tower takes, the tokenizer must know the
+/// The image and video processors must produce what the vision tower takes, the tokenizer must know the
 /// config's special tokens, and the chat template must render a conversation with an image.
 fn check_processor(dir: &Path, cfg: &Qwen3VlConfig, p: &Processor) -> Result<()> {
-    let pre = dir.join("preprocessor_config.json");
     let v = &cfg.vision;
-    let c = &p.images.config;
-    for (field, ours, theirs, theirs_name) in [
-        ("patch_size", c.patch_size, v.patch_size, "vision_config.patch_size"),
-        ("merge_size", c.merge_size, v.spatial_merge_size, "vision_config.spatial_merge_size"),
-        ("temporal_patch_size", c.temporal_patch_size, v.temporal_patch_size, "vision_config.temporal_patch_size"),
-    ] {
-        if ours != theirs {
-            return Err(Error::Config {
-                path: pre.clone(),
-                field: field.into(),
-                message: format!("{ours} differs from config.json {theirs_name} {theirs}"),
-            });
+    let video_file = ["video_preprocessor_config.json", "preprocessor_config.json"]
+        .into_iter()
+        .find(|f| dir.join(f).is_file())
+        .unwrap_or("video_preprocessor_config.json");
+    for (file, c) in [("preprocessor_config.json", &p.images.config), (video_file, &p.videos.config.base)] {
+        for (field, ours, theirs, theirs_name) in [
+            ("patch_size", c.patch_size, v.patch_size, "vision_config.patch_size"),
+            ("merge_size", c.merge_size, v.spatial_merge_size, "vision_config.spatial_merge_size"),
+            ("temporal_patch_size", c.temporal_patch_size, v.temporal_patch_size, "vision_config.temporal_patch_size"),
+        ] {
+            if ours != theirs {
+                return Err(Error::Config {
+                    path: dir.join(file),
+                    field: field.into(),
+                    message: format!("{ours} differs from config.json {theirs_name} {theirs}"),
+                });
+            }
         }
     }
     let tok = dir.join("tokenizer.json");
