@@ -529,6 +529,67 @@ fn still(img: image::DynamicImage) -> image::Frames<'static> {
 mod tests {
     use super::*;
 
+    fn frames(dir: &Path, sizes: &[(u32, u32)]) {
+        for (i, &(w, h)) in sizes.iter().enumerate() {
+            RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8, y as u8, i as u8]))
+                .save(dir.join(format!("{i:02}.png")))
+                .unwrap();
+        }
+    }
+
+    #[test]
+    fn frame_directories_are_bounded_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        frames(dir.path(), &[(8, 6); 5]);
+        std::fs::write(dir.path().join(".hidden"), b"x").unwrap();
+        let src = VideoSource::open(dir.path(), 4.0, &VideoLimits::default()).unwrap();
+        assert_eq!(src.info(), &VideoInfo { width: 8, height: 6, frames: 5, fps: 4.0, decoder: "frames" });
+        let mut seen = vec![];
+        src.read_frames(&[0, 2, 4], &mut |k, f| {
+            seen.push((k, f.get_pixel(0, 0)[2]));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, vec![(0, 0), (1, 2), (2, 4)]);
+        assert!(src.read_frames(&[3, 1], &mut |_, _| Ok(())).is_err(), "indices must ascend");
+        // More frames than the limit: refused at the probe.
+        let few = VideoLimits { max_source_frames: 3, ..Default::default() };
+        let e = VideoSource::open(dir.path(), 4.0, &few).unwrap_err().to_string();
+        assert!(e.contains("more than 3 frame files"), "{e}");
+        // Frames over the per-frame pixel limit: refused from the first frame's header.
+        let small = VideoLimits { max_frame_pixels: 40, ..Default::default() };
+        let e = VideoSource::open(dir.path(), 4.0, &small).unwrap_err().to_string();
+        assert!(e.contains("48 pixels") || e.contains("40 pixels"), "{e}");
+        // A frame of another size, when it is sampled.
+        frames(dir.path(), &[(8, 6), (8, 6), (6, 8)]);
+        let src = VideoSource::open(dir.path(), 4.0, &VideoLimits::default()).unwrap();
+        let e = src.read_frames(&[0, 2], &mut |_, _| Ok(())).unwrap_err().to_string();
+        assert!(e.contains("02.png is 6x8, the first frame 8x6"), "{e}");
+    }
+
+    #[test]
+    fn animated_gifs_are_clips_at_their_frame_delays() {
+        let mut bytes = Vec::new();
+        {
+            let mut enc = image::codecs::gif::GifEncoder::new(&mut bytes);
+            for i in 0..6u8 {
+                let img = image::RgbaImage::from_fn(10, 8, |x, _| image::Rgba([x as u8 * 20, i * 40, 0, 255]));
+                let delay = image::Delay::from_numer_denom_ms(250, 1);
+                enc.encode_frame(image::Frame::from_parts(img, 0, 0, delay)).unwrap();
+            }
+        }
+        let src = VideoSource::from_bytes(bytes, Path::new("anim.gif"), &VideoLimits::default()).unwrap();
+        // 6 frames of 250 ms: 4 frames a second.
+        assert_eq!(src.info(), &VideoInfo { width: 10, height: 8, frames: 6, fps: 4.0, decoder: "gif" });
+        let mut green = vec![];
+        src.read_frames(&[1, 5], &mut |_, f| {
+            green.push(f.get_pixel(0, 0)[1]);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(green, vec![40, 200]);
+    }
+
     #[test]
     fn rates_parse_as_ffprobe_prints_them() {
         assert_eq!(parse_rate("30000/1001"), Some(30000.0 / 1001.0));
