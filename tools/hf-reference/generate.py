@@ -104,6 +104,15 @@ TINY_Q = dict(
 )
 MLX_BITS = [4, 8]
 MLX_GREEDY_STEPS = 8
+# Fixtures converted by tools/mlx-reference/convert.py (which defines their quantization) -> the
+# cases stored for them. The uniform 4/8-bit ones keep every case with full-vocabulary last logits;
+# the others (3/5/6 bits, group 32, mixed) one image case, logits at the sampled ids only (size).
+MLX_CASES = ["text_only", "one_image", "two_images", "image_mid"]
+MLX_FIXTURES = {
+    "tiny-q-mlx4": None, "tiny-q-mlx8": None,  # MLX_CASES
+    "tiny-q-mlx6": ["one_image"], "tiny-q-mlx3": ["one_image"], "tiny-q-mlx5": ["one_image"],
+    "tiny-q-mlx6g32": ["one_image"], "tiny-q-mlx-mixed": ["one_image"],
+}
 
 
 def sha256(path):
@@ -795,8 +804,7 @@ def mlx_source(dest, seed):
 def mlx_goldens(out, cache):
     """Reference logits of each MLX fixture, computed on its exactly dequantized weights."""
     sampled_ids = load_file(out / "sampled_vocab_ids.safetensors")["vocab_ids"]
-    for bits in MLX_BITS:
-        name = f"tiny-q-mlx{bits}"
+    for name, only in MLX_FIXTURES.items():
         cfg = Qwen3VLConfig.from_pretrained(Path(cache) / "tiny-q-src")
         model = Qwen3VLForConditionalGeneration(cfg).eval()
         state = load_file(Path(cache) / f"{name}-dequantized.safetensors")
@@ -810,7 +818,7 @@ def mlx_goldens(out, cache):
         cdir = out / name / "cases"
         cdir.mkdir(parents=True, exist_ok=True)
         for cname, (_, tools) in cases().items():
-            if tools:
+            if tools or cname not in (only or MLX_CASES):
                 continue
             prompt = load_file(out / "prompts" / f"{cname}.safetensors")
             meta = json.loads((out / "prompts" / f"{cname}.json").read_text())
@@ -825,6 +833,9 @@ def mlx_goldens(out, cache):
             top2 = steps.topk(2, dim=-1).values
             t = {"logits.last": logits[-1].contiguous(), "logits.sampled": logits[:, sampled_ids].contiguous(),
                  "greedy.ids": gen.sequences[0, kw["input_ids"].shape[1]:].contiguous()}
+            if only is not None:
+                del t["logits.last"]
+                t["greedy.margins"] = (top2[:, 0] - top2[:, 1]).contiguous()
             save_file(t, cdir / f"{cname}.safetensors")
             m = {"case": cname, "greedy_min_margin": float((top2[:, 0] - top2[:, 1]).min())}
             (cdir / f"{cname}.json").write_text(json.dumps(m, indent=2) + "\n")
@@ -862,6 +873,8 @@ def main():
             capture_output=True, text=True, check=True).stdout)
         write_provenance(out, {"mlx_fixtures": {
             "generator": "tools/hf-reference/generate-mlx", "geometry": TINY_Q, "bits": MLX_BITS, "group_size": 64,
+            "fixtures": {n: c or MLX_CASES for n, c in MLX_FIXTURES.items()},
+            "quantization": "tools/mlx-reference/convert.py FIXTURES (each fixture's config.json `quantization` says what mlx_vlm wrote)",
             "source_seed": args.seed + 5000, "greedy_steps": MLX_GREEDY_STEPS, "versions": mlx_versions,
             "reference": "transformers run on the mx.dequantize'd weights (the exact model), float32"}})
         return

@@ -1,10 +1,17 @@
 #!/usr/bin/env python3
 """MLX side of the quantized fixtures (run by tools/hf-reference/generate-mlx).
 
-For each bit width: mlx_vlm convert the tiny-q source checkpoint, then dequantize every quantized
-tensor with mx.dequantize (the exact model the quantized weights describe) and write it in
-transformers' key layout for the reference run. Also pins two dequantized tensors per width as
+For each fixture: mlx_vlm converts the tiny-q source checkpoint (its CLI for the uniform 4- and
+8-bit fixtures; its `convert()` with a per-layer `quant_predicate` for the others, which is how
+mlx_vlm writes mixed checkpoints: per-layer entries in `quantization`), then every quantized tensor
+is dequantized with mx.dequantize (the exact model the quantized weights describe) and written in
+transformers' key layout for the reference run. Also pins dequantized tensors per fixture as
 goldens for a bit-exactness test of the Rust unpacking.
+
+Size: the real vocabulary's embedding (151936 x 64) and the float vision tower (mlx_vlm leaves it
+unquantized) are most of a fixture. tiny-q-mlx4 is split into two shards, those tensors alone in
+the first; every predicate fixture keeps the embedding at exactly that quantization, so the
+tensors are equal (asserted), and links that shard instead of storing its own copy.
 """
 import json
 import os
@@ -28,22 +35,102 @@ def hf_key(k):
     return k
 
 
-def main(src, out_root, cache, bits_list, group):
-    for bits in bits_list:
-        name = f"tiny-q-mlx{bits}"
+EMBED = "language_model.model.embed_tokens"
+EMBED_SHARD = "model-00001-of-00002.safetensors"
+REST_SHARD = "model-00002-of-00002.safetensors"
+SHARED_FROM = "tiny-q-mlx4"
+
+# name -> (default bits, default group size, per-layer rules or None for the plain CLI conversion).
+# Rules: (substring of the module path, params dict or False = keep it unquantized), first match wins.
+SHARED_EMBED = (EMBED, {"bits": 4, "group_size": 64})
+FIXTURES = {
+    "tiny-q-mlx4": (4, 64, None),
+    "tiny-q-mlx8": (8, 64, None),
+    "tiny-q-mlx6": (6, 64, [SHARED_EMBED]),
+    "tiny-q-mlx3": (3, 64, [SHARED_EMBED]),
+    "tiny-q-mlx5": (5, 64, [SHARED_EMBED]),
+    "tiny-q-mlx6g32": (6, 32, [SHARED_EMBED]),
+    # As mlx_vlm's mixed recipes shape it (more bits for v_proj / down_proj of some layers), plus a
+    # layer left in float and one at another group size.
+    "tiny-q-mlx-mixed": (3, 64, [SHARED_EMBED,
+                                 ("layers.1.mlp.down_proj", False),
+                                 ("layers.0.mlp.down_proj", {"bits": 8, "group_size": 32}),
+                                 ("self_attn.v_proj", {"bits": 6, "group_size": 64})]),
+}
+
+
+def predicate_for(rules, bits, group):
+    from mlx_vlm.utils import skip_multimodal_module
+
+    def predicate(path, module):
+        # mlx_vlm's own default keeps the vision tower in float; a custom predicate must say so too.
+        if skip_multimodal_module(path):
+            return False
+        for needle, params in rules:
+            if needle in path:
+                return False if params is False else {**params, "mode": "affine"}
+        return {"bits": bits, "group_size": group, "mode": "affine"}
+    return predicate
+
+
+def load_all(ck):
+    weights = {}
+    for f in sorted(ck.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+def shared_key(k):
+    return k.startswith(EMBED + ".") or k.startswith("vision_tower.")
+
+
+def write_shards(ck, weights, embed_file):
+    """Rewrites ck as two shards: the embedding (`embed_file`: written, or linked when it is a
+    path to an existing shard) and the rest, with the index mlx_vlm writes."""
+    for f in ck.glob("*.safetensors"):
+        f.unlink()
+    embed = {k: v for k, v in weights.items() if shared_key(k)}
+    rest = {k: v for k, v in weights.items() if not shared_key(k)}
+    if isinstance(embed_file, Path):
+        shared = mx.load(str(embed_file))
+        assert sorted(shared) == sorted(embed), (sorted(shared), sorted(embed))
+        for k in embed:
+            assert mx.array_equal(shared[k], embed[k]).item() and shared[k].dtype == embed[k].dtype, k
+        os.symlink(os.path.relpath(embed_file, ck), ck / EMBED_SHARD)
+    else:
+        mx.save_safetensors(str(ck / EMBED_SHARD), embed, metadata={"format": "mlx"})
+    mx.save_safetensors(str(ck / REST_SHARD), rest, metadata={"format": "mlx"})
+    total = sum(v.nbytes for v in weights.values())
+    wmap = {k: (EMBED_SHARD if k in embed else REST_SHARD) for k in sorted(weights)}
+    (ck / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": wmap}, indent=4) + "\n")
+
+
+def main(src, out_root, cache, names):
+    from mlx_vlm.convert import convert
+
+    for name in names:
+        bits, group, rules = FIXTURES[name]
         ck = Path(out_root) / name / "checkpoint"
         if ck.parent.exists():
             shutil.rmtree(ck.parent)
-        subprocess.run([sys.executable, "-m", "mlx_vlm", "convert", "--hf-path", src, "--mlx-path", str(ck),
-                        "-q", "--q-bits", str(bits), "--q-group-size", str(group)], check=True)
+        if rules is None:
+            subprocess.run([sys.executable, "-m", "mlx_vlm", "convert", "--hf-path", src, "--mlx-path", str(ck),
+                            "-q", "--q-bits", str(bits), "--q-group-size", str(group)], check=True)
+        else:
+            convert(hf_path=src, mlx_path=str(ck), quantize=True, q_group_size=group, q_bits=bits,
+                    quant_predicate=predicate_for(rules, bits, group))
+        if name == SHARED_FROM:
+            write_shards(ck, load_all(ck), None)
+        elif rules is not None:
+            shared = Path(out_root) / SHARED_FROM / "checkpoint" / EMBED_SHARD
+            write_shards(ck, load_all(ck), shared)
         for f in ("tokenizer.json", "vocab.json", "merges.txt"):
             (ck / f).unlink(missing_ok=True)
             os.symlink(os.path.join("..", "..", "tokenizer", f), ck / f)
         (ck / "README.md").unlink(missing_ok=True)
         cfg = json.loads((ck / "config.json").read_text())
-        weights = {}
-        for f in sorted(ck.glob("*.safetensors")):
-            weights.update(mx.load(str(f)))
+        weights = load_all(ck)
         dense = {}
         pinned = {}
         for k, v in weights.items():
@@ -71,4 +158,4 @@ def main(src, out_root, cache, bits_list, group):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], [int(b) for b in sys.argv[4].split(",")], int(sys.argv[5]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",") if len(sys.argv) > 4 else list(FIXTURES))

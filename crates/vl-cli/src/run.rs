@@ -265,18 +265,7 @@ pub(crate) fn quant_for(arg: QuantArg, weights: Option<&Weights>) -> Option<Quan
         QuantArg::Q6k => Some(QuantType::Q6K),
         QuantArg::Q8 => Some(QuantType::Q8_0),
         QuantArg::Off => None,
-        QuantArg::None => {
-            let bits = weights?.entries().values().find_map(|e| match e.storage {
-                vl_models::qwen3_vl::weights::Storage::Affine { bits, .. } => Some(bits),
-                _ => None,
-            })?;
-            Some(match bits {
-                0..=4 => QuantType::Q4K,
-                5 => QuantType::Q5K,
-                6 => QuantType::Q6K,
-                _ => QuantType::Q8_0,
-            })
-        }
+        QuantArg::None => weights?.default_quant(),
     }
 }
 

@@ -76,3 +76,32 @@ fn inspect_reports_the_mlx_layout_and_storage() {
     );
     assert!(!out.contains("warning"), "{out}");
 }
+
+#[test]
+fn inspect_reports_each_width_of_a_mixed_mlx_checkpoint_and_what_run_computes() {
+    // tools/mlx-reference/convert.py: 3-bit default, the embedding 4-bit, v_proj 6-bit, one
+    // down_proj 8-bit group 32, the other left in float by the predicate.
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../goldens/tiny-q-mlx-mixed/checkpoint");
+    let (code, out, err) = vl(&["inspect", "--model", dir.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains(
+            "text decoder: float32 (10 tensors), mlx 3-bit (group 64, float32 scales) (10 tensors), mlx 4-bit (group 64, float32 scales) (1 tensors), mlx 6-bit (group 64, float32 scales) (2 tensors), mlx 8-bit (group 32, float32 scales) (1 tensors)"
+        ),
+        "{out}"
+    );
+    // The widest width (8) picks Q8_0; every row here fills its 32-value blocks.
+    assert!(
+        out.contains("requantized to q8_0")
+            && out.contains("(14 tensors), the others dequantized exactly to f32 (0 tensors)"),
+        "{out}"
+    );
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../goldens/tiny-q-mlx6/checkpoint");
+    let (_, out, _) = vl(&["inspect", "--model", dir.to_str().unwrap()]);
+    // 6 bits -> Q6_K, whose 256-value blocks no row of the tiny geometry (64, 128) fills.
+    assert!(
+        out.contains("requantized to q6k")
+            && out.contains("(0 tensors), the others dequantized exactly to f32 (15 tensors)"),
+        "{out}"
+    );
+}

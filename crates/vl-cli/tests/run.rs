@@ -240,6 +240,39 @@ fn mlx_checkpoints_run_exact_and_requantized() {
     assert_eq!(v["quantization"], "q8_0");
 }
 
+#[test]
+fn six_bit_and_mixed_mlx_checkpoints_run_with_the_reference_ids() {
+    let img = image("square.png");
+    for (name, default_quant) in [("tiny-q-mlx6", "q6k"), ("tiny-q-mlx3", "q4k"), ("tiny-q-mlx-mixed", "q8_0")] {
+        let ck = goldens().join(name).join("checkpoint").display().to_string();
+        let t = candle_core::safetensors::load(
+            goldens().join(name).join("cases/one_image.safetensors"),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let want: Vec<u64> = t["greedy.ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u64).collect();
+        let n = want.len().to_string();
+        for quant in [&["--quantize", "off"][..], &[][..]] {
+            let mut args = vec!["run", "--model", &ck, "--image", &img, "--max-new-tokens", &n, "--json"];
+            args.extend_from_slice(quant);
+            let (code, out, err) = vl(&args);
+            assert_eq!(code, 0, "{name} {quant:?}: {err}");
+            let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+            let got: Vec<u64> = v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+            if quant.is_empty() {
+                // The default asks for the quant of the widest width; the tiny rows fit Q8_0's
+                // 32-value blocks but not the k-quants' 256, so those layers stay exact f32.
+                assert_eq!(v["quantization"], default_quant, "{name}");
+                if default_quant != "q8_0" {
+                    assert_eq!(got, want, "{name}: exact f32 when no row fits the k-quant");
+                }
+            } else {
+                assert_eq!(got, want, "{name} --quantize off");
+            }
+        }
+    }
+}
+
 /// Writes a `w` x `h` RGB PNG (a smooth gradient) to `path`.
 fn write_png(path: &Path, w: u32, h: u32) {
     let mut enc = png::Encoder::new(std::fs::File::create(path).unwrap(), w, h);

@@ -87,10 +87,28 @@ pub fn inspect(dir: &Path) -> Result<Summary> {
         };
         *storage.entry(group).or_default().entry(e.describe()).or_insert(0) += 1;
     }
-    let compute = if quantized {
-        "CPU: MLX-quantized tensors are dequantized exactly at load and computed in f32, or requantized to k-quants with --quantize; GPU: bf16"
-    } else {
-        "CPU: f32 (stored bf16/f16 upcast at load; --quantize q4k|q6k|q8 quantizes the text decoder); GPU: bf16"
+    let compute = match (quantized, w.default_quant()) {
+        (true, Some(q)) => {
+            // As `vl run` loads it: rows that fill whole k-quant blocks are requantized.
+            let affine_text = plan.iter().filter(|p| p.required && p.group != Group::Vision).filter_map(|p| {
+                w.get(&p.key).filter(|e| matches!(e.storage, Storage::Affine { .. }) && e.shape.len() == 2)
+            });
+            let (mut fit, mut dense) = (0, 0);
+            for e in affine_text {
+                if e.shape[1] % q.block() == 0 {
+                    fit += 1;
+                } else {
+                    dense += 1;
+                }
+            }
+            format!(
+                "CPU, vl run's default: MLX-quantized text tensors requantized to {} (the quant of the widest stored width) where rows fill {}-value blocks ({fit} tensors), the others dequantized exactly to f32 ({dense} tensors); --quantize off: every tensor dequantized exactly, f32; GPU: bf16",
+                q.name(),
+                q.block()
+            )
+        }
+        _ => "CPU: f32 (stored bf16/f16 upcast at load; --quantize q4k|q6k|q8 quantizes the text decoder); GPU: bf16"
+            .into(),
     };
     let storage = storage
         .into_iter()
@@ -113,7 +131,7 @@ pub fn inspect(dir: &Path) -> Result<Summary> {
             Layout::MlxCommunity => "mlx-community".into(),
         },
         storage,
-        compute: compute.into(),
+        compute,
         dtypes,
         parameters: params,
         text_layers: t.num_hidden_layers,

@@ -233,6 +233,27 @@ impl Weights {
         self.float_dtype_under(super::plan::TEXT_PREFIX)
     }
 
+    /// The k-quant `vl run` requantizes an MLX-quantized checkpoint's text decoder to by default:
+    /// that of its widest affine width (up to 4 bits Q4_K, 5 Q5_K, 6 Q6_K, more Q8_0), so no
+    /// tensor of a mixed checkpoint loses bits; `None` for a checkpoint without affine tensors.
+    pub fn default_quant(&self) -> Option<vl_nn::QuantType> {
+        use vl_nn::QuantType;
+        let bits = self
+            .entries
+            .values()
+            .filter_map(|e| match e.storage {
+                Storage::Affine { bits, .. } => Some(bits),
+                _ => None,
+            })
+            .max()?;
+        Some(match bits {
+            0..=4 => QuantType::Q4K,
+            5 => QuantType::Q5K,
+            6 => QuantType::Q6K,
+            _ => QuantType::Q8_0,
+        })
+    }
+
     /// Like `text_float_dtype`, for the vision tower: what its weights can be kept in when they
     /// are computed in f32 (`VisionTower::load_stored`; exact for a bf16 checkpoint).
     pub fn vision_float_dtype(&self) -> DType {
