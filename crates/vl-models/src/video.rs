@@ -306,7 +306,7 @@ impl VideoSource {
             &name,
             Command::new("ffprobe")
                 .args(["-v", "error", "-select_streams", "v:0", "-count_packets", "-show_entries"])
-                .arg("stream=width,height,avg_frame_rate,r_frame_rate,nb_read_packets")
+                .arg("stream=width,height,avg_frame_rate,r_frame_rate,nb_read_packets:stream_side_data=rotation:stream_tags=rotate")
                 .args(["-of", "json"])
                 .arg(&file),
         )?;
@@ -331,7 +331,17 @@ impl VideoSource {
                     ),
                 }
             })?;
-        let info = VideoInfo { width: dim("width"), height: dim("height"), frames, fps, decoder: "ffmpeg" };
+        // ffmpeg turns frames upright by the stream's display rotation (phone videos): a quarter
+        // turn swaps the sides it outputs.
+        let side_rotation = stream
+            .get("side_data_list")
+            .and_then(|l| l.as_array())
+            .and_then(|l| l.iter().find_map(|d| d.get("rotation").and_then(|r| r.as_f64())));
+        let tag_rotation =
+            stream.get("tags").and_then(|t| t.get("rotate")).and_then(|r| r.as_str()?.parse::<f64>().ok());
+        let quarter = side_rotation.or(tag_rotation).is_some_and(|r| (r.round() as i64).rem_euclid(180) == 90);
+        let (width, height) = if quarter { (dim("height"), dim("width")) } else { (dim("width"), dim("height")) };
+        let info = VideoInfo { width, height, frames, fps, decoder: "ffmpeg" };
         Self::checked(name, Kind::Ffmpeg { file, _temp: temp }, info, limits)
     }
 

@@ -254,3 +254,37 @@ fn a_follow_up_question_reuses_the_video_prefix_and_answers_as_a_fresh_engine() 
     let d = b.first_logits.iter().zip(&fresh.first_logits).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
     assert!(d <= 1e-4, "reused prefix changed the logits by {d}");
 }
+
+#[test]
+fn a_rotated_phone_video_is_read_upright_with_its_sides_swapped() {
+    // An 80x48 clip whose stream says "display rotated 90 degrees", as phones write them.
+    let dir = tempfile::tempdir().unwrap();
+    let (plain, clip) = (dir.path().join("plain.mp4"), dir.path().join("rot.mp4"));
+    let ffmpeg = |args: &[&str]| {
+        let ok = std::process::Command::new("ffmpeg").args(["-v", "error", "-y"]).args(args).status().expect("ffmpeg");
+        assert!(ok.success(), "{args:?}");
+    };
+    let (p, c) = (plain.to_str().unwrap(), clip.to_str().unwrap());
+    ffmpeg(&["-f", "lavfi", "-i", "testsrc=size=80x48:rate=10", "-t", "1", "-c:v", "mpeg4", "-q:v", "2", p]);
+    // The rotation goes into the container's display matrix on a stream copy.
+    ffmpeg(&["-i", p, "-c", "copy", "-metadata:s:v:0", "rotate=90", c]);
+    let src = VideoSource::open(&clip, 2.0, &VideoLimits::default()).unwrap();
+    assert_eq!((src.info().width, src.info().height, src.info().frames), (48, 80, 10));
+    // The frames equal what ffmpeg itself outputs for the stream (turned upright).
+    let raw = std::process::Command::new("ffmpeg")
+        .args(["-v", "error", "-i"])
+        .arg(&clip)
+        .args(["-frames:v", "1", "-f", "rawvideo", "-pix_fmt", "rgb24", "-"])
+        .output()
+        .unwrap()
+        .stdout;
+    let mut first = None;
+    src.read_frames(&[0, 9], &mut |k, f| {
+        if k == 0 {
+            first = Some(f.into_raw());
+        }
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(first.unwrap(), raw);
+}
