@@ -528,6 +528,17 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         out.write(&c.first_logits)?;
     }
 
+    // The checkpoint's own video budget, to say when ours scaled a clip below it.
+    let model_videos =
+        match (&checkpoint_images, video.0) {
+            (Some(_), opts) if !c.videos.is_empty() => Some(
+                vl_models::qwen3_vl::VideoProcessor::from_dir(&dir)?
+                    .with_options(&vl_models::qwen3_vl::VideoOptions { min_pixels: None, max_pixels: None, ..opts })?,
+            ),
+            _ => None,
+        };
+    let videos: Vec<serde_json::Value> =
+        c.videos.iter().map(|v| video_report(v, model_videos.as_ref(), &args.load)).collect();
     let prefill_s = c.prefill_time.as_secs_f64();
     let decode_s = c.decode_time.as_secs_f64();
     // The first token comes from the prefill; the others from decode steps.
@@ -552,7 +563,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
             "image_tokens": c.image_tokens,
             "images": sizes,
             "video_tokens": c.video_tokens,
-            "videos": c.videos.iter().map(video_report).collect::<Vec<_>>(),
+            "videos": videos,
             "generated_tokens": c.token_ids.len(),
             "stop_reason": stop,
             "dtype": format!("{dtype:?}").to_lowercase(),
@@ -599,9 +610,35 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     Ok(())
 }
 
-/// What sampling and resizing made of one video.
-fn video_report(v: &vl_models::engine::VideoReport) -> serde_json::Value {
+/// What sampling and resizing made of one video, and whether the budget in force scaled it below
+/// what the checkpoint's own would give (said on stderr too, with the flag that lifts it).
+fn video_report(
+    v: &vl_models::engine::VideoReport,
+    model: Option<&vl_models::qwen3_vl::VideoProcessor>,
+    load: &LoadArgs,
+) -> serde_json::Value {
     let (h, w) = v.plan.resized;
+    let full =
+        model.and_then(|p| p.plan(v.info.frames, v.info.fps, v.info.height as usize, v.info.width as usize).ok());
+    let scaled = full.as_ref().is_some_and(|f| f.resized.0 * f.resized.1 > h * w);
+    if let (true, Some(f)) = (scaled, &full) {
+        let merge = model.map_or(2, |p| p.config.base.merge_size);
+        let why = match load.video_max_pixels {
+            VideoPixels::At(n) => format!("--video-max-pixels {n}"),
+            VideoPixels::Model => "the budget".into(),
+        };
+        note!(
+            "note: video {}: {} frames of {}x{} scaled to {w}x{h} ({} visual tokens) by {why}; the checkpoint's budget would give {}x{} ({} tokens): --video-max-pixels model",
+            v.name,
+            v.plan.indices.len(),
+            v.info.width,
+            v.info.height,
+            v.tokens,
+            f.resized.1,
+            f.resized.0,
+            f.num_tokens(merge)
+        );
+    }
     serde_json::json!({
         "file": v.name,
         "decoder": v.info.decoder,
@@ -616,6 +653,7 @@ fn video_report(v: &vl_models::engine::VideoReport) -> serde_json::Value {
         "resized_height": h,
         "grid_thw": v.plan.grid,
         "tokens": v.tokens,
+        "scaled_below_checkpoint_budget": scaled,
     })
 }
 

@@ -96,6 +96,7 @@ fn a_video_file_is_sampled_and_reported_as_the_reference_does() {
     assert_eq!((v["resized_width"].as_u64(), v["resized_height"].as_u64()), (Some(64), Some(64)));
     assert_eq!(v["tokens"].as_u64(), Some(12));
     assert_eq!(j["video_tokens"].as_u64(), Some(12));
+    assert_eq!(v["scaled_below_checkpoint_budget"], false);
 
     // The frame limit: 3 frames at linspace(0, 44, 3) = [0, 22, 44], the odd one paired with itself.
     let j = run_json(&["--video", &clip("fps15.mkv"), "--video-max-frames", "3"], None);
@@ -106,8 +107,19 @@ fn a_video_file_is_sampled_and_reported_as_the_reference_does() {
     assert_eq!(j["videos"][0]["sampled_frames"].as_u64(), Some(12));
     // A pixel budget below the clip's: 6 x 64 x 64 = 24576 > 12288 scales the frames down
     // (beta = sqrt(6 * 56 * 80 / 12288) = 1.48: floor(37.8 / 32) = 1, floor(54.0 / 32) = 1 -> 32x32).
-    let j = run_json(&["--video", &clip("fps15.mkv"), "--video-max-pixels", "12288"], None);
+    let ck = checkpoint();
+    let fps15 = clip("fps15.mkv");
+    let args =
+        ["run", "--model", &ck, "--max-new-tokens", "1", "--json", "--video", &fps15, "--video-max-pixels", "12288"];
+    let (code, out, err) = vl(&args, None);
+    assert_eq!(code, 0, "{err}");
+    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(j["videos"][0]["grid_thw"], serde_json::json!([3, 2, 2]));
+    assert_eq!(j["videos"][0]["scaled_below_checkpoint_budget"], true);
+    assert!(
+        err.contains("scaled to 32x32 (3 visual tokens) by --video-max-pixels 12288; the checkpoint's budget would give 64x64 (12 tokens)"),
+        "{err}"
+    );
 }
 
 #[test]
