@@ -497,6 +497,11 @@ fn video_parts_answer_like_the_reference() {
     assert_error(st, &b, 400, "base64");
     let (st, b) = ask(json!([{"type": "input_video", "input_video": {"data": "aGVsbG8gd29ybGQ="}}]), 2);
     assert_error(st, &b, 400, "video");
+    // An uploaded playlist naming a local file: refused, it must not read that file.
+    let list = format!("#EXTM3U\n#EXTINF:10.0,\n{path}\n#EXT-X-ENDLIST\n");
+    let data = base64::engine::general_purpose::STANDARD.encode(list);
+    let (st, b) = ask(json!([{"type": "input_video", "input_video": {"data": data}}]), 2);
+    assert_error(st, &b, 400, "cannot read it");
     let (st, b) = ask(json!([{"type": "video_url", "video_url": {"url": "/etc/hostname"}}]), 2);
     assert_error(st, &b, 403, "outside the allowed media directory");
     let (st, b) = ask(json!([{"type": "video_url", "video_url": {"url": path}, "fps": 0}]), 2);

@@ -164,6 +164,7 @@ fn animated_images_and_frame_directories_need_no_ffmpeg() {
     assert_eq!(v["frame_indices"], serde_json::json!([0, 2, 5, 7]));
     // Six frames taken at --video-fps 3: all six sampled, pairs at (0 + 1/3) / 2, ...
     let dir = frames_dir(&[(64, 48); 6]);
+    std::fs::write(dir.path().join("notes.txt"), b"not a frame").unwrap();
     let j = run_json(&["--video", dir.path().to_str().unwrap(), "--video-fps", "3"], Some(no_path));
     let v = &j["videos"][0];
     assert_eq!(v["decoder"], "frames");
@@ -192,6 +193,11 @@ fn bad_videos_and_flags_get_one_clear_line() {
     fails(&["--video", &s(&empty)], None, &["empty.mp4"]);
     fails(&["--video", &s(&text)], None, &["notes.mp4"]);
     fails(&["--video", "/nonexistent/clip.mp4"], None, &["/nonexistent/clip.mp4"]);
+    // A playlist naming another file is not a video (ffmpeg would open that file).
+    let list = tmp.path().join("list.mp4");
+    let target = goldens().join("videos/fps15.mkv").canonicalize().unwrap();
+    std::fs::write(&list, format!("#EXTM3U\n#EXTINF:10.0,\n{}\n#EXT-X-ENDLIST\n", target.display())).unwrap();
+    fails(&["--video", &s(&list)], None, &["list.mp4", "cannot read it"]);
     let none = tempfile::tempdir().unwrap();
     fails(&["--video", &s(none.path())], None, &["no frame images"]);
     let one = frames_dir(&[(64, 48)]);

@@ -23,15 +23,27 @@ pub struct VideoLimits {
     pub max_frame_pixels: u64,
     /// Frames in the source (all of them are decoded to reach the sampled ones).
     pub max_source_frames: usize,
+    /// Pixels decoded to read an animated image (frames x canvas, counting its frames included):
+    /// a tiny file can describe a huge canvas many times over.
+    pub max_animation_pixels: u64,
 }
 
 impl Default for VideoLimits {
     fn default() -> Self {
         // 1 GiB of encoded video in memory; 2^26-pixel frames as for images (8K is 2^25); an
         // hour at 60 fps.
-        Self { max_file_bytes: 1 << 30, max_frame_pixels: 1 << 26, max_source_frames: 216_000 }
+        // 2^32 animation pixels: 67 frames of an 8000x8000 canvas, 17179 of 500x500.
+        Self {
+            max_file_bytes: 1 << 30,
+            max_frame_pixels: 1 << 26,
+            max_source_frames: 216_000,
+            max_animation_pixels: 1 << 32,
+        }
     }
 }
+
+/// File extensions taken as frames in a directory of frames.
+const FRAME_EXTENSIONS: [&str; 7] = ["png", "jpg", "jpeg", "webp", "gif", "bmp", "tif"];
 
 /// Frame rates accepted from a source or a flag: above 0, at most this.
 pub const MAX_FPS: f64 = 1000.0;
@@ -70,6 +82,16 @@ impl std::fmt::Debug for VideoSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VideoSource").field("name", &self.name).field("info", &self.info).finish()
     }
+}
+
+/// Container formats ffmpeg may open (its demuxer names): playlists (`hls`), `concat` lists and
+/// image sequences (`image2`) are left out, since they open other files (a request's "video"
+/// could otherwise read any file the server can).
+const FFMPEG_FORMATS: &str = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,asf,flv,mpegts,mpeg,ogg,mxf,nut,ivf,dv,m4v,h264,hevc,av1,obu,mjpeg,vc1,yuv4mpegpipe";
+
+/// Input options for ffprobe and ffmpeg: only local files, only the formats above.
+fn input_guard(cmd: &mut Command) -> &mut Command {
+    cmd.args(["-protocol_whitelist", "file", "-format_whitelist", FFMPEG_FORMATS])
 }
 
 /// The install hint for a missing ffmpeg.
@@ -151,7 +173,12 @@ impl VideoSource {
         match &self.kind {
             Kind::Frames(files) => {
                 for &i in indices {
-                    let frame = ImageFile::open(&files[i], &self.image_limits())?.decode()?;
+                    let frame = ImageFile::open(&files[i], &self.image_limits()).and_then(|f| f.decode()).map_err(
+                        |e| match e {
+                            Error::Input { what, message } => self.input(format!("{what}: {message}")),
+                            other => other,
+                        },
+                    )?;
                     if frame.dimensions() != (self.info.width, self.info.height) {
                         return Err(self.input(format!(
                             "{} is {}x{}, the first frame {}x{}: frames of changing size are not supported",
@@ -240,7 +267,9 @@ impl VideoSource {
         for entry in std::fs::read_dir(&name).map_err(|e| Error::io(&name, e))? {
             let entry = entry.map_err(|e| Error::io(&name, e))?;
             let file_name = entry.file_name();
-            if file_name.to_string_lossy().starts_with('.') || !entry.path().is_file() {
+            let path = entry.path();
+            let is_frame = path.extension().is_some_and(|e| FRAME_EXTENSIONS.iter().any(|x| e.eq_ignore_ascii_case(x)));
+            if file_name.to_string_lossy().starts_with('.') || !path.is_file() || !is_frame {
                 continue;
             }
             files.push(entry.path());
@@ -252,9 +281,12 @@ impl VideoSource {
                 });
             }
         }
-        files.sort();
+        files.sort_by(|a, b| natural_cmp(&a.to_string_lossy(), &b.to_string_lossy()));
         let Some(first) = files.first() else {
-            return Err(Error::Input { what: what(&name), message: "an empty directory: no frame images".into() });
+            return Err(Error::Input {
+                what: what(&name),
+                message: format!("no frame images ({}) in the directory", FRAME_EXTENSIONS.join(", ")),
+            });
         };
         let limits_img =
             limits::ImageLimits { max_file_bytes: limits.max_file_bytes, max_pixels: limits.max_frame_pixels };
@@ -274,9 +306,21 @@ impl VideoSource {
             let info = VideoInfo { width, height, frames: 1, fps: 1.0, decoder: "" };
             return Self::checked(name, Kind::Frames(vec![]), info, limits);
         }
-        // Count the frames and their display time (one frame decoded at a time).
+        // Count the frames and their display time (one frame decoded at a time), within a bound on
+        // the pixels decoded (a tiny file can describe a huge canvas many times over).
         let (mut frames, mut seconds) = (0usize, 0f64);
+        let canvas = width as u64 * height as u64;
         for frame in animation_frames(&bytes, format).map_err(bad)? {
+            if (frames as u64 + 1).saturating_mul(canvas) > limits.max_animation_pixels {
+                return Err(Error::Limit {
+                    what: what(&name),
+                    message: format!(
+                        "more than {frames} frames of {width}x{height}: over the limit of {} decoded pixels per animation",
+                        limits.max_animation_pixels
+                    ),
+                    kind: LimitKind::Fixed,
+                });
+            }
             let frame = frame.map_err(bad)?;
             let (num, den) = frame.delay().numer_denom_ms();
             seconds += if den == 0 { 0.0 } else { num as f64 / den as f64 / 1000.0 };
@@ -304,7 +348,7 @@ impl VideoSource {
     ) -> Result<Self> {
         let out = run_tool(
             &name,
-            Command::new("ffprobe")
+            input_guard(&mut Command::new("ffprobe"))
                 .args(["-v", "error", "-select_streams", "v:0", "-count_packets", "-show_entries"])
                 .arg("stream=width,height,avg_frame_rate,r_frame_rate,nb_read_packets:stream_side_data=rotation:stream_tags=rotate")
                 .args(["-of", "json"])
@@ -346,6 +390,9 @@ impl VideoSource {
     }
 
     /// Streams the selected frames out of ffmpeg as raw RGB, one frame in memory at a time.
+    /// `-fps_mode passthrough` (ffmpeg 5.1 and later) keeps ffmpeg from duplicating frames into
+    /// the gaps the selection leaves; an ffmpeg without it (4.x) is asked with `-vsync 0`, the
+    /// spelling ffmpeg 9 removed.
     fn ffmpeg_frames(
         &self,
         file: &Path,
@@ -355,21 +402,40 @@ impl VideoSource {
         if indices.is_empty() {
             return Ok(());
         }
+        let (mut got, mut ok, mut stderr) = self.run_ffmpeg(file, indices, &["-fps_mode", "passthrough"], give)?;
+        if got == 0 && !ok && String::from_utf8_lossy(&stderr).contains("fps_mode") {
+            (got, ok, stderr) = self.run_ffmpeg(file, indices, &["-vsync", "0"], give)?;
+        }
+        if got == 0 && !ok {
+            return Err(self.input(format!("ffmpeg cannot decode it: {}", last_line(&stderr))));
+        }
+        Ok(())
+    }
+
+    /// One ffmpeg run: (frames handed out, whether ffmpeg succeeded, the start of its stderr).
+    fn run_ffmpeg(
+        &self,
+        file: &Path,
+        indices: &[usize],
+        sync: &[&str],
+        give: &mut dyn FnMut(RgbImage) -> Result<()>,
+    ) -> Result<(usize, bool, Vec<u8>)> {
         // Only the sampled frames leave the filter graph (all are decoded; none are converted
         // or piped besides those).
         let select: Vec<String> = indices.iter().map(|i| format!("eq(n\\,{i})")).collect();
-        let mut child = Command::new("ffmpeg")
-            .args(["-nostdin", "-v", "error", "-i"])
+        let mut child = input_guard(Command::new("ffmpeg").args(["-nostdin", "-v", "error"]))
+            .arg("-i")
             .arg(file)
             .args(["-map", "0:v:0", "-vf"])
             .arg(format!("select={}", select.join("+")))
-            .args(["-vsync", "0", "-f", "rawvideo", "-pix_fmt", "rgb24", "pipe:1"])
+            .args(sync)
+            .args(["-f", "rawvideo", "-pix_fmt", "rgb24", "pipe:1"])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| spawn_error(&self.name, "ffmpeg", e))?;
-        // stderr drained on its own thread (a chatty decoder must not block the pipe); its tail kept.
+        // stderr drained on its own thread (a chatty decoder must not block the pipe); its start kept.
         let mut stderr = child.stderr.take().expect("piped");
         let errors = std::thread::spawn(move || {
             let mut buf = Vec::new();
@@ -410,10 +476,42 @@ impl VideoSource {
         let status = child.wait().map_err(|e| Error::io(&self.name, e))?;
         let stderr = errors.join().unwrap_or_default();
         result?;
-        if got == 0 && !status.success() {
-            return Err(self.input(format!("ffmpeg cannot decode it: {}", last_line(&stderr))));
+        Ok((got, status.success(), stderr))
+    }
+}
+
+/// File-name order with digit runs compared as numbers (`frame2` before `frame10`).
+fn natural_cmp(a: &str, b: &str) -> std::cmp::Ordering {
+    let (mut x, mut y) = (a.chars().peekable(), b.chars().peekable());
+    loop {
+        match (x.peek().copied(), y.peek().copied()) {
+            (None, None) => return std::cmp::Ordering::Equal,
+            (None, _) => return std::cmp::Ordering::Less,
+            (_, None) => return std::cmp::Ordering::Greater,
+            (Some(c), Some(d)) if c.is_ascii_digit() && d.is_ascii_digit() => {
+                let run = |it: &mut std::iter::Peekable<std::str::Chars>| {
+                    let mut s = String::new();
+                    while let Some(c) = it.peek().copied().filter(char::is_ascii_digit) {
+                        s.push(c);
+                        it.next();
+                    }
+                    s
+                };
+                let (m, n) = (run(&mut x), run(&mut y));
+                let (mt, nt) = (m.trim_start_matches('0'), n.trim_start_matches('0'));
+                let ord = mt.len().cmp(&nt.len()).then_with(|| mt.cmp(nt)).then_with(|| m.len().cmp(&n.len()));
+                if ord != std::cmp::Ordering::Equal {
+                    return ord;
+                }
+            }
+            (Some(c), Some(d)) => {
+                if c != d {
+                    return c.cmp(&d);
+                }
+                x.next();
+                y.next();
+            }
         }
-        Ok(())
     }
 }
 
@@ -598,6 +696,30 @@ mod tests {
         })
         .unwrap();
         assert_eq!(green, vec![40, 200]);
+    }
+
+    #[test]
+    fn frame_files_sort_by_their_numbers() {
+        let mut names = vec!["f10.png", "f2.png", "f1.png", "f002.png", "g.png", "f11.png"];
+        names.sort_by(|a, b| natural_cmp(a, b));
+        assert_eq!(names, vec!["f1.png", "f2.png", "f002.png", "f10.png", "f11.png", "g.png"]);
+    }
+
+    #[test]
+    fn huge_animations_are_refused_while_counting() {
+        let mut bytes = Vec::new();
+        {
+            let mut enc = image::codecs::gif::GifEncoder::new(&mut bytes);
+            for _ in 0..3 {
+                let img = image::RgbaImage::from_pixel(1, 1, image::Rgba([9, 9, 9, 255]));
+                enc.encode_frame(image::Frame::new(img)).unwrap();
+            }
+        }
+        // A 1000 x 1000 logical screen holding 1-pixel frames, 2.5 canvases allowed.
+        bytes[6..10].copy_from_slice(&[0xe8, 0x03, 0xe8, 0x03]);
+        let limits = VideoLimits { max_animation_pixels: 2_500_000, ..Default::default() };
+        let e = VideoSource::from_bytes(bytes, Path::new("wide.gif"), &limits).unwrap_err().to_string();
+        assert!(e.contains("more than 2 frames of 1000x1000") && e.contains("wide.gif"), "{e}");
     }
 
     #[test]

@@ -265,6 +265,15 @@ impl VideoProcessor {
             }
             smart_resize_video(n, height, width, tp, factor, b.min_pixels, max_pixels)?
         } else {
+            // Unresized frames are bounded like resized ones: the clip within the hard budget.
+            if n.saturating_mul(height).saturating_mul(width) > MAX_PIXEL_BUDGET {
+                return Err(Error::Input {
+                    what: "video".into(),
+                    message: format!(
+                        "do_resize is off: {n} frames of {width}x{height} exceed the {MAX_PIXEL_BUDGET}-pixel budget"
+                    ),
+                });
+            }
             (height, width)
         };
         if h % factor != 0 || w % factor != 0 {
