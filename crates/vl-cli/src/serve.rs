@@ -67,6 +67,10 @@ pub struct ServeArgs {
     /// Vision features kept for repeated images, in MiB (0 = off).
     #[arg(long, default_value_t = 256)]
     image_cache_mib: usize,
+    /// Seconds one video's decoding may take before it is refused (0: no limit); a long video in
+    /// one request would otherwise hold the server's worker.
+    #[arg(long, default_value_t = 120.0)]
+    video_decode_timeout: f64,
     /// Prefill every prompt in full (by default a request reuses the KV cache of the longest
     /// prefix it shares with the previous one).
     #[arg(long)]
@@ -188,6 +192,10 @@ struct App {
 }
 
 pub fn serve(args: ServeArgs) -> Result<()> {
+    let t = args.video_decode_timeout;
+    if !(t.is_finite() && t >= 0.0) {
+        anyhow::bail!("--video-decode-timeout {t}: must be a number of seconds >= 0 (0: no limit)");
+    }
     let dev = device(args.load.device)?;
     let dtype = dtype(args.load.dtype, &dev);
     let dir = crate::hub::resolve(&args.load.model)?;
@@ -217,7 +225,11 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         image_limits: args.load.image_limits(),
         video: args.load.video_options()?.0,
         video_pixel_cap: args.load.video_options()?.1,
-        video_limits: Default::default(),
+        video_limits: vl_models::video::VideoLimits {
+            max_decode_time: (args.video_decode_timeout > 0.0)
+                .then(|| Duration::from_secs_f64(args.video_decode_timeout.min(86_400.0))),
+            ..Default::default()
+        },
         image_cache_bytes: args.image_cache_mib << 20,
         prefix_cache: !args.no_prefix_cache,
     };

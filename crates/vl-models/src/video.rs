@@ -26,6 +26,9 @@ pub struct VideoLimits {
     /// Pixels decoded to read an animated image (frames x canvas, counting its frames included):
     /// a tiny file can describe a huge canvas many times over.
     pub max_animation_pixels: u64,
+    /// Wall time one ffmpeg decode may take (`None`: unbounded); past it ffmpeg is killed and
+    /// the video refused. `vl serve` sets it, so one long video cannot hold the worker for hours.
+    pub max_decode_time: Option<std::time::Duration>,
 }
 
 impl Default for VideoLimits {
@@ -38,6 +41,7 @@ impl Default for VideoLimits {
             max_frame_pixels: 1 << 26,
             max_source_frames: 216_000,
             max_animation_pixels: 1 << 32,
+            max_decode_time: None,
         }
     }
 }
@@ -443,6 +447,20 @@ impl VideoSource {
             let _ = std::io::copy(&mut stderr, &mut std::io::sink());
             buf
         });
+        // A watchdog kills ffmpeg past the time limit (its stdout then ends).
+        let (done, finished) = std::sync::mpsc::channel::<()>();
+        let timed_out = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let watchdog = self.limits.max_decode_time.map(|limit| {
+            let (pid, flag) = (child.id(), timed_out.clone());
+            std::thread::spawn(move || {
+                if finished.recv_timeout(limit) == Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+                    flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                    // SAFETY: a signal to our own child, not yet waited for (the reader waits
+                    // for it only after joining this thread), so the pid is still its.
+                    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+                }
+            })
+        });
         let mut stdout = child.stdout.take().expect("piped");
         let (w, h) = (self.info.width, self.info.height);
         let size = w as usize * h as usize * 3;
@@ -472,9 +490,23 @@ impl VideoSource {
             got += 1;
         }
         drop(stdout);
+        drop(done);
+        if let Some(w) = watchdog {
+            let _ = w.join();
+        }
         let _ = child.kill();
         let status = child.wait().map_err(|e| Error::io(&self.name, e))?;
         let stderr = errors.join().unwrap_or_default();
+        if timed_out.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Error::Limit {
+                what: what(&self.name),
+                message: format!(
+                    "decoding took longer than the limit of {} s",
+                    self.limits.max_decode_time.unwrap_or_default().as_secs_f64()
+                ),
+                kind: LimitKind::Fixed,
+            });
+        }
         result?;
         Ok((got, status.success(), stderr))
     }
