@@ -72,6 +72,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let dtype = dtype(args.load.dtype, &dev);
     let dir = crate::hub::resolve(&args.load.model)?;
     let limits = args.load.image_limits();
+    let (video, video_pixel_cap) = args.load.video_options()?;
     let opts = EngineOptions {
         dtype,
         device: dev,
@@ -80,8 +81,8 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         max_pixels: args.load.max_pixels,
         max_image_tokens: args.load.max_image_tokens(),
         image_limits: limits,
-        video: args.load.video_options()?.0,
-        video_pixel_cap: args.load.video_options()?.1,
+        video,
+        video_pixel_cap,
         ..Default::default()
     };
     let t = Instant::now();

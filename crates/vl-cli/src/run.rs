@@ -73,8 +73,8 @@ pub struct LoadArgs {
     pub max_pixels: Option<usize>,
     /// Visual tokens per image at most (each is 32x32 pixels for Qwen3-VL): larger images are
     /// scaled down, and stderr says so. `model`: the checkpoint's own budget (16384 tokens).
-    #[arg(long, value_parser = parse_image_tokens, default_value = "1280")]
-    pub max_image_tokens: ImageTokens,
+    #[arg(long, value_parser = |s: &str| parse_budget(s, "token"), default_value = "1280")]
+    pub max_image_tokens: Budget,
     /// Largest image file read, in bytes (checked before reading).
     #[arg(long, default_value_t = ImageLimits::default().max_file_bytes)]
     pub max_image_bytes: u64,
@@ -90,30 +90,12 @@ pub struct LoadArgs {
     pub video_max_frames: Option<usize>,
     /// A video's pixel budget: sampled frames x height x width (frames are scaled to fit).
     /// `model`: the checkpoint's own (25 M pixels for Qwen3-VL, ~12k visual tokens).
-    #[arg(long, value_parser = parse_video_pixels, default_value = "5242880")]
-    pub video_max_pixels: VideoPixels,
+    #[arg(long, value_parser = |s: &str| parse_budget(s, "pixel"), default_value = "5242880")]
+    pub video_max_pixels: Budget,
     /// Cap each video frame at 768 visual tokens and an even share of the budget, as
     /// qwen-vl-utils does (transformers' `cap_pixels_per_frame`; off in transformers 5.23).
     #[arg(long)]
     pub video_cap_pixels_per_frame: bool,
-}
-
-/// `--video-max-pixels`: a pixel count, or `model` for the checkpoint's budget.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum VideoPixels {
-    Model,
-    At(usize),
-}
-
-fn parse_video_pixels(s: &str) -> Result<VideoPixels, String> {
-    if s == "model" {
-        return Ok(VideoPixels::Model);
-    }
-    match s.parse::<usize>() {
-        Ok(0) => Err("must be at least 1 (or `model`)".into()),
-        Ok(n) => Ok(VideoPixels::At(n)),
-        Err(_) => Err(format!("{s:?} is not a pixel count or `model`")),
-    }
 }
 
 impl LoadArgs {
@@ -132,11 +114,11 @@ impl LoadArgs {
             bail!("--video-max-frames {n} is outside 1..={MAX_VIDEO_FRAMES}");
         }
         let cap = match self.video_max_pixels {
-            VideoPixels::Model => None,
-            VideoPixels::At(n) if n > MAX_PIXEL_BUDGET => {
+            Budget::Model => None,
+            Budget::At(n) if n > MAX_PIXEL_BUDGET => {
                 bail!("--video-max-pixels {n} is outside 1..={MAX_PIXEL_BUDGET}")
             }
-            VideoPixels::At(n) => Some(n),
+            Budget::At(n) => Some(n),
         };
         let opts = vl_models::qwen3_vl::VideoOptions {
             fps: self.video_fps,
@@ -151,27 +133,28 @@ impl LoadArgs {
     /// The engine's token cap (`None`: the checkpoint's budget).
     pub fn max_image_tokens(&self) -> Option<usize> {
         match self.max_image_tokens {
-            ImageTokens::Model => None,
-            ImageTokens::At(n) => Some(n),
+            Budget::Model => None,
+            Budget::At(n) => Some(n),
         }
     }
 }
 
-/// `--max-image-tokens`: a count, or `model` for the checkpoint's budget.
+/// `--max-image-tokens`, `--video-max-pixels`: a count, or `model` for the checkpoint's budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ImageTokens {
+pub enum Budget {
     Model,
     At(usize),
 }
 
-fn parse_image_tokens(s: &str) -> Result<ImageTokens, String> {
+/// Parses a `Budget` counting `unit`s ("token", "pixel").
+fn parse_budget(s: &str, unit: &str) -> Result<Budget, String> {
     if s == "model" {
-        return Ok(ImageTokens::Model);
+        return Ok(Budget::Model);
     }
     match s.parse::<usize>() {
         Ok(0) => Err("must be at least 1 (or `model`)".into()),
-        Ok(n) => Ok(ImageTokens::At(n)),
-        Err(_) => Err(format!("{s:?} is not a token count or `model`")),
+        Ok(n) => Ok(Budget::At(n)),
+        Err(_) => Err(format!("{s:?} is not a {unit} count or `model`")),
     }
 }
 
@@ -624,8 +607,8 @@ fn video_report(
     if let (true, Some(f)) = (scaled, &full) {
         let merge = model.map_or(2, |p| p.config.base.merge_size);
         let why = match load.video_max_pixels {
-            VideoPixels::At(n) => format!("--video-max-pixels {n}"),
-            VideoPixels::Model => "the budget".into(),
+            Budget::At(n) => format!("--video-max-pixels {n}"),
+            Budget::Model => "the budget".into(),
         };
         note!(
             "note: video {}: {} frames of {}x{} scaled to {w}x{h} ({} visual tokens) by {why}; the checkpoint's budget would give {}x{} ({} tokens): --video-max-pixels model",
@@ -677,7 +660,7 @@ fn image_size_report(
     let scaled = h * w < mh * mw;
     if scaled {
         let why = match load.max_image_tokens {
-            ImageTokens::At(n) if load.max_pixels.is_none() => format!("--max-image-tokens {n}"),
+            Budget::At(n) if load.max_pixels.is_none() => format!("--max-image-tokens {n}"),
             _ => "--max-pixels".to_string(),
         };
         note!(

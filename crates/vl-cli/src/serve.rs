@@ -215,6 +215,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     listener.set_nonblocking(true)?;
     let local = listener.local_addr()?;
 
+    let (video, video_pixel_cap) = args.load.video_options()?;
     let opts = EngineOptions {
         dtype,
         device: dev,
@@ -223,8 +224,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         max_pixels: args.load.max_pixels,
         max_image_tokens: args.load.max_image_tokens(),
         image_limits: args.load.image_limits(),
-        video: args.load.video_options()?.0,
-        video_pixel_cap: args.load.video_options()?.1,
+        video,
+        video_pixel_cap,
         video_limits: vl_models::video::VideoLimits {
             max_decode_time: (args.video_decode_timeout > 0.0)
                 .then(|| Duration::from_secs_f64(args.video_decode_timeout.min(86_400.0))),

@@ -745,11 +745,8 @@ fn apply_image_options(processor: &mut Processor, opts: &EngineOptions) -> Resul
         let cap = opts.video_pixel_cap.map(|c| c.max(video.min_pixels.unwrap_or(0)));
         video.max_pixels = cap.filter(|&c| c < processor.videos.config.base.max_pixels);
     }
-    let named = |e: Error| match e {
-        Error::Input { what, message } => Error::Input { what: format!("video {what}"), message },
-        other => other,
-    };
-    processor.videos = processor.videos.clone().with_options(&video).map_err(named)?;
+    processor.videos =
+        processor.videos.clone().with_options(&video).map_err(|e| e.rename_input(|w| format!("video {w}")))?;
     processor.videos.limits = opts.video_limits;
     Ok(())
 }
@@ -771,10 +768,7 @@ fn video_processor(base: &VideoProcessor, o: &VideoOptions) -> Result<VideoProce
         return Err(e);
     }
     let narrowed = VideoOptions { min_pixels: None, cap_pixels_per_frame: None, ..*o };
-    let mut p = base.clone().with_options(&narrowed).map_err(|e| match e {
-        Error::Input { what, message } => Error::Input { what: format!("video {what}"), message },
-        other => other,
-    })?;
+    let mut p = base.clone().with_options(&narrowed).map_err(|e| e.rename_input(|w| format!("video {w}")))?;
     p.limits = base.limits;
     Ok(p)
 }
@@ -900,16 +894,15 @@ fn prepare(
                         VideoData::Path(p) => VideoSource::open(p, proc.config.fps, &proc.limits)?,
                         VideoData::Bytes(b) => VideoSource::from_bytes(b.clone(), Path::new(name), &proc.limits)?,
                     };
-                    let info = src.info();
-                    let plan = proc.plan(info.frames, info.fps, info.height as usize, info.width as usize).map_err(
-                        |e| match e {
-                            Error::Input { message, .. } => Error::Input { what: format!("video {name}"), message },
-                            other => other,
-                        },
-                    )?;
+                    let plan = proc.plan_source(&src)?;
                     content.push(Content::Video { video: name.clone() });
                     let tokens = plan.num_tokens(proc.config.base.merge_size);
-                    reports.push(VideoReport { name: name.clone(), info: info.clone(), plan: plan.clone(), tokens });
+                    reports.push(VideoReport {
+                        name: name.clone(),
+                        info: src.info().clone(),
+                        plan: plan.clone(),
+                        tokens,
+                    });
                     clips.push((src, proc, plan));
                 }
             }
@@ -944,7 +937,8 @@ fn prepare(
     }
     let processed: Vec<_> = files.iter().map(|(f, p, _)| p.process_opened(f)).collect::<Result<_>>()?;
     let keys: Vec<u64> = files.iter().zip(&processed).map(|((_, _, h), img)| image_key(h, img.resized)).collect();
-    let videos: Vec<ProcessedVideo> = clips.iter().map(|(src, p, _)| p.process_source(src)).collect::<Result<_>>()?;
+    let videos: Vec<ProcessedVideo> =
+        clips.into_iter().map(|(src, p, plan)| p.process_planned(&src, plan)).collect::<Result<_>>()?;
     let video_keys: Vec<u64> = videos.iter().map(video_key).collect();
     let prompt = processor.prepare_media(&messages, tools, &processed, &videos, device)?;
     let count = |id: u32| prompt.input_ids.iter().filter(|&&t| t == id).count();

@@ -86,6 +86,14 @@ fn describe_mismatch(missing: &[String], unexpected: &[String], wrong: &[ShapeMi
 }
 
 impl Error {
+    /// An input error with its subject rewritten (`what` -> `f(what)`); other errors unchanged.
+    pub(crate) fn rename_input(self, f: impl FnOnce(String) -> String) -> Self {
+        match self {
+            Error::Input { what, message } => Error::Input { what: f(what), message },
+            other => other,
+        }
+    }
+
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io { path: path.into(), source }
     }

@@ -151,7 +151,7 @@ impl VideoSource {
     /// Decodes the frames at `indices` (ascending, each below `info().frames`) and calls
     /// `each(k, frame)` for the k-th of them, in order. A stream that ends before an index (its
     /// header counted more frames than it decodes) repeats its last decoded frame.
-    pub fn read_frames(&self, indices: &[usize], each: &mut dyn FnMut(usize, RgbImage) -> Result<()>) -> Result<()> {
+    pub fn read_frames(&self, indices: &[usize], each: &mut dyn FnMut(usize, &RgbImage) -> Result<()>) -> Result<()> {
         if indices.windows(2).any(|w| w[0] >= w[1]) || indices.last().is_some_and(|&i| i >= self.info.frames) {
             return Err(self.input(format!("frame indices {indices:?} are not ascending below {}", self.info.frames)));
         }
@@ -169,9 +169,9 @@ impl VideoSource {
                     self.info.height
                 )));
             }
-            *last = Some(frame.clone());
-            each(k, frame)?;
+            each(k, &frame)?;
             delivered.set(k + 1);
+            *last = Some(frame);
             Ok(())
         };
         match &self.kind {
@@ -215,7 +215,7 @@ impl VideoSource {
             return Err(self.input("no frame could be decoded".into()));
         }
         while delivered.get() < indices.len() {
-            let frame = last.clone().expect("one frame delivered");
+            let frame = last.take().expect("one frame delivered");
             give(frame, &mut last)?;
         }
         Ok(())

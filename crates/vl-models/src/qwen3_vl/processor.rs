@@ -367,10 +367,7 @@ impl ImageFile {
 
     /// An input error about this image, named by its path.
     fn name_error(&self, e: Error) -> Error {
-        match e {
-            Error::Input { message, .. } => Error::Input { what: format!("image {}", self.path.display()), message },
-            other => other,
-        }
+        e.rename_input(|_| format!("image {}", self.path.display()))
     }
 
     /// Decodes the pixels, applies the EXIF orientation, and converts to RGB as the reference does.
@@ -527,6 +524,15 @@ impl ImageProcessor {
     /// given alone moves the other one with it when they would cross; both given and crossed is
     /// an error.
     pub fn with_pixel_budget(mut self, min_pixels: Option<usize>, max_pixels: Option<usize>) -> Result<Self> {
+        self.config.set_pixel_budget(min_pixels, max_pixels)?;
+        Ok(self)
+    }
+}
+
+impl PreprocessorConfig {
+    /// Sets the pixel budget as `ImageProcessor::with_pixel_budget` describes; errors name
+    /// `min_pixels` or `max_pixels`.
+    pub fn set_pixel_budget(&mut self, min_pixels: Option<usize>, max_pixels: Option<usize>) -> Result<()> {
         for (name, v) in [("min_pixels", min_pixels), ("max_pixels", max_pixels)] {
             if let Some(v) = v.filter(|&v| v == 0 || v > MAX_PIXEL_BUDGET) {
                 return Err(Error::Input {
@@ -535,20 +541,20 @@ impl ImageProcessor {
                 });
             }
         }
-        let c = &mut self.config;
         match (min_pixels, max_pixels) {
-            (Some(lo), Some(hi)) => (c.min_pixels, c.max_pixels) = (lo, hi),
-            (Some(lo), None) => (c.min_pixels, c.max_pixels) = (lo, c.max_pixels.max(lo)),
-            (None, Some(hi)) => (c.min_pixels, c.max_pixels) = (c.min_pixels.min(hi), hi),
+            (Some(lo), Some(hi)) => (self.min_pixels, self.max_pixels) = (lo, hi),
+            (Some(lo), None) => (self.min_pixels, self.max_pixels) = (lo, self.max_pixels.max(lo)),
+            (None, Some(hi)) => (self.min_pixels, self.max_pixels) = (self.min_pixels.min(hi), hi),
             (None, None) => {}
         }
-        check_budget(self.config.min_pixels, self.config.max_pixels).map_err(|(which, message)| Error::Input {
+        check_budget(self.min_pixels, self.max_pixels).map_err(|(which, message)| Error::Input {
             what: if which == 0 { "min_pixels".into() } else { "max_pixels".into() },
             message,
-        })?;
-        Ok(self)
+        })
     }
+}
 
+impl ImageProcessor {
     /// Loads and preprocesses an image file within `self.limits`; errors name the file.
     pub fn process_file(&self, path: &Path) -> Result<ProcessedImage> {
         self.process_opened(&ImageFile::open(path, &self.limits)?)

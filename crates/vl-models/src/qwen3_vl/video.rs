@@ -204,21 +204,7 @@ impl VideoProcessor {
             }
             c.max_frames = n;
         }
-        for (name, v) in [("min_pixels", o.min_pixels), ("max_pixels", o.max_pixels)] {
-            if let Some(v) = v.filter(|&v| v == 0 || v > MAX_PIXEL_BUDGET) {
-                return Err(bad(name, format!("{v} is outside 1..={MAX_PIXEL_BUDGET}")));
-            }
-        }
-        let b = &mut c.base;
-        match (o.min_pixels, o.max_pixels) {
-            (Some(lo), Some(hi)) if lo > hi => {
-                return Err(bad("min_pixels", format!("{lo} is above max_pixels {hi}")));
-            }
-            (Some(lo), Some(hi)) => (b.min_pixels, b.max_pixels) = (lo, hi),
-            (Some(lo), None) => (b.min_pixels, b.max_pixels) = (lo, b.max_pixels.max(lo)),
-            (None, Some(hi)) => (b.min_pixels, b.max_pixels) = (b.min_pixels.min(hi), hi),
-            (None, None) => {}
-        }
+        c.base.set_pixel_budget(o.min_pixels, o.max_pixels)?;
         if let Some(cap) = o.cap_pixels_per_frame {
             c.cap_pixels_per_frame = cap;
         }
@@ -291,20 +277,24 @@ impl VideoProcessor {
         })
     }
 
+    /// `plan` for a probed source; errors name it.
+    pub fn plan_source(&self, src: &VideoSource) -> Result<VideoPlan> {
+        let info = src.info();
+        self.plan(info.frames, info.fps, info.height as usize, info.width as usize)
+            .map_err(|e| e.rename_input(|w| if w == "video" { format!("video {}", src.name().display()) } else { w }))
+    }
+
     /// Plans, decodes the sampled frames and preprocesses them (one source frame in memory at a
     /// time besides the output); errors name the source.
     pub fn process_source(&self, src: &VideoSource) -> Result<ProcessedVideo> {
-        let info = src.info();
-        let named = |e: Error| match e {
-            Error::Input { what, message } if what == "video" => {
-                Error::Input { what: format!("video {}", src.name().display()), message }
-            }
-            other => other,
-        };
-        let plan = self.plan(info.frames, info.fps, info.height as usize, info.width as usize).map_err(named)?;
+        self.process_planned(src, self.plan_source(src)?)
+    }
+
+    /// `process_source` with the source's plan already made (`plan_source`).
+    pub fn process_planned(&self, src: &VideoSource, plan: VideoPlan) -> Result<ProcessedVideo> {
         let mut builder = Patches::new(&self.config.base, &plan);
-        src.read_frames(&plan.indices, &mut |_, frame| builder.push(&frame))?;
-        Ok(ProcessedVideo { pixels: builder.finish()?, plan })
+        src.read_frames(&plan.indices, &mut |_, frame| builder.push(frame))?;
+        Ok(ProcessedVideo { pixels: builder.finish(), plan })
     }
 
     /// Preprocesses a clip already in memory (every frame of it, at `source_fps`), sampled as
@@ -328,7 +318,7 @@ impl VideoProcessor {
             }
             builder.push(&frames[i])?;
         }
-        Ok(ProcessedVideo { pixels: builder.finish()?, plan })
+        Ok(ProcessedVideo { pixels: builder.finish(), plan })
     }
 
     /// Stacks processed videos into one vision input.
@@ -376,14 +366,14 @@ impl<'a> Patches<'a> {
         self.pending.clear();
     }
 
-    fn finish(mut self) -> Result<Vec<f32>> {
+    fn finish(mut self) -> Vec<f32> {
         if let Some(last) = self.pending.last().cloned() {
             while self.pending.len() < self.cfg.temporal_patch_size {
                 self.pending.push(last.clone());
             }
             self.flush();
         }
-        Ok(self.out)
+        self.out
     }
 }
 
