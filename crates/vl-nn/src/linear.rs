@@ -223,119 +223,110 @@ pub fn cast_linear(l: &Linear, dtype: DType) -> Result<Linear> {
     Ok(Linear::new(l.weight().to_dtype(dtype)?, l.bias().map(|b| b.to_dtype(dtype)).transpose()?))
 }
 
-/// A dense layer `y = x W^T + b`. On CPU in f32 the weight is kept as column panels of `W^T`
-/// (`kernels::pack_weight_panels`, packed once at load) and the forward is our register-blocked
-/// kernel with the bias as the accumulators' start (`kernels::dense_panels`): on a 2-core Xeon
-/// (AVX-512) it runs the vision tower's shapes at 270-300 GFLOP/s where candle's `gemm` ran
-/// 220-260. Other devices and dtypes keep `W^T` ([in, out], contiguous; transposed once at load)
-/// and run candle's matmul and add.
+/// A dense layer `y = x W^T + b` kept as `W^T` ([in, out], contiguous; transposed once at load)
+/// so that a CPU f32 forward is one `gemm` call with the bias rows as its starting value: no
+/// separate broadcast add over the output (which cost candle a third of a vision linear's time).
+/// Other devices and dtypes run candle's matmul and add.
 #[derive(Debug, Clone)]
 pub struct Dense {
-    weight: DenseWeight,
+    w_t: Tensor,
     bias: Option<Tensor>,
-    /// (in, out) features.
-    dims: (usize, usize),
-}
-
-#[derive(Debug, Clone)]
-enum DenseWeight {
-    /// `W^T`, [in, out].
-    Transposed(Tensor),
-    /// CPU f32 panels of `W^T`.
-    Panels(Arc<Vec<f32>>),
 }
 
 impl Dense {
     pub fn from_linear(l: &Linear) -> Result<Self> {
-        let w_t = crate::kernels::transpose(l.weight())?;
-        Self::from_transposed(w_t, l.bias().cloned(), DType::F32)
+        Ok(Self { w_t: crate::kernels::transpose(l.weight())?, bias: l.bias().cloned() })
     }
 
-    /// From `W^T` in any dtype: CPU weights whose forward will be f32 (`compute`) become panels.
-    fn from_transposed(w_t: Tensor, bias: Option<Tensor>, compute: DType) -> Result<Self> {
-        let dims = w_t.dims2()?;
-        let weight = if w_t.device().is_cpu() && compute == DType::F32 && w_t.dtype() == DType::F32 {
-            DenseWeight::Panels(Arc::new(pack_panels(&w_t)?))
-        } else {
-            DenseWeight::Transposed(w_t)
-        };
-        Ok(Self { weight, bias, dims })
-    }
-
-    /// The same layer with its parameters in `dtype`.
+    /// The same layer with its parameters in `dtype` (layout kept).
     pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
-        let bias = self.bias.as_ref().map(|b| b.to_dtype(dtype)).transpose()?;
-        match &self.weight {
-            DenseWeight::Panels(p) if dtype == DType::F32 => {
-                Ok(Self { weight: DenseWeight::Panels(p.clone()), bias, dims: self.dims })
-            }
-            DenseWeight::Panels(p) => {
-                let (k, n) = self.dims;
-                let w_t = crate::kernels::unpack_weight_panels(p, k, n);
-                let w_t = Tensor::from_vec(w_t, (k, n), &candle_core::Device::Cpu)?.to_dtype(dtype)?;
-                Ok(Self { weight: DenseWeight::Transposed(w_t), bias, dims: self.dims })
-            }
-            DenseWeight::Transposed(w_t) => Self::from_transposed(w_t.to_dtype(dtype)?, bias, dtype),
-        }
+        Ok(Self { w_t: self.w_t.to_dtype(dtype)?, bias: self.bias.as_ref().map(|b| b.to_dtype(dtype)).transpose()? })
     }
 
     /// (in, out) features.
     pub fn dims(&self) -> Result<(usize, usize)> {
-        Ok(self.dims)
+        Ok(self.w_t.dims2()?)
     }
 
     /// `x`: [..., in] -> [..., out].
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let w_t = match &self.weight {
-            DenseWeight::Panels(p) => return self.forward_panels(p, x),
-            DenseWeight::Transposed(w_t) => w_t,
-        };
-        let y = if x.rank() == 2 { x.matmul(w_t)? } else { x.broadcast_matmul(w_t)? };
+        if let Some(y) = self.forward_cpu_f32(x)? {
+            return Ok(y);
+        }
+        let y = if x.rank() == 2 { x.matmul(&self.w_t)? } else { x.broadcast_matmul(&self.w_t)? };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
     }
 
-    fn forward_panels(&self, panels: &[f32], x: &Tensor) -> Result<Tensor> {
-        let (k, n) = self.dims;
+    fn forward_cpu_f32(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let all_f32 = [Some(x), Some(&self.w_t), self.bias.as_ref()]
+            .iter()
+            .flatten()
+            .all(|t| t.device().is_cpu() && t.dtype() == DType::F32);
+        if !all_f32 || x.rank() == 0 {
+            return Ok(None);
+        }
+        let (k, n) = self.w_t.dims2()?;
         let dims = x.dims().to_vec();
-        if x.rank() == 0 || dims[dims.len() - 1] != k {
+        if dims[dims.len() - 1] != k {
             return Err(Error::Shape { layer: "Dense", message: format!("input {dims:?} for {k} input features") });
         }
-        let x = x.to_dtype(DType::F32)?.contiguous()?;
         let m = x.elem_count() / k;
-        let bias = self.bias.as_ref().map(|b| b.to_dtype(DType::F32)?.contiguous()).transpose()?;
+        let x = x.contiguous()?;
+        let w = self.w_t.contiguous()?;
+        let bias = self.bias.as_ref().map(|b| b.contiguous()).transpose()?;
         let (xs, xl) = x.storage_and_layout();
-        let xs = cpu_f32(&xs).ok_or_else(|| Error::Shape { layer: "Dense", message: "panels need a CPU input".into() })?;
-        let xs = &xs[xl.start_offset()..xl.start_offset() + m * k];
-        let bias_guard = bias.as_ref().map(|b| b.storage_and_layout());
-        let bias_rows = match &bias_guard {
-            Some((bs, bl)) => {
-                let bs = cpu_f32(bs).ok_or_else(|| Error::Shape { layer: "Dense", message: "bias not on CPU".into() })?;
-                Some(&bs[bl.start_offset()..bl.start_offset() + n])
-            }
-            None => None,
+        let (ws, wl) = w.storage_and_layout();
+        let (Some(xs), Some(ws)) = (cpu_f32(&xs), cpu_f32(&ws)) else {
+            return Ok(None);
         };
+        let xs = &xs[xl.start_offset()..xl.start_offset() + m * k];
+        let ws = &ws[wl.start_offset()..wl.start_offset() + k * n];
         let mut out = Vec::with_capacity(m * n);
-        // SAFETY: dense_panels writes all m x n outputs before the length is set.
+        if let Some(b) = &bias {
+            let (bs, bl) = b.storage_and_layout();
+            let Some(bs) = cpu_f32(&bs) else {
+                return Ok(None);
+            };
+            let row = &bs[bl.start_offset()..bl.start_offset() + n];
+            for _ in 0..m {
+                out.extend_from_slice(row);
+            }
+        } else {
+            out.resize(m * n, 0.0);
+        }
+        let threads = candle_core::utils::get_num_threads();
+        let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+        // SAFETY: the three buffers hold m x k, k x n and m x n floats with the strides given.
         unsafe {
-            crate::kernels::dense_panels(xs, m, k, panels, n, bias_rows, out.spare_capacity_mut());
-            out.set_len(m * n);
+            gemm::gemm(
+                m,
+                n,
+                k,
+                out.as_mut_ptr(),
+                1,
+                n as isize,
+                bias.is_some(),
+                xs.as_ptr(),
+                1,
+                k as isize,
+                ws.as_ptr(),
+                1,
+                n as isize,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                par,
+            );
         }
         let mut shape = dims;
         *shape.last_mut().unwrap() = n;
-        Ok(Tensor::from_vec(out, shape, x.device())?)
+        Ok(Some(Tensor::from_vec(out, shape, x.device())?))
     }
-}
-
-/// The panels of a CPU `W^T` ([in, out]; f32 or upcast).
-fn pack_panels(w_t: &Tensor) -> Result<Vec<f32>> {
-    let (k, n) = w_t.dims2()?;
-    let w_t = w_t.to_dtype(DType::F32)?.contiguous()?;
-    let (ws, wl) = w_t.storage_and_layout();
-    let ws = cpu_f32(&ws).ok_or_else(|| Error::Shape { layer: "Dense", message: "weights not on CPU".into() })?;
-    Ok(crate::kernels::pack_weight_panels(&ws[wl.start_offset()..wl.start_offset() + k * n], k, n))
 }
 
 /// `n` with its parameters in `dtype`.
