@@ -1,7 +1,8 @@
 //! Times the fused CPU segment attention alone (diagnosis, not a user-path figure):
 //! `cargo run --release -p vl-models --example attention_time [SEQ] [HEADS] [HEAD_DIM] [RUNS]`.
 //! Random rows (seeded), one segment, candle's pool (RAYON_NUM_THREADS); prints the best run and
-//! its rate counting the two products (4 x seq^2 x head_dim x heads flops).
+//! its rate counting the two products (4 x seq^2 x head_dim x heads flops). `VL_QUERY_TILE` and
+//! `VL_KEY_TILE` override the tile sizes.
 use vl_nn::kernels::{segment_attention, SegmentAttentionShape, KEY_TILE, QUERY_TILE};
 
 fn main() {
@@ -30,5 +31,9 @@ fn main() {
     }
     let flops = 4.0 * (seq * seq * d * heads) as f64;
     let check: f64 = out.iter().map(|&v| v as f64).sum();
-    println!("seq {seq} heads {heads} d {d}: best {:.1} ms, {:.0} GFLOP/s (checksum {check:.6})", best * 1e3, flops / best / 1e9);
+    println!(
+        "seq {seq} heads {heads} d {d}: best {:.1} ms, {:.0} GFLOP/s (checksum {check:.6})",
+        best * 1e3,
+        flops / best / 1e9
+    );
 }
