@@ -139,6 +139,7 @@ struct Metrics {
     cached_tokens: Counter,
     completion_tokens: Counter,
     image_cache_hits: Counter,
+    video_cache_hits: Counter,
     queue_depth: Gauge,
     running: Gauge,
     ttft: Histogram,
@@ -155,6 +156,7 @@ impl Metrics {
             cached_tokens: Counter::default(),
             completion_tokens: Counter::default(),
             image_cache_hits: Counter::default(),
+            video_cache_hits: Counter::default(),
             queue_depth: Gauge::default(),
             running: Gauge::default(),
             ttft: buckets(),
@@ -166,7 +168,8 @@ impl Metrics {
         r.register("prompt_tokens", "Prompt tokens of answered requests", m.prompt_tokens.clone());
         r.register("cached_prompt_tokens", "Prompt tokens served from the prefix cache", m.cached_tokens.clone());
         r.register("completion_tokens", "Generated tokens", m.completion_tokens.clone());
-        r.register("image_cache_hits", "Images whose features came from the image cache", m.image_cache_hits.clone());
+        r.register("image_cache_hits", "Images whose features came from the feature cache", m.image_cache_hits.clone());
+        r.register("video_cache_hits", "Videos whose features came from the feature cache", m.video_cache_hits.clone());
         r.register("queue_depth", "Requests waiting for the engine", m.queue_depth.clone());
         r.register("requests_running", "Requests being generated", m.running.clone());
         r.register("time_to_first_token_seconds", "Time from queueing to the first token", m.ttft.clone());
@@ -356,6 +359,7 @@ fn work(engine: &Engine, app: &App, rx: std::sync::mpsc::Receiver<Job>) {
                 app.metrics.cached_tokens.inc_by(c.cached_tokens as u64);
                 app.metrics.completion_tokens.inc_by(c.token_ids.len() as u64);
                 app.metrics.image_cache_hits.inc_by(c.image_cache_hits as u64);
+                app.metrics.video_cache_hits.inc_by(c.video_cache_hits as u64);
                 Ok(c)
             }
             Ok(Err(e)) => Err(ApiError::from_engine(&e)),
@@ -569,9 +573,13 @@ fn usage(c: &Completion) -> Value {
         "prompt_tokens": c.prompt_tokens,
         "completion_tokens": c.token_ids.len(),
         "total_tokens": c.prompt_tokens + c.token_ids.len(),
-        // `image_tokens` is ours (OpenAI has no such field; clients ignore it): the prompt
-        // tokens that stand for images, after each image's pixel budget.
-        "prompt_tokens_details": {"cached_tokens": c.cached_tokens, "image_tokens": c.image_tokens},
+        // `image_tokens` and `video_tokens` are ours (OpenAI has no such fields; clients ignore
+        // them): the prompt tokens that stand for images and videos, after their pixel budgets.
+        "prompt_tokens_details": {
+            "cached_tokens": c.cached_tokens,
+            "image_tokens": c.image_tokens,
+            "video_tokens": c.video_tokens,
+        },
     })
 }
 
@@ -1012,6 +1020,7 @@ mod tests {
             video_tokens: 0,
             videos: vec![],
             image_cache_hits: 0,
+            video_cache_hits: 0,
             vision_time: Duration::ZERO,
             prefill_time: Duration::ZERO,
             decode_time: Duration::ZERO,

@@ -492,6 +492,14 @@ fn video_parts_answer_like_the_reference() {
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
     assert_eq!(v["usage"]["prompt_tokens"].as_u64(), Some(52), "{v}");
+    // The reference's grid [3, 4, 4] with 2x2 merging: 12 video tokens; the same clip twice, so
+    // the second request took its features from the cache.
+    let meta = read_json(&goldens().join(g).join("cases/video.json"));
+    let grid: u64 = meta["video_grid_thw"][0].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).product();
+    assert_eq!(v["usage"]["prompt_tokens_details"]["video_tokens"].as_u64(), Some(grid / 4), "{v}");
+    assert_eq!(v["usage"]["prompt_tokens_details"]["image_tokens"].as_u64(), Some(0), "{v}");
+    let metrics = get(&s, "/metrics").1;
+    assert!(metrics.contains("vl_video_cache_hits_total 1"), "{metrics}");
     // Bad video parts: each a 4xx with the culprit named.
     let (st, b) = ask(json!([{"type": "input_video", "input_video": {"data": "%%%"}}]), 2);
     assert_error(st, &b, 400, "base64");

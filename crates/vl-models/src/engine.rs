@@ -206,8 +206,11 @@ pub struct Completion {
     pub video_tokens: usize,
     /// Each video of the request: its source and what sampling and resizing made of it.
     pub videos: Vec<VideoReport>,
-    /// Images whose features came from the image cache.
+    /// Images whose features came from the feature cache.
     pub image_cache_hits: usize,
+    /// Videos whose features came from the feature cache (the video is still decoded and
+    /// preprocessed: the cache key is its pixels).
+    pub video_cache_hits: usize,
     pub finish: Finish,
     pub vision_time: Duration,
     pub prefill_time: Duration,
@@ -545,24 +548,26 @@ impl Engine {
         let (prompt, ident) = (&p.prompt, &p.ident[..]);
         // Vision: each image and video once, from the cache when seen before.
         let tv = Instant::now();
-        let mut hits = 0;
-        let mut encode = |input: Result<crate::qwen3_vl::VisionInput>, key: u64| -> Result<VisionOutput> {
-            if let Some(out) = state.images.get(key) {
-                hits += 1;
-                return Ok(out);
-            }
-            let out = self.model.encode_vision(&input?)?;
-            state.images.put(key, &out)?;
-            Ok(out)
-        };
+        let (mut hits, mut video_hits) = (0, 0);
+        let mut encode =
+            |input: Result<crate::qwen3_vl::VisionInput>, key: u64, hits: &mut usize| -> Result<VisionOutput> {
+                if let Some(out) = state.images.get(key) {
+                    *hits += 1;
+                    return Ok(out);
+                }
+                let out = self.model.encode_vision(&input?)?;
+                state.images.put(key, &out)?;
+                Ok(out)
+            };
         let dev = &self.opts.device;
         let mut image_parts = Vec::with_capacity(p.processed.len());
         for (img, &key) in p.processed.iter().zip(&p.keys) {
-            image_parts.push(encode(self.processor.images.batch(std::slice::from_ref(img), dev), key)?);
+            image_parts.push(encode(self.processor.images.batch(std::slice::from_ref(img), dev), key, &mut hits)?);
         }
         let mut video_parts = Vec::with_capacity(p.videos.len());
         for (video, &key) in p.videos.iter().zip(&p.video_keys) {
-            video_parts.push(encode(self.processor.videos.batch(std::slice::from_ref(video), dev), key)?);
+            let input = self.processor.videos.batch(std::slice::from_ref(video), dev);
+            video_parts.push(encode(input, key, &mut video_hits)?);
         }
         let (vision, videos) = (concat_outputs(&image_parts), concat_outputs(&video_parts));
         let vision_time = tv.elapsed();
@@ -669,6 +674,7 @@ impl Engine {
             video_tokens: 0,
             videos: vec![],
             image_cache_hits: hits,
+            video_cache_hits: video_hits,
             finish,
             vision_time,
             prefill_time,
