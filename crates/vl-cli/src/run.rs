@@ -426,6 +426,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         video_pixel_cap: video.1,
         video_limits: Default::default(),
         image_cache_bytes: usize::MAX,
+        clip_cache_bytes: 0,
         prefix_cache: false,
     };
 

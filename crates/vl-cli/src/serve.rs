@@ -67,6 +67,11 @@ pub struct ServeArgs {
     /// Vision features kept for repeated images, in MiB (0 = off).
     #[arg(long, default_value_t = 256)]
     image_cache_mib: usize,
+    /// Sampled, preprocessed video frames kept for repeated videos, in MiB (0 = off): a video
+    /// sent again (same file path, size and modification time, or the same bytes) is not decoded
+    /// again.
+    #[arg(long, default_value_t = 256)]
+    clip_cache_mib: usize,
     /// Seconds one video's decoding may take before it is refused (0: no limit); a long video in
     /// one request would otherwise hold the server's worker.
     #[arg(long, default_value_t = 120.0)]
@@ -235,6 +240,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             ..Default::default()
         },
         image_cache_bytes: args.image_cache_mib << 20,
+        clip_cache_bytes: args.clip_cache_mib.saturating_mul(1 << 20),
         prefix_cache: !args.no_prefix_cache,
     };
     let id = args.served_model_name.clone().unwrap_or_else(|| args.load.model.clone());

@@ -70,6 +70,9 @@ pub struct EngineOptions {
     pub video_limits: VideoLimits,
     /// Bytes of vision features kept for repeated images (0 disables the cache).
     pub image_cache_bytes: usize,
+    /// Bytes of sampled, preprocessed video pixels kept for repeated videos, so that a video
+    /// sent again (`vl chat` resends its history every turn) is not decoded again (0 disables).
+    pub clip_cache_bytes: usize,
     /// Keep the last request's KV cache for prefix reuse.
     pub prefix_cache: bool,
 }
@@ -88,6 +91,7 @@ impl Default for EngineOptions {
             video_pixel_cap: Some(DEFAULT_MAX_VIDEO_PIXELS),
             video_limits: VideoLimits::default(),
             image_cache_bytes: 256 << 20,
+            clip_cache_bytes: 256 << 20,
             prefix_cache: true,
         }
     }
@@ -123,6 +127,9 @@ pub struct VideoReport {
     pub plan: VideoPlan,
     /// Video pad tokens (without the timestamp text and frame markers).
     pub tokens: usize,
+    /// The frames came from the engine's clip cache: the same file (path, size, modification
+    /// time) or bytes with the same settings were read before, so nothing was decoded.
+    pub from_cache: bool,
 }
 
 /// Where a video part's data is.
@@ -270,6 +277,99 @@ impl ImageCache {
     }
 }
 
+/// A video of a request: sampled and preprocessed before (from the clip cache), or to be decoded.
+enum Clip {
+    Cached(ProcessedVideo),
+    Fresh { src: VideoSource, proc: VideoProcessor, plan: VideoPlan, key: Option<[u8; 32]> },
+}
+
+impl Clip {
+    fn plan(&self) -> &VideoPlan {
+        match self {
+            Clip::Cached(v) => &v.plan,
+            Clip::Fresh { plan, .. } => plan,
+        }
+    }
+}
+
+#[derive(Clone)]
+struct CachedClip {
+    info: crate::video::VideoInfo,
+    video: ProcessedVideo,
+}
+
+/// Sampled, preprocessed videos by `clip_key`, least recently used out first past `limit` bytes of
+/// pixels.
+struct ClipCache {
+    limit: usize,
+    bytes: usize,
+    tick: u64,
+    entries: HashMap<[u8; 32], (CachedClip, u64)>,
+}
+
+impl ClipCache {
+    fn new(limit: usize) -> Self {
+        Self { limit, bytes: 0, tick: 0, entries: HashMap::new() }
+    }
+
+    fn size(c: &CachedClip) -> usize {
+        c.video.pixels.len() * std::mem::size_of::<f32>()
+    }
+
+    fn get(&mut self, key: &[u8; 32]) -> Option<CachedClip> {
+        self.tick += 1;
+        let tick = self.tick;
+        self.entries.get_mut(key).map(|e| {
+            e.1 = tick;
+            e.0.clone()
+        })
+    }
+
+    fn put(&mut self, key: [u8; 32], clip: CachedClip) {
+        let size = Self::size(&clip);
+        if size > self.limit || self.entries.contains_key(&key) {
+            return;
+        }
+        while self.bytes + size > self.limit {
+            let Some((&old, _)) = self.entries.iter().min_by_key(|(_, (_, t))| *t) else { break };
+            if let Some((c, _)) = self.entries.remove(&old) {
+                self.bytes -= Self::size(&c);
+            }
+        }
+        self.tick += 1;
+        self.bytes += size;
+        self.entries.insert(key, (clip, self.tick));
+    }
+}
+
+fn lock_clips(c: &Mutex<ClipCache>) -> std::sync::MutexGuard<'_, ClipCache> {
+    // Entries are inserted whole, so a poisoned lock's map is still consistent.
+    c.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What identifies a video's sampled frames: a regular file's canonical path, size and
+/// modification time, or the bytes' SHA-256; and the processor's settings. None for frame
+/// directories (a frame can change without the directory's time changing) and unreadable files.
+fn clip_key(source: &VideoData, proc: &VideoProcessor) -> Option<[u8; 32]> {
+    let mut h = Sha256::new();
+    match source {
+        VideoData::Path(p) => {
+            let meta = std::fs::metadata(p).ok().filter(|m| m.is_file())?;
+            let since = meta.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?;
+            h.update(b"file\0");
+            h.update(std::fs::canonicalize(p).ok()?.as_os_str().as_encoded_bytes());
+            h.update(meta.len().to_le_bytes());
+            h.update(since.as_nanos().to_le_bytes());
+        }
+        VideoData::Bytes(b) => {
+            h.update(b"bytes\0");
+            h.update(b);
+        }
+    }
+    h.update(format!("{:?}", proc.config).as_bytes());
+    Some(h.finalize().into())
+}
+
 struct State {
     cache: TextCache,
     cached: Vec<Identity>,
@@ -283,6 +383,7 @@ pub struct Engine {
     id: String,
     opts: EngineOptions,
     state: Mutex<State>,
+    clips: Mutex<ClipCache>,
 }
 
 /// Statistics for `/metrics`-style reports.
@@ -381,7 +482,8 @@ impl Engine {
     ) -> Self {
         let cache = model.new_cache();
         let state = Mutex::new(State { cache, cached: Vec::new(), images });
-        Self { model, processor, eos, id: id.to_string(), opts, state }
+        let clips = Mutex::new(ClipCache::new(opts.clip_cache_bytes));
+        Self { model, processor, eos, id: id.to_string(), opts, state, clips }
     }
 
     pub fn id(&self) -> &str {
@@ -425,7 +527,8 @@ impl Engine {
     /// decoded (returning `false` cancels).
     pub fn generate(&self, req: &Request, on_text: &mut dyn FnMut(&str) -> bool) -> Result<Completion> {
         let t0 = Instant::now();
-        let (opts, prepared) = prepare(&self.processor, self.model.config(), &self.eos, &self.opts.device, req)?;
+        let (opts, prepared) =
+            prepare(&self.processor, self.model.config(), &self.eos, &self.opts.device, req, Some(&self.clips))?;
         self.generate_prepared(&prepared, &opts, req, on_text, t0)
     }
 
@@ -502,7 +605,7 @@ impl Engine {
         let OneShotParts { config, mut processor, eos, id, opts, t0 } = parts;
         apply_image_options(&mut processor, &opts)?;
         let t_media = Instant::now();
-        let (gen_opts, prepared) = prepare(&processor, &config, &eos, &opts.device, req)?;
+        let (gen_opts, prepared) = prepare(&processor, &config, &eos, &opts.device, req, None)?;
         let media_time = t_media.elapsed();
         let mut images = ImageCache::new(usize::MAX);
         let mut vision_time = Duration::ZERO;
@@ -870,6 +973,7 @@ fn prepare(
     eos: &[u32],
     device: &Device,
     req: &Request,
+    clip_cache: Option<&Mutex<ClipCache>>,
 ) -> Result<(GenerationOptions, Prepared)> {
     let opts = GenerationOptions { eos_token_ids: eos.to_vec(), ..req.options.clone() };
     opts.validate()?;
@@ -881,7 +985,7 @@ fn prepare(
     }
     let mut messages = Vec::with_capacity(req.messages.len());
     let mut files = Vec::new();
-    let mut clips: Vec<(VideoSource, VideoProcessor, VideoPlan)> = Vec::new();
+    let mut clips: Vec<Clip> = Vec::new();
     let mut reports = Vec::new();
     for m in &req.messages {
         let mut content = Vec::with_capacity(m.parts.len());
@@ -896,20 +1000,27 @@ fn prepare(
                 }
                 Part::Video { source, name, options } => {
                     let proc = video_processor(&processor.videos, options)?;
-                    let src = match source {
-                        VideoData::Path(p) => VideoSource::open(p, proc.config.fps, &proc.limits)?,
-                        VideoData::Bytes(b) => VideoSource::from_bytes(b.clone(), Path::new(name), &proc.limits)?,
+                    let key = clip_cache.and_then(|_| clip_key(source, &proc));
+                    let cached = key.and_then(|k| clip_cache.and_then(|c| lock_clips(c).get(&k)));
+                    let (info, clip) = match cached {
+                        Some(c) => (c.info, Clip::Cached(c.video)),
+                        None => {
+                            let src = match source {
+                                VideoData::Path(p) => VideoSource::open(p, proc.config.fps, &proc.limits)?,
+                                VideoData::Bytes(b) => {
+                                    VideoSource::from_bytes(b.clone(), Path::new(name), &proc.limits)?
+                                }
+                            };
+                            let plan = proc.plan_source(&src)?;
+                            (src.info().clone(), Clip::Fresh { src, proc, plan, key })
+                        }
                     };
-                    let plan = proc.plan_source(&src)?;
                     content.push(Content::Video { video: name.clone() });
-                    let tokens = plan.num_tokens(proc.config.base.merge_size);
-                    reports.push(VideoReport {
-                        name: name.clone(),
-                        info: src.info().clone(),
-                        plan: plan.clone(),
-                        tokens,
-                    });
-                    clips.push((src, proc, plan));
+                    let plan = clip.plan().clone();
+                    let tokens = plan.num_tokens(processor.videos.config.base.merge_size);
+                    let from_cache = matches!(clip, Clip::Cached(_));
+                    reports.push(VideoReport { name: name.clone(), info, plan, tokens, from_cache });
+                    clips.push(clip);
                 }
             }
         }
@@ -924,7 +1035,7 @@ fn prepare(
     let tokens: Vec<usize> = files.iter().map(|(f, p, _)| p.tokens_for(f)).collect::<Result<_>>()?;
     let context = config.text.max_position_embeddings;
     let tools = (!req.tools.is_empty()).then_some(req.tools.as_slice());
-    let plans: Vec<&VideoPlan> = clips.iter().map(|(_, _, plan)| plan).collect();
+    let plans: Vec<&VideoPlan> = clips.iter().map(Clip::plan).collect();
     let prompt_len = processor.prompt_len_media(&messages, tools, &tokens, &plans)?;
     if prompt_len >= context {
         let merge = processor.videos.config.base.merge_size;
@@ -943,8 +1054,19 @@ fn prepare(
     }
     let processed: Vec<_> = files.iter().map(|(f, p, _)| p.process_opened(f)).collect::<Result<_>>()?;
     let keys: Vec<u64> = files.iter().zip(&processed).map(|((_, _, h), img)| image_key(h, img.resized)).collect();
-    let videos: Vec<ProcessedVideo> =
-        clips.into_iter().map(|(src, p, plan)| p.process_planned(&src, plan)).collect::<Result<_>>()?;
+    let mut videos: Vec<ProcessedVideo> = Vec::with_capacity(clips.len());
+    for (clip, report) in clips.into_iter().zip(&reports) {
+        videos.push(match clip {
+            Clip::Cached(video) => video,
+            Clip::Fresh { src, proc, plan, key } => {
+                let video = proc.process_planned(&src, plan)?;
+                if let (Some(k), Some(c)) = (key, clip_cache) {
+                    lock_clips(c).put(k, CachedClip { info: report.info.clone(), video: video.clone() });
+                }
+                video
+            }
+        });
+    }
     let video_keys: Vec<u64> = videos.iter().map(video_key).collect();
     let prompt = processor.prepare_media(&messages, tools, &processed, &videos, device)?;
     let count = |id: u32| prompt.input_ids.iter().filter(|&&t| t == id).count();

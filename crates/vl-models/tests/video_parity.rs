@@ -250,9 +250,42 @@ fn a_follow_up_question_reuses_the_video_prefix_and_answers_as_a_fresh_engine() 
     // The whole first prompt (video included) is reused, the video's features come from the cache.
     assert!(b.cached_tokens >= a.prompt_tokens - 1, "{} of {}", b.cached_tokens, a.prompt_tokens);
     assert_eq!((a.video_cache_hits, b.video_cache_hits, b.image_cache_hits), (0, 1, 0));
+    // The second turn resends the video: its frames come from the clip cache, not ffmpeg.
+    assert_eq!((a.videos[0].from_cache, b.videos[0].from_cache, fresh.videos[0].from_cache), (false, true, false));
+    assert_eq!(a.videos[0].plan, b.videos[0].plan);
     assert_eq!(b.token_ids, fresh.token_ids);
     let d = b.first_logits.iter().zip(&fresh.first_logits).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
     assert!(d <= 1e-4, "reused prefix changed the logits by {d}");
+}
+
+/// The clip cache knows a file by its path, size and modification time: a file replaced under the
+/// same name is decoded again; bytes are known by their hash.
+#[test]
+fn a_replaced_video_file_is_decoded_again() {
+    use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
+    let dir = tempfile::tempdir().unwrap();
+    let clip = dir.path().join("clip.mkv");
+    let ask = |engine: &Engine, source: VideoData| {
+        let part = Part::Video { source, name: "clip".into(), options: Default::default() };
+        let messages = vec![ChatMessage::new("user", vec![part, Part::Text("What happens?".into())])];
+        let opts = GenerationOptions { max_new_tokens: 1, ..Default::default() };
+        engine.generate(&Request { messages, options: opts, ..Default::default() }, &mut |_| true).unwrap()
+    };
+    let engine = Engine::load(&tiny_a(), "tiny-a", EngineOptions::default()).unwrap();
+    std::fs::copy(goldens().join("videos/fps15.mkv"), &clip).unwrap();
+    let first = ask(&engine, VideoData::Path(clip.clone()));
+    let again = ask(&engine, VideoData::Path(clip.clone()));
+    std::fs::copy(goldens().join("videos/odd5.mkv"), &clip).unwrap();
+    let replaced = ask(&engine, VideoData::Path(clip.clone()));
+    let v = |c: &vl_models::engine::Completion| (c.videos[0].from_cache, c.videos[0].info.frames);
+    assert_eq!([v(&first), v(&again), v(&replaced)], [(false, 45), (true, 45), (false, 5)]);
+    // Bytes: the same upload twice hits; a cache of 0 bytes never does.
+    let bytes = std::fs::read(goldens().join("videos/odd5.mkv")).unwrap();
+    assert!(!ask(&engine, VideoData::Bytes(bytes.clone())).videos[0].from_cache);
+    assert!(ask(&engine, VideoData::Bytes(bytes.clone())).videos[0].from_cache);
+    let off = Engine::load(&tiny_a(), "tiny-a", EngineOptions { clip_cache_bytes: 0, ..Default::default() }).unwrap();
+    assert!(!ask(&off, VideoData::Bytes(bytes.clone())).videos[0].from_cache);
+    assert!(!ask(&off, VideoData::Bytes(bytes)).videos[0].from_cache);
 }
 
 #[test]
