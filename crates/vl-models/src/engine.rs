@@ -215,8 +215,7 @@ pub struct Completion {
     pub videos: Vec<VideoReport>,
     /// Images whose features came from the feature cache.
     pub image_cache_hits: usize,
-    /// Videos whose features came from the feature cache (the video is still decoded and
-    /// preprocessed: the cache key is its pixels).
+    /// Videos whose features came from the feature cache (keyed by the preprocessed pixels).
     pub video_cache_hits: usize,
     pub finish: Finish,
     pub vision_time: Duration,
@@ -231,36 +230,35 @@ pub struct Completion {
 /// content key (0 elsewhere).
 type Identity = (u32, u64);
 
-struct ImageCache {
+/// Values by key, least recently used out first past `limit` bytes (values larger than the limit
+/// are not kept). The feature cache and the clip cache.
+struct ByteLru<K, V> {
     limit: usize,
     bytes: usize,
     tick: u64,
-    entries: HashMap<u64, (VisionOutput, usize, u64)>,
+    entries: HashMap<K, (V, usize, u64)>,
 }
 
-impl ImageCache {
+impl<K: std::hash::Hash + Eq + Copy, V: Clone> ByteLru<K, V> {
     fn new(limit: usize) -> Self {
         Self { limit, bytes: 0, tick: 0, entries: HashMap::new() }
     }
 
-    fn get(&mut self, key: u64) -> Option<VisionOutput> {
+    fn get(&mut self, key: &K) -> Option<V> {
         self.tick += 1;
         let tick = self.tick;
-        self.entries.get_mut(&key).map(|e| {
+        self.entries.get_mut(key).map(|e| {
             e.2 = tick;
             e.0.clone()
         })
     }
 
-    fn put(&mut self, key: u64, out: &VisionOutput) -> Result<()> {
-        let size: usize = out
-            .merged
-            .iter()
-            .chain(out.deepstack.iter().flatten())
-            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-            .sum();
+    fn put(&mut self, key: K, value: V, size: usize) {
         if size > self.limit {
-            return Ok(());
+            return;
+        }
+        if let Some(e) = self.entries.remove(&key) {
+            self.bytes -= e.1;
         }
         while self.bytes + size > self.limit {
             let Some((&old, _)) = self.entries.iter().min_by_key(|(_, e)| e.2) else { break };
@@ -270,11 +268,15 @@ impl ImageCache {
         }
         self.tick += 1;
         self.bytes += size;
-        if let Some(e) = self.entries.insert(key, (out.clone(), size, self.tick)) {
-            self.bytes -= e.1;
-        }
-        Ok(())
+        self.entries.insert(key, (value, size, self.tick));
     }
+}
+
+/// Vision features by `image_key` / `video_key`.
+type ImageCache = ByteLru<u64, VisionOutput>;
+
+fn feature_bytes(out: &VisionOutput) -> usize {
+    out.merged.iter().chain(out.deepstack.iter().flatten()).map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
 }
 
 /// A video of a request: sampled and preprocessed before (from the clip cache), or to be decoded.
@@ -298,49 +300,8 @@ struct CachedClip {
     video: ProcessedVideo,
 }
 
-/// Sampled, preprocessed videos by `clip_key`, least recently used out first past `limit` bytes of
-/// pixels.
-struct ClipCache {
-    limit: usize,
-    bytes: usize,
-    tick: u64,
-    entries: HashMap<[u8; 32], (CachedClip, u64)>,
-}
-
-impl ClipCache {
-    fn new(limit: usize) -> Self {
-        Self { limit, bytes: 0, tick: 0, entries: HashMap::new() }
-    }
-
-    fn size(c: &CachedClip) -> usize {
-        c.video.pixels.len() * std::mem::size_of::<f32>()
-    }
-
-    fn get(&mut self, key: &[u8; 32]) -> Option<CachedClip> {
-        self.tick += 1;
-        let tick = self.tick;
-        self.entries.get_mut(key).map(|e| {
-            e.1 = tick;
-            e.0.clone()
-        })
-    }
-
-    fn put(&mut self, key: [u8; 32], clip: CachedClip) {
-        let size = Self::size(&clip);
-        if size > self.limit || self.entries.contains_key(&key) {
-            return;
-        }
-        while self.bytes + size > self.limit {
-            let Some((&old, _)) = self.entries.iter().min_by_key(|(_, (_, t))| *t) else { break };
-            if let Some((c, _)) = self.entries.remove(&old) {
-                self.bytes -= Self::size(&c);
-            }
-        }
-        self.tick += 1;
-        self.bytes += size;
-        self.entries.insert(key, (clip, self.tick));
-    }
-}
+/// Sampled, preprocessed videos by `clip_key`, bounded by their pixels' bytes.
+type ClipCache = ByteLru<[u8; 32], CachedClip>;
 
 fn lock_clips(c: &Mutex<ClipCache>) -> std::sync::MutexGuard<'_, ClipCache> {
     // Entries are inserted whole, so a poisoned lock's map is still consistent.
@@ -617,14 +578,16 @@ impl Engine {
                     continue;
                 }
                 let input = processor.images.batch(std::slice::from_ref(img), &opts.device)?;
-                images.put(key, &tower.forward(&input.pixels, &input.grids)?)?;
+                let out = tower.forward(&input.pixels, &input.grids)?;
+                images.put(key, out.clone(), feature_bytes(&out));
             }
             for (video, &key) in prepared.videos.iter().zip(&prepared.video_keys) {
                 if images.entries.contains_key(&key) {
                     continue;
                 }
                 let input = processor.videos.batch(std::slice::from_ref(video), &opts.device)?;
-                images.put(key, &tower.forward(&input.pixels, &input.grids)?)?;
+                let out = tower.forward(&input.pixels, &input.grids)?;
+                images.put(key, out.clone(), feature_bytes(&out));
             }
             vision_time = t.elapsed();
         }
@@ -654,12 +617,12 @@ impl Engine {
         let (mut hits, mut video_hits) = (0, 0);
         let mut encode =
             |input: Result<crate::qwen3_vl::VisionInput>, key: u64, hits: &mut usize| -> Result<VisionOutput> {
-                if let Some(out) = state.images.get(key) {
+                if let Some(out) = state.images.get(&key) {
                     *hits += 1;
                     return Ok(out);
                 }
                 let out = self.model.encode_vision(&input?)?;
-                state.images.put(key, &out)?;
+                state.images.put(key, out.clone(), feature_bytes(&out));
                 Ok(out)
             };
         let dev = &self.opts.device;
@@ -1061,7 +1024,8 @@ fn prepare(
             Clip::Fresh { src, proc, plan, key } => {
                 let video = proc.process_planned(&src, plan)?;
                 if let (Some(k), Some(c)) = (key, clip_cache) {
-                    lock_clips(c).put(k, CachedClip { info: report.info.clone(), video: video.clone() });
+                    let bytes = video.pixels.len() * std::mem::size_of::<f32>();
+                    lock_clips(c).put(k, CachedClip { info: report.info.clone(), video: video.clone() }, bytes);
                 }
                 video
             }
