@@ -545,6 +545,16 @@ class VisionTap:
         for h in self.handles:
             h.remove()
 
+    @classmethod
+    def run(cls, visual, pixels, grid):
+        """One tower forward's intermediates, checked against what the tower returns."""
+        tap = cls(visual)
+        out = visual(pixels, grid_thw=grid)
+        tap.close()
+        assert torch.equal(tap.rec["merged"], out.pooler_output)
+        assert all(torch.equal(tap.rec[f"deepstack.{i}"], f) for i, f in enumerate(out.deepstack_features))
+        return tap.rec
+
 
 def build_processor(tok, ip, template, vp=None):
     # A geometry without a video processor (tiny-b) gets None; the class check would reject None.
@@ -677,10 +687,8 @@ def run_geometry(name, g, seed, out, images, tok_dir, template, sampled_ids, log
     vdir.mkdir()
     for pname in [*images, *VISION_OVERRIDES]:
         pv = load_file(out / "processor" / f"{pname}.safetensors")
-        tap = VisionTap(vis)
-        vis(pv["pixel_values"], grid_thw=pv["image_grid_thw"])
-        tap.close()
-        save_file({k: v.contiguous() for k, v in tap.rec.items()}, vdir / f"{pname}.safetensors")
+        rec = VisionTap.run(vis, pv["pixel_values"], pv["image_grid_thw"])
+        save_file({k: v.contiguous() for k, v in rec.items()}, vdir / f"{pname}.safetensors")
     cdir = gdir / "cases"
     cdir.mkdir()
 
@@ -697,20 +705,11 @@ def run_geometry(name, g, seed, out, images, tok_dir, template, sampled_ids, log
         t = {}
         meta = {"case": cname}
         if imgs:
-            tap = VisionTap(vis)
-            vout = vis(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
-            tap.close()
-            for k, v in tap.rec.items():
-                t[f"vision.{k}"] = v
-            assert torch.equal(tap.rec["merged"], vout.pooler_output)
+            rec = VisionTap.run(vis, batch["pixel_values"], batch["image_grid_thw"])
+            t.update((f"vision.{k}", v) for k, v in rec.items())
         if vnames:
-            tap = VisionTap(vis)
-            vout = vis(batch["pixel_values_videos"], grid_thw=batch["video_grid_thw"])
-            tap.close()
-            for k, v in tap.rec.items():
-                t[f"video.{k}"] = v
-            assert torch.equal(tap.rec["merged"], vout.pooler_output)
-            assert all(torch.equal(tap.rec[f"deepstack.{i}"], f) for i, f in enumerate(vout.deepstack_features))
+            rec = VisionTap.run(vis, batch["pixel_values_videos"], batch["video_grid_thw"])
+            t.update((f"video.{k}", v) for k, v in rec.items())
             meta["videos"] = vnames
             meta["video_grid_thw"] = batch["video_grid_thw"].tolist()
             meta["video_frames_indices"] = [np.asarray(m.frames_indices).tolist() for m in batch["video_metadata"]]
