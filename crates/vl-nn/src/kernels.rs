@@ -38,6 +38,30 @@ pub fn exp(x: f32) -> f32 {
     y * f32::from_bits(bits << 23)
 }
 
+/// `2^x` for `x <= 0` to about 2 ulp (relative error <= 1.8e-7 in the fit), flushing below `2^-126` to
+/// `2^-126`; NaN stays NaN. The softmax's exponential when the scores are in base 2 (q scaled by
+/// `log2 e`): x = n + r with |r| <= 1/2, a degree-5 polynomial for `2^r` with constant term 1
+/// (so `2^0` is exactly 1), its other coefficients fitted for relative error on [-1/2, 1/2], `2^n` from the exponent bits. Four operations fewer
+/// than `exp`: no range reduction by ln 2 and no upper clamp.
+#[inline(always)]
+pub fn exp2_nonpositive(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    // Written as a comparison so that NaN passes through (`f32::max` would drop it).
+    let x = if x < -126.0 { -126.0 } else { x };
+    let t = x + MAGIC;
+    let n = t - MAGIC;
+    let r = x - n;
+    let mut p = 1.327_735_7e-3_f32;
+    p = p.mul_add(r, 9.671_589e-3);
+    p = p.mul_add(r, 5.550_689_6e-2);
+    p = p.mul_add(r, 2.402_224_1e-1);
+    p = p.mul_add(r, 6.931_47e-1);
+    p = p.mul_add(r, 1.0);
+    // n in [-126, 0]: its biased exponent, shifted into place.
+    let bits = (t.to_bits().wrapping_sub(MAGIC.to_bits()) as i32 + 127) as u32;
+    p * f32::from_bits(bits << 23)
+}
+
 /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`, written as `x / (1 + e^(-2u))` (the same
 /// function; no cancellation for negative x).
 #[inline(always)]
@@ -263,12 +287,15 @@ pub fn segment_attention(
     let hidden = heads * d;
     assert!(qkv.len() >= seq * 3 * hidden && out.len() >= seq * hidden && d % 2 == 0);
     assert!(cos.len() >= seq * d / 2 && sin.len() >= seq * d / 2);
-    // Rotary q (scaled by 1/sqrt(d)) and k, head-major [heads, seq, d]: each key tile is read by
-    // every query tile of its segment, so the rotation is paid once.
-    let scale = 1.0 / (d as f32).sqrt();
-    let mut q = vec![0f32; heads * seq * d];
+    // Rotary q (scaled by log2(e) / sqrt(d): scores in base 2 for the softmax's `exp2`) and k, rotated once (each key tile is read by every query
+    // tile of its segment). k head-major [heads, seq, d]; q transposed per head, [heads, d, ldq]:
+    // a query tile is then column-major, which `gemm` packs by plain copies instead of a
+    // transposing gather, and the padding keeps its columns off one cache set.
+    let scale = std::f32::consts::LOG2_E / (d as f32).sqrt();
+    let ldq = seq.next_multiple_of(16) + 16;
+    let mut q = vec![0f32; heads * d * ldq];
     let mut k = vec![0f32; heads * seq * d];
-    rotate(qkv, cos, sin, shape, scale, &mut q, &mut k);
+    rotate(qkv, cos, sin, shape, scale, ldq, &mut q, &mut k);
 
     // Work items: (tile, head), longest segments first so the pool's tail stays short.
     let mut tiles: Vec<(usize, usize, usize, usize)> = Vec::new();
@@ -286,14 +313,37 @@ pub fn segment_attention(
     tiles.sort_by_key(|&(s0, s1, _, _)| std::cmp::Reverse(s1 - s0));
     let out_ptr = SendPtr(out.as_mut_ptr());
     let (q, k) = (&q[..], &k[..]);
-    candle_core::utils::barrier_pool().execute_chunked(tiles.len() * heads, |range| {
-        let mut scratch = Scratch::new(shape);
-        for item in range {
+    for_each_item(
+        tiles.len() * heads,
+        || Scratch::new(shape),
+        |item, scratch| {
             let (s0, s1, q0, rows) = tiles[item / heads];
             let h = item % heads;
-            let tile = Tile { q, k, v: qkv, h, s0, s1, q0, rows };
+            let tile = Tile { q, ldq, k, v: qkv, h, s0, s1, q0, rows };
             // SAFETY: each (tile, head) item writes its own rows x d block of `out`.
-            unsafe { attend_tile(&tile, shape, &mut scratch, out_ptr) };
+            unsafe { attend_tile(&tile, shape, scratch, out_ptr) };
+        },
+    );
+}
+
+/// Runs `f(item, state)` for every item in `0..n` on candle's worker pool, each thread taking
+/// one item at a time from a shared cursor, with `state` made once per thread by `init`. For
+/// items of a millisecond or more (an attention tile): the pool's own chunking hands out
+/// `n / (8 x threads)` items per grab, and its last grab left up to ~3% of a 4096-row
+/// attention call to one thread.
+fn for_each_item<S>(n: usize, init: impl Fn() -> S + Sync, f: impl Fn(usize, &mut S) + Sync) {
+    let cursor = std::sync::atomic::AtomicUsize::new(0);
+    let pool = candle_core::utils::barrier_pool();
+    // One range per thread (inline, whole, when called from inside the pool); each drains the
+    // shared cursor.
+    pool.execute_chunked(pool.n_workers() + 1, |_| {
+        let mut state = None;
+        loop {
+            let item = cursor.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if item >= n {
+                break;
+            }
+            f(item, state.get_or_insert_with(&init));
         }
     });
 }
@@ -310,40 +360,64 @@ fn rotate(
     sin: &[f32],
     shape: SegmentAttentionShape,
     scale: f32,
+    ldq: usize,
     q: &mut [f32],
     k: &mut [f32],
 ) {
-    let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
-    let (hidden, half) = (heads * d, d / 2);
     let (qp, kp) = (SendPtr(q.as_mut_ptr()), SendPtr(k.as_mut_ptr()));
-    candle_core::utils::barrier_pool().execute_chunked(seq, |range| {
-        for s in range {
-            let (c, sn) = (&cos[s * half..(s + 1) * half], &sin[s * half..(s + 1) * half]);
-            for h in 0..heads {
-                for (which, dst, factor) in [(0, qp, scale), (1, kp, 1.0)] {
-                    let x = &qkv[s * 3 * hidden + which * hidden + h * d..][..d];
-                    // SAFETY: row (h, s) of the head-major buffer is written by this item only.
-                    let y = unsafe { std::slice::from_raw_parts_mut(dst.get().add((h * seq + s) * d), d) };
-                    rotate_half(x, c, sn, factor, y);
-                }
-            }
-        }
+    candle_core::utils::barrier_pool().execute_chunked(shape.seq, |range| {
+        // SAFETY: positions s in `range` of both buffers belong to this item.
+        unsafe { rotate_rows(qkv, cos, sin, shape, scale, ldq, range, qp, kp) };
     });
 }
 
-/// `y = (x * cos + rotate_half(x) * sin) * factor` for one head row.
+/// `y = (x * cos + rotate_half(x) * sin) * factor` for every head of the rows `range`: q (factor
+/// `scale`) into column s of head h's [d, ldq] block, k (factor 1) into row (h, s) of the
+/// head-major buffer. One dispatched call per work item, the per-row loops inlined into it.
 #[multiversion(targets = "simd")]
-fn rotate_half(x: &[f32], c: &[f32], sn: &[f32], factor: f32, y: &mut [f32]) {
-    let half = x.len() / 2;
-    let (x1, x2) = x.split_at(half);
-    let (y1, y2) = y.split_at_mut(half);
-    for i in 0..half {
-        y1[i] = (x1[i] * c[i] - x2[i] * sn[i]) * factor;
-        y2[i] = (x2[i] * c[i] + x1[i] * sn[i]) * factor;
+#[allow(clippy::too_many_arguments)]
+unsafe fn rotate_rows(
+    qkv: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    shape: SegmentAttentionShape,
+    scale: f32,
+    ldq: usize,
+    range: std::ops::Range<usize>,
+    qp: SendPtr<f32>,
+    kp: SendPtr<f32>,
+) {
+    let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
+    let (hidden, half) = (heads * d, d / 2);
+    let mut row = vec![0f32; d];
+    for s in range {
+        let (c, sn) = (&cos[s * half..(s + 1) * half], &sin[s * half..(s + 1) * half]);
+        for h in 0..heads {
+            for (which, factor) in [(0, scale), (1, 1.0)] {
+                let x = &qkv[s * 3 * hidden + which * hidden + h * d..][..d];
+                let y = if which == 0 {
+                    &mut row[..]
+                } else {
+                    // SAFETY (caller): row (h, s) is this call's to write.
+                    unsafe { std::slice::from_raw_parts_mut(kp.get().add((h * seq + s) * d), d) }
+                };
+                let (x1, x2) = x.split_at(half);
+                let (y1, y2) = y.split_at_mut(half);
+                for i in 0..half {
+                    y1[i] = (x1[i] * c[i] - x2[i] * sn[i]) * factor;
+                    y2[i] = (x2[i] * c[i] + x1[i] * sn[i]) * factor;
+                }
+            }
+            for (i, v) in row.iter().enumerate() {
+                // SAFETY (caller): column s of head h's block is this call's to write.
+                unsafe { *qp.get().add((h * d + i) * ldq + s) = *v };
+            }
+        }
     }
 }
 
-/// Per-thread buffers: one score tile, the output accumulator, the running max and sum.
+/// Per-thread buffers: one score tile (column-major), the output accumulator, the running max
+/// and sum.
 struct Scratch {
     s: Vec<f32>,
     o: Vec<f32>,
@@ -360,6 +434,7 @@ impl Scratch {
 
 struct Tile<'a> {
     q: &'a [f32],
+    ldq: usize,
     k: &'a [f32],
     v: &'a [f32],
     h: usize,
@@ -375,7 +450,7 @@ unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scrat
     let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
     let hidden = heads * d;
     let m = t.rows;
-    let qrows = &t.q[(t.h * seq + t.q0) * d..][..m * d];
+    let qcols = &t.q[t.h * d * t.ldq + t.q0..];
     sc.o[..m * d].fill(0.0);
     sc.max[..m].fill(f32::NEG_INFINITY);
     sc.sum[..m].fill(0.0);
@@ -384,18 +459,19 @@ unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scrat
     while kt < t.s1 {
         let n = key_rows.min(t.s1 - kt);
         let krows = &t.k[(t.h * seq + kt) * d..][..n * d];
-        // S = Q K^T: [m, d] x [d, n] (K^T read through strides).
+        // S = Q K^T: [m, d] x [d, n] into a column-major tile (key j's scores at s[j * m..]),
+        // Q's columns read at stride ldq, K^T through strides.
         gemm::gemm(
             m,
             n,
             d,
             sc.s.as_mut_ptr(),
+            m as isize,
             1,
-            n as isize,
             false,
-            qrows.as_ptr(),
+            qcols.as_ptr(),
+            t.ldq as isize,
             1,
-            d as isize,
             krows.as_ptr(),
             d as isize,
             1,
@@ -406,7 +482,7 @@ unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scrat
             false,
             gemm::Parallelism::None,
         );
-        online_softmax(&mut sc.s[..m * n], n, &mut sc.max[..m], &mut sc.sum[..m], &mut sc.o[..m * d], d);
+        online_softmax(&mut sc.s[..m * n], m, &mut sc.max[..m], &mut sc.sum[..m], &mut sc.o[..m * d], d);
         // O += P V: [m, n] x [n, d], value rows read in place from the projection output.
         let vrows = t.v.as_ptr().add(kt * 3 * hidden + 2 * hidden + t.h * d);
         gemm::gemm(
@@ -418,8 +494,8 @@ unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scrat
             d as isize,
             true,
             sc.s.as_ptr(),
+            m as isize,
             1,
-            n as isize,
             vrows,
             1,
             (3 * hidden) as isize,
@@ -442,50 +518,67 @@ unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scrat
     }
 }
 
-/// For each row of the score tile `s` ([m, n]): raise the running max, turn the scores into
-/// `exp(s - max)` in place, rescale the row's sum and output accumulator by `exp(old - new)`.
+/// For each query row of the column-major score tile `s` ([n][m], scores in base 2): raise the
+/// running max, turn the scores into `2^(s - max)` in place, rescale the row's sum and output
+/// accumulator by `2^(old - new)`. Rows go in blocks across the vector lanes (64 at a time: four AVX-512 or
+/// eight AVX2 registers of independent maxima and sums), so no reduction crosses lanes.
 #[multiversion(targets = "simd")]
-fn online_softmax(s: &mut [f32], n: usize, max: &mut [f32], sum: &mut [f32], o: &mut [f32], d: usize) {
-    {
-        {
-            for (i, row) in s.chunks_exact_mut(n).enumerate() {
-                let mut lanes = [f32::NEG_INFINITY; 16];
-                let (body, tail) = row.as_chunks::<16>();
-                for c in body {
-                    for j in 0..16 {
-                        lanes[j] = if c[j] > lanes[j] { c[j] } else { lanes[j] };
-                    }
-                }
-                let mut mx = max[i];
-                for &x in lanes.iter().chain(tail) {
-                    mx = if x > mx { x } else { mx };
-                }
-                let mut acc = [0f32; 16];
-                let (body, tail) = row.as_chunks_mut::<16>();
-                for c in body {
-                    for j in 0..16 {
-                        c[j] = exp(c[j] - mx);
-                        acc[j] += c[j];
-                    }
-                }
-                let mut total = 0.0;
-                for x in tail.iter_mut() {
-                    *x = exp(*x - mx);
-                    total += *x;
-                }
-                total += acc.iter().sum::<f32>();
-                if max[i] == f32::NEG_INFINITY {
-                    sum[i] = total;
-                } else {
-                    let r = exp(max[i] - mx);
-                    sum[i] = sum[i] * r + total;
-                    for y in &mut o[i * d..(i + 1) * d] {
-                        *y *= r;
-                    }
-                }
-                max[i] = mx;
+fn online_softmax(s: &mut [f32], m: usize, max: &mut [f32], sum: &mut [f32], o: &mut [f32], d: usize) {
+    let mut i0 = 0;
+    while i0 + 64 <= m {
+        softmax_rows::<64>(s, m, i0, max, sum, o, d);
+        i0 += 64;
+    }
+    while i0 + 8 <= m {
+        softmax_rows::<8>(s, m, i0, max, sum, o, d);
+        i0 += 8;
+    }
+    while i0 < m {
+        softmax_rows::<1>(s, m, i0, max, sum, o, d);
+        i0 += 1;
+    }
+}
+
+/// `online_softmax` for query rows `i0..i0 + W`.
+#[inline(always)]
+fn softmax_rows<const W: usize>(
+    s: &mut [f32],
+    m: usize,
+    i0: usize,
+    max: &mut [f32],
+    sum: &mut [f32],
+    o: &mut [f32],
+    d: usize,
+) {
+    let n = s.len() / m;
+    let mut mx = [0f32; W];
+    mx.copy_from_slice(&max[i0..i0 + W]);
+    for j in 0..n {
+        let c: &[f32; W] = s[j * m + i0..][..W].try_into().unwrap();
+        for l in 0..W {
+            mx[l] = if c[l] > mx[l] { c[l] } else { mx[l] };
+        }
+    }
+    let mut acc = [0f32; W];
+    for j in 0..n {
+        let c: &mut [f32; W] = (&mut s[j * m + i0..][..W]).try_into().unwrap();
+        for l in 0..W {
+            c[l] = exp2_nonpositive(c[l] - mx[l]);
+            acc[l] += c[l];
+        }
+    }
+    for l in 0..W {
+        let i = i0 + l;
+        if max[i] == f32::NEG_INFINITY {
+            sum[i] = acc[l];
+        } else {
+            let r = exp2_nonpositive(max[i] - mx[l]);
+            sum[i] = sum[i] * r + acc[l];
+            for y in &mut o[i * d..(i + 1) * d] {
+                *y *= r;
             }
         }
+        max[i] = mx[l];
     }
 }
 
@@ -505,6 +598,22 @@ mod tests {
         assert!(worst < 3e-7, "worst relative error {worst}");
         assert_eq!(exp(0.0), 1.0);
         assert!(exp(f32::NEG_INFINITY) < 1e-37 && exp(f32::INFINITY).is_finite());
+    }
+
+    #[test]
+    fn exp2_matches_std_to_a_few_ulp() {
+        let mut worst = 0f32;
+        let mut x = -126.0f32;
+        while x <= 0.0 {
+            let (a, b) = (exp2_nonpositive(x), x.exp2());
+            worst = worst.max(((a - b) / b).abs());
+            x += 0.000_71;
+        }
+        assert!(worst < 3e-7, "worst relative error {worst}");
+        assert_eq!(exp2_nonpositive(0.0), 1.0);
+        assert_eq!(exp2_nonpositive(-1.0), 0.5);
+        assert!(exp2_nonpositive(-1000.0) <= 1.2e-38 && exp2_nonpositive(f32::NEG_INFINITY) >= 0.0);
+        assert!(exp2_nonpositive(f32::NAN).is_nan());
     }
 
     #[test]
