@@ -44,6 +44,7 @@ pub fn exp(x: f32) -> f32 {
 /// (so `2^0` is exactly 1), its other coefficients fitted for relative error on [-1/2, 1/2], `2^n` from the exponent bits. Four operations fewer
 /// than `exp`: no range reduction by ln 2 and no upper clamp.
 #[inline(always)]
+#[allow(clippy::approx_constant)] // the fitted linear coefficient is near ln 2, but not ln 2
 pub fn exp2_nonpositive(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0;
     // Written as a comparison so that NaN passes through (`f32::max` would drop it).
@@ -354,6 +355,7 @@ fn balanced(len: usize, max: usize) -> usize {
     len.div_ceil(len.div_ceil(max).max(1)).max(1)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn rotate(
     qkv: &[f32],
     cos: &[f32],
