@@ -271,11 +271,7 @@ impl VisionTower {
                 }
             }
         }
-        let n = idx.len() / 4;
-        let idx = Tensor::from_vec(idx, n * 4, &self.device)?;
-        let wts = Tensor::from_vec(wts, (n, 4, 1), &self.device)?.to_dtype(self.dtype)?;
-        let rows = self.pos_embed.index_select(&idx, 0)?.reshape((n, 4, self.cfg.hidden_size))?;
-        Ok(rows.broadcast_mul(&wts)?.sum(1)?)
+        Ok(vl_nn::kernels::weighted_row_sum(&self.pos_embed, &idx, &wts, 4)?)
     }
 }
 
