@@ -9,7 +9,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Module, Tensor};
 use candle_nn::Linear;
 
-use crate::kernels::cpu_f32;
+use crate::kernels::{cpu_f32, SendPtr};
 use crate::{Error, Result};
 
 /// Weight storage of a quantized layer.
@@ -274,6 +274,11 @@ impl Dense {
             return Err(Error::Shape { layer: "Dense", message: format!("input {dims:?} for {k} input features") });
         }
         let m = x.elem_count() / k;
+        let mut shape = dims;
+        *shape.last_mut().unwrap() = n;
+        if m == 0 || n == 0 {
+            return Ok(Some(Tensor::zeros(shape, DType::F32, x.device())?));
+        }
         let x = x.contiguous()?;
         let w = self.w_t.contiguous()?;
         let bias = self.bias.as_ref().map(|b| b.contiguous()).transpose()?;
@@ -284,47 +289,62 @@ impl Dense {
         };
         let xs = &xs[xl.start_offset()..xl.start_offset() + m * k];
         let ws = &ws[wl.start_offset()..wl.start_offset() + k * n];
-        let mut out = Vec::with_capacity(m * n);
-        if let Some(b) = &bias {
-            let (bs, bl) = b.storage_and_layout();
-            let Some(bs) = cpu_f32(&bs) else {
-                return Ok(None);
-            };
-            let row = &bs[bl.start_offset()..bl.start_offset() + n];
-            for _ in 0..m {
-                out.extend_from_slice(row);
+        let bias_row = match &bias {
+            Some(b) => {
+                let (bs, bl) = b.storage_and_layout();
+                let Some(bs) = cpu_f32(&bs) else {
+                    return Ok(None);
+                };
+                Some(bs[bl.start_offset()..bl.start_offset() + n].to_vec())
             }
-        } else {
-            out.resize(m * n, 0.0);
-        }
-        let threads = candle_core::utils::get_num_threads();
-        let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
-        // SAFETY: the three buffers hold m x k, k x n and m x n floats with the strides given.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                out.as_mut_ptr(),
-                1,
-                n as isize,
-                bias.is_some(),
-                xs.as_ptr(),
-                1,
-                k as isize,
-                ws.as_ptr(),
-                1,
-                n as isize,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                par,
-            );
-        }
-        let mut shape = dims;
-        *shape.last_mut().unwrap() = n;
+            None => None,
+        };
+        let mut out: Vec<f32> = Vec::with_capacity(m * n);
+        let out_ptr = SendPtr(out.as_mut_ptr());
+        // Blocks of output columns on candle's pool, each one single-threaded `gemm` over all the
+        // rows: a thread packs only its own slice of W^T, and no second (rayon) pool spins
+        // beside candle's on the same cores. The block starts from the bias rows.
+        let threads = candle_core::utils::get_num_threads().max(1);
+        let block = if threads == 1 { n } else { n.div_ceil(threads * 4).next_multiple_of(64).min(n) };
+        candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(block), |items| {
+            for item in items {
+                let (c0, c1) = (item * block, ((item + 1) * block).min(n));
+                // SAFETY: this item owns columns c0..c1 of every output row; `out` has room for m
+                // rows of n (its elements are written here before `set_len` below).
+                unsafe {
+                    let dst = out_ptr.get().add(c0);
+                    if let Some(row) = &bias_row {
+                        for r in 0..m {
+                            std::ptr::copy_nonoverlapping(row[c0..c1].as_ptr(), dst.add(r * n), c1 - c0);
+                        }
+                    }
+                    gemm::gemm(
+                        m,
+                        c1 - c0,
+                        k,
+                        dst,
+                        1,
+                        n as isize,
+                        bias_row.is_some(),
+                        xs.as_ptr(),
+                        1,
+                        k as isize,
+                        ws.as_ptr().add(c0),
+                        1,
+                        n as isize,
+                        1.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+            }
+        });
+        // SAFETY: every column block of every row was written above (bias copy or gemm with
+        // read_dst false, which writes its whole destination).
+        unsafe { out.set_len(m * n) };
         Ok(Some(Tensor::from_vec(out, shape, x.device())?))
     }
 }
@@ -515,6 +535,33 @@ mod tests {
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    #[test]
+    fn dense_matches_the_definition_across_column_blocks() {
+        // 300 outputs: several column blocks on the pool, the last one ragged.
+        let (rows, k, n) = (37, 70, 300);
+        let w = crate::testing::randn(111, 0.1, (n, k)).unwrap();
+        let b = crate::testing::randn(112, 1.0, n).unwrap();
+        let x = crate::testing::randn(113, 1.0, (rows, k)).unwrap();
+        let (wv, bv, xv) = (w.to_vec2::<f32>().unwrap(), b.to_vec1::<f32>().unwrap(), x.to_vec2::<f32>().unwrap());
+        for bias in [true, false] {
+            let dense = Dense::from_linear(&Linear::new(w.clone(), bias.then(|| b.clone()))).unwrap();
+            // A 3-D input is rows of the last dimension.
+            let got = dense.forward(&x.reshape((1, rows, k)).unwrap()).unwrap();
+            assert_eq!(got.dims(), [1, rows, n]);
+            let got = got.squeeze(0).unwrap().to_vec2::<f32>().unwrap();
+            for r in 0..rows {
+                for c in 0..n {
+                    let dot: f64 = (0..k).map(|i| xv[r][i] as f64 * wv[c][i] as f64).sum();
+                    let want = dot + if bias { bv[c] as f64 } else { 0.0 };
+                    assert!((got[r][c] as f64 - want).abs() < 1e-4, "bias {bias}, [{r}, {c}]: {} vs {want}", got[r][c]);
+                }
+            }
+        }
+        let dense = Dense::from_linear(&Linear::new(w, Some(b))).unwrap();
+        assert_eq!(dense.forward(&Tensor::zeros((0, k), DType::F32, &Device::Cpu).unwrap()).unwrap().dims(), [0, n]);
+        assert!(dense.forward(&Tensor::zeros((2, k + 1), DType::F32, &Device::Cpu).unwrap()).is_err());
     }
 
     #[test]
