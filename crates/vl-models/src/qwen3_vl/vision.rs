@@ -99,7 +99,7 @@ pub struct VisionOutput {
 #[derive(Debug, Clone)]
 pub struct VisionTower {
     cfg: VisionConfig,
-    patch_embed: Linear,
+    patch_embed: Dense,
     pos_embed: Tensor,
     rope: TwoAxisRope,
     blocks: Vec<VisionBlock>,
@@ -136,7 +136,7 @@ impl VisionTower {
             .collect::<Result<_>>()?;
         Ok(Self {
             cfg: cfg.clone(),
-            patch_embed: Linear::new(w.to_dtype(compute)?, Some(b.to_dtype(compute)?)),
+            patch_embed: Dense::from_linear(&Linear::new(w.to_dtype(compute)?, Some(b.to_dtype(compute)?)))?,
             pos_embed: vb.get((cfg.num_position_embeddings, h), "pos_embed.weight")?.to_dtype(compute)?,
             rope: TwoAxisRope::new(cfg.head_dim(), cfg.rope_theta),
             blocks,
