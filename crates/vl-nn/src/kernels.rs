@@ -450,41 +450,30 @@ unsafe fn rotate_rows(
 ) {
     let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
     let (hidden, half) = (heads * d, d / 2);
-    // q rows of up to 16 positions are rotated into `block` ([16][d]) and written out as runs of
-    // up to 16 consecutive positions per (head, dimension).
-    const B: usize = 16;
-    let mut block = vec![0f32; B * d];
-    let mut s0 = range.start;
-    while s0 < range.end {
-        let b = B.min(range.end - s0);
+    let mut row = vec![0f32; d];
+    for s in range {
+        let (c, sn) = (&cos[s * half..(s + 1) * half], &sin[s * half..(s + 1) * half]);
         for h in 0..heads {
-            for s in s0..s0 + b {
-                let (c, sn) = (&cos[s * half..(s + 1) * half], &sin[s * half..(s + 1) * half]);
-                for (which, factor) in [(0, scale), (1, 1.0)] {
-                    let x = &qkv[s * 3 * hidden + which * hidden + h * d..][..d];
-                    let y = if which == 0 {
-                        &mut block[(s - s0) * d..][..d]
-                    } else {
-                        // SAFETY (caller): row (h, s) is this call's to write.
-                        unsafe { std::slice::from_raw_parts_mut(kp.get().add((h * seq + s) * d), d) }
-                    };
-                    let (x1, x2) = x.split_at(half);
-                    let (y1, y2) = y.split_at_mut(half);
-                    for i in 0..half {
-                        y1[i] = (x1[i] * c[i] - x2[i] * sn[i]) * factor;
-                        y2[i] = (x2[i] * c[i] + x1[i] * sn[i]) * factor;
-                    }
+            for (which, factor) in [(0, scale), (1, 1.0)] {
+                let x = &qkv[s * 3 * hidden + which * hidden + h * d..][..d];
+                let y = if which == 0 {
+                    &mut row[..]
+                } else {
+                    // SAFETY (caller): row (h, s) is this call's to write.
+                    unsafe { std::slice::from_raw_parts_mut(kp.get().add((h * seq + s) * d), d) }
+                };
+                let (x1, x2) = x.split_at(half);
+                let (y1, y2) = y.split_at_mut(half);
+                for i in 0..half {
+                    y1[i] = (x1[i] * c[i] - x2[i] * sn[i]) * factor;
+                    y2[i] = (x2[i] * c[i] + x1[i] * sn[i]) * factor;
                 }
             }
-            for i in 0..d {
-                // SAFETY (caller): columns s0..s0+b of head h's block are this call's to write.
-                let run = unsafe { std::slice::from_raw_parts_mut(qp.get().add((h * d + i) * ldq + s0), b) };
-                for (j, y) in run.iter_mut().enumerate() {
-                    *y = block[j * d + i];
-                }
+            for (i, v) in row.iter().enumerate() {
+                // SAFETY (caller): column s of head h's block is this call's to write.
+                unsafe { *qp.get().add((h * d + i) * ldq + s) = *v };
             }
         }
-        s0 += b;
     }
 }
 
@@ -601,13 +590,9 @@ fn online_softmax(s: &mut [f32], m: usize, max: &mut [f32], sum: &mut [f32], o: 
         softmax_rows::<64>(s, m, i0, max, sum, o, d);
         i0 += 64;
     }
-    while i0 + 16 <= m {
-        softmax_rows::<16>(s, m, i0, max, sum, o, d);
-        i0 += 16;
-    }
-    while i0 + 4 <= m {
-        softmax_rows::<4>(s, m, i0, max, sum, o, d);
-        i0 += 4;
+    while i0 + 8 <= m {
+        softmax_rows::<8>(s, m, i0, max, sum, o, d);
+        i0 += 8;
     }
     while i0 < m {
         softmax_rows::<1>(s, m, i0, max, sum, o, d);
