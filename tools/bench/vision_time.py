@@ -57,7 +57,8 @@ def main():
                     blocks = [b - a for a, b in zip([t0] + marks[:-1], marks)]
                     best = (total, blocks)
         total, blocks = best
-        print(json.dumps({"impl": "torch", "size": size, "patches": n, "seconds": total,
+        print(json.dumps({"impl": "torch", "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                          "size": size, "patches": n, "seconds": total,
                           "block_mean_s": sum(blocks[1:]) / max(1, len(blocks) - 1), "blocks_s": blocks}), flush=True)
 
 
