@@ -488,8 +488,9 @@ impl Engine {
     /// decoded (returning `false` cancels).
     pub fn generate(&self, req: &Request, on_text: &mut dyn FnMut(&str) -> bool) -> Result<Completion> {
         let t0 = Instant::now();
-        let (opts, prepared) =
-            prepare(&self.processor, self.model.config(), &self.eos, &self.opts.device, req, Some(&self.clips))?;
+        // A disabled clip cache (0 bytes) is not consulted, so no video is hashed for it.
+        let clips = (self.opts.clip_cache_bytes > 0).then_some(&self.clips);
+        let (opts, prepared) = prepare(&self.processor, self.model.config(), &self.eos, &self.opts.device, req, clips)?;
         self.generate_prepared(&prepared, &opts, req, on_text, t0)
     }
 

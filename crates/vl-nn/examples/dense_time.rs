@@ -7,9 +7,6 @@ use vl_nn::linear::Dense;
 
 fn main() -> candle_core::Result<()> {
     let arg = |i: usize, default: usize| std::env::args().nth(i).map_or(default, |a| a.parse().expect("a number"));
-    if let Some(t) = std::env::var("VL_RHS_PACK").ok().and_then(|v| v.parse().ok()) {
-        gemm::set_rhs_packing_threshold(t);
-    }
     let (m, k, n, runs) = (arg(1, 4096), arg(2, 1024), arg(3, 4096), arg(4, 5));
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move || {

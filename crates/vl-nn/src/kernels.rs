@@ -38,11 +38,12 @@ pub fn exp(x: f32) -> f32 {
     y * f32::from_bits(bits << 23)
 }
 
-/// `2^x` for `x <= 0` to about 2 ulp (relative error <= 1.8e-7 in the fit), flushing below `2^-126` to
-/// `2^-126`; NaN stays NaN. The softmax's exponential when the scores are in base 2 (q scaled by
-/// `log2 e`): x = n + r with |r| <= 1/2, a degree-5 polynomial for `2^r` with constant term 1
-/// (so `2^0` is exactly 1), its other coefficients fitted for relative error on [-1/2, 1/2], `2^n` from the exponent bits. Four operations fewer
-/// than `exp`: no range reduction by ln 2 and no upper clamp.
+/// `2^x` for `x <= 0` to about 2 ulp (relative error <= 1.8e-7 in the fit), flushing below
+/// `2^-126` to `2^-126`; NaN stays NaN. The softmax's exponential when the scores are in base 2
+/// (q scaled by `log2 e`): x = n + r with |r| <= 1/2, a degree-5 polynomial for `2^r` with
+/// constant term 1 (so `2^0` is exactly 1), its other coefficients fitted for relative error on
+/// [-1/2, 1/2], `2^n` from the exponent bits. Four operations fewer than `exp`: no range
+/// reduction by ln 2 and no upper clamp.
 #[inline(always)]
 #[allow(clippy::approx_constant)] // the fitted linear coefficient is near ln 2, but not ln 2
 pub fn exp2_nonpositive(x: f32) -> f32 {
@@ -344,8 +345,9 @@ pub fn segment_attention(
     let hidden = heads * d;
     assert!(qkv.len() >= seq * 3 * hidden && out.len() >= seq * hidden && d % 2 == 0);
     assert!(cos.len() >= seq * d / 2 && sin.len() >= seq * d / 2);
-    // Rotary q (scaled by log2(e) / sqrt(d): scores in base 2 for the softmax's `exp2`) and k, rotated once (each key tile is read by every query
-    // tile of its segment). k head-major [heads, seq, d]; q transposed per head, [heads, d, ldq]:
+    // Rotary q (scaled by log2(e) / sqrt(d): scores in base 2 for the softmax's `exp2`) and k,
+    // rotated once (each key tile is read by every query tile of its segment). k head-major
+    // [heads, seq, d]; q transposed per head, [heads, d, ldq]:
     // a query tile is then column-major, which `gemm` packs by plain copies instead of a
     // transposing gather, and the padding keeps its columns off one cache set.
     let scale = std::f32::consts::LOG2_E / (d as f32).sqrt();
