@@ -2,8 +2,9 @@
 //! `cargo run --release -p vl-models --example attention_time [SEQ] [HEADS] [HEAD_DIM] [RUNS]`.
 //! Random rows (seeded), one segment, candle's pool (RAYON_NUM_THREADS); prints the best run and
 //! its rate counting the two products (4 x seq^2 x head_dim x heads flops). `VL_QUERY_TILE` and
-//! `VL_KEY_TILE` override the tile sizes.
-use vl_nn::kernels::{segment_attention, SegmentAttentionShape, KEY_TILE, QUERY_TILE};
+//! `VL_KEY_TILE` override the tile sizes; `VL_TILE_KERNEL=gemm|strips` the tile kernel (default:
+//! `TileKernel::best()`).
+use vl_nn::kernels::{segment_attention_with, SegmentAttentionShape, TileKernel, KEY_TILE, QUERY_TILE};
 
 fn main() {
     vl_models::alloc::keep_large_buffers();
@@ -22,17 +23,23 @@ fn main() {
     let env = |k: &str, default: usize| std::env::var(k).map_or(default, |v| v.parse().expect("a number"));
     let (query_tile, key_tile) = (env("VL_QUERY_TILE", QUERY_TILE), env("VL_KEY_TILE", KEY_TILE));
     let shape = SegmentAttentionShape { seq, heads, head_dim: d, query_tile, key_tile };
+    let kernel = match std::env::var("VL_TILE_KERNEL").as_deref() {
+        Ok("gemm") => TileKernel::Gemm,
+        Ok("strips") => TileKernel::Avx2Strips,
+        Ok(other) => panic!("VL_TILE_KERNEL={other}: gemm or strips"),
+        Err(_) => TileKernel::best(),
+    };
     let mut out = vec![0f32; seq * heads * d];
     let mut best = f64::INFINITY;
     for _ in 0..runs {
         let t = std::time::Instant::now();
-        segment_attention(&qkv, &cos, &sin, &[0, seq], shape, &mut out);
+        segment_attention_with(kernel, &qkv, &cos, &sin, &[0, seq], shape, &mut out);
         best = best.min(t.elapsed().as_secs_f64());
     }
     let flops = 4.0 * (seq * seq * d * heads) as f64;
     let check: f64 = out.iter().map(|&v| v as f64).sum();
     println!(
-        "seq {seq} heads {heads} d {d}: best {:.1} ms, {:.0} GFLOP/s (checksum {check:.6})",
+        "{kernel:?} seq {seq} heads {heads} d {d}: best {:.1} ms, {:.0} GFLOP/s (checksum {check:.6})",
         best * 1e3,
         flops / best / 1e9
     );

@@ -5,8 +5,10 @@
 //! One portable binary: the loops are written plainly so that LLVM vectorizes them, and each is
 //! compiled once per instruction set by `multiversion` and picked at run time (AVX-512 where
 //! present, AVX2+FMA, NEON on aarch64, the baseline otherwise), so the default build needs no
-//! `-C target-cpu`. The tile products go to the `gemm` crate (what
-//! candle's own matmul calls), single-threaded per tile; tiles run on candle's worker pool.
+//! `-C target-cpu`. The attention tiles' products go to the `gemm` crate (what candle's own
+//! matmul calls), single-threaded per tile, except on CPUs whose widest vectors are AVX2, where
+//! register-blocked strips of 16 query rows (`std::arch` intrinsics, checked at run time) read
+//! the operands in place and skip `gemm`'s per-tile packing; tiles run on candle's worker pool.
 
 use candle_core::{DType, Tensor};
 use multiversion::multiversion;
@@ -323,16 +325,55 @@ pub struct SegmentAttentionShape {
 /// Default tile sizes: a 256 x 512 f32 score tile is 512 KiB per thread, the query, key and value
 /// tiles 64 + 128 + 128 KiB. Larger tiles amortize `gemm`'s packing of each tile: on a 2-core
 /// Xeon (AVX-512), 4096 keys x 16 heads ran at ~140 GFLOP/s with 128 x 256 tiles and ~170-200
-/// with 256 x 512 (the machine's noise is +-10%).
+/// with 256 x 512 (the machine's noise is +-10%). The AVX2 strips keep 256 x 512 too (Zen 3,
+/// 4096 keys: 468 ms against 471-515 for 128-512 x 256-1024).
 pub const QUERY_TILE: usize = 256;
 pub const KEY_TILE: usize = 512;
+
+/// The kernel that runs an attention tile's two products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TileKernel {
+    /// `gemm` per tile (what candle's matmul calls; it packs both operands of each product).
+    Gemm,
+    /// Strips of 16 query rows in AVX2 registers over operands laid out once per call, nothing
+    /// packed per tile (x86_64 with AVX2 and FMA).
+    Avx2Strips,
+}
+
+impl TileKernel {
+    /// The faster kernel this CPU can run: the AVX2 strips where AVX2 and FMA are the widest
+    /// vectors (a 2B block's attention on a Zen 3, 2 threads: 4096 rows 476 ms against gemm's
+    /// 507, 784 rows 17.4 against 19.0; docs/performance.md), `gemm` elsewhere (its AVX-512
+    /// kernels are twice as wide, and the strips were not measured there; NEON and the baseline
+    /// have no strips).
+    pub fn best() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if TileKernel::Avx2Strips.available() && !std::arch::is_x86_feature_detected!("avx512f") {
+            return TileKernel::Avx2Strips;
+        }
+        TileKernel::Gemm
+    }
+
+    /// Whether this CPU can run the kernel.
+    pub fn available(self) -> bool {
+        match self {
+            TileKernel::Gemm => true,
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::Avx2Strips => {
+                std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            TileKernel::Avx2Strips => false,
+        }
+    }
+}
 
 /// Bidirectional attention within segments, from the fused projection's output.
 ///
 /// `qkv`: [seq, 3, heads, head_dim] row-major (q | k | v); `cos`, `sin`: [seq, head_dim / 2]
 /// (rotate-half rotary on q and k); `cu`: segment boundaries `[0, ..., seq]`. Writes
 /// softmax(q k^T / sqrt(d)) v into `out`: [seq, heads * head_dim], heads side by side (what the
-/// output projection reads). The caller checks the lengths.
+/// output projection reads). The caller checks the lengths. Runs `TileKernel::best()`.
 pub fn segment_attention(
     qkv: &[f32],
     cos: &[f32],
@@ -341,20 +382,38 @@ pub fn segment_attention(
     shape: SegmentAttentionShape,
     out: &mut [f32],
 ) {
+    segment_attention_with(TileKernel::best(), qkv, cos, sin, cu, shape, out)
+}
+
+/// `segment_attention` on the given tile kernel (`Gemm` where the CPU cannot run it).
+pub fn segment_attention_with(
+    kernel: TileKernel,
+    qkv: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    cu: &[usize],
+    shape: SegmentAttentionShape,
+    out: &mut [f32],
+) {
+    let kernel = if kernel.available() { kernel } else { TileKernel::Gemm };
     let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
     let hidden = heads * d;
     assert!(qkv.len() >= seq * 3 * hidden && out.len() >= seq * hidden && d % 2 == 0);
     assert!(cos.len() >= seq * d / 2 && sin.len() >= seq * d / 2);
     // Rotary q (scaled by log2(e) / sqrt(d): scores in base 2 for the softmax's `exp2`) and k,
     // rotated once (each key tile is read by every query tile of its segment). k head-major
-    // [heads, seq, d]; q transposed per head, [heads, d, ldq]:
-    // a query tile is then column-major, which `gemm` packs by plain copies instead of a
-    // transposing gather, and the padding keeps its columns off one cache set.
+    // [heads, seq, d]; q transposed per head, [heads, d, ldq]: a query tile is then
+    // column-major, which `gemm` packs by plain copies instead of a transposing gather and the
+    // strips load as vectors, and the padding keeps its columns off one cache set (the strips
+    // read up to 15 columns past a tile's last row: the padding covers the last tile).
     let scale = std::f32::consts::LOG2_E / (d as f32).sqrt();
     let ldq = seq.next_multiple_of(16) + 16;
     let mut q = vec![0f32; heads * d * ldq];
     let mut k = vec![0f32; heads * seq * d];
-    rotate(qkv, cos, sin, shape, scale, ldq, &mut q, &mut k);
+    // The strips read v head-major too ([heads, seq, d]: a key tile's rows contiguous); `gemm`
+    // packs them from the projection's output in place.
+    let mut v = vec![0f32; if kernel == TileKernel::Avx2Strips { heads * seq * d } else { 0 }];
+    rotate(qkv, cos, sin, shape, scale, ldq, &mut q, &mut k, (!v.is_empty()).then_some(&mut v[..]));
 
     // Work items: (tile, head), longest segments first so the pool's tail stays short.
     let mut tiles: Vec<(usize, usize, usize, usize)> = Vec::new();
@@ -374,16 +433,23 @@ pub fn segment_attention(
     }
     tiles.sort_by_key(|&(s0, s1, _, _)| std::cmp::Reverse(s1 - s0));
     let out_ptr = SendPtr(out.as_mut_ptr());
-    let (q, k) = (&q[..], &k[..]);
+    let (q, k, vh) = (&q[..], &k[..], &v[..]);
     for_each_item(
         tiles.len() * heads,
-        || Scratch::new(shape),
+        || Scratch::new(shape, kernel),
         |item, scratch| {
             let (s0, s1, q0, rows) = tiles[item / heads];
             let h = item % heads;
-            let tile = Tile { q, ldq, k, v: qkv, h, s0, s1, q0, rows };
+            let tile = Tile { q, ldq, k, v: qkv, vh, h, s0, s1, q0, rows };
             // SAFETY: each (tile, head) item writes its own rows x d block of `out`.
-            unsafe { attend_tile(&tile, shape, scratch, out_ptr) };
+            match kernel {
+                TileKernel::Gemm => unsafe { attend_tile(&tile, shape, scratch, out_ptr) },
+                // SAFETY: as above, and `available()` checked AVX2 and FMA.
+                #[cfg(target_arch = "x86_64")]
+                TileKernel::Avx2Strips => unsafe { attend_tile_strips(&tile, shape, scratch, out_ptr) },
+                #[cfg(not(target_arch = "x86_64"))]
+                TileKernel::Avx2Strips => unreachable!("not available off x86_64"),
+            }
         },
     );
 }
@@ -426,11 +492,13 @@ fn rotate(
     ldq: usize,
     q: &mut [f32],
     k: &mut [f32],
+    v: Option<&mut [f32]>,
 ) {
     let (qp, kp) = (SendPtr(q.as_mut_ptr()), SendPtr(k.as_mut_ptr()));
+    let vp = v.map(|v| SendPtr(v.as_mut_ptr()));
     candle_core::utils::barrier_pool().execute_chunked(shape.seq, |range| {
-        // SAFETY: positions s in `range` of both buffers belong to this item.
-        unsafe { rotate_rows(qkv, cos, sin, shape, scale, ldq, range, qp, kp) };
+        // SAFETY: positions s in `range` of all three buffers belong to this item.
+        unsafe { rotate_rows(qkv, cos, sin, shape, scale, ldq, range, qp, kp, vp) };
     });
 }
 
@@ -449,6 +517,7 @@ unsafe fn rotate_rows(
     range: std::ops::Range<usize>,
     qp: SendPtr<f32>,
     kp: SendPtr<f32>,
+    vp: Option<SendPtr<f32>>,
 ) {
     let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
     let (hidden, half) = (heads * d, d / 2);
@@ -475,6 +544,11 @@ unsafe fn rotate_rows(
                 // SAFETY (caller): column s of head h's block is this call's to write.
                 unsafe { *qp.get().add((h * d + i) * ldq + s) = *v };
             }
+            if let Some(vp) = vp {
+                let x = &qkv[s * 3 * hidden + 2 * hidden + h * d..][..d];
+                // SAFETY (caller): row (h, s) is this call's to write.
+                unsafe { std::ptr::copy_nonoverlapping(x.as_ptr(), vp.get().add((h * seq + s) * d), d) };
+            }
         }
     }
 }
@@ -489,9 +563,14 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(shape: SegmentAttentionShape) -> Self {
+    fn new(shape: SegmentAttentionShape, kernel: TileKernel) -> Self {
         let (qt, kt) = (shape.query_tile.max(1), shape.key_tile.max(1));
-        Self { s: vec![0.0; qt * kt], o: vec![0.0; qt * shape.head_dim], max: vec![0.0; qt], sum: vec![0.0; qt] }
+        // The strips keep one strip's scores, and a tile's rows rounded up to whole strips.
+        let (sq, qt) = match kernel {
+            TileKernel::Gemm => (qt, qt),
+            TileKernel::Avx2Strips => (16, qt.next_multiple_of(16)),
+        };
+        Self { s: vec![0.0; sq * kt], o: vec![0.0; qt * shape.head_dim], max: vec![0.0; qt], sum: vec![0.0; qt] }
     }
 }
 
@@ -499,7 +578,10 @@ struct Tile<'a> {
     q: &'a [f32],
     ldq: usize,
     k: &'a [f32],
+    /// The projection output (v read in place).
     v: &'a [f32],
+    /// v head-major (the strips only).
+    vh: &'a [f32],
     h: usize,
     s0: usize,
     s1: usize,
@@ -581,6 +663,57 @@ unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scrat
     }
 }
 
+/// `attend_tile` on the AVX2 strips: for each key tile, each strip of 16 query rows gets its
+/// scores, its online-softmax step and its `P V` in turn, its output kept transposed (`d` x 16)
+/// until the end. The last strip of a tile reads past the tile's rows (other queries or the
+/// padding of `q`); those lanes are computed and dropped.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_tile_strips(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scratch, out: SendPtr<f32>) {
+    use strips::STRIP;
+    let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
+    let hidden = heads * d;
+    let n_strips = t.rows.div_ceil(STRIP);
+    debug_assert!(t.q0 + n_strips * STRIP <= t.ldq);
+    sc.o[..n_strips * STRIP * d].fill(0.0);
+    sc.max[..n_strips * STRIP].fill(f32::NEG_INFINITY);
+    sc.sum[..n_strips * STRIP].fill(0.0);
+    let key_rows = balanced(t.s1 - t.s0, shape.key_tile);
+    let mut kt = t.s0;
+    while kt < t.s1 {
+        let n = key_rows.min(t.s1 - kt);
+        let k = t.k.as_ptr().add((t.h * seq + kt) * d);
+        let v = t.vh.as_ptr().add((t.h * seq + kt) * d);
+        for st in 0..n_strips {
+            let q = t.q.as_ptr().add(t.h * d * t.ldq + t.q0 + st * STRIP);
+            let o = sc.o.as_mut_ptr().add(st * STRIP * d);
+            let mut mx = strips::lowest();
+            strips::scores(q, t.ldq, k, d, n, sc.s.as_mut_ptr(), &mut mx);
+            strips::softmax(
+                sc.s.as_mut_ptr(),
+                n,
+                mx,
+                sc.max.as_mut_ptr().add(st * STRIP),
+                sc.sum.as_mut_ptr().add(st * STRIP),
+                o,
+                d,
+            );
+            strips::values(sc.s.as_ptr(), n, v, d, d, o);
+        }
+        kt += n;
+    }
+    for i in 0..t.rows {
+        let (st, l) = (i / STRIP, i % STRIP);
+        let inv = 1.0 / sc.sum[i];
+        let o = &sc.o[st * STRIP * d..];
+        // SAFETY (caller): this item owns rows q0..q0+rows, columns h*d..h*d+d of `out`.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add((t.q0 + i) * hidden + t.h * d), d) };
+        for (c, y) in dst.iter_mut().enumerate() {
+            *y = o[c * STRIP + l] * inv;
+        }
+    }
+}
+
 /// For each query row of the column-major score tile `s` ([n][m], scores in base 2): raise the
 /// running max, turn the scores into `2^(s - max)` in place, rescale the row's sum and output
 /// accumulator by `2^(old - new)`. Rows go in blocks across the vector lanes (64 at a time: four AVX-512 or
@@ -642,6 +775,179 @@ fn softmax_rows<const W: usize>(
             }
         }
         max[i] = mx[l];
+    }
+}
+
+/// The AVX2+FMA tile kernel: the query rows of a tile in strips of 16 across two vector
+/// registers, every operand read where the layout pass put it (q transposed per head, k and v
+/// head-major), so nothing is packed per tile. Per key tile and strip: the scores `S^T = K Q^T`
+/// (6 keys x 16 queries of accumulators), the online softmax on them, then `O^T += V^T P^T`
+/// (6 dimensions x 16 queries of accumulators) into the strip's transposed output.
+#[cfg(target_arch = "x86_64")]
+mod strips {
+    use std::arch::x86_64::*;
+
+    /// Query rows per strip: two AVX2 registers.
+    pub(super) const STRIP: usize = 16;
+
+    /// Scores of one strip against keys `k` (`n` rows of `d`, contiguous): `s[j * 16 + l]` =
+    /// q(l) . k(j), q read from its transposed block (`q[c * ldq + l]`); `mx` takes the lanes'
+    /// running maxima.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn scores(
+        q: *const f32,
+        ldq: usize,
+        k: *const f32,
+        d: usize,
+        n: usize,
+        s: *mut f32,
+        mx: &mut [__m256; 2],
+    ) {
+        let mut j = 0;
+        while j + 6 <= n {
+            scores_block::<6>(q, ldq, k.add(j * d), d, s.add(j * STRIP), mx);
+            j += 6;
+        }
+        while j + 2 <= n {
+            scores_block::<2>(q, ldq, k.add(j * d), d, s.add(j * STRIP), mx);
+            j += 2;
+        }
+        if j < n {
+            scores_block::<1>(q, ldq, k.add(j * d), d, s.add(j * STRIP), mx);
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn scores_block<const NK: usize>(
+        q: *const f32,
+        ldq: usize,
+        k: *const f32,
+        d: usize,
+        s: *mut f32,
+        mx: &mut [__m256; 2],
+    ) {
+        let mut lo = [_mm256_setzero_ps(); NK];
+        let mut hi = [_mm256_setzero_ps(); NK];
+        for c in 0..d {
+            let q0 = _mm256_loadu_ps(q.add(c * ldq));
+            let q1 = _mm256_loadu_ps(q.add(c * ldq + 8));
+            for j in 0..NK {
+                let b = _mm256_broadcast_ss(&*k.add(j * d + c));
+                lo[j] = _mm256_fmadd_ps(q0, b, lo[j]);
+                hi[j] = _mm256_fmadd_ps(q1, b, hi[j]);
+            }
+        }
+        for j in 0..NK {
+            _mm256_storeu_ps(s.add(j * STRIP), lo[j]);
+            _mm256_storeu_ps(s.add(j * STRIP + 8), hi[j]);
+            mx[0] = _mm256_max_ps(mx[0], lo[j]);
+            mx[1] = _mm256_max_ps(mx[1], hi[j]);
+        }
+    }
+
+    /// `kernels::exp2_nonpositive` on eight lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp2(x: __m256) -> __m256 {
+        let magic = _mm256_set1_ps(12_582_912.0);
+        let floor = _mm256_set1_ps(-126.0);
+        let x = _mm256_blendv_ps(x, floor, _mm256_cmp_ps::<_CMP_LT_OQ>(x, floor));
+        let t = _mm256_add_ps(x, magic);
+        let n = _mm256_sub_ps(t, magic);
+        let r = _mm256_sub_ps(x, n);
+        let mut p = _mm256_set1_ps(1.327_735_7e-3);
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.671_589e-3));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.550_689_6e-2));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.402_224_1e-1));
+        #[allow(clippy::approx_constant)]
+        let c1 = _mm256_set1_ps(6.931_47e-1);
+        p = _mm256_fmadd_ps(p, r, c1);
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0));
+        let bits = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
+        let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(bits, _mm256_set1_epi32(127)));
+        _mm256_mul_ps(p, _mm256_castsi256_ps(bits))
+    }
+
+    /// The online softmax step of one strip: scores `s` (`n` keys x 16, base 2) become
+    /// `2^(s - max)` with `max` the new running max (`mx`: this tile's, `max`: the strip's so
+    /// far); the strip's sums and transposed output (`o`: `d` x 16) are rescaled by
+    /// `2^(old - new)` and the tile's probabilities added to the sums.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn softmax(
+        s: *mut f32,
+        n: usize,
+        mx: [__m256; 2],
+        max: *mut f32,
+        sum: *mut f32,
+        o: *mut f32,
+        d: usize,
+    ) {
+        for (h, &tile_max) in mx.iter().enumerate() {
+            let old = _mm256_loadu_ps(max.add(8 * h));
+            let new = _mm256_max_ps(old, tile_max);
+            let mut acc = [_mm256_setzero_ps(); 2];
+            for j in 0..n {
+                let p = s.add(j * STRIP + 8 * h);
+                let e = exp2(_mm256_sub_ps(_mm256_loadu_ps(p), new));
+                _mm256_storeu_ps(p, e);
+                acc[j % 2] = _mm256_add_ps(acc[j % 2], e);
+            }
+            // The first tile: old is -inf and its factor 2^-126 multiplies zeros.
+            let r = exp2(_mm256_sub_ps(old, new));
+            let total = _mm256_fmadd_ps(_mm256_loadu_ps(sum.add(8 * h)), r, _mm256_add_ps(acc[0], acc[1]));
+            _mm256_storeu_ps(sum.add(8 * h), total);
+            _mm256_storeu_ps(max.add(8 * h), new);
+            for c in 0..d {
+                let y = o.add(c * STRIP + 8 * h);
+                _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_loadu_ps(y), r));
+            }
+        }
+    }
+
+    /// `o[c * 16 + l] += sum_j p[j * 16 + l] v[j * d + c]` for the strip's `d` x 16 transposed
+    /// output, over `n` value rows `vstride` apart; `d` even.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn values(p: *const f32, n: usize, v: *const f32, vstride: usize, d: usize, o: *mut f32) {
+        let mut c = 0;
+        while c + 6 <= d {
+            values_block::<6>(p, n, v.add(c), vstride, o.add(c * STRIP));
+            c += 6;
+        }
+        while c + 2 <= d {
+            values_block::<2>(p, n, v.add(c), vstride, o.add(c * STRIP));
+            c += 2;
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn values_block<const NC: usize>(p: *const f32, n: usize, v: *const f32, vstride: usize, o: *mut f32) {
+        let mut lo = [_mm256_setzero_ps(); NC];
+        let mut hi = [_mm256_setzero_ps(); NC];
+        for c in 0..NC {
+            lo[c] = _mm256_loadu_ps(o.add(c * STRIP));
+            hi[c] = _mm256_loadu_ps(o.add(c * STRIP + 8));
+        }
+        for j in 0..n {
+            let p0 = _mm256_loadu_ps(p.add(j * STRIP));
+            let p1 = _mm256_loadu_ps(p.add(j * STRIP + 8));
+            for c in 0..NC {
+                let b = _mm256_broadcast_ss(&*v.add(j * vstride + c));
+                lo[c] = _mm256_fmadd_ps(p0, b, lo[c]);
+                hi[c] = _mm256_fmadd_ps(p1, b, hi[c]);
+            }
+        }
+        for c in 0..NC {
+            _mm256_storeu_ps(o.add(c * STRIP), lo[c]);
+            _mm256_storeu_ps(o.add(c * STRIP + 8), hi[c]);
+        }
+    }
+
+    /// Running maxima that every score raises.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn lowest() -> [__m256; 2] {
+        [_mm256_set1_ps(f32::NEG_INFINITY); 2]
     }
 }
 
@@ -748,13 +1054,20 @@ mod tests {
         let ang = crate::testing::randn(8, 3.0, (seq, d / 2)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let (cos, sin): (Vec<f32>, Vec<f32>) = ang.iter().map(|a| (a.cos(), a.sin())).unzip();
         let want = naive(&qkv, &cos, &sin, &cu, heads, d);
-        for (query_tile, key_tile) in [(QUERY_TILE, KEY_TILE), (7, 13), (1, 1), (64, 5)] {
-            let shape = SegmentAttentionShape { seq, heads, head_dim: d, query_tile, key_tile };
-            let mut out = vec![f32::NAN; seq * heads * d];
-            segment_attention(&qkv, &cos, &sin, &cu, shape, &mut out);
-            assert!(out.iter().all(|v| v.is_finite()), "tiles {query_tile}x{key_tile}: a row was not written");
-            let worst = out.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
-            assert!(worst < 2e-5, "tiles {query_tile}x{key_tile}: worst {worst:e}");
+        // Every kernel this CPU runs (CI also runs these tests under qemu as an AVX2-only and a
+        // baseline x86_64 CPU), with tiles that leave ragged strips and odd key counts.
+        let kernels: Vec<TileKernel> =
+            [TileKernel::Gemm, TileKernel::Avx2Strips].into_iter().filter(|k| k.available()).collect();
+        for kernel in kernels {
+            for (query_tile, key_tile) in [(QUERY_TILE, KEY_TILE), (7, 13), (1, 1), (64, 5), (48, 37)] {
+                let shape = SegmentAttentionShape { seq, heads, head_dim: d, query_tile, key_tile };
+                let mut out = vec![f32::NAN; seq * heads * d];
+                segment_attention_with(kernel, &qkv, &cos, &sin, &cu, shape, &mut out);
+                let what = format!("{kernel:?}, tiles {query_tile}x{key_tile}");
+                assert!(out.iter().all(|v| v.is_finite()), "{what}: a row was not written");
+                let worst = out.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
+                assert!(worst < 2e-5, "{what}: worst {worst:e}");
+            }
         }
     }
 
