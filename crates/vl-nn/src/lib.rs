@@ -8,6 +8,7 @@ pub mod kernels;
 pub mod kv_cache;
 pub mod linear;
 pub mod merger;
+pub mod panels;
 pub mod quant;
 pub mod rope;
 #[cfg(test)]

@@ -223,29 +223,77 @@ pub fn cast_linear(l: &Linear, dtype: DType) -> Result<Linear> {
     Ok(Linear::new(l.weight().to_dtype(dtype)?, l.bias().map(|b| b.to_dtype(dtype)).transpose()?))
 }
 
-/// A dense layer `y = x W^T + b` kept as `W^T` ([in, out], contiguous; transposed once at load)
-/// so that a CPU f32 forward is one `gemm` call with the bias rows as its starting value: no
-/// separate broadcast add over the output (which cost candle a third of a vision linear's time).
-/// Other devices and dtypes run candle's matmul and add.
+/// A dense layer `y = x W^T + b` whose CPU f32 forward needs no separate bias pass (candle's
+/// broadcast add cost a third of a vision linear's time) and no per-call copy of the weights.
+/// The weights are kept in one of two layouts, chosen at load:
+/// - `W^T` ([in, out], contiguous; transposed once at load): one `gemm` call per output tile
+///   starting from the bias rows (other devices and dtypes run candle's matmul and add);
+/// - on CPUs whose widest vectors are AVX2 (`panels::preferred`), 16-column panels
+///   (`vl_nn::panels`), read by an AVX2 micro-kernel that packs nothing per call.
 #[derive(Debug, Clone)]
 pub struct Dense {
-    w_t: Tensor,
+    /// `W^T` [in, out], or the panels [ceil(out / 16), in, 16].
+    w: Tensor,
+    panels: bool,
     bias: Option<Tensor>,
+    /// (in, out) features.
+    dims: (usize, usize),
 }
 
 impl Dense {
+    /// The layout this CPU runs fastest (panels on AVX2-only x86_64 for weights in memory).
     pub fn from_linear(l: &Linear) -> Result<Self> {
-        Ok(Self { w_t: crate::kernels::transpose(l.weight())?, bias: l.bias().cloned() })
+        let panels = l.weight().device().is_cpu() && crate::panels::preferred();
+        Self::from_linear_as(l, panels)
+    }
+
+    /// With the weights in 16-column panels (`panels`, CPU tensors of a float dtype only) or as
+    /// `W^T`. The panels need `panels::available()` to run fast; elsewhere they are unpacked
+    /// for every call.
+    pub fn from_linear_as(l: &Linear, panels: bool) -> Result<Self> {
+        let (n, k) = l.weight().dims2()?;
+        let w = if panels { pack_panels(l.weight())? } else { None };
+        let panels = w.is_some();
+        let w = match w {
+            Some(w) => w,
+            None => crate::kernels::transpose(l.weight())?,
+        };
+        Ok(Self { w, panels, bias: l.bias().cloned(), dims: (k, n) })
+    }
+
+    /// Whether the weights are in panels.
+    pub fn is_panels(&self) -> bool {
+        self.panels
     }
 
     /// The same layer with its parameters in `dtype` (layout kept).
     pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
-        Ok(Self { w_t: self.w_t.to_dtype(dtype)?, bias: self.bias.as_ref().map(|b| b.to_dtype(dtype)).transpose()? })
+        Ok(Self {
+            w: self.w.to_dtype(dtype)?,
+            bias: self.bias.as_ref().map(|b| b.to_dtype(dtype)).transpose()?,
+            ..self.clone()
+        })
     }
 
     /// (in, out) features.
     pub fn dims(&self) -> Result<(usize, usize)> {
-        Ok(self.w_t.dims2()?)
+        Ok(self.dims)
+    }
+
+    /// `W^T` [in, out] (a copy when the weights are in panels).
+    fn w_t(&self) -> Result<Tensor> {
+        if !self.panels {
+            return Ok(self.w.clone());
+        }
+        let (k, n) = self.dims;
+        let p = n.div_ceil(crate::panels::WIDTH);
+        Ok(self
+            .w
+            .permute((1, 0, 2))?
+            .contiguous()?
+            .reshape((k, p * crate::panels::WIDTH))?
+            .narrow(1, 0, n)?
+            .contiguous()?)
     }
 
     /// `x`: [..., in] -> [..., out].
@@ -253,7 +301,8 @@ impl Dense {
         if let Some(y) = self.forward_cpu_f32(x)? {
             return Ok(y);
         }
-        let y = if x.rank() == 2 { x.matmul(&self.w_t)? } else { x.broadcast_matmul(&self.w_t)? };
+        let w_t = self.w_t()?;
+        let y = if x.rank() == 2 { x.matmul(&w_t)? } else { x.broadcast_matmul(&w_t)? };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -261,14 +310,14 @@ impl Dense {
     }
 
     fn forward_cpu_f32(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        let all_f32 = [Some(x), Some(&self.w_t), self.bias.as_ref()]
+        let all_f32 = [Some(x), Some(&self.w), self.bias.as_ref()]
             .iter()
             .flatten()
             .all(|t| t.device().is_cpu() && t.dtype() == DType::F32);
-        if !all_f32 || x.rank() == 0 {
+        if !all_f32 || x.rank() == 0 || (self.panels && !crate::panels::available()) {
             return Ok(None);
         }
-        let (k, n) = self.w_t.dims2()?;
+        let (k, n) = self.dims;
         let dims = x.dims().to_vec();
         if dims[dims.len() - 1] != k {
             return Err(Error::Shape { layer: "Dense", message: format!("input {dims:?} for {k} input features") });
@@ -280,7 +329,7 @@ impl Dense {
             return Ok(Some(Tensor::zeros(shape, DType::F32, x.device())?));
         }
         let x = x.contiguous()?;
-        let w = self.w_t.contiguous()?;
+        let w = self.w.contiguous()?;
         let bias = self.bias.as_ref().map(|b| b.contiguous()).transpose()?;
         let (xs, xl) = x.storage_and_layout();
         let (ws, wl) = w.storage_and_layout();
@@ -288,7 +337,8 @@ impl Dense {
             return Ok(None);
         };
         let xs = &xs[xl.start_offset()..xl.start_offset() + m * k];
-        let ws = &ws[wl.start_offset()..wl.start_offset() + k * n];
+        let w_len = if self.panels { n.div_ceil(crate::panels::WIDTH) * k * crate::panels::WIDTH } else { k * n };
+        let ws = &ws[wl.start_offset()..wl.start_offset() + w_len];
         let bias_row = match &bias {
             Some(b) => {
                 let (bs, bl) = b.storage_and_layout();
@@ -315,6 +365,14 @@ impl Dense {
             for item in items {
                 let (r0, c0) = ((item / col_tiles) * rb, (item % col_tiles) * cb);
                 let (r1, c1) = ((r0 + rb).min(m), (c0 + cb).min(n));
+                if self.panels {
+                    // SAFETY: as below; `forward_cpu_f32` checked `panels::available()`.
+                    #[cfg(target_arch = "x86_64")]
+                    unsafe {
+                        crate::panels::tile(xs, k, ws, n, bias_row.as_deref(), out_ptr.get(), (r0, r1), (c0, c1))
+                    };
+                    continue;
+                }
                 // SAFETY: this item owns rows r0..r1, columns c0..c1 of the output; `out` has room
                 // for m rows of n (its elements are written here before `set_len` below).
                 unsafe {
@@ -348,11 +406,38 @@ impl Dense {
                 }
             }
         });
-        // SAFETY: every tile was written above (bias copy or gemm with
-        // read_dst false, which writes its whole destination).
+        // SAFETY: every tile was written above (the panels' blocks, a bias copy then gemm, or
+        // gemm with read_dst false, which writes its whole destination).
         unsafe { out.set_len(m * n) };
         Ok(Some(Tensor::from_vec(out, shape, x.device())?))
     }
+}
+
+/// A linear layer's weight [out, in] packed in `panels` layout (None: not a CPU float tensor).
+fn pack_panels(w: &Tensor) -> Result<Option<Tensor>> {
+    if !w.device().is_cpu() {
+        return Ok(None);
+    }
+    let w = w.contiguous()?;
+    let (n, k) = w.dims2()?;
+    let p = n.div_ceil(crate::panels::WIDTH);
+    let (storage, layout) = w.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return Ok(None);
+    };
+    let o = layout.start_offset();
+    macro_rules! go {
+        ($ty:ty) => {{
+            let src = &cpu.as_slice::<$ty>()?[o..o + n * k];
+            Tensor::from_vec(crate::panels::pack(src, n, k), (p, k, crate::panels::WIDTH), w.device())?
+        }};
+    }
+    Ok(Some(match w.dtype() {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        _ => return Ok(None),
+    }))
 }
 
 /// `Dense`'s output tile for `m` rows, `n` columns (both > 0) on `threads` threads: (rows,
@@ -585,10 +670,21 @@ mod tests {
         let w = crate::testing::randn(111, 0.1, (n, k)).unwrap();
         let b = crate::testing::randn(112, 1.0, n).unwrap();
         let (wv, bv) = (w.to_vec2::<f32>().unwrap(), b.to_vec1::<f32>().unwrap());
-        for (rows, bias) in [(37, true), (37, false), (2100, true)] {
+        // Both weight layouts (the panels unpacked per call where the CPU lacks AVX2), the last
+        // panel ragged (300 = 18 x 16 + 12), 37 rows = 6 blocks of 6 and one row.
+        for (rows, bias, panels) in [
+            (37, true, false),
+            (37, false, false),
+            (2100, true, false),
+            (37, true, true),
+            (37, false, true),
+            (2100, true, true),
+        ] {
             let x = crate::testing::randn(113, 1.0, (rows, k)).unwrap();
             let xv = x.to_vec2::<f32>().unwrap();
-            let dense = Dense::from_linear(&Linear::new(w.clone(), bias.then(|| b.clone()))).unwrap();
+            let dense = Dense::from_linear_as(&Linear::new(w.clone(), bias.then(|| b.clone())), panels).unwrap();
+            assert_eq!(dense.is_panels(), panels);
+            assert_eq!(dense.dims().unwrap(), (k, n));
             // A 3-D input is rows of the last dimension.
             let got = dense.forward(&x.reshape((1, rows, k)).unwrap()).unwrap();
             assert_eq!(got.dims(), [1, rows, n]);
@@ -597,9 +693,27 @@ mod tests {
                 for c in 0..n {
                     let dot: f64 = (0..k).map(|i| xv[r][i] as f64 * wv[c][i] as f64).sum();
                     let want = dot + if bias { bv[c] as f64 } else { 0.0 };
-                    assert!((got[r][c] as f64 - want).abs() < 1e-4, "bias {bias}, [{r}, {c}]: {} vs {want}", got[r][c]);
+                    assert!(
+                        (got[r][c] as f64 - want).abs() < 1e-4,
+                        "bias {bias}, panels {panels}, [{r}, {c}]: {} vs {want}",
+                        got[r][c]
+                    );
                 }
             }
+        }
+        // Weights stored in bf16 and upcast per forward (the engine's resident path) keep their
+        // layout: the same rows as a layer built from the upcast weights.
+        let x = crate::testing::randn(114, 1.0, (13, k)).unwrap();
+        for panels in [false, true] {
+            let stored = Linear::new(w.to_dtype(DType::BF16).unwrap(), Some(b.to_dtype(DType::BF16).unwrap()));
+            let upcast = Dense::from_linear_as(&stored, panels).unwrap().to_dtype(DType::F32).unwrap();
+            assert_eq!(upcast.is_panels(), panels);
+            let direct = Linear::new(
+                stored.weight().to_dtype(DType::F32).unwrap(),
+                Some(stored.bias().unwrap().to_dtype(DType::F32).unwrap()),
+            );
+            let direct = Dense::from_linear_as(&direct, false).unwrap();
+            assert!(max_diff(&upcast.forward(&x).unwrap(), &direct.forward(&x).unwrap()) < 1e-5, "panels {panels}");
         }
         let dense = Dense::from_linear(&Linear::new(w, Some(b))).unwrap();
         assert_eq!(dense.forward(&Tensor::zeros((0, k), DType::F32, &Device::Cpu).unwrap()).unwrap().dims(), [0, n]);
