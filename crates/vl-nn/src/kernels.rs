@@ -560,6 +560,8 @@ struct Scratch {
     o: Vec<f32>,
     max: Vec<f32>,
     sum: Vec<f32>,
+    /// The strips' queries, each strip's `d` x 16 block contiguous (strips only).
+    q: Vec<f32>,
 }
 
 impl Scratch {
@@ -570,7 +572,8 @@ impl Scratch {
             TileKernel::Gemm => (qt, qt),
             TileKernel::Avx2Strips => (16, qt.next_multiple_of(16)),
         };
-        Self { s: vec![0.0; sq * kt], o: vec![0.0; qt * shape.head_dim], max: vec![0.0; qt], sum: vec![0.0; qt] }
+        let q = vec![0.0; if kernel == TileKernel::Avx2Strips { qt * shape.head_dim } else { 0 }];
+        Self { s: vec![0.0; sq * kt], o: vec![0.0; qt * shape.head_dim], max: vec![0.0; qt], sum: vec![0.0; qt], q }
     }
 }
 
@@ -678,6 +681,14 @@ unsafe fn attend_tile_strips(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mu
     sc.o[..n_strips * STRIP * d].fill(0.0);
     sc.max[..n_strips * STRIP].fill(f32::NEG_INFINITY);
     sc.sum[..n_strips * STRIP].fill(0.0);
+    // Each strip's queries gathered into one contiguous d x 16 block (4 KiB at d = 64: one page,
+    // where the transposed layout puts each of its d rows on a page of its own).
+    for st in 0..n_strips {
+        for c in 0..d {
+            let src = &t.q[(t.h * d + c) * t.ldq + t.q0 + st * STRIP..][..STRIP];
+            sc.q[(st * d + c) * STRIP..][..STRIP].copy_from_slice(src);
+        }
+    }
     let key_rows = balanced(t.s1 - t.s0, shape.key_tile);
     let mut kt = t.s0;
     while kt < t.s1 {
@@ -685,10 +696,10 @@ unsafe fn attend_tile_strips(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mu
         let k = t.k.as_ptr().add((t.h * seq + kt) * d);
         let v = t.vh.as_ptr().add((t.h * seq + kt) * d);
         for st in 0..n_strips {
-            let q = t.q.as_ptr().add(t.h * d * t.ldq + t.q0 + st * STRIP);
+            let q = sc.q.as_ptr().add(st * d * STRIP);
             let o = sc.o.as_mut_ptr().add(st * STRIP * d);
             let mut mx = strips::lowest();
-            strips::scores(q, t.ldq, k, d, n, sc.s.as_mut_ptr(), &mut mx);
+            strips::scores(q, STRIP, k, d, n, sc.s.as_mut_ptr(), &mut mx);
             strips::softmax(
                 sc.s.as_mut_ptr(),
                 n,
@@ -914,9 +925,12 @@ mod strips {
             values_block::<6>(p, n, v.add(c), vstride, o.add(c * STRIP));
             c += 6;
         }
-        while c + 2 <= d {
-            values_block::<2>(p, n, v.add(c), vstride, o.add(c * STRIP));
-            c += 2;
+        // d even: 0, 2 or 4 dimensions left (4 in one block: 8 accumulators cover the FMA
+        // latency, two blocks of 2 would not).
+        match d - c {
+            4 => values_block::<4>(p, n, v.add(c), vstride, o.add(c * STRIP)),
+            2 => values_block::<2>(p, n, v.add(c), vstride, o.add(c * STRIP)),
+            _ => {}
         }
     }
 
