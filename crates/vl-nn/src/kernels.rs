@@ -796,6 +796,7 @@ fn softmax_rows<const W: usize>(
 /// (6 dimensions x 16 queries of accumulators) into the strip's transposed output.
 #[cfg(target_arch = "x86_64")]
 mod strips {
+    use crate::avx2;
     use std::arch::x86_64::*;
 
     /// Query rows per strip: two AVX2 registers.
@@ -838,22 +839,13 @@ mod strips {
         s: *mut f32,
         mx: &mut [__m256; 2],
     ) {
-        let mut lo = [_mm256_setzero_ps(); NK];
-        let mut hi = [_mm256_setzero_ps(); NK];
-        for c in 0..d {
-            let q0 = _mm256_loadu_ps(q.add(c * ldq));
-            let q1 = _mm256_loadu_ps(q.add(c * ldq + 8));
-            for j in 0..NK {
-                let b = _mm256_broadcast_ss(&*k.add(j * d + c));
-                lo[j] = _mm256_fmadd_ps(q0, b, lo[j]);
-                hi[j] = _mm256_fmadd_ps(q1, b, hi[j]);
-            }
-        }
-        for j in 0..NK {
-            _mm256_storeu_ps(s.add(j * STRIP), lo[j]);
-            _mm256_storeu_ps(s.add(j * STRIP + 8), hi[j]);
-            mx[0] = _mm256_max_ps(mx[0], lo[j]);
-            mx[1] = _mm256_max_ps(mx[1], hi[j]);
+        // Over the d dimensions: the strip's 16 queries of dimension c against NK keys' c-th.
+        let mut acc = [[_mm256_setzero_ps(); 2]; NK];
+        avx2::accumulate(&mut acc, d, q, ldq, k, 1, d);
+        avx2::store(&acc, s, STRIP);
+        for [lo, hi] in acc {
+            mx[0] = _mm256_max_ps(mx[0], lo);
+            mx[1] = _mm256_max_ps(mx[1], hi);
         }
     }
 
@@ -937,25 +929,10 @@ mod strips {
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn values_block<const NC: usize>(p: *const f32, n: usize, v: *const f32, vstride: usize, o: *mut f32) {
-        let mut lo = [_mm256_setzero_ps(); NC];
-        let mut hi = [_mm256_setzero_ps(); NC];
-        for c in 0..NC {
-            lo[c] = _mm256_loadu_ps(o.add(c * STRIP));
-            hi[c] = _mm256_loadu_ps(o.add(c * STRIP + 8));
-        }
-        for j in 0..n {
-            let p0 = _mm256_loadu_ps(p.add(j * STRIP));
-            let p1 = _mm256_loadu_ps(p.add(j * STRIP + 8));
-            for c in 0..NC {
-                let b = _mm256_broadcast_ss(&*v.add(j * vstride + c));
-                lo[c] = _mm256_fmadd_ps(p0, b, lo[c]);
-                hi[c] = _mm256_fmadd_ps(p1, b, hi[c]);
-            }
-        }
-        for c in 0..NC {
-            _mm256_storeu_ps(o.add(c * STRIP), lo[c]);
-            _mm256_storeu_ps(o.add(c * STRIP + 8), hi[c]);
-        }
+        // Over the n keys: the strip's 16 probabilities of key j against its NC values.
+        let mut acc = avx2::load::<NC>(o, STRIP);
+        avx2::accumulate(&mut acc, n, p, STRIP, v, vstride, 1);
+        avx2::store(&acc, o, STRIP);
     }
 
     /// Running maxima that every score raises.

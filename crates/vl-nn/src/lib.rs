@@ -2,6 +2,8 @@
 //! later models) are composed from these pieces in `vl-models`.
 
 pub mod attention;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
 pub mod error;
 pub mod grid;
 pub mod kernels;

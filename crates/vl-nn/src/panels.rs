@@ -11,11 +11,13 @@
 /// Output columns per panel: two AVX2 registers of f32.
 pub const WIDTH: usize = 16;
 
+#[cfg(target_arch = "x86_64")]
 /// Rows of activations that each panel of a tile is swept over before the next panel (48 rows
 /// of 1024 features: 192 KiB, in a 512 KiB L2). On the Zen 3, 784 x 1024 by 1024 x 4096: 48 or
 /// 96 rows 192 GFLOP/s, all 784 rows at once 187.
 const ROW_BLOCK: usize = 48;
 
+#[cfg(target_arch = "x86_64")]
 /// Input features per pass (the accumulators restart from the partial sums in `y` after each):
 /// a panel's slice of `K_BLOCK` x 64 B stays in L2. 4096 covers every vision layer in one pass;
 /// on the Zen 3, 256- and 512-feature passes ran at 180-187 GFLOP/s against 192.
@@ -131,6 +133,7 @@ pub unsafe fn tile(
     }
 }
 
+#[cfg(target_arch = "x86_64")]
 /// What a block's accumulators start from: the bias (or zero) on the first pass over the
 /// input features, the block's partial sums in `c` after that.
 #[derive(Clone, Copy)]
@@ -154,36 +157,19 @@ unsafe fn block<const R: usize>(
     ldc: usize,
     s: Start,
 ) {
-    use std::arch::x86_64::*;
-    let mut lo = [_mm256_setzero_ps(); R];
-    let mut hi = [_mm256_setzero_ps(); R];
-    if s.first {
-        if let Some(b) = s.bias {
-            let mut row = [0f32; WIDTH];
-            std::ptr::copy_nonoverlapping(b, row.as_mut_ptr(), s.cols);
-            let (b0, b1) = (_mm256_loadu_ps(row.as_ptr()), _mm256_loadu_ps(row.as_ptr().add(8)));
-            lo = [b0; R];
-            hi = [b1; R];
-        }
+    use crate::avx2;
+    let mut acc = if !s.first {
+        avx2::load::<R>(c, ldc)
     } else {
-        for r in 0..R {
-            lo[r] = _mm256_loadu_ps(c.add(r * ldc));
-            hi[r] = _mm256_loadu_ps(c.add(r * ldc + 8));
+        let mut row = [0f32; WIDTH];
+        if let Some(b) = s.bias {
+            std::ptr::copy_nonoverlapping(b, row.as_mut_ptr(), s.cols);
         }
-    }
-    for i in 0..kc {
-        let w0 = _mm256_loadu_ps(w.add(i * WIDTH));
-        let w1 = _mm256_loadu_ps(w.add(i * WIDTH + 8));
-        for r in 0..R {
-            let a = _mm256_broadcast_ss(&*x.add(r * ldx + i));
-            lo[r] = _mm256_fmadd_ps(a, w0, lo[r]);
-            hi[r] = _mm256_fmadd_ps(a, w1, hi[r]);
-        }
-    }
-    for r in 0..R {
-        _mm256_storeu_ps(c.add(r * ldc), lo[r]);
-        _mm256_storeu_ps(c.add(r * ldc + 8), hi[r]);
-    }
+        [avx2::load::<1>(row.as_ptr(), 0)[0]; R]
+    };
+    // Over the input features: a weight row of the panel against the R rows' i-th activations.
+    avx2::accumulate(&mut acc, kc, w, WIDTH, x, 1, ldx);
+    avx2::store(&acc, c, ldc);
 }
 
 #[cfg(test)]
