@@ -2,7 +2,7 @@
 //! `cargo run --release -p vl-models --example attention_time [SEQ] [HEADS] [HEAD_DIM] [RUNS]`.
 //! Random rows (seeded), one segment, candle's pool (RAYON_NUM_THREADS); prints the best run and
 //! its rate counting the two products (4 x seq^2 x head_dim x heads flops). `VL_QUERY_TILE` and
-//! `VL_KEY_TILE` override the tile sizes; `VL_TILE_KERNEL=gemm|strips` the tile kernel (default:
+//! `VL_KEY_TILE` override the tile sizes; `VL_TILE_KERNEL=gemm|strips|strips512` the tile kernel (default:
 //! `TileKernel::best()`).
 use vl_nn::kernels::{segment_attention_with, SegmentAttentionShape, TileKernel, KEY_TILE, QUERY_TILE};
 
@@ -26,7 +26,8 @@ fn main() {
     let kernel = match std::env::var("VL_TILE_KERNEL").as_deref() {
         Ok("gemm") => TileKernel::Gemm,
         Ok("strips") => TileKernel::Avx2Strips,
-        Ok(other) => panic!("VL_TILE_KERNEL={other}: gemm or strips"),
+        Ok("strips512") => TileKernel::Avx512Strips,
+        Ok(other) => panic!("VL_TILE_KERNEL={other}: gemm, strips or strips512"),
         Err(_) => TileKernel::best(),
     };
     let mut out = vec![0f32; seq * heads * d];

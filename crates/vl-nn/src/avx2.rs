@@ -1,10 +1,17 @@
 //! The one AVX2 inner loop that the panel linears (`panels`) and the attention strips
-//! (`kernels`) share: `N` scalars broadcast against a 16-float row, accumulated over a loop.
+//! (`kernels`) share: `N` scalars broadcast against a 16-float row, accumulated over a loop; and
+//! the lane-wise operations of the strips' softmax, named as in `avx512` so one strip template
+//! (`kernels::strip_kernel!`) compiles for both.
 
 use std::arch::x86_64::*;
 
+/// One vector: 8 lanes of f32.
+pub(crate) type V = __m256;
+/// f32 lanes per vector.
+pub(crate) const LANES: usize = 8;
+
 /// `N` pairs of 8-lane accumulators: `N` rows of 16 floats.
-pub(crate) type Acc<const N: usize> = [[__m256; 2]; N];
+pub(crate) type Acc<const N: usize> = [[V; 2]; N];
 
 /// `acc[j] += b[i * b_step + j * b_stride] * a[i * a_step..][..16]` for `i` in `0..len`: each
 /// step loads one 16-float row of `a` as two vectors and broadcasts `N` scalars of `b`, `2N`
@@ -60,4 +67,69 @@ pub(crate) unsafe fn store<const N: usize>(acc: &Acc<N>, p: *mut f32, stride: us
         _mm256_storeu_ps(p.add(j * stride), *lo);
         _mm256_storeu_ps(p.add(j * stride + 8), *hi);
     }
+}
+
+/// Lane-wise operations (AVX2; the pointers as for `load` and `store`).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn splat(x: f32) -> V {
+    _mm256_set1_ps(x)
+}
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn ld(p: *const f32) -> V {
+    _mm256_loadu_ps(p)
+}
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn st(p: *mut f32, v: V) {
+    _mm256_storeu_ps(p, v)
+}
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn add(a: V, b: V) -> V {
+    _mm256_add_ps(a, b)
+}
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn sub(a: V, b: V) -> V {
+    _mm256_sub_ps(a, b)
+}
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn mul(a: V, b: V) -> V {
+    _mm256_mul_ps(a, b)
+}
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn max(a: V, b: V) -> V {
+    _mm256_max_ps(a, b)
+}
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn fmadd(a: V, b: V, c: V) -> V {
+    _mm256_fmadd_ps(a, b, c)
+}
+
+/// `kernels::exp2_nonpositive` on eight lanes (the same clamp, rounding and polynomial).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn exp2(x: V) -> V {
+    let magic = _mm256_set1_ps(12_582_912.0);
+    let floor = _mm256_set1_ps(-126.0);
+    let x = _mm256_blendv_ps(x, floor, _mm256_cmp_ps::<_CMP_LT_OQ>(x, floor));
+    let t = _mm256_add_ps(x, magic);
+    let n = _mm256_sub_ps(t, magic);
+    let r = _mm256_sub_ps(x, n);
+    let mut p = _mm256_set1_ps(1.327_735_7e-3);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.671_589e-3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.550_689_6e-2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.402_224_1e-1));
+    #[allow(clippy::approx_constant)]
+    let c1 = _mm256_set1_ps(6.931_47e-1);
+    p = _mm256_fmadd_ps(p, r, c1);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0));
+    let bits = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
+    let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(bits, _mm256_set1_epi32(127)));
+    _mm256_mul_ps(p, _mm256_castsi256_ps(bits))
 }

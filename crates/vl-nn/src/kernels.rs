@@ -8,7 +8,9 @@
 //! `-C target-cpu`. The attention tiles' products go to the `gemm` crate (what candle's own
 //! matmul calls), single-threaded per tile, except on CPUs whose widest vectors are AVX2, where
 //! register-blocked strips of 16 query rows (`std::arch` intrinsics, checked at run time) read
-//! the operands in place and skip `gemm`'s per-tile packing; tiles run on candle's worker pool.
+//! the operands in place and skip `gemm`'s per-tile packing (the same template builds 48-row
+//! AVX-512 strips, `TileKernel::Avx512Strips`, measured even with `gemm` there and so not its
+//! default); tiles run on candle's worker pool.
 
 use candle_core::{DType, Tensor};
 use multiversion::multiversion;
@@ -338,20 +340,36 @@ pub enum TileKernel {
     /// Strips of 16 query rows in AVX2 registers over operands laid out once per call, nothing
     /// packed per tile (x86_64 with AVX2 and FMA).
     Avx2Strips,
+    /// The same strips 48 query rows wide in three AVX-512 registers (x86_64 with AVX-512F).
+    Avx512Strips,
 }
 
 impl TileKernel {
     /// The faster kernel this CPU can run: the AVX2 strips where AVX2 and FMA are the widest
     /// vectors (a 2B block's attention on a Zen 3, 2 threads: 4096 rows 476 ms against gemm's
-    /// 507, 784 rows 17.4 against 19.0; docs/performance.md), `gemm` elsewhere (its AVX-512
-    /// kernels are twice as wide, and the strips were not measured there; NEON and the baseline
-    /// have no strips).
+    /// 507, 784 rows 17.4 against 19.0; docs/performance.md), `gemm` elsewhere: with AVX-512
+    /// the 48-row strips ran even with it at 4096 rows and 2-6% behind at 784 (a 2-core Xeon,
+    /// 2026-12-01), so they are there to be chosen (`segment_attention_with`), not the default;
+    /// NEON and the baseline have no strips.
     pub fn best() -> Self {
         #[cfg(target_arch = "x86_64")]
-        if TileKernel::Avx2Strips.available() && !std::arch::is_x86_feature_detected!("avx512f") {
+        if TileKernel::Avx2Strips.available() && !TileKernel::Avx512Strips.available() {
             return TileKernel::Avx2Strips;
         }
         TileKernel::Gemm
+    }
+
+    /// Query rows per strip (the strips' tiles are whole strips where the tile allows; `gemm`
+    /// tiles whole 16-row vectors).
+    fn strip(self) -> usize {
+        match self {
+            TileKernel::Avx512Strips => 48,
+            _ => 16,
+        }
+    }
+
+    fn is_strips(self) -> bool {
+        self != TileKernel::Gemm
     }
 
     /// Whether this CPU can run the kernel.
@@ -362,8 +380,10 @@ impl TileKernel {
             TileKernel::Avx2Strips => {
                 std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
             }
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::Avx512Strips => std::arch::is_x86_feature_detected!("avx512f"),
             #[cfg(not(target_arch = "x86_64"))]
-            TileKernel::Avx2Strips => false,
+            TileKernel::Avx2Strips | TileKernel::Avx512Strips => false,
         }
     }
 }
@@ -405,25 +425,25 @@ pub fn segment_attention_with(
     // [heads, seq, d]; q transposed per head, [heads, d, ldq]: a query tile is then
     // column-major, which `gemm` packs by plain copies instead of a transposing gather and the
     // strips load as vectors, and the padding keeps its columns off one cache set (the strips
-    // read up to 15 columns past a tile's last row: the padding covers the last tile).
+    // read up to 47 columns past a tile's last row: the padding covers the last tile).
     let scale = std::f32::consts::LOG2_E / (d as f32).sqrt();
-    let ldq = seq.next_multiple_of(16) + 16;
+    let ldq = seq.next_multiple_of(16) + 48;
     let mut q = vec![0f32; heads * d * ldq];
     let mut k = vec![0f32; heads * seq * d];
     // The strips read v head-major too ([heads, seq, d]: a key tile's rows contiguous); `gemm`
     // packs them from the projection's output in place.
-    let mut v = vec![0f32; if kernel == TileKernel::Avx2Strips { heads * seq * d } else { 0 }];
+    let mut v = vec![0f32; if kernel.is_strips() { heads * seq * d } else { 0 }];
     rotate(qkv, cos, sin, shape, scale, ldq, &mut q, &mut k, (!v.is_empty()).then_some(&mut v[..]));
 
     // Work items: (tile, head), longest segments first so the pool's tail stays short.
     let mut tiles: Vec<(usize, usize, usize, usize)> = Vec::new();
     for w in cu.windows(2) {
         let (s0, s1) = (w[0], w[1]);
-        // Near-equal tiles of at most `query_tile` rows, in whole vectors where the tile allows
-        // (784 rows: 3 x 208 + 160, not 3 x 256 + 16, nor 4 x 196 whose 4 spare rows per
-        // tile would take the softmax's scalar path and gemm's repacking).
-        let rows = balanced(s1 - s0, shape.query_tile);
-        let rows = if rows > 16 { rows.next_multiple_of(16).min(shape.query_tile.max(1)) } else { rows };
+        // Near-equal tiles of at most `query_tile` rows, in whole 16-row vectors or strips
+        // (784 rows in 16-row vectors: 3 x 208 + 160, not 3 x 256 + 16, nor 4 x 196 whose 4
+        // spare rows per tile would take the softmax's scalar path and gemm's repacking; in
+        // 48-row strips: 2 x 288 + 208, 17 strips, the fewest 784 rows take).
+        let rows = tile_rows(s1 - s0, shape.query_tile, kernel.strip());
         let mut q0 = s0;
         while q0 < s1 {
             let r = rows.min(s1 - q0);
@@ -446,9 +466,12 @@ pub fn segment_attention_with(
                 TileKernel::Gemm => unsafe { attend_tile(&tile, shape, scratch, out_ptr) },
                 // SAFETY: as above, and `available()` checked AVX2 and FMA.
                 #[cfg(target_arch = "x86_64")]
-                TileKernel::Avx2Strips => unsafe { attend_tile_strips(&tile, shape, scratch, out_ptr) },
+                TileKernel::Avx2Strips => unsafe { strips::attend_tile(&tile, shape, scratch, out_ptr) },
+                // SAFETY: as above, and `available()` checked AVX-512F.
+                #[cfg(target_arch = "x86_64")]
+                TileKernel::Avx512Strips => unsafe { strips512::attend_tile(&tile, shape, scratch, out_ptr) },
                 #[cfg(not(target_arch = "x86_64"))]
-                TileKernel::Avx2Strips => unreachable!("not available off x86_64"),
+                TileKernel::Avx2Strips | TileKernel::Avx512Strips => unreachable!("not available off x86_64"),
             }
         },
     );
@@ -474,6 +497,19 @@ fn for_each_item<S>(n: usize, init: impl Fn() -> S + Sync, f: impl Fn(usize, &mu
             f(item, state.get_or_insert_with(&init));
         }
     });
+}
+
+/// Query rows per tile for a segment of `len` rows: whole strips of `strip` rows, at most `max`
+/// rows (or one strip) per tile, the fewest tiles, near-equal; a segment no longer than a strip
+/// or a tile smaller than one is taken as it is.
+fn tile_rows(len: usize, max: usize, strip: usize) -> usize {
+    let max = max.max(1);
+    if len <= strip || max < strip {
+        return balanced(len, max);
+    }
+    let strips = len.div_ceil(strip);
+    let per_tile = max / strip;
+    strips.div_ceil(strips.div_ceil(per_tile)) * strip
 }
 
 /// The tile size that splits `len` rows into the fewest tiles of at most `max` rows, evenly.
@@ -568,11 +604,9 @@ impl Scratch {
     fn new(shape: SegmentAttentionShape, kernel: TileKernel) -> Self {
         let (qt, kt) = (shape.query_tile.max(1), shape.key_tile.max(1));
         // The strips keep one strip's scores, and a tile's rows rounded up to whole strips.
-        let (sq, qt) = match kernel {
-            TileKernel::Gemm => (qt, qt),
-            TileKernel::Avx2Strips => (16, qt.next_multiple_of(16)),
-        };
-        let q = vec![0.0; if kernel == TileKernel::Avx2Strips { qt * shape.head_dim } else { 0 }];
+        let (sq, qt) =
+            if kernel.is_strips() { (kernel.strip(), qt.next_multiple_of(kernel.strip())) } else { (qt, qt) };
+        let q = vec![0.0; if kernel.is_strips() { qt * shape.head_dim } else { 0 }];
         Self { s: vec![0.0; sq * kt], o: vec![0.0; qt * shape.head_dim], max: vec![0.0; qt], sum: vec![0.0; qt], q }
     }
 }
@@ -666,65 +700,6 @@ unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scrat
     }
 }
 
-/// `attend_tile` on the AVX2 strips: for each key tile, each strip of 16 query rows gets its
-/// scores, its online-softmax step and its `P V` in turn, its output kept transposed (`d` x 16)
-/// until the end. The last strip of a tile reads past the tile's rows (other queries or the
-/// padding of `q`); those lanes are computed and dropped.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn attend_tile_strips(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scratch, out: SendPtr<f32>) {
-    use strips::STRIP;
-    let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
-    let hidden = heads * d;
-    let n_strips = t.rows.div_ceil(STRIP);
-    debug_assert!(t.q0 + n_strips * STRIP <= t.ldq);
-    sc.o[..n_strips * STRIP * d].fill(0.0);
-    sc.max[..n_strips * STRIP].fill(f32::NEG_INFINITY);
-    sc.sum[..n_strips * STRIP].fill(0.0);
-    // Each strip's queries gathered into one contiguous d x 16 block (4 KiB at d = 64: one page,
-    // where the transposed layout puts each of its d rows on a page of its own).
-    for st in 0..n_strips {
-        for c in 0..d {
-            let src = &t.q[(t.h * d + c) * t.ldq + t.q0 + st * STRIP..][..STRIP];
-            sc.q[(st * d + c) * STRIP..][..STRIP].copy_from_slice(src);
-        }
-    }
-    let key_rows = balanced(t.s1 - t.s0, shape.key_tile);
-    let mut kt = t.s0;
-    while kt < t.s1 {
-        let n = key_rows.min(t.s1 - kt);
-        let k = t.k.as_ptr().add((t.h * seq + kt) * d);
-        let v = t.vh.as_ptr().add((t.h * seq + kt) * d);
-        for st in 0..n_strips {
-            let q = sc.q.as_ptr().add(st * d * STRIP);
-            let o = sc.o.as_mut_ptr().add(st * STRIP * d);
-            let mut mx = strips::lowest();
-            strips::scores(q, STRIP, k, d, n, sc.s.as_mut_ptr(), &mut mx);
-            strips::softmax(
-                sc.s.as_mut_ptr(),
-                n,
-                mx,
-                sc.max.as_mut_ptr().add(st * STRIP),
-                sc.sum.as_mut_ptr().add(st * STRIP),
-                o,
-                d,
-            );
-            strips::values(sc.s.as_ptr(), n, v, d, d, o);
-        }
-        kt += n;
-    }
-    for i in 0..t.rows {
-        let (st, l) = (i / STRIP, i % STRIP);
-        let inv = 1.0 / sc.sum[i];
-        let o = &sc.o[st * STRIP * d..];
-        // SAFETY (caller): this item owns rows q0..q0+rows, columns h*d..h*d+d of `out`.
-        let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add((t.q0 + i) * hidden + t.h * d), d) };
-        for (c, y) in dst.iter_mut().enumerate() {
-            *y = o[c * STRIP + l] * inv;
-        }
-    }
-}
-
 /// For each query row of the column-major score tile `s` ([n][m], scores in base 2): raise the
 /// running max, turn the scores into `2^(s - max)` in place, rescale the row's sum and output
 /// accumulator by `2^(old - new)`. Rows go in blocks across the vector lanes (64 at a time: four AVX-512 or
@@ -789,158 +764,213 @@ fn softmax_rows<const W: usize>(
     }
 }
 
-/// The AVX2+FMA tile kernel: the query rows of a tile in strips of 16 across two vector
-/// registers, every operand read where the layout pass put it (q transposed per head, k and v
-/// head-major), so nothing is packed per tile. Per key tile and strip: the scores `S^T = K Q^T`
-/// (6 keys x 16 queries of accumulators), the online softmax on them, then `O^T += V^T P^T`
-/// (6 dimensions x 16 queries of accumulators) into the strip's transposed output.
+/// The strip tile kernels: the query rows of a tile in strips of two vector registers (16 rows
+/// on AVX2, 32 on AVX-512), every operand read where the layout pass put it (q transposed per
+/// head, k and v head-major), so nothing is packed per tile. Per key tile and strip: the scores
+/// `S^T = K Q^T` (`$nk` keys x one strip of accumulators), the online softmax on them, then
+/// `O^T += V^T P^T` (`$nc` dimensions x one strip) into the strip's transposed output, kept until
+/// the end of the tile. One template, compiled per instruction set from `$simd`'s operations
+/// (`avx2` or `avx512`, which share their names) under `$feature`.
 #[cfg(target_arch = "x86_64")]
-mod strips {
-    use crate::avx2;
-    use std::arch::x86_64::*;
+macro_rules! strip_kernel {
+    ($name:ident, $simd:ident, $feature:literal, $w:literal, $nk:literal, $nc:literal) => {
+        mod $name {
+            use super::{balanced, Scratch, SegmentAttentionShape, SendPtr, Tile};
+            use crate::$simd as s;
 
-    /// Query rows per strip: two AVX2 registers.
-    pub(super) const STRIP: usize = 16;
+            /// Query rows per strip: `$w` vector registers.
+            pub(super) const STRIP: usize = $w * s::LANES;
+            /// One strip's lanes: a row of `$w` vectors.
+            type Row = [s::V; $w];
 
-    /// Scores of one strip against keys `k` (`n` rows of `d`, contiguous): `s[j * 16 + l]` =
-    /// q(l) . k(j), q read from its transposed block (`q[c * ldq + l]`); `mx` takes the lanes'
-    /// running maxima.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn scores(
-        q: *const f32,
-        ldq: usize,
-        k: *const f32,
-        d: usize,
-        n: usize,
-        s: *mut f32,
-        mx: &mut [__m256; 2],
-    ) {
-        let mut j = 0;
-        while j + 6 <= n {
-            scores_block::<6>(q, ldq, k.add(j * d), d, s.add(j * STRIP), mx);
-            j += 6;
-        }
-        while j + 2 <= n {
-            scores_block::<2>(q, ldq, k.add(j * d), d, s.add(j * STRIP), mx);
-            j += 2;
-        }
-        if j < n {
-            scores_block::<1>(q, ldq, k.add(j * d), d, s.add(j * STRIP), mx);
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn scores_block<const NK: usize>(
-        q: *const f32,
-        ldq: usize,
-        k: *const f32,
-        d: usize,
-        s: *mut f32,
-        mx: &mut [__m256; 2],
-    ) {
-        // Over the d dimensions: the strip's 16 queries of dimension c against NK keys' c-th.
-        let mut acc = [[_mm256_setzero_ps(); 2]; NK];
-        avx2::accumulate(&mut acc, d, q, ldq, k, 1, d);
-        avx2::store(&acc, s, STRIP);
-        for [lo, hi] in acc {
-            mx[0] = _mm256_max_ps(mx[0], lo);
-            mx[1] = _mm256_max_ps(mx[1], hi);
-        }
-    }
-
-    /// `kernels::exp2_nonpositive` on eight lanes.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn exp2(x: __m256) -> __m256 {
-        let magic = _mm256_set1_ps(12_582_912.0);
-        let floor = _mm256_set1_ps(-126.0);
-        let x = _mm256_blendv_ps(x, floor, _mm256_cmp_ps::<_CMP_LT_OQ>(x, floor));
-        let t = _mm256_add_ps(x, magic);
-        let n = _mm256_sub_ps(t, magic);
-        let r = _mm256_sub_ps(x, n);
-        let mut p = _mm256_set1_ps(1.327_735_7e-3);
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.671_589e-3));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.550_689_6e-2));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.402_224_1e-1));
-        #[allow(clippy::approx_constant)]
-        let c1 = _mm256_set1_ps(6.931_47e-1);
-        p = _mm256_fmadd_ps(p, r, c1);
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0));
-        let bits = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
-        let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(bits, _mm256_set1_epi32(127)));
-        _mm256_mul_ps(p, _mm256_castsi256_ps(bits))
-    }
-
-    /// The online softmax step of one strip: scores `s` (`n` keys x 16, base 2) become
-    /// `2^(s - max)` with `max` the new running max (`mx`: this tile's, `max`: the strip's so
-    /// far); the strip's sums and transposed output (`o`: `d` x 16) are rescaled by
-    /// `2^(old - new)` and the tile's probabilities added to the sums.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn softmax(
-        s: *mut f32,
-        n: usize,
-        mx: [__m256; 2],
-        max: *mut f32,
-        sum: *mut f32,
-        o: *mut f32,
-        d: usize,
-    ) {
-        for (h, &tile_max) in mx.iter().enumerate() {
-            let old = _mm256_loadu_ps(max.add(8 * h));
-            let new = _mm256_max_ps(old, tile_max);
-            let mut acc = [_mm256_setzero_ps(); 2];
-            for j in 0..n {
-                let p = s.add(j * STRIP + 8 * h);
-                let e = exp2(_mm256_sub_ps(_mm256_loadu_ps(p), new));
-                _mm256_storeu_ps(p, e);
-                acc[j % 2] = _mm256_add_ps(acc[j % 2], e);
+            /// `attend_tile` on strips: for each key tile, each strip of query rows gets its
+            /// scores, its online-softmax step and its `P V` in turn. The last strip of a tile
+            /// reads past the tile's rows (other queries or the padding of `q`); those lanes are
+            /// computed and dropped.
+            ///
+            /// # Safety
+            /// The CPU has `$feature`; as `attend_tile` otherwise.
+            #[target_feature(enable = $feature)]
+            pub(super) unsafe fn attend_tile(
+                t: &Tile<'_>,
+                shape: SegmentAttentionShape,
+                sc: &mut Scratch,
+                out: SendPtr<f32>,
+            ) {
+                let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
+                let hidden = heads * d;
+                let n_strips = t.rows.div_ceil(STRIP);
+                debug_assert!(t.q0 + n_strips * STRIP <= t.ldq);
+                sc.o[..n_strips * STRIP * d].fill(0.0);
+                sc.max[..n_strips * STRIP].fill(f32::NEG_INFINITY);
+                sc.sum[..n_strips * STRIP].fill(0.0);
+                // Each strip's queries gathered into one contiguous d x STRIP block (4 or 8 KiB
+                // at d = 64, where the transposed layout puts each of its d rows on a page of
+                // its own).
+                for st in 0..n_strips {
+                    for c in 0..d {
+                        let src = &t.q[(t.h * d + c) * t.ldq + t.q0 + st * STRIP..][..STRIP];
+                        sc.q[(st * d + c) * STRIP..][..STRIP].copy_from_slice(src);
+                    }
+                }
+                let key_rows = balanced(t.s1 - t.s0, shape.key_tile);
+                let mut kt = t.s0;
+                while kt < t.s1 {
+                    let n = key_rows.min(t.s1 - kt);
+                    let k = t.k.as_ptr().add((t.h * seq + kt) * d);
+                    let v = t.vh.as_ptr().add((t.h * seq + kt) * d);
+                    for st in 0..n_strips {
+                        let q = sc.q.as_ptr().add(st * d * STRIP);
+                        let o = sc.o.as_mut_ptr().add(st * STRIP * d);
+                        let mut mx: Row = [s::splat(f32::NEG_INFINITY); $w];
+                        scores(q, k, d, n, sc.s.as_mut_ptr(), &mut mx);
+                        softmax(
+                            sc.s.as_mut_ptr(),
+                            n,
+                            mx,
+                            sc.max.as_mut_ptr().add(st * STRIP),
+                            sc.sum.as_mut_ptr().add(st * STRIP),
+                            o,
+                            d,
+                        );
+                        values(sc.s.as_ptr(), n, v, d, o);
+                    }
+                    kt += n;
+                }
+                for i in 0..t.rows {
+                    let (st, l) = (i / STRIP, i % STRIP);
+                    let inv = 1.0 / sc.sum[i];
+                    let o = &sc.o[st * STRIP * d..];
+                    // SAFETY (caller): this item owns rows q0..q0+rows, columns h*d..h*d+d of `out`.
+                    let dst =
+                        unsafe { std::slice::from_raw_parts_mut(out.get().add((t.q0 + i) * hidden + t.h * d), d) };
+                    for (c, y) in dst.iter_mut().enumerate() {
+                        *y = o[c * STRIP + l] * inv;
+                    }
+                }
             }
-            // The first tile: old is -inf and its factor 2^-126 multiplies zeros.
-            let r = exp2(_mm256_sub_ps(old, new));
-            let total = _mm256_fmadd_ps(_mm256_loadu_ps(sum.add(8 * h)), r, _mm256_add_ps(acc[0], acc[1]));
-            _mm256_storeu_ps(sum.add(8 * h), total);
-            _mm256_storeu_ps(max.add(8 * h), new);
-            for c in 0..d {
-                let y = o.add(c * STRIP + 8 * h);
-                _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_loadu_ps(y), r));
+
+            /// Scores of one strip against keys `k` (`n` rows of `d`, contiguous):
+            /// `s[j * STRIP + l]` = q(l) . k(j), q read from its strip block (`q[c * STRIP + l]`);
+            /// `mx` takes the lanes' running maxima.
+            #[target_feature(enable = $feature)]
+            unsafe fn scores(q: *const f32, k: *const f32, d: usize, n: usize, sc: *mut f32, mx: &mut Row) {
+                let mut j = 0;
+                while j + $nk <= n {
+                    scores_block::<$nk>(q, k.add(j * d), d, sc.add(j * STRIP), mx);
+                    j += $nk;
+                }
+                while j + 4 <= n {
+                    scores_block::<4>(q, k.add(j * d), d, sc.add(j * STRIP), mx);
+                    j += 4;
+                }
+                while j + 2 <= n {
+                    scores_block::<2>(q, k.add(j * d), d, sc.add(j * STRIP), mx);
+                    j += 2;
+                }
+                if j < n {
+                    scores_block::<1>(q, k.add(j * d), d, sc.add(j * STRIP), mx);
+                }
+            }
+
+            #[inline]
+            #[target_feature(enable = $feature)]
+            unsafe fn scores_block<const NK: usize>(
+                q: *const f32,
+                k: *const f32,
+                d: usize,
+                sc: *mut f32,
+                mx: &mut Row,
+            ) {
+                // Over the d dimensions: the strip's queries of dimension c against NK keys' c-th.
+                let mut acc: [Row; NK] = [[s::splat(0.0); $w]; NK];
+                s::accumulate(&mut acc, d, q, STRIP, k, 1, d);
+                s::store(&acc, sc, STRIP);
+                for row in acc {
+                    for (m, v) in mx.iter_mut().zip(row) {
+                        *m = s::max(*m, v);
+                    }
+                }
+            }
+
+            /// The online softmax step of one strip: scores `sc` (`n` keys x STRIP, base 2)
+            /// become `2^(s - max)` with `max` the new running max (`mx`: this tile's, `max`:
+            /// the strip's so far); the strip's sums and transposed output (`o`: `d` x STRIP)
+            /// are rescaled by `2^(old - new)` and the tile's probabilities added to the sums.
+            #[target_feature(enable = $feature)]
+            unsafe fn softmax(sc: *mut f32, n: usize, mx: Row, max: *mut f32, sum: *mut f32, o: *mut f32, d: usize) {
+                // One pass over the tile's scores, every vector of a row in turn.
+                let old: Row = std::array::from_fn(|w| s::ld(max.add(s::LANES * w)));
+                let new: Row = std::array::from_fn(|w| s::max(old[w], mx[w]));
+                let mut acc = [[s::splat(0.0); $w]; 2];
+                for j in 0..n {
+                    for w in 0..$w {
+                        let p = sc.add(j * STRIP + s::LANES * w);
+                        let e = s::exp2(s::sub(s::ld(p), new[w]));
+                        s::st(p, e);
+                        acc[j % 2][w] = s::add(acc[j % 2][w], e);
+                    }
+                }
+                // The first tile: old is -inf and its factor 2^-126 multiplies zeros.
+                let r: Row = std::array::from_fn(|w| s::exp2(s::sub(old[w], new[w])));
+                for w in 0..$w {
+                    let lane = s::LANES * w;
+                    s::st(sum.add(lane), s::fmadd(s::ld(sum.add(lane)), r[w], s::add(acc[0][w], acc[1][w])));
+                    s::st(max.add(lane), new[w]);
+                }
+                for c in 0..d {
+                    for w in 0..$w {
+                        let y = o.add(c * STRIP + s::LANES * w);
+                        s::st(y, s::mul(s::ld(y), r[w]));
+                    }
+                }
+            }
+
+            /// `o[c * STRIP + l] += sum_j p[j * STRIP + l] v[j * d + c]` for the strip's `d` x
+            /// STRIP transposed output, over `n` value rows of `d`; `d` even.
+            #[target_feature(enable = $feature)]
+            unsafe fn values(p: *const f32, n: usize, v: *const f32, d: usize, o: *mut f32) {
+                let mut c = 0;
+                while c + $nc <= d {
+                    values_block::<$nc>(p, n, v.add(c), d, o.add(c * STRIP));
+                    c += $nc;
+                }
+                // d even: what is left in blocks of 4 (8 accumulators cover the FMA latency,
+                // two blocks of 2 would not), then 2.
+                while c + 4 <= d {
+                    values_block::<4>(p, n, v.add(c), d, o.add(c * STRIP));
+                    c += 4;
+                }
+                if c < d {
+                    values_block::<2>(p, n, v.add(c), d, o.add(c * STRIP));
+                }
+            }
+
+            #[inline]
+            #[target_feature(enable = $feature)]
+            unsafe fn values_block<const NC: usize>(
+                p: *const f32,
+                n: usize,
+                v: *const f32,
+                vstride: usize,
+                o: *mut f32,
+            ) {
+                // Over the n keys: the strip's probabilities of key j against its NC values.
+                let mut acc: [Row; NC] = s::load(o, STRIP);
+                s::accumulate(&mut acc, n, p, STRIP, v, vstride, 1);
+                s::store(&acc, o, STRIP);
             }
         }
-    }
-
-    /// `o[c * 16 + l] += sum_j p[j * 16 + l] v[j * d + c]` for the strip's `d` x 16 transposed
-    /// output, over `n` value rows `vstride` apart; `d` even.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn values(p: *const f32, n: usize, v: *const f32, vstride: usize, d: usize, o: *mut f32) {
-        let mut c = 0;
-        while c + 6 <= d {
-            values_block::<6>(p, n, v.add(c), vstride, o.add(c * STRIP));
-            c += 6;
-        }
-        // d even: 0, 2 or 4 dimensions left (4 in one block: 8 accumulators cover the FMA
-        // latency, two blocks of 2 would not).
-        match d - c {
-            4 => values_block::<4>(p, n, v.add(c), vstride, o.add(c * STRIP)),
-            2 => values_block::<2>(p, n, v.add(c), vstride, o.add(c * STRIP)),
-            _ => {}
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn values_block<const NC: usize>(p: *const f32, n: usize, v: *const f32, vstride: usize, o: *mut f32) {
-        // Over the n keys: the strip's 16 probabilities of key j against its NC values.
-        let mut acc = avx2::load::<NC>(o, STRIP);
-        avx2::accumulate(&mut acc, n, p, STRIP, v, vstride, 1);
-        avx2::store(&acc, o, STRIP);
-    }
-
-    /// Running maxima that every score raises.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn lowest() -> [__m256; 2] {
-        [_mm256_set1_ps(f32::NEG_INFINITY); 2]
-    }
+    };
 }
+
+// AVX2: 6 keys or 6 dimensions x 16 queries in 2 vectors (12 of the 16 registers); AVX-512: 8
+// keys or 8 dimensions x 48 queries in 3 vectors (24 of the 32 registers; d = 64 in whole
+// blocks), gemm's own micro-kernel shape there.
+#[cfg(target_arch = "x86_64")]
+strip_kernel!(strips, avx2, "avx2,fma", 2, 6, 6);
+#[cfg(target_arch = "x86_64")]
+strip_kernel!(strips512, avx512, "avx512f", 3, 8, 8);
 
 #[cfg(test)]
 mod tests {
@@ -1032,7 +1062,14 @@ mod tests {
 
     #[test]
     fn segment_attention_matches_the_definition_across_tiles_and_segments() {
-        let (heads, d) = (3, 16);
+        // d = 22: every strip kernel's remainder blocks of dimensions (AVX2 6+6+6+4, AVX-512
+        // 8+8+4+2).
+        for d in [16, 22] {
+            attention_case(3, d);
+        }
+    }
+
+    fn attention_case(heads: usize, d: usize) {
         // Segments shorter than, equal to and longer than the tiles, with ragged last tiles.
         let cu = [0usize, 1, 6, 70, 203, 203, 260];
         let seq = *cu.last().unwrap();
@@ -1047,17 +1084,41 @@ mod tests {
         let want = naive(&qkv, &cos, &sin, &cu, heads, d);
         // Every kernel this CPU runs (CI also runs these tests under qemu as an AVX2-only and a
         // baseline x86_64 CPU), with tiles that leave ragged strips and odd key counts.
-        let kernels: Vec<TileKernel> =
-            [TileKernel::Gemm, TileKernel::Avx2Strips].into_iter().filter(|k| k.available()).collect();
+        let kernels: Vec<TileKernel> = [TileKernel::Gemm, TileKernel::Avx2Strips, TileKernel::Avx512Strips]
+            .into_iter()
+            .filter(|k| k.available())
+            .collect();
         for kernel in kernels {
             for (query_tile, key_tile) in [(QUERY_TILE, KEY_TILE), (7, 13), (1, 1), (64, 5), (48, 37)] {
                 let shape = SegmentAttentionShape { seq, heads, head_dim: d, query_tile, key_tile };
                 let mut out = vec![f32::NAN; seq * heads * d];
                 segment_attention_with(kernel, &qkv, &cos, &sin, &cu, shape, &mut out);
-                let what = format!("{kernel:?}, tiles {query_tile}x{key_tile}");
+                let what = format!("{kernel:?}, d {d}, tiles {query_tile}x{key_tile}");
                 assert!(out.iter().all(|v| v.is_finite()), "{what}: a row was not written");
                 let worst = out.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
                 assert!(worst < 2e-5, "{what}: worst {worst:e}");
+            }
+        }
+    }
+
+    #[test]
+    fn query_tiles_are_whole_strips_and_the_fewest() {
+        // 784 rows in 16-row vectors: 3 x 208 + 160; in 48-row strips: 17 strips in 4 tiles
+        // of at most 5 (240 rows); 4096 rows: 16 x 256, and 86 strips in 18 tiles of 5.
+        assert_eq!(tile_rows(784, 256, 16), 208);
+        assert_eq!(tile_rows(784, 256, 48), 240);
+        assert_eq!(tile_rows(4096, 256, 16), 256);
+        assert_eq!(tile_rows(4096, 256, 48), 240);
+        // At most one strip or the whole segment when either is smaller than a strip.
+        assert_eq!(tile_rows(40, 256, 48), 40);
+        assert_eq!(tile_rows(784, 7, 16), 7);
+        for (len, max, strip) in [(1, 1, 16), (133, 64, 48), (2000, 300, 48), (999, 512, 16)] {
+            let rows = tile_rows(len, max, strip);
+            assert!(rows >= 1 && (rows <= max || (max < strip && rows <= len)), "{len} {max} {strip}: {rows}");
+            if len > strip && max >= strip {
+                assert_eq!(rows % strip, 0, "{len} {max} {strip}: {rows}");
+                // No fewer tiles would do.
+                assert_eq!(len.div_ceil(rows), len.div_ceil(strip).div_ceil(max / strip), "{len} {max} {strip}");
             }
         }
     }

@@ -4,6 +4,8 @@
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
 pub mod error;
 pub mod grid;
 pub mod kernels;
