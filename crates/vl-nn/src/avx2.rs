@@ -121,14 +121,11 @@ pub(crate) unsafe fn exp2(x: V) -> V {
     let t = _mm256_add_ps(x, magic);
     let n = _mm256_sub_ps(t, magic);
     let r = _mm256_sub_ps(x, n);
-    let mut p = _mm256_set1_ps(1.327_735_7e-3);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.671_589e-3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.550_689_6e-2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.402_224_1e-1));
-    #[allow(clippy::approx_constant)]
-    let c1 = _mm256_set1_ps(6.931_47e-1);
-    p = _mm256_fmadd_ps(p, r, c1);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0));
+    let poly = crate::kernels::EXP2_POLY;
+    let mut p = _mm256_set1_ps(poly[0]);
+    for c in &poly[1..] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+    }
     let bits = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
     let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(bits, _mm256_set1_epi32(127)));
     _mm256_mul_ps(p, _mm256_castsi256_ps(bits))

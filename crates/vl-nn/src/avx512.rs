@@ -121,13 +121,10 @@ pub(crate) unsafe fn exp2(x: V) -> V {
     let x = _mm512_max_ps(_mm512_set1_ps(-126.0), x);
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
     let r = _mm512_sub_ps(x, n);
-    let mut p = _mm512_set1_ps(1.327_735_7e-3);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.671_589e-3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550_689_6e-2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402_224_1e-1));
-    #[allow(clippy::approx_constant)]
-    let c1 = _mm512_set1_ps(6.931_47e-1);
-    p = _mm512_fmadd_ps(p, r, c1);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0));
+    let poly = crate::kernels::EXP2_POLY;
+    let mut p = _mm512_set1_ps(poly[0]);
+    for c in &poly[1..] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
+    }
     _mm512_scalef_ps(p, n)
 }

@@ -42,6 +42,11 @@ pub fn exp(x: f32) -> f32 {
     y * f32::from_bits(bits << 23)
 }
 
+/// `exp2_nonpositive`'s polynomial for `2^r` on [-1/2, 1/2], highest degree first (Horner; the
+/// vector versions in `avx2` and `avx512` use the same coefficients in the same order).
+#[allow(clippy::approx_constant)] // the fitted linear coefficient is near ln 2, but not ln 2
+pub(crate) const EXP2_POLY: [f32; 6] = [1.327_735_7e-3, 9.671_589e-3, 5.550_689_6e-2, 2.402_224_1e-1, 6.931_47e-1, 1.0];
+
 /// `2^x` for `x <= 0` to about 2 ulp (relative error <= 1.8e-7 in the fit), flushing below
 /// `2^-126` to `2^-126`; NaN stays NaN. The softmax's exponential when the scores are in base 2
 /// (q scaled by `log2 e`): x = n + r with |r| <= 1/2, a degree-5 polynomial for `2^r` with
@@ -49,7 +54,6 @@ pub fn exp(x: f32) -> f32 {
 /// [-1/2, 1/2], `2^n` from the exponent bits. Four operations fewer than `exp`: no range
 /// reduction by ln 2 and no upper clamp.
 #[inline(always)]
-#[allow(clippy::approx_constant)] // the fitted linear coefficient is near ln 2, but not ln 2
 pub fn exp2_nonpositive(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0;
     // Written as a comparison so that NaN passes through (`f32::max` would drop it).
@@ -57,12 +61,10 @@ pub fn exp2_nonpositive(x: f32) -> f32 {
     let t = x + MAGIC;
     let n = t - MAGIC;
     let r = x - n;
-    let mut p = 1.327_735_7e-3_f32;
-    p = p.mul_add(r, 9.671_589e-3);
-    p = p.mul_add(r, 5.550_689_6e-2);
-    p = p.mul_add(r, 2.402_224_1e-1);
-    p = p.mul_add(r, 6.931_47e-1);
-    p = p.mul_add(r, 1.0);
+    let mut p = EXP2_POLY[0];
+    for c in &EXP2_POLY[1..] {
+        p = p.mul_add(r, *c);
+    }
     // n in [-126, 0]: its biased exponent, shifted into place.
     let bits = (t.to_bits().wrapping_sub(MAGIC.to_bits()) as i32 + 127) as u32;
     p * f32::from_bits(bits << 23)
