@@ -178,6 +178,9 @@ pub fn causal_gqa_attention(q: &Tensor, k: &Tensor, v: &Tensor, query_block: usi
             return Ok(out);
         }
     }
+    if let Some(out) = causal_attention_cpu(q, k, v)? {
+        return Ok(out);
+    }
     let offset = total - new;
     let kt = k.t()?; // [kv, d, total]
     let q = (q * (1.0 / (d as f64).sqrt()))?.reshape((kv, rep, new, d))?;
@@ -205,6 +208,43 @@ pub fn causal_gqa_attention(q: &Tensor, k: &Tensor, v: &Tensor, query_block: usi
         start += rows;
     }
     Ok(Tensor::cat(&outs, 2)?.reshape((heads, new, d))?)
+}
+
+/// Prefill on CPU in f32 through the fused kernel (`kernels::causal_attention`: query tiles x
+/// heads on candle's pool, key tiles with the online softmax, the cache's views read in place).
+/// None when the inputs are not CPU f32 with unit-stride rows of `d` (the caller then takes the
+/// general path).
+fn causal_attention_cpu(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>> {
+    let (heads, new, d) = q.dims3()?;
+    let (kv, total, _) = k.dims3()?;
+    if [q, k, v].iter().any(|t| !t.device().is_cpu() || t.dtype() != DType::F32) || v.dims3()? != (kv, total, d) {
+        return Ok(None);
+    }
+    let q = q.contiguous()?;
+    let ((qs, ql), (ks, kl), (vs, vl)) = (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout());
+    let (Some(qs), Some(ks), Some(vs)) = (cpu_f32(&qs), cpu_f32(&ks), cpu_f32(&vs)) else {
+        return Ok(None);
+    };
+    let (kst, vst) = (kl.stride(), vl.stride());
+    // Rows of d contiguous floats, heads at one stride for k and v.
+    if kst[2] != 1 || vst[2] != 1 || kst[1] != d || vst[1] != d || kst[0] != vst[0] || kst[0] < total * d {
+        return Ok(None);
+    }
+    let span = (kv - 1) * kst[0] + total * d;
+    let (qo, ko, vo) = (ql.start_offset(), kl.start_offset(), vl.start_offset());
+    if ko + span > ks.len() || vo + span > vs.len() || qo + heads * new * d > qs.len() {
+        return Ok(None);
+    }
+    let mut out = vec![0f32; heads * new * d];
+    crate::kernels::causal_attention(
+        &qs[qo..qo + heads * new * d],
+        (heads, new, d),
+        &ks[ko..ko + span],
+        &vs[vo..vo + span],
+        (kv, kst[0], total),
+        &mut out,
+    );
+    Ok(Some(Tensor::from_vec(out, (heads, new, d), q.device())?))
 }
 
 /// One query row per head against the whole cache, read in place (decode): for each KV head,
@@ -493,6 +533,47 @@ mod causal_tests {
                 assert!(diff < 1e-5, "new {new} block {block}: {diff}");
             }
         }
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    #[test]
+    fn fused_prefill_matches_the_plain_formula_across_tiles_with_a_cached_prefix() {
+        // More queries than one query tile (256) and more keys than one key tile (512), a cached
+        // prefix (the queries sit at positions 130..730), GQA 2, head dims 128 (the text
+        // decoder's) and 12, keys and values as views of a cache with spare capacity.
+        for (heads, kv, d, prefix, new) in [(4, 2, 128, 130, 600), (3, 1, 12, 0, 300)] {
+            let total = prefix + new;
+            let k_all = crate::testing::randn(250 + d as u64, 1., (kv, total, d)).unwrap();
+            let v_all = crate::testing::randn(260 + d as u64, 1., (kv, total, d)).unwrap();
+            let mut cache = crate::KvCache::new();
+            cache.reserve(total + 37);
+            if prefix > 0 {
+                cache.append(&k_all.narrow(1, 0, prefix).unwrap(), &v_all.narrow(1, 0, prefix).unwrap()).unwrap();
+            }
+            let (k, v) =
+                cache.append(&k_all.narrow(1, prefix, new).unwrap(), &v_all.narrow(1, prefix, new).unwrap()).unwrap();
+            assert!(cache.capacity() > total, "the views must be strided");
+            let q = crate::testing::randn(270 + d as u64, 1.5, (heads, new, d)).unwrap();
+            assert!(causal_attention_cpu(&q, &k, &v).unwrap().is_some(), "the fused path applies");
+            let got = causal_gqa_attention(&q, &k, &v, 256).unwrap();
+            let diff = max_diff(&got, &naive(&q, &k_all, &v_all));
+            assert!(diff < 1e-5, "heads {heads} kv {kv} d {d} prefix {prefix}: {diff}");
+        }
+        // Rows that are not d contiguous floats take the general (query-block) path, which
+        // agrees.
+        let (k_all, v_all) = (
+            crate::testing::randn(280, 1., (2, 40, 16)).unwrap(),
+            crate::testing::randn(281, 1., (2, 40, 24)).unwrap(),
+        );
+        let v = v_all.narrow(2, 0, 16).unwrap();
+        let q = crate::testing::randn(282, 1., (4, 30, 16)).unwrap();
+        assert!(causal_attention_cpu(&q, &k_all, &v).unwrap().is_none());
+        let diff =
+            max_diff(&causal_gqa_attention(&q, &k_all, &v, 7).unwrap(), &naive(&q, &k_all, &v.contiguous().unwrap()));
+        assert!(diff < 1e-5, "general path: {diff}");
     }
 
     #[test]

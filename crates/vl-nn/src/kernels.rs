@@ -628,23 +628,70 @@ struct Tile<'a> {
     rows: usize,
 }
 
-/// One head's attention for query rows `q0..q0+rows` over keys `s0..s1`, key tile by key tile
-/// with the running max and sum (online softmax), then normalized into `out`.
+/// One head's attention for query rows `q0..q0+rows` over keys `s0..s1` (`attend_gemm` on the
+/// vision layout: q transposed and pre-scaled, k head-major, v in the projection output), then
+/// normalized into `out`.
 unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scratch, out: SendPtr<f32>) {
     let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
     let hidden = heads * d;
-    let m = t.rows;
-    let qcols = &t.q[t.h * d * t.ldq + t.q0..];
+    let op = Operands {
+        q: t.q.as_ptr().add(t.h * d * t.ldq + t.q0),
+        q_rs: 1,
+        q_cs: t.ldq,
+        k: t.k.as_ptr().add((t.h * seq + t.s0) * d),
+        k_rs: d,
+        v: t.v.as_ptr().add(t.s0 * 3 * hidden + 2 * hidden + t.h * d),
+        v_rs: 3 * hidden,
+        scale: 1.0,
+    };
+    attend_gemm(&op, t.rows, d, t.s1 - t.s0, shape.key_tile, None, sc);
+    for i in 0..t.rows {
+        let inv = 1.0 / sc.sum[i];
+        // SAFETY (caller): this item owns rows q0..q0+m, columns h*d..h*d+d of `out`.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add((t.q0 + i) * hidden + t.h * d), d) };
+        for (y, x) in dst.iter_mut().zip(&sc.o[i * d..(i + 1) * d]) {
+            *y = x * inv;
+        }
+    }
+}
+
+/// Where one head's operands for a tile of `m` query rows lie: q as an `[m, d]` matrix with row
+/// and column strides, key `j` (of the tile's key range) at `k + j k_rs` and value `j` at
+/// `v + j v_rs` (each `d` contiguous floats). `scale` multiplies the scores (base 2: log2(e) /
+/// sqrt(d) unless q carries it already).
+struct Operands {
+    q: *const f32,
+    q_rs: usize,
+    q_cs: usize,
+    k: *const f32,
+    k_rs: usize,
+    v: *const f32,
+    v_rs: usize,
+    scale: f32,
+}
+
+/// `m` query rows against `keys` keys, key tile by key tile through `gemm` with the running max
+/// and sum (online softmax): leaves the unnormalized output in `sc.o` ([m][d]) and the sums in
+/// `sc.sum`. `causal`: query row i sees keys up to `causal + i` only (the later ones are neither
+/// read past the tile's last visible key nor weighted: masked to `-inf` in the diagonal tiles).
+unsafe fn attend_gemm(
+    op: &Operands,
+    m: usize,
+    d: usize,
+    keys: usize,
+    key_tile: usize,
+    causal: Option<usize>,
+    sc: &mut Scratch,
+) {
     sc.o[..m * d].fill(0.0);
     sc.max[..m].fill(f32::NEG_INFINITY);
     sc.sum[..m].fill(0.0);
-    let key_rows = balanced(t.s1 - t.s0, shape.key_tile);
-    let mut kt = t.s0;
-    while kt < t.s1 {
-        let n = key_rows.min(t.s1 - kt);
-        let krows = &t.k[(t.h * seq + kt) * d..][..n * d];
-        // S = Q K^T: [m, d] x [d, n] into a column-major tile (key j's scores at s[j * m..]),
-        // Q's columns read at stride ldq, K^T through strides.
+    let keys = causal.map_or(keys, |p0| keys.min(p0 + m));
+    let key_rows = balanced(keys, key_tile);
+    let mut kt = 0;
+    while kt < keys {
+        let n = key_rows.min(keys - kt);
+        // S = Q K^T: [m, d] x [d, n] into a column-major tile (key j's scores at s[j * m..]).
         gemm::gemm(
             m,
             n,
@@ -653,22 +700,28 @@ unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scrat
             m as isize,
             1,
             false,
-            qcols.as_ptr(),
-            t.ldq as isize,
-            1,
-            krows.as_ptr(),
-            d as isize,
+            op.q,
+            op.q_cs as isize,
+            op.q_rs as isize,
+            op.k.add(kt * op.k_rs),
+            op.k_rs as isize,
             1,
             0.0,
-            1.0,
+            op.scale,
             false,
             false,
             false,
             gemm::Parallelism::None,
         );
+        if let Some(p0) = causal {
+            // Key kt + j is hidden from query rows i < kt + j - p0.
+            for j in 0..n {
+                let hidden_rows = (kt + j).saturating_sub(p0).min(m);
+                sc.s[j * m..j * m + hidden_rows].fill(f32::NEG_INFINITY);
+            }
+        }
         online_softmax(&mut sc.s[..m * n], m, &mut sc.max[..m], &mut sc.sum[..m], &mut sc.o[..m * d], d);
-        // O += P V: [m, n] x [n, d], value rows read in place from the projection output.
-        let vrows = t.v.as_ptr().add(kt * 3 * hidden + 2 * hidden + t.h * d);
+        // O += P V: [m, n] x [n, d], value rows read in place.
         gemm::gemm(
             m,
             d,
@@ -680,9 +733,9 @@ unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scrat
             sc.s.as_ptr(),
             m as isize,
             1,
-            vrows,
+            op.v.add(kt * op.v_rs),
             1,
-            (3 * hidden) as isize,
+            op.v_rs as isize,
             1.0,
             1.0,
             false,
@@ -692,14 +745,71 @@ unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scrat
         );
         kt += n;
     }
-    for i in 0..m {
-        let inv = 1.0 / sc.sum[i];
-        // SAFETY (caller): this item owns rows q0..q0+m, columns h*d..h*d+d of `out`.
-        let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add((t.q0 + i) * hidden + t.h * d), d) };
-        for (y, x) in dst.iter_mut().zip(&sc.o[i * d..(i + 1) * d]) {
-            *y = x * inv;
-        }
-    }
+}
+
+/// Causal (grouped-query) attention on CPU f32 slices, fused like `segment_attention`: query
+/// tiles x heads on candle's pool, key tiles through `gemm` with the online softmax, no score
+/// matrix beyond one tile per thread, keys after a tile's last query never read.
+///
+/// `q`: [heads, new, d] contiguous; key and value rows: `kv_heads` heads, head `g`'s position `j`
+/// at `g * head_stride + j * d` in `k` / `v` (a cache's views: `head_stride` is its capacity
+/// times `d`),
+/// `total` positions of which the last `new` are the queries' own; query head h reads kv head
+/// `h / (heads / kv_heads)`. Writes softmax(q k^T / sqrt(d)) v, [heads, new, d], into `out`.
+/// The caller checks the shapes.
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention(
+    q: &[f32],
+    (heads, new, d): (usize, usize, usize),
+    k: &[f32],
+    v: &[f32],
+    (kv_heads, head_stride, total): (usize, usize, usize),
+    out: &mut [f32],
+) {
+    assert!(kv_heads > 0 && heads % kv_heads == 0 && new <= total && total * d <= head_stride.max(total * d));
+    assert!(q.len() >= heads * new * d && out.len() >= heads * new * d);
+    let span = (kv_heads - 1) * head_stride + total * d;
+    assert!(k.len() >= span && v.len() >= span);
+    let rep = heads / kv_heads;
+    let offset = total - new;
+    let shape = SegmentAttentionShape { seq: new, heads, head_dim: d, query_tile: QUERY_TILE, key_tile: KEY_TILE };
+    let rows = tile_rows(new, QUERY_TILE, 16);
+    // (query tile start, rows), the longest (most keys) first so the pool's tail stays short.
+    let mut tiles: Vec<(usize, usize)> = (0..new).step_by(rows.max(1)).map(|q0| (q0, rows.min(new - q0))).collect();
+    tiles.reverse();
+    let scale = std::f32::consts::LOG2_E / (d as f32).sqrt();
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    for_each_item(
+        tiles.len() * heads,
+        || Scratch::new(shape, TileKernel::Gemm),
+        |item, sc| {
+            let (q0, m) = tiles[item / heads];
+            let h = item % heads;
+            let g = h / rep;
+            let op = Operands {
+                q: q[(h * new + q0) * d..].as_ptr(),
+                q_rs: d,
+                q_cs: 1,
+                k: k[g * head_stride..].as_ptr(),
+                k_rs: d,
+                v: v[g * head_stride..].as_ptr(),
+                v_rs: d,
+                scale,
+            };
+            // SAFETY: the operands lie inside `q`, `k` and `v` (asserted above; keys past
+            // `offset + q0 + m` are not read), and each (tile, head) item writes its own rows.
+            unsafe {
+                attend_gemm(&op, m, d, total, KEY_TILE, Some(offset + q0), sc);
+                for i in 0..m {
+                    let inv = 1.0 / sc.sum[i];
+                    let dst = std::slice::from_raw_parts_mut(out_ptr.get().add((h * new + q0 + i) * d), d);
+                    for (y, x) in dst.iter_mut().zip(&sc.o[i * d..(i + 1) * d]) {
+                        *y = x * inv;
+                    }
+                }
+            }
+        },
+    );
 }
 
 /// For each query row of the column-major score tile `s` ([n][m], scores in base 2): raise the
