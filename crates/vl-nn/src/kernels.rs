@@ -383,7 +383,7 @@ impl TileKernel {
                 std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
             }
             #[cfg(target_arch = "x86_64")]
-            TileKernel::Avx512Strips => std::arch::is_x86_feature_detected!("avx512f"),
+            TileKernel::Avx512Strips => crate::has_avx512(),
             #[cfg(not(target_arch = "x86_64"))]
             TileKernel::Avx2Strips | TileKernel::Avx512Strips => false,
         }
@@ -470,8 +470,10 @@ pub fn segment_attention_with(
                 #[cfg(target_arch = "x86_64")]
                 TileKernel::Avx2Strips => unsafe { strips::attend_tile(&tile, shape, scratch, out_ptr) },
                 // SAFETY: as above, and `available()` checked AVX-512F.
-                #[cfg(target_arch = "x86_64")]
+                #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
                 TileKernel::Avx512Strips => unsafe { strips512::attend_tile(&tile, shape, scratch, out_ptr) },
+                #[cfg(all(target_arch = "x86_64", vl_avx2_proxy))]
+                TileKernel::Avx512Strips => unreachable!("not available in the AVX2 stand-in build"),
                 #[cfg(not(target_arch = "x86_64"))]
                 TileKernel::Avx2Strips | TileKernel::Avx512Strips => unreachable!("not available off x86_64"),
             }
@@ -876,8 +878,8 @@ fn softmax_rows<const W: usize>(
     }
 }
 
-/// The strip tile kernels: the query rows of a tile in strips of two vector registers (16 rows
-/// on AVX2, 32 on AVX-512), every operand read where the layout pass put it (q transposed per
+/// The strip tile kernels: the query rows of a tile in strips of `$w` vector registers (16 rows
+/// in 2 on AVX2, 48 in 3 on AVX-512), every operand read where the layout pass put it (q transposed per
 /// head, k and v head-major), so nothing is packed per tile. Per key tile and strip: the scores
 /// `S^T = K Q^T` (`$nk` keys x one strip of accumulators), the online softmax on them, then
 /// `O^T += V^T P^T` (`$nc` dimensions x one strip) into the strip's transposed output, kept until
@@ -1081,7 +1083,7 @@ macro_rules! strip_kernel {
 // blocks), gemm's own micro-kernel shape there.
 #[cfg(target_arch = "x86_64")]
 strip_kernel!(strips, avx2, "avx2,fma", 2, 6, 6);
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
 strip_kernel!(strips512, avx512, "avx512f", 3, 8, 8);
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
 pub(crate) mod avx512;
 pub mod error;
 pub mod grid;
@@ -17,6 +17,14 @@ pub mod quant;
 pub mod rope;
 #[cfg(test)]
 pub(crate) mod testing;
+
+/// Whether this CPU has AVX-512F and this build may use it: the AVX2 stand-in build
+/// (`--cfg vl_avx2_proxy`, from `tools/bench/vision-side-by-side` with `VL_VISION_ISA=avx2`)
+/// never does, so on an AVX-512 machine it takes every path an AVX2-only CPU takes.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn has_avx512() -> bool {
+    !cfg!(vl_avx2_proxy) && std::arch::is_x86_feature_detected!("avx512f")
+}
 
 pub use attention::{causal_gqa_attention, SegmentRotaryAttention};
 pub use error::{Error, Result};

@@ -38,7 +38,7 @@ pub fn available() -> bool {
 pub fn preferred() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        available() && !std::arch::is_x86_feature_detected!("avx512f")
+        available() && !crate::has_avx512()
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
