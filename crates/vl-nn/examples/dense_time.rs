@@ -1,7 +1,7 @@
 //! Times `Dense` (the CPU f32 linear layer) on one shape (diagnosis, not a user-path figure):
 //! `cargo run --release -p vl-nn --example dense_time [ROWS] [IN] [OUT] [RUNS]`.
 //! Random rows and weights (seeded), candle's pool (RAYON_NUM_THREADS); prints the best run and
-//! its rate (2 x rows x in x out flops).
+//! its rate (2 x rows x in x out flops). `VL_DENSE_LAYOUT=panels|wt` forces the weight layout.
 use candle_core::{Device, Tensor};
 use vl_nn::linear::Dense;
 
@@ -18,7 +18,16 @@ fn main() -> candle_core::Result<()> {
     let x = Tensor::from_vec((0..m * k).map(|_| next()).collect::<Vec<f32>>(), (m, k), &Device::Cpu)?;
     let w = Tensor::from_vec((0..n * k).map(|_| next() * 0.03).collect::<Vec<f32>>(), (n, k), &Device::Cpu)?;
     let b = Tensor::from_vec((0..n).map(|_| next()).collect::<Vec<f32>>(), n, &Device::Cpu)?;
-    let dense = Dense::from_linear(&candle_nn::Linear::new(w, Some(b))).expect("dense");
+    // VL_DENSE_LAYOUT=panels|wt forces a weight layout (default: the one this CPU prefers).
+    let l = candle_nn::Linear::new(w, Some(b));
+    let dense = match std::env::var("VL_DENSE_LAYOUT").as_deref() {
+        Ok("panels") => Dense::from_linear_as(&l, true),
+        Ok("wt") => Dense::from_linear_as(&l, false),
+        Ok(other) => panic!("VL_DENSE_LAYOUT={other}: panels or wt"),
+        Err(_) => Dense::from_linear(&l),
+    }
+    .expect("dense");
+    println!("layout: {}", if dense.is_panels() { "panels" } else { "W^T (gemm)" });
     let mut best = f64::INFINITY;
     let mut sum = 0f64;
     for _ in 0..runs {
