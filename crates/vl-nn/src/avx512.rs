@@ -34,8 +34,7 @@ pub(crate) unsafe fn accumulate<const N: usize, const W: usize>(
     let mut c = *acc;
     for i in 0..len {
         let a: [V; W] = std::array::from_fn(|w| _mm512_loadu_ps(a.add(i * a_step + w * LANES)));
-        for row in c.iter_mut().enumerate() {
-            let (j, row) = row;
+        for (j, row) in c.iter_mut().enumerate() {
             let s = _mm512_set1_ps(*b.add(i * b_step + j * b_stride));
             for w in 0..W {
                 row[w] = _mm512_fmadd_ps(a[w], s, row[w]);

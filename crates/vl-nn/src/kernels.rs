@@ -647,12 +647,23 @@ unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scrat
         scale: 1.0,
     };
     attend_gemm(&op, t.rows, d, t.s1 - t.s0, shape.key_tile, None, sc);
-    for i in 0..t.rows {
-        let inv = 1.0 / sc.sum[i];
-        // SAFETY (caller): this item owns rows q0..q0+m, columns h*d..h*d+d of `out`.
-        let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add((t.q0 + i) * hidden + t.h * d), d) };
-        for (y, x) in dst.iter_mut().zip(&sc.o[i * d..(i + 1) * d]) {
-            *y = x * inv;
+    // SAFETY (caller): this item owns rows q0..q0+rows, columns h*d..h*d+d of `out`.
+    sc.write_normalized(t.rows, d, out.get().add(t.q0 * hidden + t.h * d), hidden);
+}
+
+impl Scratch {
+    /// Writes the `m` rows of the output accumulator, each divided by its softmax sum, to `dst`
+    /// (`d` floats per row, rows `row_stride` apart).
+    ///
+    /// # Safety
+    /// Those rows of `dst` are the caller's to write.
+    unsafe fn write_normalized(&self, m: usize, d: usize, dst: *mut f32, row_stride: usize) {
+        for i in 0..m {
+            let inv = 1.0 / self.sum[i];
+            let row = std::slice::from_raw_parts_mut(dst.add(i * row_stride), d);
+            for (y, x) in row.iter_mut().zip(&self.o[i * d..(i + 1) * d]) {
+                *y = x * inv;
+            }
         }
     }
 }
@@ -716,9 +727,9 @@ unsafe fn attend_gemm(
             gemm::Parallelism::None,
         );
         if let Some(p0) = causal {
-            // Key kt + j is hidden from query rows i < kt + j - p0.
-            for j in 0..n {
-                let hidden_rows = (kt + j).saturating_sub(p0).min(m);
+            // Key kt + j is hidden from query rows i < kt + j - p0 (none before the diagonal).
+            for j in (p0 + 1).saturating_sub(kt)..n {
+                let hidden_rows = (kt + j - p0).min(m);
                 sc.s[j * m..j * m + hidden_rows].fill(f32::NEG_INFINITY);
             }
         }
@@ -777,7 +788,7 @@ pub fn causal_attention(
     let shape = SegmentAttentionShape { seq: new, heads, head_dim: d, query_tile: QUERY_TILE, key_tile: KEY_TILE };
     let rows = tile_rows(new, QUERY_TILE, 16);
     // (query tile start, rows), the longest (most keys) first so the pool's tail stays short.
-    let mut tiles: Vec<(usize, usize)> = (0..new).step_by(rows.max(1)).map(|q0| (q0, rows.min(new - q0))).collect();
+    let mut tiles: Vec<(usize, usize)> = (0..new).step_by(rows).map(|q0| (q0, rows.min(new - q0))).collect();
     tiles.reverse();
     let scale = std::f32::consts::LOG2_E / (d as f32).sqrt();
     let out_ptr = SendPtr(out.as_mut_ptr());
@@ -802,13 +813,7 @@ pub fn causal_attention(
             // `offset + q0 + m` are not read), and each (tile, head) item writes its own rows.
             unsafe {
                 attend_gemm(&op, m, d, total, KEY_TILE, Some(offset + q0), sc);
-                for i in 0..m {
-                    let inv = 1.0 / sc.sum[i];
-                    let dst = std::slice::from_raw_parts_mut(out_ptr.get().add((h * new + q0 + i) * d), d);
-                    for (y, x) in dst.iter_mut().zip(&sc.o[i * d..(i + 1) * d]) {
-                        *y = x * inv;
-                    }
-                }
+                sc.write_normalized(m, d, out_ptr.get().add((h * new + q0) * d), d);
             }
         },
     );
