@@ -9,7 +9,7 @@ use candle_core::{DType, Tensor};
 use candle_nn::Linear;
 
 use crate::kernels::{cpu_f32, SendPtr};
-use crate::linear::Dense;
+use crate::linear::{Dense, Then};
 
 use crate::{Error, Result};
 
@@ -61,6 +61,30 @@ impl SegmentRotaryAttention {
     /// `x`: [seq, hidden]; `cos`/`sin`: [seq, head_dim / 2]; `cu_seqlens`: segment boundaries
     /// `[0, ..., seq]`. Returns [seq, hidden].
     pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cu_seqlens: &[usize]) -> Result<Tensor> {
+        self.forward_then(x, cos, sin, cu_seqlens, Then::Nothing)
+    }
+
+    /// `residual + forward(x, ...)` (a pre-norm block's `h + attn(norm(h))`), the sum taken by the
+    /// output projection as it writes its tiles (`Then::Add`).
+    pub fn forward_add(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        cu_seqlens: &[usize],
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        self.forward_then(x, cos, sin, cu_seqlens, Then::Add(residual))
+    }
+
+    fn forward_then(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        cu_seqlens: &[usize],
+        then: Then<'_>,
+    ) -> Result<Tensor> {
         let (seq, hidden) = x.dims2()?;
         if cu_seqlens.first() != Some(&0)
             || cu_seqlens.last() != Some(&seq)
@@ -74,7 +98,7 @@ impl SegmentRotaryAttention {
         let (h, d) = (self.num_heads, self.head_dim);
         let qkv = self.qkv.forward(x)?;
         if let Some(out) = self.fused(&qkv, cos, sin, cu_seqlens)? {
-            return self.proj.forward(&out);
+            return self.proj.forward_then(&out, then);
         }
         // [seq, 3, heads, d] -> [3, heads, seq, d]
         let qkv = qkv.reshape((seq, 3, h, d))?.permute((1, 2, 0, 3))?;
@@ -109,7 +133,7 @@ impl SegmentRotaryAttention {
             }
         }
         let out = Tensor::cat(&outs, 1)?.transpose(0, 1)?.reshape((seq, hidden))?;
-        self.proj.forward(&out)
+        self.proj.forward_then(&out, then)
     }
 }
 

@@ -100,6 +100,11 @@ pub fn gelu_erf(x: f32) -> f32 {
     }
 }
 
+/// Applies `gelu_tanh` to every value, in place, on this thread.
+pub fn gelu_tanh_slice(values: &mut [f32]) {
+    gelu_slice(values)
+}
+
 /// Applies `gelu_tanh` to every value, in place, on candle's worker pool.
 pub fn gelu_tanh_inplace(values: &mut [f32]) {
     map_chunks(values, gelu_slice);

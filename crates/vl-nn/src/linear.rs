@@ -223,6 +223,20 @@ pub fn cast_linear(l: &Linear, dtype: DType) -> Result<Linear> {
     Ok(Linear::new(l.weight().to_dtype(dtype)?, l.bias().map(|b| b.to_dtype(dtype)).transpose()?))
 }
 
+/// What `Dense::forward_then` applies to the product `x W^T + b`: on the CPU f32 path to each
+/// output tile right after it is computed, while it is still in cache, instead of in a separate
+/// pass over the whole output (and a second output buffer, for `Add`); elsewhere as the plain op.
+/// The values are the same either way: each op runs on the finished product.
+#[derive(Debug, Clone, Copy)]
+pub enum Then<'a> {
+    /// The product itself (`Dense::forward`).
+    Nothing,
+    /// The tanh-approximated GELU of every value (`kernels::gelu_tanh_tensor`).
+    GeluTanh,
+    /// `r + (x W^T + b)`, `r` shaped like the output (a residual connection).
+    Add(&'a Tensor),
+}
+
 /// A dense layer `y = x W^T + b` whose CPU f32 forward needs no separate bias pass (candle's
 /// broadcast add cost a third of a vision linear's time) and no per-call copy of the weights.
 /// The weights are kept in one of two layouts, chosen at load:
@@ -298,19 +312,33 @@ impl Dense {
 
     /// `x`: [..., in] -> [..., out].
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if let Some(y) = self.forward_cpu_f32(x)? {
+        self.forward_then(x, Then::Nothing)
+    }
+
+    /// `then` applied to `forward(x)`.
+    pub fn forward_then(&self, x: &Tensor, then: Then<'_>) -> Result<Tensor> {
+        if let Some(y) = self.forward_cpu_f32(x, then)? {
             return Ok(y);
         }
         let w_t = self.w_t()?;
         let y = if x.rank() == 2 { x.matmul(&w_t)? } else { x.broadcast_matmul(&w_t)? };
-        Ok(match &self.bias {
+        let y = match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
+        };
+        Ok(match then {
+            Then::Nothing => y,
+            Then::GeluTanh => crate::kernels::gelu_tanh_tensor(y)?,
+            Then::Add(r) => (r + y)?,
         })
     }
 
-    fn forward_cpu_f32(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        let all_f32 = [Some(x), Some(&self.w), self.bias.as_ref()]
+    fn forward_cpu_f32(&self, x: &Tensor, then: Then<'_>) -> Result<Option<Tensor>> {
+        let residual = match then {
+            Then::Add(r) => Some(r),
+            _ => None,
+        };
+        let all_f32 = [Some(x), Some(&self.w), self.bias.as_ref(), residual]
             .iter()
             .flatten()
             .all(|t| t.device().is_cpu() && t.dtype() == DType::F32);
@@ -325,9 +353,26 @@ impl Dense {
         let m = x.elem_count() / k;
         let mut shape = dims;
         *shape.last_mut().unwrap() = n;
+        if let Some(r) = residual {
+            if r.dims() != shape {
+                return Err(Error::Shape {
+                    layer: "Dense",
+                    message: format!("residual {:?} for an output of {shape:?}", r.dims()),
+                });
+            }
+        }
         if m == 0 || n == 0 {
             return Ok(Some(Tensor::zeros(shape, DType::F32, x.device())?));
         }
+        let residual = residual.map(|r| r.contiguous()).transpose()?;
+        let residual_storage = residual.as_ref().map(|r| r.storage_and_layout());
+        let residual_rows = match &residual_storage {
+            Some((rs, rl)) => match cpu_f32(rs) {
+                Some(rs) => Some(&rs[rl.start_offset()..rl.start_offset() + m * n]),
+                None => return Ok(None),
+            },
+            None => None,
+        };
         let x = x.contiguous()?;
         let w = self.w.contiguous()?;
         let bias = self.bias.as_ref().map(|b| b.contiguous()).transpose()?;
@@ -365,12 +410,29 @@ impl Dense {
             for item in items {
                 let (r0, c0) = ((item / col_tiles) * rb, (item % col_tiles) * cb);
                 let (r1, c1) = ((r0 + rb).min(m), (c0 + cb).min(n));
+                // `then` on the tile's rows once the tile is done.
+                let finish = || {
+                    for r in r0..r1 {
+                        // SAFETY: this item's rows r0..r1, columns c0..c1, written above.
+                        let row = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(r * n + c0), c1 - c0) };
+                        match (then, residual_rows) {
+                            (Then::GeluTanh, _) => crate::kernels::gelu_tanh_slice(row),
+                            (Then::Add(_), Some(res)) => {
+                                for (y, a) in row.iter_mut().zip(&res[r * n + c0..r * n + c1]) {
+                                    *y += *a;
+                                }
+                            }
+                            _ => {}
+                        }
+                    }
+                };
                 if self.panels {
                     // SAFETY: as below; `forward_cpu_f32` checked `panels::available()`.
                     #[cfg(target_arch = "x86_64")]
                     unsafe {
                         crate::panels::tile(xs, k, ws, n, bias_row.as_deref(), out_ptr.get(), (r0, r1), (c0, c1))
                     };
+                    finish();
                     continue;
                 }
                 // SAFETY: this item owns rows r0..r1, columns c0..c1 of the output; `out` has room
@@ -404,6 +466,7 @@ impl Dense {
                         gemm::Parallelism::None,
                     );
                 }
+                finish();
             }
         });
         // SAFETY: every tile was written above (the panels' blocks, a bias copy then gemm, or
@@ -756,6 +819,48 @@ mod tests {
         assert_eq!(dense.forward(&Tensor::zeros((0, k), DType::F32, &Device::Cpu).unwrap()).unwrap().dims(), [0, n]);
         assert_eq!(dense.forward(&Tensor::zeros((5, k), DType::F32, &Device::Cpu).unwrap()).unwrap().dims(), [5, n]);
         assert!(dense.forward(&Tensor::zeros((2, k + 1), DType::F32, &Device::Cpu).unwrap()).is_err());
+    }
+
+    #[test]
+    fn forward_then_equals_the_separate_ops_exactly() {
+        // The GELU and the residual sum taken per output tile give the same bits as the ops
+        // after the product, for both weight layouts, over column and row blocks.
+        let (k, n) = (70, 300);
+        let w = crate::testing::randn(121, 0.1, (n, k)).unwrap();
+        let b = crate::testing::randn(122, 1.0, n).unwrap();
+        for (rows, panels) in [(37, false), (37, true), (2100, false), (2100, true)] {
+            let dense = Dense::from_linear_as(&Linear::new(w.clone(), Some(b.clone())), panels).unwrap();
+            let x = crate::testing::randn(123, 1.0, (rows, k)).unwrap();
+            let r = crate::testing::randn(124, 1.0, (rows, n)).unwrap();
+            let y = dense.forward(&x).unwrap();
+            let gelu = crate::kernels::gelu_tanh_tensor(y.copy().unwrap()).unwrap();
+            let sum = (&r + &y).unwrap();
+            for (then, want) in [(Then::GeluTanh, &gelu), (Then::Add(&r), &sum), (Then::Nothing, &y)] {
+                let got = dense.forward_then(&x, then).unwrap();
+                assert_eq!(got.dims(), want.dims());
+                let (got, want) = (
+                    got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
+                assert!(
+                    got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{then:?}, {rows} rows, panels {panels}"
+                );
+            }
+            // The residual's shape is checked.
+            let wrong = Tensor::zeros((rows, n + 1), DType::F32, &Device::Cpu).unwrap();
+            let err = dense.forward_then(&x, Then::Add(&wrong)).unwrap_err().to_string();
+            assert!(err.contains("residual"), "{err}");
+        }
+        // Off the fused path (bf16 here) the ops run after the product.
+        let dense = Dense::from_linear_as(&Linear::new(w.to_dtype(DType::BF16).unwrap(), None), false).unwrap();
+        let x = crate::testing::randn(125, 1.0, (5, k)).unwrap().to_dtype(DType::BF16).unwrap();
+        let r = crate::testing::randn(126, 1.0, (5, n)).unwrap().to_dtype(DType::BF16).unwrap();
+        let want = (&r + dense.forward(&x).unwrap()).unwrap();
+        let got = dense.forward_then(&x, Then::Add(&r)).unwrap();
+        assert_eq!(got.dtype(), DType::BF16);
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        assert_eq!(max_diff(&f32(&got), &f32(&want)), 0.0);
     }
 
     #[test]

@@ -9,7 +9,7 @@
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{LayerNorm, Linear, VarBuilder};
 use vl_nn::grid::{bilinear_taps_block_major, block_major_positions, cumulative};
-use vl_nn::linear::Dense;
+use vl_nn::linear::{Dense, Then};
 use vl_nn::{PatchMerger, SegmentRotaryAttention, TwoAxisRope};
 
 use super::config::VisionConfig;
@@ -78,10 +78,11 @@ impl VisionBlock {
     }
 
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cu: &[usize]) -> Result<Tensor> {
-        let x = (x + self.attn.forward(&self.norm1.forward(x)?, cos, sin, cu)?)?;
-        let h = vl_nn::kernels::gelu_tanh_tensor(self.fc1.forward(&self.norm2.forward(&x)?)?)?;
-        let mlp = self.fc2.forward(&h)?;
-        Ok((x + mlp)?)
+        // The GELU and both residual sums are taken by the linears as they write their output
+        // tiles (`Then`), not in passes of their own.
+        let x = self.attn.forward_add(&self.norm1.forward(x)?, cos, sin, cu, x)?;
+        let h = self.fc1.forward_then(&self.norm2.forward(&x)?, Then::GeluTanh)?;
+        Ok(self.fc2.forward_then(&h, Then::Add(&x))?)
     }
 }
 
