@@ -317,6 +317,18 @@ impl Dense {
 
     /// `then` applied to `forward(x)`.
     pub fn forward_then(&self, x: &Tensor, then: Then<'_>) -> Result<Tensor> {
+        if let Then::Add(r) = then {
+            let mut shape = x.dims().to_vec();
+            if let Some(last) = shape.last_mut() {
+                *last = self.dims.1;
+            }
+            if r.dims() != shape {
+                return Err(Error::Shape {
+                    layer: "Dense",
+                    message: format!("residual {:?} for an output of {shape:?}", r.dims()),
+                });
+            }
+        }
         if let Some(y) = self.forward_cpu_f32(x, then)? {
             return Ok(y);
         }
@@ -353,14 +365,6 @@ impl Dense {
         let m = x.elem_count() / k;
         let mut shape = dims;
         *shape.last_mut().unwrap() = n;
-        if let Some(r) = residual {
-            if r.dims() != shape {
-                return Err(Error::Shape {
-                    layer: "Dense",
-                    message: format!("residual {:?} for an output of {shape:?}", r.dims()),
-                });
-            }
-        }
         if m == 0 || n == 0 {
             return Ok(Some(Tensor::zeros(shape, DType::F32, x.device())?));
         }
