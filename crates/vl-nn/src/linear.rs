@@ -310,6 +310,15 @@ impl Dense {
             .contiguous()?)
     }
 
+    /// The output's dims for an input `x`: its own, the last one `out`.
+    fn out_dims(&self, x: &Tensor) -> Vec<usize> {
+        let mut dims = x.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = self.dims.1;
+        }
+        dims
+    }
+
     /// `x`: [..., in] -> [..., out].
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_then(x, Then::Nothing)
@@ -318,10 +327,7 @@ impl Dense {
     /// `then` applied to `forward(x)`.
     pub fn forward_then(&self, x: &Tensor, then: Then<'_>) -> Result<Tensor> {
         if let Then::Add(r) = then {
-            let mut shape = x.dims().to_vec();
-            if let Some(last) = shape.last_mut() {
-                *last = self.dims.1;
-            }
+            let shape = self.out_dims(x);
             if r.dims() != shape {
                 return Err(Error::Shape {
                     layer: "Dense",
@@ -363,19 +369,25 @@ impl Dense {
             return Err(Error::Shape { layer: "Dense", message: format!("input {dims:?} for {k} input features") });
         }
         let m = x.elem_count() / k;
-        let mut shape = dims;
-        *shape.last_mut().unwrap() = n;
+        let shape = self.out_dims(x);
         if m == 0 || n == 0 {
             return Ok(Some(Tensor::zeros(shape, DType::F32, x.device())?));
         }
         let residual = residual.map(|r| r.contiguous()).transpose()?;
         let residual_storage = residual.as_ref().map(|r| r.storage_and_layout());
-        let residual_rows = match &residual_storage {
-            Some((rs, rl)) => match cpu_f32(rs) {
-                Some(rs) => Some(&rs[rl.start_offset()..rl.start_offset() + m * n]),
+        // What each tile gets once written: the GELU, or its rows of the residual to add.
+        enum Tail<'s> {
+            Gelu,
+            Add(&'s [f32]),
+        }
+        let tail = match (then, &residual_storage) {
+            (Then::Nothing, _) => None,
+            (Then::GeluTanh, _) => Some(Tail::Gelu),
+            (Then::Add(_), Some((rs, rl))) => match cpu_f32(rs) {
+                Some(rs) => Some(Tail::Add(&rs[rl.start_offset()..rl.start_offset() + m * n])),
                 None => return Ok(None),
             },
-            None => None,
+            (Then::Add(_), None) => unreachable!("the residual is taken from `then` above"),
         };
         let x = x.contiguous()?;
         let w = self.w.contiguous()?;
@@ -416,17 +428,17 @@ impl Dense {
                 let (r1, c1) = ((r0 + rb).min(m), (c0 + cb).min(n));
                 // `then` on the tile's rows once the tile is done.
                 let finish = || {
+                    let Some(tail) = &tail else { return };
                     for r in r0..r1 {
                         // SAFETY: this item's rows r0..r1, columns c0..c1, written above.
                         let row = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(r * n + c0), c1 - c0) };
-                        match (then, residual_rows) {
-                            (Then::GeluTanh, _) => crate::kernels::gelu_tanh_slice(row),
-                            (Then::Add(_), Some(res)) => {
+                        match tail {
+                            Tail::Gelu => crate::kernels::gelu_slice(row),
+                            Tail::Add(res) => {
                                 for (y, a) in row.iter_mut().zip(&res[r * n + c0..r * n + c1]) {
                                     *y += *a;
                                 }
                             }
-                            _ => {}
                         }
                     }
                 };
