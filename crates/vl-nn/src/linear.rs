@@ -412,79 +412,105 @@ impl Dense {
         };
         let mut out: Vec<f32> = Vec::with_capacity(m * n);
         let out_ptr = SendPtr(out.as_mut_ptr());
-        // Tiles of the output (row blocks x column blocks) on candle's pool, each one
-        // single-threaded `gemm` starting from the bias rows: a thread packs only its own slice of
-        // W^T, and no second (rayon) pool spins beside candle's on the same cores. About four
-        // tiles per thread; up to 1024 rows, column blocks only (a tile over fewer rows would
-        // pack its W^T slice for too little work), beyond that row blocks of about 1024 rows
-        // and wider column blocks (4096 rows, 2 threads: 4 x 2 tiles, 7% faster than 1 x 8 on
-        // a Zen 3 with AVX2, `tools/bench/linear-side-by-side`).
+        // `then` on rows r0..r1, columns c0..c1 of the output once they are written.
+        let finish = |(r0, r1): (usize, usize), (c0, c1): (usize, usize)| {
+            let Some(tail) = &tail else { return };
+            for r in r0..r1 {
+                // SAFETY: the calling item's rows and columns, written by it just before.
+                let row = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(r * n + c0), c1 - c0) };
+                match tail {
+                    Tail::Gelu => crate::kernels::gelu_slice(row),
+                    Tail::Add(res) => {
+                        for (y, a) in row.iter_mut().zip(&res[r * n + c0..r * n + c1]) {
+                            *y += *a;
+                        }
+                    }
+                }
+            }
+        };
         let threads = candle_core::utils::get_num_threads().max(1);
-        let (rb, cb) = if self.panels { panel_tiles(m, n, k, threads) } else { dense_tiles(m, n, threads) };
-        let col_tiles = n.div_ceil(cb);
-        candle_core::utils::barrier_pool().execute_chunked(m.div_ceil(rb) * col_tiles, |items| {
-            for item in items {
-                let (r0, c0) = ((item / col_tiles) * rb, (item % col_tiles) * cb);
-                let (r1, c1) = ((r0 + rb).min(m), (c0 + cb).min(n));
-                // `then` on the tile's rows once the tile is done.
-                let finish = || {
-                    let Some(tail) = &tail else { return };
-                    for r in r0..r1 {
-                        // SAFETY: this item's rows r0..r1, columns c0..c1, written above.
-                        let row = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(r * n + c0), c1 - c0) };
-                        match tail {
-                            Tail::Gelu => crate::kernels::gelu_slice(row),
-                            Tail::Add(res) => {
-                                for (y, a) in row.iter_mut().zip(&res[r * n + c0..r * n + c1]) {
-                                    *y += *a;
-                                }
+        if self.panels {
+            // Chunks of rows packed for the micro-kernel (at most 8 MiB at a time, shared by
+            // every tile of the chunk), then the chunk's tiles on candle's pool.
+            #[cfg(target_arch = "x86_64")]
+            {
+                use crate::panels;
+                let chunk = panels::chunk_rows(m, k);
+                let mut packed = Vec::new();
+                let mut c_row = 0;
+                while c_row < m {
+                    let rows = chunk.min(m - c_row);
+                    panels::pack_rows(&xs[c_row * k..(c_row + rows) * k], rows, k, &mut packed);
+                    let (rb, cb) = panel_tiles(rows, n, k, threads);
+                    let col_tiles = n.div_ceil(cb);
+                    // SAFETY: c_row < m, inside the m x n output.
+                    let y = SendPtr(unsafe { out_ptr.get().add(c_row * n) });
+                    let packed = &packed[..];
+                    candle_core::utils::barrier_pool().execute_chunked(rows.div_ceil(rb) * col_tiles, |items| {
+                        for item in items {
+                            let (r0, c0) = ((item / col_tiles) * rb, (item % col_tiles) * cb);
+                            let (r1, c1) = ((r0 + rb).min(rows), (c0 + cb).min(n));
+                            // SAFETY: this item owns rows r0..r1 (of the chunk), columns c0..c1 of
+                            // the output, which has room for m rows of n; `forward_cpu_f32`
+                            // checked `panels::available()`; r0 is a multiple of the group.
+                            unsafe {
+                                panels::tile(packed, rows, k, ws, n, bias_row.as_deref(), y.get(), (r0, r1), (c0, c1))
+                            };
+                            finish((c_row + r0, c_row + r1), (c0, c1));
+                        }
+                    });
+                    c_row += rows;
+                }
+            }
+        } else {
+            // Tiles of the output (row blocks x column blocks) on candle's pool, each one
+            // single-threaded `gemm` starting from the bias rows: a thread packs only its own
+            // slice of W^T, and no second (rayon) pool spins beside candle's on the same cores.
+            // About four tiles per thread; up to 1024 rows, column blocks only (a tile over fewer
+            // rows would pack its W^T slice for too little work), beyond that row blocks of about
+            // 1024 rows and wider column blocks (4096 rows, 2 threads: 4 x 2 tiles, 7% faster
+            // than 1 x 8 on a Zen 3 with AVX2, `tools/bench/linear-side-by-side`).
+            let (rb, cb) = dense_tiles(m, n, threads);
+            let col_tiles = n.div_ceil(cb);
+            candle_core::utils::barrier_pool().execute_chunked(m.div_ceil(rb) * col_tiles, |items| {
+                for item in items {
+                    let (r0, c0) = ((item / col_tiles) * rb, (item % col_tiles) * cb);
+                    let (r1, c1) = ((r0 + rb).min(m), (c0 + cb).min(n));
+                    // SAFETY: this item owns rows r0..r1, columns c0..c1 of the output; `out` has
+                    // room for m rows of n (its elements are written here before `set_len` below).
+                    unsafe {
+                        let dst = out_ptr.get().add(r0 * n + c0);
+                        if let Some(row) = &bias_row {
+                            for r in 0..r1 - r0 {
+                                std::ptr::copy_nonoverlapping(row[c0..c1].as_ptr(), dst.add(r * n), c1 - c0);
                             }
                         }
+                        gemm::gemm(
+                            r1 - r0,
+                            c1 - c0,
+                            k,
+                            dst,
+                            1,
+                            n as isize,
+                            bias_row.is_some(),
+                            xs.as_ptr().add(r0 * k),
+                            1,
+                            k as isize,
+                            ws.as_ptr().add(c0),
+                            1,
+                            n as isize,
+                            1.0,
+                            1.0,
+                            false,
+                            false,
+                            false,
+                            gemm::Parallelism::None,
+                        );
                     }
-                };
-                if self.panels {
-                    // SAFETY: as below; `forward_cpu_f32` checked `panels::available()`.
-                    #[cfg(target_arch = "x86_64")]
-                    unsafe {
-                        crate::panels::tile(xs, k, ws, n, bias_row.as_deref(), out_ptr.get(), (r0, r1), (c0, c1))
-                    };
-                    finish();
-                    continue;
+                    finish((r0, r1), (c0, c1));
                 }
-                // SAFETY: this item owns rows r0..r1, columns c0..c1 of the output; `out` has room
-                // for m rows of n (its elements are written here before `set_len` below).
-                unsafe {
-                    let dst = out_ptr.get().add(r0 * n + c0);
-                    if let Some(row) = &bias_row {
-                        for r in 0..r1 - r0 {
-                            std::ptr::copy_nonoverlapping(row[c0..c1].as_ptr(), dst.add(r * n), c1 - c0);
-                        }
-                    }
-                    gemm::gemm(
-                        r1 - r0,
-                        c1 - c0,
-                        k,
-                        dst,
-                        1,
-                        n as isize,
-                        bias_row.is_some(),
-                        xs.as_ptr().add(r0 * k),
-                        1,
-                        k as isize,
-                        ws.as_ptr().add(c0),
-                        1,
-                        n as isize,
-                        1.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
-                finish();
-            }
-        });
+            });
+        }
         // SAFETY: every tile was written above (the panels' blocks, a bias copy then gemm, or
         // gemm with read_dst false, which writes its whole destination).
         unsafe { out.set_len(m * n) };
@@ -500,7 +526,7 @@ impl Dense {
 /// 164-172 GFLOP/s (`dense_tiles`' 1024-row tiles, 1536-2048 columns wide) to 186-189.
 fn panel_tiles(m: usize, n: usize, k: usize, threads: usize) -> (usize, usize) {
     const W: usize = crate::panels::WIDTH;
-    let rows = m.div_ceil(m.div_ceil(2048));
+    let rows = m.div_ceil(m.div_ceil(2046)).next_multiple_of(crate::panels::GROUP);
     let row_blocks = m.div_ceil(rows);
     let mut cols = ((4 << 20) / (4 * k)).clamp(4 * W, 512) / W * W;
     while row_blocks * n.div_ceil(cols) < 2 * threads && cols > 4 * W {
@@ -743,6 +769,7 @@ mod tests {
         {
             let (rows, cols) = panel_tiles(m, n, k, threads);
             assert!(rows >= 1 && rows <= 2048 && cols >= 1 && cols <= n, "{m}x{n}x{k}: {rows}x{cols}");
+            assert_eq!(rows % crate::panels::GROUP, 0, "{m}x{n}x{k}: tiles start on a packed group");
             assert!(cols == n || cols % crate::panels::WIDTH == 0, "{m}x{n}x{k}: {cols} columns");
             assert!(
                 cols * k * 4 <= 4 << 20 || cols <= 4 * crate::panels::WIDTH,
@@ -753,6 +780,29 @@ mod tests {
                 tiles >= (2 * threads).min(n.div_ceil(4 * crate::panels::WIDTH) * m.div_ceil(2048)),
                 "{m}x{n}x{k}: {tiles} tiles"
             );
+        }
+    }
+
+    #[test]
+    fn panels_span_several_packed_chunks() {
+        // 4096 features: chunks of at most 510 rows, so 1030 rows take three (348, 348 and 334,
+        // which ends on a group of 4); 36 outputs: two full panels and a ragged one; the GELU
+        // taken per tile.
+        let (k, n, rows) = (4096, 36, 1030);
+        assert_eq!(crate::panels::chunk_rows(rows, k), 348);
+        let w = crate::testing::randn(121, 0.02, (n, k)).unwrap();
+        let b = crate::testing::randn(122, 1.0, n).unwrap();
+        let x = crate::testing::randn(123, 1.0, (rows, k)).unwrap();
+        let (wv, bv, xv) =
+            (w.to_vec2::<f32>().unwrap(), b.to_vec1::<f32>().unwrap(), x.to_vec2::<f32>().unwrap());
+        let dense = Dense::from_linear_as(&Linear::new(w, Some(b)), true).unwrap();
+        let got = dense.forward_then(&x, Then::GeluTanh).unwrap().to_vec2::<f32>().unwrap();
+        for r in 0..rows {
+            for c in 0..n {
+                let u = (0..k).map(|i| xv[r][i] as f64 * wv[c][i] as f64).sum::<f64>() + bv[c] as f64;
+                let want = 0.5 * u * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (u + 0.044715 * u * u * u)).tanh());
+                assert!((got[r][c] as f64 - want).abs() < 1e-4, "[{r}, {c}]: {} vs {want}", got[r][c]);
+            }
         }
     }
 

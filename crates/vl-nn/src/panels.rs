@@ -23,6 +23,45 @@ const ROW_BLOCK: usize = 48;
 /// on the Zen 3, 256- and 512-feature passes ran at 180-187 GFLOP/s against 192.
 const K_BLOCK: usize = 4096;
 
+/// Rows of activations per packed group: the micro-kernel's rows of accumulators.
+pub const GROUP: usize = 6;
+
+/// Bytes of packed activations at most per chunk of rows (`chunk_rows`).
+const CHUNK_BYTES: usize = 8 << 20;
+
+/// Rows of `m` (each of `k` features) packed at once: whole groups, chunks of at most
+/// `CHUNK_BYTES` (at least `ROW_BLOCK`'s 48 rows), equal in size.
+pub fn chunk_rows(m: usize, k: usize) -> usize {
+    let cap = (CHUNK_BYTES / (4 * k.max(1))).max(48) / GROUP * GROUP;
+    m.div_ceil(m.div_ceil(cap)).next_multiple_of(GROUP)
+}
+
+/// `x`: `rows` rows of `k` features, row-major, into `dst` (refilled with `rows * k` floats) as
+/// the panels' micro-kernel reads them: group g (rows 6g..6g+r, r = 6 or what is left) at
+/// `6g * k`, feature by feature, its r rows' values side by side. Parallel over groups on
+/// candle's pool.
+pub fn pack_rows(x: &[f32], rows: usize, k: usize, dst: &mut Vec<f32>) {
+    assert!(x.len() >= rows * k, "pack_rows: {} floats for {rows} rows of {k}", x.len());
+    dst.clear();
+    dst.reserve(rows * k);
+    let ptr = crate::kernels::SendPtr(dst.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(rows.div_ceil(GROUP), |groups| {
+        for g in groups {
+            let r0 = g * GROUP;
+            let r = GROUP.min(rows - r0);
+            for j in 0..r {
+                for (i, v) in x[(r0 + j) * k..][..k].iter().enumerate() {
+                    // SAFETY: group g's floats, r0 * k .. (r0 + r) * k, inside the reserved
+                    // capacity, belong to this work item.
+                    unsafe { ptr.get().add(r0 * k + i * r + j).write(*v) };
+                }
+            }
+        }
+    });
+    // SAFETY: the groups cover rows * k floats, each written once above.
+    unsafe { dst.set_len(rows * k) };
+}
+
 /// Whether this CPU can run the panel kernel (x86_64 with AVX2 and FMA).
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -64,8 +103,9 @@ pub fn pack<T: Copy + Default + Send + Sync>(w: &[T], n: usize, k: usize) -> Vec
     dst
 }
 
-/// Rows `r0..r1`, columns `c0..c1` (`c0` a multiple of 16) of `y = x W^T + b`, `y` row-major
-/// with `n` columns; `x`: [rows, k]; `panels` from `pack`. Single-threaded.
+/// Rows `r0..r1`, columns `c0..c1` (`c0` a multiple of 16, `r0` of `GROUP`) of
+/// `y = x W^T + b`, `y` row-major with `n` columns; `a`: the rows of x (all `rows` of them, from
+/// row 0 of `y`) packed by `pack_rows`; `panels` from `pack`. Single-threaded.
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA (`available()`); `y` has room for `r1` rows of `n`; no other thread
@@ -74,7 +114,8 @@ pub fn pack<T: Copy + Default + Send + Sync>(w: &[T], n: usize, k: usize) -> Vec
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn tile(
-    x: &[f32],
+    a: &[f32],
+    rows: usize,
     k: usize,
     panels: &[f32],
     n: usize,
@@ -83,10 +124,10 @@ pub unsafe fn tile(
     (r0, r1): (usize, usize),
     (c0, c1): (usize, usize),
 ) {
-    debug_assert!(c0 % WIDTH == 0 && c1 <= n && x.len() >= r1 * k);
+    debug_assert!(c0 % WIDTH == 0 && c1 <= n && r0 % GROUP == 0 && r1 <= rows && a.len() >= rows * k);
     debug_assert!(panels.len() >= n.div_ceil(WIDTH) * k * WIDTH);
     // A ragged last panel goes through this [6][16] buffer.
-    let mut spare = [0f32; 6 * WIDTH];
+    let mut spare = [0f32; GROUP * WIDTH];
     let mut k0 = 0;
     while k0 < k {
         let kc = K_BLOCK.min(k - k0);
@@ -101,29 +142,32 @@ pub unsafe fn tile(
                 let b = bias.map(|b| b[col..col + cols].as_ptr());
                 let mut r = rb;
                 while r < re {
-                    let rows = 6.min(re - r);
-                    let xr = x.as_ptr().add(r * k + k0);
+                    // The group's packed rows (all of them, even past `re`) from feature k0.
+                    let group = GROUP.min(rows - r);
+                    let xr = a.as_ptr().add(r * k + k0 * group);
                     let (dst, ldc) = if cols == WIDTH { (y.add(r * n + col), n) } else { (spare.as_mut_ptr(), WIDTH) };
+                    let take = GROUP.min(re - r);
                     if cols < WIDTH && !first {
-                        for i in 0..rows {
+                        for i in 0..take {
                             std::ptr::copy_nonoverlapping(y.add((r + i) * n + col), dst.add(i * WIDTH), cols);
                         }
                     }
                     let start = Start { bias: b, cols, first };
-                    match rows {
-                        6 => block::<6>(xr, k, w, kc, dst, ldc, start),
-                        5 => block::<5>(xr, k, w, kc, dst, ldc, start),
-                        4 => block::<4>(xr, k, w, kc, dst, ldc, start),
-                        3 => block::<3>(xr, k, w, kc, dst, ldc, start),
-                        2 => block::<2>(xr, k, w, kc, dst, ldc, start),
-                        _ => block::<1>(xr, k, w, kc, dst, ldc, start),
+                    debug_assert!(take == group, "a row block ends on a group's end");
+                    match group {
+                        6 => block::<6>(xr, w, kc, dst, ldc, start),
+                        5 => block::<5>(xr, w, kc, dst, ldc, start),
+                        4 => block::<4>(xr, w, kc, dst, ldc, start),
+                        3 => block::<3>(xr, w, kc, dst, ldc, start),
+                        2 => block::<2>(xr, w, kc, dst, ldc, start),
+                        _ => block::<1>(xr, w, kc, dst, ldc, start),
                     }
                     if cols < WIDTH {
-                        for i in 0..rows {
+                        for i in 0..take {
                             std::ptr::copy_nonoverlapping(dst.add(i * WIDTH), y.add((r + i) * n + col), cols);
                         }
                     }
-                    r += rows;
+                    r += take;
                 }
                 col += WIDTH;
             }
@@ -144,13 +188,13 @@ struct Start {
     first: bool,
 }
 
-/// `c[r][0..16] (+)= sum_i x[r][i] w[i][0..16]` for `R` rows over `kc` input features.
+/// `c[r][0..16] (+)= sum_i x[i][r] w[i][0..16]` for `R` rows over `kc` input features, `x`
+/// packed `R` values to a feature.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn block<const R: usize>(
     x: *const f32,
-    ldx: usize,
     w: *const f32,
     kc: usize,
     c: *mut f32,
@@ -168,13 +212,44 @@ unsafe fn block<const R: usize>(
         [avx2::load::<1>(row.as_ptr(), 0)[0]; R]
     };
     // Over the input features: a weight row of the panel against the R rows' i-th activations.
-    avx2::accumulate(&mut acc, kc, w, WIDTH, x, 1, ldx);
+    avx2::accumulate_packed(&mut acc, kc, w, x);
     avx2::store(&acc, c, ldc);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn chunks_are_whole_groups_within_the_bound_and_cover_the_rows() {
+        for (m, k) in [(1, 1), (5, 3), (784, 1024), (784, 4096), (4096, 1024), (4096, 4096), (16384, 1024), (100, 1 << 20)] {
+            let c = chunk_rows(m, k);
+            assert_eq!(c % GROUP, 0, "{m}x{k}: {c}");
+            assert!(c * k * 4 <= CHUNK_BYTES || c <= 48, "{m}x{k}: {c} rows of {k}");
+            assert!(c < m + GROUP, "{m}x{k}: {c}");
+        }
+        assert_eq!(chunk_rows(784, 1024), 786);
+        // Two equal chunks, not 510 rows and 274.
+        assert_eq!(chunk_rows(784, 4096), 396);
+    }
+
+    #[test]
+    fn packed_rows_are_groups_of_six_feature_by_feature() {
+        let (rows, k) = (8, 3);
+        let x: Vec<f32> = (0..rows * k).map(|i| i as f32).collect();
+        let mut dst = vec![-1.0; 2];
+        pack_rows(&x, rows, k, &mut dst);
+        assert_eq!(dst.len(), rows * k);
+        // Group 0: rows 0..6, feature by feature; group 1: rows 6 and 7.
+        for i in 0..k {
+            for j in 0..6 {
+                assert_eq!(dst[i * 6 + j], x[j * k + i], "group 0, feature {i}, row {j}");
+            }
+            for j in 0..2 {
+                assert_eq!(dst[6 * k + i * 2 + j], x[(6 + j) * k + i], "group 1, feature {i}, row {j}");
+            }
+        }
+    }
 
     #[test]
     fn pack_puts_each_output_column_in_its_panel_lane() {
