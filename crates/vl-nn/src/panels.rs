@@ -1,12 +1,14 @@
 //! Dense f32 products for AVX2 CPUs over weights packed once, at load, in 16-column panels.
 //!
 //! `y = x W^T + b` with W stored as `[ceil(out / 16), in, 16]`: panel p holds output columns
-//! 16p..16p+16 for every input feature, so the micro-kernel loads each weight row of a panel as
-//! two AVX2 vectors, broadcasts the activations straight from their rows (no per-call packing of
-//! either operand, which `gemm` does), and keeps 6 rows x 16 columns of accumulators, started
-//! from the bias. A ragged last panel is zero-padded and its spare columns never stored.
-//! On a Zen 3 (2 threads, 784 rows) the tower's shapes ran at 188-193 GFLOP/s against
-//! `gemm`'s 155-179 through `Dense` (see docs/performance.md).
+//! 16p..16p+16 for every input feature. The activations are packed per call in chunks of rows
+//! (`pack_rows`: groups of 6 rows side by side, feature by feature), once for every column tile
+//! of the chunk, so the micro-kernel reads both operands at constant offsets from two pointers:
+//! each weight row of a panel as two AVX2 vectors against 6 broadcast activations, 6 rows x 16
+//! columns of accumulators started from the bias. A ragged last panel is zero-padded and its
+//! spare columns never stored. On this session's Xeon core (AVX2 code, 2 threads) the tower's
+//! shapes run at 165-194 GFLOP/s, 80-90% of the FMA peak; on a Zen 3 the unpacked version ran at
+//! 188-193 against `gemm`'s 155-179 (see docs/performance.md).
 
 /// Output columns per panel: two AVX2 registers of f32.
 pub const WIDTH: usize = 16;
