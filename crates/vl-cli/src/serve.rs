@@ -93,6 +93,8 @@ struct Job {
     queued: Instant,
 }
 
+/// One `Done` per request, after its texts: its size is no concern.
+#[allow(clippy::large_enum_variant)]
 enum Msg {
     Text(String),
     Done(std::result::Result<Completion, ApiError>),
@@ -153,7 +155,7 @@ struct Metrics {
 
 impl Metrics {
     fn new() -> Self {
-        let buckets = || Histogram::new([0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0].into_iter());
+        let buckets = || Histogram::new([0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]);
         let m = Self {
             registry: Registry::with_prefix("vl"),
             requests: Family::default(),

@@ -47,6 +47,8 @@ fn run_vl(args: &[&str], out: Out) -> Outcome {
         Out::Full => Stdio::from(std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap()),
         _ => Stdio::piped(),
     };
+    // Reaped below by wait4, for its rusage (clippy sees no `wait()`).
+    #[allow(clippy::zombie_processes)]
     let mut child = Command::new(env!("CARGO_BIN_EXE_vl"))
         .args(args)
         .env("HF_HOME", home.path())
@@ -276,7 +278,8 @@ fn absurd_config_values_are_refused_before_allocating() {
     use serde_json::json;
     let img = image("square.png");
     // (file, edits, needles); each also fails `inspect` with the same line.
-    let cases: Vec<(&str, Vec<(&str, serde_json::Value)>, Vec<&str>)> = vec![
+    type Case<'a> = (&'a str, Vec<(&'a str, serde_json::Value)>, Vec<&'a str>);
+    let cases: Vec<Case> = vec![
         (
             "config.json",
             vec![("/text_config/num_hidden_layers", json!(1_000_000_000u64))],

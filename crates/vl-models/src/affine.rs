@@ -26,7 +26,7 @@ pub fn dequantize(
     if !SUPPORTED_BITS.contains(&bits) {
         return Err(bad(format!("{bits} bits is not supported (2, 3, 4, 5, 6, 8)")));
     }
-    if group == 0 || cols % group != 0 || (cols * bits) % 32 != 0 {
+    if group == 0 || !cols.is_multiple_of(group) || !(cols * bits).is_multiple_of(32) {
         return Err(bad(format!("{cols} columns do not fit group size {group} at {bits} bits")));
     }
     let row_bytes = packed_cols(cols, bits) * 4;
@@ -87,7 +87,7 @@ mod tests {
     fn every_width_roundtrips_exactly() {
         for bits in SUPPORTED_BITS {
             let (rows, cols, group) = (3, 64, 32);
-            let vals: Vec<u32> = (0..rows * cols).map(|i| (i as u32 * 2654435761u32 >> 7) % (1 << bits)).collect();
+            let vals: Vec<u32> = (0..rows * cols).map(|i| ((i as u32 * 2654435761u32) >> 7) % (1 << bits)).collect();
             let mut packed = Vec::new();
             for r in 0..rows {
                 packed.extend(pack(&vals[r * cols..(r + 1) * cols], bits));

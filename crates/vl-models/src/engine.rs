@@ -280,6 +280,8 @@ fn feature_bytes(out: &VisionOutput) -> usize {
 }
 
 /// A video of a request: sampled and preprocessed before (from the clip cache), or to be decoded.
+/// One per video of a request, consumed at once: the fresh variant's size is no concern.
+#[allow(clippy::large_enum_variant)]
 enum Clip {
     Cached(ProcessedVideo),
     Fresh { src: VideoSource, proc: VideoProcessor, plan: VideoPlan, key: Option<[u8; 32]> },

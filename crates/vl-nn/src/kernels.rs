@@ -242,7 +242,7 @@ fn transpose_slice<T: Copy + Default + Send + Sync>(src: &[T], rows: usize, cols
 /// a sum, which materialize `taps` times the result.
 pub fn weighted_row_sum(table: &Tensor, idx: &[u32], weights: &[f32], taps: usize) -> candle_core::Result<Tensor> {
     let (rows, cols) = table.dims2()?;
-    if taps == 0 || idx.len() != weights.len() || idx.len() % taps != 0 {
+    if taps == 0 || idx.len() != weights.len() || !idx.len().is_multiple_of(taps) {
         candle_core::bail!("weighted_row_sum: {} indices and {} weights for {taps} taps", idx.len(), weights.len());
     }
     if let Some(&bad) = idx.iter().find(|&&i| i as usize >= rows) {

@@ -86,7 +86,7 @@ impl KvCache {
             self.v = Some(nv);
         }
         let (kb, vb) = (self.k.as_ref().unwrap(), self.v.as_ref().unwrap());
-        if let Some(old) = kb.dims().get(0) {
+        if let Some(old) = kb.dims().first() {
             if *old != heads || kb.dim(2)? != dim {
                 return Err(Error::Shape {
                     layer: "KvCache",

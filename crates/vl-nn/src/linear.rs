@@ -105,7 +105,9 @@ pub fn quantize_rows(w: &Tensor, q: QuantType) -> Result<QTensor> {
     let w = w.contiguous()?;
     let chunks = rows.div_ceil(QUANT_CHUNK_ROWS);
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let results: Vec<Result<Vec<(usize, Vec<u8>)>>> = std::thread::scope(|s| {
+    // Per thread: the (chunk index, quantized bytes) pairs it did.
+    type Chunks = Vec<(usize, Vec<u8>)>;
+    let results: Vec<Result<Chunks>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|_| {
                 s.spawn(|| {
@@ -154,7 +156,7 @@ pub fn quantize_rows(w: &Tensor, q: QuantType) -> Result<QTensor> {
 /// quantizer): chunks of rows on `threads` cores, written in place, no f32 copy of the weight.
 fn quantize_q4k_cpu(w: &Tensor, rows: usize, cols: usize, threads: usize) -> Result<QTensor> {
     use crate::quant::{q4k_row, Row, Q4K_BLOCK_BYTES, QK_K};
-    if cols % QK_K != 0 {
+    if !cols.is_multiple_of(QK_K) {
         return Err(Error::Shape { layer: "q4k", message: format!("row length {cols} is not a multiple of {QK_K}") });
     }
     let row_bytes = cols / QK_K * Q4K_BLOCK_BYTES;
@@ -768,7 +770,7 @@ mod tests {
             [(784, 3072, 1024, 2), (784, 1024, 1024, 2), (4096, 1024, 4096, 2), (196, 2048, 4096, 16), (5, 20, 3, 8)]
         {
             let (rows, cols) = panel_tiles(m, n, k, threads);
-            assert!(rows >= 1 && rows <= 2048 && cols >= 1 && cols <= n, "{m}x{n}x{k}: {rows}x{cols}");
+            assert!((1..=2048).contains(&rows) && cols >= 1 && cols <= n, "{m}x{n}x{k}: {rows}x{cols}");
             assert_eq!(rows % crate::panels::GROUP, 0, "{m}x{n}x{k}: tiles start on a packed group");
             assert!(cols == n || cols % crate::panels::WIDTH == 0, "{m}x{n}x{k}: {cols} columns");
             assert!(

@@ -325,7 +325,7 @@ impl Qwen3VlConfig {
             b.size("text_config.head_dim", hd, MAX_HEAD_DIM)?;
         }
         let head_dim = raw_text.head_dim.unwrap_or(raw_text.hidden_size / raw_text.num_attention_heads);
-        if head_dim == 0 || head_dim % 2 != 0 || head_dim > MAX_HEAD_DIM {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > MAX_HEAD_DIM {
             return Err(field_err(
                 "text_config.head_dim",
                 format!("{head_dim} must be even and in 2..={MAX_HEAD_DIM} (rotary pairs)"),
@@ -340,7 +340,7 @@ impl Qwen3VlConfig {
             ));
         }
         let kv_heads = raw_text.num_key_value_heads.unwrap_or(raw_text.num_attention_heads);
-        if kv_heads == 0 || kv_heads > MAX_HEADS || raw_text.num_attention_heads % kv_heads != 0 {
+        if kv_heads == 0 || kv_heads > MAX_HEADS || !raw_text.num_attention_heads.is_multiple_of(kv_heads) {
             return Err(field_err(
                 "text_config.num_key_value_heads",
                 format!("{kv_heads} does not divide num_attention_heads {}", raw_text.num_attention_heads),
@@ -493,7 +493,7 @@ pub(crate) fn validate_vision(v: &VisionConfig, t: &TextConfig, path: &Path) -> 
             format!("block {dup} is listed twice in {:?}", v.deepstack_visual_indexes),
         ));
     }
-    if v.num_heads == 0 || v.hidden_size % v.num_heads != 0 || v.head_dim() % 4 != 0 {
+    if v.num_heads == 0 || !v.hidden_size.is_multiple_of(v.num_heads) || !v.head_dim().is_multiple_of(4) {
         return Err(err(
             "vision_config.num_heads",
             format!("hidden_size {} / num_heads {} must give a head_dim divisible by 4", v.hidden_size, v.num_heads),

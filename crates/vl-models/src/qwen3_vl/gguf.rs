@@ -95,7 +95,7 @@ pub fn check_header(path: &Path) -> Result<()> {
             bad(path, format!("tensor {name}: dimensions {shape:?} larger than the file could hold"))
         })?;
         let block = dtype.block_size() as u64;
-        if row % block != 0 {
+        if !row.is_multiple_of(block) {
             return Err(bad(
                 path,
                 format!("tensor {name}: row of {row} values is not a multiple of the block {block}"),

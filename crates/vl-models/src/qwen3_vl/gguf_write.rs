@@ -71,7 +71,7 @@ impl Recipe {
 
 /// llama.cpp's fallback when a row does not fill the type's blocks.
 fn fallback(q: QuantType, cols: usize) -> Option<QuantType> {
-    if cols % q.block() == 0 {
+    if cols.is_multiple_of(q.block()) {
         return Some(q);
     }
     let alt = match q {
@@ -80,7 +80,7 @@ fn fallback(q: QuantType, cols: usize) -> Option<QuantType> {
         QuantType::Q6K | QuantType::Q8K => QuantType::Q8_0,
         _ => return None,
     };
-    (cols % alt.block() == 0).then_some(alt)
+    cols.is_multiple_of(alt.block()).then_some(alt)
 }
 
 fn f32_tensor(t: &Tensor) -> Result<QTensor> {

@@ -48,7 +48,7 @@ fn weight(
     q: Option<QuantLoad>,
 ) -> Result<(Tensor, Option<QuantType>)> {
     match q {
-        Some(q) if shape.1 % q.qtype.block() == 0 => {
+        Some(q) if shape.1.is_multiple_of(q.qtype.block()) => {
             Ok((vb.get_with_hints_dtype(shape, name, candle_nn::Init::Const(0.), q.read_as)?, Some(q.qtype)))
         }
         _ => Ok((vb.get(shape, name)?, None)),

@@ -392,7 +392,7 @@ pub fn linspace_round(stop: usize, n: usize) -> Vec<usize> {
 pub fn timestamps(indices: &[usize], source_fps: f64, temporal: usize) -> Vec<f64> {
     let mut idx = indices.to_vec();
     if let Some(&last) = idx.last() {
-        while idx.len() % temporal != 0 {
+        while !idx.len().is_multiple_of(temporal) {
             idx.push(last);
         }
     }
