@@ -32,14 +32,34 @@ pub(crate) unsafe fn accumulate<const N: usize>(
 ) {
     let mut lo: [__m256; N] = std::array::from_fn(|j| acc[j][0]);
     let mut hi: [__m256; N] = std::array::from_fn(|j| acc[j][1]);
-    for i in 0..len {
-        let a0 = _mm256_loadu_ps(a.add(i * a_step));
-        let a1 = _mm256_loadu_ps(a.add(i * a_step + 8));
+    // Unrolled by 4: a quarter of the loop's own adds and compares beside the FMAs.
+    let (mut a, mut b) = (a, b);
+    let mut i = 0;
+    while i + 4 <= len {
+        for u in 0..4 {
+            let a0 = _mm256_loadu_ps(a.add(u * a_step));
+            let a1 = _mm256_loadu_ps(a.add(u * a_step + 8));
+            for j in 0..N {
+                let s = _mm256_broadcast_ss(&*b.add(u * b_step + j * b_stride));
+                lo[j] = _mm256_fmadd_ps(a0, s, lo[j]);
+                hi[j] = _mm256_fmadd_ps(a1, s, hi[j]);
+            }
+        }
+        a = a.add(4 * a_step);
+        b = b.add(4 * b_step);
+        i += 4;
+    }
+    while i < len {
+        let a0 = _mm256_loadu_ps(a);
+        let a1 = _mm256_loadu_ps(a.add(8));
         for j in 0..N {
-            let s = _mm256_broadcast_ss(&*b.add(i * b_step + j * b_stride));
+            let s = _mm256_broadcast_ss(&*b.add(j * b_stride));
             lo[j] = _mm256_fmadd_ps(a0, s, lo[j]);
             hi[j] = _mm256_fmadd_ps(a1, s, hi[j]);
         }
+        a = a.add(a_step);
+        b = b.add(b_step);
+        i += 1;
     }
     for j in 0..N {
         acc[j] = [lo[j], hi[j]];
