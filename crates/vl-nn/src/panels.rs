@@ -51,6 +51,18 @@ pub fn pack_rows(x: &[f32], rows: usize, k: usize, dst: &mut Vec<f32>) {
         for g in groups {
             let r0 = g * GROUP;
             let r = GROUP.min(rows - r0);
+            if r == GROUP {
+                // A whole group: each feature's 6 values written side by side.
+                let src: [&[f32]; GROUP] = std::array::from_fn(|j| &x[(r0 + j) * k..][..k]);
+                // SAFETY: as below.
+                let out = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(r0 * k), GROUP * k) };
+                for (i, o) in out.chunks_exact_mut(GROUP).enumerate() {
+                    for j in 0..GROUP {
+                        o[j] = src[j][i];
+                    }
+                }
+                continue;
+            }
             for j in 0..r {
                 for (i, v) in x[(r0 + j) * k..][..k].iter().enumerate() {
                     // SAFETY: group g's floats, r0 * k .. (r0 + r) * k, inside the reserved
