@@ -795,8 +795,7 @@ mod tests {
         let w = crate::testing::randn(121, 0.02, (n, k)).unwrap();
         let b = crate::testing::randn(122, 1.0, n).unwrap();
         let x = crate::testing::randn(123, 1.0, (rows, k)).unwrap();
-        let (wv, bv, xv) =
-            (w.to_vec2::<f32>().unwrap(), b.to_vec1::<f32>().unwrap(), x.to_vec2::<f32>().unwrap());
+        let (wv, bv, xv) = (w.to_vec2::<f32>().unwrap(), b.to_vec1::<f32>().unwrap(), x.to_vec2::<f32>().unwrap());
         let dense = Dense::from_linear_as(&Linear::new(w, Some(b)), true).unwrap();
         let got = dense.forward_then(&x, Then::GeluTanh).unwrap().to_vec2::<f32>().unwrap();
         for r in 0..rows {

@@ -207,14 +207,7 @@ struct Start {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn block<const R: usize>(
-    x: *const f32,
-    w: *const f32,
-    kc: usize,
-    c: *mut f32,
-    ldc: usize,
-    s: Start,
-) {
+unsafe fn block<const R: usize>(x: *const f32, w: *const f32, kc: usize, c: *mut f32, ldc: usize, s: Start) {
     use crate::avx2;
     let mut acc = if !s.first {
         avx2::load::<R>(c, ldc)
@@ -236,7 +229,9 @@ mod tests {
 
     #[test]
     fn chunks_are_whole_groups_within_the_bound_and_cover_the_rows() {
-        for (m, k) in [(1, 1), (5, 3), (784, 1024), (784, 4096), (4096, 1024), (4096, 4096), (16384, 1024), (100, 1 << 20)] {
+        for (m, k) in
+            [(1, 1), (5, 3), (784, 1024), (784, 4096), (4096, 1024), (4096, 4096), (16384, 1024), (100, 1 << 20)]
+        {
             let c = chunk_rows(m, k);
             assert_eq!(c % GROUP, 0, "{m}x{k}: {c}");
             assert!(c * k * 4 <= CHUNK_BYTES || c <= 48, "{m}x{k}: {c} rows of {k}");
