@@ -66,50 +66,6 @@ pub(crate) unsafe fn accumulate<const N: usize>(
     }
 }
 
-/// `accumulate` over activations packed `N` to a feature (`b[i * N + j]`) and 16-float rows of
-/// `a` back to back: every address is a constant offset from one of two pointers, unrolled by 4
-/// (`accumulate`'s strided loads left LLVM a chain of address adds, one per broadcast, as long
-/// as the FMAs' own 6 cycles per feature).
-///
-/// # Safety
-/// As `accumulate`.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn accumulate_packed<const N: usize>(acc: &mut Acc<N>, len: usize, a: *const f32, b: *const f32) {
-    let mut lo: [__m256; N] = std::array::from_fn(|j| acc[j][0]);
-    let mut hi: [__m256; N] = std::array::from_fn(|j| acc[j][1]);
-    let (mut a, mut b) = (a, b);
-    let end = a.add(len * 16);
-    let end4 = a.add(len / 4 * 4 * 16);
-    while a < end4 {
-        for u in 0..4 {
-            let a0 = _mm256_loadu_ps(a.add(u * 16));
-            let a1 = _mm256_loadu_ps(a.add(u * 16 + 8));
-            for j in 0..N {
-                let s = _mm256_broadcast_ss(&*b.add(u * N + j));
-                lo[j] = _mm256_fmadd_ps(a0, s, lo[j]);
-                hi[j] = _mm256_fmadd_ps(a1, s, hi[j]);
-            }
-        }
-        a = a.add(64);
-        b = b.add(4 * N);
-    }
-    while a < end {
-        let a0 = _mm256_loadu_ps(a);
-        let a1 = _mm256_loadu_ps(a.add(8));
-        for j in 0..N {
-            let s = _mm256_broadcast_ss(&*b.add(j));
-            lo[j] = _mm256_fmadd_ps(a0, s, lo[j]);
-            hi[j] = _mm256_fmadd_ps(a1, s, hi[j]);
-        }
-        a = a.add(16);
-        b = b.add(N);
-    }
-    for j in 0..N {
-        acc[j] = [lo[j], hi[j]];
-    }
-}
-
 /// `N` rows of 16 floats, `stride` apart.
 ///
 /// # Safety

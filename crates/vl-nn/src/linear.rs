@@ -245,7 +245,8 @@ pub enum Then<'a> {
 /// - `W^T` ([in, out], contiguous; transposed once at load): one `gemm` call per output tile
 ///   starting from the bias rows (other devices and dtypes run candle's matmul and add);
 /// - on CPUs whose widest vectors are AVX2 (`panels::preferred`), 16-column panels
-///   (`vl_nn::panels`), read by an AVX2 micro-kernel that packs nothing per call.
+///   (`vl_nn::panels`), read by an AVX2 micro-kernel against the activations packed per call
+///   in chunks of rows (`panels::pack_rows`).
 #[derive(Debug, Clone)]
 pub struct Dense {
     /// `W^T` [in, out], or the panels [ceil(out / 16), in, 16].
@@ -443,23 +444,17 @@ impl Dense {
                 while c_row < m {
                     let rows = chunk.min(m - c_row);
                     panels::pack_rows(&xs[c_row * k..(c_row + rows) * k], rows, k, &mut packed);
-                    let (rb, cb) = panel_tiles(rows, n, k, threads);
-                    let col_tiles = n.div_ceil(cb);
                     // SAFETY: c_row < m, inside the m x n output.
                     let y = SendPtr(unsafe { out_ptr.get().add(c_row * n) });
                     let packed = &packed[..];
-                    candle_core::utils::barrier_pool().execute_chunked(rows.div_ceil(rb) * col_tiles, |items| {
-                        for item in items {
-                            let (r0, c0) = ((item / col_tiles) * rb, (item % col_tiles) * cb);
-                            let (r1, c1) = ((r0 + rb).min(rows), (c0 + cb).min(n));
-                            // SAFETY: this item owns rows r0..r1 (of the chunk), columns c0..c1 of
-                            // the output, which has room for m rows of n; `forward_cpu_f32`
-                            // checked `panels::available()`; r0 is a multiple of the group.
-                            unsafe {
-                                panels::tile(packed, rows, k, ws, n, bias_row.as_deref(), y.get(), (r0, r1), (c0, c1))
-                            };
-                            finish((c_row + r0, c_row + r1), (c0, c1));
-                        }
+                    for_each_tile(rows, n, panel_tiles(rows, n, k, threads), |(r0, r1), (c0, c1)| {
+                        // SAFETY: this item owns rows r0..r1 (of the chunk), columns c0..c1 of the
+                        // output, which has room for m rows of n; `forward_cpu_f32` checked
+                        // `panels::available()`; r0 is a multiple of the group.
+                        unsafe {
+                            panels::tile(packed, rows, k, ws, n, bias_row.as_deref(), y.get(), (r0, r1), (c0, c1))
+                        };
+                        finish((c_row + r0, c_row + r1), (c0, c1));
                     });
                     c_row += rows;
                 }
@@ -472,45 +467,39 @@ impl Dense {
             // rows would pack its W^T slice for too little work), beyond that row blocks of about
             // 1024 rows and wider column blocks (4096 rows, 2 threads: 4 x 2 tiles, 7% faster
             // than 1 x 8 on a Zen 3 with AVX2, `tools/bench/linear-side-by-side`).
-            let (rb, cb) = dense_tiles(m, n, threads);
-            let col_tiles = n.div_ceil(cb);
-            candle_core::utils::barrier_pool().execute_chunked(m.div_ceil(rb) * col_tiles, |items| {
-                for item in items {
-                    let (r0, c0) = ((item / col_tiles) * rb, (item % col_tiles) * cb);
-                    let (r1, c1) = ((r0 + rb).min(m), (c0 + cb).min(n));
-                    // SAFETY: this item owns rows r0..r1, columns c0..c1 of the output; `out` has
-                    // room for m rows of n (its elements are written here before `set_len` below).
-                    unsafe {
-                        let dst = out_ptr.get().add(r0 * n + c0);
-                        if let Some(row) = &bias_row {
-                            for r in 0..r1 - r0 {
-                                std::ptr::copy_nonoverlapping(row[c0..c1].as_ptr(), dst.add(r * n), c1 - c0);
-                            }
+            for_each_tile(m, n, dense_tiles(m, n, threads), |(r0, r1), (c0, c1)| {
+                // SAFETY: this item owns rows r0..r1, columns c0..c1 of the output; `out` has
+                // room for m rows of n (its elements are written here before `set_len` below).
+                unsafe {
+                    let dst = out_ptr.get().add(r0 * n + c0);
+                    if let Some(row) = &bias_row {
+                        for r in 0..r1 - r0 {
+                            std::ptr::copy_nonoverlapping(row[c0..c1].as_ptr(), dst.add(r * n), c1 - c0);
                         }
-                        gemm::gemm(
-                            r1 - r0,
-                            c1 - c0,
-                            k,
-                            dst,
-                            1,
-                            n as isize,
-                            bias_row.is_some(),
-                            xs.as_ptr().add(r0 * k),
-                            1,
-                            k as isize,
-                            ws.as_ptr().add(c0),
-                            1,
-                            n as isize,
-                            1.0,
-                            1.0,
-                            false,
-                            false,
-                            false,
-                            gemm::Parallelism::None,
-                        );
                     }
-                    finish((r0, r1), (c0, c1));
+                    gemm::gemm(
+                        r1 - r0,
+                        c1 - c0,
+                        k,
+                        dst,
+                        1,
+                        n as isize,
+                        bias_row.is_some(),
+                        xs.as_ptr().add(r0 * k),
+                        1,
+                        k as isize,
+                        ws.as_ptr().add(c0),
+                        1,
+                        n as isize,
+                        1.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
                 }
+                finish((r0, r1), (c0, c1));
             });
         }
         // SAFETY: every tile was written above (the panels' blocks, a bias copy then gemm, or
@@ -518,6 +507,18 @@ impl Dense {
         unsafe { out.set_len(m * n) };
         Ok(Some(Tensor::from_vec(out, shape, x.device())?))
     }
+}
+
+/// Runs `f` on every tile of an `m` x `n` output cut in tiles of `rb` rows by `cb` columns (the
+/// last ones ragged), on candle's pool: `f((r0, r1), (c0, c1))`.
+fn for_each_tile(m: usize, n: usize, (rb, cb): (usize, usize), f: impl Fn((usize, usize), (usize, usize)) + Sync) {
+    let col_tiles = n.div_ceil(cb);
+    candle_core::utils::barrier_pool().execute_chunked(m.div_ceil(rb) * col_tiles, |items| {
+        for item in items {
+            let (r0, c0) = ((item / col_tiles) * rb, (item % col_tiles) * cb);
+            f((r0, (r0 + rb).min(m)), (c0, (c0 + cb).min(n)));
+        }
+    });
 }
 
 /// The panels' output tile for `m` rows, `n` columns, `k` input features (all > 0) on `threads`
