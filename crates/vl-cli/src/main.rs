@@ -150,6 +150,7 @@ fn limit_hint(e: &anyhow::Error) -> Option<&'static str> {
     match kind {
         LimitKind::ImageBytes => Some("; raise the limit with --max-image-bytes N"),
         LimitKind::ImagePixels => Some("; raise the limit with --max-image-pixels N"),
+        LimitKind::KvCache => Some("; raise the budget with --kv-cache-mib N"),
         LimitKind::Fixed => None,
     }
 }

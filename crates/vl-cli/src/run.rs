@@ -350,7 +350,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     };
     let budgeted = match &checkpoint_images {
         Some(p) => {
-            let (lo, hi) = vl_models::engine::image_budget(
+            let (lo, hi) = vl_models::qwen3_vl::family::image_budget(
                 &p.config,
                 args.load.min_pixels,
                 args.load.max_pixels,
@@ -428,6 +428,9 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         image_cache_bytes: usize::MAX,
         clip_cache_bytes: 0,
         prefix_cache: false,
+        parallel: 1,
+        kv_cache_bytes: vl_models::engine::default_kv_cache_bytes(),
+        prefill_chunk: vl_models::engine::DEFAULT_PREFILL_CHUNK,
     };
 
     // A progress bar on a terminal.
@@ -466,10 +469,15 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         }
         true
     };
-    let result = match model_dir {
-        Some(model_dir) => Engine::answer_once(model_dir, &args.load.model, opts, &req, Some(progress), &mut on_text),
-        None => Engine::answer_once_gguf(&dir, args.load.mmproj.as_deref(), &args.load.model, opts, &req, &mut on_text),
+    let family = match model_dir {
+        Some(model_dir) => vl_models::qwen3_vl::family::Qwen3Vl::from_dir(model_dir, &opts, true, Some(progress))
+            .map(|f| Box::new(f) as Box<dyn vl_models::family::Family>),
+        None => {
+            let source = vl_models::family::Source { model: &dir, mmproj: args.load.mmproj.as_deref(), progress: None };
+            vl_models::family::open_staged(&source, &opts)
+        }
     };
+    let result = family.and_then(|family| Engine::answer_once(family, &args.load.model, opts, &req, &mut on_text));
     if let Some(b) = &bar {
         b.finish_and_clear();
     }

@@ -1,8 +1,9 @@
 //! `vl serve`: the OpenAI chat completions API on the resident engine (axum + tokio).
 //!
-//! One worker thread owns the engine and serves requests in arrival order from a bounded queue
-//! (full: 503). Handlers parse and check the request, queue it, and stream the worker's text
-//! pieces back (SSE) or gather them. A client that goes away cancels its generation. SIGINT and
+//! Worker threads (`--parallel` + `--queue`) hand requests to the engine, whose scheduler
+//! decodes up to `--parallel` of them together (continuous batching); with every worker busy a
+//! request is refused (503). Handlers parse and check the request, hand it over, and stream the
+//! text pieces back (SSE) or gather them. A client that goes away cancels its generation. SIGINT and
 //! SIGTERM stop accepting, let running requests finish, and exit.
 
 use std::path::PathBuf;
@@ -51,9 +52,18 @@ pub struct ServeArgs {
     /// Largest request body in bytes (base64 images included).
     #[arg(long, default_value_t = 64 << 20)]
     max_body_bytes: usize,
-    /// Requests waiting beyond the running one; more are refused with 503.
+    /// Requests waiting beyond the running ones; more are refused with 503.
     #[arg(long, default_value_t = 16)]
     queue: usize,
+    /// Sequences decoded together (continuous batching): each decode step multiplies every
+    /// running sequence's row at once, so the weights are read once per step for all of them.
+    #[arg(long, default_value_t = vl_models::engine::DEFAULT_PARALLEL)]
+    parallel: usize,
+    /// KV cache budget in MiB, running sequences and kept prefixes together (default: a quarter
+    /// of the machine's memory). A request whose prompt cannot fit in it is refused with 503; one
+    /// that cannot fit now waits.
+    #[arg(long)]
+    kv_cache_mib: Option<usize>,
     /// Local image paths (and file:// URLs) are read only under this directory.
     #[arg(long)]
     allowed_media_dir: Option<PathBuf>,
@@ -77,7 +87,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 120.0)]
     video_decode_timeout: f64,
     /// Prefill every prompt in full (by default a request reuses the KV cache of the longest
-    /// prefix it shares with the previous one).
+    /// prefix it shares with an earlier conversation's; many are kept, least recently used out
+    /// first, within --kv-cache-mib).
     #[arg(long)]
     no_prefix_cache: bool,
     /// Default sampling when a request sets none: `greedy`, or `model` (generation_config.json's
@@ -85,6 +96,9 @@ pub struct ServeArgs {
     #[arg(long, default_value = "greedy")]
     sampling: String,
 }
+
+/// Most sequences `--parallel` may ask to decode together.
+const MAX_PARALLEL: usize = 64;
 
 /// A parsed request and where its answer goes.
 struct Job {
@@ -123,6 +137,9 @@ impl ApiError {
         match e {
             vl_models::Error::Limit { what, kind, .. } if what == "prompt" && *kind == LimitKind::Fixed => {
                 Self::with(StatusCode::BAD_REQUEST, "invalid_request_error", "context_length_exceeded", message)
+            }
+            vl_models::Error::Limit { kind: LimitKind::KvCache, .. } => {
+                Self::with(StatusCode::SERVICE_UNAVAILABLE, "server_error", "kv_cache_exhausted", message)
             }
             vl_models::Error::Limit { .. } => {
                 Self::with(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "image_too_large", message)
@@ -244,7 +261,18 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         image_cache_bytes: args.image_cache_mib << 20,
         clip_cache_bytes: args.clip_cache_mib.saturating_mul(1 << 20),
         prefix_cache: !args.no_prefix_cache,
+        parallel: args.parallel,
+        kv_cache_bytes: args
+            .kv_cache_mib
+            .map_or_else(vl_models::engine::default_kv_cache_bytes, |m| m.saturating_mul(1 << 20)),
+        prefill_chunk: vl_models::engine::DEFAULT_PREFILL_CHUNK,
     };
+    if args.parallel == 0 || args.parallel > MAX_PARALLEL {
+        anyhow::bail!("--parallel {}: must be in 1..={MAX_PARALLEL}", args.parallel);
+    }
+    if args.kv_cache_mib == Some(0) {
+        anyhow::bail!("--kv-cache-mib 0: the KV cache needs at least one block");
+    }
     let id = args.served_model_name.clone().unwrap_or_else(|| args.load.model.clone());
     let t = Instant::now();
     let engine = Arc::new(
@@ -253,7 +281,10 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     );
     note!("loaded {} in {:.1}s", dir.display(), t.elapsed().as_secs_f64());
 
-    let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(args.queue);
+    // Each request in flight holds a worker thread that relays the engine's stream: --parallel
+    // decoding plus --queue waiting. A request finding no idle worker is refused (503).
+    let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(0);
+    let rx = Arc::new(std::sync::Mutex::new(rx));
     let app = Arc::new(App {
         id,
         created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
@@ -267,11 +298,12 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         metrics: Metrics::new(),
         next_id: AtomicU64::new(1),
     });
-    let worker = {
-        let app = app.clone();
-        let engine = engine.clone();
-        std::thread::Builder::new().name("vl-engine".into()).spawn(move || work(&engine, &app, rx))?
-    };
+    let mut workers = Vec::new();
+    for i in 0..args.parallel + args.queue {
+        let (app, engine, rx) = (app.clone(), engine.clone(), rx.clone());
+        workers
+            .push(std::thread::Builder::new().name(format!("vl-worker-{i}")).spawn(move || work(&engine, &app, &rx))?);
+    }
 
     let router = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
@@ -294,7 +326,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     app.jobs.lock().unwrap_or_else(|p| p.into_inner()).take();
     drop(app);
     note!("stopping: finishing queued requests");
-    let _ = worker.join();
+    for w in workers {
+        let _ = w.join();
+    }
     note!("stopped");
     Ok(())
 }
@@ -341,9 +375,12 @@ fn model_sampling(dir: &std::path::Path) -> Result<GenerationOptions> {
     Ok(o)
 }
 
-/// The engine thread: requests in arrival order; a request whose client left is skipped.
-fn work(engine: &Engine, app: &App, rx: std::sync::mpsc::Receiver<Job>) {
-    for job in rx {
+/// A worker: takes a request when idle, hands it to the engine (whose scheduler batches it with
+/// the others) and relays its stream; a request whose client left is skipped.
+fn work(engine: &Engine, app: &App, rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
+    loop {
+        let next = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+        let Ok(job) = next else { return };
         app.metrics.queue_depth.dec();
         if job.tx.is_closed() {
             continue;
@@ -1034,6 +1071,7 @@ mod tests {
             decode_time: Duration::ZERO,
             time_to_first_token: Duration::ZERO,
             first_logits: vec![],
+            kv_cache_bytes: 0,
         }
     }
 

@@ -242,3 +242,6 @@ pub fn write_safetensors(path: &Path, tensors: &[RawTensor<'_>]) -> Result<()> {
     let bytes = encode_safetensors(path, tensors)?;
     std::fs::write(path, bytes).map_err(|e| Error::io(path, e))
 }
+
+/// Called once per tensor loaded through a `VarBuilder` (for progress bars).
+pub type LoadProgress = std::sync::Arc<dyn Fn(&str) + Send + Sync>;

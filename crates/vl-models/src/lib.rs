@@ -1,16 +1,24 @@
-//! Qwen3-VL on candle: configuration, checkpoint loading and (in later modules) the model.
+//! Vision-language models on candle, Qwen3-VL first.
 //!
 //! Layout follows the house style: generic layers live in `vl-nn`; this crate composes them.
-//! Model-agnostic: `checkpoint` (safetensors access), `sampling`, `stream` (streaming
-//! detokenization), `engine` (the resident engine's API), `tools` (tool-call text
-//! format and transformers' `tojson`); `qwen3_vl` holds everything Qwen-named.
+//! Model-agnostic: `family` (the seam a model family implements, and the registry), `engine`
+//! (the resident engine: scheduler with continuous batching, KV budget, prefix reuse),
+//! `checkpoint` (safetensors access), `gguf` (the GGUF container), `media` (vision inputs and
+//! features), `kv` (a sequence's KV cache), `cache` (byte-bounded LRU), `sampling`, `stream`
+//! (streaming detokenization), `tools` (tool-call text format and transformers' `tojson`),
+//! `video` (video sources). `qwen3_vl` holds everything Qwen-named.
 
 pub mod affine;
 pub mod alloc;
+pub mod cache;
 pub mod checkpoint;
 pub mod engine;
 pub mod error;
+pub mod family;
+pub mod gguf;
+pub mod kv;
 pub mod limits;
+pub mod media;
 pub mod qwen3_vl;
 pub mod sampling;
 pub mod stream;

@@ -18,6 +18,8 @@ pub enum LimitKind {
     ImagePixels,
     /// A fixed bound, not configurable.
     Fixed,
+    /// The engine's KV cache budget (`EngineOptions::kv_cache_bytes`, `--kv-cache-mib`).
+    KvCache,
 }
 
 /// Limits on image files, checked from the file size and the image header before decoding.

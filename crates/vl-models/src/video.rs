@@ -765,3 +765,26 @@ mod tests {
         assert!(check_fps(29.97).is_ok());
     }
 }
+
+/// Per-call overrides of a video processor's config (the reference's call kwargs).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct VideoOptions {
+    pub fps: Option<f64>,
+    pub max_frames: Option<usize>,
+    pub min_pixels: Option<usize>,
+    pub max_pixels: Option<usize>,
+    pub cap_pixels_per_frame: Option<bool>,
+}
+
+/// What sampling and resizing make of a clip, known before any frame is decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VideoPlan {
+    /// Source frames sampled, ascending.
+    pub indices: Vec<usize>,
+    /// (height, width) of every frame after resizing.
+    pub resized: (usize, usize),
+    /// [frame pairs, patch rows, patch cols].
+    pub grid: crate::media::Grid,
+    /// Seconds of each frame pair (the mean of its frames' times).
+    pub timestamps: Vec<f64>,
+}

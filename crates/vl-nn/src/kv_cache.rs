@@ -1,22 +1,28 @@
-//! A per-layer key/value cache that grows with the sequence: capacity doubles when full (no
-//! preallocation of the context window), appends are in-place copies, and the cached keys and
-//! values are returned as views of the first `len` positions. Can be reset and truncated
-//! (e.g. to reuse a shared prompt prefix); reports the bytes it holds.
+//! A per-layer key/value cache that grows with the sequence in blocks of `BLOCK` positions (no
+//! preallocation of the context window, no doubling: a sequence holds at most one block more
+//! than it uses), appends are in-place copies, and the cached keys and values are returned as
+//! views of the first `len` positions. Can be reset and truncated (e.g. to reuse a shared prompt
+//! prefix); reports the bytes it holds.
 
 use candle_core::Tensor;
 
 use crate::{Error, Result};
 
-/// Smallest capacity allocated, in positions.
-const MIN_CAPACITY: usize = 64;
+/// Positions a cache grows by: capacity is always a multiple of it.
+pub const BLOCK: usize = 64;
+
+/// Capacity, in positions, that holds `positions`: the next multiple of `BLOCK`.
+pub fn blocks_for(positions: usize) -> usize {
+    positions.div_ceil(BLOCK).max(1) * BLOCK
+}
 
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
     k: Option<Tensor>,
     v: Option<Tensor>,
     len: usize,
-    /// Positions the first allocation reserves (e.g. prompt + max new tokens), so a known
-    /// total never pays a doubling copy.
+    /// Positions the next allocation reserves (e.g. a prompt's length), so a known total is
+    /// allocated once.
     reserve: usize,
 }
 
@@ -49,8 +55,8 @@ impl KvCache {
         *self = Self::default();
     }
 
-    /// The next allocation holds at least `positions` (an expected total length): growth to
-    /// that length then copies nothing.
+    /// The next allocation holds at least `positions` (an expected length): growth to that
+    /// length then copies nothing.
     pub fn reserve(&mut self, positions: usize) {
         self.reserve = positions;
     }
@@ -58,6 +64,18 @@ impl KvCache {
     /// Keeps the first `len` positions.
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
+    }
+
+    /// A new cache holding a copy of the first `len` positions (capacity for `len`, in blocks);
+    /// this one is left as it is.
+    pub fn copy_prefix(&self, len: usize) -> Result<KvCache> {
+        let len = len.min(self.len);
+        let mut out = KvCache { reserve: len, ..Default::default() };
+        if let (Some(k), Some(v), true) = (&self.k, &self.v, len > 0) {
+            out.append(&k.narrow(1, 0, len)?, &v.narrow(1, 0, len)?)?;
+        }
+        out.reserve = 0;
+        Ok(out)
     }
 
     /// Appends `k`, `v` ([kv_heads, new, head_dim]) and returns views of all cached positions.
@@ -71,7 +89,7 @@ impl KvCache {
         }
         let need = self.len + new;
         if need > self.capacity() {
-            let cap = if need <= self.reserve { self.reserve } else { need.max(2 * self.capacity()) }.max(MIN_CAPACITY);
+            let cap = blocks_for(need.max(self.reserve));
             let grow = |old: &Option<Tensor>| -> Result<Tensor> {
                 let buf = Tensor::zeros((heads, cap, dim), k.dtype(), k.device())?;
                 if let Some(old) = old {
@@ -116,19 +134,30 @@ mod tests {
         assert_eq!((c.len(), c.bytes()), (0, 0));
         let (k, _) = c.append(&t(&[1., 2.]), &t(&[10., 20.])).unwrap();
         assert_eq!(k.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![1., 2.]);
-        assert_eq!(c.capacity(), 64);
-        assert_eq!(c.bytes(), 2 * 64 * 4);
-        let many: Vec<f32> = (0..70).map(|i| i as f32).collect();
+        assert_eq!(c.capacity(), BLOCK);
+        assert_eq!(c.bytes(), 2 * BLOCK * 4);
+        let many: Vec<f32> = (0..(BLOCK as u32 + 6)).map(|i| i as f32).collect();
         let (k, v) = c.append(&t(&many), &t(&many)).unwrap();
-        assert_eq!(c.len(), 72);
-        assert_eq!(c.capacity(), 128);
+        assert_eq!(c.len(), BLOCK + 8);
+        // One block more, not a doubling.
+        assert_eq!(c.capacity(), 2 * BLOCK);
+        let more: Vec<f32> = vec![1.0; 2 * BLOCK];
+        c.append(&t(&more), &t(&more)).unwrap();
+        assert_eq!(c.capacity(), 4 * BLOCK);
         let k = k.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(&k[..3], &[1., 2., 0.]);
-        assert_eq!(k[71], 69.);
-        assert_eq!(v.dims(), &[1, 72, 1]);
+        assert_eq!(k[BLOCK + 7], BLOCK as f32 + 5.);
+        assert_eq!(v.dims(), &[1, BLOCK + 8, 1]);
         c.truncate(2);
         let (k, _) = c.append(&t(&[7.]), &t(&[7.])).unwrap();
         assert_eq!(k.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![1., 2., 7.]);
+        let copy = c.copy_prefix(2).unwrap();
+        assert_eq!((copy.len(), copy.capacity()), (2, BLOCK));
+        let (k, _) = c.append(&t(&[8.]), &t(&[8.])).unwrap();
+        assert_eq!(k.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![1., 2., 7., 8.]);
+        let mut copy = copy;
+        let (k, _) = copy.append(&t(&[9.]), &t(&[9.])).unwrap();
+        assert_eq!(k.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![1., 2., 9.]);
         c.reset();
         assert_eq!((c.len(), c.bytes()), (0, 0));
     }

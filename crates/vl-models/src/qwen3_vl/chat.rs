@@ -327,15 +327,26 @@ impl Processor {
         videos: &[ProcessedVideo],
         device: &Device,
     ) -> Result<Prompt> {
+        let input_ids = self.prompt_ids(messages, tools, images, videos)?;
+        let images = (!images.is_empty()).then(|| self.images.batch(images, device)).transpose()?;
+        let videos = (!videos.is_empty()).then(|| self.videos.batch(videos, device)).transpose()?;
+        Ok(Prompt { input_ids, images, videos })
+    }
+
+    /// The prompt's token ids (`prepare_media` without the pixel tensors).
+    pub fn prompt_ids(
+        &self,
+        messages: &[Message],
+        tools: Option<&[serde_json::Value]>,
+        images: &[ProcessedImage],
+        videos: &[ProcessedVideo],
+    ) -> Result<Vec<u32>> {
         let text = self.template.render_with(messages, tools, true)?;
         let merge = self.images.config.merge_size;
         let tokens: Vec<usize> = images.iter().map(|i| i.num_tokens(merge)).collect();
         let plans: Vec<&VideoPlan> = videos.iter().map(|v| &v.plan).collect();
         let (expanded, _) = self.expand(&text, &tokens, &plans, true)?;
-        let input_ids = self.encode(&expanded)?;
-        let images = (!images.is_empty()).then(|| self.images.batch(images, device)).transpose()?;
-        let videos = (!videos.is_empty()).then(|| self.videos.batch(videos, device)).transpose()?;
-        Ok(Prompt { input_ids, images, videos })
+        self.encode(&expanded)
     }
 
     /// Replaces the rendered prompt's image and video pads, in one left-to-right pass, by their

@@ -6,12 +6,10 @@
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use rand::rngs::StdRng;
-use rand::SeedableRng;
 
 use super::model::{Prompt, Qwen3VlModel};
 use crate::error::Result;
-pub use crate::sampling::{apply_presence_frequency, check_logits, sample, GenerationOptions};
+pub use crate::sampling::{apply_presence_frequency, check_logits, sample, GenerationOptions, TokenPicker};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopReason {
@@ -78,34 +76,26 @@ impl Qwen3VlModel {
         let first_logits = self.last_logits(&state)?;
         let prefill_time = t0.elapsed();
         let t1 = Instant::now();
-        let mut rng = StdRng::seed_from_u64(opts.seed);
-        let mut seen = prompt.input_ids.clone();
-        let mut tokens = Vec::new();
+        let mut picker = TokenPicker::new(opts.clone(), &prompt.input_ids);
         let mut logits = first_logits.clone();
-        let mut stop = StopReason::MaxTokens;
-        if room < opts.max_new_tokens {
-            stop = StopReason::ContextFull;
-        }
-        for step in 0..opts.max_new_tokens.min(room) {
-            let mut l = logits.to_vec1::<f32>()?;
-            check_logits(&l, step)?;
-            apply_presence_frequency(&mut l, &tokens, opts);
-            let next = sample(&l, &seen, opts, &mut rng);
-            tokens.push(next);
-            seen.push(next);
+        let budget = opts.max_new_tokens.min(room);
+        let mut stop = if room < opts.max_new_tokens { StopReason::ContextFull } else { StopReason::MaxTokens };
+        for step in 0..budget {
+            let next = picker.pick(logits.to_vec1::<f32>()?)?;
             if !on_token(next) {
                 stop = StopReason::Callback;
                 break;
             }
-            if opts.eos_token_ids.contains(&next) {
+            if picker.is_eos(next) {
                 stop = StopReason::Eos;
                 break;
             }
-            if step + 1 == opts.max_new_tokens.min(room) {
+            if step + 1 == budget {
                 break;
             }
-            logits = self.decode_step(next, &state, step, &mut cache)?;
+            logits = self.decode_rows(&[next], &mut [&mut cache])?.squeeze(0)?;
         }
+        let tokens = picker.generated().to_vec();
         Ok(Generation {
             tokens,
             stop,

@@ -2,6 +2,7 @@
 
 pub mod chat;
 pub mod config;
+pub mod family;
 pub mod generate;
 pub mod generation_config;
 pub mod gguf;

@@ -13,16 +13,11 @@ use super::config::Qwen3VlConfig;
 use super::plan::{check_plan, tensor_plan, VISION_PREFIX};
 use super::positions::{mrope_positions, token_types, TokenType};
 use super::text::{DeepStack, QuantLoad, TextCache, TextModel};
-use super::vision::{Grid, VisionOutput, VisionTower};
+use super::vision::{VisionOutput, VisionTower};
 use super::weights::Weights;
 use crate::error::{Error, Result};
 
-/// Preprocessed vision input: patch rows [sum t*h*w, C*T*P*P] and one grid per image / video.
-#[derive(Debug, Clone)]
-pub struct VisionInput {
-    pub pixels: Tensor,
-    pub grids: Vec<Grid>,
-}
+pub use crate::media::VisionInput;
 
 /// A tokenized prompt with its vision inputs, in prompt order.
 #[derive(Debug, Clone, Default)]
@@ -153,8 +148,82 @@ impl Qwen3VlModel {
         cache: &mut TextCache,
         trace: &mut dyn FnMut(usize, &Tensor),
     ) -> Result<PrefillOutput> {
+        self.prefill_until(prompt, images, videos, cache, prompt.input_ids.len(), trace)
+    }
+
+    /// `prefill_from` for the positions `cache.len()..end` only (a chunk of a long prompt; the
+    /// next chunk continues from the cache). Chunks give the same cache and rows as one prefill.
+    pub fn prefill_until(
+        &self,
+        prompt: &Prompt,
+        images: Option<&VisionOutput>,
+        videos: Option<&VisionOutput>,
+        cache: &mut TextCache,
+        end: usize,
+        trace: &mut dyn FnMut(usize, &Tensor),
+    ) -> Result<PrefillOutput> {
+        self.side().prefill_until(prompt, images, videos, cache, end, trace)
+    }
+
+    /// One decoding step for several sequences at once (see `TextSide::decode_rows`).
+    pub fn decode_rows(&self, tokens: &[u32], caches: &mut [&mut TextCache]) -> Result<Tensor> {
+        self.side().decode_rows(tokens, caches)
+    }
+
+    /// The text side, borrowed.
+    pub fn side(&self) -> TextSide<'_> {
+        TextSide { cfg: &self.cfg, text: &self.text }
+    }
+
+    /// Feeds one generated token at decoding step `step` (0 for the first token after the prompt);
+    /// returns the f32 logits [vocab] of the next position.
+    pub fn decode_step(&self, token: u32, state: &PrefillOutput, step: usize, cache: &mut TextCache) -> Result<Tensor> {
+        let pos = (state.prompt_len + step) as i64 + state.rope_delta;
+        if cache.len() + 1 > self.cfg.text.max_position_embeddings {
+            return Err(Error::Input {
+                what: "generation".into(),
+                message: format!("context of {} tokens is full", self.cfg.text.max_position_embeddings),
+            });
+        }
+        let x = self.text.embed(&[token])?;
+        let h = self.text.forward(&x, &[[pos; 3]], cache, None, &mut |_, _| {})?;
+        Ok(self.text.logits(&h)?.squeeze(0)?)
+    }
+
+    /// f32 logits [vocab] of the last prompt position.
+    pub fn last_logits(&self, state: &PrefillOutput) -> Result<Tensor> {
+        let h = state.hidden.narrow(0, state.hidden.dim(0)? - 1, 1)?;
+        Ok(self.text.logits(&h)?.squeeze(0)?)
+    }
+}
+
+/// What prefill and decode need of a loaded model, borrowed: the config and the text decoder.
+#[derive(Clone, Copy)]
+pub struct TextSide<'a> {
+    pub cfg: &'a Qwen3VlConfig,
+    pub text: &'a TextModel,
+}
+
+impl TextSide<'_> {
+    /// `prefill_from` for the positions `cache.len()..end` only (a chunk of a long prompt; the
+    /// next chunk continues from the cache). Chunks give the same cache and rows as one prefill.
+    pub fn prefill_until(
+        &self,
+        prompt: &Prompt,
+        images: Option<&VisionOutput>,
+        videos: Option<&VisionOutput>,
+        cache: &mut TextCache,
+        end: usize,
+        trace: &mut dyn FnMut(usize, &Tensor),
+    ) -> Result<PrefillOutput> {
         let ids = &prompt.input_ids;
         let start = cache.len();
+        if end <= start || end > ids.len() {
+            return Err(Error::Input {
+                what: "prefill".into(),
+                message: format!("chunk {start}..{end} of a {}-token prompt", ids.len()),
+            });
+        }
         if ids.is_empty() {
             return Err(Error::Input { what: "prompt".into(), message: "no tokens".into() });
         }
@@ -254,10 +323,11 @@ impl Qwen3VlModel {
                 levels.push(level_rows);
             }
         }
-        if start > 0 {
-            // Only the rows after the cached prefix run; DeepStack rows follow them.
-            x = x.narrow(0, start, ids.len() - start)?;
-            let keep: Vec<usize> = (0..visual_rows.len()).filter(|&i| visual_rows[i] as usize >= start).collect();
+        if start > 0 || end < ids.len() {
+            // Only the rows of this chunk run; DeepStack rows follow them.
+            x = x.narrow(0, start, end - start)?;
+            let keep: Vec<usize> =
+                (0..visual_rows.len()).filter(|&i| (start..end).contains(&(visual_rows[i] as usize))).collect();
             if keep.len() != visual_rows.len() {
                 let idx = Tensor::from_vec(keep.iter().map(|&i| i as u32).collect::<Vec<_>>(), keep.len(), x.device())?;
                 levels = levels.iter().map(|l| l.index_select(&idx, 0)).collect::<candle_core::Result<_>>()?;
@@ -266,25 +336,28 @@ impl Qwen3VlModel {
                 visual_rows.iter_mut().for_each(|r| *r -= start as u32);
             }
         }
-        let positions = &positions[start..];
+        let positions = &positions[start..end];
         let deepstack = (!visual_rows.is_empty()).then_some(DeepStack { positions: &visual_rows, levels: &levels });
         let hidden = self.text.forward(&x, positions, cache, deepstack, trace)?;
+        cache.position_offset = rope_delta;
         Ok(PrefillOutput { hidden, rope_delta, prompt_len: ids.len() })
     }
 
-    /// Feeds one generated token at decoding step `step` (0 for the first token after the prompt);
-    /// returns the f32 logits [vocab] of the next position.
-    pub fn decode_step(&self, token: u32, state: &PrefillOutput, step: usize, cache: &mut TextCache) -> Result<Tensor> {
-        let pos = (state.prompt_len + step) as i64 + state.rope_delta;
-        if cache.len() + 1 > self.cfg.text.max_position_embeddings {
+    /// One decoding step for several sequences at once: `tokens[i]` is fed to `caches[i]` at
+    /// its next position (`len + position_offset`). Returns f32 logits [rows, vocab]; row `i`
+    /// equals what that sequence would get decoding alone.
+    pub fn decode_rows(&self, tokens: &[u32], caches: &mut [&mut TextCache]) -> Result<Tensor> {
+        let max = self.cfg.text.max_position_embeddings;
+        if let Some(c) = caches.iter().find(|c| c.len() + 1 > max) {
             return Err(Error::Input {
                 what: "generation".into(),
-                message: format!("context of {} tokens is full", self.cfg.text.max_position_embeddings),
+                message: format!("context of {max} tokens is full ({} cached)", c.len()),
             });
         }
-        let x = self.text.embed(&[token])?;
-        let h = self.text.forward(&x, &[[pos; 3]], cache, None, &mut |_, _| {})?;
-        Ok(self.text.logits(&h)?.squeeze(0)?)
+        let positions: Vec<[i64; 3]> = caches.iter().map(|c| [c.len() as i64 + c.position_offset; 3]).collect();
+        let x = self.text.embed(tokens)?;
+        let h = self.text.forward_rows(&x, &positions, caches)?;
+        self.text.logits(&h)
     }
 
     /// f32 logits [vocab] of the last prompt position.

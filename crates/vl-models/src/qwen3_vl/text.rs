@@ -123,6 +123,34 @@ impl Attention {
         let out = out.transpose(0, 1)?.reshape((n, self.heads * hd))?;
         Ok(self.o_proj.forward(&out)?)
     }
+
+    /// One new position for each of several sequences: row `i` of `x` ([rows, hidden]) belongs
+    /// to `caches[i]`. The projections multiply all rows at once (the weights are read once for
+    /// the batch); each row attends to its own cache.
+    fn forward_rows(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, caches: &mut [&mut KvCache]) -> Result<Tensor> {
+        let (n, _) = x.dims2()?;
+        if caches.len() != n {
+            return Err(Error::Input {
+                what: "batch".into(),
+                message: format!("{n} rows for {} caches", caches.len()),
+            });
+        }
+        let hd = self.head_dim;
+        let q = self.q_norm.forward(&self.q_proj.forward(x)?.reshape((n, self.heads, hd))?)?;
+        let k = self.k_norm.forward(&self.k_proj.forward(x)?.reshape((n, self.kv_heads, hd))?)?;
+        let v = self.v_proj.forward(x)?.reshape((n, self.kv_heads, hd))?.transpose(0, 1)?.contiguous()?;
+        let q = candle_nn::rotary_emb::rope(&q.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?;
+        let k = candle_nn::rotary_emb::rope(&k.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?;
+        let mut outs = Vec::with_capacity(n);
+        for (i, cache) in caches.iter_mut().enumerate() {
+            let (ck, cv) = cache.append(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?)?;
+            let qi = q.narrow(1, i, 1)?.contiguous()?;
+            outs.push(causal_gqa_attention(&qi, &ck, &cv, PREFILL_QUERY_BLOCK)?);
+            // [heads, 1, hd]
+        }
+        let out = Tensor::cat(&outs, 1)?.transpose(0, 1)?.reshape((n, self.heads * hd))?;
+        Ok(self.o_proj.forward(&out)?)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -170,6 +198,11 @@ impl DecoderLayer {
         let x = (x + self.attn.forward(&self.input_norm.forward(x)?, cos, sin, cache)?)?;
         Ok((&x + self.mlp.forward(&self.post_attn_norm.forward(&x)?)?)?)
     }
+
+    fn forward_rows(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, caches: &mut [&mut KvCache]) -> Result<Tensor> {
+        let x = (x + self.attn.forward_rows(&self.input_norm.forward(x)?, cos, sin, caches)?)?;
+        Ok((&x + self.mlp.forward(&self.post_attn_norm.forward(&x)?)?)?)
+    }
 }
 
 /// DeepStack rows to add after the first decoder layers: `levels[k]` ([visual, hidden]) is added
@@ -180,34 +213,7 @@ pub struct DeepStack<'a> {
     pub levels: &'a [Tensor],
 }
 
-/// One cache per decoder layer.
-#[derive(Debug, Clone, Default)]
-pub struct TextCache {
-    pub layers: Vec<KvCache>,
-}
-
-impl TextCache {
-    /// Cached positions (equal across layers).
-    pub fn len(&self) -> usize {
-        self.layers.first().map_or(0, KvCache::len)
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    pub fn bytes(&self) -> usize {
-        self.layers.iter().map(KvCache::bytes).sum()
-    }
-    pub fn reset(&mut self) {
-        self.layers.iter_mut().for_each(KvCache::reset);
-    }
-    /// Reserve room for `positions` in total (see `KvCache::reserve`).
-    pub fn reserve(&mut self, positions: usize) {
-        self.layers.iter_mut().for_each(|c| c.reserve(positions));
-    }
-    pub fn truncate(&mut self, len: usize) {
-        self.layers.iter_mut().for_each(|c| c.truncate(len));
-    }
-}
+pub use crate::kv::SeqCache as TextCache;
 
 #[derive(Debug, Clone)]
 pub struct TextModel {
@@ -317,7 +323,13 @@ impl TextModel {
     }
 
     pub fn new_cache(&self) -> TextCache {
-        TextCache { layers: vec![KvCache::new(); self.layers.len()] }
+        TextCache { layers: vec![KvCache::new(); self.layers.len()], position_offset: 0 }
+    }
+
+    /// Bytes of KV cache one position takes across all layers.
+    pub fn kv_bytes_per_position(&self) -> usize {
+        let c = &self.cfg;
+        c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * self.dtype.size_in_bytes()
     }
 
     /// Token embeddings [n, hidden]; ids must be below the vocabulary size.
@@ -371,6 +383,33 @@ impl TextModel {
                     x = x.index_add(rows, &level.to_dtype(self.dtype)?, 0)?;
                 }
             }
+        }
+        Ok(self.norm.forward(&x)?)
+    }
+
+    /// One new position for each of several sequences (batched decode): row `i` of `x`
+    /// ([rows, hidden]) sits at `positions[i]` and appends to `caches[i]`. Returns the
+    /// final-normed hidden states [rows, hidden], each equal to what `forward` gives that row
+    /// alone.
+    pub fn forward_rows(&self, x: &Tensor, positions: &[[i64; 3]], caches: &mut [&mut TextCache]) -> Result<Tensor> {
+        let (n, _) = x.dims2()?;
+        if positions.len() != n || caches.len() != n {
+            return Err(Error::Input {
+                what: "batch".into(),
+                message: format!("{n} rows, {} positions, {} caches", positions.len(), caches.len()),
+            });
+        }
+        for c in caches.iter_mut() {
+            if c.layers.len() != self.layers.len() {
+                **c = self.new_cache();
+            }
+        }
+        let (cos, sin) = self.rope.cos_sin(positions, &self.device)?;
+        let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
+        let mut x = x.clone();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mut layer_caches: Vec<&mut KvCache> = caches.iter_mut().map(|c| &mut c.layers[i]).collect();
+            x = layer.forward_rows(&x, &cos, &sin, &mut layer_caches)?;
         }
         Ok(self.norm.forward(&x)?)
     }

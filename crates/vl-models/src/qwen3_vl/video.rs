@@ -15,7 +15,6 @@ use serde::Deserialize;
 
 use super::model::VisionInput;
 use super::processor::{normalized_planes, patchify, PreprocessorConfig, MAX_ASPECT_RATIO, MAX_PIXEL_BUDGET};
-use super::vision::Grid;
 use crate::error::{Error, Result};
 use crate::limits::{self, MAX_METADATA_FILE_BYTES};
 use crate::video::{check_fps, VideoLimits, VideoSource};
@@ -120,28 +119,7 @@ impl VideoConfig {
     }
 }
 
-/// Per-call overrides of a video processor's config (the reference's call kwargs).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct VideoOptions {
-    pub fps: Option<f64>,
-    pub max_frames: Option<usize>,
-    pub min_pixels: Option<usize>,
-    pub max_pixels: Option<usize>,
-    pub cap_pixels_per_frame: Option<bool>,
-}
-
-/// What sampling and resizing make of a clip, known before any frame is decoded.
-#[derive(Debug, Clone, PartialEq)]
-pub struct VideoPlan {
-    /// Source frames sampled, ascending.
-    pub indices: Vec<usize>,
-    /// (height, width) of every frame after resizing.
-    pub resized: (usize, usize),
-    /// [frame pairs, patch rows, patch cols].
-    pub grid: Grid,
-    /// Seconds of each frame pair (the mean of its frames' times).
-    pub timestamps: Vec<f64>,
-}
+pub use crate::video::{VideoOptions, VideoPlan};
 
 impl VideoPlan {
     /// LLM tokens of one frame pair.

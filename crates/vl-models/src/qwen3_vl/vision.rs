@@ -18,8 +18,7 @@ use crate::error::{Error, Result};
 /// LayerNorm epsilon of every vision norm (hard-coded in the reference).
 const LN_EPS: f64 = 1e-6;
 
-/// A (temporal, height, width) patch grid, as the processor's `image_grid_thw`.
-pub type Grid = [usize; 3];
+pub use crate::media::{Grid, VisionOutput};
 
 fn layer_norm(dim: usize, vb: VarBuilder) -> Result<LayerNorm> {
     Ok(LayerNorm::new(vb.get(dim, "weight")?, vb.get(dim, "bias")?, LN_EPS))
@@ -84,17 +83,6 @@ impl VisionBlock {
         let h = self.fc1.forward_then(&self.norm2.forward(&x)?, Then::GeluTanh)?;
         Ok(self.fc2.forward_then(&h, Then::Add(&x))?)
     }
-}
-
-/// The tower's output for a batch of images / videos, split per input.
-#[derive(Debug, Clone)]
-pub struct VisionOutput {
-    /// Merged rows per input: [t * h * w / merge^2, out_hidden].
-    pub merged: Vec<Tensor>,
-    /// DeepStack rows: `deepstack[level][input]`, shaped like `merged`.
-    pub deepstack: Vec<Vec<Tensor>>,
-    /// The patch grid of each input.
-    pub grids: Vec<Grid>,
 }
 
 #[derive(Debug, Clone)]

@@ -15,8 +15,7 @@ use crate::affine;
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 
-/// Called once per tensor loaded through a `VarBuilder` (for progress bars).
-pub type LoadProgress = Arc<dyn Fn(&str) + Send + Sync>;
+pub use crate::checkpoint::LoadProgress;
 
 /// Stored-to-HF prefix pairs of the MLX-community layout.
 const MLX_PREFIXES: [(&str, &str); 3] = [

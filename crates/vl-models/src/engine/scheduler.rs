@@ -1,0 +1,481 @@
+//! The one decode loop: a thread that owns every sequence's KV cache and, step after step,
+//! admits waiting requests (a slot free and their prompt's KV within the budget), prefills one
+//! chunk of one prompt, then decodes one token for every running sequence in a single batched
+//! call. A sequence leaves when it finishes; its cache is kept for prefix reuse.
+//!
+//! When a running sequence needs another KV block and the budget is spent (kept prefixes
+//! evicted first), the most recently admitted other sequence is preempted: its cache is dropped
+//! and it waits at the head of the queue, to be prefilled again with the tokens it generated
+//! (the same positions, so the same answer). A sequence alone that cannot grow ends with
+//! `Finish::ContextFull`.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use vl_nn::kv_cache::{blocks_for, BLOCK};
+
+use super::prefix::PrefixStore;
+use super::stop::StopFilter;
+use super::{lock, Completion, Encoded, EngineStats, Finish, Shared};
+use crate::error::Result;
+use crate::family::{Family, Identity, Prepared};
+use crate::kv::SeqCache;
+use crate::sampling::TokenPicker;
+use crate::stream::StreamDecoder;
+use crate::tools::{split_tool_calls, CallHold};
+
+pub(crate) enum Command {
+    Submit(Box<Job>),
+}
+
+pub(crate) enum Event {
+    Text(String),
+    Done(Result<Completion>),
+}
+
+/// A request as the caller hands it over: prepared, its media encoded.
+pub(crate) struct Job {
+    pub prepared: Prepared,
+    pub encoded: Encoded,
+    pub stop: Vec<String>,
+    pub tools: bool,
+    pub events: mpsc::Sender<Event>,
+    pub cancel: Arc<AtomicBool>,
+    /// When the caller began (time to first token counts from here).
+    pub t0: Instant,
+}
+
+#[derive(PartialEq, Eq)]
+enum Phase {
+    /// Not admitted (or preempted): no cache.
+    Waiting,
+    /// Prompt positions being prefilled; `resume` after a preemption (the next token is known).
+    Prefill {
+        resume: bool,
+    },
+    Decode,
+}
+
+struct Seq<'f> {
+    job: Box<Job>,
+    /// The prompt's tokens, then every generated token fed to the cache.
+    ids: Vec<u32>,
+    ident: Vec<Identity>,
+    prompt_len: usize,
+    cache: SeqCache,
+    phase: Phase,
+    picker: TokenPicker,
+    /// Picked, not yet fed.
+    pending: Option<u32>,
+    stream: StreamDecoder<'f>,
+    out: StopFilter,
+    hold: Option<CallHold>,
+    /// Tokens it may generate: max_new_tokens within the context.
+    budget: usize,
+    cached_tokens: usize,
+    prefill_time: Duration,
+    first_logits: Vec<f32>,
+    ttft: Option<Duration>,
+    decode_started: Option<Instant>,
+    admitted: u64,
+}
+
+impl<'f> Seq<'f> {
+    fn new(job: Box<Job>, family: &'f dyn Family) -> Self {
+        let p = &job.prepared;
+        let n = p.ids.len();
+        let budget = p.options.max_new_tokens.min(family.context().saturating_sub(n));
+        let picker = TokenPicker::new(p.options.clone(), &p.ids);
+        let hold = job.tools.then(CallHold::default);
+        let out = StopFilter::new(job.stop.clone());
+        Self {
+            ids: p.ids.clone(),
+            ident: p.ident.clone(),
+            prompt_len: n,
+            cache: SeqCache::default(),
+            phase: Phase::Waiting,
+            picker,
+            pending: None,
+            stream: StreamDecoder::new(family.tokenizer()),
+            out,
+            hold,
+            budget,
+            cached_tokens: 0,
+            prefill_time: Duration::ZERO,
+            first_logits: Vec::new(),
+            ttft: None,
+            decode_started: None,
+            admitted: 0,
+            job,
+        }
+    }
+
+    fn cancelled(&self) -> bool {
+        self.job.cancel.load(Ordering::Relaxed)
+    }
+
+    /// Takes the logits of its next position: picks a token and streams its text. Returns the
+    /// finish when the answer ends here.
+    fn accept(&mut self, logits: Vec<f32>) -> Result<Option<Finish>> {
+        let step = self.picker.generated().len();
+        let next = self.picker.pick(logits)?;
+        self.ttft.get_or_insert_with(|| self.job.t0.elapsed());
+        self.decode_started.get_or_insert_with(Instant::now);
+        if self.picker.is_eos(next) {
+            return Ok(Some(Finish::Stop));
+        }
+        if let Some(piece) = self.stream.push(next)? {
+            let (mut emit, stopped) = self.out.push(&piece);
+            if let Some(h) = &mut self.hold {
+                emit = h.push(&emit);
+            }
+            if !emit.is_empty() && self.job.events.send(Event::Text(emit)).is_err() {
+                return Ok(Some(Finish::Cancelled));
+            }
+            if stopped {
+                return Ok(Some(Finish::Stop));
+            }
+        }
+        if step + 1 >= self.budget {
+            let full = self.budget < self.picker.options().max_new_tokens;
+            return Ok(Some(if full { Finish::ContextFull } else { Finish::Length }));
+        }
+        self.pending = Some(next);
+        Ok(None)
+    }
+
+    /// The answer's end: the held-back text flushed, tool calls split off; sends the rest of the
+    /// text and returns the completion.
+    fn complete(&mut self, mut finish: Finish) -> Result<Completion> {
+        let mut tail = String::new();
+        if finish != Finish::Cancelled && !self.out.stopped {
+            if let Some(rest) = self.stream.finish()? {
+                tail.push_str(&self.out.push(&rest).0);
+            }
+            tail.push_str(&self.out.flush());
+        }
+        let mut text = std::mem::take(&mut self.out.text);
+        let mut tool_calls = vec![];
+        if let Some(h) = &mut self.hold {
+            tail = h.push(&tail);
+            match split_tool_calls(&text) {
+                Some((content, calls)) if finish != Finish::Cancelled => {
+                    text = content;
+                    tool_calls = calls;
+                    finish = Finish::ToolCalls;
+                }
+                // Not a call after all: what was held back is text.
+                _ => tail.push_str(&h.take()),
+            }
+        }
+        if !tail.is_empty() && finish != Finish::Cancelled {
+            let _ = self.job.events.send(Event::Text(tail));
+        }
+        let p = &self.job.prepared;
+        let e = &self.job.encoded;
+        Ok(Completion {
+            text,
+            tool_calls,
+            token_ids: self.picker.generated().to_vec(),
+            prompt_tokens: self.prompt_len,
+            cached_tokens: self.cached_tokens,
+            image_tokens: p.image_tokens,
+            video_tokens: p.video_tokens,
+            videos: p.videos.clone(),
+            image_cache_hits: e.image_hits,
+            video_cache_hits: e.video_hits,
+            finish,
+            vision_time: e.time,
+            prefill_time: self.prefill_time,
+            decode_time: self.decode_started.map_or(Duration::ZERO, |t| t.elapsed()),
+            time_to_first_token: self.ttft.unwrap_or_default(),
+            first_logits: std::mem::take(&mut self.first_logits),
+            kv_cache_bytes: self.cache.bytes(),
+        })
+    }
+}
+
+struct Scheduler<'f> {
+    family: &'f dyn Family,
+    shared: &'f Shared,
+    waiting: VecDeque<Seq<'f>>,
+    running: Vec<Seq<'f>>,
+    store: PrefixStore,
+    /// KV bytes of one position.
+    per_position: usize,
+    admissions: u64,
+}
+
+/// The scheduler thread's body: runs until the engine closes the queue and nothing is left.
+pub(crate) fn run(shared: &Shared, rx: mpsc::Receiver<Command>) {
+    let family = &*shared.family;
+    let mut s = Scheduler {
+        family,
+        shared,
+        waiting: VecDeque::new(),
+        running: Vec::new(),
+        store: PrefixStore::default(),
+        per_position: family.kv_bytes_per_position().max(1),
+        admissions: 0,
+    };
+    loop {
+        if s.waiting.is_empty() && s.running.is_empty() {
+            match rx.recv() {
+                Ok(Command::Submit(job)) => s.waiting.push_back(Seq::new(job, family)),
+                Err(_) => return,
+            }
+        }
+        while let Ok(Command::Submit(job)) = rx.try_recv() {
+            s.waiting.push_back(Seq::new(job, family));
+        }
+        s.drop_cancelled();
+        s.admit();
+        s.prefill_one_chunk();
+        s.decode_step();
+        s.publish();
+    }
+}
+
+impl<'f> Scheduler<'f> {
+    fn budget(&self) -> usize {
+        self.shared.opts.kv_cache_bytes
+    }
+
+    fn used(&self) -> usize {
+        self.running.iter().map(|s| s.cache.bytes()).sum::<usize>() + self.store.bytes()
+    }
+
+    /// Frees kept prefixes until `bytes` more fit in the budget; false if they cannot.
+    fn make_room(&mut self, bytes: usize) -> bool {
+        while self.used() + bytes > self.budget() {
+            if !self.store.evict() {
+                return false;
+            }
+        }
+        true
+    }
+
+    fn finish(&mut self, mut seq: Seq<'f>, finish: Finish) {
+        let result = seq.complete(finish);
+        if self.shared.opts.prefix_cache && result.is_ok() {
+            // What the cache holds: the prompt, then each generated token fed to it.
+            let mut ident = std::mem::take(&mut seq.ident);
+            ident.extend(seq.ids[seq.prompt_len..].iter().map(|&t| (t, 0)));
+            let cache = std::mem::take(&mut seq.cache);
+            if ident.len() == cache.len() {
+                self.store.put(ident, cache);
+            }
+            self.make_room(0);
+        }
+        let _ = seq.job.events.send(Event::Done(result));
+    }
+
+    fn fail(&mut self, seq: Seq<'f>, e: crate::Error) {
+        let _ = seq.job.events.send(Event::Done(Err(e)));
+    }
+
+    fn drop_cancelled(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].cancelled() {
+                let seq = self.running.remove(i);
+                self.finish(seq, Finish::Cancelled);
+            } else {
+                i += 1;
+            }
+        }
+        let (keep, gone): (VecDeque<_>, VecDeque<_>) =
+            std::mem::take(&mut self.waiting).into_iter().partition(|s: &Seq| !s.cancelled());
+        self.waiting = keep;
+        for seq in gone {
+            self.finish(seq, Finish::Cancelled);
+        }
+    }
+
+    /// Moves waiting sequences into free slots while their prompt's KV fits the budget (kept
+    /// prefixes evicted as needed), in arrival order.
+    fn admit(&mut self) {
+        while self.running.len() < self.shared.opts.parallel {
+            let Some(seq) = self.waiting.front() else { return };
+            let need = blocks_for(seq.ids.len() + 1) * self.per_position;
+            let running: usize = self.running.iter().map(|s| s.cache.bytes()).sum();
+            if running + need > self.budget() {
+                if self.running.is_empty() {
+                    // Even alone it cannot fit (a preempted sequence grew past the budget).
+                    let seq = self.waiting.pop_front().expect("front exists");
+                    self.finish(seq, Finish::ContextFull);
+                    continue;
+                }
+                return;
+            }
+            let mut seq = self.waiting.pop_front().expect("front exists");
+            let mut ident = seq.ident.clone();
+            ident.extend(seq.ids[seq.prompt_len..].iter().map(|&t| (t, 0)));
+            let reused = if self.shared.opts.prefix_cache { self.store.take(&ident) } else { Ok(None) };
+            match reused {
+                Ok(Some((mut cache, common))) => {
+                    cache.truncate(common);
+                    seq.cache = cache;
+                    if seq.admitted == 0 {
+                        seq.cached_tokens = common;
+                    }
+                }
+                Ok(None) => seq.cache = self.family.new_cache(),
+                Err(e) => {
+                    self.fail(seq, e);
+                    continue;
+                }
+            }
+            let more = need.saturating_sub(seq.cache.bytes());
+            self.make_room(more);
+            seq.cache.reserve(seq.ids.len() + 1);
+            let resume = seq.pending.is_some();
+            seq.phase = Phase::Prefill { resume };
+            self.admissions += 1;
+            seq.admitted = self.admissions;
+            self.running.push(seq);
+        }
+    }
+
+    /// One chunk of the earliest admitted prompt still prefilling.
+    fn prefill_one_chunk(&mut self) {
+        let Some(i) = self.running.iter().position(|s| matches!(s.phase, Phase::Prefill { .. })) else { return };
+        let chunk = self.shared.opts.prefill_chunk;
+        let seq = &mut self.running[i];
+        let end = (seq.cache.len() + chunk).min(seq.ids.len());
+        let t = Instant::now();
+        let p = &seq.job.prepared;
+        let result = self.family.prefill(&seq.ids, &p.media, &seq.job.encoded.features, &mut seq.cache, end);
+        seq.prefill_time += t.elapsed();
+        let outcome = match result {
+            Err(e) => Err(e),
+            Ok(None) => Ok(None),
+            Ok(Some(logits)) => {
+                let resume = seq.phase == Phase::Prefill { resume: true };
+                seq.phase = Phase::Decode;
+                if resume {
+                    Ok(None)
+                } else {
+                    logits.to_vec1::<f32>().map_err(Into::into).and_then(|l| {
+                        seq.first_logits = l.clone();
+                        seq.accept(l)
+                    })
+                }
+            }
+        };
+        match outcome {
+            Ok(None) => {}
+            Ok(Some(finish)) => {
+                let seq = self.running.remove(i);
+                self.finish(seq, finish);
+            }
+            Err(e) => {
+                let seq = self.running.remove(i);
+                self.fail(seq, e);
+            }
+        }
+    }
+
+    /// Makes room for one more position in each decoding sequence's cache, preempting the most
+    /// recently admitted other sequences when the budget is spent.
+    fn grow_caches(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let s = &self.running[i];
+            if s.phase != Phase::Decode || s.cache.len() < s.cache.capacity() {
+                i += 1;
+                continue;
+            }
+            let me = s.admitted;
+            let block = BLOCK * self.per_position;
+            if self.make_room(block) {
+                i += 1;
+                continue;
+            }
+            let victim = self
+                .running
+                .iter()
+                .enumerate()
+                .filter(|(_, o)| o.admitted != me)
+                .max_by_key(|(_, o)| o.admitted)
+                .map(|(j, _)| j);
+            match victim {
+                Some(j) => {
+                    let mut v = self.running.remove(j);
+                    v.cache = SeqCache::default();
+                    v.phase = Phase::Waiting;
+                    self.waiting.push_front(v);
+                    if j < i {
+                        i -= 1;
+                    }
+                }
+                None => {
+                    let seq = self.running.remove(i);
+                    self.finish(seq, Finish::ContextFull);
+                }
+            }
+        }
+    }
+
+    /// One token for every decoding sequence, in one batched call.
+    fn decode_step(&mut self) {
+        self.grow_caches();
+        let rows: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].phase == Phase::Decode && self.running[i].pending.is_some())
+            .collect();
+        if rows.is_empty() {
+            return;
+        }
+        let tokens: Vec<u32> = rows.iter().map(|&i| self.running[i].pending.expect("filtered")).collect();
+        let mut caches: Vec<&mut SeqCache> =
+            self.running.iter_mut().enumerate().filter(|(i, _)| rows.contains(i)).map(|(_, s)| &mut s.cache).collect();
+        let logits = self.family.decode(&tokens, &mut caches).and_then(|l| Ok(l.to_vec2::<f32>()?));
+        drop(caches);
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                // The batch's caches are in an unknown state: every sequence in it fails.
+                let msg = e.to_string();
+                for &i in rows.iter().rev() {
+                    let seq = self.running.remove(i);
+                    let err = crate::Error::Input { what: "decode".into(), message: msg.clone() };
+                    self.fail(seq, err);
+                }
+                return;
+            }
+        };
+        let mut done = Vec::new();
+        for (&i, row) in rows.iter().zip(logits) {
+            let seq = &mut self.running[i];
+            let fed = seq.pending.take().expect("filtered");
+            seq.ids.push(fed);
+            match seq.accept(row) {
+                Ok(None) => {}
+                Ok(Some(f)) => done.push((i, Ok(f))),
+                Err(e) => done.push((i, Err(e))),
+            }
+        }
+        for (i, outcome) in done.into_iter().rev() {
+            let seq = self.running.remove(i);
+            match outcome {
+                Ok(f) => self.finish(seq, f),
+                Err(e) => self.fail(seq, e),
+            }
+        }
+    }
+
+    fn publish(&self) {
+        let mut st = lock(&self.shared.stats);
+        *st = EngineStats {
+            kv_cache_bytes: self.used(),
+            kv_budget_bytes: self.budget(),
+            cached_positions: self.store.positions(),
+            cached_prefixes: self.store.len(),
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            ..*st
+        };
+    }
+}

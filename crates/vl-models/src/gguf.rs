@@ -1,0 +1,323 @@
+//! The GGUF container, family-agnostic: every header walked with bounds before candle's reader
+//! sees it (counts, string and array lengths and tensor extents checked against the file's size,
+//! so a hostile or truncated file is an error naming the file and the field, never a panic or a
+//! huge allocation), typed metadata access, and how a model's GGUF files are found.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::Device;
+
+use crate::error::{Error, Result};
+
+/// Header bounds: more than any real model has, far less than a hostile file may claim.
+const MAX_TENSORS: u64 = 1 << 16;
+const MAX_KV: u64 = 1 << 16;
+const MAX_STRING: u64 = 1 << 24;
+const MAX_DIMS: u32 = 4;
+
+pub(crate) fn bad(path: &Path, message: impl Into<String>) -> Error {
+    Error::Input { what: path.display().to_string(), message: message.into() }
+}
+
+/// Walks a GGUF header within the file's bytes: magic, version, counts, every key and value,
+/// every tensor's dims, type and extent.
+pub fn check_header(path: &Path) -> Result<()> {
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    // SAFETY: read-only map of a file we only read; a concurrent truncation is the user's doing.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    let mut r = Reader { b: &map, at: 0, path };
+    let magic = r.bytes(4, "magic")?;
+    if magic != b"GGUF" {
+        return Err(bad(path, format!("not a GGUF file (magic {magic:02x?})")));
+    }
+    let version = r.u32("version")?;
+    if !(2..=3).contains(&version) {
+        return Err(bad(path, format!("GGUF version {version} is not supported (2 or 3)")));
+    }
+    let tensors = r.u64("tensor count")?;
+    if tensors > MAX_TENSORS {
+        return Err(bad(path, format!("tensor count {tensors} exceeds {MAX_TENSORS}")));
+    }
+    let kvs = r.u64("metadata count")?;
+    if kvs > MAX_KV {
+        return Err(bad(path, format!("metadata count {kvs} exceeds {MAX_KV}")));
+    }
+    let mut alignment = 32u64;
+    for _ in 0..kvs {
+        let key = r.string("metadata key")?;
+        let ty = r.u32(&key)?;
+        if key == "general.alignment" && ty == 4 {
+            alignment = u64::from(r.u32(&key)?);
+            if alignment == 0 || !alignment.is_power_of_two() {
+                return Err(bad(path, format!("general.alignment = {alignment} is not a power of two")));
+            }
+        } else {
+            r.value(ty, &key, 0)?;
+        }
+    }
+    let mut extents = Vec::with_capacity(tensors as usize);
+    for _ in 0..tensors {
+        let name = r.string("tensor name")?;
+        let dims = r.u32(&name)?;
+        if dims == 0 || dims > MAX_DIMS {
+            return Err(bad(path, format!("tensor {name}: {dims} dimensions")));
+        }
+        let shape: Vec<u64> = (0..dims).map(|_| r.u64(&name)).collect::<Result<_>>()?;
+        let ty = r.u32(&name)?;
+        let dtype = ggml_type(ty).ok_or_else(|| {
+            bad(path, format!("tensor {name}: GGML type {ty} ({}) is not supported (no kernel)", ggml_type_name(ty)))
+        })?;
+        let row = shape[0];
+        let elems = shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d).filter(|&e| e <= len.saturating_mul(8)))
+            .ok_or_else(|| {
+            bad(path, format!("tensor {name}: dimensions {shape:?} larger than the file could hold"))
+        })?;
+        let block = dtype.block_size() as u64;
+        if !row.is_multiple_of(block) {
+            return Err(bad(
+                path,
+                format!("tensor {name}: row of {row} values is not a multiple of the block {block}"),
+            ));
+        }
+        let bytes = elems / block * dtype.type_size() as u64;
+        let offset = r.u64(&name)?;
+        extents.push((name, offset, bytes));
+    }
+    let data_start = r.at.div_ceil(alignment as usize) as u64 * alignment;
+    for (name, offset, bytes) in extents {
+        let end = data_start.checked_add(offset).and_then(|o| o.checked_add(bytes));
+        if end.is_none_or(|e| e > len) {
+            return Err(bad(
+                path,
+                format!("tensor {name}: bytes {offset}+{bytes} past the end of the file ({len} bytes; truncated?)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// GGUF type ids candle reads (the ids of ggml.h).
+pub(crate) fn ggml_type(id: u32) -> Option<GgmlDType> {
+    Some(match id {
+        0 => GgmlDType::F32,
+        1 => GgmlDType::F16,
+        2 => GgmlDType::Q4_0,
+        3 => GgmlDType::Q4_1,
+        6 => GgmlDType::Q5_0,
+        7 => GgmlDType::Q5_1,
+        8 => GgmlDType::Q8_0,
+        10 => GgmlDType::Q2K,
+        11 => GgmlDType::Q3K,
+        12 => GgmlDType::Q4K,
+        13 => GgmlDType::Q5K,
+        14 => GgmlDType::Q6K,
+        30 => GgmlDType::BF16,
+        _ => return None,
+    })
+}
+
+pub(crate) fn ggml_type_name(id: u32) -> &'static str {
+    match id {
+        9 => "Q8_1",
+        15 => "Q8_K",
+        16 => "IQ2_XXS",
+        17 => "IQ2_XS",
+        18 => "IQ3_XXS",
+        19 => "IQ1_S",
+        20 => "IQ4_NL",
+        21 => "IQ3_S",
+        22 => "IQ2_S",
+        23 => "IQ4_XS",
+        29 => "IQ1_M",
+        34 => "TQ1_0",
+        35 => "TQ2_0",
+        39 => "MXFP4",
+        _ => "unknown",
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+    path: &'a Path,
+}
+
+impl<'a> Reader<'a> {
+    fn bytes(&mut self, n: u64, what: &str) -> Result<&'a [u8]> {
+        let end = (self.at as u64)
+            .checked_add(n)
+            .filter(|&e| e <= self.b.len() as u64)
+            .ok_or_else(|| bad(self.path, format!("truncated header: {what} needs {n} bytes at offset {}", self.at)))?;
+        let s = &self.b[self.at..end as usize];
+        self.at = end as usize;
+        Ok(s)
+    }
+    fn u32(&mut self, what: &str) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.bytes(4, what)?.try_into().expect("4 bytes")))
+    }
+    fn u64(&mut self, what: &str) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.bytes(8, what)?.try_into().expect("8 bytes")))
+    }
+    fn string(&mut self, what: &str) -> Result<String> {
+        let n = self.u64(what)?;
+        if n > MAX_STRING {
+            return Err(bad(self.path, format!("{what}: string of {n} bytes exceeds {MAX_STRING}")));
+        }
+        Ok(String::from_utf8_lossy(self.bytes(n, what)?).into_owned())
+    }
+    fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<()> {
+        let fixed = match ty {
+            0 | 1 | 7 => 1,
+            2 | 3 => 2,
+            4..=6 => 4,
+            10..=12 => 8,
+            8 => {
+                self.string(key)?;
+                return Ok(());
+            }
+            9 if depth == 0 => {
+                let elem = self.u32(key)?;
+                let n = self.u64(key)?;
+                // Every element takes at least one byte: a count beyond the rest of the file is a lie.
+                if n > (self.b.len() - self.at) as u64 {
+                    return Err(bad(self.path, format!("{key}: array of {n} elements is longer than the file")));
+                }
+                for _ in 0..n {
+                    self.value(elem, key, depth + 1)?;
+                }
+                return Ok(());
+            }
+            _ => return Err(bad(self.path, format!("{key}: value type {ty} is not valid here"))),
+        };
+        self.bytes(fixed, key)?;
+        Ok(())
+    }
+}
+
+/// One GGUF file, its header read.
+pub struct GgufFile {
+    pub path: PathBuf,
+    pub content: Content,
+}
+
+impl GgufFile {
+    pub fn open(path: &Path) -> Result<Self> {
+        check_header(path)?;
+        let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let content = Content::read(&mut f).map_err(|e| bad(path, format!("unreadable GGUF: {e}")))?;
+        Ok(Self { path: path.to_path_buf(), content })
+    }
+
+    pub(crate) fn get(&self, key: &str) -> Result<&Value> {
+        self.content.metadata.get(key).ok_or_else(|| bad(&self.path, format!("metadata key {key} is missing")))
+    }
+    pub(crate) fn usize(&self, key: &str, max: usize) -> Result<usize> {
+        let v = self.get(key)?;
+        let n = v.to_u64().or_else(|_| v.to_u32().map(u64::from)).or_else(|_| v.to_i32().map(|x| x.max(0) as u64));
+        let n = n.map_err(|_| bad(&self.path, format!("{key} is not an integer")))?;
+        if n == 0 || n > max as u64 {
+            return Err(bad(&self.path, format!("{key} = {n} is outside 1..={max}")));
+        }
+        Ok(n as usize)
+    }
+    pub(crate) fn f64(&self, key: &str) -> Result<f64> {
+        let v = self.get(key)?;
+        v.to_f32()
+            .map(f64::from)
+            .or_else(|_| v.to_f64())
+            .map_err(|_| bad(&self.path, format!("{key} is not a number")))
+            .and_then(|x| if x.is_finite() && x > 0.0 { Ok(x) } else { Err(bad(&self.path, format!("{key} = {x}"))) })
+    }
+    pub(crate) fn str(&self, key: &str) -> Result<&str> {
+        self.get(key)?.to_string().map(String::as_str).map_err(|_| bad(&self.path, format!("{key} is not a string")))
+    }
+    pub(crate) fn array(&self, key: &str) -> Result<&Vec<Value>> {
+        self.get(key)?.to_vec().map_err(|_| bad(&self.path, format!("{key} is not an array")))
+    }
+    /// The id of a token string in `tokenizer.ggml.tokens`.
+    pub(crate) fn token_id(&self, token: &str) -> Option<u32> {
+        let tokens = self.array("tokenizer.ggml.tokens").ok()?;
+        tokens.iter().position(|v| v.to_string().is_ok_and(|x| x == token)).map(|i| i as u32)
+    }
+    pub(crate) fn dims(&self, name: &str) -> Option<Vec<usize>> {
+        self.content.tensor_infos.get(name).map(|i| i.shape.dims().to_vec())
+    }
+    pub(crate) fn tensor(&self, name: &str, dev: &Device) -> Result<QTensor> {
+        let mut f = std::fs::File::open(&self.path).map_err(|e| Error::io(&self.path, e))?;
+        self.content.tensor(&mut f, name, dev).map_err(|e| bad(&self.path, format!("tensor {name}: {e}")))
+    }
+}
+
+/// The GGUF files of `path`: the file itself (with `mmproj`, or an `mmproj*.gguf` beside it), or
+/// a directory holding one text GGUF and at most one `mmproj*.gguf`.
+pub fn find_files(path: &Path, mmproj: Option<&Path>) -> Result<(PathBuf, Option<PathBuf>)> {
+    let is_gguf = |p: &Path| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    let is_mmproj = |p: &Path| p.file_name().is_some_and(|n| n.to_string_lossy().to_lowercase().starts_with("mmproj"));
+    let dir = if path.is_dir() { path.to_path_buf() } else { path.parent().unwrap_or(Path::new(".")).to_path_buf() };
+    let mut listed: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .map_err(|e| Error::io(&dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| is_gguf(p))
+        .collect();
+    listed.sort();
+    let text = if path.is_dir() {
+        let texts: Vec<&PathBuf> = listed.iter().filter(|p| !is_mmproj(p)).collect();
+        match texts.as_slice() {
+            [one] => (*one).clone(),
+            [] => return Err(bad(path, "no text-model .gguf file in this directory")),
+            many => {
+                return Err(bad(
+                    path,
+                    format!(
+                        "{} text-model .gguf files ({}); pass one with --model",
+                        many.len(),
+                        many.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+                    ),
+                ))
+            }
+        }
+    } else {
+        path.to_path_buf()
+    };
+    let mm = match mmproj {
+        Some(m) => Some(m.to_path_buf()),
+        None => {
+            let found: Vec<&PathBuf> = listed.iter().filter(|p| is_mmproj(p)).collect();
+            match found.as_slice() {
+                [] => None,
+                [one] => Some((*one).clone()),
+                _ => return Err(bad(&dir, "several mmproj*.gguf files: pick one with --mmproj")),
+            }
+        }
+    };
+    Ok((text, mm))
+}
+
+/// Whether `path` names GGUF weights (a .gguf file, or a directory with one and no config.json).
+pub fn is_gguf(path: &Path) -> bool {
+    if path.is_file() {
+        return path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    }
+    path.is_dir()
+        && !path.join("config.json").exists()
+        && std::fs::read_dir(path).is_ok_and(|mut d| {
+            d.any(|e| e.is_ok_and(|e| e.path().extension().is_some_and(|x| x.eq_ignore_ascii_case("gguf"))))
+        })
+}
+
+/// The text-model file of `path` (a .gguf file, or the one text .gguf of a directory).
+pub fn find_text_file(path: &Path) -> Result<PathBuf> {
+    Ok(find_files(path, None)
+        .map(|(t, _)| t)
+        .or_else(|e| if path.is_file() { Ok(path.to_path_buf()) } else { Err(e) })?)
+}
+
+/// A GGUF file's `general.architecture`, read from its checked header.
+pub fn architecture(path: &Path) -> Result<String> {
+    Ok(GgufFile::open(path)?.str("general.architecture")?.to_string())
+}

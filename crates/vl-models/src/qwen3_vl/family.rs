@@ -1,0 +1,602 @@
+//! Qwen3-VL through the family seam (`crate::family`): loading (checkpoint directories and
+//! GGUF pairs, resident or in stages), a request made into prompt tokens and media the way
+//! transformers' `Qwen3VLProcessor` does, and the model's prefill and batched decode.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use candle_core::{DType, Device, Tensor};
+use sha2::{Digest, Sha256};
+
+use super::gguf::{self, GgufModel};
+use super::plan::VISION_PREFIX;
+use super::video::{ProcessedVideo, VideoOptions, VideoPlan, VideoProcessor};
+use super::{
+    Content, ImageFile, Message, ModelDir, Processor, Prompt, QuantLoad, Qwen3VlConfig, TemplateToolCall, TextModel,
+    VisionTower, Weights,
+};
+use crate::cache::ByteLru;
+use crate::engine::{EngineOptions, Part, Request, VideoData, VideoReport};
+use crate::error::{Error, Result};
+use crate::family::{Family, FamilyEntry, Identity, Prepared, Source};
+use crate::kv::SeqCache;
+use crate::media::{Media, MediaKind, VisionOutput};
+use crate::sampling::GenerationOptions;
+use crate::video::VideoSource;
+
+/// The registry's entry for Qwen3-VL.
+pub static ENTRY: FamilyEntry = FamilyEntry {
+    name: "qwen3_vl",
+    architectures: &["Qwen3VLForConditionalGeneration"],
+    model_types: &["qwen3_vl"],
+    gguf_architectures: &["qwen3vl"],
+    open: open_entry,
+};
+
+fn open_entry(source: &Source<'_>, opts: &EngineOptions, staged: bool) -> Result<Box<dyn Family>> {
+    if gguf::is_gguf(source.model) {
+        return Ok(Box::new(Qwen3Vl::open_gguf(source.model, source.mmproj, opts, staged)?));
+    }
+    if let Some(m) = source.mmproj {
+        return Err(Error::Input {
+            what: m.display().to_string(),
+            message: "--mmproj goes with a GGUF text model, not a checkpoint directory".into(),
+        });
+    }
+    let dir = ModelDir::open(source.model)?;
+    Ok(Box::new(Qwen3Vl::from_dir(dir, opts, staged, source.progress.cloned())?))
+}
+
+type VisionLoader = Box<dyn FnOnce() -> Result<VisionTower> + Send>;
+type TextLoader = Box<dyn FnOnce() -> Result<TextModel> + Send>;
+
+/// The vision tower: loaded, to be loaded at the first image (staged), or absent (released, or
+/// a GGUF without its projector).
+enum VisionSlot {
+    Ready(Arc<VisionTower>),
+    Pending(VisionLoader),
+    Absent(&'static str),
+}
+
+/// A sampled, preprocessed video kept for a repeated request.
+#[derive(Clone)]
+struct CachedClip {
+    info: crate::video::VideoInfo,
+    video: ProcessedVideo,
+}
+
+/// A loaded Qwen3-VL model.
+pub struct Qwen3Vl {
+    config: Qwen3VlConfig,
+    processor: Processor,
+    eos: Vec<u32>,
+    device: Device,
+    vision: Mutex<VisionSlot>,
+    text: OnceLock<TextModel>,
+    text_loader: Mutex<Option<TextLoader>>,
+    /// Sampled, preprocessed videos by `clip_key` (None: disabled).
+    clips: Option<Mutex<ByteLru<[u8; 32], CachedClip>>>,
+}
+
+impl Qwen3Vl {
+    /// From a checked model directory; `staged` loads the vision tower at the first image and the
+    /// text decoder at `finish_loading`, after the tower is released.
+    pub fn from_dir(
+        dir: ModelDir,
+        opts: &EngineOptions,
+        staged: bool,
+        progress: Option<crate::checkpoint::LoadProgress>,
+    ) -> Result<Self> {
+        let ModelDir { config, weights, mut processor, generation, .. } = dir;
+        apply_image_options(&mut processor, opts)?;
+        let (dtype, device) = (opts.dtype, opts.device.clone());
+        let quant = opts.quant;
+        let vision_loader: VisionLoader = if staged {
+            let (w, cfg, p) = (weights.clone(), config.vision.clone(), progress.clone());
+            let dev = device.clone();
+            Box::new(move || VisionTower::load(&cfg, w.var_builder(dtype, &dev, p).pp(VISION_PREFIX)))
+        } else {
+            // Resident for every request: a bf16/f16 checkpoint's vision weights stay in that
+            // dtype and are upcast block by block when computing in f32 (exact; half the memory).
+            let stored = if dtype == DType::F32 { weights.vision_float_dtype() } else { dtype };
+            let tower = VisionTower::load_stored(
+                &config.vision,
+                weights.var_builder(stored, &device, None).pp(VISION_PREFIX),
+                dtype,
+            )?;
+            Box::new(move || Ok(tower))
+        };
+        let (w, cfg, dev) = (weights, config.clone(), device.clone());
+        let text_loader: TextLoader = Box::new(move || {
+            let vb = w.var_builder(dtype, &dev, progress);
+            load_text(&cfg, &w, vb, quant)
+        });
+        Self::assemble(config, processor, generation.eos_token_ids, opts, vision_loader, text_loader, staged)
+    }
+
+    /// From GGUF files (a .gguf file, or a directory holding one) and the vision projector
+    /// (`mmproj`, or the `mmproj*.gguf` beside it; without one the model answers text only).
+    /// Quantized tensors are used in their stored block type; `opts.quant` quantizes the float ones.
+    pub fn open_gguf(model: &Path, mmproj: Option<&Path>, opts: &EngineOptions, staged: bool) -> Result<Self> {
+        let (text, mm) = gguf::find_files(model, mmproj)?;
+        let g = Arc::new(GgufModel::open(&text, mm.as_deref())?);
+        let mut processor = g.processor()?;
+        apply_image_options(&mut processor, opts)?;
+        let (dtype, device, quant) = (opts.dtype, opts.device.clone(), opts.quant);
+        let eos = g.eos_token_ids();
+        let config = g.config.clone();
+        let has_vision = g.mmproj.is_some();
+        let (gv, dev) = (g.clone(), device.clone());
+        let vision_loader: VisionLoader = Box::new(move || gv.load_vision(dtype, &dev));
+        let dev = device.clone();
+        let text_loader: TextLoader = Box::new(move || g.load_text_quantized(dtype, &dev, quant));
+        let mut m = Self::assemble(config, processor, eos, opts, vision_loader, text_loader, staged)?;
+        if !has_vision {
+            *m.vision.get_mut().unwrap_or_else(|p| p.into_inner()) =
+                VisionSlot::Absent("this GGUF model has no vision projector (pass --mmproj FILE.gguf)");
+        }
+        Ok(m)
+    }
+
+    fn assemble(
+        config: Qwen3VlConfig,
+        processor: Processor,
+        eos: Vec<u32>,
+        opts: &EngineOptions,
+        vision: VisionLoader,
+        text: TextLoader,
+        staged: bool,
+    ) -> Result<Self> {
+        let m = Self {
+            config,
+            processor,
+            eos,
+            device: opts.device.clone(),
+            vision: Mutex::new(VisionSlot::Pending(vision)),
+            text: OnceLock::new(),
+            text_loader: Mutex::new(Some(text)),
+            clips: (opts.clip_cache_bytes > 0).then(|| Mutex::new(ByteLru::new(opts.clip_cache_bytes))),
+        };
+        if !staged {
+            m.vision_tower()?;
+            m.load_text()?;
+        }
+        Ok(m)
+    }
+
+    pub fn config(&self) -> &Qwen3VlConfig {
+        &self.config
+    }
+
+    pub fn processor(&self) -> &Processor {
+        &self.processor
+    }
+
+    fn vision_tower(&self) -> Result<Arc<VisionTower>> {
+        let mut slot = self.vision.lock().unwrap_or_else(|p| p.into_inner());
+        let tower = match std::mem::replace(&mut *slot, VisionSlot::Absent("the vision tower failed to load")) {
+            VisionSlot::Ready(t) => t,
+            VisionSlot::Pending(load) => Arc::new(load()?),
+            VisionSlot::Absent(why) => {
+                *slot = VisionSlot::Absent(why);
+                return Err(Error::Input { what: "model".into(), message: why.into() });
+            }
+        };
+        *slot = VisionSlot::Ready(tower.clone());
+        Ok(tower)
+    }
+
+    fn load_text(&self) -> Result<&TextModel> {
+        if let Some(t) = self.text.get() {
+            return Ok(t);
+        }
+        let load = self.text_loader.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match load {
+            Some(load) => {
+                let _ = self.text.set(load()?);
+                self.text()
+            }
+            None => self.text(),
+        }
+    }
+
+    fn text(&self) -> Result<&TextModel> {
+        self.text.get().ok_or_else(|| Error::Input {
+            what: "model".into(),
+            message: "the text decoder is not loaded (finish_loading was not called)".into(),
+        })
+    }
+}
+
+impl Family for Qwen3Vl {
+    fn name(&self) -> &'static str {
+        ENTRY.name
+    }
+
+    fn context(&self) -> usize {
+        self.config.text.max_position_embeddings
+    }
+
+    fn eos_token_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    fn tokenizer(&self) -> &tokenizers::Tokenizer {
+        &self.processor.tokenizer
+    }
+
+    fn kv_bytes_per_position(&self) -> usize {
+        let c = &self.config.text;
+        let dtype = self.text.get().map_or(DType::F32, |t| t.dtype());
+        c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * dtype.size_in_bytes()
+    }
+
+    fn new_cache(&self) -> SeqCache {
+        SeqCache { layers: vec![Default::default(); self.config.text.num_hidden_layers], position_offset: 0 }
+    }
+
+    fn prepare(&self, req: &Request) -> Result<Prepared> {
+        prepare(&self.processor, &self.config, &self.eos, &self.device, req, self.clips.as_ref())
+    }
+
+    fn encode(&self, media: &Media) -> Result<VisionOutput> {
+        self.vision_tower()?.forward(&media.input.pixels, &media.input.grids)
+    }
+
+    fn load_vision(&self) -> Result<()> {
+        self.vision_tower().map(|_| ())
+    }
+
+    fn finish_loading(&self) -> Result<()> {
+        let mut slot = self.vision.lock().unwrap_or_else(|p| p.into_inner());
+        if matches!(*slot, VisionSlot::Ready(_) | VisionSlot::Pending(_)) {
+            *slot = VisionSlot::Absent("the vision tower was released after the images were encoded");
+        }
+        drop(slot);
+        self.load_text().map(|_| ())
+    }
+
+    fn prefill(
+        &self,
+        ids: &[u32],
+        media: &[Media],
+        features: &[VisionOutput],
+        cache: &mut SeqCache,
+        end: usize,
+    ) -> Result<Option<Tensor>> {
+        let text = self.text()?;
+        let of = |kind: MediaKind| {
+            let parts: Vec<&VisionOutput> =
+                media.iter().zip(features).filter(|(m, _)| m.kind == kind).map(|(_, f)| f).collect();
+            VisionOutput::concat(&parts)
+        };
+        let (images, videos) = (of(MediaKind::Image), of(MediaKind::Video));
+        let model = super::model::TextSide { cfg: &self.config, text };
+        let prompt = Prompt { input_ids: ids.to_vec(), images: None, videos: None };
+        let out = model.prefill_until(&prompt, images.as_ref(), videos.as_ref(), cache, end, &mut |_, _| {})?;
+        if end < ids.len() {
+            return Ok(None);
+        }
+        Ok(Some(model.last_logits(&out)?))
+    }
+
+    fn decode(&self, tokens: &[u32], caches: &mut [&mut SeqCache]) -> Result<Tensor> {
+        super::model::TextSide { cfg: &self.config, text: self.text()? }.decode_rows(tokens, caches)
+    }
+
+    fn storage(&self) -> Vec<(String, String, usize)> {
+        self.text.get().map(TextModel::storage).unwrap_or_default()
+    }
+}
+
+/// The text decoder, quantized as `quant` asks, reading weights in the checkpoint's dtype.
+fn load_text(
+    config: &Qwen3VlConfig,
+    weights: &Weights,
+    vb: candle_nn::VarBuilder<'static>,
+    quant: Option<vl_nn::QuantType>,
+) -> Result<TextModel> {
+    let quant = quant.map(|qtype| QuantLoad { qtype, read_as: weights.text_float_dtype() });
+    TextModel::load_with(&config.text, config.tie_word_embeddings, vb, quant)
+}
+/// A video of a request: sampled and preprocessed before (from the clip cache), or to be decoded.
+/// One per video of a request, consumed at once: the fresh variant's size is no concern.
+#[allow(clippy::large_enum_variant)]
+enum Clip {
+    Cached(ProcessedVideo),
+    Fresh { src: VideoSource, proc: VideoProcessor, plan: VideoPlan, key: Option<[u8; 32]> },
+}
+
+impl Clip {
+    fn plan(&self) -> &VideoPlan {
+        match self {
+            Clip::Cached(v) => &v.plan,
+            Clip::Fresh { plan, .. } => plan,
+        }
+    }
+}
+
+type ClipCache = ByteLru<[u8; 32], CachedClip>;
+
+fn lock_clips(c: &Mutex<ClipCache>) -> std::sync::MutexGuard<'_, ClipCache> {
+    // Entries are inserted whole, so a poisoned lock's map is still consistent.
+    c.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What identifies a video's sampled frames: a regular file's canonical path, size and
+/// modification time, or the bytes' SHA-256; and the processor's settings. None for frame
+/// directories (a frame can change without the directory's time changing) and unreadable files.
+fn clip_key(source: &VideoData, proc: &VideoProcessor) -> Option<[u8; 32]> {
+    let mut h = Sha256::new();
+    match source {
+        VideoData::Path(p) => {
+            let meta = std::fs::metadata(p).ok().filter(|m| m.is_file())?;
+            let since = meta.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?;
+            h.update(b"file\0");
+            h.update(std::fs::canonicalize(p).ok()?.as_os_str().as_encoded_bytes());
+            h.update(meta.len().to_le_bytes());
+            h.update(since.as_nanos().to_le_bytes());
+        }
+        VideoData::Bytes(b) => {
+            h.update(b"bytes\0");
+            h.update(b);
+        }
+    }
+    h.update(format!("{:?}", proc.config).as_bytes());
+    Some(h.finalize().into())
+}
+
+/// The engine's pixel budgets, video settings and input limits on the checkpoint's processors.
+fn apply_image_options(processor: &mut Processor, opts: &EngineOptions) -> Result<()> {
+    let (min, max) = image_budget(&processor.images.config, opts.min_pixels, opts.max_pixels, opts.max_image_tokens)?;
+    processor.images = processor.images.clone().with_pixel_budget(min, max)?;
+    processor.images.limits = opts.image_limits;
+    let mut video = opts.video;
+    if video.max_pixels.is_none() {
+        let cap = opts.video_pixel_cap.map(|c| c.max(video.min_pixels.unwrap_or(0)));
+        video.max_pixels = cap.filter(|&c| c < processor.videos.config.base.max_pixels);
+    }
+    processor.videos =
+        processor.videos.clone().with_options(&video).map_err(|e| e.rename_input(|w| format!("video {w}")))?;
+    processor.videos.limits = opts.video_limits;
+    Ok(())
+}
+
+/// The video processor for one video: the engine's, narrowed by the request's options (fewer
+/// frames and pixels only; any sampling rate within bounds).
+fn video_processor(base: &VideoProcessor, o: &VideoOptions) -> Result<VideoProcessor> {
+    let c = &base.config;
+    let over = |name: &str, v: usize, most: usize| {
+        (v > most).then(|| Error::Input {
+            what: format!("video {name}"),
+            message: format!("{v} is above the server's {most}"),
+        })
+    };
+    if let Some(e) = o.max_frames.and_then(|v| over("max_frames", v, c.max_frames)) {
+        return Err(e);
+    }
+    if let Some(e) = o.max_pixels.and_then(|v| over("max_pixels", v, c.base.max_pixels)) {
+        return Err(e);
+    }
+    let narrowed = VideoOptions { min_pixels: None, cap_pixels_per_frame: None, ..*o };
+    let mut p = base.clone().with_options(&narrowed).map_err(|e| e.rename_input(|w| format!("video {w}")))?;
+    p.limits = base.limits;
+    Ok(p)
+}
+
+/// The (min, max) pixel budget an engine applies over a checkpoint's preprocessor `config`:
+/// explicit `max_pixels` wins; otherwise `max_image_tokens` caps the checkpoint's maximum at
+/// `tokens x factor^2` pixels (raised to `min_pixels` when that asks for more), and leaves it
+/// alone when the checkpoint's is smaller already. `None` means "the checkpoint's value".
+pub fn image_budget(
+    config: &super::PreprocessorConfig,
+    min_pixels: Option<usize>,
+    max_pixels: Option<usize>,
+    max_image_tokens: Option<usize>,
+) -> Result<(Option<usize>, Option<usize>)> {
+    let Some(tokens) = max_image_tokens.filter(|_| max_pixels.is_none()) else {
+        return Ok((min_pixels, max_pixels));
+    };
+    let unit = config.factor() * config.factor();
+    let most = super::processor::MAX_PIXEL_BUDGET / unit.max(1);
+    if tokens == 0 || tokens > most {
+        return Err(Error::Input {
+            what: "max_image_tokens".into(),
+            message: format!("{tokens} is outside 1..={most}"),
+        });
+    }
+    let cap = (tokens * unit).max(min_pixels.unwrap_or(0));
+    Ok((min_pixels, (cap < config.max_pixels).then_some(cap)))
+}
+
+/// A preprocessed video's cache key: the hash of its patch rows and grid.
+fn video_key(v: &ProcessedVideo) -> u64 {
+    let mut h = Sha256::new();
+    for chunk in v.pixels.chunks(1 << 14) {
+        h.update(chunk.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>());
+    }
+    for g in v.plan.grid {
+        h.update((g as u64).to_le_bytes());
+    }
+    let digest = h.finalize();
+    let mut k = [0u8; 8];
+    k.copy_from_slice(&digest[..8]);
+    u64::from_le_bytes(k) | 1
+}
+
+/// An image's cache key: its content hash and its resized size.
+fn image_key(hash: &[u8], resized: (usize, usize)) -> u64 {
+    let mut k = [0u8; 8];
+    k.copy_from_slice(&hash[..8]);
+    u64::from_le_bytes(k) ^ ((resized.0 as u64) << 32 | resized.1 as u64).rotate_left(17) | 1
+}
+
+/// The image processor for one image: the engine's, narrowed by the request's budget.
+fn image_processor(
+    base: &super::ImageProcessor,
+    min_pixels: Option<usize>,
+    max_pixels: Option<usize>,
+) -> Result<super::ImageProcessor> {
+    let (lo, hi) = (base.config.min_pixels, base.config.max_pixels);
+    for (name, v) in [("min_pixels", min_pixels), ("max_pixels", max_pixels)] {
+        if let Some(v) = v {
+            if v < lo || v > hi {
+                return Err(Error::Input {
+                    what: name.into(),
+                    message: format!("{v} is outside the server's image budget [{lo}, {hi}] pixels"),
+                });
+            }
+        }
+    }
+    if min_pixels.is_none() && max_pixels.is_none() {
+        return Ok(base.clone());
+    }
+    let mut p = base.clone().with_pixel_budget(min_pixels, max_pixels)?;
+    p.limits = base.limits;
+    Ok(p)
+}
+
+/// Checks a request and prepares its prompt: options, image headers and budgets, the prompt's
+/// length against the context (before any pixel is decoded), then pixels and tokens.
+fn prepare(
+    processor: &Processor,
+    config: &super::Qwen3VlConfig,
+    eos: &[u32],
+    device: &Device,
+    req: &Request,
+    clip_cache: Option<&Mutex<ClipCache>>,
+) -> Result<Prepared> {
+    let opts = GenerationOptions { eos_token_ids: eos.to_vec(), ..req.options.clone() };
+    opts.validate()?;
+    if req.messages.is_empty() {
+        return Err(Error::Input { what: "messages".into(), message: "no messages".into() });
+    }
+    if let Some(s) = req.stop.iter().find(|s| s.is_empty()) {
+        return Err(Error::Input { what: "stop".into(), message: format!("{s:?}: stop strings must not be empty") });
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    let mut files = Vec::new();
+    let mut clips: Vec<Clip> = Vec::new();
+    let mut reports = Vec::new();
+    for m in &req.messages {
+        let mut content = Vec::with_capacity(m.parts.len());
+        for p in &m.parts {
+            match p {
+                Part::Text(t) => content.push(Content::Text { text: t.clone() }),
+                Part::Image { data, name, min_pixels, max_pixels } => {
+                    let proc = image_processor(&processor.images, *min_pixels, *max_pixels)?;
+                    let file = ImageFile::from_bytes(data.clone(), Path::new(name), &proc.limits)?;
+                    content.push(Content::Image { image: name.clone() });
+                    files.push((file, proc, Sha256::digest(data)));
+                }
+                Part::Video { source, name, options } => {
+                    let proc = video_processor(&processor.videos, options)?;
+                    let key = clip_cache.and_then(|_| clip_key(source, &proc));
+                    let cached = key.and_then(|k| clip_cache.and_then(|c| lock_clips(c).get(&k)));
+                    let (info, clip) = match cached {
+                        Some(c) => (c.info, Clip::Cached(c.video)),
+                        None => {
+                            let src = match source {
+                                VideoData::Path(p) => VideoSource::open(p, proc.config.fps, &proc.limits)?,
+                                VideoData::Bytes(b) => {
+                                    VideoSource::from_bytes(b.clone(), Path::new(name), &proc.limits)?
+                                }
+                            };
+                            let plan = proc.plan_source(&src)?;
+                            (src.info().clone(), Clip::Fresh { src, proc, plan, key })
+                        }
+                    };
+                    content.push(Content::Video { video: name.clone() });
+                    let plan = clip.plan().clone();
+                    let tokens = plan.num_tokens(processor.videos.config.base.merge_size);
+                    let from_cache = matches!(clip, Clip::Cached(_));
+                    reports.push(VideoReport { name: name.clone(), info, plan, tokens, from_cache });
+                    clips.push(clip);
+                }
+            }
+        }
+        let mut msg = Message::new(&m.role, content);
+        msg.tool_calls = m
+            .tool_calls
+            .iter()
+            .map(|c| TemplateToolCall::function(&c.name, serde_json::Value::String(c.arguments.clone())))
+            .collect();
+        messages.push(msg);
+    }
+    let tokens: Vec<usize> = files.iter().map(|(f, p, _)| p.tokens_for(f)).collect::<Result<_>>()?;
+    let context = config.text.max_position_embeddings;
+    let tools = (!req.tools.is_empty()).then_some(req.tools.as_slice());
+    let plans: Vec<&VideoPlan> = clips.iter().map(Clip::plan).collect();
+    let prompt_len = processor.prompt_len_media(&messages, tools, &tokens, &plans)?;
+    if prompt_len >= context {
+        let merge = processor.videos.config.base.merge_size;
+        let video_tokens: usize = plans.iter().map(|p| p.num_tokens(merge)).sum();
+        let videos =
+            if plans.is_empty() { String::new() } else { format!(", {video_tokens} from {} video(s)", plans.len()) };
+        return Err(Error::Limit {
+            what: "prompt".into(),
+            message: format!(
+                "the prompt is {prompt_len} tokens ({} from {} image(s){videos}), longer than the model's context of {context} tokens",
+                tokens.iter().sum::<usize>(),
+                tokens.len()
+            ),
+            kind: crate::limits::LimitKind::Fixed,
+        });
+    }
+    let processed: Vec<_> = files.iter().map(|(f, p, _)| p.process_opened(f)).collect::<Result<_>>()?;
+    let keys: Vec<u64> = files.iter().zip(&processed).map(|((_, _, h), img)| image_key(h, img.resized)).collect();
+    let mut videos: Vec<ProcessedVideo> = Vec::with_capacity(clips.len());
+    for (clip, report) in clips.into_iter().zip(&reports) {
+        videos.push(match clip {
+            Clip::Cached(video) => video,
+            Clip::Fresh { src, proc, plan, key } => {
+                let video = proc.process_planned(&src, plan)?;
+                if let (Some(k), Some(c)) = (key, clip_cache) {
+                    let bytes = video.pixels.len() * std::mem::size_of::<f32>();
+                    lock_clips(c).put(k, CachedClip { info: report.info.clone(), video: video.clone() }, bytes);
+                }
+                video
+            }
+        });
+    }
+    let video_keys: Vec<u64> = videos.iter().map(video_key).collect();
+    let ids = processor.prompt_ids(&messages, tools, &processed, &videos)?;
+    let count = |id: u32| ids.iter().filter(|&&t| t == id).count();
+    let (image_tokens, video_tokens) = (count(config.image_token_id), count(config.video_token_id));
+    // Identities: which image or video each placeholder belongs to, in prompt order (a video's
+    // frame pairs are runs of one video, separated by their timestamps).
+    let mut ident: Vec<Identity> = Vec::with_capacity(ids.len());
+    let mut runs = [(config.image_token_id, &keys, 0usize, false), (config.video_token_id, &video_keys, 0, false)];
+    let mut pairs_left = videos.first().map_or(0, |v| v.plan.grid[0]);
+    for &t in &ids {
+        let mut key = 0;
+        for (kind, (id, keys, at, in_run)) in runs.iter_mut().enumerate() {
+            if t == *id {
+                *in_run = true;
+                key = keys.get(*at).copied().unwrap_or(0);
+            } else if *in_run {
+                *in_run = false;
+                if kind == 0 {
+                    *at += 1;
+                } else {
+                    pairs_left -= 1;
+                    if pairs_left == 0 {
+                        *at += 1;
+                        pairs_left = videos.get(*at).map_or(0, |v| v.plan.grid[0]);
+                    }
+                }
+            }
+        }
+        ident.push((t, key));
+    }
+    let mut media = Vec::with_capacity(processed.len() + videos.len());
+    for (img, &key) in processed.iter().zip(&keys) {
+        let input = processor.images.batch(std::slice::from_ref(img), device)?;
+        media.push(Media { kind: MediaKind::Image, key, input });
+    }
+    for (video, &key) in videos.iter().zip(&video_keys) {
+        let input = processor.videos.batch(std::slice::from_ref(video), device)?;
+        media.push(Media { kind: MediaKind::Video, key, input });
+    }
+    Ok(Prepared { options: opts, ids, ident, media, image_tokens, video_tokens, videos: reports })
+}
