@@ -254,3 +254,158 @@ fn bad_requests_are_errors_naming_the_problem() {
     let (want, ids, _) = greedy("tiny-a", "one_image");
     assert_eq!(e.generate(&one_image_request(ids.len()), &mut |_| true).unwrap().text, want);
 }
+
+fn engine_with(g: &str, opts: EngineOptions) -> Engine {
+    Engine::load(&goldens().join(g).join("checkpoint"), g, opts).unwrap()
+}
+
+/// Fresh prefills only: no kept prefixes, no feature cache.
+fn cold(parallel: usize) -> EngineOptions {
+    EngineOptions { parallel, prefix_cache: false, image_cache_bytes: 0, ..Default::default() }
+}
+
+#[test]
+fn requests_decoded_together_answer_as_each_would_alone() {
+    // Different prompt lengths, images in some and not others, one stopping early (5 tokens),
+    // and a sixth request cancelled after its second piece while the others decode.
+    let cases = [("text_only", 24), ("one_image", 5), ("two_images", 20), ("image_mid", 28), ("multi_turn", 16)];
+    for g in GEOMETRIES {
+        let reqs: Vec<Request> = cases.iter().map(|&(c, n)| golden_request(c, n)).collect();
+        let solo_engine = engine_with(g, cold(1));
+        let solo: Vec<_> = reqs.iter().map(|r| solo_engine.generate(r, &mut |_| true).unwrap()).collect();
+        let batched = engine_with(g, cold(4));
+        let (together, cancelled) = std::thread::scope(|s| {
+            let handles: Vec<_> = reqs
+                .iter()
+                .map(|r| {
+                    let e = &batched;
+                    s.spawn(move || {
+                        let mut streamed = String::new();
+                        let c = e
+                            .generate(r, &mut |p| {
+                                streamed.push_str(p);
+                                true
+                            })
+                            .unwrap();
+                        (c, streamed)
+                    })
+                })
+                .collect();
+            let e = &batched;
+            let cancel = s.spawn(move || {
+                let mut n = 0;
+                e.generate(&golden_request("image_mid", 40), &mut |_| {
+                    n += 1;
+                    n < 2
+                })
+                .unwrap()
+            });
+            let together: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+            (together, cancel.join().unwrap())
+        });
+        for (((case, _), alone), (c, streamed)) in cases.iter().zip(&solo).zip(&together) {
+            assert_eq!(c.token_ids, alone.token_ids, "{g} {case}: greedy ids batched vs alone");
+            assert_eq!((&c.text, c.finish), (&alone.text, alone.finish), "{g} {case}");
+            assert_eq!(streamed, &c.text, "{g} {case}: streamed pieces");
+            let d = max_diff(&c.first_logits, &alone.first_logits);
+            assert!(d <= 1e-4, "{g} {case}: prefill logits differ from alone by {d}");
+        }
+        assert_eq!(together[1].0.token_ids.len(), 5, "{g}: the early stop");
+        assert_eq!(cancelled.finish, Finish::Cancelled, "{g}");
+        assert!(cancelled.token_ids.len() < 40, "{g}");
+        let st = batched.stats();
+        assert_eq!((st.running, st.waiting), (0, 0), "{g}: nothing left behind");
+        println!(
+            "{g}: {} decode steps for {} rows (mean batch {:.2})",
+            st.decode_steps,
+            st.decode_rows,
+            st.decode_rows as f64 / st.decode_steps.max(1) as f64
+        );
+    }
+}
+
+#[test]
+fn the_kv_budget_refuses_what_cannot_fit_and_queues_what_cannot_fit_yet() {
+    let g = "tiny-a";
+    let probe = engine_with(g, cold(1));
+    let per_position = probe.family().kv_bytes_per_position();
+    let block = vl_nn::kv_cache::BLOCK;
+    let req = golden_request("one_image", 40);
+    let alone = probe.generate(&req, &mut |_| true).unwrap();
+    let n = alone.prompt_tokens;
+    assert_eq!(alone.token_ids.len(), 40);
+
+    // A budget below the prompt's own cache: refused with the budget named, nothing run.
+    let small = engine_with(g, EngineOptions { kv_cache_bytes: per_position * block - 1, ..cold(4) });
+    let Err(err) = small.generate(&req, &mut |_| true) else { panic!("a prompt over the KV budget was answered") };
+    assert!(matches!(&err, vl_models::Error::Limit { kind: vl_models::limits::LimitKind::KvCache, .. }), "{err}");
+    assert!(err.to_string().contains("KV cache") && err.to_string().contains("budget"), "{err}");
+
+    // Room for one whole answer, not two: three requests sent together wait their turn (or are
+    // preempted and prefilled again) and each answer is the one it gets alone.
+    let one = vl_nn::kv_cache::blocks_for(n + 41) * per_position;
+    let tight = engine_with(g, EngineOptions { kv_cache_bytes: one + per_position * block / 2, ..cold(4) });
+    let answers: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3).map(|_| s.spawn(|| tight.generate(&req, &mut |_| true).unwrap())).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for c in &answers {
+        assert_eq!(c.token_ids, alone.token_ids);
+        assert_eq!(c.finish, Finish::Length);
+    }
+    let st = tight.stats();
+    assert!(st.kv_cache_bytes <= st.kv_budget_bytes, "{st:?}");
+    assert_eq!((st.running, st.waiting), (0, 0));
+
+    // Room for the prompt and one block more, alone: the answer ends where the budget does.
+    let prompt_only = vl_nn::kv_cache::blocks_for(n + 1) * per_position;
+    let cut = engine_with(g, EngineOptions { kv_cache_bytes: prompt_only, ..cold(1) });
+    let c = cut.generate(&golden_request("one_image", 400), &mut |_| true).unwrap();
+    assert_eq!(c.finish, Finish::ContextFull);
+    let room = vl_nn::kv_cache::blocks_for(n + 1) - n;
+    assert_eq!(c.token_ids.len(), room + 1, "fills the allocated blocks, then one last token");
+    let full = probe.generate(&golden_request("one_image", room + 1), &mut |_| true).unwrap();
+    assert_eq!(c.token_ids, full.token_ids);
+}
+
+#[test]
+fn interleaved_conversations_each_keep_their_prefix() {
+    // Three conversations, turns interleaved A1 B1 C1 A2 B2 C2 A3: every later turn prefills only
+    // what its earlier turn did not hold, and answers as a fresh engine does.
+    let g = "tiny-b";
+    let e = engine(g, true);
+    let fresh = engine_with(g, cold(1));
+    let firsts = [
+        vec![image("square.png"), Part::Text("Describe this image.".into())],
+        vec![Part::Text("Write a haiku about the sea.".into())],
+        vec![image("odd.png"), Part::Text("What is in the corner?".into())],
+    ];
+    let mut convs: Vec<Vec<ChatMessage>> = firsts.iter().map(|p| vec![ChatMessage::new("user", p.clone())]).collect();
+    let ask = |msgs: &[ChatMessage]| Request {
+        messages: msgs.to_vec(),
+        options: GenerationOptions { max_new_tokens: 6, ..Default::default() },
+        ..Default::default()
+    };
+    let mut last_prompt = [0usize; 3];
+    for (turn, who) in [0, 1, 2, 0, 1, 2, 0].into_iter().enumerate() {
+        let req = ask(&convs[who]);
+        let c = e.generate(&req, &mut |_| true).unwrap();
+        let f = fresh.generate(&req, &mut |_| true).unwrap();
+        assert_eq!(c.token_ids, f.token_ids, "turn {turn}");
+        assert!(max_diff(&c.first_logits, &f.first_logits) <= 1e-4, "turn {turn}");
+        if turn >= 3 {
+            assert!(
+                c.cached_tokens >= last_prompt[who],
+                "turn {turn} (conversation {who}): {} of {} reused, its last prompt was {}",
+                c.cached_tokens,
+                c.prompt_tokens,
+                last_prompt[who]
+            );
+        }
+        last_prompt[who] = c.prompt_tokens;
+        convs[who].push(ChatMessage::text("assistant", &c.text));
+        convs[who].push(ChatMessage::text("user", &format!("And then? ({turn})")));
+    }
+    let st = e.stats();
+    assert!(st.cached_prefixes >= 3, "{st:?}");
+}

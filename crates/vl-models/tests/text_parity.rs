@@ -143,3 +143,48 @@ fn eos_stops_generation_and_mismatches_are_errors() {
     let err = m.generate(&p, &GenerationOptions::default(), &mut |_| true).unwrap_err().to_string();
     assert!(err.contains("15") && err.contains("16"), "{err}");
 }
+
+#[test]
+fn a_batched_decode_step_equals_each_sequence_alone() {
+    // Three prompts of different lengths, with and without images, prefilled into their own
+    // caches; then decode steps for all three in one call (one product per linear for the three
+    // rows) against each cache alone: logits within 1e-4, greedy ids identical. The first
+    // sequence stops after 3 steps and the other two go on together.
+    const TOL: f32 = 1e-4;
+    let argmax = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32;
+    for g in GEOMETRIES {
+        let m = model(g);
+        let cases = ["text_only", "one_image", "image_mid"];
+        let mut caches = Vec::new();
+        let mut next = Vec::new();
+        for case in cases {
+            let mut c = m.new_cache();
+            let state = m.prefill(&prompt(case), &mut c, &mut |_, _| {}).unwrap();
+            next.push(argmax(&m.last_logits(&state).unwrap().to_vec1::<f32>().unwrap()));
+            caches.push(c);
+        }
+        let lens: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+        assert!(lens[0] != lens[1] && lens[1] != lens[2], "{g}: prompt lengths {lens:?}");
+        let mut alone = caches.clone();
+        let mut worst = 0f32;
+        for step in 0..8 {
+            let live: Vec<usize> = if step < 3 { vec![0, 1, 2] } else { vec![1, 2] };
+            let tokens: Vec<u32> = live.iter().map(|&i| next[i]).collect();
+            let mut refs: Vec<_> =
+                caches.iter_mut().enumerate().filter(|(i, _)| live.contains(i)).map(|(_, c)| c).collect();
+            let batched = m.decode_rows(&tokens, &mut refs).unwrap().to_vec2::<f32>().unwrap();
+            for (row, &i) in batched.iter().zip(&live) {
+                let solo = m.decode_rows(&[next[i]], &mut [&mut alone[i]]).unwrap().to_vec2::<f32>().unwrap();
+                let d = row.iter().zip(&solo[0]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                worst = worst.max(d);
+                assert!(d <= TOL, "{g}: step {step}, sequence {i}: batched logits differ from alone by {d}");
+                assert_eq!(argmax(row), argmax(&solo[0]), "{g}: step {step}, sequence {i}");
+                next[i] = argmax(row);
+            }
+        }
+        for (c, a) in caches.iter().zip(&alone) {
+            assert_eq!(c.len(), a.len());
+        }
+        println!("{g}: batched decode vs alone, worst logit difference {worst:.2e}");
+    }
+}

@@ -278,6 +278,12 @@ pub struct EngineStats {
     pub running: usize,
     /// Requests waiting for a slot or for KV memory.
     pub waiting: usize,
+    /// Batched decode steps run, and the sequence rows they decoded (rows / steps is the mean
+    /// batch).
+    pub decode_steps: u64,
+    pub decode_rows: u64,
+    /// Sequences preempted (their cache dropped, prefilled again later) for KV memory.
+    pub preemptions: u64,
     pub image_cache_bytes: usize,
     pub image_cache_entries: usize,
 }

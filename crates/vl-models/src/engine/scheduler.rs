@@ -206,6 +206,9 @@ struct Scheduler<'f> {
     /// KV bytes of one position.
     per_position: usize,
     admissions: u64,
+    decode_steps: u64,
+    decode_rows: u64,
+    preemptions: u64,
 }
 
 /// The scheduler thread's body: runs until the engine closes the queue and nothing is left.
@@ -219,6 +222,9 @@ pub(crate) fn run(shared: &Shared, rx: mpsc::Receiver<Command>) {
         store: PrefixStore::default(),
         per_position: family.kv_bytes_per_position().max(1),
         admissions: 0,
+        decode_steps: 0,
+        decode_rows: 0,
+        preemptions: 0,
     };
     loop {
         if s.waiting.is_empty() && s.running.is_empty() {
@@ -269,10 +275,13 @@ impl<'f> Scheduler<'f> {
             }
             self.make_room(0);
         }
+        // The stats a caller reads once answered count this sequence out.
+        self.publish();
         let _ = seq.job.events.send(Event::Done(result));
     }
 
     fn fail(&mut self, seq: Seq<'f>, e: crate::Error) {
+        self.publish();
         let _ = seq.job.events.send(Event::Done(Err(e)));
     }
 
@@ -407,6 +416,7 @@ impl<'f> Scheduler<'f> {
                     v.cache = SeqCache::default();
                     v.phase = Phase::Waiting;
                     self.waiting.push_front(v);
+                    self.preemptions += 1;
                     if j < i {
                         i -= 1;
                     }
@@ -433,6 +443,8 @@ impl<'f> Scheduler<'f> {
             self.running.iter_mut().enumerate().filter(|(i, _)| rows.contains(i)).map(|(_, s)| &mut s.cache).collect();
         let logits = self.family.decode(&tokens, &mut caches).and_then(|l| Ok(l.to_vec2::<f32>()?));
         drop(caches);
+        self.decode_steps += 1;
+        self.decode_rows += rows.len() as u64;
         let logits = match logits {
             Ok(l) => l,
             Err(e) => {
@@ -475,6 +487,9 @@ impl<'f> Scheduler<'f> {
             cached_prefixes: self.store.len(),
             running: self.running.len(),
             waiting: self.waiting.len(),
+            decode_steps: self.decode_steps,
+            decode_rows: self.decode_rows,
+            preemptions: self.preemptions,
             ..*st
         };
     }
