@@ -7,6 +7,9 @@
 //! cargo build --release -p vl-cli -p vl-bench
 //! target/release/vl-bench --model target/bench-2b [--modes f32,q8,q6k,q4k] [--repeat N]
 //! target/release/vl-bench --model target/bench-2b --serve [--modes q4k]   # the server path
+//! # many clients at once on `vl serve` (or, with --base, on any OpenAI-compatible server)
+//! target/release/vl-bench --model FILE.gguf --concurrency 1,2,4,8 [--modes none] [--tokens 64]
+//! target/release/vl-bench --concurrency 1,2,4,8 --base http://127.0.0.1:8081 --name llama-server --pid PID
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -15,6 +18,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
+mod concurrency;
 mod serve;
 
 /// Square side of the benchmark image after resizing: 448x448 = 196 image tokens.
@@ -29,6 +33,13 @@ struct Args {
     modes: Vec<String>,
     repeat: usize,
     serve: bool,
+    /// Client counts for the concurrency bench.
+    concurrency: Vec<usize>,
+    /// A running server to drive instead of starting `vl serve` (with its label and pid).
+    base: Option<String>,
+    name: String,
+    pid: Option<u32>,
+    tokens: usize,
 }
 
 fn parse() -> Result<Args> {
@@ -39,6 +50,11 @@ fn parse() -> Result<Args> {
         modes: ["f32", "q8", "q6k", "q4k"].map(String::from).to_vec(),
         repeat: 1,
         serve: false,
+        concurrency: vec![],
+        base: None,
+        name: "vl serve".into(),
+        pid: None,
+        tokens: 64,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -49,8 +65,19 @@ fn parse() -> Result<Args> {
             "--modes" => a.modes = value()?.split(',').map(String::from).collect(),
             "--repeat" => a.repeat = value()?.parse().context("--repeat")?,
             "--serve" => a.serve = true,
+            "--concurrency" => {
+                a.concurrency =
+                    value()?.split(',').map(|n| n.parse().context("--concurrency")).collect::<Result<_>>()?
+            }
+            "--base" => a.base = Some(value()?),
+            "--name" => a.name = value()?,
+            "--pid" => a.pid = Some(value()?.parse().context("--pid")?),
+            "--tokens" => a.tokens = value()?.parse().context("--tokens")?,
             "--help" | "-h" => {
-                println!("vl-bench [--model DIR] [--image FILE] [--modes f32,q8,q6k,q4k] [--repeat N] [--serve]");
+                println!(
+                    "vl-bench [--model DIR|FILE.gguf] [--image FILE] [--modes f32,q8,q6k,q4k] [--repeat N] [--serve]\n\
+                     \x20        [--concurrency 1,2,4,8 [--tokens N] [--base URL --name NAME --pid PID]]"
+                );
                 std::process::exit(0);
             }
             other => bail!("unknown flag {other} (see --help)"),
@@ -75,6 +102,7 @@ fn quantize_flag(mode: &str) -> Result<&'static str> {
         "q6k" => "q6k",
         "q5k" => "q5k",
         "q4k" => "q4k",
+        "none" => "none",
         other => bail!("unknown mode {other} (f32, q8, q6k, q5k, q4k)"),
     })
 }
@@ -133,6 +161,18 @@ fn main() -> Result<()> {
         IMAGE_SIDE,
         a.repeat
     );
+    if !a.concurrency.is_empty() {
+        if let Some(base) = &a.base {
+            return concurrency::bench(&a.name, base, "", a.pid, &a.concurrency, a.tokens);
+        }
+        for mode in &a.modes {
+            let media = a.image.parent().context("image directory")?;
+            let s = serve::start(&vl, &a.model, quantize_flag(mode)?, media, &[])?;
+            let name = format!("vl serve {mode}");
+            concurrency::bench(&name, &s.base, "", Some(s.child.id()), &a.concurrency, a.tokens)?;
+        }
+        return Ok(());
+    }
     if a.serve {
         for mode in &a.modes {
             println!("mode {mode}:");

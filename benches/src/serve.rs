@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
-struct Server {
-    child: Child,
-    base: String,
+pub struct Server {
+    pub child: Child,
+    pub base: String,
 }
 
 impl Drop for Server {
@@ -23,7 +23,7 @@ impl Drop for Server {
     }
 }
 
-fn start(vl: &Path, model: &Path, quantize: &str, media: &Path, extra: &[&str]) -> Result<Server> {
+pub fn start(vl: &Path, model: &Path, quantize: &str, media: &Path, extra: &[&str]) -> Result<Server> {
     let mut child = Command::new(vl)
         .args(["serve", "--port", "0", "--quantize", quantize, "--model"])
         .arg(model)

@@ -533,7 +533,7 @@ fn broken_gguf_files_fail_in_run_and_inspect_alike() {
     check(&huge, &["model.gguf", "exceeds"]);
     // The mmproj given as the text model.
     let m = mmproj.to_str().unwrap();
-    fails(&["run", "--model", m, "--max-new-tokens", "2"], &["not a Qwen3-VL text model", "clip"]);
+    fails(&["run", "--model", m, "--max-new-tokens", "2"], &["not a text model", "clip", "--mmproj"]);
     // --mmproj with a checkpoint directory.
     let ck = checkpoint("tiny-a");
     fails(&["run", "--model", ck.to_str().unwrap(), "--mmproj", m], &["--mmproj goes with a GGUF"]);

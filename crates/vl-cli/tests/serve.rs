@@ -519,3 +519,125 @@ fn video_parts_answer_like_the_reference() {
     let (st, b) = ask(json!([{"type": "video_url", "video_url": 7}]), 2);
     assert_error(st, &b, 400, "video_url");
 }
+
+#[test]
+fn sixteen_clients_at_once_each_get_their_solo_answer() {
+    // Four different requests (image or not, different lengths), each sent alone first, then
+    // four times each all at once: every answer equals its solo one, none is lost or repeated.
+    let g = "tiny-b";
+    let s = start(g, &["--parallel", "4", "--queue", "16"]);
+    let (_, n, _) = golden(g);
+    let text = |t: &str, max: usize| {
+        json!({"model": g, "messages": [{"role": "user", "content": t}], "max_tokens": max}).to_string()
+    };
+    let bodies = [
+        one_image(g, n, json!({})).to_string(),
+        text("Write a haiku about the sea.", 20),
+        one_image(
+            g,
+            3,
+            json!({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url("odd.png")}},
+            {"type": "text", "text": "What is in the corner?"}]}]}),
+        )
+        .to_string(),
+        text("Count to ten.", 12),
+    ];
+    let answer = |v: &Value| v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let solo: Vec<String> = bodies
+        .iter()
+        .map(|b| {
+            let (st, v) = post(&s, "/v1/chat/completions", b);
+            assert_eq!(st, 200, "{v}");
+            answer(&v)
+        })
+        .collect();
+    let t = Instant::now();
+    let results: Vec<(usize, u16, Value)> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..16)
+            .map(|i| {
+                let b = &bodies[i % 4];
+                let s = &s;
+                sc.spawn(move || {
+                    let (st, v) = post(s, "/v1/chat/completions", b);
+                    (i % 4, st, v)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut ids = std::collections::HashSet::new();
+    for (k, st, v) in &results {
+        assert_eq!(*st, 200, "{v}");
+        assert_eq!(answer(v), solo[*k], "request kind {k}");
+        assert!(ids.insert(v["id"].as_str().unwrap().to_string()), "a repeated id: {v}");
+    }
+    println!("16 concurrent answers in {:.2}s", t.elapsed().as_secs_f64());
+}
+
+#[test]
+fn api_key_cors_preflight_and_one_log_line_per_request() {
+    let g = "tiny-a";
+    let s = start(g, &["--api-key", "sekret", "--cors-origins", "http://app.example"]);
+    let (want, n, _) = golden(g);
+    let body = one_image(g, n, json!({})).to_string();
+    let url = format!("{}/v1/chat/completions", s.base);
+    let call = |key: Option<&str>| {
+        let mut r = agent().post(&url).set("Content-Type", "application/json");
+        if let Some(k) = key {
+            r = r.set("Authorization", &format!("Bearer {k}"));
+        }
+        match r.send_string(&body) {
+            Ok(r) => (r.status(), serde_json::from_str::<Value>(&r.into_string().unwrap()).unwrap()),
+            Err(ureq::Error::Status(c, r)) => (c, serde_json::from_str::<Value>(&r.into_string().unwrap()).unwrap()),
+            Err(e) => panic!("{e}"),
+        }
+    };
+    let (st, v) = call(None);
+    assert_error(st, &v, 401, "API key");
+    assert_eq!(v["error"]["code"], "invalid_api_key");
+    let (st, v) = call(Some("sekreT"));
+    assert_error(st, &v, 401, "API key");
+    let (st, v) = call(Some("sekret"));
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+    assert_eq!(get(&s, "/health").0, 200, "/health needs no key");
+    assert_eq!(get(&s, "/v1/models").0, 401);
+
+    // CORS: the allowed origin's preflight is answered and named; another origin is not.
+    let preflight = |origin: &str| {
+        let r = agent()
+            .request("OPTIONS", &url)
+            .set("Origin", origin)
+            .set("Access-Control-Request-Method", "POST")
+            .call()
+            .unwrap_or_else(|e| panic!("OPTIONS: {e}"));
+        (
+            r.status(),
+            r.header("access-control-allow-origin").map(String::from),
+            r.header("access-control-allow-headers").map(String::from),
+        )
+    };
+    let (st, allow, headers) = preflight("http://app.example");
+    assert_eq!((st, allow.as_deref()), (204, Some("http://app.example")));
+    assert!(headers.unwrap().contains("authorization"));
+    let (st, allow, _) = preflight("http://evil.example");
+    assert_eq!((st, allow), (204, None));
+
+    // One line per request: the answer with its token counts, the refusals with their status.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let log = loop {
+        let log = s.log.lock().unwrap().clone();
+        let preflights = log.iter().filter(|l| l.starts_with("OPTIONS ")).count();
+        if (log.iter().filter(|l| l.contains(" 401 ")).count() >= 3 && preflights >= 2) || Instant::now() > deadline {
+            break log;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let answered: Vec<&String> = log.iter().filter(|l| l.starts_with("POST /v1/chat/completions 200 ")).collect();
+    assert_eq!(answered.len(), 1, "{log:?}");
+    assert!(answered[0].contains(&format!("completion={n}")) && answered[0].contains("ttft="), "{}", answered[0]);
+    assert_eq!(log.iter().filter(|l| l.starts_with("POST /v1/chat/completions 401 ")).count(), 2, "{log:?}");
+    assert!(log.iter().any(|l| l.starts_with("GET /v1/models 401 ")), "{log:?}");
+    assert_eq!(log.iter().filter(|l| l.starts_with("OPTIONS /v1/chat/completions 204 ")).count(), 2, "{log:?}");
+}

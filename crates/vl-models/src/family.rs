@@ -124,6 +124,12 @@ pub fn lookup(arch: &Architecture, origin: &Path) -> Result<&'static FamilyEntry
         Architecture::Gguf(a) => f.gguf_architectures.contains(&a.as_str()),
     });
     found.ok_or_else(|| {
+        if *arch == Architecture::Gguf("clip".into()) {
+            return Error::Input {
+                what: origin.display().to_string(),
+                message: "general.architecture \"clip\" is a vision projector, not a text model: pass it with --mmproj beside --model TEXT.gguf".into(),
+            };
+        }
         let (what, supported): (String, Vec<&str>) = match arch {
             Architecture::Config { architectures, model_type } => (
                 format!(

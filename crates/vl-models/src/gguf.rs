@@ -312,9 +312,7 @@ pub fn is_gguf(path: &Path) -> bool {
 
 /// The text-model file of `path` (a .gguf file, or the one text .gguf of a directory).
 pub fn find_text_file(path: &Path) -> Result<PathBuf> {
-    Ok(find_files(path, None)
-        .map(|(t, _)| t)
-        .or_else(|e| if path.is_file() { Ok(path.to_path_buf()) } else { Err(e) })?)
+    find_files(path, None).map(|(t, _)| t).or_else(|e| if path.is_file() { Ok(path.to_path_buf()) } else { Err(e) })
 }
 
 /// A GGUF file's `general.architecture`, read from its checked header.

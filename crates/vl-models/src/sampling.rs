@@ -179,6 +179,47 @@ fn argmax(l: &[f32]) -> u32 {
     best as u32
 }
 
+/// One sequence's choice of each next token: the logits checked, OpenAI's penalties applied over
+/// what it generated, then `sample` with its own seeded generator over the prompt and output. The
+/// one place a token is picked, for the engine's scheduler and `Qwen3VlModel::generate` alike.
+pub struct TokenPicker {
+    opts: GenerationOptions,
+    rng: StdRng,
+    seen: Vec<u32>,
+    generated: Vec<u32>,
+}
+
+impl TokenPicker {
+    pub fn new(opts: GenerationOptions, prompt: &[u32]) -> Self {
+        let rng = StdRng::seed_from_u64(opts.seed);
+        Self { opts, rng, seen: prompt.to_vec(), generated: Vec::new() }
+    }
+
+    /// Picks the token after `logits` (f32 [vocab]); an error on NaN or infinite logits.
+    pub fn pick(&mut self, mut logits: Vec<f32>) -> Result<u32> {
+        check_logits(&logits, self.generated.len())?;
+        apply_presence_frequency(&mut logits, &self.generated, &self.opts);
+        let next = sample(&logits, &self.seen, &self.opts, &mut self.rng);
+        self.generated.push(next);
+        self.seen.push(next);
+        Ok(next)
+    }
+
+    /// Whether `token` ends the answer (an eos id).
+    pub fn is_eos(&self, token: u32) -> bool {
+        self.opts.eos_token_ids.contains(&token)
+    }
+
+    /// Tokens picked so far.
+    pub fn generated(&self) -> &[u32] {
+        &self.generated
+    }
+
+    pub fn options(&self) -> &GenerationOptions {
+        &self.opts
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -241,46 +282,5 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(1);
         let o = GenerationOptions { top_p: 0.7, ..opts() };
         assert!((0..100).all(|_| sample(&l, &[], &o, &mut rng) == 1));
-    }
-}
-
-/// One sequence's choice of each next token: the logits checked, OpenAI's penalties applied over
-/// what it generated, then `sample` with its own seeded generator over the prompt and output. The
-/// one place a token is picked, for the engine's scheduler and `Qwen3VlModel::generate` alike.
-pub struct TokenPicker {
-    opts: GenerationOptions,
-    rng: StdRng,
-    seen: Vec<u32>,
-    generated: Vec<u32>,
-}
-
-impl TokenPicker {
-    pub fn new(opts: GenerationOptions, prompt: &[u32]) -> Self {
-        let rng = StdRng::seed_from_u64(opts.seed);
-        Self { opts, rng, seen: prompt.to_vec(), generated: Vec::new() }
-    }
-
-    /// Picks the token after `logits` (f32 [vocab]); an error on NaN or infinite logits.
-    pub fn pick(&mut self, mut logits: Vec<f32>) -> Result<u32> {
-        check_logits(&logits, self.generated.len())?;
-        apply_presence_frequency(&mut logits, &self.generated, &self.opts);
-        let next = sample(&logits, &self.seen, &self.opts, &mut self.rng);
-        self.generated.push(next);
-        self.seen.push(next);
-        Ok(next)
-    }
-
-    /// Whether `token` ends the answer (an eos id).
-    pub fn is_eos(&self, token: u32) -> bool {
-        self.opts.eos_token_ids.contains(&token)
-    }
-
-    /// Tokens picked so far.
-    pub fn generated(&self) -> &[u32] {
-        &self.generated
-    }
-
-    pub fn options(&self) -> &GenerationOptions {
-        &self.opts
     }
 }

@@ -14,6 +14,8 @@ pub fn goldens() -> PathBuf {
 pub struct Server {
     pub child: Child,
     pub base: String,
+    /// The server's stderr lines after `listening on`.
+    pub log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl Drop for Server {
@@ -45,6 +47,12 @@ pub fn start(g: &str, extra: &[&str]) -> Server {
     };
     assert!(base.starts_with("http://127.0.0.1:"), "{base}");
     // Keep draining stderr so the server never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    Server { child, base }
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(|l| l.ok()) {
+            sink.lock().unwrap().push(line);
+        }
+    });
+    Server { child, base, log }
 }

@@ -30,6 +30,8 @@ pub(crate) enum Command {
     Submit(Box<Job>),
 }
 
+/// One `Done` per request, after its texts: its size is no concern.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Event {
     Text(String),
     Done(Result<Completion>),

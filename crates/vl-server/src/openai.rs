@@ -1,0 +1,155 @@
+//! OpenAI's chat completions request, typed. Every top-level field is declared: a field this
+//! server implements is used, one it accepts but cannot honour in a way that changes the answer
+//! (`user`, `metadata`, `store`, `parallel_tool_calls`, `service_tier`) is read and ignored (listed
+//! in docs/serving.md), one it does not implement (`response_format`, `logit_bias`, `logprobs`,
+//! `n` > 1, ...) is refused by `check_supported`, and an unknown field is refused by serde with
+//! its name.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChatCompletionRequest {
+    pub model: Option<String>,
+    pub messages: Vec<Message>,
+    pub max_tokens: Option<u64>,
+    pub max_completion_tokens: Option<u64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    /// vLLM's convention: -1 disables.
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<u64>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    // Not implemented: refused by `check_supported` when they ask for anything.
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<u64>,
+    pub response_format: Option<Value>,
+    pub logit_bias: Option<Value>,
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
+    pub modalities: Option<Value>,
+    pub audio: Option<Value>,
+    pub prediction: Option<Value>,
+    pub reasoning_effort: Option<Value>,
+    pub web_search_options: Option<Value>,
+    // Accepted and ignored: they cannot change the answer.
+    pub user: Option<Value>,
+    pub metadata: Option<Value>,
+    pub store: Option<Value>,
+    pub parallel_tool_calls: Option<Value>,
+    pub service_tier: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+    /// Accepted and ignored (usage is sent once, at the end).
+    pub include_obfuscation: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+/// One message. The fields an OpenAI client echoes back from a response (`refusal`,
+/// `annotations`, `audio`, `function_call`) are accepted when empty.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Message {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+    pub tool_calls: Option<Vec<ToolCallIn>>,
+    /// A tool answer's call id (the template orders answers as the calls were made).
+    pub tool_call_id: Option<String>,
+    /// A participant's name: accepted and ignored (the chat template has no place for it).
+    pub name: Option<String>,
+    pub refusal: Option<Value>,
+    pub annotations: Option<Value>,
+    pub audio: Option<Value>,
+    pub function_call: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Value>),
+}
+
+/// An assistant message's call, `{"type": "function", "function": {"name", "arguments"}}`.
+#[derive(Debug, Deserialize)]
+pub struct ToolCallIn {
+    pub function: Option<FunctionIn>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct FunctionIn {
+    pub name: Option<String>,
+    /// JSON text, or an object.
+    pub arguments: Option<Value>,
+}
+
+impl ChatCompletionRequest {
+    /// The first field asked of this server that it does not implement, as a message naming it.
+    pub fn check_supported(&self) -> Option<String> {
+        let present = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
+        if let Some(n) = self.n.filter(|&n| n != 1) {
+            return Some(format!("`n` = {n}: only one choice per request is supported"));
+        }
+        if present(&self.functions) || present(&self.function_call) {
+            return Some("`functions` / `function_call` (deprecated) are not supported: use `tools`".into());
+        }
+        if self.logprobs == Some(true) || self.top_logprobs.is_some_and(|n| n > 0) {
+            return Some("`logprobs` / `top_logprobs` are not supported by this server yet".into());
+        }
+        if let Some(f) = self.response_format.as_ref().filter(|f| !f.is_null()) {
+            if f.get("type").and_then(Value::as_str) != Some("text") {
+                return Some(format!(
+                    "`response_format` {f}: structured output (JSON mode, JSON schema) is not supported by this server yet"
+                ));
+            }
+        }
+        if let Some(b) = self.logit_bias.as_ref().filter(|b| !b.is_null()) {
+            if b.as_object().is_none_or(|o| !o.is_empty()) {
+                return Some("`logit_bias` is not supported by this server yet".into());
+            }
+        }
+        for (name, v) in [
+            ("modalities", &self.modalities),
+            ("audio", &self.audio),
+            ("prediction", &self.prediction),
+            ("reasoning_effort", &self.reasoning_effort),
+            ("web_search_options", &self.web_search_options),
+        ] {
+            if present(v) {
+                return Some(format!("`{name}` is not supported by this server"));
+            }
+        }
+        None
+    }
+}

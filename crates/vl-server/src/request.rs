@@ -1,0 +1,189 @@
+//! A chat completions body made into an engine request: the typed body (`openai`), its values
+//! checked against their ranges, the server's defaults applied, and the messages' parts read
+//! (`media`).
+
+use axum::http::StatusCode;
+use serde_json::Value;
+use vl_models::engine::{ChatMessage, Part, Request, ToolCall};
+
+use crate::error::ApiError;
+use crate::media::part;
+use crate::openai::{ChatCompletionRequest, Content, ToolCallIn};
+use crate::router::App;
+
+/// Most functions a request may offer (each is rendered into the prompt).
+const MAX_TOOLS: usize = 128;
+/// Most stop strings (OpenAI allows 4; vLLM and llama-server more) and their length in bytes.
+const MAX_STOPS: usize = 16;
+const MAX_STOP_BYTES: usize = 256;
+
+/// A parsed request and how its answer is sent.
+pub(crate) struct Parsed {
+    pub req: Request,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// The body as JSON, typed: a malformed body, a field of the wrong type (named with its path) or
+/// an unknown field is a 400.
+pub(crate) fn typed(body: &[u8]) -> Result<ChatCompletionRequest, ApiError> {
+    if serde_json::from_slice::<serde::de::IgnoredAny>(body).is_err() {
+        let e = serde_json::from_slice::<Value>(body).err().map_or_else(String::new, |e| e.to_string());
+        return Err(ApiError::bad(format!("malformed JSON body: {e}")));
+    }
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        let inner = inner.split(" at line ").next().unwrap_or(&inner).to_string();
+        if path == "." {
+            ApiError::bad(format!("the body: {inner}"))
+        } else {
+            ApiError::bad(format!("`{path}`: {inner}"))
+        }
+    })
+}
+
+pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiError> {
+    if let Some(m) = &v.model {
+        if *m != app.config.id {
+            return Err(ApiError::with(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "model_not_found",
+                format!("the model `{m}` does not exist; this server serves `{}`", app.config.id),
+            ));
+        }
+    }
+    if let Some(message) = v.check_supported() {
+        return Err(ApiError::bad(message));
+    }
+    let mut tools = v.tools.unwrap_or_default();
+    if tools.len() > MAX_TOOLS {
+        return Err(ApiError::bad(format!("`tools`: {} functions, at most {MAX_TOOLS}", tools.len())));
+    }
+    for (i, t) in tools.iter().enumerate() {
+        if t.get("type").and_then(Value::as_str) != Some("function")
+            || t.get("function").and_then(|f| f.get("name")).and_then(Value::as_str).is_none()
+        {
+            return Err(ApiError::bad(format!(
+                "`tools[{i}]` must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
+            )));
+        }
+    }
+    match &v.tool_choice {
+        None | Some(Value::Null) => {}
+        Some(Value::String(c)) if c == "auto" => {}
+        // The model is not told about the functions.
+        Some(Value::String(c)) if c == "none" => tools.clear(),
+        Some(c) => {
+            return Err(ApiError::bad(format!(
+                "`tool_choice` = {c}: only \"auto\" and \"none\" are supported (no constrained decoding yet)"
+            )))
+        }
+    }
+    let stream = v.stream.unwrap_or(false);
+    let include_usage = v.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+
+    let context = app.context;
+    let mut o = app.config.defaults.clone();
+    match v.max_completion_tokens.or(v.max_tokens) {
+        Some(0) => return Err(ApiError::bad("`max_tokens` must be at least 1")),
+        Some(m) => o.max_new_tokens = m.min(context as u64) as usize,
+        // The rest of the context: the engine's KV cache grows with the answer, not with this.
+        None => o.max_new_tokens = context,
+    }
+    if let Some(t) = v.temperature {
+        if !(0.0..=2.0).contains(&t) {
+            return Err(ApiError::bad(format!("`temperature` = {t} must be in [0, 2]")));
+        }
+        o.temperature = t;
+    }
+    if let Some(p) = v.top_p {
+        o.top_p = p;
+    }
+    if let Some(k) = v.top_k {
+        o.top_k = match k {
+            -1 => 0,
+            k if k >= 0 => k as usize,
+            _ => return Err(ApiError::bad(format!("`top_k` must be an integer >= 0 (or -1), got {k}"))),
+        };
+    }
+    if let Some(p) = v.min_p {
+        o.min_p = p;
+    }
+    if let Some(p) = v.presence_penalty {
+        o.presence_penalty = p;
+    }
+    if let Some(p) = v.frequency_penalty {
+        o.frequency_penalty = p;
+    }
+    if let Some(p) = v.repetition_penalty {
+        o.repetition_penalty = p;
+    }
+    if let Some(s) = v.seed {
+        o.seed = s as u64;
+    }
+    o.validate().map_err(|e| ApiError::bad(e.to_string()))?;
+    let stop = v.stop.map(|s| s.into_vec()).unwrap_or_default();
+    if stop.len() > MAX_STOPS || stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::bad(format!(
+            "`stop`: at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_BYTES} bytes"
+        )));
+    }
+
+    if v.messages.is_empty() {
+        return Err(ApiError::bad("`messages` must not be empty"));
+    }
+    let mut messages = Vec::with_capacity(v.messages.len());
+    for (i, m) in v.messages.into_iter().enumerate() {
+        let role = match m.role.as_str() {
+            "system" | "user" | "assistant" | "tool" => m.role.as_str(),
+            "developer" => "system",
+            other => return Err(ApiError::bad(format!("`messages[{i}].role` = {other:?} is not a known role"))),
+        };
+        for (name, x) in [("refusal", &m.refusal), ("audio", &m.audio), ("function_call", &m.function_call)] {
+            if x.as_ref().is_some_and(|x| !x.is_null()) {
+                return Err(ApiError::bad(format!("`messages[{i}].{name}` is not supported")));
+            }
+        }
+        let tool_calls = match m.tool_calls {
+            None => vec![],
+            Some(calls) if role == "assistant" => calls
+                .iter()
+                .enumerate()
+                .map(|(j, c)| tool_call(c, &format!("messages[{i}].tool_calls[{j}]")))
+                .collect::<Result<_, _>>()?,
+            Some(_) => {
+                return Err(ApiError::bad(format!("`messages[{i}].tool_calls` must be a list on an assistant message")))
+            }
+        };
+        let parts: Vec<Part> = match m.content {
+            None if role == "assistant" => vec![],
+            None => return Err(ApiError::bad(format!("`messages[{i}].content` is required"))),
+            Some(Content::Text(s)) => vec![Part::Text(s)],
+            Some(Content::Parts(items)) => items
+                .iter()
+                .enumerate()
+                .map(|(j, p)| part(app, p, &format!("messages[{i}].content[{j}]")))
+                .collect::<Result<_, _>>()?,
+        };
+        let mut msg = ChatMessage::new(role, parts);
+        msg.tool_calls = tool_calls;
+        messages.push(msg);
+    }
+    Ok(Parsed { req: Request { messages, options: o, stop, tools }, stream, include_usage })
+}
+
+/// An assistant message's call (arguments as JSON text, or an object).
+fn tool_call(c: &ToolCallIn, at: &str) -> Result<ToolCall, ApiError> {
+    let f = c.function.as_ref().ok_or_else(|| ApiError::bad(format!("`{at}.function` is required")))?;
+    let name = f.name.as_ref().ok_or_else(|| ApiError::bad(format!("`{at}.function.name` must be a string")))?;
+    let arguments = match &f.arguments {
+        None | Some(Value::Null) => "{}".to_string(),
+        Some(Value::String(s)) => s.clone(),
+        Some(a @ Value::Object(_)) => a.to_string(),
+        Some(_) => return Err(ApiError::bad(format!("`{at}.function.arguments` must be a JSON string"))),
+    };
+    Ok(ToolCall { name: name.clone(), arguments })
+}

@@ -1,0 +1,517 @@
+//! The routes: `/v1/chat/completions` (streamed as SSE or gathered), `/v1/models`, `/health`,
+//! `/metrics`; the guard every request passes (CORS, API key, one log line); and the worker
+//! threads that hand requests to the engine and relay its stream.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use vl_models::engine::{Completion, Engine, Request, ToolCall};
+
+use crate::error::ApiError;
+use crate::metrics::{count, metrics, Metrics};
+use crate::request::{parse, typed};
+use crate::{ServerConfig, ServerError};
+
+/// A parsed request and where its answer goes.
+struct Job {
+    req: Request,
+    tx: mpsc::UnboundedSender<Msg>,
+    queued: Instant,
+}
+
+/// One `Done` per request, after its texts: its size is no concern.
+#[allow(clippy::large_enum_variant)]
+enum Msg {
+    Text(String),
+    Done(std::result::Result<Completion, ApiError>),
+}
+
+pub(crate) struct App {
+    pub config: ServerConfig,
+    pub engine: Arc<Engine>,
+    created: u64,
+    /// The queue's sending side; taken (closing the queue) when the server stops.
+    jobs: std::sync::Mutex<Option<std::sync::mpsc::SyncSender<Job>>>,
+    /// Requests handed over and not yet answered, at most `workers`.
+    in_flight: AtomicUsize,
+    workers: usize,
+    pub context: usize,
+    pub metrics: Metrics,
+    next_id: AtomicU64,
+}
+
+/// Serves the OpenAI API for `engine` on `listener` until SIGINT or SIGTERM; then stops
+/// accepting, lets running requests finish, and returns.
+pub fn serve(engine: Arc<Engine>, listener: std::net::TcpListener, config: ServerConfig) -> Result<(), ServerError> {
+    if config.api_key.as_deref() == Some("") {
+        return Err(ServerError::Config("the API key is empty".into()));
+    }
+    listener.set_nonblocking(true)?;
+    let local = listener.local_addr()?;
+    if !local.ip().is_loopback() && config.api_key.is_none() {
+        note!(
+            "warning: listening on {local}, reachable from other machines, without --api-key: anyone who can reach it can use the model"
+        );
+    }
+    // Each request in flight holds a worker thread that relays the engine's stream: the engine's
+    // parallel sequences plus `queue` waiting. A request finding no idle worker is refused (503).
+    let workers_n = engine.options().parallel + config.queue;
+    let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(workers_n);
+    let rx = Arc::new(std::sync::Mutex::new(rx));
+    let app = Arc::new(App {
+        in_flight: AtomicUsize::new(0),
+        workers: workers_n,
+        context: engine.context(),
+        engine,
+        config,
+        created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        jobs: std::sync::Mutex::new(Some(jobs)),
+        metrics: Metrics::new(),
+        next_id: AtomicU64::new(1),
+    });
+    let mut workers = Vec::new();
+    for i in 0..workers_n {
+        let (app, rx) = (app.clone(), rx.clone());
+        workers.push(std::thread::Builder::new().name(format!("vl-worker-{i}")).spawn(move || work(&app, &rx))?);
+    }
+
+    let router = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { axum::Json(json!({"status": "ok"})) }))
+        .route("/metrics", get(metrics))
+        .fallback(|| async {
+            ApiError::with(StatusCode::NOT_FOUND, "invalid_request_error", "not_found", "no such endpoint")
+        })
+        .layer(axum::middleware::from_fn_with_state(app.clone(), guard))
+        .layer(DefaultBodyLimit::disable())
+        .with_state(app.clone());
+
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        note!("listening on http://{local}");
+        axum::serve(listener, router).with_graceful_shutdown(shutdown_signal()).await
+    })?;
+    // Close the queue: the workers finish what they hold, then return.
+    app.jobs.lock().unwrap_or_else(|p| p.into_inner()).take();
+    drop(app);
+    note!("stopping: finishing queued requests");
+    for w in workers {
+        let _ = w.join();
+    }
+    note!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            s.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}
+
+/// A request's place among those in flight, given back when the worker is done with it.
+struct Slot<'a>(&'a AtomicUsize);
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A worker: takes a request when idle, hands it to the engine (whose scheduler batches it with
+/// the others) and relays its stream; a request whose client left is skipped.
+fn work(app: &App, rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
+    loop {
+        let next = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+        let Ok(job) = next else { return };
+        app.metrics.queue_depth.dec();
+        let _slot = Slot(&app.in_flight);
+        if job.tx.is_closed() {
+            continue;
+        }
+        app.metrics.queue_wait.observe(job.queued.elapsed().as_secs_f64());
+        app.metrics.running.inc();
+        let mut first = true;
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            app.engine.generate(&job.req, &mut |piece| {
+                if first {
+                    first = false;
+                    app.metrics.ttft.observe(job.queued.elapsed().as_secs_f64());
+                }
+                job.tx.send(Msg::Text(piece.to_string())).is_ok()
+            })
+        }));
+        app.metrics.running.dec();
+        let done = match result {
+            Ok(Ok(c)) => {
+                app.metrics.prompt_tokens.inc_by(c.prompt_tokens as u64);
+                app.metrics.cached_tokens.inc_by(c.cached_tokens as u64);
+                app.metrics.completion_tokens.inc_by(c.token_ids.len() as u64);
+                app.metrics.image_cache_hits.inc_by(c.image_cache_hits as u64);
+                app.metrics.video_cache_hits.inc_by(c.video_cache_hits as u64);
+                Ok(c)
+            }
+            Ok(Err(e)) => Err(ApiError::from_engine(&e)),
+            Err(_) => Err(ApiError::with(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "internal_error",
+                "internal error while generating (a bug; see the server log)",
+            )),
+        };
+        let _ = job.tx.send(Msg::Done(done));
+    }
+}
+
+/// Every request: CORS preflight answered, the API key checked, CORS headers added, and one
+/// log line on stderr (a chat completion answered 200 logs its own line with token counts when
+/// its answer ends).
+async fn guard(State(app): State<Arc<App>>, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let t = Instant::now();
+    let (method, path) = (req.method().clone(), req.uri().path().to_string());
+    let origin = req.headers().get(header::ORIGIN).and_then(|o| o.to_str().ok()).map(String::from);
+    let allowed = origin.filter(|o| app.config.cors_origins.iter().any(|a| a == "*" || a == o));
+    let mut resp = if method == axum::http::Method::OPTIONS {
+        let mut r = StatusCode::NO_CONTENT.into_response();
+        if allowed.is_some() {
+            let h = r.headers_mut();
+            h.insert(header::ACCESS_CONTROL_ALLOW_METHODS, header::HeaderValue::from_static("GET, POST, OPTIONS"));
+            h.insert(
+                header::ACCESS_CONTROL_ALLOW_HEADERS,
+                header::HeaderValue::from_static("authorization, content-type"),
+            );
+            h.insert(header::ACCESS_CONTROL_MAX_AGE, header::HeaderValue::from_static("600"));
+        }
+        r
+    } else if path != "/health" && !authorized(&app, req.headers()) {
+        // The body is read (within the size limit) before the answer, so that a client still
+        // sending it gets the 401 rather than a broken connection.
+        let _ = axum::body::to_bytes(req.into_body(), app.config.max_body_bytes).await;
+        ApiError::with(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "invalid_api_key",
+            "missing or wrong API key: send the header `Authorization: Bearer KEY`",
+        )
+        .into_response()
+    } else {
+        next.run(req).await
+    };
+    if let Some(o) = allowed.and_then(|o| header::HeaderValue::from_str(&o).ok()) {
+        resp.headers_mut().insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, o);
+        resp.headers_mut().insert(header::VARY, header::HeaderValue::from_static("origin"));
+    }
+    let status = resp.status();
+    if !(path == "/v1/chat/completions" && status == StatusCode::OK) {
+        note!("{method} {path} {} total={:.3}s", status.as_u16(), t.elapsed().as_secs_f64());
+    }
+    resp
+}
+
+/// Whether the request carries the server's key (always, when it has none).
+fn authorized(app: &App, headers: &axum::http::HeaderMap) -> bool {
+    let Some(key) = &app.config.api_key else { return true };
+    let sent = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    // Compared in full whatever the first difference, so the time taken says nothing of the key.
+    sent.is_some_and(|s| s.len() == key.len() && s.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0)
+}
+
+/// The log line of an answered chat completion.
+fn log_answer(c: &Completion, started: Instant) {
+    note!(
+        "POST /v1/chat/completions 200 prompt={} cached={} completion={} ttft={:.3}s total={:.3}s",
+        c.prompt_tokens,
+        c.cached_tokens,
+        c.token_ids.len(),
+        c.time_to_first_token.as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
+}
+
+async fn models(State(app): State<Arc<App>>) -> Response {
+    axum::Json(json!({
+        "object": "list",
+        "data": [{"id": app.config.id, "object": "model", "created": app.created, "owned_by": "vl",
+                  "context_length": app.context}],
+    }))
+    .into_response()
+}
+
+async fn chat_completions(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
+    let resp = match read_body(&app, req).await {
+        Ok(body) => match handle(&app, body).await {
+            Ok(r) => r,
+            Err(e) => e.into_response(),
+        },
+        Err(e) => e.into_response(),
+    };
+    count(&app, resp.status());
+    resp
+}
+
+/// The body within the size limit; a body announced over it is refused before it is read.
+async fn read_body(app: &App, req: axum::extract::Request) -> std::result::Result<Bytes, ApiError> {
+    let too_large = |n: String| {
+        ApiError::with(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "body_too_large",
+            format!("the request body is {n} bytes, over the server's limit of {} bytes", app.config.max_body_bytes),
+        )
+    };
+    let announced = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if let Some(n) = announced.filter(|&n| n > app.config.max_body_bytes as u64) {
+        return Err(too_large(n.to_string()));
+    }
+    axum::body::to_bytes(req.into_body(), app.config.max_body_bytes)
+        .await
+        .map_err(|_| too_large(format!("more than {}", app.config.max_body_bytes)))
+}
+
+async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, ApiError> {
+    let started = Instant::now();
+    let parsed = parse(app, typed(&body)?)?;
+    let (tx, mut rx) = mpsc::unbounded_channel::<Msg>();
+    let job = Job { req: parsed.req, tx, queued: Instant::now() };
+    app.metrics.queue_depth.inc();
+    // A place among the requests in flight (the engine's parallel sequences and the queue);
+    // none left: 503.
+    let sent = if app.in_flight.fetch_add(1, Ordering::SeqCst) >= app.workers {
+        Err(std::sync::mpsc::TrySendError::Full(job))
+    } else {
+        match app.jobs.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Some(q) => q.try_send(job),
+            None => Err(std::sync::mpsc::TrySendError::Disconnected(job)),
+        }
+    };
+    if let Err(e) = sent {
+        app.in_flight.fetch_sub(1, Ordering::SeqCst);
+        app.metrics.queue_depth.dec();
+        return Err(match e {
+            std::sync::mpsc::TrySendError::Full(_) => ApiError::with(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "overloaded",
+                "the server is busy (request queue full); retry later",
+            ),
+            std::sync::mpsc::TrySendError::Disconnected(_) => ApiError::with(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "shutting_down",
+                "the server is stopping",
+            ),
+        });
+    }
+    let id = format!("chatcmpl-{}", app.next_id.fetch_add(1, Ordering::Relaxed));
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    // The first message decides the status: a request the engine refuses gets its error status
+    // even when streaming.
+    let first = rx.recv().await.ok_or_else(|| {
+        ApiError::with(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error", "the engine stopped")
+    })?;
+    if !parsed.stream {
+        let mut text = String::new();
+        let mut msg = first;
+        loop {
+            match msg {
+                Msg::Text(t) => text.push_str(&t),
+                Msg::Done(done) => {
+                    let c = done?;
+                    log_answer(&c, started);
+                    return Ok(axum::Json(json!({
+                        "id": id,
+                        "object": "chat.completion",
+                        "created": created,
+                        "model": app.config.id,
+                        "choices": [{
+                            "index": 0,
+                            "message": message(&id, &c),
+                            "finish_reason": c.finish.openai(),
+                            "logprobs": Value::Null,
+                        }],
+                        "usage": usage(&c),
+                    }))
+                    .into_response());
+                }
+            }
+            msg = rx.recv().await.ok_or_else(|| {
+                ApiError::with(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    "internal_error",
+                    "the engine stopped",
+                )
+            })?;
+        }
+    }
+    if let Msg::Done(Err(e)) = first {
+        return Err(e);
+    }
+    let model = app.config.id.clone();
+    let (usage_id, usage_model) = (id.clone(), model.clone());
+    let include_usage = parsed.include_usage;
+    let chunk = move |delta: Value, finish: Value| {
+        json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": Value::Null}]})
+        .to_string()
+    };
+    // A task turns the worker's messages into SSE lines; when the client goes away the stream
+    // (and its receiver) is dropped, the task's send fails, it drops the worker's channel, and
+    // the worker's next send fails: the generation is cancelled.
+    let (lines, out) = mpsc::channel::<String>(64);
+    tokio::spawn(async move {
+        let mut msg = Some(first);
+        if lines.send(chunk(json!({"role": "assistant", "content": ""}), Value::Null)).await.is_err() {
+            return;
+        }
+        loop {
+            let m = match msg.take() {
+                Some(m) => m,
+                None => match rx.recv().await {
+                    Some(m) => m,
+                    None => return,
+                },
+            };
+            match m {
+                Msg::Text(t) => {
+                    if lines.send(chunk(json!({"content": t}), Value::Null)).await.is_err() {
+                        return;
+                    }
+                }
+                Msg::Done(Ok(c)) => {
+                    log_answer(&c, started);
+                    if !c.tool_calls.is_empty() {
+                        let calls = tool_calls_json(&usage_id, &c.tool_calls, true);
+                        let _ = lines.send(chunk(json!({"tool_calls": calls}), Value::Null)).await;
+                    }
+                    let _ = lines.send(chunk(json!({}), json!(c.finish.openai()))).await;
+                    if include_usage {
+                        let v = json!({"id": usage_id, "object": "chat.completion.chunk", "created": created,
+                                       "model": usage_model, "choices": [], "usage": usage(&c)});
+                        let _ = lines.send(v.to_string()).await;
+                    }
+                    let _ = lines.send("[DONE]".to_string()).await;
+                    return;
+                }
+                Msg::Done(Err(e)) => {
+                    let _ = lines.send(e.body().to_string()).await;
+                    let _ = lines.send("[DONE]".to_string()).await;
+                    return;
+                }
+            }
+        }
+    });
+    let stream = futures_util::stream::unfold(out, |mut out| async move {
+        let line = out.recv().await?;
+        Some((Ok::<_, std::convert::Infallible>(Event::default().data(line)), out))
+    });
+    Ok(Sse::new(stream)
+        .keep_alive(axum::response::sse::KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response())
+}
+
+/// The response's assistant message: the text (null when the answer is only calls) and the calls.
+fn message(id: &str, c: &Completion) -> Value {
+    if c.tool_calls.is_empty() {
+        return json!({"role": "assistant", "content": c.text});
+    }
+    let content = if c.text.trim().is_empty() { Value::Null } else { json!(c.text) };
+    json!({"role": "assistant", "content": content, "tool_calls": tool_calls_json(id, &c.tool_calls, false)})
+}
+
+fn usage(c: &Completion) -> Value {
+    json!({
+        "prompt_tokens": c.prompt_tokens,
+        "completion_tokens": c.token_ids.len(),
+        "total_tokens": c.prompt_tokens + c.token_ids.len(),
+        // `image_tokens` and `video_tokens` are ours (OpenAI has no such fields; clients ignore
+        // them): the prompt tokens that stand for images and videos, after their pixel budgets.
+        "prompt_tokens_details": {
+            "cached_tokens": c.cached_tokens,
+            "image_tokens": c.image_tokens,
+            "video_tokens": c.video_tokens,
+        },
+    })
+}
+
+/// The OpenAI shape of the answer's calls; ids are unique per response.
+fn tool_calls_json(response_id: &str, calls: &[ToolCall], streaming: bool) -> Value {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let mut v = json!({"id": format!("call_{}_{i}", response_id.trim_start_matches("chatcmpl-")),
+                               "type": "function", "function": {"name": c.name, "arguments": c.arguments}});
+            if streaming {
+                v["index"] = json!(i);
+            }
+            v
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vl_models::engine::Finish;
+
+    fn completion(text: &str, calls: Vec<ToolCall>) -> Completion {
+        Completion {
+            text: text.into(),
+            finish: if calls.is_empty() { Finish::Stop } else { Finish::ToolCalls },
+            tool_calls: calls,
+            token_ids: vec![],
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            image_tokens: 0,
+            video_tokens: 0,
+            videos: vec![],
+            image_cache_hits: 0,
+            video_cache_hits: 0,
+            vision_time: Duration::ZERO,
+            prefill_time: Duration::ZERO,
+            decode_time: Duration::ZERO,
+            time_to_first_token: Duration::ZERO,
+            first_logits: vec![],
+            kv_cache_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn calls_take_the_openai_shape() {
+        let call = ToolCall { name: "get_weather".into(), arguments: r#"{"city": "Zürich"}"#.into() };
+        let c = completion("\n", vec![call.clone(), call]);
+        assert_eq!(c.finish.openai(), "tool_calls");
+        let m = message("chatcmpl-7", &c);
+        // Whitespace before the first call is no content.
+        assert_eq!(m["content"], Value::Null);
+        assert_eq!(m["tool_calls"][1]["id"], "call_7_1");
+        assert_eq!(m["tool_calls"][0]["type"], "function");
+        assert_eq!(m["tool_calls"][0]["function"]["name"], "get_weather");
+        assert_eq!(m["tool_calls"][0]["function"]["arguments"], r#"{"city": "Zürich"}"#);
+        assert!(m["tool_calls"][0].get("index").is_none());
+        assert_eq!(tool_calls_json("chatcmpl-7", &c.tool_calls, true)[1]["index"], 1);
+        let plain = message("chatcmpl-8", &completion("Hello", vec![]));
+        assert_eq!(plain, json!({"role": "assistant", "content": "Hello"}));
+    }
+}
