@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request};
 use vl_models::limits::LimitKind;
-use vl_models::qwen3_vl::GenerationOptions;
+use vl_models::sampling::GenerationOptions;
 
 use crate::note;
 use crate::run::{device, dtype, quant_of, LoadArgs};

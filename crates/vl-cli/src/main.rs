@@ -156,7 +156,7 @@ fn limit_hint(e: &anyhow::Error) -> Option<&'static str> {
 }
 
 fn quantize_cmd(model: &str, quantize: &str, out: &std::path::Path) -> anyhow::Result<()> {
-    use vl_models::qwen3_vl::gguf_write::{save, Recipe};
+    use vl_models::gguf::Recipe;
     use vl_nn::QuantType;
     let recipe = match quantize {
         "q4k" => Recipe::Uniform(QuantType::Q4K),
@@ -168,9 +168,8 @@ fn quantize_cmd(model: &str, quantize: &str, out: &std::path::Path) -> anyhow::R
     };
     let dir = hub::resolve(model)?;
     let t = std::time::Instant::now();
-    let model_dir = vl_models::qwen3_vl::ModelDir::open(&dir)?;
     let mut n = 0usize;
-    let (text, mmproj) = save(&model_dir, recipe, out, &mut |_| n += 1)?;
+    let (text, mmproj) = vl_models::family::quantize(&dir, recipe, out, &mut |_| n += 1)?;
     note!(
         "wrote {} and {} ({n} tensors) in {:.1}s; run with: vl run --model {}",
         text.display(),
@@ -182,23 +181,7 @@ fn quantize_cmd(model: &str, quantize: &str, out: &std::path::Path) -> anyhow::R
 }
 
 fn inspect(model: &std::path::Path, mmproj: Option<&std::path::Path>, json: bool) -> anyhow::Result<()> {
-    use vl_models::qwen3_vl::gguf;
-    if gguf::is_gguf(model) {
-        let (text, mm) = gguf::find_files(model, mmproj)?;
-        let g = gguf::GgufModel::open(&text, mm.as_deref())?;
-        g.processor()?;
-        let summary = g.summary();
-        let text = if json { serde_json::to_string_pretty(&summary)? } else { gguf::summary_text(&summary) };
-        let mut out = std::io::stdout().lock();
-        return writeln!(out, "{text}")
-            .and_then(|_| out.flush())
-            .map_err(|e| anyhow::Error::new(e).context("writing to stdout"));
-    }
-    if mmproj.is_some() {
-        anyhow::bail!("--mmproj goes with a GGUF text model; {} is a checkpoint directory", model.display());
-    }
-    let summary = vl_models::qwen3_vl::inspect(model)?;
-    let text = if json { serde_json::to_string_pretty(&summary)? } else { summary.to_string() };
+    let text = vl_models::family::inspect(&vl_models::family::Source { model, mmproj, progress: None }, json)?;
     let mut out = std::io::stdout().lock();
     writeln!(out, "{text}").and_then(|_| out.flush()).map_err(|e| anyhow::Error::new(e).context("writing to stdout"))
 }

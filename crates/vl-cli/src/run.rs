@@ -233,10 +233,10 @@ pub(crate) fn dtype(arg: Option<DtypeArg>, dev: &Device) -> DType {
 /// `--quantize` for the model at `path`: for GGUF weights only an explicit choice (it applies to
 /// the float tensors; quantized ones stay as stored).
 pub(crate) fn quant_of(arg: QuantArg, path: &Path) -> Result<Option<QuantType>> {
-    if vl_models::qwen3_vl::gguf::is_gguf(path) {
-        return Ok(quant_for(arg, None));
-    }
-    Ok(quant_for(arg, Some(&ModelDir::open(path)?.weights)))
+    Ok(match arg {
+        QuantArg::None => vl_models::family::default_quant(path)?,
+        other => quant_for(other, None),
+    })
 }
 
 /// `weights`: the checkpoint's (an MLX-quantized one picks the k-quant of its width); none for

@@ -5,13 +5,14 @@
 //! (`general.architecture`). The engine and the server name no family; adding one is a folder
 //! and a line in `FAMILIES`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::Tensor;
 use tokenizers::Tokenizer;
 
 use crate::engine::{EngineOptions, Request, VideoReport};
 use crate::error::{Error, Result};
+use crate::gguf::Recipe;
 use crate::kv::SeqCache;
 use crate::media::{Media, VisionOutput};
 use crate::sampling::GenerationOptions;
@@ -91,6 +92,14 @@ pub struct FamilyEntry {
     /// Loads a checkpoint directory or GGUF file; `staged` defers the text decoder to
     /// `Family::finish_loading` and loads the vision tower at the first `encode`.
     pub open: fn(&Source<'_>, &EngineOptions, bool) -> Result<Box<dyn Family>>,
+    /// `vl inspect`: every check a load makes, then what the files hold (text or JSON).
+    pub inspect: fn(&Source<'_>, bool) -> Result<String>,
+    /// `vl quantize`: a checkpoint directory written as GGUF (text model and vision projector,
+    /// in the peers' names); returns both paths. `progress` sees each tensor written.
+    pub quantize: fn(&Path, Recipe, &Path, &mut dyn FnMut(&str)) -> Result<(PathBuf, PathBuf)>,
+    /// The k-quant a model's own quantization maps to when `--quantize` is not given (an MLX
+    /// 4-bit checkpoint: Q4K); None to keep the stored weights.
+    pub default_quant: fn(&Path) -> Result<Option<vl_nn::QuantType>>,
 }
 
 /// Where a model is: a checkpoint directory or a GGUF file (with its vision projector).
@@ -116,6 +125,11 @@ pub enum Architecture {
 
 /// The family that loads `arch`, or an error naming what was found and what is supported.
 pub fn lookup(arch: &Architecture, origin: &Path) -> Result<&'static FamilyEntry> {
+    // Nothing readable names the architecture (a missing or broken config.json): the first
+    // family loads it, and its own checks name what is wrong.
+    if *arch == (Architecture::Config { architectures: vec![], model_type: None }) {
+        return Ok(FAMILIES[0]);
+    }
     let found = FAMILIES.iter().copied().find(|f| match arch {
         Architecture::Config { architectures, model_type } => {
             architectures.iter().any(|a| f.architectures.contains(&a.as_str()))
@@ -157,9 +171,10 @@ pub fn architecture(path: &Path) -> Result<Architecture> {
         return Ok(Architecture::Gguf(crate::gguf::architecture(&file)?));
     }
     let config = path.join("config.json");
-    let text = crate::limits::read_text(&config, crate::limits::MAX_METADATA_FILE_BYTES)?;
-    let v: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| Error::Input { what: config.display().to_string(), message: format!("invalid JSON: {e}") })?;
+    let v: serde_json::Value = crate::limits::read_text(&config, crate::limits::MAX_METADATA_FILE_BYTES)
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .unwrap_or_default();
     let architectures = v
         .get("architectures")
         .and_then(|a| a.as_array())
@@ -173,6 +188,29 @@ pub fn architecture(path: &Path) -> Result<Architecture> {
 pub fn open(source: &Source<'_>, opts: &EngineOptions) -> Result<Box<dyn Family>> {
     let entry = lookup(&architecture(source.model)?, source.model)?;
     (entry.open)(source, opts, false)
+}
+
+/// `vl inspect` for the model at `source`, with the family its files name.
+pub fn inspect(source: &Source<'_>, json: bool) -> Result<String> {
+    let entry = lookup(&architecture(source.model)?, source.model)?;
+    (entry.inspect)(source, json)
+}
+
+/// `vl quantize` for the checkpoint directory `model`, with the family its files name.
+pub fn quantize(
+    model: &Path,
+    recipe: Recipe,
+    out: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(PathBuf, PathBuf)> {
+    let entry = lookup(&architecture(model)?, model)?;
+    (entry.quantize)(model, recipe, out, progress)
+}
+
+/// The quantization a model loads with when none is asked for (see `FamilyEntry::default_quant`).
+pub fn default_quant(model: &Path) -> Result<Option<vl_nn::QuantType>> {
+    let entry = lookup(&architecture(model)?, model)?;
+    (entry.default_quant)(model)
 }
 
 /// `open`, in stages: the vision tower at the first `encode`, the text decoder at

@@ -4,7 +4,7 @@
 //! Model-agnostic: `family` (the seam a model family implements, and the registry), `engine`
 //! (the resident engine: scheduler with continuous batching, KV budget, prefix reuse),
 //! `checkpoint` (safetensors access), `gguf` (the GGUF container), `media` (vision inputs and
-//! features), `kv` (a sequence's KV cache), `cache` (byte-bounded LRU), `sampling`, `stream`
+//! features), `image_file` (image reading and decoding), `kv` (a sequence's KV cache), `cache` (byte-bounded LRU), `sampling`, `stream`
 //! (streaming detokenization), `tools` (tool-call text format and transformers' `tojson`),
 //! `video` (video sources). `qwen3_vl` holds everything Qwen-named.
 
@@ -16,6 +16,7 @@ pub mod engine;
 pub mod error;
 pub mod family;
 pub mod gguf;
+pub mod image_file;
 pub mod kv;
 pub mod limits;
 pub mod media;

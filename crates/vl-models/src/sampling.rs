@@ -181,7 +181,7 @@ fn argmax(l: &[f32]) -> u32 {
 
 /// One sequence's choice of each next token: the logits checked, OpenAI's penalties applied over
 /// what it generated, then `sample` with its own seeded generator over the prompt and output. The
-/// one place a token is picked, for the engine's scheduler and `Qwen3VlModel::generate` alike.
+/// one place a token is picked, for the engine's scheduler and a model's own generate loop alike.
 pub struct TokenPicker {
     opts: GenerationOptions,
     rng: StdRng,

@@ -11,8 +11,8 @@ use std::process::{Command, Stdio};
 use image::{AnimationDecoder, ImageFormat, RgbImage};
 
 use crate::error::{Error, Result};
+use crate::image_file::{to_rgb, ImageFile};
 use crate::limits::{self, LimitKind, MAX_IMAGE_SIDE};
-use crate::qwen3_vl::processor::{to_rgb, ImageFile};
 
 /// Bounds on a video source, checked when it is probed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

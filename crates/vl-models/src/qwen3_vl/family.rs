@@ -31,7 +31,56 @@ pub static ENTRY: FamilyEntry = FamilyEntry {
     model_types: &["qwen3_vl"],
     gguf_architectures: &["qwen3vl"],
     open: open_entry,
+    inspect: inspect_entry,
+    quantize: quantize_entry,
+    default_quant: default_quant_entry,
 };
+
+fn inspect_entry(source: &Source<'_>, json: bool) -> Result<String> {
+    let to_json = |v: &serde_json::Value| {
+        serde_json::to_string_pretty(v).map_err(|e| Error::Input { what: "summary".into(), message: e.to_string() })
+    };
+    if gguf::is_gguf(source.model) {
+        let (text, mm) = gguf::find_files(source.model, source.mmproj)?;
+        let g = GgufModel::open(&text, mm.as_deref())?;
+        g.processor()?;
+        let summary = g.summary();
+        return if json { to_json(&summary) } else { Ok(gguf::summary_text(&summary)) };
+    }
+    if let Some(m) = source.mmproj {
+        return Err(Error::Input {
+            what: m.display().to_string(),
+            message: format!(
+                "--mmproj goes with a GGUF text model; {} is a checkpoint directory",
+                source.model.display()
+            ),
+        });
+    }
+    let summary = super::inspect(source.model)?;
+    if json {
+        serde_json::to_value(&summary)
+            .map_err(|e| Error::Input { what: "summary".into(), message: e.to_string() })
+            .and_then(|v| to_json(&v))
+    } else {
+        Ok(summary.to_string())
+    }
+}
+
+fn quantize_entry(
+    model: &Path,
+    recipe: crate::gguf::Recipe,
+    out: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(std::path::PathBuf, std::path::PathBuf)> {
+    super::gguf_write::save(&ModelDir::open(model)?, recipe, out, progress)
+}
+
+fn default_quant_entry(model: &Path) -> Result<Option<vl_nn::QuantType>> {
+    if gguf::is_gguf(model) {
+        return Ok(None);
+    }
+    Ok(Weights::open(model)?.default_quant())
+}
 
 fn open_entry(source: &Source<'_>, opts: &EngineOptions, staged: bool) -> Result<Box<dyn Family>> {
     if gguf::is_gguf(source.model) {

@@ -17,57 +17,7 @@ use super::preflight::ModelDir;
 use crate::error::{Error, Result};
 use crate::limits::{read_text, MAX_METADATA_FILE_BYTES};
 
-/// What `vl quantize` writes for the text model's 2-D weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Recipe {
-    /// Every 2-D weight in this type (embeddings and lm_head included), as `--quantize` does at load.
-    Uniform(QuantType),
-    /// llama.cpp's Q4_K_M: Q4_K, with the output (or the tied embedding table) in Q6_K, and
-    /// attn_v and ffn_down in Q6_K on the layers `use_more_bits` picks (llama-quant.cpp).
-    Q4KM,
-}
-
-impl Recipe {
-    /// The name in file names, as llama.cpp spells it.
-    pub fn file_tag(self) -> &'static str {
-        match self {
-            Recipe::Q4KM => "Q4_K_M",
-            Recipe::Uniform(QuantType::Q4K) => "Q4_K",
-            Recipe::Uniform(QuantType::Q5K) => "Q5_K",
-            Recipe::Uniform(QuantType::Q6K) => "Q6_K",
-            Recipe::Uniform(QuantType::Q8_0) => "Q8_0",
-            Recipe::Uniform(q) => q.name(),
-        }
-    }
-
-    /// llama.cpp's `general.file_type` (llama_ftype).
-    fn file_type(self) -> u32 {
-        match self {
-            Recipe::Q4KM => 15,
-            Recipe::Uniform(QuantType::Q4K) => 14,
-            Recipe::Uniform(QuantType::Q5K) => 16,
-            Recipe::Uniform(QuantType::Q6K) => 18,
-            Recipe::Uniform(QuantType::Q8_0) => 7,
-            Recipe::Uniform(_) => 0,
-        }
-    }
-
-    /// The block type of a text tensor (llama.cpp name) of `layer` among `layers`.
-    fn text_type(self, name: &str, layer: Option<usize>, layers: usize, tied: bool) -> QuantType {
-        let Recipe::Uniform(q) = self else {
-            let more_bits =
-                |i: usize| i < layers / 8 || i >= 7 * layers / 8 || (i as i64 - (layers / 8) as i64) % 3 == 2;
-            if name == "output.weight" || (tied && name == "token_embd.weight") {
-                return QuantType::Q6K;
-            }
-            if (name.ends_with("attn_v.weight") || name.ends_with("ffn_down.weight")) && layer.is_some_and(more_bits) {
-                return QuantType::Q6K;
-            }
-            return QuantType::Q4K;
-        };
-        q
-    }
-}
+pub use crate::gguf::Recipe;
 
 /// llama.cpp's fallback when a row does not fill the type's blocks.
 fn fallback(q: QuantType, cols: usize) -> Option<QuantType> {
