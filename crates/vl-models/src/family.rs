@@ -80,6 +80,9 @@ pub trait Family: Send + Sync {
     fn storage(&self) -> Vec<(String, String, usize)>;
 }
 
+/// `FamilyEntry::quantize`: (checkpoint directory, recipe, output, progress) -> (text, mmproj).
+pub type QuantizeFn = fn(&Path, Recipe, &Path, &mut dyn FnMut(&str)) -> Result<(PathBuf, PathBuf)>;
+
 /// How a family is found and loaded.
 pub struct FamilyEntry {
     pub name: &'static str,
@@ -96,7 +99,7 @@ pub struct FamilyEntry {
     pub inspect: fn(&Source<'_>, bool) -> Result<String>,
     /// `vl quantize`: a checkpoint directory written as GGUF (text model and vision projector,
     /// in the peers' names); returns both paths. `progress` sees each tensor written.
-    pub quantize: fn(&Path, Recipe, &Path, &mut dyn FnMut(&str)) -> Result<(PathBuf, PathBuf)>,
+    pub quantize: QuantizeFn,
     /// The k-quant a model's own quantization maps to when `--quantize` is not given (an MLX
     /// 4-bit checkpoint: Q4K); None to keep the stored weights.
     pub default_quant: fn(&Path) -> Result<Option<vl_nn::QuantType>>,
