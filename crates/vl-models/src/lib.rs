@@ -5,7 +5,7 @@
 //! (the resident engine: scheduler with continuous batching, KV budget, prefix reuse),
 //! `checkpoint` (safetensors access), `gguf` (the GGUF container), `media` (vision inputs and
 //! features), `image_file` (image reading and decoding), `kv` (a sequence's KV cache), `cache` (byte-bounded LRU), `sampling`, `stream`
-//! (streaming detokenization), `tools` (tool-call text format and transformers' `tojson`),
+//! (streaming detokenization), `template` (chat templates), `tools` (tool-call text format and transformers' `tojson`),
 //! `video` (video sources). `qwen3_vl` holds everything Qwen-named.
 
 pub mod affine;
@@ -23,6 +23,7 @@ pub mod media;
 pub mod qwen3_vl;
 pub mod sampling;
 pub mod stream;
+pub mod template;
 pub mod tools;
 pub mod video;
 

@@ -210,7 +210,7 @@ fn json_configs() {
                         let _ = GenerationConfig::from_dir(tmp.path(), &[1]);
                     }
                     _ => {
-                        let _ = ChatTemplate::from_dir(tmp.path());
+                        let _ = ChatTemplate::from_dir(tmp.path(), vl_models::qwen3_vl::chat::BUILTIN_TEMPLATE);
                     }
                 }
                 std::fs::remove_file(&p).unwrap();

@@ -3,10 +3,9 @@
 //! token count and `<|video_pad|>` to each video's timestamped frame pairs, tokenization with the `tokenizers` crate, and incremental detokenization for
 //! streaming that never emits a broken UTF-8 sequence.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::Device;
-use serde::Serialize;
 use tokenizers::Tokenizer;
 
 use super::model::Prompt;
@@ -15,216 +14,12 @@ use super::video::{ProcessedVideo, VideoPlan, VideoProcessor, VIDEO_PAD};
 use crate::error::{Error, Result};
 use crate::limits::{read_text, MAX_METADATA_FILE_BYTES};
 pub use crate::stream::StreamDecoder;
+pub use crate::template::{ChatTemplate, Content, FunctionCall, Message, TemplateSource, TemplateToolCall};
 
 /// Used only when a checkpoint ships no template of its own.
 pub const BUILTIN_TEMPLATE: &str = include_str!("chat_template.jinja");
 
 const IMAGE_PAD: &str = "<|image_pad|>";
-
-/// One part of a message.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(tag = "type", rename_all = "lowercase")]
-pub enum Content {
-    Text { text: String },
-    Image { image: String },
-    Video { video: String },
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Message {
-    pub role: String,
-    /// Rendered as a string when every part is text (templates written for text models, e.g.
-    /// the Qwen3 template some GGUF files carry, call string methods on it); as the list of
-    /// parts otherwise. Templates that take both render the same text either way.
-    #[serde(serialize_with = "content_value")]
-    pub content: Vec<Content>,
-    /// An assistant message's tool calls, as the OpenAI API and transformers' templates
-    /// shape them: `{"type": "function", "function": {"name", "arguments"}}`.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub tool_calls: Vec<TemplateToolCall>,
-}
-
-/// One function call of an assistant message. `arguments` is the JSON text the model wrote (a
-/// string, as OpenAI clients send it back) or an object.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct TemplateToolCall {
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    pub function: FunctionCall,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct FunctionCall {
-    pub name: String,
-    pub arguments: serde_json::Value,
-}
-
-fn content_value<S: serde::Serializer>(content: &[Content], s: S) -> std::result::Result<S::Ok, S::Error> {
-    if content.iter().all(|c| matches!(c, Content::Text { .. })) {
-        let text: String = content
-            .iter()
-            .map(|c| match c {
-                Content::Text { text } => text.as_str(),
-                _ => "",
-            })
-            .collect();
-        s.serialize_str(&text)
-    } else {
-        content.serialize(s)
-    }
-}
-
-impl TemplateToolCall {
-    pub fn function(name: &str, arguments: serde_json::Value) -> Self {
-        Self { kind: "function", function: FunctionCall { name: name.into(), arguments } }
-    }
-}
-
-impl Message {
-    pub fn new(role: &str, content: Vec<Content>) -> Self {
-        Self { role: role.into(), content, tool_calls: vec![] }
-    }
-    pub fn text(role: &str, text: &str) -> Self {
-        Self::new(role, vec![Content::Text { text: text.into() }])
-    }
-}
-
-/// Where a template came from, for messages and `vl inspect`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TemplateSource {
-    File(PathBuf),
-    BuiltIn,
-}
-
-#[derive(Debug)]
-pub struct ChatTemplate {
-    env: minijinja::Environment<'static>,
-    pub source: TemplateSource,
-    bos_token: Option<String>,
-    eos_token: Option<String>,
-}
-
-impl ChatTemplate {
-    /// The checkpoint's template: chat_template.jinja, chat_template.json, then
-    /// tokenizer_config.json's `chat_template`; the built-in Qwen3-VL template otherwise.
-    pub fn from_dir(dir: &Path) -> Result<Self> {
-        let tc_path = dir.join("tokenizer_config.json");
-        let tc: serde_json::Value = if tc_path.is_file() {
-            let t = read_text(&tc_path, MAX_METADATA_FILE_BYTES)?;
-            serde_json::from_str(&t).map_err(|source| Error::Json { path: tc_path.clone(), source })?
-        } else {
-            serde_json::Value::Null
-        };
-        let token = |k: &str| match &tc[k] {
-            serde_json::Value::String(s) => Some(s.clone()),
-            serde_json::Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(String::from),
-            _ => None,
-        };
-        let (src, source) = find_template(dir, &tc, &tc_path)?;
-        Self::new(src, source, token("bos_token"), token("eos_token"))
-    }
-
-    pub fn new(
-        src: String,
-        source: TemplateSource,
-        bos_token: Option<String>,
-        eos_token: Option<String>,
-    ) -> Result<Self> {
-        let mut env = minijinja::Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        // transformers' `tojson`: Python's json.dumps (", " and ": " separators, non-ASCII kept,
-        // key order kept), not minijinja's HTML-safe compact form.
-        env.add_filter("tojson", crate::tools::py_tojson);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
-        let name = match &source {
-            TemplateSource::File(p) => p.display().to_string(),
-            TemplateSource::BuiltIn => "built-in chat template".into(),
-        };
-        env.add_template_owned("chat", src)
-            .map_err(|e| Error::Input { what: name.clone(), message: format!("invalid chat template: {e}") })?;
-        Ok(Self { env, source, bos_token, eos_token })
-    }
-
-    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
-        self.render_with(messages, None, add_generation_prompt)
-    }
-
-    /// The template's source text.
-    pub fn source_text(&self) -> String {
-        self.env.get_template("chat").expect("added in new").source().to_string()
-    }
-
-    /// Whether the template reads a `tools` variable (function definitions for tool calling).
-    pub fn takes_tools(&self) -> bool {
-        let tmpl = self.env.get_template("chat").expect("added in new");
-        tmpl.undeclared_variables(false).contains("tools")
-    }
-
-    /// Renders with function definitions (`tools`, as the OpenAI API sends them); a template
-    /// that has no `tools` variable refuses them.
-    pub fn render_with(
-        &self,
-        messages: &[Message],
-        tools: Option<&[serde_json::Value]>,
-        add_generation_prompt: bool,
-    ) -> Result<String> {
-        if tools.is_some_and(|t| !t.is_empty()) && !self.takes_tools() {
-            return Err(Error::Input {
-                what: "tools".into(),
-                message: "this checkpoint's chat template has no `tools` variable: it cannot offer functions".into(),
-            });
-        }
-        let tmpl = self.env.get_template("chat").expect("added in new");
-        tmpl.render(minijinja::context! {
-            tools => tools.filter(|t| !t.is_empty()),
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            add_vision_id => false,
-            bos_token => self.bos_token,
-            eos_token => self.eos_token,
-        })
-        .map_err(|e| Error::Input { what: "chat template".into(), message: format!("render failed: {e}") })
-    }
-}
-
-fn find_template(dir: &Path, tc: &serde_json::Value, tc_path: &Path) -> Result<(String, TemplateSource)> {
-    let jinja = dir.join("chat_template.jinja");
-    if jinja.is_file() {
-        let s = read_text(&jinja, MAX_METADATA_FILE_BYTES)?;
-        return Ok((s, TemplateSource::File(jinja)));
-    }
-    let json = dir.join("chat_template.json");
-    if json.is_file() {
-        let s = read_text(&json, MAX_METADATA_FILE_BYTES)?;
-        let v: serde_json::Value =
-            serde_json::from_str(&s).map_err(|source| Error::Json { path: json.clone(), source })?;
-        let t = v["chat_template"].as_str().ok_or_else(|| Error::Config {
-            path: json.clone(),
-            field: "chat_template".into(),
-            message: "missing or not a string".into(),
-        })?;
-        return Ok((t.to_string(), TemplateSource::File(json)));
-    }
-    match &tc["chat_template"] {
-        serde_json::Value::String(s) => Ok((s.clone(), TemplateSource::File(tc_path.to_path_buf()))),
-        // A list of named templates: take "default".
-        serde_json::Value::Array(list) => list
-            .iter()
-            .find(|t| t["name"] == "default")
-            .and_then(|t| t["template"].as_str())
-            .map(|s| (s.to_string(), TemplateSource::File(tc_path.to_path_buf())))
-            .ok_or_else(|| Error::Config {
-                path: tc_path.to_path_buf(),
-                field: "chat_template".into(),
-                message: "no template named \"default\"".into(),
-            }),
-        _ => Ok((BUILTIN_TEMPLATE.to_string(), TemplateSource::BuiltIn)),
-    }
-}
 
 /// Tokenizer, chat template and image processor of one checkpoint.
 pub struct Processor {
@@ -250,7 +45,7 @@ impl Processor {
         })?;
         Ok(Self {
             tokenizer,
-            template: ChatTemplate::from_dir(dir)?,
+            template: ChatTemplate::from_dir(dir, BUILTIN_TEMPLATE)?,
             images: ImageProcessor::from_dir(dir)?,
             videos: VideoProcessor::from_dir(dir)?,
         })
