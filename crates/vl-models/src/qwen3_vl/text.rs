@@ -141,14 +141,21 @@ impl Attention {
         let v = self.v_proj.forward(x)?.reshape((n, self.kv_heads, hd))?.transpose(0, 1)?.contiguous()?;
         let q = candle_nn::rotary_emb::rope(&q.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?;
         let k = candle_nn::rotary_emb::rope(&k.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?;
-        let mut outs = Vec::with_capacity(n);
-        for (i, cache) in caches.iter_mut().enumerate() {
-            let (ck, cv) = cache.append(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?)?;
-            let qi = q.narrow(1, i, 1)?.contiguous()?;
-            outs.push(causal_gqa_attention(&qi, &ck, &cv, PREFILL_QUERY_BLOCK)?);
-            // [heads, 1, hd]
-        }
-        let out = Tensor::cat(&outs, 1)?.transpose(0, 1)?.reshape((n, self.heads * hd))?;
+        let out = if let [cache] = caches {
+            // One sequence: its row as it is (no slicing, no join).
+            let (ck, cv) = cache.append(&k, &v)?;
+            causal_gqa_attention(&q, &ck, &cv, PREFILL_QUERY_BLOCK)?
+        } else {
+            let mut outs = Vec::with_capacity(n);
+            for (i, cache) in caches.iter_mut().enumerate() {
+                let (ck, cv) = cache.append(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?)?;
+                let qi = q.narrow(1, i, 1)?.contiguous()?;
+                // [heads, 1, hd] each
+                outs.push(causal_gqa_attention(&qi, &ck, &cv, PREFILL_QUERY_BLOCK)?);
+            }
+            Tensor::cat(&outs, 1)?
+        };
+        let out = out.transpose(0, 1)?.reshape((n, self.heads * hd))?;
         Ok(self.o_proj.forward(&out)?)
     }
 }
