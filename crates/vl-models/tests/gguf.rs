@@ -171,6 +171,21 @@ fn images_without_an_mmproj_are_refused() {
     let g = GgufModel::open(&text, None).unwrap();
     let e = g.load_vision(DType::F32, &Device::Cpu).err().unwrap().to_string();
     assert!(e.contains("mmproj"), "{e}");
+    // The engine on the text model alone (a directory without an mmproj beside it): it loads,
+    // answers text, and refuses an image naming --mmproj.
+    use vl_models::engine::{ChatMessage, Engine, EngineOptions, Request};
+    let only = tempfile::tempdir().unwrap();
+    let file = only.path().join("tiny-a-f32.gguf");
+    std::fs::copy(&text, &file).unwrap();
+    let e = Engine::open(&file, None, "text-only", EngineOptions::default()).unwrap();
+    let req = Request {
+        messages: vec![ChatMessage::text("user", "Hello")],
+        options: GenerationOptions { max_new_tokens: 4, ..Default::default() },
+        ..Default::default()
+    };
+    assert_eq!(e.generate(&req, &mut |_| true).unwrap().token_ids.len(), 4);
+    let err = e.generate(&one_image(), &mut |_| true).unwrap_err().to_string();
+    assert!(err.contains("--mmproj"), "{err}");
 }
 
 fn one_image() -> vl_models::engine::Request {

@@ -140,10 +140,12 @@ impl Qwen3Vl {
         apply_image_options(&mut processor, opts)?;
         let (dtype, device) = (opts.dtype, opts.device.clone());
         let quant = opts.quant;
-        let vision_loader: VisionLoader = if staged {
+        let vision: VisionSlot = if staged {
             let (w, cfg, p) = (weights.clone(), config.vision.clone(), progress.clone());
             let dev = device.clone();
-            Box::new(move || VisionTower::load(&cfg, w.var_builder(dtype, &dev, p).pp(VISION_PREFIX)))
+            VisionSlot::Pending(Box::new(move || {
+                VisionTower::load(&cfg, w.var_builder(dtype, &dev, p).pp(VISION_PREFIX))
+            }))
         } else {
             // Resident for every request: a bf16/f16 checkpoint's vision weights stay in that
             // dtype and are upcast block by block when computing in f32 (exact; half the memory).
@@ -153,14 +155,14 @@ impl Qwen3Vl {
                 weights.var_builder(stored, &device, None).pp(VISION_PREFIX),
                 dtype,
             )?;
-            Box::new(move || Ok(tower))
+            VisionSlot::Ready(Arc::new(tower))
         };
         let (w, cfg, dev) = (weights, config.clone(), device.clone());
         let text_loader: TextLoader = Box::new(move || {
             let vb = w.var_builder(dtype, &dev, progress);
             load_text(&cfg, &w, vb, quant)
         });
-        Self::assemble(config, processor, generation.eos_token_ids, opts, vision_loader, text_loader, staged)
+        Self::assemble(config, processor, generation.eos_token_ids, opts, vision, text_loader, staged)
     }
 
     /// From GGUF files (a .gguf file, or a directory holding one) and the vision projector
@@ -174,17 +176,17 @@ impl Qwen3Vl {
         let (dtype, device, quant) = (opts.dtype, opts.device.clone(), opts.quant);
         let eos = g.eos_token_ids();
         let config = g.config.clone();
-        let has_vision = g.mmproj.is_some();
-        let (gv, dev) = (g.clone(), device.clone());
-        let vision_loader: VisionLoader = Box::new(move || gv.load_vision(dtype, &dev));
+        let vision = if g.mmproj.is_some() {
+            let (gv, dev) = (g.clone(), device.clone());
+            VisionSlot::Pending(Box::new(move || gv.load_vision(dtype, &dev)))
+        } else {
+            VisionSlot::Absent(
+                "this GGUF model has no vision projector: images and videos need one (--mmproj FILE.gguf)",
+            )
+        };
         let dev = device.clone();
         let text_loader: TextLoader = Box::new(move || g.load_text_quantized(dtype, &dev, quant));
-        let mut m = Self::assemble(config, processor, eos, opts, vision_loader, text_loader, staged)?;
-        if !has_vision {
-            *m.vision.get_mut().unwrap_or_else(|p| p.into_inner()) =
-                VisionSlot::Absent("this GGUF model has no vision projector (pass --mmproj FILE.gguf)");
-        }
-        Ok(m)
+        Self::assemble(config, processor, eos, opts, vision, text_loader, staged)
     }
 
     fn assemble(
@@ -192,7 +194,7 @@ impl Qwen3Vl {
         processor: Processor,
         eos: Vec<u32>,
         opts: &EngineOptions,
-        vision: VisionLoader,
+        vision: VisionSlot,
         text: TextLoader,
         staged: bool,
     ) -> Result<Self> {
@@ -201,13 +203,15 @@ impl Qwen3Vl {
             processor,
             eos,
             device: opts.device.clone(),
-            vision: Mutex::new(VisionSlot::Pending(vision)),
+            vision: Mutex::new(vision),
             text: OnceLock::new(),
             text_loader: Mutex::new(Some(text)),
             clips: (opts.clip_cache_bytes > 0).then(|| Mutex::new(ByteLru::new(opts.clip_cache_bytes))),
         };
         if !staged {
-            m.vision_tower()?;
+            if matches!(*m.vision.lock().unwrap_or_else(|p| p.into_inner()), VisionSlot::Pending(_)) {
+                m.vision_tower()?;
+            }
             m.load_text()?;
         }
         Ok(m)
