@@ -74,7 +74,14 @@ fn peak_mb(pid: Option<u32>) -> Option<f64> {
     Some(kb / 1024.0)
 }
 
+/// `words` filler words after a client's question (0: none): long prompts to load the KV cache.
+fn prompt(topic: &str, words: usize) -> String {
+    let filler: Vec<&str> = (0..words).map(|i| ["sea", "salt", "wind", "light", "stone"][i % 5]).collect();
+    format!("Write a long story about {topic}. {}", filler.join(" "))
+}
+
 /// Runs the scenarios against `base` (`name` labels the rows) and prints markdown rows.
+/// `words`: filler words per prompt (about 1.4 tokens each with Qwen's tokenizer).
 pub fn bench(
     name: &str,
     base: &str,
@@ -82,6 +89,7 @@ pub fn bench(
     pid: Option<u32>,
     clients: &[usize],
     new_tokens: usize,
+    words: usize,
 ) -> Result<()> {
     // Warm-up: the first request of a process pays one-time costs.
     ask(base, model, "Say hello.", 4)?;
@@ -92,8 +100,8 @@ pub fn bench(
         let seen: Vec<Seen> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..n)
                 .map(|i| {
-                    let prompt = format!("Write a long story about {}.", TOPICS[i % TOPICS.len()]);
-                    s.spawn(move || ask(base, model, &prompt, new_tokens))
+                    let p = prompt(TOPICS[i % TOPICS.len()], words);
+                    s.spawn(move || ask(base, model, &p, new_tokens))
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().expect("client thread")).collect::<Result<Vec<_>>>()
@@ -125,6 +133,16 @@ pub fn bench(
     );
     if let Some(mb) = peak_mb(pid) {
         println!("{name}: server peak RSS {mb:.0} MB");
+    }
+    // Our server's KV gauges (another server may not have them).
+    let metrics = ureq::get(&format!("{base}/metrics")).call().ok().and_then(|r| r.into_string().ok());
+    let gauge = |m: &str, g: &str| {
+        m.lines().find_map(|l| l.strip_prefix(g).and_then(|v| v.trim().parse::<f64>().ok())).map(|b| b / 1048576.0)
+    };
+    if let Some(m) = metrics {
+        if let (Some(held), Some(budget)) = (gauge(&m, "vl_kv_cache_bytes "), gauge(&m, "vl_kv_cache_budget_bytes ")) {
+            println!("{name}: KV cache held at the end {held:.0} MiB (kept prefixes), budget {budget:.0} MiB");
+        }
     }
     Ok(())
 }

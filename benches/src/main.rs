@@ -40,6 +40,7 @@ struct Args {
     name: String,
     pid: Option<u32>,
     tokens: usize,
+    words: usize,
 }
 
 fn parse() -> Result<Args> {
@@ -55,6 +56,7 @@ fn parse() -> Result<Args> {
         name: "vl serve".into(),
         pid: None,
         tokens: 64,
+        words: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -73,10 +75,11 @@ fn parse() -> Result<Args> {
             "--name" => a.name = value()?,
             "--pid" => a.pid = Some(value()?.parse().context("--pid")?),
             "--tokens" => a.tokens = value()?.parse().context("--tokens")?,
+            "--prompt-words" => a.words = value()?.parse().context("--prompt-words")?,
             "--help" | "-h" => {
                 println!(
                     "vl-bench [--model DIR|FILE.gguf] [--image FILE] [--modes f32,q8,q6k,q4k] [--repeat N] [--serve]\n\
-                     \x20        [--concurrency 1,2,4,8 [--tokens N] [--base URL --name NAME --pid PID]]"
+                     \x20        [--concurrency 1,2,4,8 [--tokens N] [--prompt-words N] [--base URL --name NAME --pid PID]]"
                 );
                 std::process::exit(0);
             }
@@ -163,13 +166,13 @@ fn main() -> Result<()> {
     );
     if !a.concurrency.is_empty() {
         if let Some(base) = &a.base {
-            return concurrency::bench(&a.name, base, "", a.pid, &a.concurrency, a.tokens);
+            return concurrency::bench(&a.name, base, "", a.pid, &a.concurrency, a.tokens, a.words);
         }
         for mode in &a.modes {
             let media = a.image.parent().context("image directory")?;
             let s = serve::start(&vl, &a.model, quantize_flag(mode)?, media, &[])?;
             let name = format!("vl serve {mode}");
-            concurrency::bench(&name, &s.base, "", Some(s.child.id()), &a.concurrency, a.tokens)?;
+            concurrency::bench(&name, &s.base, "", Some(s.child.id()), &a.concurrency, a.tokens, a.words)?;
         }
         return Ok(());
     }
