@@ -148,21 +148,7 @@ impl Qwen3VlModel {
         cache: &mut TextCache,
         trace: &mut dyn FnMut(usize, &Tensor),
     ) -> Result<PrefillOutput> {
-        self.prefill_until(prompt, images, videos, cache, prompt.input_ids.len(), trace)
-    }
-
-    /// `prefill_from` for the positions `cache.len()..end` only (a chunk of a long prompt; the
-    /// next chunk continues from the cache). Chunks give the same cache and rows as one prefill.
-    pub fn prefill_until(
-        &self,
-        prompt: &Prompt,
-        images: Option<&VisionOutput>,
-        videos: Option<&VisionOutput>,
-        cache: &mut TextCache,
-        end: usize,
-        trace: &mut dyn FnMut(usize, &Tensor),
-    ) -> Result<PrefillOutput> {
-        self.side().prefill_until(prompt, images, videos, cache, end, trace)
+        self.side().prefill_until(prompt, images, videos, cache, prompt.input_ids.len(), trace)
     }
 
     /// One decoding step for several sequences at once (see `TextSide::decode_rows`).
@@ -175,25 +161,27 @@ impl Qwen3VlModel {
         TextSide { cfg: &self.cfg, text: &self.text }
     }
 
-    /// Feeds one generated token at decoding step `step` (0 for the first token after the prompt);
-    /// returns the f32 logits [vocab] of the next position.
+    /// Feeds one generated token at decoding step `step` (0 for the first token after the prompt)
+    /// of the sequence `state` prefilled into `cache`; returns the f32 logits [vocab] of the next
+    /// position.
     pub fn decode_step(&self, token: u32, state: &PrefillOutput, step: usize, cache: &mut TextCache) -> Result<Tensor> {
-        let pos = (state.prompt_len + step) as i64 + state.rope_delta;
-        if cache.len() + 1 > self.cfg.text.max_position_embeddings {
+        if cache.len() != state.prompt_len + step || cache.position_offset != state.rope_delta {
             return Err(Error::Input {
-                what: "generation".into(),
-                message: format!("context of {} tokens is full", self.cfg.text.max_position_embeddings),
+                what: "cache".into(),
+                message: format!(
+                    "decoding step {step} of a {}-token prompt needs a cache of {} positions, it holds {}",
+                    state.prompt_len,
+                    state.prompt_len + step,
+                    cache.len()
+                ),
             });
         }
-        let x = self.text.embed(&[token])?;
-        let h = self.text.forward(&x, &[[pos; 3]], cache, None, &mut |_, _| {})?;
-        Ok(self.text.logits(&h)?.squeeze(0)?)
+        Ok(self.decode_rows(&[token], &mut [cache])?.squeeze(0)?)
     }
 
     /// f32 logits [vocab] of the last prompt position.
     pub fn last_logits(&self, state: &PrefillOutput) -> Result<Tensor> {
-        let h = state.hidden.narrow(0, state.hidden.dim(0)? - 1, 1)?;
-        Ok(self.text.logits(&h)?.squeeze(0)?)
+        self.side().last_logits(state)
     }
 }
 

@@ -108,16 +108,25 @@ impl Attention {
         })
     }
 
-    /// `x`: [new, hidden]; `cos`/`sin`: [new, head_dim / 2].
-    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+    /// q [heads, rows, hd], k and v [kv_heads, rows, hd] of `x` ([rows, hidden]): projected,
+    /// q and k normed per head and rotated at their rows' `cos`/`sin` ([rows, head_dim / 2]).
+    fn qkv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let (n, _) = x.dims2()?;
         let hd = self.head_dim;
-        // [new, heads, hd] -> per-head norm -> [1, heads, new, hd] for rope
+        // [rows, heads, hd] -> per-head norm -> [1, heads, rows, hd] for rope
         let q = self.q_norm.forward(&self.q_proj.forward(x)?.reshape((n, self.heads, hd))?)?;
         let k = self.k_norm.forward(&self.k_proj.forward(x)?.reshape((n, self.kv_heads, hd))?)?;
         let v = self.v_proj.forward(x)?.reshape((n, self.kv_heads, hd))?.transpose(0, 1)?.contiguous()?;
         let q = candle_nn::rotary_emb::rope(&q.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?;
         let k = candle_nn::rotary_emb::rope(&k.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?;
+        Ok((q, k, v))
+    }
+
+    /// `x`: [new, hidden]; `cos`/`sin`: [new, head_dim / 2].
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let (n, _) = x.dims2()?;
+        let hd = self.head_dim;
+        let (q, k, v) = self.qkv(x, cos, sin)?;
         let (k, v) = cache.append(&k, &v)?;
         let out = causal_gqa_attention(&q, &k, &v, PREFILL_QUERY_BLOCK)?; // [heads, new, hd]
         let out = out.transpose(0, 1)?.reshape((n, self.heads * hd))?;
@@ -136,11 +145,7 @@ impl Attention {
             });
         }
         let hd = self.head_dim;
-        let q = self.q_norm.forward(&self.q_proj.forward(x)?.reshape((n, self.heads, hd))?)?;
-        let k = self.k_norm.forward(&self.k_proj.forward(x)?.reshape((n, self.kv_heads, hd))?)?;
-        let v = self.v_proj.forward(x)?.reshape((n, self.kv_heads, hd))?.transpose(0, 1)?.contiguous()?;
-        let q = candle_nn::rotary_emb::rope(&q.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?;
-        let k = candle_nn::rotary_emb::rope(&k.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?;
+        let (q, k, v) = self.qkv(x, cos, sin)?;
         let out = if let [cache] = caches {
             // One sequence: its row as it is (no slicing, no join).
             let (ck, cv) = cache.append(&k, &v)?;
