@@ -13,8 +13,9 @@ use vl_models::checkpoint::{encode_safetensors, RawTensor};
 use vl_models::engine::{ChatMessage, Engine, EngineOptions, Finish, Part, Request, VideoData};
 use vl_models::limits::ImageLimits;
 use vl_models::limits::LimitKind;
-use vl_models::qwen3_vl::weights::LoadProgress;
-use vl_models::qwen3_vl::{GenerationOptions, ImageProcessor, ModelDir, PreprocessorConfig, Weights};
+use vl_models::checkpoint::LoadProgress;
+use vl_models::qwen3_vl::{ImageProcessor, ModelDir, PreprocessorConfig, Weights};
+use vl_models::sampling::GenerationOptions;
 use vl_nn::QuantType;
 
 use crate::note;
@@ -105,7 +106,7 @@ impl LoadArgs {
 
     /// The engine's video settings (explicit flags) and the cap on the budget (`None`: the
     /// checkpoint's), the values checked.
-    pub fn video_options(&self) -> Result<(vl_models::qwen3_vl::VideoOptions, Option<usize>)> {
+    pub fn video_options(&self) -> Result<(vl_models::video::VideoOptions, Option<usize>)> {
         use vl_models::qwen3_vl::{processor::MAX_PIXEL_BUDGET, video::MAX_VIDEO_FRAMES};
         if let Some(fps) = self.video_fps {
             vl_models::video::check_fps(fps).map_err(|m| anyhow::anyhow!("--video-fps {m}"))?;
@@ -120,7 +121,7 @@ impl LoadArgs {
             }
             Budget::At(n) => Some(n),
         };
-        let opts = vl_models::qwen3_vl::VideoOptions {
+        let opts = vl_models::video::VideoOptions {
             fps: self.video_fps,
             max_frames: self.video_max_frames,
             min_pixels: None,
@@ -343,7 +344,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
                 .replace("max_image_tokens", "--max-image-tokens")
         )
     };
-    let checkpoint_images = if vl_models::qwen3_vl::gguf::is_gguf(&dir) {
+    let checkpoint_images = if vl_models::gguf::is_gguf(&dir) {
         None
     } else {
         Some(ImageProcessor::new(PreprocessorConfig::from_dir(&dir)?))
@@ -406,7 +407,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     messages.push(ChatMessage::new("user", parts));
     let req = Request { messages, options, ..Default::default() };
 
-    let gguf = vl_models::qwen3_vl::gguf::is_gguf(&dir);
+    let gguf = vl_models::gguf::is_gguf(&dir);
     if !gguf && args.load.mmproj.is_some() {
         anyhow::bail!("--mmproj goes with a GGUF text model; {} is a checkpoint directory", dir.display());
     }
@@ -525,7 +526,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         match (&checkpoint_images, video.0) {
             (Some(_), opts) if !c.videos.is_empty() => Some(
                 vl_models::qwen3_vl::VideoProcessor::from_dir(&dir)?
-                    .with_options(&vl_models::qwen3_vl::VideoOptions { min_pixels: None, max_pixels: None, ..opts })?,
+                    .with_options(&vl_models::video::VideoOptions { min_pixels: None, max_pixels: None, ..opts })?,
             ),
             _ => None,
         };
@@ -660,7 +661,7 @@ fn image_size_report(
     load: &LoadArgs,
     limits: &ImageLimits,
 ) -> anyhow::Result<serde_json::Value> {
-    let file = vl_models::qwen3_vl::ImageFile::from_bytes(data.to_vec(), path, limits)?;
+    let file = vl_models::image_file::ImageFile::from_bytes(data.to_vec(), path, limits)?;
     let (w0, h0) = (file.width as usize, file.height as usize);
     let (h, w) = ours.target_size(h0, w0)?;
     let (mh, mw) = model.target_size(h0, w0)?;
