@@ -9,11 +9,11 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
+use vl_models::checkpoint::LoadProgress;
 use vl_models::checkpoint::{encode_safetensors, RawTensor};
 use vl_models::engine::{ChatMessage, Engine, EngineOptions, Finish, Part, Request, VideoData};
 use vl_models::limits::ImageLimits;
 use vl_models::limits::LimitKind;
-use vl_models::checkpoint::LoadProgress;
 use vl_models::qwen3_vl::{ImageProcessor, ModelDir, PreprocessorConfig, Weights};
 use vl_models::sampling::GenerationOptions;
 use vl_nn::QuantType;
@@ -522,14 +522,16 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     }
 
     // The checkpoint's own video budget, to say when ours scaled a clip below it.
-    let model_videos =
-        match (&checkpoint_images, video.0) {
-            (Some(_), opts) if !c.videos.is_empty() => Some(
-                vl_models::qwen3_vl::VideoProcessor::from_dir(&dir)?
-                    .with_options(&vl_models::video::VideoOptions { min_pixels: None, max_pixels: None, ..opts })?,
-            ),
-            _ => None,
-        };
+    let model_videos = match (&checkpoint_images, video.0) {
+        (Some(_), opts) if !c.videos.is_empty() => Some(
+            vl_models::qwen3_vl::VideoProcessor::from_dir(&dir)?.with_options(&vl_models::video::VideoOptions {
+                min_pixels: None,
+                max_pixels: None,
+                ..opts
+            })?,
+        ),
+        _ => None,
+    };
     let videos: Vec<serde_json::Value> =
         c.videos.iter().map(|v| video_report(v, model_videos.as_ref(), &args.load)).collect();
     let prefill_s = c.prefill_time.as_secs_f64();

@@ -641,3 +641,20 @@ fn api_key_cors_preflight_and_one_log_line_per_request() {
     assert!(log.iter().any(|l| l.starts_with("GET /v1/models 401 ")), "{log:?}");
     assert_eq!(log.iter().filter(|l| l.starts_with("OPTIONS /v1/chat/completions 204 ")).count(), 2, "{log:?}");
 }
+
+#[test]
+fn a_prompt_over_the_kv_budget_gets_503_and_the_server_keeps_serving() {
+    // tiny-b's KV cache takes 1152 bytes a position (3 layers x 2 x 2 heads x 24 x f32): 1 MiB
+    // holds 910 positions, so a ~1200-token prompt can never fit (its context is 2048).
+    let g = "tiny-b";
+    let s = start(g, &["--kv-cache-mib", "1"]);
+    let long = json!({"messages": [{"role": "user", "content": "word ".repeat(1200)}], "max_tokens": 2});
+    let (st, b) = post(&s, "/v1/chat/completions", &long.to_string());
+    assert_error(st, &b, 503, "KV cache");
+    assert_eq!(b["error"]["code"], "kv_cache_exhausted");
+    assert!(b["error"]["message"].as_str().unwrap().contains("budget of 1.0 MiB"), "{b}");
+    let (want, n, _) = golden(g);
+    let (st, v) = post(&s, "/v1/chat/completions", &one_image(g, n, json!({})).to_string());
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+}
