@@ -4,11 +4,10 @@
 //! sent while a long one decodes, against the short one alone; and the server's peak resident
 //! memory. Every figure is the client's view over HTTP.
 
-use std::io::{BufRead, BufReader};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
-use serde_json::{json, Value};
+use anyhow::Result;
+use serde_json::json;
 
 /// One streamed answer as its client saw it.
 struct Seen {
@@ -30,36 +29,13 @@ const TOPICS: [&str; 8] =
 
 fn ask(base: &str, model: &str, prompt: &str, max_tokens: usize) -> Result<Seen> {
     let mut body = json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                      "temperature": 0, "stream": true, "stream_options": {"include_usage": true}});
+                          "temperature": 0, "stream": true, "stream_options": {"include_usage": true}});
     if !model.is_empty() {
         body["model"] = json!(model);
     }
-    let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(1800)).build();
-    let t0 = Instant::now();
-    let resp = agent
-        .post(&format!("{base}/v1/chat/completions"))
-        .set("Content-Type", "application/json")
-        .send_string(&body.to_string())
-        .map_err(|e| anyhow::anyhow!("request failed: {e}"))?;
-    let (mut first, mut pieces, mut usage) = (None, 0u64, Value::Null);
-    for line in BufReader::new(resp.into_reader()).lines() {
-        let line = line?;
-        let Some(d) = line.strip_prefix("data: ") else { continue };
-        if d == "[DONE]" {
-            break;
-        }
-        let v: Value = serde_json::from_str(d)?;
-        if v["choices"][0]["delta"]["content"].as_str().is_some_and(|p| !p.is_empty()) {
-            first.get_or_insert_with(|| t0.elapsed());
-            pieces += 1;
-        }
-        if !v["usage"].is_null() {
-            usage = v["usage"].clone();
-        }
-    }
-    let total = t0.elapsed();
-    let tokens = usage["completion_tokens"].as_u64().unwrap_or(pieces);
-    Ok(Seen { ttft: first.context("no content streamed")?, total, tokens })
+    let r = crate::serve::stream(base, &body)?;
+    let tokens = r.usage["completion_tokens"].as_u64().unwrap_or(r.pieces);
+    Ok(Seen { ttft: r.ttft, total: r.total, tokens })
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

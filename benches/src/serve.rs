@@ -56,18 +56,29 @@ pub struct Turn {
     pub decode_tps: f64,
 }
 
-/// One streamed request; the client's view of it.
-fn ask(s: &Server, messages: &Value, max_tokens: usize) -> Result<Turn> {
-    let body = json!({"messages": messages, "max_tokens": max_tokens, "stream": true,
-                      "stream_options": {"include_usage": true}});
-    let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(900)).build();
+/// A streamed answer as its client saw it.
+pub struct Streamed {
+    pub text: String,
+    /// Content pieces received.
+    pub pieces: u64,
+    pub ttft: Duration,
+    /// From the request to the last content piece, and to the end of the stream.
+    pub last: Duration,
+    pub total: Duration,
+    /// The final chunk's `usage` (null when the server sent none).
+    pub usage: Value,
+}
+
+/// POSTs `body` (a streamed chat completion) to `base` and reads its SSE stream to `[DONE]`.
+pub fn stream(base: &str, body: &Value) -> Result<Streamed> {
+    let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(1800)).build();
     let t0 = Instant::now();
     let resp = agent
-        .post(&format!("{}/v1/chat/completions", s.base))
+        .post(&format!("{base}/v1/chat/completions"))
         .set("Content-Type", "application/json")
         .send_string(&body.to_string())
         .map_err(|e| anyhow::anyhow!("request failed: {e}"))?;
-    let (mut text, mut first, mut last, mut usage) = (String::new(), None, t0, Value::Null);
+    let (mut text, mut pieces, mut first, mut last, mut usage) = (String::new(), 0, None, t0, Value::Null);
     for line in BufReader::new(resp.into_reader()).lines() {
         let line = line?;
         let Some(d) = line.strip_prefix("data: ") else { continue };
@@ -78,6 +89,7 @@ fn ask(s: &Server, messages: &Value, max_tokens: usize) -> Result<Turn> {
         if let Some(piece) = v["choices"][0]["delta"]["content"].as_str().filter(|p| !p.is_empty()) {
             first.get_or_insert_with(|| t0.elapsed());
             last = Instant::now();
+            pieces += 1;
             text.push_str(piece);
         }
         if !v["usage"].is_null() {
@@ -85,13 +97,21 @@ fn ask(s: &Server, messages: &Value, max_tokens: usize) -> Result<Turn> {
         }
     }
     let ttft = first.context("no content streamed")?;
-    let n = usage["completion_tokens"].as_u64().unwrap_or(0);
-    let decode = (last - t0).saturating_sub(ttft).as_secs_f64();
+    Ok(Streamed { text, pieces, ttft, last: last - t0, total: t0.elapsed(), usage })
+}
+
+/// One streamed request of the three-turn scenario.
+fn ask(s: &Server, messages: &Value, max_tokens: usize) -> Result<Turn> {
+    let body = json!({"messages": messages, "max_tokens": max_tokens, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let r = stream(&s.base, &body)?;
+    let n = r.usage["completion_tokens"].as_u64().unwrap_or(0);
+    let decode = r.last.saturating_sub(r.ttft).as_secs_f64();
     Ok(Turn {
-        text,
-        prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
-        cached_tokens: usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
-        ttft,
+        text: r.text,
+        prompt_tokens: r.usage["prompt_tokens"].as_u64().unwrap_or(0),
+        cached_tokens: r.usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
+        ttft: r.ttft,
         decode_tps: if decode > 0.0 { n.saturating_sub(1) as f64 / decode } else { f64::NAN },
     })
 }

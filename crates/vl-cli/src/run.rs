@@ -581,7 +581,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
                 "decode_tokens_per_s": decode_tps,
                 "time_to_first_token_s": ttft,
             },
-            "kv_cache_bytes": shot.kv_cache_bytes,
+            "kv_cache_bytes": shot.completion.kv_cache_bytes,
             "peak_rss_bytes": peak_rss(),
         });
         writeln!(stdout, "{out}").and_then(|_| stdout.flush()).context("writing to stdout")?;

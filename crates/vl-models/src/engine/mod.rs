@@ -392,55 +392,10 @@ impl Engine {
     pub fn generate(&self, req: &Request, on_text: &mut dyn FnMut(&str) -> bool) -> Result<Completion> {
         let t0 = Instant::now();
         let prepared = self.shared.family.prepare(req)?;
-        self.check_fits(&prepared)?;
-        let encoded = self.encode(&prepared)?;
+        check_fits(&*self.shared.family, self.shared.opts.kv_cache_bytes, &prepared)?;
+        let s = &self.shared;
+        let encoded = encode(&*s.family, &prepared, &s.features, &s.vision)?;
         self.run(prepared, encoded, req, on_text, t0)
-    }
-
-    /// Refuses a prompt whose KV cache alone exceeds the engine's budget (it could never run).
-    fn check_fits(&self, p: &Prepared) -> Result<()> {
-        let need = vl_nn::kv_cache::blocks_for(p.ids.len() + 1) * self.shared.family.kv_bytes_per_position();
-        let budget = self.shared.opts.kv_cache_bytes;
-        if need > budget {
-            return Err(Error::Limit {
-                what: "prompt".into(),
-                message: format!(
-                    "the prompt's {} tokens need {:.1} MiB of KV cache, more than the engine's budget of {:.1} MiB",
-                    p.ids.len(),
-                    need as f64 / 1048576.0,
-                    budget as f64 / 1048576.0
-                ),
-                kind: LimitKind::KvCache,
-            });
-        }
-        Ok(())
-    }
-
-    /// Every image and video of the prompt encoded, from the feature cache when seen before.
-    fn encode(&self, p: &Prepared) -> Result<Encoded> {
-        let t = Instant::now();
-        let mut e = Encoded { features: Vec::with_capacity(p.media.len()), ..Default::default() };
-        for m in &p.media {
-            let hit = lock(&self.shared.features).get(&m.key);
-            let out = match hit {
-                Some(out) => {
-                    match m.kind {
-                        crate::media::MediaKind::Image => e.image_hits += 1,
-                        crate::media::MediaKind::Video => e.video_hits += 1,
-                    }
-                    out
-                }
-                None => {
-                    let _tower = lock(&self.shared.vision);
-                    let out = self.shared.family.encode(m)?;
-                    lock(&self.shared.features).put(m.key, out.clone(), out.bytes());
-                    out
-                }
-            };
-            e.features.push(out);
-        }
-        e.time = t.elapsed();
-        Ok(e)
     }
 
     /// Hands a prepared request to the scheduler and relays its stream.
@@ -490,43 +445,81 @@ impl Engine {
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<OneShot> {
         let t0 = Instant::now();
-        let t_media = Instant::now();
         let prepared = family.prepare(req)?;
-        let media_time = t_media.elapsed();
-        let mut features: Vec<VisionOutput> = Vec::with_capacity(prepared.media.len());
-        let mut vision_time = Duration::ZERO;
-        let mut hits = 0;
+        let media_time = t0.elapsed();
+        // Cheap checks first: the prompt's KV cache against the budget, before any weight.
+        check_fits(&*family, opts.kv_cache_bytes, &prepared)?;
+        let mut encoded = Encoded::default();
         if !prepared.media.is_empty() {
             family.load_vision()?;
-            let t = Instant::now();
-            let mut seen: Vec<(u64, usize)> = Vec::new();
-            for m in &prepared.media {
-                match seen.iter().find(|(k, _)| *k == m.key) {
-                    Some(&(_, at)) => {
-                        let again: VisionOutput = features[at].clone();
-                        features.push(again)
-                    }
-                    None => {
-                        seen.push((m.key, features.len()));
-                        features.push(family.encode(m)?);
-                    }
-                }
-            }
-            vision_time = t.elapsed();
-            hits = prepared.media.len() - seen.len();
+            // Every medium once: a repeat within the prompt is a hit.
+            encoded = encode(&*family, &prepared, &Mutex::new(ByteLru::new(usize::MAX)), &Mutex::new(()))?;
         }
+        let vision_time = encoded.time;
         family.finish_loading()?;
         let load_time = t0.elapsed().saturating_sub(vision_time + media_time);
         let storage = family.storage();
         let opts = EngineOptions { prefix_cache: false, image_cache_bytes: 0, parallel: 1, ..opts };
         let engine = Self::from_family(family, id, opts)?;
-        engine.check_fits(&prepared)?;
-        let encoded = Encoded { features, time: vision_time, image_hits: hits, video_hits: 0 };
         let generate_started = Instant::now();
         let completion = engine.run(prepared, encoded, req, on_text, generate_started)?;
-        let kv_cache_bytes = completion.kv_cache_bytes;
-        Ok(OneShot { completion, load_time, media_time, vision_time, storage, kv_cache_bytes, generate_started })
+        Ok(OneShot { completion, load_time, media_time, vision_time, storage, generate_started })
     }
+}
+
+/// Refuses a prompt whose KV cache alone exceeds `budget` bytes (it could never run).
+fn check_fits(family: &dyn Family, budget: usize, p: &Prepared) -> Result<()> {
+    let need = vl_nn::kv_cache::blocks_for(p.ids.len() + 1) * family.kv_bytes_per_position();
+    if need > budget {
+        return Err(Error::Limit {
+            what: "prompt".into(),
+            message: format!(
+                "the prompt's {} tokens need {:.1} MiB of KV cache, more than the engine's budget of {:.1} MiB",
+                p.ids.len(),
+                need as f64 / 1048576.0,
+                budget as f64 / 1048576.0
+            ),
+            kind: LimitKind::KvCache,
+        });
+    }
+    Ok(())
+}
+
+/// Every image and video of the prompt encoded, from `cache` when seen before (a repeat within
+/// the prompt included), else through the family's tower, one request at a time (`tower`).
+fn encode(
+    family: &dyn Family,
+    p: &Prepared,
+    cache: &Mutex<ByteLru<u64, VisionOutput>>,
+    tower: &Mutex<()>,
+) -> Result<Encoded> {
+    let t = Instant::now();
+    let mut e = Encoded { features: Vec::with_capacity(p.media.len()), ..Default::default() };
+    for m in &p.media {
+        let mut hit = lock(cache).get(&m.key);
+        let _tower = hit.is_none().then(|| lock(tower));
+        if hit.is_none() {
+            // Another request may have encoded it while this one waited for the tower.
+            hit = lock(cache).get(&m.key);
+        }
+        let out = match hit {
+            Some(out) => {
+                match m.kind {
+                    crate::media::MediaKind::Image => e.image_hits += 1,
+                    crate::media::MediaKind::Video => e.video_hits += 1,
+                }
+                out
+            }
+            None => {
+                let out = family.encode(m)?;
+                lock(cache).put(m.key, out.clone(), out.bytes());
+                out
+            }
+        };
+        e.features.push(out);
+    }
+    e.time = t.elapsed();
+    Ok(e)
 }
 
 impl Drop for Engine {
@@ -563,7 +556,6 @@ pub struct OneShot {
     pub vision_time: Duration,
     /// (group, storage, bytes) of the text decoder's weights.
     pub storage: Vec<(String, String, usize)>,
-    pub kv_cache_bytes: usize,
     /// When generation (prefill) began; `time_to_first_token` counts from here.
     pub generate_started: Instant,
 }

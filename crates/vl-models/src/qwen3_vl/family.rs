@@ -120,6 +120,8 @@ pub struct Qwen3Vl {
     processor: Processor,
     eos: Vec<u32>,
     device: Device,
+    /// The compute dtype (activations and the KV cache).
+    dtype: DType,
     vision: Mutex<VisionSlot>,
     text: OnceLock<TextModel>,
     text_loader: Mutex<Option<TextLoader>>,
@@ -203,6 +205,7 @@ impl Qwen3Vl {
             processor,
             eos,
             device: opts.device.clone(),
+            dtype: opts.dtype,
             vision: Mutex::new(vision),
             text: OnceLock::new(),
             text_loader: Mutex::new(Some(text)),
@@ -279,9 +282,9 @@ impl Family for Qwen3Vl {
     }
 
     fn kv_bytes_per_position(&self) -> usize {
+        // Keys and values per layer, in the compute dtype (known before the decoder loads).
         let c = &self.config.text;
-        let dtype = self.text.get().map_or(DType::F32, |t| t.dtype());
-        c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * dtype.size_in_bytes()
+        c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * self.dtype.size_in_bytes()
     }
 
     fn new_cache(&self) -> SeqCache {

@@ -338,12 +338,6 @@ impl TextModel {
         TextCache { layers: vec![KvCache::new(); self.layers.len()], position_offset: 0 }
     }
 
-    /// Bytes of KV cache one position takes across all layers.
-    pub fn kv_bytes_per_position(&self) -> usize {
-        let c = &self.cfg;
-        c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * self.dtype.size_in_bytes()
-    }
-
     /// Token embeddings [n, hidden]; ids must be below the vocabulary size.
     pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.cfg.vocab_size) {
