@@ -24,6 +24,11 @@ pub(crate) fn bad(path: &Path, message: impl Into<String>) -> Error {
 /// Walks a GGUF header within the file's bytes: magic, version, counts, every key and value,
 /// every tensor's dims, type and extent.
 pub fn check_header(path: &Path) -> Result<()> {
+    walk_header(path).map(|_| ())
+}
+
+/// `check_header`'s walk; returns `general.architecture` when the header has it.
+fn walk_header(path: &Path) -> Result<Option<String>> {
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
     // SAFETY: read-only map of a file we only read; a concurrent truncation is the user's doing.
@@ -46,10 +51,13 @@ pub fn check_header(path: &Path) -> Result<()> {
         return Err(bad(path, format!("metadata count {kvs} exceeds {MAX_KV}")));
     }
     let mut alignment = 32u64;
+    let mut architecture = None;
     for _ in 0..kvs {
         let key = r.string("metadata key")?;
         let ty = r.u32(&key)?;
-        if key == "general.alignment" && ty == 4 {
+        if key == "general.architecture" && ty == 8 {
+            architecture = Some(r.string(&key)?);
+        } else if key == "general.alignment" && ty == 4 {
             alignment = u64::from(r.u32(&key)?);
             if alignment == 0 || !alignment.is_power_of_two() {
                 return Err(bad(path, format!("general.alignment = {alignment} is not a power of two")));
@@ -98,7 +106,7 @@ pub fn check_header(path: &Path) -> Result<()> {
             ));
         }
     }
-    Ok(())
+    Ok(architecture)
 }
 
 /// GGUF type ids candle reads (the ids of ggml.h).
@@ -163,12 +171,16 @@ impl<'a> Reader<'a> {
     fn u64(&mut self, what: &str) -> Result<u64> {
         Ok(u64::from_le_bytes(self.bytes(8, what)?.try_into().expect("8 bytes")))
     }
-    fn string(&mut self, what: &str) -> Result<String> {
+    /// A string's bytes, its length within `MAX_STRING`.
+    fn string_bytes(&mut self, what: &str) -> Result<&'a [u8]> {
         let n = self.u64(what)?;
         if n > MAX_STRING {
             return Err(bad(self.path, format!("{what}: string of {n} bytes exceeds {MAX_STRING}")));
         }
-        Ok(String::from_utf8_lossy(self.bytes(n, what)?).into_owned())
+        self.bytes(n, what)
+    }
+    fn string(&mut self, what: &str) -> Result<String> {
+        Ok(String::from_utf8_lossy(self.string_bytes(what)?).into_owned())
     }
     fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<()> {
         let fixed = match ty {
@@ -176,8 +188,9 @@ impl<'a> Reader<'a> {
             2 | 3 => 2,
             4..=6 => 4,
             10..=12 => 8,
+            // A string value: its length checked, its bytes skipped (not copied).
             8 => {
-                self.string(key)?;
+                self.string_bytes(key)?;
                 return Ok(());
             }
             9 if depth == 0 => {
@@ -316,8 +329,9 @@ pub fn find_text_file(path: &Path) -> Result<PathBuf> {
 }
 
 /// A GGUF file's `general.architecture`, read from its checked header.
+/// (The bounded walk alone: the loader reads the whole header after the registry picks it.)
 pub fn architecture(path: &Path) -> Result<String> {
-    Ok(GgufFile::open(path)?.str("general.architecture")?.to_string())
+    walk_header(path)?.ok_or_else(|| bad(path, "metadata key general.architecture is missing"))
 }
 
 /// What `vl quantize` writes for the text model's 2-D weights.
