@@ -12,9 +12,9 @@ use clap::{Args, ValueEnum};
 use vl_models::checkpoint::LoadProgress;
 use vl_models::checkpoint::{encode_safetensors, RawTensor};
 use vl_models::engine::{ChatMessage, Engine, EngineOptions, Finish, Part, Request, VideoData};
+use vl_models::family::Family;
 use vl_models::limits::ImageLimits;
 use vl_models::limits::LimitKind;
-use vl_models::qwen3_vl::{ImageProcessor, ModelDir, PreprocessorConfig, Weights};
 use vl_models::sampling::GenerationOptions;
 use vl_nn::QuantType;
 
@@ -107,7 +107,7 @@ impl LoadArgs {
     /// The engine's video settings (explicit flags) and the cap on the budget (`None`: the
     /// checkpoint's), the values checked.
     pub fn video_options(&self) -> Result<(vl_models::video::VideoOptions, Option<usize>)> {
-        use vl_models::qwen3_vl::{processor::MAX_PIXEL_BUDGET, video::MAX_VIDEO_FRAMES};
+        use vl_models::{limits::MAX_PIXEL_BUDGET, video::MAX_VIDEO_FRAMES};
         if let Some(fps) = self.video_fps {
             vl_models::video::check_fps(fps).map_err(|m| anyhow::anyhow!("--video-fps {m}"))?;
         }
@@ -235,22 +235,13 @@ pub(crate) fn dtype(arg: Option<DtypeArg>, dev: &Device) -> DType {
 /// the float tensors; quantized ones stay as stored).
 pub(crate) fn quant_of(arg: QuantArg, path: &Path) -> Result<Option<QuantType>> {
     Ok(match arg {
-        QuantArg::None => vl_models::family::default_quant(path)?,
-        other => quant_for(other, None),
-    })
-}
-
-/// `weights`: the checkpoint's (an MLX-quantized one picks the k-quant of its width); none for
-/// GGUF, where only an explicit choice applies.
-pub(crate) fn quant_for(arg: QuantArg, weights: Option<&Weights>) -> Option<QuantType> {
-    match arg {
         QuantArg::Q4k => Some(QuantType::Q4K),
         QuantArg::Q5k => Some(QuantType::Q5K),
         QuantArg::Q6k => Some(QuantType::Q6K),
         QuantArg::Q8 => Some(QuantType::Q8_0),
         QuantArg::Off => None,
-        QuantArg::None => weights?.default_quant(),
-    }
+        QuantArg::None => vl_models::family::default_quant(path)?,
+    })
 }
 
 /// Peak resident set size of this process, where the OS reports it.
@@ -334,38 +325,70 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     let dtype = dtype(args.load.dtype, &dev);
     let dir = crate::hub::resolve(&args.load.model)?;
     let logits_out = args.logits_out.as_deref().map(LogitsOut::create).transpose()?;
-    // The pixel-budget flags, checked against the preprocessor before anything is loaded.
-    let flag_names = |e: vl_models::Error| {
-        anyhow::anyhow!(
-            "{}",
-            e.to_string()
-                .replace("min_pixels", "--min-pixels")
-                .replace("max_pixels", "--max-pixels")
-                .replace("max_image_tokens", "--max-image-tokens")
-        )
-    };
-    let checkpoint_images = if vl_models::gguf::is_gguf(&dir) {
-        None
-    } else {
-        Some(ImageProcessor::new(PreprocessorConfig::from_dir(&dir)?))
-    };
-    let budgeted = match &checkpoint_images {
-        Some(p) => {
-            let (lo, hi) = vl_models::qwen3_vl::family::image_budget(
-                &p.config,
-                args.load.min_pixels,
-                args.load.max_pixels,
-                args.load.max_image_tokens(),
-            )
-            .map_err(flag_names)?;
-            Some(p.clone().with_pixel_budget(lo, hi).map_err(flag_names)?)
-        }
-        None => None,
-    };
     let limits = args.load.image_limits();
+    let gguf = vl_models::gguf::is_gguf(&dir);
+    if !gguf && args.load.mmproj.is_some() {
+        anyhow::bail!("--mmproj goes with a GGUF text model; {} is a checkpoint directory", dir.display());
+    }
+    let quant = quant_of(args.load.quantize, &dir)?;
+    let opts = EngineOptions {
+        dtype,
+        device: dev,
+        quant,
+        min_pixels: args.load.min_pixels,
+        max_pixels: args.load.max_pixels,
+        max_image_tokens: args.load.max_image_tokens(),
+        image_limits: limits,
+        video: video.0,
+        video_pixel_cap: video.1,
+        video_limits: Default::default(),
+        image_cache_bytes: usize::MAX,
+        clip_cache_bytes: 0,
+        prefix_cache: false,
+        parallel: 1,
+        kv_cache_bytes: vl_models::engine::default_kv_cache_bytes(),
+        prefill_chunk: vl_models::engine::DEFAULT_PREFILL_CHUNK,
+    };
 
-    // Image files within the byte limit; their headers, video probes, the prompt's length and
-    // every file of the model directory are checked by the engine before a weight is read.
+    // A progress bar on a terminal, its length set once the family knows what it will read.
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let b = indicatif::ProgressBar::new(0);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("loading {bar:40} {pos} tensors")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    });
+    let progress_bar = bar.clone();
+    let progress: LoadProgress = Arc::new(move |_key: &str| {
+        if let Some(b) = &progress_bar {
+            b.inc(1);
+        }
+    });
+    // The family opens in stages: every file of the model is checked and the pixel-budget flags
+    // against its preprocessor, before a weight is read.
+    let source =
+        vl_models::family::Source { model: &dir, mmproj: args.load.mmproj.as_deref(), progress: Some(&progress) };
+    let family = vl_models::family::open_staged(&source, &opts).map_err(|e| match e {
+        vl_models::Error::Input { ref what, .. }
+            if ["min_pixels", "max_pixels", "max_image_tokens"].contains(&what.as_str()) =>
+        {
+            anyhow::anyhow!(
+                "{}",
+                e.to_string()
+                    .replace("min_pixels", "--min-pixels")
+                    .replace("max_pixels", "--max-pixels")
+                    .replace("max_image_tokens", "--max-image-tokens")
+            )
+        }
+        e => anyhow::Error::new(e),
+    })?;
+    if let Some(b) = &bar {
+        b.set_length(family.tensors_to_load() as u64);
+    }
+
+    // Image files within the byte limit; their headers, video probes and the prompt's length are
+    // checked by the engine before a weight is read.
     let mut parts = Vec::with_capacity(args.images.len() + args.videos.len() + 1);
     let mut sizes = Vec::new();
     let order = if order.len() == args.images.len() + args.videos.len() {
@@ -392,9 +415,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
                 }
                 other => other,
             })?;
-        if let (Some(model), Some(ours)) = (&checkpoint_images, &budgeted) {
-            sizes.push(image_size_report(p, &data, model, ours, &args.load, &limits)?);
-        }
+        sizes.push(image_size_report(p, &data, &*family, &args.load, &limits)?);
         parts.push(Part::Image { data, name: p.display().to_string(), min_pixels: None, max_pixels: None });
     }
     let default_prompt =
@@ -406,49 +427,6 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     }
     messages.push(ChatMessage::new("user", parts));
     let req = Request { messages, options, ..Default::default() };
-
-    let gguf = vl_models::gguf::is_gguf(&dir);
-    if !gguf && args.load.mmproj.is_some() {
-        anyhow::bail!("--mmproj goes with a GGUF text model; {} is a checkpoint directory", dir.display());
-    }
-    // Every file of the model directory is checked before a weight is read.
-    let model_dir = if gguf { None } else { Some(ModelDir::open(&dir)?) };
-    let quant = quant_for(args.load.quantize, model_dir.as_ref().map(|m| &*m.weights));
-    let needed = model_dir.as_ref().map_or(0, |m| m.weights.entries().len() as u64);
-    let opts = EngineOptions {
-        dtype,
-        device: dev,
-        quant,
-        min_pixels: args.load.min_pixels,
-        max_pixels: args.load.max_pixels,
-        max_image_tokens: args.load.max_image_tokens(),
-        image_limits: limits,
-        video: video.0,
-        video_pixel_cap: video.1,
-        video_limits: Default::default(),
-        image_cache_bytes: usize::MAX,
-        clip_cache_bytes: 0,
-        prefix_cache: false,
-        parallel: 1,
-        kv_cache_bytes: vl_models::engine::default_kv_cache_bytes(),
-        prefill_chunk: vl_models::engine::DEFAULT_PREFILL_CHUNK,
-    };
-
-    // A progress bar on a terminal.
-    let bar = std::io::stderr().is_terminal().then(|| {
-        let b = indicatif::ProgressBar::new(needed);
-        b.set_style(
-            indicatif::ProgressStyle::with_template("loading {bar:40} {pos} tensors")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        b
-    });
-    let progress_bar = bar.clone();
-    let progress: LoadProgress = Arc::new(move |_key: &str| {
-        if let Some(b) = &progress_bar {
-            b.inc(1);
-        }
-    });
 
     let mut stdout = std::io::stdout().lock();
     let mut write_err: Option<std::io::Error> = None;
@@ -470,15 +448,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         }
         true
     };
-    let family = match model_dir {
-        Some(model_dir) => vl_models::qwen3_vl::family::Qwen3Vl::from_dir(model_dir, &opts, true, Some(progress))
-            .map(|f| Box::new(f) as Box<dyn vl_models::family::Family>),
-        None => {
-            let source = vl_models::family::Source { model: &dir, mmproj: args.load.mmproj.as_deref(), progress: None };
-            vl_models::family::open_staged(&source, &opts)
-        }
-    };
-    let result = family.and_then(|family| Engine::answer_once(family, &args.load.model, opts, &req, &mut on_text));
+    let result = Engine::answer_once(family, &args.load.model, opts, &req, &mut on_text);
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
@@ -521,19 +491,8 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         out.write(&c.first_logits)?;
     }
 
-    // The checkpoint's own video budget, to say when ours scaled a clip below it.
-    let model_videos = match (&checkpoint_images, video.0) {
-        (Some(_), opts) if !c.videos.is_empty() => Some(
-            vl_models::qwen3_vl::VideoProcessor::from_dir(&dir)?.with_options(&vl_models::video::VideoOptions {
-                min_pixels: None,
-                max_pixels: None,
-                ..opts
-            })?,
-        ),
-        _ => None,
-    };
     let videos: Vec<serde_json::Value> =
-        c.videos.iter().map(|v| video_report(v, model_videos.as_ref(), &args.load)).collect();
+        c.videos.iter().zip(&shot.checkpoint_videos).map(|(v, full)| video_report(v, *full, &args.load)).collect();
     let prefill_s = c.prefill_time.as_secs_f64();
     let decode_s = c.decode_time.as_secs_f64();
     // The first token comes from the prefill; the others from decode steps.
@@ -606,18 +565,15 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
 }
 
 /// What sampling and resizing made of one video, and whether the budget in force scaled it below
-/// what the checkpoint's own would give (said on stderr too, with the flag that lifts it).
+/// what the checkpoint's own (`full`) would give (said on stderr too, with the flag that lifts it).
 fn video_report(
     v: &vl_models::engine::VideoReport,
-    model: Option<&vl_models::qwen3_vl::VideoProcessor>,
+    full: Option<vl_models::family::Sizing>,
     load: &LoadArgs,
 ) -> serde_json::Value {
     let (h, w) = v.plan.resized;
-    let full =
-        model.and_then(|p| p.plan(v.info.frames, v.info.fps, v.info.height as usize, v.info.width as usize).ok());
-    let scaled = full.as_ref().is_some_and(|f| f.resized.0 * f.resized.1 > h * w);
-    if let (true, Some(f)) = (scaled, &full) {
-        let merge = model.map_or(2, |p| p.config.base.merge_size);
+    let scaled = full.is_some_and(|f| f.resized.0 * f.resized.1 > h * w);
+    if let (true, Some(f)) = (scaled, full) {
         let why = match load.video_max_pixels {
             Budget::At(n) => format!("--video-max-pixels {n}"),
             Budget::Model => "the budget".into(),
@@ -631,7 +587,7 @@ fn video_report(
             v.tokens,
             f.resized.1,
             f.resized.0,
-            f.num_tokens(merge)
+            f.tokens
         );
     }
     serde_json::json!({
@@ -658,17 +614,15 @@ fn video_report(
 fn image_size_report(
     path: &std::path::Path,
     data: &[u8],
-    model: &ImageProcessor,
-    ours: &ImageProcessor,
+    family: &dyn Family,
     load: &LoadArgs,
     limits: &ImageLimits,
 ) -> anyhow::Result<serde_json::Value> {
     let file = vl_models::image_file::ImageFile::from_bytes(data.to_vec(), path, limits)?;
     let (w0, h0) = (file.width as usize, file.height as usize);
-    let (h, w) = ours.target_size(h0, w0)?;
-    let (mh, mw) = model.target_size(h0, w0)?;
-    let unit = ours.config.factor() * ours.config.factor();
-    let tokens = h * w / unit;
+    let sizing = family.image_sizing(w0, h0)?;
+    let ((h, w), tokens) = (sizing.ours.resized, sizing.ours.tokens);
+    let (mh, mw) = sizing.checkpoint.resized;
     let scaled = h * w < mh * mw;
     if scaled {
         let why = match load.max_image_tokens {
@@ -678,7 +632,7 @@ fn image_size_report(
         note!(
             "note: image {}: {w0}x{h0} scaled to {w}x{h} ({tokens} visual tokens) by {why}; the checkpoint's budget would give {mw}x{mh} ({} tokens): --max-image-tokens model",
             path.display(),
-            mh * mw / unit
+            sizing.checkpoint.tokens
         );
     }
     Ok(serde_json::json!({

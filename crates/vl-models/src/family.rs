@@ -35,6 +35,22 @@ pub struct Prepared {
     pub videos: Vec<VideoReport>,
 }
 
+/// What an image or video becomes under a pixel budget: its resized (height, width) and its
+/// visual tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sizing {
+    pub resized: (usize, usize),
+    pub tokens: usize,
+}
+
+/// An image's sizing under the engine's budget, and under the checkpoint's own (to say when the
+/// first scaled it below the second).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImageSizing {
+    pub ours: Sizing,
+    pub checkpoint: Sizing,
+}
+
 /// A loaded model of one family, as the engine drives it. Every method takes `&self`: the
 /// engine's scheduler thread owns the caches and calls in turn.
 pub trait Family: Send + Sync {
@@ -78,6 +94,15 @@ pub trait Family: Send + Sync {
     fn decode(&self, tokens: &[u32], caches: &mut [&mut SeqCache]) -> Result<Tensor>;
     /// (group, storage, bytes) of the text decoder's weights, for reports.
     fn storage(&self) -> Vec<(String, String, usize)>;
+    /// How a `width` x `height` image is sized (the header's size; nothing is decoded).
+    fn image_sizing(&self, width: usize, height: usize) -> Result<ImageSizing>;
+    /// How a video that `video` reports would be sized under the checkpoint's own budget (None
+    /// when the family cannot say).
+    fn checkpoint_video_sizing(&self, video: &VideoReport) -> Option<Sizing>;
+    /// Tensors a load reads through `Source::progress` (progress bars; 0 when unknown).
+    fn tensors_to_load(&self) -> usize {
+        0
+    }
 }
 
 /// `FamilyEntry::quantize`: (checkpoint directory, recipe, output, progress) -> (text, mmproj).
@@ -162,7 +187,7 @@ pub fn lookup(arch: &Architecture, origin: &Path) -> Result<&'static FamilyEntry
         };
         Error::Input {
             what: origin.display().to_string(),
-            message: format!("unsupported model: {what}; supported: {}", supported.join(", ")),
+            message: format!("unsupported architecture: {what}; this build supports {}", supported.join(", ")),
         }
     })
 }

@@ -31,6 +31,9 @@ pub struct ImageLimits {
     pub max_pixels: u64,
 }
 
+/// Largest pixel budget (`max_pixels`, `min_pixels`) of a resized image or video: 2^25 pixels,
+/// 32768 tokens at Qwen3-VL's 32-pixel merge factor (twice its shipped `longest_edge` of 16777216).
+pub const MAX_PIXEL_BUDGET: usize = 1 << 25;
 /// Longest image side accepted (in pixels); above `max_pixels` for any image it could admit.
 pub const MAX_IMAGE_SIDE: u32 = 1 << 16;
 

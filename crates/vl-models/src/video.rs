@@ -11,6 +11,9 @@ use std::process::{Command, Stdio};
 use image::{AnimationDecoder, ImageFormat, RgbImage};
 
 use crate::error::{Error, Result};
+
+/// Frames sampled from one video at most (any config or flag); Qwen3-VL's shipped limit is 768.
+pub const MAX_VIDEO_FRAMES: usize = 4096;
 use crate::image_file::{to_rgb, ImageFile};
 use crate::limits::{self, LimitKind, MAX_IMAGE_SIDE};
 

@@ -463,7 +463,8 @@ impl Engine {
         let engine = Self::from_family(family, id, opts)?;
         let generate_started = Instant::now();
         let completion = engine.run(prepared, encoded, req, on_text, generate_started)?;
-        Ok(OneShot { completion, load_time, media_time, vision_time, storage, generate_started })
+        let checkpoint_videos = completion.videos.iter().map(|v| engine.family().checkpoint_video_sizing(v)).collect();
+        Ok(OneShot { completion, load_time, media_time, vision_time, storage, generate_started, checkpoint_videos })
     }
 }
 
@@ -558,4 +559,6 @@ pub struct OneShot {
     pub storage: Vec<(String, String, usize)>,
     /// When generation (prefill) began; `time_to_first_token` counts from here.
     pub generate_started: Instant,
+    /// Each video's sizing under the checkpoint's own budget (`Family::checkpoint_video_sizing`).
+    pub checkpoint_videos: Vec<Option<crate::family::Sizing>>,
 }

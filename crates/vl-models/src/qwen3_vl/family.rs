@@ -18,7 +18,7 @@ use super::{
 use crate::cache::ByteLru;
 use crate::engine::{EngineOptions, Part, Request, VideoData, VideoReport};
 use crate::error::{Error, Result};
-use crate::family::{Family, FamilyEntry, Identity, Prepared, Source};
+use crate::family::{Family, FamilyEntry, Identity, ImageSizing, Prepared, Sizing, Source};
 use crate::kv::SeqCache;
 use crate::media::{Media, MediaKind, VisionOutput};
 use crate::sampling::GenerationOptions;
@@ -127,6 +127,16 @@ pub struct Qwen3Vl {
     text_loader: Mutex<Option<TextLoader>>,
     /// Sampled, preprocessed videos by `clip_key` (None: disabled).
     clips: Option<Mutex<ByteLru<[u8; 32], CachedClip>>>,
+    /// The checkpoint's own pixel budgets (with the engine's sampling settings), for reports.
+    checkpoint: Checkpoint,
+    /// Tensors the load reads (0 for GGUF, which reports none).
+    tensors: usize,
+}
+
+/// The processors with the checkpoint's own pixel budgets.
+struct Checkpoint {
+    images: super::ImageProcessor,
+    videos: Option<VideoProcessor>,
 }
 
 impl Qwen3Vl {
@@ -139,7 +149,8 @@ impl Qwen3Vl {
         progress: Option<crate::checkpoint::LoadProgress>,
     ) -> Result<Self> {
         let ModelDir { config, weights, mut processor, generation, .. } = dir;
-        apply_image_options(&mut processor, opts)?;
+        let checkpoint = apply_image_options(&mut processor, opts)?;
+        let tensors = weights.entries().len();
         let (dtype, device) = (opts.dtype, opts.device.clone());
         let quant = opts.quant;
         let vision: VisionSlot = if staged {
@@ -164,7 +175,10 @@ impl Qwen3Vl {
             let vb = w.var_builder(dtype, &dev, progress);
             load_text(&cfg, &w, vb, quant)
         });
-        Self::assemble(config, processor, generation.eos_token_ids, opts, vision, text_loader, staged)
+        let mut m =
+            Self::assemble(config, processor, generation.eos_token_ids, opts, vision, text_loader, staged, checkpoint)?;
+        m.tensors = tensors;
+        Ok(m)
     }
 
     /// From GGUF files (a .gguf file, or a directory holding one) and the vision projector
@@ -174,7 +188,7 @@ impl Qwen3Vl {
         let (text, mm) = gguf::find_files(model, mmproj)?;
         let g = Arc::new(GgufModel::open(&text, mm.as_deref())?);
         let mut processor = g.processor()?;
-        apply_image_options(&mut processor, opts)?;
+        let checkpoint = apply_image_options(&mut processor, opts)?;
         let (dtype, device, quant) = (opts.dtype, opts.device.clone(), opts.quant);
         let eos = g.eos_token_ids();
         let config = g.config.clone();
@@ -188,9 +202,10 @@ impl Qwen3Vl {
         };
         let dev = device.clone();
         let text_loader: TextLoader = Box::new(move || g.load_text_quantized(dtype, &dev, quant));
-        Self::assemble(config, processor, eos, opts, vision, text_loader, staged)
+        Self::assemble(config, processor, eos, opts, vision, text_loader, staged, checkpoint)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn assemble(
         config: Qwen3VlConfig,
         processor: Processor,
@@ -199,6 +214,7 @@ impl Qwen3Vl {
         vision: VisionSlot,
         text: TextLoader,
         staged: bool,
+        checkpoint: Checkpoint,
     ) -> Result<Self> {
         let m = Self {
             config,
@@ -210,6 +226,8 @@ impl Qwen3Vl {
             text: OnceLock::new(),
             text_loader: Mutex::new(Some(text)),
             clips: (opts.clip_cache_bytes > 0).then(|| Mutex::new(ByteLru::new(opts.clip_cache_bytes))),
+            checkpoint,
+            tensors: 0,
         };
         if !staged {
             if matches!(*m.vision.lock().unwrap_or_else(|p| p.into_inner()), VisionSlot::Pending(_)) {
@@ -343,6 +361,25 @@ impl Family for Qwen3Vl {
     fn storage(&self) -> Vec<(String, String, usize)> {
         self.text.get().map(TextModel::storage).unwrap_or_default()
     }
+
+    fn image_sizing(&self, width: usize, height: usize) -> Result<ImageSizing> {
+        let of = |p: &super::ImageProcessor| -> Result<Sizing> {
+            let (h, w) = p.target_size(height, width)?;
+            let unit = p.config.factor() * p.config.factor();
+            Ok(Sizing { resized: (h, w), tokens: h * w / unit.max(1) })
+        };
+        Ok(ImageSizing { ours: of(&self.processor.images)?, checkpoint: of(&self.checkpoint.images)? })
+    }
+
+    fn checkpoint_video_sizing(&self, v: &VideoReport) -> Option<Sizing> {
+        let p = self.checkpoint.videos.as_ref()?;
+        let plan = p.plan(v.info.frames, v.info.fps, v.info.height as usize, v.info.width as usize).ok()?;
+        Some(Sizing { resized: plan.resized, tokens: plan.num_tokens(p.config.base.merge_size) })
+    }
+
+    fn tensors_to_load(&self) -> usize {
+        self.tensors
+    }
 }
 
 /// The text decoder, quantized as `quant` asks, reading weights in the checkpoint's dtype.
@@ -403,7 +440,13 @@ fn clip_key(source: &VideoData, proc: &VideoProcessor) -> Option<[u8; 32]> {
 }
 
 /// The engine's pixel budgets, video settings and input limits on the checkpoint's processors.
-fn apply_image_options(processor: &mut Processor, opts: &EngineOptions) -> Result<()> {
+/// Returns the checkpoint's processors with its own pixel budgets (and the engine's sampling).
+fn apply_image_options(processor: &mut Processor, opts: &EngineOptions) -> Result<Checkpoint> {
+    let checkpoint_videos = VideoOptions { min_pixels: None, max_pixels: None, ..opts.video };
+    let checkpoint = Checkpoint {
+        images: processor.images.clone(),
+        videos: processor.videos.clone().with_options(&checkpoint_videos).ok(),
+    };
     let (min, max) = image_budget(&processor.images.config, opts.min_pixels, opts.max_pixels, opts.max_image_tokens)?;
     processor.images = processor.images.clone().with_pixel_budget(min, max)?;
     processor.images.limits = opts.image_limits;
@@ -415,7 +458,7 @@ fn apply_image_options(processor: &mut Processor, opts: &EngineOptions) -> Resul
     processor.videos =
         processor.videos.clone().with_options(&video).map_err(|e| e.rename_input(|w| format!("video {w}")))?;
     processor.videos.limits = opts.video_limits;
-    Ok(())
+    Ok(checkpoint)
 }
 
 /// The video processor for one video: the engine's, narrowed by the request's options (fewer

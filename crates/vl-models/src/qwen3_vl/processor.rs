@@ -20,9 +20,7 @@ use crate::limits::{self, ImageLimits};
 
 /// Largest accepted aspect ratio (the reference raises above it).
 pub const MAX_ASPECT_RATIO: f64 = 200.0;
-/// Largest pixel budget (`max_pixels`, `min_pixels`) of a resized image: 2^25 pixels, 32768
-/// tokens at the 32-pixel merge factor (twice the shipped `longest_edge` of 16777216).
-pub const MAX_PIXEL_BUDGET: usize = 1 << 25;
+pub use crate::limits::MAX_PIXEL_BUDGET;
 const MAX_PATCH: usize = 64;
 const MAX_MERGE: usize = 8;
 const MAX_TEMPORAL_PATCH: usize = 16;

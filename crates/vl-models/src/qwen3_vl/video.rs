@@ -19,8 +19,7 @@ use crate::error::{Error, Result};
 use crate::limits::{self, MAX_METADATA_FILE_BYTES};
 use crate::video::{check_fps, VideoLimits, VideoSource};
 
-/// Frames sampled from one video at most (any config or flag); the shipped limit is 768.
-pub const MAX_VIDEO_FRAMES: usize = 4096;
+pub use crate::video::MAX_VIDEO_FRAMES;
 
 /// The video pad token's text.
 pub const VIDEO_PAD: &str = "<|video_pad|>";
