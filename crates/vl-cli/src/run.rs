@@ -199,6 +199,13 @@ pub struct RunArgs {
     /// Print one JSON object (text, token ids, counts, timings) instead of streaming.
     #[arg(long)]
     json: bool,
+    /// Constrain the answer to JSON valid against the JSON schema in FILE (structured output:
+    /// the answer always parses and validates).
+    #[arg(long, value_name = "FILE", conflicts_with = "json_object")]
+    json_schema: Option<PathBuf>,
+    /// Constrain the answer to a JSON object (any keys).
+    #[arg(long)]
+    json_object: bool,
     /// Write the f32 logits of the first generated position to this safetensors file (key "logits").
     #[arg(long)]
     logits_out: Option<PathBuf>,
@@ -242,6 +249,18 @@ pub(crate) fn quant_of(arg: QuantArg, path: &Path) -> Result<Option<QuantType>> 
         QuantArg::Off => None,
         QuantArg::None => vl_models::family::default_quant(path)?,
     })
+}
+
+/// The JSON schema in `path` (within `MAX_SCHEMA_BYTES`).
+fn read_schema(path: &Path) -> Result<serde_json::Value> {
+    let max = vl_models::constraint::MAX_SCHEMA_BYTES as u64;
+    let text = vl_models::limits::read_text(path, max).map_err(|e| anyhow::anyhow!("--json-schema {e}"))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("--json-schema {}: not JSON: {e}", path.display()))?;
+    if !v.is_object() && !v.is_boolean() {
+        bail!("--json-schema {}: a JSON schema is an object", path.display());
+    }
+    Ok(v)
 }
 
 /// Peak resident set size of this process, where the OS reports it.
@@ -320,6 +339,11 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         ..Default::default()
     };
     options.validate().map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;
+    let constraint = match (&args.json_schema, args.json_object) {
+        (Some(path), _) => Some(vl_models::engine::Constraint::JsonSchema(read_schema(path)?)),
+        (None, true) => Some(vl_models::engine::Constraint::JsonObject),
+        (None, false) => None,
+    };
     let video = args.load.video_options()?;
     let dev = device(args.load.device)?;
     let dtype = dtype(args.load.dtype, &dev);
@@ -426,7 +450,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         messages.push(ChatMessage::text("system", s));
     }
     messages.push(ChatMessage::new("user", parts));
-    let req = Request { messages, options, ..Default::default() };
+    let req = Request { messages, options, constraint, ..Default::default() };
 
     let mut stdout = std::io::stdout().lock();
     let mut write_err: Option<std::io::Error> = None;
@@ -467,6 +491,10 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
                 anyhow::anyhow!("{message}; {}", hints.join(", "))
             }
         }
+        vl_models::Error::Input { what, message } if what == "response_format" => match &args.json_schema {
+            Some(p) => anyhow::anyhow!("--json-schema {}: {message}", p.display()),
+            None => anyhow::anyhow!("--json-object: {message}"),
+        },
         e @ (vl_models::Error::Input { .. } | vl_models::Error::Limit { .. }) => anyhow::Error::new(e),
         other => anyhow::Error::new(other).context(format!("model {}", dir.display())),
     })?;

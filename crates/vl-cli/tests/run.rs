@@ -353,3 +353,50 @@ fn image_budget_flags_are_checked() {
     assert_error(&with(&["--max-image-tokens", "4", "--max-pixels", "5000"]), &["--max-pixels", "--max-image-tokens"]);
     assert_error(&with(&["--min-pixels", "9000", "--max-pixels", "5000"]), &["--min-pixels", "9000"]);
 }
+
+#[test]
+fn json_schema_and_json_object_constrain_the_answer() {
+    let ck = checkpoint("tiny-a");
+    let img = image("square.png");
+    let dir = tempfile::tempdir().unwrap();
+    let schema = serde_json::json!({"type": "object",
+        "properties": {"label": {"enum": ["cat", "dog"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                       "why": {"type": "string", "maxLength": 16}},
+        "required": ["label", "n", "why"], "additionalProperties": false});
+    let path = dir.path().join("schema.json");
+    std::fs::write(&path, schema.to_string()).unwrap();
+    let p = path.to_str().unwrap();
+    for seed in ["1", "2", "3"] {
+        let (code, out, err) = vl(&[
+            "run",
+            "--model",
+            &ck,
+            "--image",
+            &img,
+            "--json-schema",
+            p,
+            "--temperature",
+            "1",
+            "--seed",
+            seed,
+            "--max-new-tokens",
+            "400",
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        let doc: serde_json::Value = serde_json::from_str(v["text"].as_str().unwrap()).unwrap();
+        assert!(["cat", "dog"].contains(&doc["label"].as_str().unwrap()), "{doc}");
+        assert!(doc["n"].as_u64().unwrap() <= 9 && doc["why"].as_str().unwrap().chars().count() <= 16, "{doc}");
+        assert_eq!(doc.as_object().unwrap().len(), 3, "{doc}");
+        assert_eq!(v["stop_reason"], "eos", "{v}");
+    }
+    // A schema the library cannot compile, and one that is not JSON: one line naming the file.
+    std::fs::write(&path, r##"{"properties": {"a": {"$ref": "#/nope"}}}"##).unwrap();
+    assert_error(&["run", "--model", &ck, "--json-schema", p], &["--json-schema", p, "/nope"]);
+    std::fs::write(&path, "{not json").unwrap();
+    assert_error(&["run", "--model", &ck, "--json-schema", p], &["--json-schema", p, "not JSON"]);
+    let (code, _, err) = vl(&["run", "--model", &ck, "--json-schema", p, "--json-object"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--json-object"), "{err}");
+}

@@ -193,7 +193,17 @@ fn every_bad_request_gets_its_status_and_an_openai_error() {
     let (st, b) = post(&s, c, &ok(json!({"tools": f})));
     assert_error(st, &b, 400, "no `tools` variable");
     let (st, b) = post(&s, c, &ok(json!({"tools": f, "tool_choice": "required"})));
-    assert_error(st, &b, 400, "tool_choice");
+    assert_error(st, &b, 400, "no `tools` variable");
+    let (st, b) = post(&s, c, &ok(json!({"tool_choice": "required"})));
+    assert_error(st, &b, 400, "needs `tools`");
+    let (st, b) = post(&s, c, &ok(json!({"tools": f, "tool_choice": {"type": "function", "function": {"name": "g"}}})));
+    assert_error(st, &b, 400, "\"g\", which `tools` does not list");
+    let (st, b) = post(&s, c, &ok(json!({"response_format": {"type": "yaml"}})));
+    assert_error(st, &b, 400, "response_format");
+    let (st, b) = post(&s, c, &ok(json!({"logit_bias": {"99999999": 5}})));
+    assert_error(st, &b, 400, "logit_bias");
+    let (st, b) = post(&s, c, &ok(json!({"logit_bias": {"5": 101}})));
+    assert_error(st, &b, 400, "logit_bias.5");
     let bad_call = json!({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"type": "function"}]},
                                        {"role": "user", "content": "hi"}]});
     let (st, b) = post(&s, c, &bad_call.to_string());

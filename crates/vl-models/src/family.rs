@@ -59,6 +59,8 @@ pub trait Family: Send + Sync {
     /// The model's context in tokens.
     fn context(&self) -> usize;
     fn eos_token_ids(&self) -> &[u32];
+    /// Rows of the logits a step returns (at least the tokenizer's vocabulary).
+    fn vocab_size(&self) -> usize;
     fn tokenizer(&self) -> &Tokenizer;
     /// KV cache bytes one position of one sequence takes.
     fn kv_bytes_per_position(&self) -> usize;

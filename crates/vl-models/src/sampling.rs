@@ -27,6 +27,9 @@ pub struct GenerationOptions {
     pub seed: u64,
     /// Generation stops after emitting one of these.
     pub eos_token_ids: Vec<u32>,
+    /// OpenAI's `logit_bias`: (token, bias in [-100, 100]) added to the token's logit before
+    /// sampling; -100 bans the token.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for GenerationOptions {
@@ -42,6 +45,7 @@ impl Default for GenerationOptions {
             frequency_penalty: 0.0,
             seed: 0,
             eos_token_ids: vec![],
+            logit_bias: vec![],
         }
     }
 }
@@ -73,7 +77,34 @@ impl GenerationOptions {
                 return bad(name, format!("{v} must be in [-2, 2] (0 = off)"));
             }
         }
+        for &(t, b) in &self.logit_bias {
+            if !(b.is_finite() && (-100.0..=100.0).contains(&b)) {
+                return bad("logit_bias", format!("token {t}: {b} must be in [-100, 100]"));
+            }
+        }
         Ok(())
+    }
+}
+
+/// Adds each (token, bias) to the token's logit; a bias of -100 bans the token (OpenAI: "-100
+/// should result in a ban"). Tokens past the logits are ignored (checked against the
+/// vocabulary by the caller).
+pub fn apply_logit_bias(logits: &mut [f32], bias: &[(u32, f32)]) {
+    for &(t, b) in bias {
+        if let Some(x) = logits.get_mut(t as usize) {
+            *x = if b <= -100.0 { f32::NEG_INFINITY } else { *x + b };
+        }
+    }
+}
+
+/// Leaves only the tokens set in `allowed` (a bit set: token t is bit t % 32 of word t / 32);
+/// the others get -inf.
+pub fn apply_mask(logits: &mut [f32], allowed: &[u32]) {
+    for (i, x) in logits.iter_mut().enumerate() {
+        let on = allowed.get(i / 32).is_some_and(|w| w >> (i % 32) & 1 == 1);
+        if !on {
+            *x = f32::NEG_INFINITY;
+        }
     }
 }
 
@@ -128,8 +159,12 @@ pub fn sample(logits: &[f32], seen: &[u32], opts: &GenerationOptions, rng: &mut 
     }
     let t = opts.temperature as f32;
     l.iter_mut().for_each(|x| *x /= t);
-    // Candidates sorted by logit, descending (ties by id, for determinism).
-    let mut idx: Vec<usize> = (0..l.len()).collect();
+    // Candidates sorted by logit, descending (ties by id, for determinism); banned or masked
+    // tokens (-inf) are no candidates.
+    let mut idx: Vec<usize> = (0..l.len()).filter(|&i| l[i] > f32::NEG_INFINITY).collect();
+    if idx.is_empty() {
+        return argmax(&l);
+    }
     idx.sort_unstable_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
     if opts.top_k > 0 {
         idx.truncate(opts.top_k.max(1));
@@ -196,9 +231,25 @@ impl TokenPicker {
     }
 
     /// Picks the token after `logits` (f32 [vocab]); an error on NaN or infinite logits.
-    pub fn pick(&mut self, mut logits: Vec<f32>) -> Result<u32> {
+    pub fn pick(&mut self, logits: Vec<f32>) -> Result<u32> {
+        self.pick_among(logits, None)
+    }
+
+    /// `pick`, among the tokens set in `allowed` only (a bit set, see `apply_mask`): an error
+    /// when none of them is allowed after `logit_bias`.
+    pub fn pick_among(&mut self, mut logits: Vec<f32>, allowed: Option<&[u32]>) -> Result<u32> {
         check_logits(&logits, self.generated.len())?;
         apply_presence_frequency(&mut logits, &self.generated, &self.opts);
+        apply_logit_bias(&mut logits, &self.opts.logit_bias);
+        if let Some(a) = allowed {
+            apply_mask(&mut logits, a);
+        }
+        if logits.iter().all(|&x| x == f32::NEG_INFINITY) {
+            return Err(Error::Input {
+                what: "logit_bias".into(),
+                message: "every token the answer may continue with is banned".into(),
+            });
+        }
         let next = sample(&logits, &self.seen, &self.opts, &mut self.rng);
         self.generated.push(next);
         self.seen.push(next);
@@ -227,6 +278,31 @@ mod tests {
 
     fn opts() -> GenerationOptions {
         GenerationOptions { temperature: 1.0, ..Default::default() }
+    }
+
+    #[test]
+    fn a_mask_and_a_ban_leave_only_the_allowed_tokens() {
+        // Tokens 1 and 33 allowed (bit 1 of word 0, bit 1 of word 1); the best logit is token 0.
+        let mut logits = vec![0.0f32; 40];
+        logits[0] = 9.0;
+        logits[33] = 1.0;
+        let mask = [1u32 << 1, 1u32 << 1];
+        for temperature in [0.0, 1.0] {
+            let o = GenerationOptions { temperature, ..opts() };
+            for seed in 0..20 {
+                let mut p = TokenPicker::new(GenerationOptions { seed, ..o.clone() }, &[]);
+                let t = p.pick_among(logits.clone(), Some(&mask)).unwrap();
+                assert!(t == 1 || t == 33, "{t}");
+            }
+        }
+        // -100 bans; +100 on another makes it the choice.
+        let o = GenerationOptions { logit_bias: vec![(0, -100.0), (5, 100.0)], ..opts() };
+        assert_eq!(TokenPicker::new(o, &[]).pick(logits.clone()).unwrap(), 5);
+        // Everything banned: an error, not a pick.
+        let o = GenerationOptions { logit_bias: vec![(1, -100.0), (33, -100.0)], ..opts() };
+        assert!(TokenPicker::new(o, &[]).pick_among(logits, Some(&mask)).is_err());
+        let bad = GenerationOptions { logit_bias: vec![(1, 101.0)], ..opts() };
+        assert!(bad.validate().is_err());
     }
 
     #[test]

@@ -409,3 +409,48 @@ fn interleaved_conversations_each_keep_their_prefix() {
     let st = e.stats();
     assert!(st.cached_prefixes >= 3, "{st:?}");
 }
+
+#[test]
+fn logit_bias_bans_tokens_and_a_constraint_holds_in_a_batch() {
+    let g = "tiny-a";
+    let e = engine_with(g, cold(4));
+    let (_, ids, _) = greedy(g, "one_image");
+    // Every token of the reference's greedy answer banned: none of them comes out.
+    let mut req = one_image_request(ids.len());
+    let mut banned: Vec<u32> = ids.clone();
+    banned.sort_unstable();
+    banned.dedup();
+    req.options.logit_bias = banned.iter().map(|&t| (t, -100.0)).collect();
+    let c = e.generate(&req, &mut |_| true).unwrap();
+    assert_eq!(c.token_ids.len(), ids.len());
+    assert!(c.token_ids.iter().all(|t| !banned.contains(t)), "{:?} vs banned {banned:?}", c.token_ids);
+    // A bias of +100 on one token makes it the answer.
+    let mut req = one_image_request(4);
+    req.options.logit_bias = vec![(ids[0] + 7, 100.0)];
+    let c = e.generate(&req, &mut |_| true).unwrap();
+    assert_eq!(c.token_ids, vec![ids[0] + 7; 4]);
+
+    // A constrained request decoding beside unconstrained ones: it validates, and theirs equal
+    // the reference.
+    let schema = serde_json::json!({"type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"], "additionalProperties": false});
+    let (want, ids, _) = greedy(g, "one_image");
+    std::thread::scope(|s| {
+        let plain: Vec<_> =
+            (0..2).map(|_| s.spawn(|| e.generate(&one_image_request(ids.len()), &mut |_| true).unwrap())).collect();
+        let mut req = one_image_request(200);
+        req.options.temperature = 1.0;
+        req.options.seed = 11;
+        req.constraint = Some(vl_models::engine::Constraint::JsonSchema(schema.clone()));
+        let c = e.generate(&req, &mut |_| true).unwrap();
+        assert_eq!(c.finish, Finish::Stop, "{:?}", c.text);
+        let v: serde_json::Value = serde_json::from_str(&c.text).unwrap();
+        let n = v["n"].as_u64().unwrap();
+        assert!(n <= 99 && v["ok"].is_boolean() && v.as_object().unwrap().len() == 2, "{v}");
+        for h in plain {
+            let p = h.join().unwrap();
+            assert_eq!((p.text.as_str(), &p.token_ids), (want.as_str(), &ids));
+        }
+    });
+}

@@ -1,8 +1,7 @@
 //! OpenAI's chat completions request, typed. Every top-level field is declared: a field this
 //! server implements is used, one it accepts but cannot honour in a way that changes the answer
 //! (`user`, `metadata`, `store`, `parallel_tool_calls`, `service_tier`) is read and ignored (listed
-//! in docs/serving.md), one it does not implement (`response_format`, `logit_bias`, `logprobs`,
-//! `n` > 1, ...) is refused by `check_supported`, and an unknown field is refused by serde with
+//! in docs/serving.md), one it does not implement (`logprobs`, `n` > 1, ...) is refused by `check_supported`, and an unknown field is refused by serde with
 //! its name.
 
 use serde::Deserialize;
@@ -31,11 +30,13 @@ pub struct ChatCompletionRequest {
     pub n: Option<u64>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    /// Checked in `request::response_format`.
+    pub response_format: Option<Value>,
+    /// Checked in `request::logit_bias`.
+    pub logit_bias: Option<Value>,
     // Not implemented: refused by `check_supported` when they ask for anything.
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<u64>,
-    pub response_format: Option<Value>,
-    pub logit_bias: Option<Value>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
     pub modalities: Option<Value>,
@@ -126,18 +127,6 @@ impl ChatCompletionRequest {
         }
         if self.logprobs == Some(true) || self.top_logprobs.is_some_and(|n| n > 0) {
             return Some("`logprobs` / `top_logprobs` are not supported by this server yet".into());
-        }
-        if let Some(f) = self.response_format.as_ref().filter(|f| !f.is_null()) {
-            if f.get("type").and_then(Value::as_str) != Some("text") {
-                return Some(format!(
-                    "`response_format` {f}: structured output (JSON mode, JSON schema) is not supported by this server yet"
-                ));
-            }
-        }
-        if let Some(b) = self.logit_bias.as_ref().filter(|b| !b.is_null()) {
-            if b.as_object().is_none_or(|o| !o.is_empty()) {
-                return Some("`logit_bias` is not supported by this server yet".into());
-            }
         }
         for (name, v) in [
             ("modalities", &self.modalities),

@@ -4,7 +4,8 @@
 
 use axum::http::StatusCode;
 use serde_json::Value;
-use vl_models::engine::{ChatMessage, Part, Request, ToolCall};
+use vl_models::constraint::MAX_SCHEMA_BYTES;
+use vl_models::engine::{ChatMessage, Constraint, Part, Request, ToolCall};
 
 use crate::error::ApiError;
 use crate::media::part;
@@ -16,6 +17,8 @@ const MAX_TOOLS: usize = 128;
 /// Most stop strings (OpenAI allows 4; vLLM and llama-server more) and their length in bytes.
 const MAX_STOPS: usize = 16;
 const MAX_STOP_BYTES: usize = 256;
+/// Most `logit_bias` entries (OpenAI's limit is 300).
+const MAX_LOGIT_BIAS: usize = 300;
 
 /// A parsed request and how its answer is sent.
 pub(crate) struct Parsed {
@@ -71,17 +74,23 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
             )));
         }
     }
+    let mut constraint = response_format(v.response_format.as_ref())?;
     match &v.tool_choice {
         None | Some(Value::Null) => {}
         Some(Value::String(c)) if c == "auto" => {}
         // The model is not told about the functions.
         Some(Value::String(c)) if c == "none" => tools.clear(),
         Some(c) => {
-            return Err(ApiError::bad(format!(
-                "`tool_choice` = {c}: only \"auto\" and \"none\" are supported (no constrained decoding yet)"
-            )))
+            let calls = tool_choice(c, &tools)?;
+            if constraint.is_some() {
+                return Err(ApiError::bad(
+                    "`tool_choice` that requires a call cannot be combined with a JSON `response_format`",
+                ));
+            }
+            constraint = Some(calls);
         }
     }
+    let logit_bias = logit_bias(v.logit_bias.as_ref(), app.engine.family().vocab_size())?;
     let stream = v.stream.unwrap_or(false);
     let include_usage = v.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
 
@@ -124,6 +133,7 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
     if let Some(s) = v.seed {
         o.seed = s as u64;
     }
+    o.logit_bias = logit_bias;
     o.validate().map_err(|e| ApiError::bad(e.to_string()))?;
     let stop = v.stop.map(|s| s.into_vec()).unwrap_or_default();
     if stop.len() > MAX_STOPS || stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
@@ -172,7 +182,118 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
         msg.tool_calls = tool_calls;
         messages.push(msg);
     }
-    Ok(Parsed { req: Request { messages, options: o, stop, tools }, stream, include_usage })
+    Ok(Parsed { req: Request { messages, options: o, stop, tools, constraint }, stream, include_usage })
+}
+
+/// `response_format`: `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema",
+/// "json_schema": {"name", "schema", "strict", "description"}}`.
+fn response_format(f: Option<&Value>) -> Result<Option<Constraint>, ApiError> {
+    let Some(f) = f.filter(|f| !f.is_null()) else { return Ok(None) };
+    let bad = |m: String| Err(ApiError::bad(format!("`response_format`{m}")));
+    let Some(o) = f.as_object() else { return bad(" must be an object with a `type`".into()) };
+    if let Some(k) = o.keys().find(|k| !["type", "json_schema"].contains(&k.as_str())) {
+        return bad(format!(": unknown field `{k}`"));
+    }
+    match o.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Constraint::JsonObject)),
+        Some("json_schema") => {
+            let Some(js) = o.get("json_schema").and_then(Value::as_object) else {
+                return bad(".json_schema must be an object with `name` and `schema`".into());
+            };
+            if let Some(k) = js.keys().find(|k| !["name", "schema", "strict", "description"].contains(&k.as_str())) {
+                return bad(format!(".json_schema: unknown field `{k}`"));
+            }
+            if js.get("name").and_then(Value::as_str).is_none() {
+                return bad(".json_schema.name must be a string".into());
+            }
+            if js.get("strict").is_some_and(|s| !s.is_boolean() && !s.is_null()) {
+                return bad(".json_schema.strict must be a boolean".into());
+            }
+            // No schema: any JSON value.
+            let schema = js.get("schema").cloned().unwrap_or(Value::Object(Default::default()));
+            if !schema.is_object() && !schema.is_boolean() {
+                return bad(".json_schema.schema must be a JSON schema (an object)".into());
+            }
+            let size = schema.to_string().len();
+            if size > MAX_SCHEMA_BYTES {
+                return bad(format!(".json_schema.schema is {size} bytes, over the limit of {MAX_SCHEMA_BYTES}"));
+            }
+            Ok(Some(Constraint::JsonSchema(schema)))
+        }
+        Some(t) => bad(format!(".type {t:?} is not one of \"text\", \"json_object\", \"json_schema\"")),
+        None => bad(".type must be a string".into()),
+    }
+}
+
+/// A `tool_choice` that requires a call: `"required"` (one or more calls of the listed
+/// functions) or `{"type": "function", "function": {"name"}}` (one call of that function).
+fn tool_choice(c: &Value, tools: &[Value]) -> Result<Constraint, ApiError> {
+    let function = |t: &Value| -> Result<(String, Value), ApiError> {
+        let f = &t["function"];
+        let name = f["name"].as_str().unwrap_or_default().to_string();
+        let params = match f.get("parameters") {
+            // No parameters: a function of none (OpenAI: "omitting parameters defines a
+            // function with an empty parameter list").
+            None | Some(Value::Null) => {
+                serde_json::json!({"type": "object", "properties": {}, "additionalProperties": false})
+            }
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(_) => {
+                return Err(ApiError::bad(format!("`tools`: function {name:?}'s `parameters` must be a JSON schema")))
+            }
+        };
+        let size = params.to_string().len();
+        if size > MAX_SCHEMA_BYTES {
+            return Err(ApiError::bad(format!(
+                "`tools`: function {name:?}'s `parameters` is {size} bytes, over the limit of {MAX_SCHEMA_BYTES}"
+            )));
+        }
+        Ok((name, params))
+    };
+    if tools.is_empty() {
+        return Err(ApiError::bad(format!("`tool_choice` = {c} needs `tools`")));
+    }
+    match c {
+        Value::String(s) if s == "required" => {
+            Ok(Constraint::ToolCalls { functions: tools.iter().map(function).collect::<Result<_, _>>()?, one: false })
+        }
+        Value::Object(o) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            let Some(name) = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str) else {
+                return Err(ApiError::bad("`tool_choice.function.name` must be a string"));
+            };
+            let Some(t) = tools.iter().find(|t| t["function"]["name"].as_str() == Some(name)) else {
+                return Err(ApiError::bad(format!("`tool_choice` names the function {name:?}, which `tools` does not list")));
+            };
+            Ok(Constraint::ToolCalls { functions: vec![function(t)?], one: true })
+        }
+        _ => Err(ApiError::bad(format!(
+            "`tool_choice` = {c}: must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
+        ))),
+    }
+}
+
+/// `logit_bias`: token ids (as strings) to a bias in [-100, 100].
+fn logit_bias(b: Option<&Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(b) = b.filter(|b| !b.is_null()) else { return Ok(vec![]) };
+    let Some(o) = b.as_object() else {
+        return Err(ApiError::bad("`logit_bias` must be an object of token ids to numbers"));
+    };
+    if o.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::bad(format!("`logit_bias`: {} entries, at most {MAX_LOGIT_BIAS}", o.len())));
+    }
+    o.iter()
+        .map(|(k, v)| {
+            let t = k.parse::<u32>().ok().filter(|&t| (t as usize) < vocab).ok_or_else(|| {
+                ApiError::bad(format!("`logit_bias`: {k:?} is not a token id below the vocabulary's {vocab}"))
+            })?;
+            let x = v
+                .as_f64()
+                .filter(|x| (-100.0..=100.0).contains(x))
+                .ok_or_else(|| ApiError::bad(format!("`logit_bias.{k}` = {v} must be a number in [-100, 100]")))?;
+            Ok((t, x as f32))
+        })
+        .collect()
 }
 
 /// An assistant message's call (arguments as JSON text, or an object).

@@ -29,6 +29,8 @@ use candle_core::{DType, Device};
 use vl_nn::QuantType;
 
 use crate::cache::ByteLru;
+pub use crate::constraint::Constraint;
+use crate::constraint::{Compiler, Guide};
 use crate::error::{Error, Result};
 use crate::family::{Family, Prepared, Source};
 use crate::limits::{ImageLimits, LimitKind};
@@ -206,6 +208,9 @@ pub struct Request {
     /// With tools, an answer's `<tool_call>` blocks become `Completion::tool_calls` and are not
     /// streamed as text.
     pub tools: Vec<serde_json::Value>,
+    /// What the answer must be (a JSON schema, any JSON object, tool calls): the sampler picks
+    /// only tokens that keep it valid (`crate::constraint`).
+    pub constraint: Option<Constraint>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -297,6 +302,8 @@ pub(crate) struct Shared {
     /// One request runs the vision tower at a time.
     vision: Mutex<()>,
     pub stats: Mutex<EngineStats>,
+    /// Compiles constraints; built at the first constrained request (about a second).
+    compiler: CompilerCell,
 }
 
 pub struct Engine {
@@ -347,7 +354,8 @@ impl Engine {
         }
         let features = Mutex::new(ByteLru::new(opts.image_cache_bytes));
         let stats = Mutex::new(EngineStats { kv_budget_bytes: opts.kv_cache_bytes, ..Default::default() });
-        let shared = Arc::new(Shared { family, opts, features, vision: Mutex::new(()), stats });
+        let compiler = std::sync::OnceLock::new();
+        let shared = Arc::new(Shared { family, opts, features, vision: Mutex::new(()), stats, compiler });
         let (tx, rx) = mpsc::channel();
         let s = shared.clone();
         let worker = std::thread::Builder::new()
@@ -391,11 +399,17 @@ impl Engine {
     /// their requests decode together.
     pub fn generate(&self, req: &Request, on_text: &mut dyn FnMut(&str) -> bool) -> Result<Completion> {
         let t0 = Instant::now();
+        // The constraint compiles first: a bad schema costs no media decoding.
+        let guide = self.guide(req)?;
         let prepared = self.shared.family.prepare(req)?;
         check_fits(&*self.shared.family, self.shared.opts.kv_cache_bytes, &prepared)?;
         let s = &self.shared;
         let encoded = encode(&*s.family, &prepared, &s.features, &s.vision)?;
-        self.run(prepared, encoded, req, on_text, t0)
+        self.run(prepared, encoded, guide, req, on_text, t0)
+    }
+
+    fn guide(&self, req: &Request) -> Result<Option<Guide>> {
+        guide(&*self.shared.family, &self.shared.compiler, req)
     }
 
     /// Hands a prepared request to the scheduler and relays its stream.
@@ -403,6 +417,7 @@ impl Engine {
         &self,
         prepared: Prepared,
         encoded: Encoded,
+        guide: Option<Guide>,
         req: &Request,
         on_text: &mut dyn FnMut(&str) -> bool,
         t0: Instant,
@@ -412,6 +427,7 @@ impl Engine {
         let job = Job {
             prepared,
             encoded,
+            guide,
             stop: req.stop.clone(),
             tools: !req.tools.is_empty(),
             events,
@@ -444,6 +460,8 @@ impl Engine {
         req: &Request,
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<OneShot> {
+        // The constraint compiles first (a bad schema costs nothing else).
+        let guide = guide(&*family, &CompilerCell::new(), req)?;
         let t0 = Instant::now();
         let prepared = family.prepare(req)?;
         let media_time = t0.elapsed();
@@ -462,10 +480,31 @@ impl Engine {
         let opts = EngineOptions { prefix_cache: false, image_cache_bytes: 0, parallel: 1, ..opts };
         let engine = Self::from_family(family, id, opts)?;
         let generate_started = Instant::now();
-        let completion = engine.run(prepared, encoded, req, on_text, generate_started)?;
+        let completion = engine.run(prepared, encoded, guide, req, on_text, generate_started)?;
         let checkpoint_videos = completion.videos.iter().map(|v| engine.family().checkpoint_video_sizing(v)).collect();
         Ok(OneShot { completion, load_time, media_time, vision_time, storage, generate_started, checkpoint_videos })
     }
+}
+
+type CompilerCell = std::sync::OnceLock<std::result::Result<Arc<Compiler>, String>>;
+
+/// `req`'s constraint compiled for `family` (the error names the field: `tool_choice` for tool
+/// calls, `response_format` otherwise), with the compiler in `cell` (built once).
+fn guide(family: &dyn Family, cell: &CompilerCell, req: &Request) -> Result<Option<Guide>> {
+    let Some(c) = &req.constraint else { return Ok(None) };
+    let compiler = cell
+        .get_or_init(|| {
+            Compiler::new(family.tokenizer(), family.vocab_size(), family.eos_token_ids())
+                .map(Arc::new)
+                .map_err(|e| e.to_string())
+        })
+        .clone()
+        .map_err(|message| Error::Input { what: "constrained decoding".into(), message })?;
+    let what = match c {
+        Constraint::ToolCalls { .. } => "tool_choice",
+        _ => "response_format",
+    };
+    Ok(Some(compiler.matcher(c, what)?))
 }
 
 /// Refuses a prompt whose KV cache alone exceeds `budget` bytes (it could never run).

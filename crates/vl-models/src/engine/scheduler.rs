@@ -19,6 +19,7 @@ use vl_nn::kv_cache::{blocks_for, BLOCK};
 use super::prefix::PrefixStore;
 use super::stop::StopFilter;
 use super::{lock, Completion, Encoded, EngineStats, Finish, Shared};
+use crate::constraint::Guide;
 use crate::error::Result;
 use crate::family::{Family, Identity, Prepared};
 use crate::kv::SeqCache;
@@ -41,6 +42,8 @@ pub(crate) enum Event {
 pub(crate) struct Job {
     pub prepared: Prepared,
     pub encoded: Encoded,
+    /// The answer's constraint, compiled.
+    pub guide: Option<Guide>,
     pub stop: Vec<String>,
     pub tools: bool,
     pub events: mpsc::Sender<Event>,
@@ -122,7 +125,15 @@ impl<'f> Seq<'f> {
     /// finish when the answer ends here.
     fn accept(&mut self, logits: Vec<f32>) -> Result<Option<Finish>> {
         let step = self.picker.generated().len();
-        let next = self.picker.pick(logits)?;
+        let next = match &mut self.job.guide {
+            Some(g) => {
+                let mask = g.mask()?;
+                let next = self.picker.pick_among(logits, Some(mask.as_slice()))?;
+                g.consume(next)?;
+                next
+            }
+            None => self.picker.pick(logits)?,
+        };
         self.ttft.get_or_insert_with(|| self.job.t0.elapsed());
         self.decode_started.get_or_insert_with(Instant::now);
         if self.picker.is_eos(next) {
@@ -139,6 +150,10 @@ impl<'f> Seq<'f> {
             if stopped {
                 return Ok(Some(Finish::Stop));
             }
+        }
+        // The grammar can go no further: the answer is complete.
+        if self.job.guide.as_ref().is_some_and(Guide::is_done) {
+            return Ok(Some(Finish::Stop));
         }
         if step + 1 >= self.budget {
             let full = self.budget < self.picker.options().max_new_tokens;

@@ -295,6 +295,10 @@ impl Family for Qwen3Vl {
         &self.eos
     }
 
+    fn vocab_size(&self) -> usize {
+        self.config.text.vocab_size
+    }
+
     fn tokenizer(&self) -> &tokenizers::Tokenizer {
         &self.processor.tokenizer
     }

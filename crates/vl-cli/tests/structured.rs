@@ -1,0 +1,289 @@
+//! Structured output through a real OpenAI client (async-openai): `response_format` (JSON schema,
+//! JSON object), `tool_choice` that requires a call, and `logit_bias`. The checkpoints' weights
+//! are random, so unconstrained text is noise: every answer that validates does so because of
+//! the constraint. Answers are checked with an independent JSON-schema validator (jsonschema).
+
+mod common;
+
+use async_openai::config::OpenAIConfig;
+use async_openai::error::OpenAIError;
+use async_openai::types::chat::CreateChatCompletionRequest;
+use async_openai::Client;
+use common::{goldens, start};
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+
+fn client(base: &str) -> Client<OpenAIConfig> {
+    Client::with_config(OpenAIConfig::new().with_api_base(format!("{base}/v1")).with_api_key("unused"))
+}
+
+fn request(v: Value) -> CreateChatCompletionRequest {
+    serde_json::from_value(v).expect("the client's request type")
+}
+
+/// The answer's message, finish reason, and (streamed) the concatenated content and tool calls.
+struct Answer {
+    content: String,
+    finish: String,
+    /// (name, arguments JSON text)
+    calls: Vec<(String, String)>,
+}
+
+async fn ask(c: &Client<OpenAIConfig>, body: &Value) -> Answer {
+    let r = c.chat().create(request(body.clone())).await.expect("a completion");
+    let v = serde_json::to_value(&r).unwrap();
+    let choice = &v["choices"][0];
+    let calls = choice["message"]["tool_calls"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|t| {
+                    let f = &t["function"];
+                    (f["name"].as_str().unwrap().to_string(), f["arguments"].as_str().unwrap().to_string())
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Answer {
+        content: choice["message"]["content"].as_str().unwrap_or_default().to_string(),
+        finish: choice["finish_reason"].as_str().unwrap().to_string(),
+        calls,
+    }
+}
+
+async fn ask_streamed(c: &Client<OpenAIConfig>, body: &Value) -> Answer {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let mut s = c.chat().create_stream(request(body)).await.expect("a stream");
+    let (mut content, mut finish) = (String::new(), String::new());
+    let mut calls: Vec<(String, String)> = vec![];
+    while let Some(chunk) = s.next().await {
+        let v = serde_json::to_value(chunk.expect("a chunk")).unwrap();
+        for ch in v["choices"].as_array().unwrap() {
+            if let Some(t) = ch["delta"]["content"].as_str() {
+                content.push_str(t);
+            }
+            for t in ch["delta"]["tool_calls"].as_array().into_iter().flatten() {
+                let i = t["index"].as_u64().unwrap() as usize;
+                if calls.len() <= i {
+                    calls.resize(i + 1, Default::default());
+                }
+                if let Some(n) = t["function"]["name"].as_str() {
+                    calls[i].0.push_str(n);
+                }
+                if let Some(a) = t["function"]["arguments"].as_str() {
+                    calls[i].1.push_str(a);
+                }
+            }
+            if let Some(f) = ch["finish_reason"].as_str() {
+                finish = f.to_string();
+            }
+        }
+    }
+    Answer { content, finish, calls }
+}
+
+fn assert_valid(schema: &Value, text: &str, what: &str) -> Value {
+    let doc: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{what}: not JSON ({e}): {text:?}"));
+    let v = jsonschema::validator_for(schema).expect("a valid schema");
+    let errors: Vec<String> = v.iter_errors(&doc).map(|e| e.to_string()).collect();
+    assert!(errors.is_empty(), "{what}: {text:?} does not validate: {errors:?}");
+    doc
+}
+
+/// Leading and inter-token whitespace stays bounded (one space, or a newline and <= 20 blanks).
+fn assert_whitespace_bounded(text: &str) {
+    let mut run = 0;
+    let mut newlines = 0;
+    for ch in text.chars() {
+        if ch.is_whitespace() {
+            run += 1;
+            newlines += (ch == '\n') as usize;
+            assert!(run <= 21 && newlines <= 1, "unbounded whitespace in {text:?}");
+        } else {
+            run = 0;
+            newlines = 0;
+        }
+    }
+}
+
+#[test]
+fn json_schema_answers_validate_streamed_or_not() {
+    let g = "tiny-a";
+    let server = start(g, &[]);
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "label": {"enum": ["cat", "dog", "bird"]},
+            "count": {"type": "integer", "minimum": 0, "maximum": 20},
+            "name": {"type": "string", "minLength": 1, "maxLength": 12},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3},
+            "box": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 1000},
+                               "ok": {"type": "boolean"}},
+                "required": ["x", "ok"],
+                "additionalProperties": false
+            }
+        },
+        "required": ["label", "count", "name", "tags", "box"],
+        "additionalProperties": false
+    });
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let c = client(&server.base);
+        let mut answers = std::collections::HashSet::new();
+        for seed in 1..=6 {
+            let body = json!({
+                "model": g,
+                "messages": [{"role": "user", "content": "Describe the animal as JSON."}],
+                "temperature": 1.0,
+                "seed": seed,
+                "max_completion_tokens": 1500,
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "animal", "schema": schema, "strict": true}},
+            });
+            let a = ask(&c, &body).await;
+            assert_eq!(a.finish, "stop", "seed {seed}: {:?}", a.content);
+            assert_valid(&schema, &a.content, &format!("seed {seed}"));
+            assert_whitespace_bounded(&a.content);
+            let s = ask_streamed(&c, &body).await;
+            assert_eq!((s.content.as_str(), s.finish.as_str()), (a.content.as_str(), "stop"), "seed {seed}");
+            answers.insert(a.content);
+        }
+        assert!(answers.len() >= 5, "seeds give different answers: {answers:?}");
+
+        // Any JSON object. Random weights never close a string by themselves, so `logit_bias`
+        // favours the tokens `":` and `"}`: the mask still admits each only where it keeps the
+        // document valid.
+        let tok: Value = serde_json::from_str(
+            &std::fs::read_to_string(goldens().join(g).join("checkpoint/tokenizer.json")).unwrap(),
+        )
+        .unwrap();
+        let id = |w: &str| tok["model"]["vocab"][w].as_u64().unwrap().to_string();
+        for seed in 1..=4 {
+            let body = json!({
+                "model": g,
+                "messages": [{"role": "user", "content": "JSON please."}],
+                "temperature": 1.0,
+                "seed": seed,
+                "max_completion_tokens": 1500,
+                "logit_bias": {id("\":"): 30, id("\"}"): 30},
+                "response_format": {"type": "json_object"},
+            });
+            let a = ask(&c, &body).await;
+            assert_eq!(a.finish, "stop", "seed {seed}: {:?}", a.content);
+            assert!(serde_json::from_str::<Value>(&a.content).unwrap().is_object(), "{:?}", a.content);
+            assert_whitespace_bounded(&a.content);
+        }
+
+        // A schema the library cannot compile: 400 naming the failing part.
+        let body = json!({
+            "model": g,
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "bad",
+                "schema": {"type": "object", "properties": {"a": {"$ref": "#/definitions/nope"}}}}},
+        });
+        match c.chat().create(request(body)).await.unwrap_err() {
+            OpenAIError::ApiError(e) => {
+                assert_eq!(e.status_code.as_u16(), 400);
+                let m = &e.api_error.message;
+                assert!(m.contains("response_format") && m.contains("/definitions/nope"), "{m}");
+            }
+            other => panic!("expected an API error, got {other}"),
+        }
+    });
+}
+
+#[test]
+fn required_and_named_tool_calls_validate_against_their_function() {
+    let g = "tiny-b";
+    let server = start(g, &[]);
+    let weather = json!({
+        "type": "object",
+        "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 10},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                       "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "days"],
+        "additionalProperties": false
+    });
+    let time = json!({
+        "type": "object",
+        "properties": {"zone": {"type": "string", "maxLength": 8}},
+        "required": ["zone"],
+        "additionalProperties": false
+    });
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather.", "parameters": weather}},
+        {"type": "function", "function": {"name": "get_time", "description": "Time.", "parameters": time}},
+        {"type": "function", "function": {"name": "ping", "description": "No arguments."}},
+    ]);
+    let schema_of = |name: &str| match name {
+        "get_weather" => weather.clone(),
+        "get_time" => time.clone(),
+        "ping" => json!({"type": "object", "additionalProperties": false}),
+        other => panic!("called an unknown function {other:?}"),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let c = client(&server.base);
+        for (choice, only) in [
+            (json!("required"), None),
+            (json!({"type": "function", "function": {"name": "get_weather"}}), Some("get_weather")),
+        ] {
+            for seed in 1..=4 {
+                let body = json!({
+                    "model": g,
+                    "messages": [{"role": "user", "content": "What is the weather in Bern?"}],
+                    "temperature": 1.0,
+                    "seed": seed,
+                    "max_completion_tokens": 600,
+                    "tools": tools,
+                    "tool_choice": choice,
+                });
+                let a = ask(&c, &body).await;
+                assert_eq!(a.finish, "tool_calls", "{choice} seed {seed}: {:?} {:?}", a.content, a.calls);
+                assert!(!a.calls.is_empty());
+                if only.is_some() {
+                    assert_eq!(a.calls.len(), 1, "{:?}", a.calls);
+                }
+                for (name, args) in &a.calls {
+                    if let Some(o) = only {
+                        assert_eq!(name, o);
+                    }
+                    assert_valid(&schema_of(name), args, &format!("{choice} seed {seed} {name}"));
+                }
+                let s = ask_streamed(&c, &body).await;
+                assert_eq!(s.finish, "tool_calls");
+                assert_eq!(s.calls, a.calls, "{choice} seed {seed}: streamed and not agree");
+            }
+        }
+    });
+}
+
+#[test]
+fn logit_bias_promotes_and_bans_tokens() {
+    let g = "tiny-a";
+    let server = start(g, &[]);
+    // Token ids from the checkpoint's own vocabulary (read here, not by the server).
+    let tok: Value =
+        serde_json::from_str(&std::fs::read_to_string(goldens().join(g).join("checkpoint/tokenizer.json")).unwrap())
+            .unwrap();
+    let id = |w: &str| tok["model"]["vocab"][w].as_u64().unwrap_or_else(|| panic!("{w} in the vocabulary"));
+    let (cat, dog) = (id("cat"), id("dog"));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let c = client(&server.base);
+        let body = |bias: Value| {
+            json!({"model": g, "messages": [{"role": "user", "content": "Say something."}],
+                   "max_completion_tokens": 5, "logit_bias": bias})
+        };
+        let a = ask(&c, &body(json!({cat.to_string(): 100}))).await;
+        assert_eq!(a.content, "catcatcatcatcat");
+        // Banned, the favourite gives way to the next one.
+        let a = ask(&c, &body(json!({cat.to_string(): -100, dog.to_string(): 60}))).await;
+        assert_eq!(a.content, "dogdogdogdogdog");
+        let a = ask(&c, &body(json!({cat.to_string(): 100, dog.to_string(): 100}))).await;
+        assert!(a.content.chars().all(|ch| "catdog".contains(ch)), "{:?}", a.content);
+    });
+}
