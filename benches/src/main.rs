@@ -10,6 +10,8 @@
 //! # many clients at once on `vl serve` (or, with --base, on any OpenAI-compatible server)
 //! target/release/vl-bench --model FILE.gguf --concurrency 1,2,4,8 [--modes none] [--tokens 64]
 //! target/release/vl-bench --concurrency 1,2,4,8 --base http://127.0.0.1:8081 --name llama-server --pid PID
+//! # the cost of constrained decoding (response_format) on `vl serve`
+//! target/release/vl-bench --model target/bench-2b --constrained [--modes q4k] [--tokens 64] [--repeat 3]
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -19,6 +21,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 mod concurrency;
+mod constrained;
 mod serve;
 
 /// Square side of the benchmark image after resizing: 448x448 = 196 image tokens.
@@ -33,6 +36,7 @@ struct Args {
     modes: Vec<String>,
     repeat: usize,
     serve: bool,
+    constrained: bool,
     /// Client counts for the concurrency bench.
     concurrency: Vec<usize>,
     /// A running server to drive instead of starting `vl serve` (with its label and pid).
@@ -51,6 +55,7 @@ fn parse() -> Result<Args> {
         modes: ["f32", "q8", "q6k", "q4k"].map(String::from).to_vec(),
         repeat: 1,
         serve: false,
+        constrained: false,
         concurrency: vec![],
         base: None,
         name: "vl serve".into(),
@@ -67,6 +72,7 @@ fn parse() -> Result<Args> {
             "--modes" => a.modes = value()?.split(',').map(String::from).collect(),
             "--repeat" => a.repeat = value()?.parse().context("--repeat")?,
             "--serve" => a.serve = true,
+            "--constrained" => a.constrained = true,
             "--concurrency" => {
                 a.concurrency =
                     value()?.split(',').map(|n| n.parse().context("--concurrency")).collect::<Result<_>>()?
@@ -78,7 +84,7 @@ fn parse() -> Result<Args> {
             "--prompt-words" => a.words = value()?.parse().context("--prompt-words")?,
             "--help" | "-h" => {
                 println!(
-                    "vl-bench [--model DIR|FILE.gguf] [--image FILE] [--modes f32,q8,q6k,q4k] [--repeat N] [--serve]\n\
+                    "vl-bench [--model DIR|FILE.gguf] [--image FILE] [--modes f32,q8,q6k,q4k] [--repeat N] [--serve] [--constrained]\n\
                      \x20        [--concurrency 1,2,4,8 [--tokens N] [--prompt-words N] [--base URL --name NAME --pid PID]]"
                 );
                 std::process::exit(0);
@@ -173,6 +179,14 @@ fn main() -> Result<()> {
             let s = serve::start(&vl, &a.model, quantize_flag(mode)?, media, &[])?;
             let name = format!("vl serve {mode}");
             concurrency::bench(&name, &s.base, "", Some(s.child.id()), &a.concurrency, a.tokens, a.words)?;
+        }
+        return Ok(());
+    }
+    if a.constrained {
+        for mode in &a.modes {
+            let media = a.image.parent().context("image directory")?;
+            let s = serve::start(&vl, &a.model, quantize_flag(mode)?, media, &[])?;
+            constrained::bench(&format!("vl serve {mode}"), &s.base, a.tokens, a.repeat)?;
         }
         return Ok(());
     }

@@ -538,3 +538,37 @@ fn broken_gguf_files_fail_in_run_and_inspect_alike() {
     let ck = checkpoint("tiny-a");
     fails(&["run", "--model", ck.to_str().unwrap(), "--mmproj", m], &["--mmproj goes with a GGUF"]);
 }
+
+/// Chat templates are programs a checkpoint ships. Generated hostile ones (loops that never end
+/// in practice, at several nestings and only on long conversations, endless recursion, output
+/// bombs) end in a bounded time with one line naming the template, in run and inspect alike
+/// (the server side: serve.rs).
+#[test]
+fn hostile_chat_templates_are_bounded_in_time_output_and_recursion() {
+    let img = image("square.png");
+    let dir = scratch("tiny-a");
+    let file = dir.path().join("chat_template.jinja");
+    let d = dir.path().to_str().unwrap().to_string();
+    let mut cases: Vec<(String, &str)> = vec![];
+    for depth in 2..=4 {
+        let open: String = (0..depth).map(|i| format!("{{% for i{i} in range(100000) %}}")).collect();
+        let close = "{% endfor %}".repeat(depth);
+        cases.push((format!("{open}x{close}"), "instructions"));
+    }
+    cases.push(("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}".into(), "recursion"));
+    for width in [1000, 4000] {
+        cases.push((
+            format!("{{% for a in range(100000) %}}{{% for b in range(100) %}}{{{{ 'x' * {width} }}}}{{% endfor %}}{{% endfor %}}"),
+            "bytes",
+        ));
+    }
+    for (src, needle) in &cases {
+        std::fs::write(&file, src).unwrap();
+        let t = std::time::Instant::now();
+        let run =
+            fails(&["run", "--model", &d, "--image", &img, "--max-new-tokens", "2"], &["chat_template.jinja", needle]);
+        let inspect = fails(&["inspect", "--model", &d], &["chat_template.jinja", needle]);
+        assert_eq!(run.stderr, inspect.stderr);
+        assert!(t.elapsed().as_secs() < 30, "{src}: {:?}", t.elapsed());
+    }
+}

@@ -668,3 +668,46 @@ fn a_prompt_over_the_kv_budget_gets_503_and_the_server_keeps_serving() {
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
 }
+
+/// A chat template whose loop only long conversations trigger (so inspect's test render passes):
+/// that request gets a 400 naming the template within the instruction budget, and the server
+/// keeps serving others.
+#[test]
+fn a_hostile_template_costs_one_request_not_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    // Links to the golden's files, but the template: it is written new (never through a link).
+    for entry in std::fs::read_dir(goldens().join("tiny-a/checkpoint")).unwrap() {
+        let p = entry.unwrap().path();
+        if p.file_name().unwrap() != "chat_template.jinja" {
+            let to = dir.path().join(p.file_name().unwrap());
+            std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), to).unwrap();
+        }
+    }
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "{% if messages|length > 3 %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}\
+         {% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}\
+         {% for c in m.content %}{% if c.type == 'text' %}{{ c.text }}{% elif c.type == 'image' %}\
+         <|vision_start|><|image_pad|><|vision_end|>{% elif c.type == 'video' %}<|vision_start|><|video_pad|><|vision_end|>\
+         {% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}\
+         {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    )
+    .unwrap();
+    let s = common::start_dir(dir.path(), &[]);
+    let c = "/v1/chat/completions";
+    let short = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
+    let long = json!({"messages": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}, {"role": "user", "content": "e"}],
+        "max_tokens": 2})
+    .to_string();
+    let (st, v) = post(&s, c, &short);
+    assert_eq!(st, 200, "{v}");
+    let t = Instant::now();
+    let (st, b) = post(&s, c, &long);
+    assert_error(st, &b, 400, "chat_template.jinja");
+    assert!(b["error"]["message"].as_str().unwrap().contains("instructions"), "{b}");
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    let (st, v) = post(&s, c, &short);
+    assert_eq!(st, 200, "the server keeps serving: {v}");
+}

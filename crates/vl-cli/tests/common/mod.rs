@@ -26,7 +26,15 @@ impl Drop for Server {
 }
 
 pub fn start(g: &str, extra: &[&str]) -> Server {
-    let ck = goldens().join(g).join("checkpoint");
+    serve_model(&goldens().join(g).join("checkpoint"), g, extra)
+}
+
+/// `vl serve` on the checkpoint directory `dir` (served as "local").
+pub fn start_dir(dir: &Path, extra: &[&str]) -> Server {
+    serve_model(dir, "local", extra)
+}
+
+fn serve_model(ck: &Path, g: &str, extra: &[&str]) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_vl"))
         .args(["serve", "--model", ck.to_str().unwrap(), "--served-model-name", g, "--port", "0"])
         .args(extra)
