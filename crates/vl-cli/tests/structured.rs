@@ -287,3 +287,79 @@ fn logit_bias_promotes_and_bans_tokens() {
         assert!(a.content.chars().all(|ch| "catdog".contains(ch)), "{:?}", a.content);
     });
 }
+
+/// Each content token's logprob entry, from a non-streamed answer or the streamed chunks.
+fn logprob_entries(v: &Value) -> Vec<Value> {
+    v["logprobs"]["content"].as_array().cloned().unwrap_or_default()
+}
+
+#[test]
+fn logprobs_streamed_or_not_in_openai_shape() {
+    let g = "tiny-a";
+    let server = start(g, &[]);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let c = client(&server.base);
+        let body = json!({"model": g, "messages": [{"role": "user", "content": "Tell me about the sea."}],
+                          "max_completion_tokens": 12, "logprobs": true, "top_logprobs": 5});
+        let r = c.chat().create(request(body.clone())).await.expect("a completion");
+        let v = serde_json::to_value(&r).unwrap();
+        let entries = logprob_entries(&v["choices"][0]);
+        assert_eq!(entries.len(), 12, "{v}");
+        let mut text = String::new();
+        for e in &entries {
+            let top = e["top_logprobs"].as_array().unwrap();
+            assert_eq!(top.len(), 5);
+            // Greedy: the chosen token is the most likely one.
+            assert_eq!(e["token"], top[0]["token"], "{e}");
+            assert!((e["logprob"].as_f64().unwrap() - top[0]["logprob"].as_f64().unwrap()).abs() < 1e-6);
+            let lps: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+            assert!(lps.windows(2).all(|w| w[0] >= w[1]) && lps[0] <= 0.0, "{lps:?}");
+            // Probabilities of distinct tokens sum to at most 1.
+            assert!(lps.iter().map(|l| l.exp()).sum::<f64>() <= 1.0 + 1e-5);
+            let bytes: Vec<u8> = e["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect();
+            assert_eq!(bytes, e["token"].as_str().unwrap().as_bytes());
+            text.push_str(e["token"].as_str().unwrap());
+        }
+        assert_eq!(text, r.choices[0].message.content.clone().unwrap());
+
+        // Streamed: the chunks' entries are the same tokens with the same logprobs.
+        let mut body_s = body.clone();
+        body_s["stream"] = json!(true);
+        let mut s = c.chat().create_stream(request(body_s)).await.expect("a stream");
+        let mut streamed = vec![];
+        while let Some(chunk) = s.next().await {
+            let v = serde_json::to_value(chunk.expect("a chunk")).unwrap();
+            for ch in v["choices"].as_array().unwrap() {
+                streamed.extend(logprob_entries(ch));
+            }
+        }
+        assert_eq!(streamed.len(), entries.len());
+        for (a, b) in streamed.iter().zip(&entries) {
+            assert_eq!(a["token"], b["token"]);
+            assert!((a["logprob"].as_f64().unwrap() - b["logprob"].as_f64().unwrap()).abs() < 1e-4);
+        }
+
+        // Off unless asked; out-of-range asks are refused.
+        let r = c
+            .chat()
+            .create(request(json!({"model": g, "messages": [{"role": "user", "content": "x"}],
+                                                "max_completion_tokens": 2})))
+            .await
+            .unwrap();
+        assert!(serde_json::to_value(&r).unwrap()["choices"][0]["logprobs"].is_null());
+        for bad in [json!({"logprobs": true, "top_logprobs": 21}), json!({"top_logprobs": 3})] {
+            let mut b = json!({"model": g, "messages": [{"role": "user", "content": "x"}]});
+            for (k, x) in bad.as_object().unwrap() {
+                b[k] = x.clone();
+            }
+            match c.chat().create(request(b)).await.unwrap_err() {
+                OpenAIError::ApiError(e) => {
+                    assert_eq!(e.status_code.as_u16(), 400);
+                    assert!(e.api_error.message.contains("top_logprobs"), "{}", e.api_error.message);
+                }
+                other => panic!("expected an API error, got {other}"),
+            }
+        }
+    });
+}

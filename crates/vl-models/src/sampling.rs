@@ -30,6 +30,40 @@ pub struct GenerationOptions {
     /// OpenAI's `logit_bias`: (token, bias in [-100, 100]) added to the token's logit before
     /// sampling; -100 bans the token.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Report each picked token's log-probability and this many most likely alternatives
+    /// (OpenAI's `logprobs` / `top_logprobs`, at most `MAX_TOP_LOGPROBS`); None: off.
+    pub logprobs: Option<usize>,
+}
+
+/// Most alternatives `logprobs` reports per token (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// One picked token's log-probability and the most likely alternatives, under the distribution
+/// the sampler saw before temperature and truncation: the model's logits after the presence and
+/// frequency penalties, `logit_bias`, a constraint's mask and the repetition penalty.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// (token, logprob), most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// `TokenLogprob` of `token` under `logits`, with the `top` most likely.
+pub fn logprob_of(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
+    let norm = max + sum.ln() as f32;
+    let lp = |t: usize| logits[t] - norm;
+    let mut idx: Vec<usize> = (0..logits.len()).collect();
+    let k = top.min(idx.len());
+    let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+    if k > 0 && k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, by_logit);
+    }
+    idx.truncate(k);
+    idx.sort_unstable_by(by_logit);
+    TokenLogprob { token, logprob: lp(token as usize), top: idx.into_iter().map(|t| (t as u32, lp(t))).collect() }
 }
 
 impl Default for GenerationOptions {
@@ -46,6 +80,7 @@ impl Default for GenerationOptions {
             seed: 0,
             eos_token_ids: vec![],
             logit_bias: vec![],
+            logprobs: None,
         }
     }
 }
@@ -76,6 +111,9 @@ impl GenerationOptions {
             if !(v.is_finite() && (-2.0..=2.0).contains(&v)) {
                 return bad(name, format!("{v} must be in [-2, 2] (0 = off)"));
             }
+        }
+        if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return bad("top_logprobs", format!("{n} is above {MAX_TOP_LOGPROBS}"));
         }
         for &(t, b) in &self.logit_bias {
             if !(b.is_finite() && (-100.0..=100.0).contains(&b)) {
@@ -143,8 +181,14 @@ pub fn check_logits(logits: &[f32], step: usize) -> Result<()> {
 /// Picks the next token from f32 `logits` given the tokens seen so far.
 pub fn sample(logits: &[f32], seen: &[u32], opts: &GenerationOptions, rng: &mut StdRng) -> u32 {
     let mut l: Vec<f32> = logits.to_vec();
-    if opts.repetition_penalty != 1.0 {
-        let p = opts.repetition_penalty as f32;
+    apply_repetition_penalty(&mut l, seen, opts.repetition_penalty);
+    sample_processed(l, opts, rng)
+}
+
+/// transformers' repetition penalty over the tokens `seen` (once per distinct token).
+pub fn apply_repetition_penalty(l: &mut [f32], seen: &[u32], penalty: f64) {
+    if penalty != 1.0 {
+        let p = penalty as f32;
         let mut done = std::collections::HashSet::new();
         for &t in seen {
             if done.insert(t) {
@@ -154,6 +198,10 @@ pub fn sample(logits: &[f32], seen: &[u32], opts: &GenerationOptions, rng: &mut 
             }
         }
     }
+}
+
+/// `sample` after the repetition penalty: temperature, top-k, top-p, min-p, the draw.
+fn sample_processed(mut l: Vec<f32>, opts: &GenerationOptions, rng: &mut StdRng) -> u32 {
     if opts.temperature <= 0.0 {
         return argmax(&l);
     }
@@ -219,6 +267,8 @@ fn argmax(l: &[f32]) -> u32 {
 /// one place a token is picked, for the engine's scheduler and a model's own generate loop alike.
 pub struct TokenPicker {
     opts: GenerationOptions,
+    /// The last pick's log-probabilities (with `logprobs` on).
+    last: Option<TokenLogprob>,
     rng: StdRng,
     seen: Vec<u32>,
     generated: Vec<u32>,
@@ -227,7 +277,7 @@ pub struct TokenPicker {
 impl TokenPicker {
     pub fn new(opts: GenerationOptions, prompt: &[u32]) -> Self {
         let rng = StdRng::seed_from_u64(opts.seed);
-        Self { opts, rng, seen: prompt.to_vec(), generated: Vec::new() }
+        Self { opts, rng, seen: prompt.to_vec(), generated: Vec::new(), last: None }
     }
 
     /// Picks the token after `logits` (f32 [vocab]); an error on NaN or infinite logits.
@@ -250,10 +300,25 @@ impl TokenPicker {
                 message: "every token the answer may continue with is banned".into(),
             });
         }
-        let next = sample(&logits, &self.seen, &self.opts, &mut self.rng);
+        apply_repetition_penalty(&mut logits, &self.seen, self.opts.repetition_penalty);
+        let next = match self.opts.logprobs {
+            Some(top) => {
+                let lp = logprob_of(&logits, 0, top);
+                let next = sample_processed(logits.clone(), &self.opts, &mut self.rng);
+                let logprob = logprob_of(&logits, next, 0).logprob;
+                self.last = Some(TokenLogprob { token: next, logprob, top: lp.top });
+                next
+            }
+            None => sample_processed(logits, &self.opts, &mut self.rng),
+        };
         self.generated.push(next);
         self.seen.push(next);
         Ok(next)
+    }
+
+    /// The last picked token's log-probabilities, when `logprobs` is on.
+    pub fn take_logprob(&mut self) -> Option<TokenLogprob> {
+        self.last.take()
     }
 
     /// Whether `token` ends the answer (an eos id).

@@ -1,7 +1,7 @@
 //! OpenAI's chat completions request, typed. Every top-level field is declared: a field this
 //! server implements is used, one it accepts but cannot honour in a way that changes the answer
 //! (`user`, `metadata`, `store`, `parallel_tool_calls`, `service_tier`) is read and ignored (listed
-//! in docs/serving.md), one it does not implement (`logprobs`, `n` > 1, ...) is refused by `check_supported`, and an unknown field is refused by serde with
+//! in docs/serving.md), one it does not implement (`n` > 1, ...) is refused by `check_supported`, and an unknown field is refused by serde with
 //! its name.
 
 use serde::Deserialize;
@@ -34,9 +34,10 @@ pub struct ChatCompletionRequest {
     pub response_format: Option<Value>,
     /// Checked in `request::logit_bias`.
     pub logit_bias: Option<Value>,
-    // Not implemented: refused by `check_supported` when they ask for anything.
+    /// Checked in `request::parse`.
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<u64>,
+    // Not implemented: refused by `check_supported` when they ask for anything.
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
     pub modalities: Option<Value>,
@@ -124,9 +125,6 @@ impl ChatCompletionRequest {
         }
         if present(&self.functions) || present(&self.function_call) {
             return Some("`functions` / `function_call` (deprecated) are not supported: use `tools`".into());
-        }
-        if self.logprobs == Some(true) || self.top_logprobs.is_some_and(|n| n > 0) {
-            return Some("`logprobs` / `top_logprobs` are not supported by this server yet".into());
         }
         for (name, v) in [
             ("modalities", &self.modalities),

@@ -134,6 +134,15 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
         o.seed = s as u64;
     }
     o.logit_bias = logit_bias;
+    let most = vl_models::sampling::MAX_TOP_LOGPROBS as u64;
+    match (v.logprobs, v.top_logprobs) {
+        (_, Some(n)) if n > most => {
+            return Err(ApiError::bad(format!("`top_logprobs` = {n} must be in 0..={most}")));
+        }
+        (Some(true), n) => o.logprobs = Some(n.unwrap_or(0) as usize),
+        (_, Some(n)) if n > 0 => return Err(ApiError::bad("`top_logprobs` needs `logprobs: true`")),
+        _ => {}
+    }
     o.validate().map_err(|e| ApiError::bad(e.to_string()))?;
     let stop = v.stop.map(|s| s.into_vec()).unwrap_or_default();
     if stop.len() > MAX_STOPS || stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {

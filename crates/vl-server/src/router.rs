@@ -32,7 +32,8 @@ struct Job {
 /// One `Done` per request, after its texts: its size is no concern.
 #[allow(clippy::large_enum_variant)]
 enum Msg {
-    Text(String),
+    /// A piece of the answer and its tokens' log-probabilities (JSON, null when not asked).
+    Text(String, Value),
     Done(std::result::Result<Completion, ApiError>),
 }
 
@@ -153,12 +154,14 @@ fn work(app: &App, rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
         app.metrics.running.inc();
         let mut first = true;
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            app.engine.generate(&job.req, &mut |piece| {
+            let want = job.req.options.logprobs.is_some();
+            app.engine.generate_pieces(&job.req, &mut |piece, lp| {
                 if first {
                     first = false;
                     app.metrics.ttft.observe(job.queued.elapsed().as_secs_f64());
                 }
-                job.tx.send(Msg::Text(piece.to_string())).is_ok()
+                let lp = if want { logprobs_json(app, lp) } else { Value::Null };
+                job.tx.send(Msg::Text(piece.to_string(), lp)).is_ok()
             })
         }));
         app.metrics.running.dec();
@@ -291,6 +294,7 @@ async fn read_body(app: &App, req: axum::extract::Request) -> std::result::Resul
 async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, ApiError> {
     let started = Instant::now();
     let parsed = parse(app, typed(&body)?)?;
+    let want_logprobs = parsed.req.options.logprobs.is_some();
     let (tx, mut rx) = mpsc::unbounded_channel::<Msg>();
     let job = Job { req: parsed.req, tx, queued: Instant::now() };
     app.metrics.queue_depth.inc();
@@ -334,7 +338,7 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
         let mut msg = first;
         loop {
             match msg {
-                Msg::Text(t) => text.push_str(&t),
+                Msg::Text(t, _) => text.push_str(&t),
                 Msg::Done(done) => {
                     let c = done?;
                     log_answer(&c, started);
@@ -347,7 +351,7 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
                             "index": 0,
                             "message": message(&id, &c),
                             "finish_reason": c.finish.openai(),
-                            "logprobs": Value::Null,
+                            "logprobs": if want_logprobs { logprobs_json(app, &c.logprobs) } else { Value::Null },
                         }],
                         "usage": usage(&c),
                     }))
@@ -370,9 +374,9 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
     let model = app.config.id.clone();
     let (usage_id, usage_model) = (id.clone(), model.clone());
     let include_usage = parsed.include_usage;
-    let chunk = move |delta: Value, finish: Value| {
+    let chunk = move |delta: Value, finish: Value, logprobs: Value| {
         json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": Value::Null}]})
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
         .to_string()
     };
     // A task turns the worker's messages into SSE lines; when the client goes away the stream
@@ -381,7 +385,7 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
     let (lines, out) = mpsc::channel::<String>(64);
     tokio::spawn(async move {
         let mut msg = Some(first);
-        if lines.send(chunk(json!({"role": "assistant", "content": ""}), Value::Null)).await.is_err() {
+        if lines.send(chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null)).await.is_err() {
             return;
         }
         loop {
@@ -393,8 +397,8 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
                 },
             };
             match m {
-                Msg::Text(t) => {
-                    if lines.send(chunk(json!({"content": t}), Value::Null)).await.is_err() {
+                Msg::Text(t, lp) => {
+                    if lines.send(chunk(json!({"content": t}), Value::Null, lp)).await.is_err() {
                         return;
                     }
                 }
@@ -402,9 +406,9 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
                     log_answer(&c, started);
                     if !c.tool_calls.is_empty() {
                         let calls = tool_calls_json(&usage_id, &c.tool_calls, true);
-                        let _ = lines.send(chunk(json!({"tool_calls": calls}), Value::Null)).await;
+                        let _ = lines.send(chunk(json!({"tool_calls": calls}), Value::Null, Value::Null)).await;
                     }
-                    let _ = lines.send(chunk(json!({}), json!(c.finish.openai()))).await;
+                    let _ = lines.send(chunk(json!({}), json!(c.finish.openai()), Value::Null)).await;
                     if include_usage {
                         let v = json!({"id": usage_id, "object": "chat.completion.chunk", "created": created,
                                        "model": usage_model, "choices": [], "usage": usage(&c)});
@@ -437,6 +441,27 @@ fn message(id: &str, c: &Completion) -> Value {
     }
     let content = if c.text.trim().is_empty() { Value::Null } else { json!(c.text) };
     json!({"role": "assistant", "content": content, "tool_calls": tool_calls_json(id, &c.tool_calls, false)})
+}
+
+/// OpenAI's `logprobs` object: `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`;
+/// a token's text is its own decoding (a piece of a multi-byte character decodes to U+FFFD; its
+/// `bytes` are those of that text).
+fn logprobs_json(app: &App, lps: &[vl_models::engine::TokenLogprob]) -> Value {
+    let tok = app.engine.family().tokenizer();
+    let text = |t: u32| tok.decode(&[t], false).unwrap_or_default();
+    let entry = |t: u32, lp: f32| {
+        let s = text(t);
+        json!({"token": s, "logprob": lp, "bytes": s.as_bytes()})
+    };
+    let content: Vec<Value> = lps
+        .iter()
+        .map(|l| {
+            let mut e = entry(l.token, l.logprob);
+            e["top_logprobs"] = l.top.iter().map(|&(t, lp)| entry(t, lp)).collect();
+            e
+        })
+        .collect();
+    json!({"content": content})
 }
 
 fn usage(c: &Completion) -> Value {
@@ -493,6 +518,7 @@ mod tests {
             decode_time: Duration::ZERO,
             time_to_first_token: Duration::ZERO,
             first_logits: vec![],
+            logprobs: vec![],
             kv_cache_bytes: 0,
         }
     }

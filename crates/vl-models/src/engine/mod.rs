@@ -36,6 +36,7 @@ use crate::family::{Family, Prepared, Source};
 use crate::limits::{ImageLimits, LimitKind};
 use crate::media::VisionOutput;
 use crate::sampling::GenerationOptions;
+pub use crate::sampling::TokenLogprob;
 pub use crate::tools::ToolCall;
 use crate::video::VideoLimits;
 use scheduler::{Command, Event, Job};
@@ -264,6 +265,9 @@ pub struct Completion {
     pub time_to_first_token: Duration,
     /// f32 logits that chose the first generated token.
     pub first_logits: Vec<f32>,
+    /// Each answer token's log-probabilities, when `GenerationOptions::logprobs` asked (an
+    /// end-of-sequence token that ended the answer is not among them).
+    pub logprobs: Vec<TokenLogprob>,
     /// KV cache bytes the sequence held at its end.
     pub kv_cache_bytes: usize,
 }
@@ -398,6 +402,16 @@ impl Engine {
     /// decoded (returning `false` cancels this request). Safe to call from many threads at once:
     /// their requests decode together.
     pub fn generate(&self, req: &Request, on_text: &mut dyn FnMut(&str) -> bool) -> Result<Completion> {
+        self.generate_pieces(req, &mut |piece, _| on_text(piece))
+    }
+
+    /// `generate`, each piece with the log-probabilities of its tokens (empty unless the
+    /// request's options ask for `logprobs`).
+    pub fn generate_pieces(
+        &self,
+        req: &Request,
+        on_text: &mut dyn FnMut(&str, &[TokenLogprob]) -> bool,
+    ) -> Result<Completion> {
         let t0 = Instant::now();
         // The constraint compiles first: a bad schema costs no media decoding.
         let guide = self.guide(req)?;
@@ -419,7 +433,7 @@ impl Engine {
         encoded: Encoded,
         guide: Option<Guide>,
         req: &Request,
-        on_text: &mut dyn FnMut(&str) -> bool,
+        on_text: &mut dyn FnMut(&str, &[TokenLogprob]) -> bool,
         t0: Instant,
     ) -> Result<Completion> {
         let (events, rx) = mpsc::channel();
@@ -437,8 +451,8 @@ impl Engine {
         self.tx.as_ref().ok_or_else(stopped)?.send(Command::Submit(Box::new(job))).map_err(|_| stopped())?;
         loop {
             match rx.recv() {
-                Ok(Event::Text(piece)) => {
-                    if !cancel.load(Ordering::Relaxed) && !on_text(&piece) {
+                Ok(Event::Text(piece, logprobs)) => {
+                    if !cancel.load(Ordering::Relaxed) && !on_text(&piece, &logprobs) {
                         cancel.store(true, Ordering::Relaxed);
                     }
                 }
@@ -480,7 +494,7 @@ impl Engine {
         let opts = EngineOptions { prefix_cache: false, image_cache_bytes: 0, parallel: 1, ..opts };
         let engine = Self::from_family(family, id, opts)?;
         let generate_started = Instant::now();
-        let completion = engine.run(prepared, encoded, guide, req, on_text, generate_started)?;
+        let completion = engine.run(prepared, encoded, guide, req, &mut |piece, _| on_text(piece), generate_started)?;
         let checkpoint_videos = completion.videos.iter().map(|v| engine.family().checkpoint_video_sizing(v)).collect();
         Ok(OneShot { completion, load_time, media_time, vision_time, storage, generate_started, checkpoint_videos })
     }

@@ -23,7 +23,7 @@ use crate::constraint::Guide;
 use crate::error::Result;
 use crate::family::{Family, Identity, Prepared};
 use crate::kv::SeqCache;
-use crate::sampling::TokenPicker;
+use crate::sampling::{TokenLogprob, TokenPicker};
 use crate::stream::StreamDecoder;
 use crate::tools::{split_tool_calls, CallHold};
 
@@ -34,7 +34,9 @@ pub(crate) enum Command {
 /// One `Done` per request, after its texts: its size is no concern.
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Event {
-    Text(String),
+    /// A piece of the answer, with the log-probabilities of the tokens picked since the last
+    /// piece (when asked for).
+    Text(String, Vec<TokenLogprob>),
     Done(Result<Completion>),
 }
 
@@ -76,6 +78,9 @@ struct Seq<'f> {
     pending: Option<u32>,
     stream: StreamDecoder<'f>,
     out: StopFilter,
+    /// Each picked token's log-probabilities (with `logprobs` on), and how many were sent.
+    logprobs: Vec<TokenLogprob>,
+    sent_logprobs: usize,
     hold: Option<CallHold>,
     /// Tokens it may generate: max_new_tokens within the context.
     budget: usize,
@@ -105,6 +110,8 @@ impl<'f> Seq<'f> {
             pending: None,
             stream: StreamDecoder::new(family.tokenizer()),
             out,
+            logprobs: Vec::new(),
+            sent_logprobs: 0,
             hold,
             budget,
             cached_tokens: 0,
@@ -139,13 +146,19 @@ impl<'f> Seq<'f> {
         if self.picker.is_eos(next) {
             return Ok(Some(Finish::Stop));
         }
+        if let Some(lp) = self.picker.take_logprob() {
+            self.logprobs.push(lp);
+        }
         if let Some(piece) = self.stream.push(next)? {
             let (mut emit, stopped) = self.out.push(&piece);
             if let Some(h) = &mut self.hold {
                 emit = h.push(&emit);
             }
-            if !emit.is_empty() && self.job.events.send(Event::Text(emit)).is_err() {
-                return Ok(Some(Finish::Cancelled));
+            if !emit.is_empty() {
+                let lp = self.unsent_logprobs();
+                if self.job.events.send(Event::Text(emit, lp)).is_err() {
+                    return Ok(Some(Finish::Cancelled));
+                }
             }
             if stopped {
                 return Ok(Some(Finish::Stop));
@@ -161,6 +174,12 @@ impl<'f> Seq<'f> {
         }
         self.pending = Some(next);
         Ok(None)
+    }
+
+    /// The log-probabilities picked since the last piece was sent.
+    fn unsent_logprobs(&mut self) -> Vec<TokenLogprob> {
+        let from = std::mem::replace(&mut self.sent_logprobs, self.logprobs.len());
+        self.logprobs[from..].to_vec()
     }
 
     /// The answer's end: the held-back text flushed, tool calls split off; sends the rest of the
@@ -188,7 +207,8 @@ impl<'f> Seq<'f> {
             }
         }
         if !tail.is_empty() && finish != Finish::Cancelled {
-            let _ = self.job.events.send(Event::Text(tail));
+            let lp = self.unsent_logprobs();
+            let _ = self.job.events.send(Event::Text(tail, lp));
         }
         let p = &self.job.prepared;
         let e = &self.job.encoded;
@@ -209,6 +229,7 @@ impl<'f> Seq<'f> {
             decode_time: self.decode_started.map_or(Duration::ZERO, |t| t.elapsed()),
             time_to_first_token: self.ttft.unwrap_or_default(),
             first_logits: std::mem::take(&mut self.first_logits),
+            logprobs: std::mem::take(&mut self.logprobs),
             kv_cache_bytes: self.cache.bytes(),
         })
     }
