@@ -30,9 +30,9 @@ pub struct ServeArgs {
     /// Largest request body in bytes (base64 images included).
     #[arg(long, default_value_t = 64 << 20)]
     max_body_bytes: usize,
-    /// Requests waiting beyond the running ones; more are refused with 503.
-    #[arg(long, default_value_t = 16)]
-    queue: usize,
+    /// Requests waiting beyond the running ones; more are refused with 503 (at most 4096).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(0..=4096))]
+    queue: u32,
     /// Sequences decoded together (continuous batching): each decode step multiplies every
     /// running sequence's row at once, so the weights are read once per step for all of them.
     #[arg(long, default_value_t = vl_models::engine::DEFAULT_PARALLEL)]
@@ -156,7 +156,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         remote_media: args.allow_remote_media.then(|| Duration::from_secs(args.remote_media_timeout.max(1))),
         max_image_bytes: args.load.max_image_bytes,
         max_body_bytes: args.max_body_bytes,
-        queue: args.queue,
+        queue: args.queue as usize,
         api_key: args.api_key.clone(),
         cors_origins: args.cors_origins.clone(),
     };

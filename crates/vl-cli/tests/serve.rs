@@ -238,6 +238,19 @@ fn every_bad_request_gets_its_status_and_an_openai_error() {
     assert_error(st, &b, 413, "");
     let (st, _) = get(&s, "/v1/nothing");
     assert_eq!(st, 404);
+    // A GET on the POST route: 405 in OpenAI's error shape.
+    let (st, b) = get(&s, c);
+    assert_eq!(st, 405, "{b}");
+    let b: Value = serde_json::from_str(&b).unwrap();
+    assert_error(st, &b, 405, "GET is not allowed on /v1/chat/completions");
+    // Any 64-bit seed, signed or not; a temperature below f32's range is greedy, not the least
+    // likely tokens.
+    let (want, n, _) = golden(g);
+    for extra in [json!({"seed": u64::MAX}), json!({"seed": -1}), json!({"temperature": 1e-300, "seed": 7})] {
+        let (st, v) = post(&s, c, &one_image(g, n, extra.clone()).to_string());
+        assert_eq!(st, 200, "{extra}: {v}");
+        assert_eq!(v["choices"][0]["message"]["content"], want.as_str(), "{extra}");
+    }
     // After all that, a good request is answered correctly.
     let (want, n, _) = golden(g);
     let (st, v) = post(&s, c, &one_image(g, n, json!({})).to_string());
@@ -710,4 +723,19 @@ fn a_hostile_template_costs_one_request_not_the_server() {
     assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
     let (st, v) = post(&s, c, &short);
     assert_eq!(st, 200, "the server keeps serving: {v}");
+}
+
+#[test]
+fn serve_flags_out_of_range_are_refused_with_the_flag() {
+    for (flag, value) in [("--queue", "10000000000"), ("--queue", "4097"), ("--parallel", "0")] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_vl"))
+            .args(["serve", "--model", goldens().join("tiny-a/checkpoint").to_str().unwrap(), flag, value])
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} {value}");
+        assert!(err.contains(flag) && err.contains(value), "{flag} {value}: {err}");
+        assert!(!err.contains("panicked") && !err.contains("memory allocation"), "{err}");
+    }
 }

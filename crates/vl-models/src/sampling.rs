@@ -35,6 +35,9 @@ pub struct GenerationOptions {
     pub logprobs: Option<usize>,
 }
 
+/// Temperatures below this are greedy decoding.
+pub const GREEDY_BELOW: f64 = 1e-5;
+
 /// Most alternatives `logprobs` reports per token (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
@@ -202,7 +205,9 @@ pub fn apply_repetition_penalty(l: &mut [f32], seen: &[u32], penalty: f64) {
 
 /// `sample` after the repetition penalty: temperature, top-k, top-p, min-p, the draw.
 fn sample_processed(mut l: Vec<f32>, opts: &GenerationOptions, rng: &mut StdRng) -> u32 {
-    if opts.temperature <= 0.0 {
+    // Below GREEDY_BELOW the division overflows f32 (1e-300 is 0 in f32): greedy, as vLLM does
+    // under its 1e-5.
+    if opts.temperature < GREEDY_BELOW {
         return argmax(&l);
     }
     let t = opts.temperature as f32;

@@ -23,7 +23,8 @@ pub struct ChatCompletionRequest {
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,
     pub repetition_penalty: Option<f64>,
-    pub seed: Option<i64>,
+    /// Any 64-bit integer, signed or not.
+    pub seed: Option<Seed>,
     pub stop: Option<Stop>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
@@ -59,6 +60,23 @@ pub struct StreamOptions {
     pub include_usage: Option<bool>,
     /// Accepted and ignored (usage is sent once, at the end).
     pub include_obfuscation: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Seed {
+    Signed(i64),
+    Unsigned(u64),
+}
+
+impl Seed {
+    /// The generator's seed (a negative seed wraps, as a two's-complement u64).
+    pub fn value(&self) -> u64 {
+        match *self {
+            Seed::Signed(s) => s as u64,
+            Seed::Unsigned(u) => u,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]

@@ -130,8 +130,8 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
     if let Some(p) = v.repetition_penalty {
         o.repetition_penalty = p;
     }
-    if let Some(s) = v.seed {
-        o.seed = s as u64;
+    if let Some(s) = &v.seed {
+        o.seed = s.value();
     }
     o.logit_bias = logit_bias;
     let most = vl_models::sampling::MAX_TOP_LOGPROBS as u64;

@@ -94,6 +94,14 @@ pub fn serve(engine: Arc<Engine>, listener: std::net::TcpListener, config: Serve
         .fallback(|| async {
             ApiError::with(StatusCode::NOT_FOUND, "invalid_request_error", "not_found", "no such endpoint")
         })
+        .method_not_allowed_fallback(|method: axum::http::Method, uri: axum::http::Uri| async move {
+            ApiError::with(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                "method_not_allowed",
+                format!("{method} is not allowed on {}", uri.path()),
+            )
+        })
         .layer(axum::middleware::from_fn_with_state(app.clone(), guard))
         .layer(DefaultBodyLimit::disable())
         .with_state(app.clone());
