@@ -739,3 +739,58 @@ fn serve_flags_out_of_range_are_refused_with_the_flag() {
         assert!(!err.contains("panicked") && !err.contains("memory allocation"), "{err}");
     }
 }
+
+/// Text that could not fit even at the vocabulary's longest token is refused before it is
+/// tokenized: quickly, whatever its shape, and the server keeps serving.
+#[test]
+fn text_that_cannot_fit_is_refused_before_tokenizing() {
+    let g = "tiny-a";
+    let s = start(g, &[]);
+    let c = "/v1/chat/completions";
+    for (i, unit) in ["word ", "x", "\u{4e2d}", "  "].iter().enumerate() {
+        let huge = json!({"messages": [{"role": "user", "content": unit.repeat((4 << 20) / unit.len())}],
+                          "seed": i});
+        let t = Instant::now();
+        let (st, b) = post(&s, c, &huge.to_string());
+        assert_error(st, &b, 400, "cannot fit the model's context of 2048 tokens");
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    }
+
+    let (want, n, _) = golden(g);
+    let (st, v) = post(&s, c, &one_image(g, n, json!({})).to_string());
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+}
+
+/// One allowed local image named many times: the request's media are counted and their bytes
+/// bounded as each is read (a 24 KB body naming a 700 KB image 300 times was 6 GiB before).
+#[test]
+fn a_request_s_media_are_bounded_in_count_and_bytes() {
+    let g = "tiny-a";
+    let images = goldens().join("images");
+    let s = start(g, &["--allowed-media-dir", images.to_str().unwrap(), "--max-body-bytes", "4000000"]);
+    let c = "/v1/chat/completions";
+    let path = images.join("large.png");
+    let body = |n: usize| {
+        let mut content: Vec<Value> =
+            (0..n).map(|_| json!({"type": "image_url", "image_url": {"url": path.to_str().unwrap()}})).collect();
+        content.push(json!({"type": "text", "text": "Compare."}));
+        json!({"messages": [{"role": "user", "content": content}], "max_tokens": 1}).to_string()
+    };
+    // 717 KB each: the sixth is over 4 MB together.
+    for n in [6, 40, 300] {
+        let (st, b) = post(&s, c, &body(n));
+        assert_error(st, &b, 413, "over 4000000 bytes together");
+        assert!(b["error"]["message"].as_str().unwrap().contains("content[5]"), "{b}");
+    }
+    let small = images.join("gray.png");
+    let many: Vec<Value> =
+        (0..65).map(|_| json!({"type": "image_url", "image_url": {"url": small.to_str().unwrap()}})).collect();
+    let (st, b) = post(&s, c, &json!({"messages": [{"role": "user", "content": many}]}).to_string());
+    assert_error(st, &b, 400, "more than 64 images and videos");
+    // The server keeps answering.
+    let (want, n, _) = golden(g);
+    let (st, v) = post(&s, c, &one_image(g, n, json!({})).to_string());
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+}

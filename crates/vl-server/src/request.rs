@@ -17,6 +17,8 @@ const MAX_TOOLS: usize = 128;
 /// Most stop strings (OpenAI allows 4; vLLM and llama-server more) and their length in bytes.
 const MAX_STOPS: usize = 16;
 const MAX_STOP_BYTES: usize = 256;
+/// Most images and videos in one request.
+const MAX_MEDIA: usize = 64;
 /// Most `logit_bias` entries (OpenAI's limit is 300).
 const MAX_LOGIT_BIAS: usize = 300;
 
@@ -155,6 +157,10 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
         return Err(ApiError::bad("`messages` must not be empty"));
     }
     let mut messages = Vec::with_capacity(v.messages.len());
+    // Media of one request: at most MAX_MEDIA parts, and their bytes (data URLs, local files,
+    // remote fetches) at most --max-body-bytes together, checked as each is read.
+    let (mut media, mut media_bytes) = (0usize, 0usize);
+    let budget = app.config.max_body_bytes;
     for (i, m) in v.messages.into_iter().enumerate() {
         let role = match m.role.as_str() {
             "system" | "user" | "assistant" | "tool" => m.role.as_str(),
@@ -181,11 +187,43 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
             None if role == "assistant" => vec![],
             None => return Err(ApiError::bad(format!("`messages[{i}].content` is required"))),
             Some(Content::Text(s)) => vec![Part::Text(s)],
-            Some(Content::Parts(items)) => items
-                .iter()
-                .enumerate()
-                .map(|(j, p)| part(app, p, &format!("messages[{i}].content[{j}]")))
-                .collect::<Result<_, _>>()?,
+            Some(Content::Parts(items)) => {
+                let mut parts = Vec::with_capacity(items.len());
+                for (j, p) in items.iter().enumerate() {
+                    let at = format!("messages[{i}].content[{j}]");
+                    let part = part(app, p, &at)?;
+                    match &part {
+                        Part::Text(_) => {}
+                        Part::Image { data, .. } => {
+                            media += 1;
+                            media_bytes += data.len();
+                        }
+                        Part::Video { source, .. } => {
+                            media += 1;
+                            if let vl_models::engine::VideoData::Bytes(b) = source {
+                                media_bytes += b.len();
+                            }
+                        }
+                    }
+                    if media > MAX_MEDIA {
+                        return Err(ApiError::bad(format!(
+                            "`{at}`: more than {MAX_MEDIA} images and videos in one request"
+                        )));
+                    }
+                    if media_bytes > budget {
+                        return Err(ApiError::with(
+                            StatusCode::PAYLOAD_TOO_LARGE,
+                            "invalid_request_error",
+                            "media_too_large",
+                            format!(
+                                "`{at}`: the request's images and videos are over {budget} bytes together (--max-body-bytes)"
+                            ),
+                        ));
+                    }
+                    parts.push(part);
+                }
+                parts
+            }
         };
         let mut msg = ChatMessage::new(role, parts);
         msg.tool_calls = tool_calls;

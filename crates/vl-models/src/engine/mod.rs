@@ -308,6 +308,8 @@ pub(crate) struct Shared {
     pub stats: Mutex<EngineStats>,
     /// Compiles constraints; built at the first constrained request (about a second).
     compiler: CompilerCell,
+    /// Bytes of the longest token's text (computed at the first long request).
+    longest_token: std::sync::OnceLock<usize>,
 }
 
 pub struct Engine {
@@ -359,7 +361,9 @@ impl Engine {
         let features = Mutex::new(ByteLru::new(opts.image_cache_bytes));
         let stats = Mutex::new(EngineStats { kv_budget_bytes: opts.kv_cache_bytes, ..Default::default() });
         let compiler = std::sync::OnceLock::new();
-        let shared = Arc::new(Shared { family, opts, features, vision: Mutex::new(()), stats, compiler });
+        let longest_token = std::sync::OnceLock::new();
+        let shared =
+            Arc::new(Shared { family, opts, features, vision: Mutex::new(()), stats, compiler, longest_token });
         let (tx, rx) = mpsc::channel();
         let s = shared.clone();
         let worker = std::thread::Builder::new()
@@ -413,6 +417,8 @@ impl Engine {
         on_text: &mut dyn FnMut(&str, &[TokenLogprob]) -> bool,
     ) -> Result<Completion> {
         let t0 = Instant::now();
+        // Cheap checks first: text that cannot fit costs no tokenizing.
+        check_text_fits(&*self.shared.family, &self.shared.longest_token, req)?;
         // The constraint compiles first: a bad schema costs no media decoding.
         let guide = self.guide(req)?;
         let prepared = self.shared.family.prepare(req)?;
@@ -474,6 +480,7 @@ impl Engine {
         req: &Request,
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<OneShot> {
+        check_text_fits(&*family, &std::sync::OnceLock::new(), req)?;
         // The constraint compiles first (a bad schema costs nothing else).
         let guide = guide(&*family, &CompilerCell::new(), req)?;
         let t0 = Instant::now();
@@ -498,6 +505,49 @@ impl Engine {
         let checkpoint_videos = completion.videos.iter().map(|v| engine.family().checkpoint_video_sizing(v)).collect();
         Ok(OneShot { completion, load_time, media_time, vision_time, storage, generate_started, checkpoint_videos })
     }
+}
+
+/// Bytes a token stands for on average in ordinary text is about 4; past this many per position
+/// of the context, a request's text is measured against the vocabulary's longest token.
+const TEXT_BYTES_PER_TOKEN_CHECK: usize = 8;
+
+/// Refuses a request whose text (messages and tools) could not fit the context even if every
+/// token were the vocabulary's longest, before it is tokenized (a 57 MB message would otherwise
+/// be tokenized first).
+fn check_text_fits(family: &dyn Family, longest: &std::sync::OnceLock<usize>, req: &Request) -> Result<()> {
+    let text: usize = req
+        .messages
+        .iter()
+        .flat_map(|m| &m.parts)
+        .map(|p| match p {
+            Part::Text(t) => t.len(),
+            _ => 0,
+        })
+        .sum::<usize>()
+        + req.tools.iter().map(|t| t.to_string().len()).sum::<usize>();
+    let context = family.context();
+    if text <= context.saturating_mul(TEXT_BYTES_PER_TOKEN_CHECK) {
+        return Ok(());
+    }
+    let longest = *longest.get_or_init(|| {
+        let tok = family.tokenizer();
+        (0..tok.get_vocab_size(true) as u32)
+            .map(|id| tok.decode(&[id], false).map_or(0, |s| s.len()))
+            .max()
+            .unwrap_or(1)
+            .max(1)
+    });
+    let most = context.saturating_mul(longest);
+    if text > most {
+        return Err(Error::Limit {
+            what: "prompt".into(),
+            message: format!(
+                "the request's text is {text} bytes: even at {longest} bytes a token (the vocabulary's longest) it cannot fit the model's context of {context} tokens"
+            ),
+            kind: LimitKind::Fixed,
+        });
+    }
+    Ok(())
 }
 
 type CompilerCell = std::sync::OnceLock<std::result::Result<Arc<Compiler>, String>>;
