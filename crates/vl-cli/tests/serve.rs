@@ -184,7 +184,7 @@ fn every_bad_request_gets_its_status_and_an_openai_error() {
     assert_error(st, &b, 400, "temperature");
     let (st, b) = post(&s, c, &ok(json!({"model": "gpt-4o"})));
     assert_error(st, &b, 404, "gpt-4o");
-    let (st, b) = post(&s, c, &ok(json!({"n": 2})));
+    let (st, b) = post(&s, c, &ok(json!({"n": 9})));
     assert_error(st, &b, 400, "n");
     let (st, b) = post(&s, c, &ok(json!({"tools": [{"type": "function"}]})));
     assert_error(st, &b, 400, "tools");

@@ -363,3 +363,68 @@ fn logprobs_streamed_or_not_in_openai_shape() {
         }
     });
 }
+
+#[test]
+fn n_choices_share_one_prefill_and_have_distinct_seeds() {
+    let g = "tiny-a";
+    let server = start(g, &[]);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let c = client(&server.base);
+        let body = |n: u32, seed: u64| {
+            json!({"model": g, "messages": [{"role": "user", "content": "Tell me a story."}],
+                   "max_completion_tokens": 8, "temperature": 1.0, "seed": seed, "n": n})
+        };
+        let contents = |v: &Value| -> Vec<String> {
+            v["choices"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c["message"]["content"].as_str().unwrap().to_string())
+                .collect()
+        };
+        let r = serde_json::to_value(c.chat().create(request(body(3, 40))).await.unwrap()).unwrap();
+        let three = contents(&r);
+        assert_eq!(three.len(), 3);
+        let idx: Vec<u64> = r["choices"].as_array().unwrap().iter().map(|c| c["index"].as_u64().unwrap()).collect();
+        assert_eq!(idx, [0, 1, 2]);
+        assert_eq!(r["usage"]["completion_tokens"], 24, "{r}");
+        let distinct: std::collections::HashSet<_> = three.iter().collect();
+        assert!(distinct.len() >= 2, "{three:?}");
+        // Reproducible, and choice i is what seed + i gives alone.
+        let again = serde_json::to_value(c.chat().create(request(body(3, 40))).await.unwrap()).unwrap();
+        assert_eq!(contents(&again), three);
+        for (i, want) in three.iter().enumerate() {
+            let alone = serde_json::to_value(c.chat().create(request(body(1, 40 + i as u64))).await.unwrap()).unwrap();
+            assert_eq!(&contents(&alone)[0], want, "choice {i}");
+        }
+        // Streamed: each index's pieces add up to that choice.
+        let mut b = body(3, 40);
+        b["stream"] = json!(true);
+        let mut s = c.chat().create_stream(request(b)).await.expect("a stream");
+        let mut streamed = vec![String::new(); 3];
+        let mut finished = 0;
+        while let Some(chunk) = s.next().await {
+            let v = serde_json::to_value(chunk.expect("a chunk")).unwrap();
+            for ch in v["choices"].as_array().unwrap() {
+                let i = ch["index"].as_u64().unwrap() as usize;
+                streamed[i].push_str(ch["delta"]["content"].as_str().unwrap_or(""));
+                finished += ch["finish_reason"].is_string() as usize;
+            }
+        }
+        assert_eq!((streamed, finished), (three, 3));
+
+        // Each choice holds to a constraint on its own.
+        let schema = json!({"type": "object", "properties": {"k": {"enum": ["a", "b", "c"]},
+                            "v": {"type": "integer", "minimum": 0, "maximum": 50}},
+                            "required": ["k", "v"], "additionalProperties": false});
+        let mut b = body(4, 3);
+        b["max_completion_tokens"] = json!(300);
+        b["response_format"] = json!({"type": "json_schema", "json_schema": {"name": "kv", "schema": schema}});
+        let r = serde_json::to_value(c.chat().create(request(b)).await.unwrap()).unwrap();
+        for (i, ch) in r["choices"].as_array().unwrap().iter().enumerate() {
+            assert_eq!(ch["finish_reason"], "stop", "{ch}");
+            assert_valid(&schema, ch["message"]["content"].as_str().unwrap(), &format!("choice {i}"));
+        }
+    });
+}

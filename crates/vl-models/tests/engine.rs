@@ -454,3 +454,29 @@ fn logit_bias_bans_tokens_and_a_constraint_holds_in_a_batch() {
         }
     });
 }
+
+#[test]
+fn n_choices_fork_one_prefill_or_wait_for_a_slot() {
+    let g = "tiny-a";
+    let mut req = one_image_request(6);
+    req.options.temperature = 1.0;
+    req.options.seed = 9;
+    let wide = engine_with(g, cold(4));
+    let all = wide.generate_n(&req, 3, &mut |_, _, _| true).unwrap();
+    assert_eq!(all.len(), 3);
+    // Only the first choice prefilled; the others started from a copy of its cache.
+    assert!(all[0].prefill_time > std::time::Duration::ZERO);
+    assert!(all[1..].iter().all(|c| c.prefill_time == std::time::Duration::ZERO));
+    // Choice i samples with seed + i: the same as that seed alone.
+    for (i, c) in all.iter().enumerate() {
+        let mut alone = req.clone();
+        alone.options.seed = 9 + i as u64;
+        assert_eq!(wide.generate(&alone, &mut |_| true).unwrap().token_ids, c.token_ids, "choice {i}");
+    }
+    // One slot: the other choices wait and prefill themselves, with the same answers.
+    let narrow = engine_with(g, cold(1));
+    let one_slot = narrow.generate_n(&req, 3, &mut |_, _, _| true).unwrap();
+    let ids = |v: &[vl_models::engine::Completion]| v.iter().map(|c| c.token_ids.clone()).collect::<Vec<_>>();
+    assert_eq!(ids(&one_slot), ids(&all));
+    assert!(narrow.generate_n(&req, 9, &mut |_, _, _| true).is_err());
+}

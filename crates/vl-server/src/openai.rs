@@ -1,7 +1,7 @@
 //! OpenAI's chat completions request, typed. Every top-level field is declared: a field this
 //! server implements is used, one it accepts but cannot honour in a way that changes the answer
 //! (`user`, `metadata`, `store`, `parallel_tool_calls`, `service_tier`) is read and ignored (listed
-//! in docs/serving.md), one it does not implement (`n` > 1, ...) is refused by `check_supported`, and an unknown field is refused by serde with
+//! in docs/serving.md), one it does not implement (`modalities`, `audio`, ...) is refused by `check_supported`, and an unknown field is refused by serde with
 //! its name.
 
 use serde::Deserialize;
@@ -138,9 +138,6 @@ impl ChatCompletionRequest {
     /// The first field asked of this server that it does not implement, as a message naming it.
     pub fn check_supported(&self) -> Option<String> {
         let present = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
-        if let Some(n) = self.n.filter(|&n| n != 1) {
-            return Some(format!("`n` = {n}: only one choice per request is supported"));
-        }
         if present(&self.functions) || present(&self.function_call) {
             return Some("`functions` / `function_call` (deprecated) are not supported: use `tools`".into());
         }

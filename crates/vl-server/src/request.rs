@@ -25,6 +25,8 @@ const MAX_LOGIT_BIAS: usize = 300;
 /// A parsed request and how its answer is sent.
 pub(crate) struct Parsed {
     pub req: Request,
+    /// Answers asked for (`n`, 1..=`MAX_CHOICES`).
+    pub n: usize,
     pub stream: bool,
     pub include_usage: bool,
 }
@@ -93,6 +95,12 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
         }
     }
     let logit_bias = logit_bias(v.logit_bias.as_ref(), app.engine.family().vocab_size())?;
+    let most = vl_models::engine::MAX_CHOICES as u64;
+    let n = match v.n {
+        None => 1,
+        Some(n) if (1..=most).contains(&n) => n as usize,
+        Some(n) => return Err(ApiError::bad(format!("`n` = {n} must be in 1..={most}"))),
+    };
     let stream = v.stream.unwrap_or(false);
     let include_usage = v.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
 
@@ -229,7 +237,7 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
         msg.tool_calls = tool_calls;
         messages.push(msg);
     }
-    Ok(Parsed { req: Request { messages, options: o, stop, tools, constraint }, stream, include_usage })
+    Ok(Parsed { req: Request { messages, options: o, stop, tools, constraint }, n, stream, include_usage })
 }
 
 /// `response_format`: `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema",

@@ -25,6 +25,8 @@ use crate::{ServerConfig, ServerError};
 /// A parsed request and where its answer goes.
 struct Job {
     req: Request,
+    /// Answers asked for (`n`).
+    n: usize,
     tx: mpsc::UnboundedSender<Msg>,
     queued: Instant,
 }
@@ -32,9 +34,11 @@ struct Job {
 /// One `Done` per request, after its texts: its size is no concern.
 #[allow(clippy::large_enum_variant)]
 enum Msg {
-    /// A piece of the answer and its tokens' log-probabilities (JSON, null when not asked).
-    Text(String, Value),
-    Done(std::result::Result<Completion, ApiError>),
+    /// A piece of choice `.0`'s answer and its tokens' log-probabilities (JSON, null when not
+    /// asked).
+    Text(usize, String, Value),
+    /// Every choice's completion, in order.
+    Done(std::result::Result<Vec<Completion>, ApiError>),
 }
 
 pub(crate) struct App {
@@ -163,24 +167,25 @@ fn work(app: &App, rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
         let mut first = true;
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let want = job.req.options.logprobs.is_some();
-            app.engine.generate_pieces(&job.req, &mut |piece, lp| {
+            app.engine.generate_n(&job.req, job.n, &mut |choice, piece, lp| {
                 if first {
                     first = false;
                     app.metrics.ttft.observe(job.queued.elapsed().as_secs_f64());
                 }
                 let lp = if want { logprobs_json(app, lp) } else { Value::Null };
-                job.tx.send(Msg::Text(piece.to_string(), lp)).is_ok()
+                job.tx.send(Msg::Text(choice, piece.to_string(), lp)).is_ok()
             })
         }));
         app.metrics.running.dec();
         let done = match result {
-            Ok(Ok(c)) => {
+            Ok(Ok(all)) => {
+                let c = &all[0];
                 app.metrics.prompt_tokens.inc_by(c.prompt_tokens as u64);
                 app.metrics.cached_tokens.inc_by(c.cached_tokens as u64);
-                app.metrics.completion_tokens.inc_by(c.token_ids.len() as u64);
+                app.metrics.completion_tokens.inc_by(all.iter().map(|c| c.token_ids.len() as u64).sum());
                 app.metrics.image_cache_hits.inc_by(c.image_cache_hits as u64);
                 app.metrics.video_cache_hits.inc_by(c.video_cache_hits as u64);
-                Ok(c)
+                Ok(all)
             }
             Ok(Err(e)) => Err(ApiError::from_engine(&e)),
             Err(_) => Err(ApiError::with(
@@ -248,12 +253,13 @@ fn authorized(app: &App, headers: &axum::http::HeaderMap) -> bool {
 }
 
 /// The log line of an answered chat completion.
-fn log_answer(c: &Completion, started: Instant) {
+fn log_answer(all: &[Completion], started: Instant) {
+    let c = &all[0];
     note!(
         "POST /v1/chat/completions 200 prompt={} cached={} completion={} ttft={:.3}s total={:.3}s",
         c.prompt_tokens,
         c.cached_tokens,
-        c.token_ids.len(),
+        all.iter().map(|c| c.token_ids.len()).sum::<usize>(),
         c.time_to_first_token.as_secs_f64(),
         started.elapsed().as_secs_f64()
     );
@@ -304,7 +310,7 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
     let parsed = parse(app, typed(&body)?)?;
     let want_logprobs = parsed.req.options.logprobs.is_some();
     let (tx, mut rx) = mpsc::unbounded_channel::<Msg>();
-    let job = Job { req: parsed.req, tx, queued: Instant::now() };
+    let job = Job { req: parsed.req, n: parsed.n, tx, queued: Instant::now() };
     app.metrics.queue_depth.inc();
     // A place among the requests in flight (the engine's parallel sequences and the queue);
     // none left: 503.
@@ -342,26 +348,32 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
         ApiError::with(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error", "the engine stopped")
     })?;
     if !parsed.stream {
-        let mut text = String::new();
         let mut msg = first;
         loop {
             match msg {
-                Msg::Text(t, _) => text.push_str(&t),
+                Msg::Text(..) => {}
                 Msg::Done(done) => {
-                    let c = done?;
-                    log_answer(&c, started);
+                    let all = done?;
+                    log_answer(&all, started);
+                    let choices: Vec<Value> = all
+                        .iter()
+                        .enumerate()
+                        .map(|(i, c)| {
+                            json!({
+                                "index": i,
+                                "message": message(&id, c),
+                                "finish_reason": c.finish.openai(),
+                                "logprobs": if want_logprobs { logprobs_json(app, &c.logprobs) } else { Value::Null },
+                            })
+                        })
+                        .collect();
                     return Ok(axum::Json(json!({
                         "id": id,
                         "object": "chat.completion",
                         "created": created,
                         "model": app.config.id,
-                        "choices": [{
-                            "index": 0,
-                            "message": message(&id, &c),
-                            "finish_reason": c.finish.openai(),
-                            "logprobs": if want_logprobs { logprobs_json(app, &c.logprobs) } else { Value::Null },
-                        }],
-                        "usage": usage(&c),
+                        "choices": choices,
+                        "usage": usage(&all),
                     }))
                     .into_response());
                 }
@@ -382,9 +394,10 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
     let model = app.config.id.clone();
     let (usage_id, usage_model) = (id.clone(), model.clone());
     let include_usage = parsed.include_usage;
-    let chunk = move |delta: Value, finish: Value, logprobs: Value| {
+    let n = parsed.n;
+    let chunk = move |index: usize, delta: Value, finish: Value, logprobs: Value| {
         json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
+               "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
         .to_string()
     };
     // A task turns the worker's messages into SSE lines; when the client goes away the stream
@@ -393,8 +406,11 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
     let (lines, out) = mpsc::channel::<String>(64);
     tokio::spawn(async move {
         let mut msg = Some(first);
-        if lines.send(chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null)).await.is_err() {
-            return;
+        for i in 0..n {
+            let role = chunk(i, json!({"role": "assistant", "content": ""}), Value::Null, Value::Null);
+            if lines.send(role).await.is_err() {
+                return;
+            }
         }
         loop {
             let m = match msg.take() {
@@ -405,21 +421,23 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
                 },
             };
             match m {
-                Msg::Text(t, lp) => {
-                    if lines.send(chunk(json!({"content": t}), Value::Null, lp)).await.is_err() {
+                Msg::Text(i, t, lp) => {
+                    if lines.send(chunk(i, json!({"content": t}), Value::Null, lp)).await.is_err() {
                         return;
                     }
                 }
-                Msg::Done(Ok(c)) => {
-                    log_answer(&c, started);
-                    if !c.tool_calls.is_empty() {
-                        let calls = tool_calls_json(&usage_id, &c.tool_calls, true);
-                        let _ = lines.send(chunk(json!({"tool_calls": calls}), Value::Null, Value::Null)).await;
+                Msg::Done(Ok(all)) => {
+                    log_answer(&all, started);
+                    for (i, c) in all.iter().enumerate() {
+                        if !c.tool_calls.is_empty() {
+                            let calls = tool_calls_json(&usage_id, &c.tool_calls, true);
+                            let _ = lines.send(chunk(i, json!({"tool_calls": calls}), Value::Null, Value::Null)).await;
+                        }
+                        let _ = lines.send(chunk(i, json!({}), json!(c.finish.openai()), Value::Null)).await;
                     }
-                    let _ = lines.send(chunk(json!({}), json!(c.finish.openai()), Value::Null)).await;
                     if include_usage {
                         let v = json!({"id": usage_id, "object": "chat.completion.chunk", "created": created,
-                                       "model": usage_model, "choices": [], "usage": usage(&c)});
+                                       "model": usage_model, "choices": [], "usage": usage(&all)});
                         let _ = lines.send(v.to_string()).await;
                     }
                     let _ = lines.send("[DONE]".to_string()).await;
@@ -472,11 +490,14 @@ fn logprobs_json(app: &App, lps: &[vl_models::engine::TokenLogprob]) -> Value {
     json!({"content": content})
 }
 
-fn usage(c: &Completion) -> Value {
+/// Usage of a request's choices: the prompt once, the completions summed.
+fn usage(all: &[Completion]) -> Value {
+    let c = &all[0];
+    let completion: usize = all.iter().map(|c| c.token_ids.len()).sum();
     json!({
         "prompt_tokens": c.prompt_tokens,
-        "completion_tokens": c.token_ids.len(),
-        "total_tokens": c.prompt_tokens + c.token_ids.len(),
+        "completion_tokens": completion,
+        "total_tokens": c.prompt_tokens + completion,
         // `image_tokens` and `video_tokens` are ours (OpenAI has no such fields; clients ignore
         // them): the prompt tokens that stand for images and videos, after their pixel budgets.
         "prompt_tokens_details": {

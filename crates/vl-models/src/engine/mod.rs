@@ -39,11 +39,14 @@ use crate::sampling::GenerationOptions;
 pub use crate::sampling::TokenLogprob;
 pub use crate::tools::ToolCall;
 use crate::video::VideoLimits;
-use scheduler::{Command, Event, Job};
+use scheduler::{Command, Event, Fork, Job};
 
 /// Sequences decoded together unless told otherwise. On a 2-core CPU decode is bound by reading
 /// the weights, so 4 sequences cost little more per step than one.
 pub const DEFAULT_PARALLEL: usize = 4;
+
+/// Most answers (`n`) one request may ask for.
+pub const MAX_CHOICES: usize = 8;
 
 /// Prompt positions prefilled per scheduler step unless told otherwise.
 pub const DEFAULT_PREFILL_CHUNK: usize = 256;
@@ -416,16 +419,31 @@ impl Engine {
         req: &Request,
         on_text: &mut dyn FnMut(&str, &[TokenLogprob]) -> bool,
     ) -> Result<Completion> {
+        let mut all = self.generate_n(req, 1, &mut |_, piece, lp| on_text(piece, lp))?;
+        Ok(all.remove(0))
+    }
+
+    /// `n` answers to `req` (1..=`MAX_CHOICES`) from one prefill: choice `i` samples with seed
+    /// `options.seed + i`. `on_text(choice, piece, logprobs)`; returning `false` cancels them all.
+    pub fn generate_n(
+        &self,
+        req: &Request,
+        n: usize,
+        on_text: &mut dyn FnMut(usize, &str, &[TokenLogprob]) -> bool,
+    ) -> Result<Vec<Completion>> {
+        if n == 0 || n > MAX_CHOICES {
+            return Err(Error::Input { what: "n".into(), message: format!("{n} is outside 1..={MAX_CHOICES}") });
+        }
         let t0 = Instant::now();
         // Cheap checks first: text that cannot fit costs no tokenizing.
         check_text_fits(&*self.shared.family, &self.shared.longest_token, req)?;
         // The constraint compiles first: a bad schema costs no media decoding.
-        let guide = self.guide(req)?;
+        let guides = (0..n).map(|_| self.guide(req)).collect::<Result<Vec<_>>>()?;
         let prepared = self.shared.family.prepare(req)?;
         check_fits(&*self.shared.family, self.shared.opts.kv_cache_bytes, &prepared)?;
         let s = &self.shared;
         let encoded = encode(&*s.family, &prepared, &s.features, &s.vision)?;
-        self.run(prepared, encoded, guide, req, on_text, t0)
+        self.run(prepared, encoded, guides, req, on_text, t0)
     }
 
     fn guide(&self, req: &Request) -> Result<Option<Guide>> {
@@ -437,17 +455,27 @@ impl Engine {
         &self,
         prepared: Prepared,
         encoded: Encoded,
-        guide: Option<Guide>,
+        guides: Vec<Option<Guide>>,
         req: &Request,
-        on_text: &mut dyn FnMut(&str, &[TokenLogprob]) -> bool,
+        on_text: &mut dyn FnMut(usize, &str, &[TokenLogprob]) -> bool,
         t0: Instant,
-    ) -> Result<Completion> {
+    ) -> Result<Vec<Completion>> {
         let (events, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
+        let n = guides.len();
+        let seed = prepared.options.seed;
+        let mut guides = guides.into_iter();
+        let guide = guides.next().flatten();
+        let forks = guides
+            .enumerate()
+            .map(|(i, guide)| Fork { choice: i + 1, seed: seed.wrapping_add(i as u64 + 1), guide })
+            .collect();
         let job = Job {
             prepared,
             encoded,
             guide,
+            choice: 0,
+            forks,
             stop: req.stop.clone(),
             tools: !req.tools.is_empty(),
             events,
@@ -455,17 +483,24 @@ impl Engine {
             t0,
         };
         self.tx.as_ref().ok_or_else(stopped)?.send(Command::Submit(Box::new(job))).map_err(|_| stopped())?;
-        loop {
+        let mut done: Vec<Option<Result<Completion>>> = (0..n).map(|_| None).collect();
+        let mut left = n;
+        while left > 0 {
             match rx.recv() {
-                Ok(Event::Text(piece, logprobs)) => {
-                    if !cancel.load(Ordering::Relaxed) && !on_text(&piece, &logprobs) {
+                Ok(Event::Text(choice, piece, logprobs)) => {
+                    if !cancel.load(Ordering::Relaxed) && !on_text(choice, &piece, &logprobs) {
                         cancel.store(true, Ordering::Relaxed);
                     }
                 }
-                Ok(Event::Done(result)) => return result,
+                Ok(Event::Done(choice, result)) => {
+                    if done[choice].replace(result).is_none() {
+                        left -= 1;
+                    }
+                }
                 Err(_) => return Err(stopped()),
             }
         }
+        done.into_iter().map(|r| r.expect("every choice answered")).collect()
     }
 
     /// Answers one request from a cold start with the least memory, as `vl run` does: `family`
@@ -501,7 +536,9 @@ impl Engine {
         let opts = EngineOptions { prefix_cache: false, image_cache_bytes: 0, parallel: 1, ..opts };
         let engine = Self::from_family(family, id, opts)?;
         let generate_started = Instant::now();
-        let completion = engine.run(prepared, encoded, guide, req, &mut |piece, _| on_text(piece), generate_started)?;
+        let completion = engine
+            .run(prepared, encoded, vec![guide], req, &mut |_, piece, _| on_text(piece), generate_started)?
+            .remove(0);
         let checkpoint_videos = completion.videos.iter().map(|v| engine.family().checkpoint_video_sizing(v)).collect();
         Ok(OneShot { completion, load_time, media_time, vision_time, storage, generate_started, checkpoint_videos })
     }
@@ -638,7 +675,7 @@ impl Drop for Engine {
 }
 
 /// A request's media features and what encoding them took.
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub(crate) struct Encoded {
     pub features: Vec<VisionOutput>,
     pub time: Duration,

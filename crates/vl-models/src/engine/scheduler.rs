@@ -36,8 +36,16 @@ pub(crate) enum Command {
 pub(crate) enum Event {
     /// A piece of the answer, with the log-probabilities of the tokens picked since the last
     /// piece (when asked for).
-    Text(String, Vec<TokenLogprob>),
-    Done(Result<Completion>),
+    Text(usize, String, Vec<TokenLogprob>),
+    Done(usize, Result<Completion>),
+}
+
+/// Another choice of the same request (`n` > 1): it shares the first choice's prefill (a copy of
+/// its cache) and samples with its own seed and constraint.
+pub(crate) struct Fork {
+    pub choice: usize,
+    pub seed: u64,
+    pub guide: Option<Guide>,
 }
 
 /// A request as the caller hands it over: prepared, its media encoded.
@@ -46,6 +54,10 @@ pub(crate) struct Job {
     pub encoded: Encoded,
     /// The answer's constraint, compiled.
     pub guide: Option<Guide>,
+    /// Which choice of its request this is (events carry it).
+    pub choice: usize,
+    /// The request's other choices, started from this one's prefill.
+    pub forks: Vec<Fork>,
     pub stop: Vec<String>,
     pub tools: bool,
     pub events: mpsc::Sender<Event>,
@@ -156,7 +168,7 @@ impl<'f> Seq<'f> {
             }
             if !emit.is_empty() {
                 let lp = self.unsent_logprobs();
-                if self.job.events.send(Event::Text(emit, lp)).is_err() {
+                if self.job.events.send(Event::Text(self.job.choice, emit, lp)).is_err() {
                     return Ok(Some(Finish::Cancelled));
                 }
             }
@@ -208,7 +220,7 @@ impl<'f> Seq<'f> {
         }
         if !tail.is_empty() && finish != Finish::Cancelled {
             let lp = self.unsent_logprobs();
-            let _ = self.job.events.send(Event::Text(tail, lp));
+            let _ = self.job.events.send(Event::Text(self.job.choice, tail, lp));
         }
         let p = &self.job.prepared;
         let e = &self.job.encoded;
@@ -232,6 +244,14 @@ impl<'f> Seq<'f> {
             logprobs: std::mem::take(&mut self.logprobs),
             kv_cache_bytes: self.cache.bytes(),
         })
+    }
+}
+
+/// Answers the choices a sequence would have started, when it ends before its prefill did.
+fn orphan_forks(seq: &mut Seq<'_>, why: &str) {
+    for f in std::mem::take(&mut seq.job.forks) {
+        let e = crate::Error::Input { what: "n".into(), message: why.to_string() };
+        let _ = seq.job.events.send(Event::Done(f.choice, Err(e)));
     }
 }
 
@@ -315,12 +335,15 @@ impl<'f> Scheduler<'f> {
         }
         // The stats a caller reads once answered count this sequence out.
         self.publish();
-        let _ = seq.job.events.send(Event::Done(result));
+        let _ = seq.job.events.send(Event::Done(seq.job.choice, result));
+        orphan_forks(&mut seq, "the first choice ended before its prompt was prefilled");
     }
 
-    fn fail(&mut self, seq: Seq<'f>, e: crate::Error) {
+    fn fail(&mut self, mut seq: Seq<'f>, e: crate::Error) {
         self.publish();
-        let _ = seq.job.events.send(Event::Done(Err(e)));
+        let why = e.to_string();
+        let _ = seq.job.events.send(Event::Done(seq.job.choice, Err(e)));
+        orphan_forks(&mut seq, &why);
     }
 
     fn drop_cancelled(&mut self) {
@@ -390,6 +413,7 @@ impl<'f> Scheduler<'f> {
     fn prefill_one_chunk(&mut self) {
         let Some(i) = self.running.iter().position(|s| matches!(s.phase, Phase::Prefill { .. })) else { return };
         let chunk = self.shared.opts.prefill_chunk;
+        let mut pending_forks = None;
         let seq = &mut self.running[i];
         let end = (seq.cache.len() + chunk).min(seq.ids.len());
         let t = Instant::now();
@@ -407,11 +431,19 @@ impl<'f> Scheduler<'f> {
                 } else {
                     logits.to_vec1::<f32>().map_err(Into::into).and_then(|l| {
                         seq.first_logits = l.clone();
+                        let forks = std::mem::take(&mut seq.job.forks);
+                        if !forks.is_empty() {
+                            pending_forks = Some((forks, l.clone()));
+                        }
                         seq.accept(l)
                     })
                 }
             }
         };
+        // The other choices start from this prefill (before the first choice's token is fed).
+        if let Some((forks, logits)) = pending_forks {
+            self.fork(i, forks, &logits);
+        }
         match outcome {
             Ok(None) => {}
             Ok(Some(finish)) => {
@@ -421,6 +453,52 @@ impl<'f> Scheduler<'f> {
             Err(e) => {
                 let seq = self.running.remove(i);
                 self.fail(seq, e);
+            }
+        }
+    }
+
+    /// Starts `forks` from the prefilled sequence at `i`: each gets a copy of its cache and picks
+    /// its first token from `logits` with its own seed. A fork without a free slot or KV room
+    /// waits in the queue and prefills itself later.
+    fn fork(&mut self, i: usize, forks: Vec<Fork>, logits: &[f32]) {
+        for f in forks {
+            let (mut seq, copy, bytes, offset) = {
+                let parent = &self.running[i];
+                let mut prepared = parent.job.prepared.clone();
+                prepared.options.seed = f.seed;
+                let job = Job {
+                    prepared,
+                    encoded: parent.job.encoded.clone(),
+                    guide: f.guide,
+                    choice: f.choice,
+                    forks: vec![],
+                    stop: parent.job.stop.clone(),
+                    tools: parent.job.tools,
+                    events: parent.job.events.clone(),
+                    cancel: parent.job.cancel.clone(),
+                    t0: parent.job.t0,
+                };
+                let mut seq = Seq::new(Box::new(job), self.family);
+                seq.cached_tokens = parent.cached_tokens;
+                let len = parent.cache.len();
+                let copy = parent.cache.layers.iter().map(|l| l.copy_prefix(len)).collect::<vl_nn::Result<Vec<_>>>();
+                (seq, copy, parent.cache.bytes(), parent.cache.position_offset)
+            };
+            let fits = self.running.len() < self.shared.opts.parallel && self.make_room(bytes);
+            match copy {
+                Ok(layers) if fits => {
+                    seq.cache = SeqCache { layers, position_offset: offset };
+                    seq.phase = Phase::Decode;
+                    self.admissions += 1;
+                    seq.admitted = self.admissions;
+                    match seq.accept(logits.to_vec()) {
+                        Ok(None) => self.running.push(seq),
+                        Ok(Some(finish)) => self.finish(seq, finish),
+                        Err(e) => self.fail(seq, e),
+                    }
+                }
+                Ok(_) => self.waiting.push_front(seq),
+                Err(e) => self.fail(seq, e.into()),
             }
         }
     }
