@@ -428,3 +428,62 @@ fn n_choices_share_one_prefill_and_have_distinct_seeds() {
         }
     });
 }
+
+/// `/v1/completions` takes the prompt as it is: the reference's rendered text-only prompt gives
+/// the reference's greedy answer, streamed or not, through the client's completions API.
+#[test]
+fn completions_take_a_raw_prompt() {
+    let g = "tiny-a";
+    let server = start(g, &[]);
+    let prompt: Value =
+        serde_json::from_str(&std::fs::read_to_string(goldens().join("prompts/text_only.json")).unwrap()).unwrap();
+    let case: Value =
+        serde_json::from_str(&std::fs::read_to_string(goldens().join(g).join("cases/text_only.json")).unwrap())
+            .unwrap();
+    let want = case["greedy"]["text"].as_str().unwrap();
+    let n = case["greedy"]["ids"].as_array().unwrap().len();
+    let agent = ureq::AgentBuilder::new().timeout(std::time::Duration::from_secs(120)).build();
+    let post = |body: Value| -> (u16, String) {
+        match agent.post(&format!("{}/v1/completions", server.base)).send_string(&body.to_string()) {
+            Ok(r) => (r.status(), r.into_string().unwrap()),
+            Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap()),
+            Err(e) => panic!("{e}"),
+        }
+    };
+    let body = json!({"model": g, "prompt": prompt["prompt"], "max_tokens": n, "temperature": 0});
+    let (st, text) = post(body.clone());
+    assert_eq!(st, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["text"], want, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["prompt_tokens"], case["num_tokens"]);
+    // Streamed: `text` pieces add up to the same.
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let (st, sse) = post(sb);
+    assert_eq!(st, 200);
+    let pieces: String = sse
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .map(|c| {
+            assert_eq!(c["object"], "text_completion");
+            c["choices"][0]["text"].as_str().unwrap_or("").to_string()
+        })
+        .collect();
+    assert_eq!(pieces, want);
+    // What the legacy endpoint has and we do not: refused by name.
+    for (k, x) in [("echo", json!(true)), ("suffix", json!("x")), ("best_of", json!(2)), ("logprobs", json!(2))] {
+        let mut b = body.clone();
+        b[k] = x;
+        let (st, t) = post(b);
+        assert_eq!(st, 400, "{k}: {t}");
+        assert!(t.contains(k), "{t}");
+    }
+    let (st, t) = post(json!({"model": g, "prompt": ["a", "b"]}));
+    assert_eq!(st, 400, "{t}");
+    let (st, t) = post(json!({"model": g}));
+    assert!(st == 400 && t.contains("prompt"), "{t}");
+}

@@ -237,7 +237,12 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
         msg.tool_calls = tool_calls;
         messages.push(msg);
     }
-    Ok(Parsed { req: Request { messages, options: o, stop, tools, constraint }, n, stream, include_usage })
+    Ok(Parsed {
+        req: Request { messages, options: o, stop, tools, constraint, prompt: None },
+        n,
+        stream,
+        include_usage,
+    })
 }
 
 /// `response_format`: `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema",
@@ -362,4 +367,47 @@ fn tool_call(c: &ToolCallIn, at: &str) -> Result<ToolCall, ApiError> {
         Some(_) => return Err(ApiError::bad(format!("`{at}.function.arguments` must be a JSON string"))),
     };
     Ok(ToolCall { name: name.clone(), arguments })
+}
+
+/// A `/v1/completions` body: `prompt` (a string, or a list of one) answered without the chat
+/// template, with the chat endpoint's sampling fields and checks. `echo`, `suffix`, `best_of` > 1
+/// and the legacy integer `logprobs` are refused by name; a request with `messages` is refused.
+pub(crate) fn parse_completion(app: &App, body: &[u8]) -> Result<Parsed, ApiError> {
+    let mut v: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad(format!("malformed JSON body: {e}")))?;
+    let Some(o) = v.as_object_mut() else { return Err(ApiError::bad("the body must be a JSON object")) };
+    let prompt = match o.remove("prompt") {
+        Some(Value::String(p)) => p,
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => a[0].as_str().unwrap_or_default().to_string(),
+        Some(Value::Array(_)) => {
+            return Err(ApiError::bad("`prompt`: one prompt per request (a string, or a list of one string)"))
+        }
+        Some(_) => return Err(ApiError::bad("`prompt` must be a string")),
+        None => return Err(ApiError::bad("`prompt` is required")),
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::bad("`prompt` must not be empty"));
+    }
+    for (name, refused) in [
+        ("echo", o.get("echo").is_some_and(|e| e.as_bool() == Some(true))),
+        ("suffix", o.get("suffix").is_some_and(|s| !s.is_null())),
+        ("best_of", o.get("best_of").is_some_and(|b| b.as_u64() != Some(1) && !b.is_null())),
+        ("logprobs", o.get("logprobs").is_some_and(|l| !l.is_null())),
+        ("messages", o.contains_key("messages")),
+        ("tools", o.contains_key("tools")),
+        ("tool_choice", o.contains_key("tool_choice")),
+    ] {
+        if refused {
+            return Err(ApiError::bad(format!("`{name}` is not supported on /v1/completions")));
+        }
+    }
+    for k in ["echo", "suffix", "best_of", "logprobs"] {
+        o.remove(k);
+    }
+    // The chat endpoint's checks, on a placeholder message.
+    o.insert("messages".into(), serde_json::json!([{"role": "user", "content": ""}]));
+    let chat = typed(v.to_string().as_bytes())?;
+    let mut parsed = parse(app, chat)?;
+    parsed.req.messages.clear();
+    parsed.req.prompt = Some(prompt);
+    Ok(parsed)
 }

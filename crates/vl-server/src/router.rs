@@ -92,6 +92,7 @@ pub fn serve(engine: Arc<Engine>, listener: std::net::TcpListener, config: Serve
 
     let router = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { axum::Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics))
@@ -275,8 +276,24 @@ async fn models(State(app): State<Arc<App>>) -> Response {
 }
 
 async fn chat_completions(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
+    endpoint(app, req, Kind::Chat).await
+}
+
+/// `POST /v1/completions`: a raw prompt, no chat template.
+async fn completions(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
+    endpoint(app, req, Kind::Text).await
+}
+
+/// Which OpenAI endpoint a request came to: the answers' shape follows it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Text,
+}
+
+async fn endpoint(app: Arc<App>, req: axum::extract::Request, kind: Kind) -> Response {
     let resp = match read_body(&app, req).await {
-        Ok(body) => match handle(&app, body).await {
+        Ok(body) => match handle(&app, body, kind).await {
             Ok(r) => r,
             Err(e) => e.into_response(),
         },
@@ -305,9 +322,12 @@ async fn read_body(app: &App, req: axum::extract::Request) -> std::result::Resul
         .map_err(|_| too_large(format!("more than {}", app.config.max_body_bytes)))
 }
 
-async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, ApiError> {
+async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<Response, ApiError> {
     let started = Instant::now();
-    let parsed = parse(app, typed(&body)?)?;
+    let parsed = match kind {
+        Kind::Chat => parse(app, typed(&body)?)?,
+        Kind::Text => crate::request::parse_completion(app, &body)?,
+    };
     let want_logprobs = parsed.req.options.logprobs.is_some();
     let (tx, mut rx) = mpsc::unbounded_channel::<Msg>();
     let job = Job { req: parsed.req, n: parsed.n, tx, queued: Instant::now() };
@@ -340,7 +360,13 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
             ),
         });
     }
-    let id = format!("chatcmpl-{}", app.next_id.fetch_add(1, Ordering::Relaxed));
+    let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
+    let id = format!("{prefix}-{}", app.next_id.fetch_add(1, Ordering::Relaxed));
+    let (object, chunk_object) = if kind == Kind::Chat {
+        ("chat.completion", "chat.completion.chunk")
+    } else {
+        ("text_completion", "text_completion")
+    };
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     // The first message decides the status: a request the engine refuses gets its error status
     // even when streaming.
@@ -359,17 +385,21 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
                         .iter()
                         .enumerate()
                         .map(|(i, c)| {
-                            json!({
+                            let mut v = json!({
                                 "index": i,
-                                "message": message(&id, c),
                                 "finish_reason": c.finish.openai(),
                                 "logprobs": if want_logprobs { logprobs_json(app, &c.logprobs) } else { Value::Null },
-                            })
+                            });
+                            match kind {
+                                Kind::Chat => v["message"] = message(&id, c),
+                                Kind::Text => v["text"] = json!(c.text),
+                            }
+                            v
                         })
                         .collect();
                     return Ok(axum::Json(json!({
                         "id": id,
-                        "object": "chat.completion",
+                        "object": object,
                         "created": created,
                         "model": app.config.id,
                         "choices": choices,
@@ -396,9 +426,13 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
     let include_usage = parsed.include_usage;
     let n = parsed.n;
     let chunk = move |index: usize, delta: Value, finish: Value, logprobs: Value| {
-        json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
-        .to_string()
+        let mut choice = json!({"index": index, "finish_reason": finish, "logprobs": logprobs});
+        match kind {
+            Kind::Chat => choice["delta"] = delta,
+            // A text completion's chunk carries the piece as `text`.
+            Kind::Text => choice["text"] = delta.get("content").cloned().unwrap_or(json!("")),
+        }
+        json!({"id": id, "object": chunk_object, "created": created, "model": model, "choices": [choice]}).to_string()
     };
     // A task turns the worker's messages into SSE lines; when the client goes away the stream
     // (and its receiver) is dropped, the task's send fails, it drops the worker's channel, and
@@ -406,7 +440,7 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
     let (lines, out) = mpsc::channel::<String>(64);
     tokio::spawn(async move {
         let mut msg = Some(first);
-        for i in 0..n {
+        for i in (0..n).filter(|_| kind == Kind::Chat) {
             let role = chunk(i, json!({"role": "assistant", "content": ""}), Value::Null, Value::Null);
             if lines.send(role).await.is_err() {
                 return;
@@ -436,7 +470,7 @@ async fn handle(app: &Arc<App>, body: Bytes) -> std::result::Result<Response, Ap
                         let _ = lines.send(chunk(i, json!({}), json!(c.finish.openai()), Value::Null)).await;
                     }
                     if include_usage {
-                        let v = json!({"id": usage_id, "object": "chat.completion.chunk", "created": created,
+                        let v = json!({"id": usage_id, "object": chunk_object, "created": created,
                                        "model": usage_model, "choices": [], "usage": usage(&all)});
                         let _ = lines.send(v.to_string()).await;
                     }

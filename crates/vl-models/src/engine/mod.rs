@@ -215,6 +215,9 @@ pub struct Request {
     /// What the answer must be (a JSON schema, any JSON object, tool calls): the sampler picks
     /// only tokens that keep it valid (`crate::constraint`).
     pub constraint: Option<Constraint>,
+    /// A raw prompt, tokenized as it is without the chat template (OpenAI's `/v1/completions`);
+    /// `messages` and `tools` must then be empty.
+    pub prompt: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -561,7 +564,8 @@ fn check_text_fits(family: &dyn Family, longest: &std::sync::OnceLock<usize>, re
             _ => 0,
         })
         .sum::<usize>()
-        + req.tools.iter().map(|t| t.to_string().len()).sum::<usize>();
+        + req.tools.iter().map(|t| t.to_string().len()).sum::<usize>()
+        + req.prompt.as_ref().map_or(0, String::len);
     let context = family.context();
     if text <= context.saturating_mul(TEXT_BYTES_PER_TOKEN_CHECK) {
         return Ok(());

@@ -559,6 +559,41 @@ fn image_processor(
     Ok(p)
 }
 
+/// A raw prompt (no chat template): its tokens as the tokenizer gives them, no media.
+fn raw_prompt(
+    processor: &Processor,
+    config: &super::Qwen3VlConfig,
+    options: GenerationOptions,
+    req: &Request,
+    text: &str,
+) -> Result<Prepared> {
+    if !req.messages.is_empty() || !req.tools.is_empty() {
+        return Err(Error::Input {
+            what: "prompt".into(),
+            message: "a raw prompt goes without messages and tools".into(),
+        });
+    }
+    let ids = processor
+        .tokenizer
+        .encode(text, false)
+        .map_err(|e| Error::Input { what: "prompt".into(), message: e.to_string() })?
+        .get_ids()
+        .to_vec();
+    let context = config.text.max_position_embeddings;
+    if ids.is_empty() {
+        return Err(Error::Input { what: "prompt".into(), message: "no tokens".into() });
+    }
+    if ids.len() >= context {
+        return Err(Error::Limit {
+            what: "prompt".into(),
+            message: format!("the prompt is {} tokens, longer than the model's context of {context} tokens", ids.len()),
+            kind: crate::limits::LimitKind::Fixed,
+        });
+    }
+    let ident = ids.iter().map(|&t| (t, 0)).collect();
+    Ok(Prepared { options, ids, ident, media: vec![], image_tokens: 0, video_tokens: 0, videos: vec![] })
+}
+
 /// Checks a request and prepares its prompt: options, image headers and budgets, the prompt's
 /// length against the context (before any pixel is decoded), then pixels and tokens.
 fn prepare(
@@ -571,6 +606,9 @@ fn prepare(
 ) -> Result<Prepared> {
     let opts = GenerationOptions { eos_token_ids: eos.to_vec(), ..req.options.clone() };
     opts.validate()?;
+    if let Some(text) = &req.prompt {
+        return raw_prompt(processor, config, opts, req, text);
+    }
     if req.messages.is_empty() {
         return Err(Error::Input { what: "messages".into(), message: "no messages".into() });
     }
