@@ -33,7 +33,7 @@ enum Command {
     Run(run::RunArgs),
     /// A multi-turn chat in the terminal (history kept; /image PATH, /video PATH, /reset, /exit).
     Chat(chat::ChatArgs),
-    /// Serve the OpenAI chat completions API (`/v1/chat/completions`, `/v1/models`, `/health`,
+    /// Serve the OpenAI API (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`,
     /// `/metrics`) from one resident model.
     Serve(serve::ServeArgs),
     /// Check a model directory as `run` would (config, weights, tokenizer, template, processor)
