@@ -32,6 +32,12 @@ pub struct ChatArgs {
     top_k: usize,
     #[arg(long, default_value_t = 1.0)]
     top_p: f64,
+    /// Drop tokens below min_p times the top probability (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f64,
+    /// Penalize tokens already seen (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f64,
     #[arg(long, default_value_t = 0)]
     seed: u64,
 }
@@ -64,6 +70,8 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         temperature: args.temperature,
         top_k: args.top_k,
         top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
         seed: args.seed,
         ..Default::default()
     };

@@ -34,6 +34,36 @@ fn looks_like_hub_id(s: &str) -> bool {
 }
 
 /// Returns a local directory holding the checkpoint.
+/// `model` without downloading (`vl inspect`): a directory, a .gguf file, or a hub id already in
+/// the local cache.
+pub fn resolve_cached(model: &str) -> Result<PathBuf> {
+    if let Some(local) = local(model)? {
+        return Ok(local);
+    }
+    bail!(
+        "{model} is not in the local Hugging Face cache ({}); `vl run --model {model}` downloads it, or pass --model DIR",
+        cache().path().display()
+    )
+}
+
+/// A local directory or .gguf file, or a cached hub snapshot; None for a hub id not cached.
+fn local(model: &str) -> Result<Option<PathBuf>> {
+    let path = Path::new(model);
+    if path.is_dir() || (path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))) {
+        return Ok(Some(path.to_path_buf()));
+    }
+    if path.exists() {
+        bail!("--model {model}: not a directory or a .gguf file");
+    }
+    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        bail!("GGUF file {model} not found");
+    }
+    if !looks_like_hub_id(model) {
+        bail!("model directory {model} not found");
+    }
+    Ok(cached(model))
+}
+
 pub fn resolve(model: &str) -> Result<PathBuf> {
     let path = Path::new(model);
     if path.is_dir() {
@@ -42,14 +72,8 @@ pub fn resolve(model: &str) -> Result<PathBuf> {
     if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
         return Ok(path.to_path_buf());
     }
-    if path.exists() {
-        bail!("--model {model}: not a directory or a .gguf file");
-    }
-    if !looks_like_hub_id(model) {
-        bail!("model directory {model} not found");
-    }
-    if let Some(dir) = cached(model) {
-        return Ok(dir);
+    if let Some(local) = local(model)? {
+        return Ok(local);
     }
     if offline() {
         bail!("{model} is not in the local Hugging Face cache ({}) and HF_HUB_OFFLINE is set; pass --model DIR with a local checkpoint", cache().path().display());

@@ -39,10 +39,11 @@ enum Command {
     /// Check a model directory as `run` would (config, weights, tokenizer, template, processor)
     /// without loading weights, and summarize it.
     Inspect {
-        /// A local model directory (config.json + safetensors weights), or GGUF weights (a
-        /// .gguf text model or a directory holding one, with its mmproj).
+        /// A local model directory (config.json + safetensors weights), GGUF weights (a .gguf
+        /// text model or a directory holding one, with its mmproj), or a hub id in the local
+        /// Hugging Face cache (inspect never downloads).
         #[arg(long)]
-        model: PathBuf,
+        model: String,
         /// The GGUF vision projector (default: the mmproj*.gguf beside the text model).
         #[arg(long)]
         mmproj: Option<PathBuf>,
@@ -106,7 +107,9 @@ fn main() -> ExitCode {
         Command::Run(args) => run::run(args, run::media_order(matches.subcommand_matches("run"))),
         Command::Serve(args) => serve::serve(args),
         Command::Chat(args) => chat::chat(args),
-        Command::Inspect { model, mmproj, json } => inspect(&model, mmproj.as_deref(), json),
+        Command::Inspect { model, mmproj, json } => {
+            hub::resolve_cached(&model).and_then(|dir| inspect(&dir, mmproj.as_deref(), json))
+        }
         Command::Quantize { model, quantize, out } => quantize_cmd(&model, &quantize, &out),
     };
     match result {

@@ -105,3 +105,46 @@ fn inspect_reports_each_width_of_a_mixed_mlx_checkpoint_and_what_run_computes() 
         "{out}"
     );
 }
+
+#[test]
+fn inspect_takes_a_cached_hub_id_and_never_downloads() {
+    let home = tempfile::tempdir().unwrap();
+    let repo = home.path().join("hub/models--tiny--qwen3-vl-a");
+    let snap = repo.join("snapshots/0123abcd");
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "0123abcd").unwrap();
+    for entry in std::fs::read_dir(golden("tiny-a")).unwrap() {
+        let p = entry.unwrap().path();
+        std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), snap.join(p.file_name().unwrap())).unwrap();
+    }
+    let with_home = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_vl"))
+            .args(args)
+            .env("HF_HOME", home.path())
+            .env_remove("HF_HUB_CACHE")
+            .env_remove("HF_HUB_OFFLINE")
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, out, err) = with_home(&["inspect", "--model", "tiny/qwen3-vl-a", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let direct = vl(&["inspect", "--model", golden("tiny-a").to_str().unwrap(), "--json"]).1;
+    let (a, b): (serde_json::Value, serde_json::Value) =
+        (serde_json::from_str(&out).unwrap(), serde_json::from_str(&direct).unwrap());
+    assert_eq!(a["parameters"], b["parameters"], "{out}");
+    // Not cached: one line saying so, whatever the network (inspect does not download).
+    let (code, _, err) = with_home(&["inspect", "--model", "tiny/not-cached"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("tiny/not-cached") && err.contains("not in the local Hugging Face cache"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    // A missing .gguf file is named as one.
+    let (code, _, err) = vl(&["inspect", "--model", "/nonexistent/model-Q4_K_M.gguf"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("GGUF file /nonexistent/model-Q4_K_M.gguf not found"), "{err}");
+}
