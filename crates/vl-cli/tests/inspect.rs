@@ -1,5 +1,7 @@
 //! `vl inspect` end to end: counts on the tiny checkpoints, exit codes and messages on broken ones.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -109,15 +111,7 @@ fn inspect_reports_each_width_of_a_mixed_mlx_checkpoint_and_what_run_computes() 
 #[test]
 fn inspect_takes_a_cached_hub_id_and_never_downloads() {
     let home = tempfile::tempdir().unwrap();
-    let repo = home.path().join("hub/models--tiny--qwen3-vl-a");
-    let snap = repo.join("snapshots/0123abcd");
-    std::fs::create_dir_all(&snap).unwrap();
-    std::fs::create_dir_all(repo.join("refs")).unwrap();
-    std::fs::write(repo.join("refs/main"), "0123abcd").unwrap();
-    for entry in std::fs::read_dir(golden("tiny-a")).unwrap() {
-        let p = entry.unwrap().path();
-        std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), snap.join(p.file_name().unwrap())).unwrap();
-    }
+    common::fake_hub_cache(home.path());
     let with_home = |args: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_vl"))
             .args(args)

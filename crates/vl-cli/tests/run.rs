@@ -1,6 +1,8 @@
 //! `vl run` end to end on the tiny checkpoints: the reference's greedy text, `--json`,
 //! `--logits-out`, hub-id resolution through a local cache, and one clear line per error.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -122,15 +124,7 @@ fn json_output_and_logits_out() {
 #[test]
 fn a_hub_id_resolves_through_the_local_cache() {
     let home = tempfile::tempdir().unwrap();
-    let repo = home.path().join("hub/models--tiny--qwen3-vl-a");
-    let snap = repo.join("snapshots/0123abcd");
-    std::fs::create_dir_all(&snap).unwrap();
-    std::fs::create_dir_all(repo.join("refs")).unwrap();
-    std::fs::write(repo.join("refs/main"), "0123abcd").unwrap();
-    for entry in std::fs::read_dir(checkpoint("tiny-a")).unwrap() {
-        let p = entry.unwrap().path();
-        std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), snap.join(p.file_name().unwrap())).unwrap();
-    }
+    common::fake_hub_cache(home.path());
     let img = image("square.png");
     let (code, out, err) =
         vl_env(&["run", "--model", "tiny/qwen3-vl-a", "--image", &img, "--max-new-tokens", "4", "--json"], home.path());

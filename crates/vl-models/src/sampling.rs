@@ -308,10 +308,9 @@ impl TokenPicker {
         apply_repetition_penalty(&mut logits, &self.seen, self.opts.repetition_penalty);
         let next = match self.opts.logprobs {
             Some(top) => {
-                let lp = logprob_of(&logits, 0, top);
+                // The distribution before temperature and truncation: the sampler gets a copy.
                 let next = sample_processed(logits.clone(), &self.opts, &mut self.rng);
-                let logprob = logprob_of(&logits, next, 0).logprob;
-                self.last = Some(TokenLogprob { token: next, logprob, top: lp.top });
+                self.last = Some(logprob_of(&logits, next, top));
                 next
             }
             None => sample_processed(logits, &self.opts, &mut self.rng),

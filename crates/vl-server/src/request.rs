@@ -275,15 +275,21 @@ fn response_format(f: Option<&Value>) -> Result<Option<Constraint>, ApiError> {
             if !schema.is_object() && !schema.is_boolean() {
                 return bad(".json_schema.schema must be a JSON schema (an object)".into());
             }
-            let size = schema.to_string().len();
-            if size > MAX_SCHEMA_BYTES {
-                return bad(format!(".json_schema.schema is {size} bytes, over the limit of {MAX_SCHEMA_BYTES}"));
-            }
+            schema_within_limit(&schema, "`response_format.json_schema.schema`")?;
             Ok(Some(Constraint::JsonSchema(schema)))
         }
         Some(t) => bad(format!(".type {t:?} is not one of \"text\", \"json_object\", \"json_schema\"")),
         None => bad(".type must be a string".into()),
     }
+}
+
+/// Refuses a schema over `MAX_SCHEMA_BYTES` of JSON text; `what` names it.
+fn schema_within_limit(schema: &Value, what: &str) -> Result<(), ApiError> {
+    let size = schema.to_string().len();
+    if size > MAX_SCHEMA_BYTES {
+        return Err(ApiError::bad(format!("{what} is {size} bytes, over the limit of {MAX_SCHEMA_BYTES}")));
+    }
+    Ok(())
 }
 
 /// A `tool_choice` that requires a call: `"required"` (one or more calls of the listed
@@ -303,12 +309,7 @@ fn tool_choice(c: &Value, tools: &[Value]) -> Result<Constraint, ApiError> {
                 return Err(ApiError::bad(format!("`tools`: function {name:?}'s `parameters` must be a JSON schema")))
             }
         };
-        let size = params.to_string().len();
-        if size > MAX_SCHEMA_BYTES {
-            return Err(ApiError::bad(format!(
-                "`tools`: function {name:?}'s `parameters` is {size} bytes, over the limit of {MAX_SCHEMA_BYTES}"
-            )));
-        }
+        schema_within_limit(&params, &format!("`tools`: function {name:?}'s `parameters`"))?;
         Ok((name, params))
     };
     if tools.is_empty() {

@@ -64,3 +64,17 @@ fn serve_model(ck: &Path, g: &str, extra: &[&str]) -> Server {
     });
     Server { child, base, log }
 }
+
+/// A private Hugging Face cache under `home` holding `tiny/qwen3-vl-a` (links to tiny-a's files),
+/// as `hf-hub` lays one out.
+pub fn fake_hub_cache(home: &Path) {
+    let repo = home.join("hub/models--tiny--qwen3-vl-a");
+    let snap = repo.join("snapshots/0123abcd");
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "0123abcd").unwrap();
+    for entry in std::fs::read_dir(goldens().join("tiny-a/checkpoint")).unwrap() {
+        let p = entry.unwrap().path();
+        std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), snap.join(p.file_name().unwrap())).unwrap();
+    }
+}
