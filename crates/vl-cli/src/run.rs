@@ -209,6 +209,81 @@ pub struct RunArgs {
     /// Write the f32 logits of the first generated position to this safetensors file (key "logits").
     #[arg(long)]
     logits_out: Option<PathBuf>,
+    /// Whether this is a grounding prompt (boxes or points): its images are then sized to at
+    /// least the model's grounding minimum (Qwen3-VL: 1024 visual tokens, within
+    /// --max-image-tokens) and the answer's shapes are reported. `auto`: when the prompt says
+    /// bbox, bounding box, point_2d, grounding or coordinates, or --draw-boxes is given.
+    #[arg(long, value_enum, default_value = "auto")]
+    grounding: Grounding,
+    /// Draw the answer's boxes and points (with labels, in distinct colours) on the first image,
+    /// at the image's own size, into this PNG file; stderr says how many were drawn.
+    #[arg(long, value_name = "OUT.png")]
+    draw_boxes: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum Grounding {
+    Auto,
+    On,
+    Off,
+}
+
+/// The PNG `--draw-boxes` names: a temporary file beside it, created before any work (an
+/// unwritable place fails first), renamed over it once drawn (never a half-written image).
+struct BoxesOut {
+    path: PathBuf,
+    tmp: tempfile::NamedTempFile,
+}
+
+impl BoxesOut {
+    fn create(path: &Path) -> Result<Self> {
+        let ext = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
+        if ext.as_deref() != Some("png") {
+            bail!("--draw-boxes {}: the drawing is written as PNG; name a .png file", path.display());
+        }
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let tmp =
+            tempfile::Builder::new().prefix(".vl-boxes-").suffix(".png").tempfile_in(dir).with_context(|| {
+                format!("--draw-boxes {}: cannot create a file in {}", path.display(), dir.display())
+            })?;
+        Ok(Self { path: path.to_path_buf(), tmp })
+    }
+
+    /// Draws `text`'s shapes on the image `data` (decoded as the engine decodes it) and writes
+    /// the PNG; returns the number drawn and the parser's notes.
+    fn write(
+        self,
+        g: vl_models::grounding::Grounding,
+        data: &[u8],
+        name: &Path,
+        limits: &ImageLimits,
+        text: &str,
+        resized: (usize, usize),
+    ) -> Result<usize> {
+        use vl_models::grounding::{draw, parse, to_pixels};
+        let file = vl_models::image_file::ImageFile::from_bytes(data.to_vec(), name, limits)?;
+        let mut img = file.decode()?;
+        let parsed = parse(text, g.coords);
+        for n in &parsed.notes {
+            note!("note: --draw-boxes: {n}");
+        }
+        let shapes = to_pixels(&parsed.shapes, g.coords, img.width() as usize, img.height() as usize, resized);
+        draw(&mut img, &shapes);
+        let mut w = std::io::BufWriter::new(self.tmp.as_file());
+        img.write_to(&mut w, image::ImageFormat::Png)
+            .map_err(|e| anyhow::anyhow!("--draw-boxes {}: cannot write: {e}", self.path.display()))?;
+        w.flush()
+            .and_then(|_| self.tmp.as_file().sync_all())
+            .with_context(|| format!("--draw-boxes {}", self.path.display()))?;
+        drop(w);
+        self.tmp
+            .persist(&self.path)
+            .map_err(|e| anyhow::anyhow!("--draw-boxes {}: {}", self.path.display(), e.error))?;
+        Ok(shapes.len())
+    }
 }
 
 pub(crate) fn device(arg: DeviceArg) -> Result<Device> {
@@ -349,6 +424,10 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     let dtype = dtype(args.load.dtype, &dev);
     let dir = crate::hub::resolve(&args.load.model)?;
     let logits_out = args.logits_out.as_deref().map(LogitsOut::create).transpose()?;
+    if args.draw_boxes.is_some() && args.images.is_empty() {
+        bail!("--draw-boxes draws on the first --image; give one");
+    }
+    let boxes_out = args.draw_boxes.as_deref().map(BoxesOut::create).transpose()?;
     let limits = args.load.image_limits();
     let gguf = vl_models::gguf::is_gguf(&dir);
     if !gguf && args.load.mmproj.is_some() {
@@ -444,7 +523,42 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     }
     let default_prompt =
         if args.images.is_empty() && !args.videos.is_empty() { "Describe this video." } else { "Describe this image." };
-    parts.push(Part::Text(args.prompt.clone().unwrap_or_else(|| default_prompt.into())));
+    let prompt = args.prompt.clone().unwrap_or_else(|| default_prompt.into());
+    let grounding = match args.grounding {
+        Grounding::On => true,
+        Grounding::Off => false,
+        Grounding::Auto => {
+            boxes_out.is_some()
+                || vl_models::grounding::looks_like_grounding(&prompt)
+                || args.json_schema.is_some()
+                    && constraint.as_ref().is_some_and(|c| match c {
+                        vl_models::engine::Constraint::JsonSchema(s) => {
+                            vl_models::grounding::looks_like_grounding(&s.to_string())
+                        }
+                        _ => false,
+                    })
+        }
+    };
+    let grounding_spec = family.grounding().filter(|_| grounding);
+    if boxes_out.is_some() && grounding_spec.is_none() {
+        bail!("--draw-boxes: the {} family has no grounding convention (or --grounding off was given)", family.name());
+    }
+    if let Some(g) = grounding_spec {
+        // The grounding minimum, unless --min-pixels says otherwise.
+        for p in parts.iter_mut() {
+            if let Part::Image { min_pixels: min @ None, .. } = p {
+                if args.load.min_pixels.is_none() {
+                    *min = Some(g.min_pixels);
+                }
+            }
+        }
+    }
+    let first_image = args.images.first().cloned();
+    let first_image_data = parts.iter().find_map(|p| match p {
+        Part::Image { data, .. } if boxes_out.is_some() => Some(data.clone()),
+        _ => None,
+    });
+    parts.push(Part::Text(prompt));
     let mut messages = Vec::new();
     if let Some(s) = &args.system {
         messages.push(ChatMessage::text("system", s));
@@ -518,6 +632,26 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     if let Some(out) = logits_out {
         out.write(&c.first_logits)?;
     }
+    // The answer's shapes in pixels of each image, for --json and --grounding.
+    let shapes_json = grounding_spec.map(|g| grounding_report(&c.text, g, &c.images));
+    // Sizes as the engine applied them (a grounding minimum may have raised them).
+    for (s, r) in sizes.iter_mut().zip(&c.images) {
+        s["resized_width"] = r.resized.1.into();
+        s["resized_height"] = r.resized.0.into();
+        s["tokens"] = r.tokens.into();
+    }
+    if let (Some(out), Some(data), Some(name), Some(g)) = (boxes_out, &first_image_data, &first_image, grounding_spec) {
+        let resized = c.images.first().map_or((0, 0), |i| i.resized);
+        let target = out.path.clone();
+        match out.write(g, data, name, &limits, &c.text, resized)? {
+            0 => note!(
+                "--draw-boxes: the answer has no boxes or points; {} is {} unchanged",
+                target.display(),
+                name.display()
+            ),
+            n => note!("--draw-boxes: drew {n} shape(s) on {} into {}", name.display(), target.display()),
+        }
+    }
 
     let videos: Vec<serde_json::Value> =
         c.videos.iter().zip(&shot.checkpoint_videos).map(|(v, full)| video_report(v, *full, &args.load)).collect();
@@ -544,6 +678,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
             "prompt_tokens": c.prompt_tokens,
             "image_tokens": c.image_tokens,
             "images": sizes,
+            "grounding": shapes_json,
             "video_tokens": c.video_tokens,
             "videos": videos,
             "generated_tokens": c.token_ids.len(),
@@ -590,6 +725,21 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The answer's boxes and points: as the model gave them, and in pixels of each image (`vl serve`
+/// puts the same object on its choices; docs/serving.md). Each shape is said on stderr too.
+fn grounding_report(
+    text: &str,
+    g: vl_models::grounding::Grounding,
+    images: &[vl_models::family::ImageReport],
+) -> serde_json::Value {
+    let v = vl_models::grounding::report(text, g.coords, images);
+    let first = v["images"][0]["shapes"].as_array().cloned().unwrap_or_default();
+    for s in &first {
+        note!("grounding: {s}");
+    }
+    v
 }
 
 /// What sampling and resizing made of one video, and whether the budget in force scaled it below

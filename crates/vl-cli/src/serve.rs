@@ -81,6 +81,9 @@ pub struct ServeArgs {
     /// requests are answered and responses carry Access-Control-Allow-Origin. None by default.
     #[arg(long, value_delimiter = ',')]
     cors_origins: Vec<String>,
+    /// Do not serve the web chat at `/` (the API only).
+    #[arg(long)]
+    no_ui: bool,
 }
 
 /// Most sequences `--parallel` may ask to decode together.
@@ -159,6 +162,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         queue: args.queue as usize,
         api_key: args.api_key.clone(),
         cors_origins: args.cors_origins.clone(),
+        ui: !args.no_ui,
     };
     vl_server::serve(engine, listener, config)?;
     Ok(())

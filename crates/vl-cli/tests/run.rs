@@ -394,3 +394,127 @@ fn json_schema_and_json_object_constrain_the_answer() {
     assert_ne!(code, 0);
     assert!(err.contains("--json-object"), "{err}");
 }
+
+/// RGB pixels and size of a PNG (an independent decoder: the `png` crate).
+fn read_png(p: &Path) -> (u32, u32, Vec<u8>) {
+    let mut dec = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(p).unwrap()));
+    dec.set_transformations(png::Transformations::EXPAND | png::Transformations::STRIP_16);
+    let mut r = dec.read_info().unwrap();
+    let mut buf = vec![0; r.output_buffer_size().unwrap()];
+    let info = r.next_frame(&mut buf).unwrap();
+    buf.truncate(info.buffer_size());
+    assert_eq!(info.color_type, png::ColorType::Rgb, "{}", p.display());
+    (info.width, info.height, buf)
+}
+
+#[test]
+fn draw_boxes_marks_the_answers_boxes_and_nothing_else() {
+    // A random-weight checkpoint constrained to the grounding schema answers with boxes.
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("boxes.png");
+    let schema = goldens().join("../docs/examples/grounding-schema.json");
+    let img = image("large.png");
+    let (code, stdout, err) = vl(&[
+        "run",
+        "--model",
+        &checkpoint("tiny-a"),
+        "--image",
+        &img,
+        "--prompt",
+        "Locate every object and report bbox_2d coordinates as JSON.",
+        "--json-schema",
+        schema.to_str().unwrap(),
+        "--max-new-tokens",
+        "400",
+        "--json",
+        "--draw-boxes",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let text = v["text"].as_str().unwrap();
+    // The answer, parsed here with serde_json (complete: the schema allows at most 8 boxes).
+    let answer: Vec<serde_json::Value> = serde_json::from_str(text).expect("a complete JSON answer");
+    assert!(!answer.is_empty());
+    let (w0, h0, before) = read_png(Path::new(&img));
+    let (w, h, after) = read_png(&out);
+    assert_eq!((w, h), (w0, h0), "drawn at the image's own size");
+    assert!(err.contains(&format!("drew {} shape(s)", answer.len())), "{err}");
+    // Each box in pixels: 0..1000 of the original width and height.
+    let mut allowed = vec![false; (w * h) as usize];
+    let changed = |x: u32, y: u32| {
+        let i = ((y * w + x) * 3) as usize;
+        before[i..i + 3] != after[i..i + 3]
+    };
+    for (i, b) in answer.iter().enumerate() {
+        let c: Vec<f64> = b["bbox_2d"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        let label = b["label"].as_str().unwrap();
+        let (x1, y1) = (c[0].min(c[2]) / 1000.0 * w as f64, c[1].min(c[3]) / 1000.0 * h as f64);
+        let (x2, y2) = (c[0].max(c[2]) / 1000.0 * w as f64, c[1].max(c[3]) / 1000.0 * h as f64);
+        let px = &v["grounding"]["images"][0]["shapes"][i]["bbox"];
+        for (got, want) in px.as_array().unwrap().iter().zip([x1, y1, x2, y2]) {
+            assert!((got.as_f64().unwrap() - want).abs() <= 0.05 + 1e-9, "box {i}: {px} vs {want}");
+        }
+        let (x0, y0) = ((x1.floor() as u32).min(w - 1), (y1.floor() as u32).min(h - 1));
+        let (xe, ye) = ((x2.ceil() as u32).clamp(x0 + 1, w), (y2.ceil() as u32).clamp(y0 + 1, h));
+        // The box's span may change (its outline, and later shapes' labels over it); its label
+        // band sits just above it (or just inside its top), 10 px tall, 8 px a character + 2.
+        let label_w = (label.chars().count() as u32 * 8 + 2).min(w);
+        for y in y0.saturating_sub(10)..(y0 + 10).min(h) {
+            for x in x0..(x0 + label_w).min(w) {
+                allowed[(y * w + x) as usize] = true;
+            }
+        }
+        for y in y0..ye {
+            for x in x0..xe {
+                allowed[(y * w + x) as usize] = true;
+            }
+        }
+        // The outline is there: the middle of each edge changed (unless a 1-px-wide box).
+        if xe - x0 >= 4 && ye - y0 >= 4 {
+            let (xm, ym) = ((x0 + xe) / 2, (y0 + ye) / 2);
+            for (x, y) in [(x0, ym), (xe - 1, ym), (xm, ye - 1)] {
+                assert!(changed(x, y), "box {i} {:?}: edge pixel ({x}, {y}) unchanged", (x0, y0, xe, ye));
+            }
+        }
+    }
+    for y in 0..h {
+        for x in 0..w {
+            assert!(allowed[(y * w + x) as usize] || !changed(x, y), "pixel ({x}, {y}) outside every box changed");
+        }
+    }
+}
+
+#[test]
+fn draw_boxes_without_boxes_writes_the_image_unchanged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("same.png");
+    let img = image("square.png");
+    let (code, _, err) = vl(&[
+        "run",
+        "--model",
+        &checkpoint("tiny-a"),
+        "--image",
+        &img,
+        "--prompt",
+        "Say hello.",
+        "--max-new-tokens",
+        "8",
+        "--draw-boxes",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("the answer has no boxes or points"), "{err}");
+    assert_eq!(read_png(&out), read_png(Path::new(&img)));
+    // Nothing else was left beside it.
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
+    assert_error(
+        &["run", "--model", &checkpoint("tiny-a"), "--image", &img, "--draw-boxes", "/tmp/x.jpg"],
+        &["--draw-boxes /tmp/x.jpg", ".png"],
+    );
+    assert_error(&["run", "--model", &checkpoint("tiny-a"), "--draw-boxes", "x.png"], &["--draw-boxes", "--image"]);
+    assert_error(
+        &["run", "--model", &checkpoint("tiny-a"), "--image", &img, "--draw-boxes", "/no/such/dir/x.png"],
+        &["--draw-boxes /no/such/dir/x.png", "cannot create"],
+    );
+}

@@ -794,3 +794,65 @@ fn a_request_s_media_are_bounded_in_count_and_bytes() {
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
 }
+
+#[test]
+fn grounding_requests_get_the_minimum_and_their_boxes_in_pixels() {
+    let s = common::start("tiny-a", &[]);
+    let tokens = |v: &Value| v["usage"]["prompt_tokens_details"]["image_tokens"].as_u64().unwrap();
+    // square.png is 128 x 128: 16 tokens of 32 x 32. A grounding request sizes it to the
+    // grounding minimum (1024 tokens), clamped to this checkpoint's budget of 65536 pixels: 64.
+    let (st, plain) =
+        post(&s, "/v1/chat/completions", &one_image("tiny-a", 2, json!({"grounding": false})).to_string());
+    assert_eq!(st, 200, "{plain}");
+    assert_eq!(tokens(&plain), 16);
+    let (_, forced) = post(&s, "/v1/chat/completions", &one_image("tiny-a", 2, json!({"grounding": true})).to_string());
+    assert_eq!(tokens(&forced), 64);
+    let mut by_prompt = one_image("tiny-a", 2, json!({}));
+    by_prompt["messages"][0]["content"][1]["text"] = json!("Locate the square; report bbox_2d coordinates as JSON.");
+    let (_, guessed) = post(&s, "/v1/chat/completions", &by_prompt.to_string());
+    assert_eq!(tokens(&guessed), 64);
+    // The client's own cap wins.
+    let mut capped = one_image("tiny-a", 2, json!({"grounding": true}));
+    capped["messages"][0]["content"][0]["image_url"]["max_pixels"] = json!(16384);
+    let (_, capped) = post(&s, "/v1/chat/completions", &capped.to_string());
+    assert_eq!(tokens(&capped), 16);
+    let (st, bad) = post(&s, "/v1/chat/completions", &one_image("tiny-a", 2, json!({"grounding": "yes"})).to_string());
+    assert_error(st, &bad, 400, "grounding");
+
+    // Boxes from an answer constrained to the grounding schema, in pixels of the image.
+    let schema: Value = read_json(&goldens().join("../docs/examples/grounding-schema.json"));
+    let format = json!({"type": "json_schema", "json_schema": {"name": "boxes", "schema": schema}});
+    let body = one_image("tiny-a", 400, json!({"response_format": format, "temperature": 0.0}));
+    let (st, v) = post(&s, "/v1/chat/completions", &body.to_string());
+    assert_eq!(st, 200, "{v}");
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    let answer: Vec<Value> = serde_json::from_str(text).unwrap();
+    let g = &v["choices"][0]["grounding"];
+    assert_eq!(g["coords"], "relative_1000");
+    assert_eq!(g["notes"], json!([]));
+    assert_eq!((g["images"][0]["width"].as_u64(), g["images"][0]["height"].as_u64()), (Some(128), Some(128)));
+    let shapes = g["images"][0]["shapes"].as_array().unwrap();
+    assert_eq!(shapes.len(), answer.len(), "{g}");
+    for (s, a) in shapes.iter().zip(&answer) {
+        assert_eq!(s["type"], "box");
+        assert_eq!(s["label"], a["label"]);
+        let q: Vec<f64> = a["bbox_2d"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        let want = [q[0].min(q[2]), q[1].min(q[3]), q[0].max(q[2]), q[1].max(q[3])].map(|c| c / 1000.0 * 128.0);
+        for (got, want) in s["bbox"].as_array().unwrap().iter().zip(want) {
+            assert!((got.as_f64().unwrap() - want).abs() <= 0.05 + 1e-9, "{s} vs {a}");
+        }
+    }
+    // Streamed: the same object on the choice's last chunk.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let lines = stream(&s, &streamed);
+    let last: Value = lines
+        .iter()
+        .filter(|l| *l != "[DONE]")
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .find(|c| !c["choices"][0]["finish_reason"].is_null())
+        .unwrap();
+    assert_eq!(&last["choices"][0]["grounding"], g);
+    // A plain answer carries no grounding field.
+    assert!(plain["choices"][0].get("grounding").is_none(), "{plain}");
+}

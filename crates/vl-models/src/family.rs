@@ -33,6 +33,20 @@ pub struct Prepared {
     pub image_tokens: usize,
     pub video_tokens: usize,
     pub videos: Vec<VideoReport>,
+    /// Each image of the prompt, in order.
+    pub images: Vec<ImageReport>,
+}
+
+/// An image as the engine read it: its size as displayed (after EXIF orientation) and as the
+/// model saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageReport {
+    pub name: String,
+    pub width: usize,
+    pub height: usize,
+    /// (height, width) after resizing.
+    pub resized: (usize, usize),
+    pub tokens: usize,
 }
 
 /// What an image or video becomes under a pixel budget: its resized (height, width) and its
@@ -104,6 +118,12 @@ pub trait Family: Send + Sync {
     /// Tensors a load reads through `Source::progress` (progress bars; 0 when unknown).
     fn tensors_to_load(&self) -> usize {
         0
+    }
+    /// How the family's answers give boxes and points, and the fewest pixels a grounding
+    /// request's images are sized to (within the engine's budget); None when it has no
+    /// grounding convention.
+    fn grounding(&self) -> Option<crate::grounding::Grounding> {
+        None
     }
 }
 

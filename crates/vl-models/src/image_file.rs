@@ -109,6 +109,11 @@ impl ImageFile {
         }
     }
 
+    /// The path (or the name standing for it) the image was read as.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// An input error about this image, named by its path.
     pub(crate) fn name_error(&self, e: Error) -> Error {
         e.rename_input(|_| format!("image {}", self.path.display()))

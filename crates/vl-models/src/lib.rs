@@ -3,7 +3,7 @@
 //! Layout follows the house style: generic layers live in `vl-nn`; this crate composes them.
 //! Model-agnostic: `family` (the seam a model family implements, and the registry), `engine`
 //! (the resident engine: scheduler with continuous batching, KV budget, prefix reuse),
-//! `checkpoint` (safetensors access), `constraint` (constrained decoding), `gguf` (the GGUF container), `media` (vision inputs and
+//! `checkpoint` (safetensors access), `constraint` (constrained decoding), `gguf` (the GGUF container), `grounding` (boxes and points in answers: parsed, mapped, drawn), `media` (vision inputs and
 //! features), `image_file` (image reading and decoding), `kv` (a sequence's KV cache), `cache` (byte-bounded LRU), `sampling`, `stream`
 //! (streaming detokenization), `template` (chat templates), `tools` (tool-call text format and transformers' `tojson`),
 //! `video` (video sources). `qwen3_vl` holds everything Qwen-named.
@@ -17,6 +17,7 @@ pub mod engine;
 pub mod error;
 pub mod family;
 pub mod gguf;
+pub mod grounding;
 pub mod image_file;
 pub mod kv;
 pub mod limits;

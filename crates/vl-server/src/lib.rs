@@ -6,6 +6,7 @@
 //! - `media`: images and videos from data URLs, http(s) URLs and allowed local paths.
 //! - `router`: the routes, the guard (CORS, API key, one log line per request) and the workers
 //!   that hand requests to the engine, whose scheduler decodes them together.
+//! - `ui/` (beside `src/`): the web chat at `/`, embedded in the binary.
 //! - `metrics`: Prometheus `/metrics`; `error`: OpenAI-shaped errors.
 
 /// A line on stderr that never panics (a closed stderr is not an error worth dying for).
@@ -50,6 +51,8 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// Origins a browser page may call from (`*` for any).
     pub cors_origins: Vec<String>,
+    /// Serve the web chat at `/` (its assets under `/ui/`).
+    pub ui: bool,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -38,6 +38,10 @@ pub struct ChatCompletionRequest {
     /// Checked in `request::parse`.
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<u64>,
+    /// Ours: whether the request asks for boxes or points (its images are then sized to at
+    /// least the family's grounding minimum). Absent: guessed from the user's text and the
+    /// response format (`vl_models::grounding::looks_like_grounding`).
+    pub grounding: Option<bool>,
     // Not implemented: refused by `check_supported` when they ask for anything.
     pub functions: Option<Value>,
     pub function_call: Option<Value>,

@@ -31,6 +31,32 @@ pub(crate) struct Parsed {
     pub include_usage: bool,
 }
 
+/// Whether a request asks for boxes or points: `grounding` when the client says, else a guess
+/// from the users' text and the response format's schema.
+fn is_grounding(asked: Option<bool>, messages: &[vl_models::engine::ChatMessage], format: Option<&Value>) -> bool {
+    if let Some(g) = asked {
+        return g;
+    }
+    let users = messages.iter().filter(|m| m.role == "user").flat_map(|m| &m.parts).any(|p| match p {
+        Part::Text(t) => vl_models::grounding::looks_like_grounding(t),
+        _ => false,
+    });
+    users || format.is_some_and(|f| vl_models::grounding::looks_like_grounding(&f.to_string()))
+}
+
+/// A grounding request's images sized to at least the family's grounding minimum, where the
+/// client set no `min_pixels` and no `max_pixels` below it.
+fn grounding_minimum(app: &App, messages: &mut [vl_models::engine::ChatMessage]) {
+    let Some(g) = app.engine.family().grounding() else { return };
+    for p in messages.iter_mut().flat_map(|m| m.parts.iter_mut()) {
+        if let Part::Image { min_pixels: min @ None, max_pixels, .. } = p {
+            if max_pixels.is_none_or(|m| m >= g.min_pixels) {
+                *min = Some(g.min_pixels);
+            }
+        }
+    }
+}
+
 /// The body as JSON, typed: a malformed body, a field of the wrong type (named with its path) or
 /// an unknown field is a 400.
 pub(crate) fn typed(body: &[u8]) -> Result<ChatCompletionRequest, ApiError> {
@@ -79,6 +105,8 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
         }
     }
     let mut constraint = response_format(v.response_format.as_ref())?;
+    let format = v.response_format.clone();
+    let grounding = v.grounding;
     match &v.tool_choice {
         None | Some(Value::Null) => {}
         Some(Value::String(c)) if c == "auto" => {}
@@ -236,6 +264,9 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
         let mut msg = ChatMessage::new(role, parts);
         msg.tool_calls = tool_calls;
         messages.push(msg);
+    }
+    if is_grounding(grounding, &messages, format.as_ref()) {
+        grounding_minimum(app, &mut messages);
     }
     Ok(Parsed {
         req: Request { messages, options: o, stop, tools, constraint, prompt: None },

@@ -90,7 +90,14 @@ pub fn serve(engine: Arc<Engine>, listener: std::net::TcpListener, config: Serve
         workers.push(std::thread::Builder::new().name(format!("vl-worker-{i}")).spawn(move || work(&app, &rx))?);
     }
 
-    let router = Router::new()
+    let mut router = Router::new();
+    if app.config.ui {
+        router = router
+            .route("/", get(|| async { page(UI_HTML, "text/html; charset=utf-8") }))
+            .route("/ui/app.js", get(|| async { page(UI_JS, "text/javascript; charset=utf-8") }))
+            .route("/ui/app.css", get(|| async { page(UI_CSS, "text/css; charset=utf-8") }));
+    }
+    let router = router
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
@@ -111,10 +118,14 @@ pub fn serve(engine: Arc<Engine>, listener: std::net::TcpListener, config: Serve
         .layer(DefaultBodyLimit::disable())
         .with_state(app.clone());
 
+    let ui = app.config.ui;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         note!("listening on http://{local}");
+        if ui {
+            note!("web chat: http://{local}/");
+        }
         axum::serve(listener, router).with_graceful_shutdown(shutdown_signal()).await
     })?;
     // Close the queue: the workers finish what they hold, then return.
@@ -126,6 +137,33 @@ pub fn serve(engine: Arc<Engine>, listener: std::net::TcpListener, config: Serve
     }
     note!("stopped");
     Ok(())
+}
+
+/// The web chat (`crates/vl-server/ui`), embedded: one page, its script and its style.
+const UI_HTML: &str = include_str!("../ui/index.html");
+const UI_JS: &str = include_str!("../ui/app.js");
+const UI_CSS: &str = include_str!("../ui/app.css");
+/// The page loads and calls nothing outside this server; model output never becomes markup
+/// (the script only writes text nodes), and the policy would stop an injected script anyway.
+const UI_CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; \
+    media-src 'self' data: blob:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+/// The web chat's paths, served without the API key (the page asks for it).
+fn is_ui_path(path: &str) -> bool {
+    matches!(path, "/" | "/ui/app.js" | "/ui/app.css")
+}
+
+fn page(body: &'static str, content_type: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CONTENT_SECURITY_POLICY, UI_CSP),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        body,
+    )
+        .into_response()
 }
 
 async fn shutdown_signal() {
@@ -220,7 +258,7 @@ async fn guard(State(app): State<Arc<App>>, req: axum::extract::Request, next: a
             h.insert(header::ACCESS_CONTROL_MAX_AGE, header::HeaderValue::from_static("600"));
         }
         r
-    } else if path != "/health" && !authorized(&app, req.headers()) {
+    } else if path != "/health" && !(app.config.ui && is_ui_path(&path)) && !authorized(&app, req.headers()) {
         // The body is read (within the size limit) before the answer, so that a client still
         // sending it gets the 401 rather than a broken connection.
         let _ = axum::body::to_bytes(req.into_body(), app.config.max_body_bytes).await;
@@ -394,6 +432,9 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
                                 Kind::Chat => v["message"] = message(&id, c),
                                 Kind::Text => v["text"] = json!(c.text),
                             }
+                            if let Some(g) = grounding_json(app, c) {
+                                v["grounding"] = g;
+                            }
                             v
                         })
                         .collect();
@@ -423,6 +464,7 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
     }
     let model = app.config.id.clone();
     let (usage_id, usage_model) = (id.clone(), model.clone());
+    let app2 = app.clone();
     let include_usage = parsed.include_usage;
     let n = parsed.n;
     let chunk = move |index: usize, delta: Value, finish: Value, logprobs: Value| {
@@ -467,7 +509,13 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
                             let calls = tool_calls_json(&usage_id, &c.tool_calls, true);
                             let _ = lines.send(chunk(i, json!({"tool_calls": calls}), Value::Null, Value::Null)).await;
                         }
-                        let _ = lines.send(chunk(i, json!({}), json!(c.finish.openai()), Value::Null)).await;
+                        let mut last: Value =
+                            serde_json::from_str(&chunk(i, json!({}), json!(c.finish.openai()), Value::Null))
+                                .unwrap_or(Value::Null);
+                        if let Some(g) = grounding_json(&app2, c) {
+                            last["choices"][0]["grounding"] = g;
+                        }
+                        let _ = lines.send(last.to_string()).await;
                     }
                     if include_usage {
                         let v = json!({"id": usage_id, "object": chunk_object, "created": created,
@@ -524,6 +572,19 @@ fn logprobs_json(app: &App, lps: &[vl_models::engine::TokenLogprob]) -> Value {
     json!({"content": content})
 }
 
+/// Ours, on a choice whose answer names boxes or points (`vl_models::grounding`): the shapes in
+/// the answer's coordinates, then in pixels of each image of the request (as displayed, after
+/// EXIF orientation), and what the parser noticed. None when the answer has neither.
+/// docs/serving.md documents the shape.
+fn grounding_json(app: &App, c: &Completion) -> Option<Value> {
+    let g = app.engine.family().grounding()?;
+    // Cheap test first: most answers name no shape.
+    if !(c.text.contains("bbox_2d") || c.text.contains("point_2d")) {
+        return None;
+    }
+    Some(vl_models::grounding::report(&c.text, g.coords, &c.images))
+}
+
 /// Usage of a request's choices: the prompt once, the completions summed.
 fn usage(all: &[Completion]) -> Value {
     let c = &all[0];
@@ -574,6 +635,7 @@ mod tests {
             image_tokens: 0,
             video_tokens: 0,
             videos: vec![],
+            images: vec![],
             image_cache_hits: 0,
             video_cache_hits: 0,
             vision_time: Duration::ZERO,

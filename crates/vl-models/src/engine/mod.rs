@@ -260,6 +260,8 @@ pub struct Completion {
     pub video_tokens: usize,
     /// Each video of the request: its source and what sampling and resizing made of it.
     pub videos: Vec<VideoReport>,
+    /// Each image of the request: its size as displayed and as the model saw it.
+    pub images: Vec<crate::family::ImageReport>,
     /// Images whose features came from the feature cache.
     pub image_cache_hits: usize,
     /// Videos whose features came from the feature cache (keyed by the preprocessed pixels).

@@ -233,6 +233,7 @@ impl<'f> Seq<'f> {
             image_tokens: p.image_tokens,
             video_tokens: p.video_tokens,
             videos: p.videos.clone(),
+            images: p.images.clone(),
             image_cache_hits: e.image_hits,
             video_cache_hits: e.video_hits,
             finish,

@@ -18,7 +18,7 @@ use super::{
 use crate::cache::ByteLru;
 use crate::engine::{EngineOptions, Part, Request, VideoData, VideoReport};
 use crate::error::{Error, Result};
-use crate::family::{Family, FamilyEntry, Identity, ImageSizing, Prepared, Sizing, Source};
+use crate::family::{Family, FamilyEntry, Identity, ImageReport, ImageSizing, Prepared, Sizing, Source};
 use crate::kv::SeqCache;
 use crate::media::{Media, MediaKind, VisionOutput};
 use crate::sampling::GenerationOptions;
@@ -384,7 +384,20 @@ impl Family for Qwen3Vl {
     fn tensors_to_load(&self) -> usize {
         self.tensors
     }
+
+    /// Qwen3-VL answers in 0..1000 of the original image (Qwen's cookbook scales `bbox_2d / 1000
+    /// * width`); grounding wants at least `GROUNDING_MIN_TOKENS` visual tokens.
+    fn grounding(&self) -> Option<crate::grounding::Grounding> {
+        let c = &self.processor.images.config;
+        let unit = c.factor() * c.factor();
+        let min_pixels = (GROUNDING_MIN_TOKENS * unit).clamp(c.min_pixels, c.max_pixels);
+        Some(crate::grounding::Grounding { coords: crate::grounding::Coords::Relative(1000.0), min_pixels })
+    }
 }
+
+/// Fewest visual tokens of an image in a grounding request (llama.cpp warns below 1024 for
+/// Qwen3-VL grounding, #16842): 1024 tokens of 32x32 pixels, about 1 megapixel.
+pub const GROUNDING_MIN_TOKENS: usize = 1024;
 
 /// The text decoder, quantized as `quant` asks, reading weights in the checkpoint's dtype.
 fn load_text(
@@ -591,7 +604,16 @@ fn raw_prompt(
         });
     }
     let ident = ids.iter().map(|&t| (t, 0)).collect();
-    Ok(Prepared { options, ids, ident, media: vec![], image_tokens: 0, video_tokens: 0, videos: vec![] })
+    Ok(Prepared {
+        options,
+        ids,
+        ident,
+        media: vec![],
+        image_tokens: 0,
+        video_tokens: 0,
+        videos: vec![],
+        images: vec![],
+    })
 }
 
 /// Checks a request and prepares its prompt: options, image headers and budgets, the prompt's
@@ -739,5 +761,16 @@ fn prepare(
         let input = processor.videos.batch(std::slice::from_ref(video), device)?;
         media.push(Media { kind: MediaKind::Video, key, input });
     }
-    Ok(Prepared { options: opts, ids, ident, media, image_tokens, video_tokens, videos: reports })
+    let images = files
+        .iter()
+        .zip(&processed)
+        .map(|((f, p, _), img)| ImageReport {
+            name: f.path().display().to_string(),
+            width: img.original.1,
+            height: img.original.0,
+            resized: img.resized,
+            tokens: img.resized.0 * img.resized.1 / (p.config.factor() * p.config.factor()).max(1),
+        })
+        .collect();
+    Ok(Prepared { options: opts, ids, ident, media, image_tokens, video_tokens, videos: reports, images })
 }

@@ -273,6 +273,8 @@ pub struct ProcessedImage {
     pub grid: Grid,
     /// (height, width) after resizing.
     pub resized: (usize, usize),
+    /// (height, width) as decoded (after EXIF orientation), before resizing.
+    pub original: (usize, usize),
 }
 
 impl ProcessedImage {
@@ -375,6 +377,7 @@ impl ImageProcessor {
             pixels: patchify(&vec![&planes[..]; c.temporal_patch_size], h, w, c),
             grid: [1, h / c.patch_size, w / c.patch_size],
             resized: (h, w),
+            original: (h0, w0),
         })
     }
 
