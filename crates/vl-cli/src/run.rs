@@ -528,15 +528,13 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         Grounding::On => true,
         Grounding::Off => false,
         Grounding::Auto => {
+            let schema = match &constraint {
+                Some(vl_models::engine::Constraint::JsonSchema(s)) => s.to_string(),
+                _ => String::new(),
+            };
             boxes_out.is_some()
                 || vl_models::grounding::looks_like_grounding(&prompt)
-                || args.json_schema.is_some()
-                    && constraint.as_ref().is_some_and(|c| match c {
-                        vl_models::engine::Constraint::JsonSchema(s) => {
-                            vl_models::grounding::looks_like_grounding(&s.to_string())
-                        }
-                        _ => false,
-                    })
+                || vl_models::grounding::looks_like_grounding(&schema)
         }
     };
     let grounding_spec = family.grounding().filter(|_| grounding);
@@ -554,9 +552,11 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         }
     }
     let first_image = args.images.first().cloned();
-    let first_image_data = parts.iter().find_map(|p| match p {
-        Part::Image { data, .. } if boxes_out.is_some() => Some(data.clone()),
-        _ => None,
+    let first_image_data = boxes_out.as_ref().and_then(|_| {
+        parts.iter().find_map(|p| match p {
+            Part::Image { data, .. } => Some(data.clone()),
+            _ => None,
+        })
     });
     parts.push(Part::Text(prompt));
     let mut messages = Vec::new();

@@ -474,7 +474,7 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
             // A text completion's chunk carries the piece as `text`.
             Kind::Text => choice["text"] = delta.get("content").cloned().unwrap_or(json!("")),
         }
-        json!({"id": id, "object": chunk_object, "created": created, "model": model, "choices": [choice]}).to_string()
+        json!({"id": id, "object": chunk_object, "created": created, "model": model, "choices": [choice]})
     };
     // A task turns the worker's messages into SSE lines; when the client goes away the stream
     // (and its receiver) is dropped, the task's send fails, it drops the worker's channel, and
@@ -483,7 +483,7 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
     tokio::spawn(async move {
         let mut msg = Some(first);
         for i in (0..n).filter(|_| kind == Kind::Chat) {
-            let role = chunk(i, json!({"role": "assistant", "content": ""}), Value::Null, Value::Null);
+            let role = chunk(i, json!({"role": "assistant", "content": ""}), Value::Null, Value::Null).to_string();
             if lines.send(role).await.is_err() {
                 return;
             }
@@ -498,7 +498,7 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
             };
             match m {
                 Msg::Text(i, t, lp) => {
-                    if lines.send(chunk(i, json!({"content": t}), Value::Null, lp)).await.is_err() {
+                    if lines.send(chunk(i, json!({"content": t}), Value::Null, lp).to_string()).await.is_err() {
                         return;
                     }
                 }
@@ -507,11 +507,11 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
                     for (i, c) in all.iter().enumerate() {
                         if !c.tool_calls.is_empty() {
                             let calls = tool_calls_json(&usage_id, &c.tool_calls, true);
-                            let _ = lines.send(chunk(i, json!({"tool_calls": calls}), Value::Null, Value::Null)).await;
+                            let _ = lines
+                                .send(chunk(i, json!({"tool_calls": calls}), Value::Null, Value::Null).to_string())
+                                .await;
                         }
-                        let mut last: Value =
-                            serde_json::from_str(&chunk(i, json!({}), json!(c.finish.openai()), Value::Null))
-                                .unwrap_or(Value::Null);
+                        let mut last = chunk(i, json!({}), json!(c.finish.openai()), Value::Null);
                         if let Some(g) = grounding_json(&app2, c) {
                             last["choices"][0]["grounding"] = g;
                         }

@@ -769,7 +769,7 @@ fn prepare(
             width: img.original.1,
             height: img.original.0,
             resized: img.resized,
-            tokens: img.resized.0 * img.resized.1 / (p.config.factor() * p.config.factor()).max(1),
+            tokens: img.num_tokens(p.config.merge_size),
         })
         .collect();
     Ok(Prepared { options: opts, ids, ident, media, image_tokens, video_tokens, videos: reports, images })
