@@ -1,20 +1,32 @@
 //! `vl chat`: a multi-turn conversation in the terminal on the resident engine. The history is
 //! kept; prefix reuse makes each turn prefill only its new tokens. `/image PATH` (`/video PATH`)
-//! attaches an image (a video) to the next message, `/reset` starts over, `/exit` (or end of input) quits. On a
-//! terminal the line is edited with rustyline; piped input is read one message per line.
+//! attaches an image (a video) to the next message, `/save FILE` and `/load FILE` write and read
+//! the conversation (OpenAI's message list as JSON), `/reset` starts over, `/exit` (or end of
+//! input) quits. On a terminal the line is edited with rustyline, Ctrl-C stops the answer being
+//! written (the conversation keeps what was written), and Ctrl-C twice at the prompt or Ctrl-D
+//! exits; piped input is read one message per line.
 
 use std::io::{BufRead, IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
+use base64::Engine as _;
 use clap::Args;
-use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request};
+use serde_json::{json, Value};
+use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
 use vl_models::limits::LimitKind;
 use vl_models::sampling::GenerationOptions;
 
 use crate::note;
-use crate::run::{device, dtype, quant_of, LoadArgs};
+use crate::run::{check_media, device, dtype, quant_of, LoadArgs};
+
+/// Largest conversation file `/load` reads (images travel inside it as data URLs).
+const MAX_CONVERSATION_BYTES: u64 = 256 << 20;
+/// Most messages a loaded conversation may hold.
+const MAX_MESSAGES: usize = 10_000;
 
 #[derive(Debug, Args)]
 pub struct ChatArgs {
@@ -47,19 +59,29 @@ enum Input {
     Lines(std::io::Lines<std::io::StdinLock<'static>>),
 }
 
+enum Read {
+    Line(String),
+    /// Ctrl-C at the prompt.
+    Interrupted,
+    End,
+}
+
 impl Input {
-    /// The next line, None at the end of input.
-    fn next(&mut self) -> Result<Option<String>> {
+    fn next(&mut self) -> Result<Read> {
         match self {
             Input::Editor(ed) => match ed.readline("> ") {
                 Ok(line) => {
                     let _ = ed.add_history_entry(line.as_str());
-                    Ok(Some(line))
+                    Ok(Read::Line(line))
                 }
-                Err(rustyline::error::ReadlineError::Eof | rustyline::error::ReadlineError::Interrupted) => Ok(None),
+                Err(rustyline::error::ReadlineError::Interrupted) => Ok(Read::Interrupted),
+                Err(rustyline::error::ReadlineError::Eof) => Ok(Read::End),
                 Err(e) => Err(e).context("reading the terminal"),
             },
-            Input::Lines(lines) => lines.next().transpose().context("reading stdin"),
+            Input::Lines(lines) => Ok(match lines.next().transpose().context("reading stdin")? {
+                Some(l) => Read::Line(l),
+                None => Read::End,
+            }),
         }
     }
 }
@@ -97,9 +119,14 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let engine = Engine::open(&dir, args.load.mmproj.as_deref(), &args.load.model, opts)
         .with_context(|| format!("model {}", dir.display()))?;
     let interactive = std::io::stdin().is_terminal();
+    // Ctrl-C while an answer is written stops that answer (the terminal is not in raw mode
+    // then, so it arrives as SIGINT); at the prompt the line editor reads it as a key.
+    let interrupted = Arc::new(AtomicBool::new(false));
     if interactive {
+        signal_hook::flag::register(signal_hook::consts::SIGINT, interrupted.clone())
+            .context("installing the Ctrl-C handler")?;
         note!(
-            "loaded {} in {:.1}s. /image PATH attaches an image, /video PATH a video, /reset forgets, /exit quits.",
+            "loaded {} in {:.1}s. /image PATH attaches an image, /video PATH a video, /save FILE and /load FILE keep the conversation, /reset forgets, /exit quits; Ctrl-C stops an answer.",
             dir.display(),
             t.elapsed().as_secs_f64()
         );
@@ -114,7 +141,19 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let mut history = start();
     let mut pending: Vec<Part> = Vec::new();
     let mut out = std::io::stdout().lock();
-    while let Some(line) = input.next()? {
+    let mut interrupted_at_prompt = false;
+    loop {
+        let line = match input.next()? {
+            Read::Line(l) => l,
+            Read::End => break,
+            Read::Interrupted if interrupted_at_prompt => break,
+            Read::Interrupted => {
+                interrupted_at_prompt = true;
+                note!("(Ctrl-C again, or Ctrl-D, exits)");
+                continue;
+            }
+        };
+        interrupted_at_prompt = false;
         let line = line.trim_end_matches(['\r', '\n']);
         if line.trim().is_empty() {
             continue;
@@ -130,7 +169,11 @@ pub fn chat(args: ChatArgs) -> Result<()> {
                 }
                 "image" if !arg.is_empty() => {
                     let path = PathBuf::from(arg);
-                    match vl_models::limits::read_bytes(&path, limits.max_file_bytes, LimitKind::ImageBytes) {
+                    let read = check_media("image", &path).and_then(|_| {
+                        vl_models::limits::read_bytes(&path, limits.max_file_bytes, LimitKind::ImageBytes)
+                            .map_err(anyhow::Error::new)
+                    });
+                    match read {
                         Ok(data) => {
                             pending.push(Part::Image {
                                 data,
@@ -140,23 +183,36 @@ pub fn chat(args: ChatArgs) -> Result<()> {
                             });
                             note!("(image {arg} attached to the next message)");
                         }
-                        Err(e) => note!("error: {arg}: {e}"),
+                        Err(e) => note!("error: {e}"),
                     }
                 }
                 "video" if !arg.is_empty() => {
                     let path = PathBuf::from(arg);
-                    if path.exists() {
-                        pending.push(Part::Video {
-                            source: vl_models::engine::VideoData::Path(path),
-                            name: arg.to_string(),
-                            options: Default::default(),
-                        });
-                        note!("(video {arg} attached to the next message)");
-                    } else {
-                        note!("error: {arg}: no such file or directory");
+                    match check_media("video", &path) {
+                        Ok(()) => {
+                            pending.push(Part::Video {
+                                source: VideoData::Path(path),
+                                name: arg.to_string(),
+                                options: Default::default(),
+                            });
+                            note!("(video {arg} attached to the next message)");
+                        }
+                        Err(e) => note!("error: {e}"),
                     }
                 }
-                _ => note!("commands: /image PATH, /video PATH, /reset, /exit"),
+                "save" if !arg.is_empty() => match save(Path::new(arg), &history) {
+                    Ok(()) => note!("(saved {} messages to {arg})", history.len()),
+                    Err(e) => note!("error: /save {arg}: {e:#}"),
+                },
+                "load" if !arg.is_empty() => match load(Path::new(arg), limits.max_file_bytes) {
+                    Ok(messages) => {
+                        note!("(loaded {} messages from {arg})", messages.len());
+                        history = messages;
+                        pending.clear();
+                    }
+                    Err(e) => note!("error: /load {arg}: {e:#}"),
+                },
+                _ => note!("commands: /image PATH, /video PATH, /save FILE, /load FILE, /reset, /exit"),
             }
             continue;
         }
@@ -165,20 +221,32 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         history.push(ChatMessage::new("user", parts));
         let req = Request { messages: history.clone(), options: options.clone(), ..Default::default() };
         let mut write_err = None;
-        let result =
-            engine.generate(&req, &mut |piece| match out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+        let mut stopped = false;
+        interrupted.store(false, Ordering::Relaxed);
+        let result = engine.generate(&req, &mut |piece| {
+            if interrupted.swap(false, Ordering::Relaxed) {
+                stopped = true;
+                return false;
+            }
+            match out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
                 Ok(()) => true,
                 Err(e) => {
                     write_err = Some(e);
                     false
                 }
-            });
+            }
+        });
         if let Some(e) = write_err {
             return Err(e).context("writing to stdout");
         }
+        // A Ctrl-C that came after the last piece still counts as a stop of this answer.
+        stopped |= interrupted.swap(false, Ordering::Relaxed);
         match result {
             Ok(c) => {
                 writeln!(out).context("writing to stdout")?;
+                if stopped {
+                    note!("(stopped; the conversation keeps the answer so far)");
+                }
                 let decode = c.decode_time.as_secs_f64();
                 note!(
                     "[{} prompt tokens, {} reused | prefill {:.2}s | {} tokens, {:.1} tok/s]",
@@ -198,4 +266,140 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The conversation as OpenAI's message list: images as data URLs (the file stands alone),
+/// videos as file URLs of their absolute paths (or data URLs). Written to a temporary name
+/// beside the target, then renamed.
+fn save(path: &Path, history: &[ChatMessage]) -> Result<()> {
+    let b64 = |data: &[u8]| base64::engine::general_purpose::STANDARD.encode(data);
+    let mut messages = Vec::with_capacity(history.len());
+    for m in history {
+        let text_only = m.parts.iter().all(|p| matches!(p, Part::Text(_)));
+        let content = if text_only {
+            Value::String(m.parts.iter().map(|p| if let Part::Text(t) = p { t.as_str() } else { "" }).collect())
+        } else {
+            let mut parts = Vec::new();
+            for p in &m.parts {
+                parts.push(match p {
+                    Part::Text(t) => json!({"type": "text", "text": t}),
+                    Part::Image { data, .. } => {
+                        let mime = image::guess_format(data).map(|f| f.to_mime_type()).unwrap_or("image/png");
+                        json!({"type": "image_url", "image_url": {"url": format!("data:{mime};base64,{}", b64(data))}})
+                    }
+                    Part::Video { source: VideoData::Path(p), .. } => {
+                        let abs = std::path::absolute(p).with_context(|| format!("video {}", p.display()))?;
+                        json!({"type": "video_url", "video_url": {"url": format!("file://{}", abs.display())}})
+                    }
+                    Part::Video { source: VideoData::Bytes(b), .. } => {
+                        json!({"type": "video_url", "video_url": {"url": format!("data:video/mp4;base64,{}", b64(b))}})
+                    }
+                });
+            }
+            Value::Array(parts)
+        };
+        messages.push(json!({"role": m.role, "content": content}));
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let mut tmp =
+        tempfile::NamedTempFile::new_in(dir).with_context(|| format!("creating a file in {}", dir.display()))?;
+    serde_json::to_writer_pretty(std::io::BufWriter::new(tmp.as_file_mut()), &Value::Array(messages))?;
+    tmp.as_file_mut().flush()?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    Ok(())
+}
+
+/// A conversation `save` wrote, or any OpenAI message list (`[...]` or `{"messages": [...]}`):
+/// roles system, user and assistant; text, `image_url` and `video_url` parts whose URLs are
+/// data URLs, file URLs or paths.
+fn load(path: &Path, max_media_bytes: u64) -> Result<Vec<ChatMessage>> {
+    check_media("file", path)?;
+    let text = vl_models::limits::read_bytes(path, MAX_CONVERSATION_BYTES, LimitKind::Fixed)?;
+    let v: Value = serde_json::from_slice(&text).context("not JSON")?;
+    let list = match &v {
+        Value::Array(a) => a,
+        Value::Object(o) => o.get("messages").and_then(Value::as_array).context("no `messages` list")?,
+        _ => bail!("expected a list of messages"),
+    };
+    if list.len() > MAX_MESSAGES {
+        bail!("{} messages; the limit is {MAX_MESSAGES}", list.len());
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (i, m) in list.iter().enumerate() {
+        let at = format!("messages[{i}]");
+        let role = m["role"].as_str().with_context(|| format!("{at}.role is missing"))?;
+        if !["system", "user", "assistant"].contains(&role) {
+            bail!("{at}.role = {role:?}: expected system, user or assistant");
+        }
+        let parts = match &m["content"] {
+            Value::String(t) => vec![Part::Text(t.clone())],
+            Value::Array(items) => items
+                .iter()
+                .enumerate()
+                .map(|(j, p)| part(p, &format!("{at}.content[{j}]"), max_media_bytes))
+                .collect::<Result<_>>()?,
+            Value::Null => vec![],
+            _ => bail!("{at}.content: expected a string or a list of parts"),
+        };
+        out.push(ChatMessage::new(role, parts));
+    }
+    Ok(out)
+}
+
+fn part(p: &Value, at: &str, max_media_bytes: u64) -> Result<Part> {
+    let kind = p["type"].as_str().with_context(|| format!("{at}.type is missing"))?;
+    let url = |key: &str| -> Result<String> {
+        let u = &p[key];
+        u.as_str().or_else(|| u["url"].as_str()).map(String::from).with_context(|| format!("{at}.{key}.url is missing"))
+    };
+    match kind {
+        "text" => Ok(Part::Text(p["text"].as_str().with_context(|| format!("{at}.text is missing"))?.to_string())),
+        "image_url" => {
+            let url = url("image_url")?;
+            let data = match media_url(&url, at)? {
+                Media::Bytes(b) => b,
+                Media::Path(path) => {
+                    check_media("image", &path)?;
+                    vl_models::limits::read_bytes(&path, max_media_bytes, LimitKind::ImageBytes)?
+                }
+            };
+            if data.len() as u64 > max_media_bytes {
+                bail!("{at}: image of {} bytes exceeds the limit of {max_media_bytes} bytes", data.len());
+            }
+            Ok(Part::Image { data, name: at.to_string(), min_pixels: None, max_pixels: None })
+        }
+        "video_url" => {
+            let source = match media_url(&url("video_url")?, at)? {
+                Media::Bytes(b) => VideoData::Bytes(b),
+                Media::Path(path) => {
+                    check_media("video", &path)?;
+                    VideoData::Path(path)
+                }
+            };
+            Ok(Part::Video { source, name: at.to_string(), options: Default::default() })
+        }
+        other => bail!("{at}.type = {other:?}: expected text, image_url or video_url"),
+    }
+}
+
+enum Media {
+    Bytes(Vec<u8>),
+    Path(PathBuf),
+}
+
+fn media_url(url: &str, at: &str) -> Result<Media> {
+    if let Some(rest) = url.strip_prefix("data:") {
+        let (_, b64) = rest.split_once(";base64,").with_context(|| format!("{at}: a data URL without ;base64,"))?;
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(b64.trim())
+            .with_context(|| format!("{at}: invalid base64 in the data URL"))?;
+        return Ok(Media::Bytes(bytes));
+    }
+    if url.starts_with("http://") || url.starts_with("https://") {
+        bail!("{at}: {url}: vl chat reads local files and data URLs, not the network");
+    }
+    Ok(Media::Path(PathBuf::from(url.strip_prefix("file://").unwrap_or(url))))
 }

@@ -110,7 +110,9 @@ fn cached(model: &str) -> Option<PathBuf> {
 }
 
 fn download(model: &str) -> Result<PathBuf> {
-    let api = hf_hub::api::sync::ApiBuilder::from_cache(cache()).with_progress(true).build()?;
+    let api = hf_hub::api::sync::ApiBuilder::from_cache(cache())
+        .with_progress(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .build()?;
     let repo = api.model(model.to_string());
     let config = repo.get("config.json").context("config.json")?;
     for f in REQUIRED {

@@ -63,6 +63,9 @@ enum Command {
         /// The output directory (created when missing).
         #[arg(long)]
         out: PathBuf,
+        /// Replace files of the same names in --out (without it, they are left alone and the command fails).
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -110,7 +113,7 @@ fn main() -> ExitCode {
         Command::Inspect { model, mmproj, json } => {
             hub::resolve_cached(&model).and_then(|dir| inspect(&dir, mmproj.as_deref(), json))
         }
-        Command::Quantize { model, quantize, out } => quantize_cmd(&model, &quantize, &out),
+        Command::Quantize { model, quantize, out, force } => quantize_cmd(&model, &quantize, &out, force),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -158,7 +161,7 @@ fn limit_hint(e: &anyhow::Error) -> Option<&'static str> {
     }
 }
 
-fn quantize_cmd(model: &str, quantize: &str, out: &std::path::Path) -> anyhow::Result<()> {
+fn quantize_cmd(model: &str, quantize: &str, out: &std::path::Path, force: bool) -> anyhow::Result<()> {
     use vl_models::gguf::Recipe;
     use vl_nn::QuantType;
     let recipe = match quantize {
@@ -172,14 +175,24 @@ fn quantize_cmd(model: &str, quantize: &str, out: &std::path::Path) -> anyhow::R
     let dir = hub::resolve(model)?;
     let t = std::time::Instant::now();
     let mut n = 0usize;
-    let (text, mmproj) = vl_models::family::quantize(&dir, recipe, out, &mut |_| n += 1)?;
+    let w = vl_models::family::quantize(&dir, recipe, out, force, &mut |_| n += 1)?;
+    let stored: Vec<String> = w.stored.iter().map(|(k, v)| format!("{v} {k}")).collect();
     note!(
-        "wrote {} and {} ({n} tensors) in {:.1}s; run with: vl run --model {}",
-        text.display(),
-        mmproj.display(),
+        "wrote {} and {} ({} tensors; the text model's matrices: {}) in {:.1}s; run with: vl run --model {}",
+        w.text.display(),
+        w.mmproj.display(),
+        w.tensors,
+        stored.join(", "),
         t.elapsed().as_secs_f64(),
         out.display()
     );
+    if w.fell_back > 0 {
+        note!(
+            "note: {} of the text model's {} matrices have rows that do not fill {quantize}'s blocks; they are stored in the types above instead, as llama.cpp does",
+            w.fell_back,
+            w.stored.values().sum::<usize>()
+        );
+    }
     Ok(())
 }
 

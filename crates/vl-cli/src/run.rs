@@ -3,7 +3,8 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -383,6 +384,55 @@ impl Drop for LogitsOut {
     }
 }
 
+/// The progress bar of `vl run` on a terminal: one line, the stage, its units done and to do.
+struct Bar {
+    bar: indicatif::ProgressBar,
+    stage: Mutex<&'static str>,
+    loaded: AtomicU64,
+    to_load: AtomicU64,
+}
+
+impl Bar {
+    fn new() -> Self {
+        let bar = indicatif::ProgressBar::new(0);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{msg:>14} {bar:40} {pos}/{len} {prefix}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        Bar { bar, stage: Mutex::new(""), loaded: AtomicU64::new(0), to_load: AtomicU64::new(0) }
+    }
+
+    fn tensor_loaded(&self) {
+        let done = self.loaded.fetch_add(1, Ordering::Relaxed) + 1;
+        let total = self.to_load.load(Ordering::Relaxed).max(done);
+        vl_models::progress::Observer::report(self, "loading", "tensors", done, total);
+    }
+}
+
+impl vl_models::progress::Observer for Bar {
+    fn report(&self, stage: &'static str, unit: &'static str, done: u64, total: u64) {
+        let Ok(mut current) = self.stage.lock() else { return };
+        if *current != stage {
+            *current = stage;
+            self.bar.set_message(stage);
+            self.bar.set_prefix(unit);
+        }
+        self.bar.set_length(total);
+        self.bar.set_position(done);
+    }
+}
+
+/// A media path named by the user exists: one line naming it (and a broken link as one).
+pub(crate) fn check_media(kind: &str, path: &Path) -> Result<()> {
+    if let Some(target) = vl_models::error::broken_link(path) {
+        bail!("{kind} {}: broken symbolic link to {}", path.display(), target.display());
+    }
+    if !path.exists() {
+        bail!("{kind} {}: no such file or directory", path.display());
+    }
+    Ok(())
+}
+
 /// Whether each media flag was an image or a video, in command-line order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Media {
@@ -420,6 +470,13 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         (None, false) => None,
     };
     let video = args.load.video_options()?;
+    // Media files exist before the model is resolved (or downloaded).
+    for p in &args.images {
+        check_media("image", p)?;
+    }
+    for p in &args.videos {
+        check_media("video", p)?;
+    }
     let dev = device(args.load.device)?;
     let dtype = dtype(args.load.dtype, &dev);
     let dir = crate::hub::resolve(&args.load.model)?;
@@ -453,19 +510,14 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         prefill_chunk: vl_models::engine::DEFAULT_PREFILL_CHUNK,
     };
 
-    // A progress bar on a terminal, its length set once the family knows what it will read.
-    let bar = std::io::stderr().is_terminal().then(|| {
-        let b = indicatif::ProgressBar::new(0);
-        b.set_style(
-            indicatif::ProgressStyle::with_template("loading {bar:40} {pos} tensors")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        b
-    });
+    // A progress bar on a terminal (never in a pipe, nor with --json): the tensors loaded, then
+    // each stage the engine reports (media, the vision tower's blocks, prefill).
+    let bar = (std::io::stderr().is_terminal() && !args.json).then(|| Arc::new(Bar::new()));
+    let _observer = bar.clone().map(|b| vl_models::progress::install(b as Arc<dyn vl_models::progress::Observer>));
     let progress_bar = bar.clone();
     let progress: LoadProgress = Arc::new(move |_key: &str| {
         if let Some(b) = &progress_bar {
-            b.inc(1);
+            b.tensor_loaded();
         }
     });
     // The family opens in stages: every file of the model is checked and the pixel-budget flags
@@ -487,7 +539,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         e => anyhow::Error::new(e),
     })?;
     if let Some(b) = &bar {
-        b.set_length(family.tensors_to_load() as u64);
+        b.to_load.store(family.tensors_to_load() as u64, Ordering::Relaxed);
     }
 
     // Image files within the byte limit; their headers, video probes and the prompt's length are
@@ -574,7 +626,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         if !started {
             started = true;
             if let Some(b) = &bar {
-                b.finish_and_clear();
+                b.bar.finish_and_clear();
             }
         }
         if args.json {
@@ -588,7 +640,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     };
     let result = Engine::answer_once(family, &args.load.model, opts, &req, &mut on_text);
     if let Some(b) = &bar {
-        b.finish_and_clear();
+        b.bar.finish_and_clear();
     }
     let shot = result.map_err(|e| match e {
         vl_models::Error::Limit { what, message, .. } if what == "prompt" => {

@@ -94,7 +94,26 @@ impl Error {
         }
     }
 
+    /// An I/O error on `path`. A path that is a symbolic link to nothing (a `cp -r` of a
+    /// checkpoint whose files link elsewhere) is named as one, with its target.
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io { path: path.into(), source }
+        let path = path.into();
+        let source = match broken_link(&path) {
+            Some(target) if source.kind() == std::io::ErrorKind::NotFound => std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!(
+                    "broken symbolic link to {} (copy a checkpoint with `cp -rL` to copy the files)",
+                    target.display()
+                ),
+            ),
+            _ => source,
+        };
+        Error::Io { path, source }
     }
+}
+
+/// The target of `path` when it is a symbolic link whose target does not exist.
+pub fn broken_link(path: &std::path::Path) -> Option<PathBuf> {
+    let target = std::fs::read_link(path).ok()?;
+    (!path.exists()).then_some(target)
 }

@@ -5,7 +5,7 @@
 //! (`general.architecture`). The engine and the server name no family; adding one is a folder
 //! and a line in `FAMILIES`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::Tensor;
 use tokenizers::Tokenizer;
@@ -127,8 +127,10 @@ pub trait Family: Send + Sync {
     }
 }
 
-/// `FamilyEntry::quantize`: (checkpoint directory, recipe, output, progress) -> (text, mmproj).
-pub type QuantizeFn = fn(&Path, Recipe, &Path, &mut dyn FnMut(&str)) -> Result<(PathBuf, PathBuf)>;
+/// `FamilyEntry::quantize`: (checkpoint directory, recipe, output directory, overwrite, progress)
+/// -> what was written. It refuses, before writing, a recipe that would quantize no tensor, and
+/// (unless `overwrite`) files that exist.
+pub type QuantizeFn = fn(&Path, Recipe, &Path, bool, &mut dyn FnMut(&str)) -> Result<crate::gguf::Written>;
 
 /// How a family is found and loaded.
 pub struct FamilyEntry {
@@ -251,10 +253,11 @@ pub fn quantize(
     model: &Path,
     recipe: Recipe,
     out: &Path,
+    overwrite: bool,
     progress: &mut dyn FnMut(&str),
-) -> Result<(PathBuf, PathBuf)> {
+) -> Result<crate::gguf::Written> {
     let entry = lookup(&architecture(model)?, model)?;
-    (entry.quantize)(model, recipe, out, progress)
+    (entry.quantize)(model, recipe, out, overwrite, progress)
 }
 
 /// The quantization a model loads with when none is asked for (see `FamilyEntry::default_quant`).

@@ -334,6 +334,19 @@ pub fn architecture(path: &Path) -> Result<String> {
     walk_header(path)?.ok_or_else(|| bad(path, "metadata key general.architecture is missing"))
 }
 
+/// What `vl quantize` wrote.
+#[derive(Debug, Clone)]
+pub struct Written {
+    pub text: std::path::PathBuf,
+    pub mmproj: std::path::PathBuf,
+    /// Tensors written, both files.
+    pub tensors: usize,
+    /// The text model's 2-D weights by the block type stored (llama.cpp's names: Q4_K, Q5_0, BF16...).
+    pub stored: std::collections::BTreeMap<String, usize>,
+    /// 2-D weights whose rows do not fill the recipe's blocks, stored in a fallback type.
+    pub fell_back: usize,
+}
+
 /// What `vl quantize` writes for the text model's 2-D weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Recipe {

@@ -22,6 +22,7 @@ pub mod image_file;
 pub mod kv;
 pub mod limits;
 pub mod media;
+pub mod progress;
 pub mod qwen3_vl;
 pub mod sampling;
 pub mod stream;

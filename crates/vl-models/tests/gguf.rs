@@ -212,8 +212,9 @@ fn a_saved_gguf_loads_back_bit_identical_and_answers_the_same() {
     use vl_nn::QuantType;
     let out = tempfile::tempdir().unwrap();
     let ck = goldens().join("tiny-a/checkpoint");
-    let (text, mmproj) =
-        save(&ModelDir::open(&ck).unwrap(), Recipe::Uniform(QuantType::Q8_0), out.path(), &mut |_| {}).unwrap();
+    let w =
+        save(&ModelDir::open(&ck).unwrap(), Recipe::Uniform(QuantType::Q8_0), out.path(), false, &mut |_| {}).unwrap();
+    let (text, mmproj) = (w.text, w.mmproj);
     assert!(text.file_name().unwrap().to_string_lossy().ends_with("-Q8_0.gguf"));
     assert!(mmproj.file_name().unwrap().to_string_lossy().starts_with("mmproj-"));
     assert!(mmproj.file_name().unwrap().to_string_lossy().ends_with("-F32.gguf"));
@@ -249,7 +250,11 @@ fn q4k_m_writes_llama_cpp_types_and_runs() {
     use vl_models::qwen3_vl::ModelDir;
     let out = tempfile::tempdir().unwrap();
     let ck = goldens().join("tiny-q-mlx8/checkpoint");
-    let (text, mmproj) = save(&ModelDir::open(&ck).unwrap(), Recipe::Q4KM, out.path(), &mut |_| {}).unwrap();
+    let w = save(&ModelDir::open(&ck).unwrap(), Recipe::Q4KM, out.path(), false, &mut |_| {}).unwrap();
+    // Every matrix fell back (rows of 64 and 128 values), none stayed float.
+    assert_eq!(w.fell_back, w.stored.values().sum::<usize>());
+    assert!(w.stored.keys().all(|k| k == "Q5_0" || k == "Q8_0"), "{:?}", w.stored);
+    let (text, mmproj) = (w.text, w.mmproj);
     let g = GgufModel::open(&text, Some(&mmproj)).unwrap();
     let ty = |n: &str| format!("{:?}", g.text.content.tensor_infos[n].ggml_dtype);
     // Rows of 64 and 128 values cannot hold 256-value k-quant blocks: llama.cpp's fallbacks

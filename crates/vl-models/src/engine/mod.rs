@@ -524,7 +524,14 @@ impl Engine {
         // The constraint compiles first (a bad schema costs nothing else).
         let guide = guide(&*family, &CompilerCell::new(), req)?;
         let t0 = Instant::now();
+        let media = req.messages.iter().flat_map(|m| &m.parts).filter(|p| !matches!(p, Part::Text(_))).count();
+        if media > 0 {
+            crate::progress::report("decoding media", "files", 0, media);
+        }
         let prepared = family.prepare(req)?;
+        if media > 0 {
+            crate::progress::report("decoding media", "files", media, media);
+        }
         let media_time = t0.elapsed();
         // Cheap checks first: the prompt's KV cache against the budget, before any weight.
         check_fits(&*family, opts.kv_cache_bytes, &prepared)?;

@@ -419,7 +419,9 @@ impl<'f> Scheduler<'f> {
         let end = (seq.cache.len() + chunk).min(seq.ids.len());
         let t = Instant::now();
         let p = &seq.job.prepared;
+        crate::progress::report("prefill", "tokens", seq.cache.len(), seq.ids.len());
         let result = self.family.prefill(&seq.ids, &p.media, &seq.job.encoded.features, &mut seq.cache, end);
+        crate::progress::report("prefill", "tokens", end, seq.ids.len());
         seq.prefill_time += t.elapsed();
         let outcome = match result {
             Err(e) => Err(e),

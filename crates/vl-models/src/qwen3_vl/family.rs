@@ -70,9 +70,10 @@ fn quantize_entry(
     model: &Path,
     recipe: crate::gguf::Recipe,
     out: &Path,
+    overwrite: bool,
     progress: &mut dyn FnMut(&str),
-) -> Result<(std::path::PathBuf, std::path::PathBuf)> {
-    super::gguf_write::save(&ModelDir::open(model)?, recipe, out, progress)
+) -> Result<crate::gguf::Written> {
+    super::gguf_write::save(&ModelDir::open(model)?, recipe, out, overwrite, progress)
 }
 
 fn default_quant_entry(model: &Path) -> Result<Option<vl_nn::QuantType>> {

@@ -3,7 +3,7 @@
 //! names, metadata keys and tokenizer fields, so `vl run --model DIR` starts without
 //! re-quantizing and llama.cpp's tools read the files.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -17,7 +17,7 @@ use super::preflight::ModelDir;
 use crate::error::{Error, Result};
 use crate::limits::{read_text, MAX_METADATA_FILE_BYTES};
 
-pub use crate::gguf::Recipe;
+pub use crate::gguf::{Recipe, Written};
 
 /// llama.cpp's fallback when a row does not fill the type's blocks.
 fn fallback(q: QuantType, cols: usize) -> Option<QuantType> {
@@ -98,8 +98,9 @@ pub fn save(
     model: &ModelDir,
     recipe: Recipe,
     out: &Path,
+    overwrite: bool,
     progress: &mut dyn FnMut(&str),
-) -> Result<(PathBuf, PathBuf)> {
+) -> Result<Written> {
     let cfg = &model.config;
     let dev = Device::Cpu;
     let base = model
@@ -116,6 +117,48 @@ pub fn save(
         _ => (GgmlDType::F16, "F16", 1),
     };
     let mmproj_path = out.join(format!("mmproj-{base}-{vtag}.gguf"));
+    if !overwrite {
+        if let Some(p) = [&text_path, &mmproj_path].into_iter().find(|p| p.symlink_metadata().is_ok()) {
+            return Err(Error::Input {
+                what: p.display().to_string(),
+                message: "exists; pass --force to replace it".into(),
+            });
+        }
+    }
+    // The row lengths decide the block types before any weight is read: a recipe that leaves
+    // every matrix in floats is refused (the file would be named by a type it does not hold).
+    let mut stored = std::collections::BTreeMap::<String, usize>::new();
+    let mut fell_back = 0;
+    let (mut left_float, mut narrow_rows) = (0, std::collections::BTreeSet::new());
+    for p in tensor_plan(cfg) {
+        if p.group == Group::Vision || (p.group == Group::LmHead && cfg.tie_word_embeddings) || p.shape.len() != 2 {
+            continue;
+        }
+        let Some((name, layer)) = text_name(&p.key) else { continue };
+        let want = recipe.text_type(&name, layer, cfg.text.num_hidden_layers, cfg.tie_word_embeddings);
+        let got = fallback(want, p.shape[1]);
+        if got != Some(want) {
+            fell_back += 1;
+        }
+        if got.is_none() {
+            left_float += 1;
+            narrow_rows.insert(p.shape[1]);
+        }
+        let tag = got.map(|q| ggml_name(q).to_string()).unwrap_or_else(|| float_name(model.weights.text_float_dtype()));
+        *stored.entry(tag).or_default() += 1;
+    }
+    if left_float > 0 && left_float == stored.values().sum::<usize>() {
+        let rows: Vec<String> = narrow_rows.iter().map(|r| r.to_string()).collect();
+        return Err(Error::Input {
+            what: format!("quantization {}", recipe.file_tag()),
+            message: format!(
+                "applies to no tensor of {}: its rows hold {} values, which fill neither its blocks of {} nor a fallback type's; nothing written",
+                model.dir.display(),
+                rows.join(", "),
+                recipe.text_type("blk.0.attn_q.weight", Some(0), 1, false).block()
+            ),
+        });
+    }
     let t = &cfg.text;
     let read_as = model.weights.text_float_dtype();
     let text_float = match read_as {
@@ -184,6 +227,7 @@ pub fn save(
     }
     meta.push(("tokenizer.chat_template".into(), Value::String(model.processor.template.source_text())));
     write_file(&text_path, &meta, &tensors)?;
+    let text_count = tensors.len();
     drop(tensors);
 
     // Vision projector in the checkpoint's float type (norms, biases and the position table f32,
@@ -245,7 +289,33 @@ pub fn save(
         ("clip.vision.is_deepstack_layers".into(), Value::Array(deep)),
     ];
     write_file(&mmproj_path, &meta, &tensors)?;
-    Ok((text_path, mmproj_path))
+    let tensors = text_count + tensors.len();
+    Ok(Written { text: text_path, mmproj: mmproj_path, tensors, stored, fell_back })
+}
+
+/// llama.cpp's name of a block type.
+fn ggml_name(q: QuantType) -> &'static str {
+    match q {
+        QuantType::Q4K => "Q4_K",
+        QuantType::Q5K => "Q5_K",
+        QuantType::Q6K => "Q6_K",
+        QuantType::Q8_0 => "Q8_0",
+        QuantType::Q8K => "Q8_K",
+        QuantType::Q4_0 => "Q4_0",
+        QuantType::Q4_1 => "Q4_1",
+        QuantType::Q5_0 => "Q5_0",
+        QuantType::Q5_1 => "Q5_1",
+        QuantType::Q2K => "Q2_K",
+        QuantType::Q3K => "Q3_K",
+    }
+}
+
+fn float_name(d: DType) -> String {
+    match d {
+        DType::BF16 => "BF16".into(),
+        DType::F16 => "F16".into(),
+        _ => "F32".into(),
+    }
 }
 
 #[cfg(test)]

@@ -200,6 +200,8 @@ impl VisionTower {
 
         let mut x = x;
         let mut deepstack = Vec::with_capacity(self.deepstack.len());
+        let depth = self.blocks.len();
+        crate::progress::report("vision tower", "blocks", 0, depth);
         for (i, block) in self.blocks.iter().enumerate() {
             x = if self.stored == self.dtype {
                 block.forward(&x, &cos, &sin, &cu)?
@@ -207,6 +209,7 @@ impl VisionTower {
                 block.to_dtype(self.dtype)?.forward(&x, &cos, &sin, &cu)?
             };
             trace(&format!("block.{i}"), &x);
+            crate::progress::report("vision tower", "blocks", i + 1, depth);
             if let Some(j) = self.cfg.deepstack_visual_indexes.iter().position(|&d| d == i) {
                 let f = self.merger_in_compute(&self.deepstack[j])?.forward(&x)?;
                 trace(&format!("deepstack.{j}"), &f);
