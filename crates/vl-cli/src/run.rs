@@ -306,9 +306,8 @@ pub(crate) fn dtype(arg: Option<DtypeArg>, dev: &Device) -> DType {
         Some(DtypeArg::F32) => DType::F32,
         Some(DtypeArg::Bf16) => DType::BF16,
         Some(DtypeArg::F16) => DType::F16,
-        // bf16 matmuls on CPU are far slower than f32 (docs/performance.md): f32 there.
-        None if dev.is_cpu() => DType::F32,
-        None => DType::BF16,
+        // f32 on CPU, bf16 on GPUs.
+        None => vl_nn::dispatch::default_dtype(vl_nn::dispatch::DeviceKind::of(dev)),
     }
 }
 

@@ -11,6 +11,7 @@ fn engine(g: &str, reuse: bool) -> Engine {
     let opts = EngineOptions {
         prefix_cache: reuse,
         image_cache_bytes: if reuse { 64 << 20 } else { 0 },
+        device: device(),
         ..Default::default()
     };
     Engine::load(&goldens().join(g).join("checkpoint"), g, opts).unwrap()
@@ -261,7 +262,7 @@ fn engine_with(g: &str, opts: EngineOptions) -> Engine {
 
 /// Fresh prefills only: no kept prefixes, no feature cache.
 fn cold(parallel: usize) -> EngineOptions {
-    EngineOptions { parallel, prefix_cache: false, image_cache_bytes: 0, ..Default::default() }
+    EngineOptions { parallel, prefix_cache: false, image_cache_bytes: 0, device: device(), ..Default::default() }
 }
 
 #[test]

@@ -7,7 +7,7 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use common::*;
 use vl_models::qwen3_vl::{
     Content, GenerationOptions, Message, Processor, Prompt, Qwen3VlModel, VideoOptions, VideoProcessor, VisionInput,
@@ -84,7 +84,7 @@ fn video_processing_matches_the_reference() {
             want["frames_indices"].to_vec1::<i64>().unwrap().iter().map(|&i| i as usize).collect();
         assert_eq!(got.plan.indices, want_idx, "{case}: sampled frames");
         assert_eq!(vec![got.plan.grid], grids(&want["video_grid_thw"]), "{case}: grid");
-        let px = Tensor::from_vec(got.pixels.clone(), want["pixel_values_videos"].dims(), &Device::Cpu).unwrap();
+        let px = Tensor::from_vec(got.pixels.clone(), want["pixel_values_videos"].dims(), &device()).unwrap();
         let d = max_abs_diff(&px, &want["pixel_values_videos"]);
         worst = worst.max(d);
         // The prompt: the template's video placeholder expanded to the timestamped frame pairs.
@@ -100,7 +100,7 @@ fn video_processing_matches_the_reference() {
                 Content::Text { text: "Describe this video.".into() },
             ],
         )];
-        let prompt = proc.prepare_media(&messages, None, &[], std::slice::from_ref(&got), &Device::Cpu).unwrap();
+        let prompt = proc.prepare_media(&messages, None, &[], std::slice::from_ref(&got), &device()).unwrap();
         assert_eq!(prompt.input_ids, ids_of(&want["input_ids"]), "{case}: prompt ids");
         let n = proc.prompt_len_media(&messages, None, &[], &[&got.plan]).unwrap();
         assert_eq!(n, prompt.input_ids.len(), "{case}: counted prompt length");
@@ -137,7 +137,7 @@ fn video_prompt(case: &str) -> Prompt {
 
 #[test]
 fn video_prompts_match_the_reference_logits_and_greedy_ids() {
-    let m = Qwen3VlModel::load(&tiny_a(), DType::F32, &Device::Cpu).unwrap();
+    let m = Qwen3VlModel::load(&tiny_a(), DType::F32, &device()).unwrap();
     let sampled = load(&goldens().join("sampled_vocab_ids.safetensors"))["vocab_ids"].to_dtype(DType::U32).unwrap();
     for case in ["video", "video_image"] {
         let want = load(&goldens().join("tiny-a/cases").join(format!("{case}.safetensors")));
@@ -163,8 +163,8 @@ fn video_prompts_match_the_reference_logits_and_greedy_ids() {
             "tiny-a/{case} ({} tokens): video features {d_vis:.2e} (deepstack {d_ds:.2e}), last logits {d_last:.2e}, all positions {d_all:.2e}",
             p.input_ids.len()
         );
-        assert!(d_vis <= FEATURE_TOL && d_ds <= FEATURE_TOL, "{case}: features {d_vis:e} {d_ds:e}");
-        assert!(d_last <= LOGIT_TOL && d_all <= LOGIT_TOL, "{case}: logits {d_last:e} {d_all:e}");
+        assert!(d_vis <= tol(FEATURE_TOL) && d_ds <= tol(FEATURE_TOL), "{case}: features {d_vis:e} {d_ds:e}");
+        assert!(d_last <= tol(LOGIT_TOL) && d_all <= tol(LOGIT_TOL), "{case}: logits {d_last:e} {d_all:e}");
         assert_eq!(gen.tokens, want_ids, "{case}: greedy ids");
     }
 }
@@ -213,7 +213,7 @@ fn the_engine_answers_a_video_prompt_with_the_reference_ids() {
         let c = engine.generate(&req, &mut |_| true).unwrap();
         let prompt_ids = ids_of(&load(&goldens().join("prompts").join(format!("{case}.safetensors")))["input_ids"]);
         assert_eq!(c.prompt_tokens, prompt_ids.len(), "{case}");
-        let d = Tensor::new(c.first_logits.as_slice(), &Device::Cpu).unwrap();
+        let d = Tensor::new(c.first_logits.as_slice(), &device()).unwrap();
         let d_last = max_abs_diff(&d, &want["logits.last"]);
         println!("engine tiny-a/{case}: {} video tokens, first logits max|diff| {d_last:.2e}", c.video_tokens);
         assert_eq!(
@@ -221,7 +221,7 @@ fn the_engine_answers_a_video_prompt_with_the_reference_ids() {
             want_ids[..want_ids.len().min(c.token_ids.len())],
             "{case}"
         );
-        assert!(d_last <= LOGIT_TOL, "{case}: {d_last:e}");
+        assert!(d_last <= tol(LOGIT_TOL), "{case}: {d_last:e}");
     }
 }
 

@@ -5,7 +5,7 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use common::*;
 use vl_models::qwen3_vl::VisionTower;
 
@@ -13,7 +13,7 @@ const TOL: f32 = 1e-4;
 
 fn tower(g: &str, dtype: DType) -> VisionTower {
     let (cfg, ck) = checkpoint(g);
-    VisionTower::load(&cfg.vision, ck.var_builder(dtype, &Device::Cpu, None).pp("model.visual")).unwrap()
+    VisionTower::load(&cfg.vision, ck.var_builder(dtype, &device(), None).pp("model.visual")).unwrap()
 }
 
 /// Runs the tower on `pixels`, returns the worst (name, diff) against `want` after checking all.
@@ -64,8 +64,14 @@ fn every_probe_image_matches_the_reference() {
             let want = load(&goldens().join(g).join("vision").join(format!("{probe}.safetensors")));
             assert!(want.len() >= 5, "golden has {} tensors", want.len());
             let grids = grids(&p["image_grid_thw"]);
-            worst =
-                worst.max(compare(&tower, &p["pixel_values"], &grids, &want, &format!("{g}/{probe} {grids:?}"), TOL));
+            worst = worst.max(compare(
+                &tower,
+                &p["pixel_values"],
+                &grids,
+                &want,
+                &format!("{g}/{probe} {grids:?}"),
+                tol(TOL),
+            ));
         }
         println!("{g}: worst max|diff| over all probes and intermediates {worst:.2e}");
     }
@@ -84,9 +90,9 @@ fn a_large_image_spans_several_attention_tiles_and_matches() {
     for g in GEOMETRIES {
         let want = load(&goldens().join(g).join("vision").join("large@max307200.safetensors"));
         let mut t = tower(g, DType::F32);
-        compare(&t, &p["pixel_values"], &grids, &want, &format!("{g}/large@max307200 {grids:?}"), TOL);
+        compare(&t, &p["pixel_values"], &grids, &want, &format!("{g}/large@max307200 {grids:?}"), tol(TOL));
         t.set_attention_tiles(7, 13);
-        compare(&t, &p["pixel_values"], &grids, &want, &format!("{g}/large@max307200 tiles 7x13"), TOL);
+        compare(&t, &p["pixel_values"], &grids, &want, &format!("{g}/large@max307200 tiles 7x13"), tol(TOL));
     }
 }
 
@@ -111,7 +117,7 @@ fn multi_image_batches_match_the_reference() {
             let want = load(&goldens().join(g).join("cases").join(format!("{case}.safetensors")));
             let want: std::collections::HashMap<String, Tensor> =
                 want.into_iter().filter(|(k, _)| k.starts_with("vision.")).collect();
-            compare(&tower, &pixels, &grids(&prompt["image_grid_thw"]), &want, &format!("{g}/{case}"), TOL);
+            compare(&tower, &pixels, &grids(&prompt["image_grid_thw"]), &want, &format!("{g}/{case}"), tol(TOL));
         }
     }
 }
@@ -174,8 +180,7 @@ fn deepstack_levels_follow_block_order_not_merger_order() {
     assert_eq!(cfg.vision.deepstack_visual_indexes, vec![0, 2, 3]);
     // Merger 0 taps block 3, merger 1 block 0, merger 2 block 2: levels are mergers 1, 2, 0.
     cfg.vision.deepstack_visual_indexes = vec![3, 0, 2];
-    let tower =
-        VisionTower::load(&cfg.vision, ck.var_builder(DType::F32, &Device::Cpu, None).pp("model.visual")).unwrap();
+    let tower = VisionTower::load(&cfg.vision, ck.var_builder(DType::F32, &device(), None).pp("model.visual")).unwrap();
     let p = load(&goldens().join("processor").join("square.safetensors"));
     let mut traced = BTreeMap::new();
     let out = tower
@@ -198,7 +203,7 @@ fn bf16_stored_weights_upcast_per_block_equal_the_f32_load_exactly() {
     let full = tower("tiny-b", DType::F32);
     let stored = VisionTower::load_stored(
         &cfg.vision,
-        ck.var_builder(DType::BF16, &Device::Cpu, None).pp("model.visual"),
+        ck.var_builder(DType::BF16, &device(), None).pp("model.visual"),
         DType::F32,
     )
     .unwrap();

@@ -8,6 +8,7 @@
 use candle_core::{DType, Tensor};
 use candle_nn::Linear;
 
+use crate::dispatch::{own_kernel_for, Op};
 use crate::kernels::{cpu_f32, SendPtr};
 use crate::linear::{Dense, Then};
 
@@ -141,7 +142,7 @@ impl SegmentRotaryAttention {
     /// The CPU f32 path: `kernels::segment_attention` on the projection's output, read in place.
     /// None elsewhere (other devices and dtypes take the blocked tensor path).
     fn fused(&self, qkv: &Tensor, cos: &Tensor, sin: &Tensor, cu: &[usize]) -> Result<Option<Tensor>> {
-        if !qkv.device().is_cpu() || qkv.dtype() != DType::F32 {
+        if !own_kernel_for(Op::SegmentAttention, &[qkv]) {
             return Ok(None);
         }
         let (seq, cols) = qkv.dims2()?;
@@ -241,7 +242,7 @@ pub fn causal_gqa_attention(q: &Tensor, k: &Tensor, v: &Tensor, query_block: usi
 fn causal_attention_cpu(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>> {
     let (heads, new, d) = q.dims3()?;
     let (kv, total, _) = k.dims3()?;
-    if [q, k, v].iter().any(|t| !t.device().is_cpu() || t.dtype() != DType::F32) || v.dims3()? != (kv, total, d) {
+    if !own_kernel_for(Op::CausalAttention, &[q, k, v]) || v.dims3()? != (kv, total, d) {
         return Ok(None);
     }
     let q = q.contiguous()?;
@@ -280,7 +281,7 @@ fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>
     let (heads, _, d) = q.dims3()?;
     let (kv, total, _) = k.dims3()?;
     let rep = heads / kv;
-    if [q, k, v].iter().any(|t| !t.device().is_cpu() || t.dtype() != DType::F32) {
+    if !own_kernel_for(Op::DecodeAttention, &[q, k, v]) {
         return Ok(None);
     }
     let q = q.contiguous()?;

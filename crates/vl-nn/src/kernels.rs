@@ -15,6 +15,8 @@
 use candle_core::{DType, Tensor};
 use multiversion::multiversion;
 
+use crate::dispatch::{own_kernel, DeviceKind, Op};
+
 /// `e^x` to about 2 ulp for |x| <= 87 (clamped outside: `exp(-inf)` is ~1e-38, not 0, and large
 /// inputs saturate at ~2^127). Cephes' `expf`: x = n ln2 + r, |r| <= ln2 / 2, degree-7
 /// polynomial for e^r, 2^n from the exponent bits. Branch-free, so loops of it vectorize.
@@ -141,7 +143,7 @@ fn gelu_erf_slice(part: &mut [f32]) {
 /// only view of its storage (a layer's fresh output) is updated in place by the vectorized
 /// kernel; anything else takes candle's `gelu`.
 pub fn gelu_tanh_tensor(x: Tensor) -> candle_core::Result<Tensor> {
-    if x.device().is_cpu() && x.dtype() == DType::F32 && x.is_contiguous() {
+    if own_kernel(Op::Gelu, DeviceKind::of(x.device()), x.dtype()) && x.is_contiguous() {
         x.inplace_op1(&GeluInPlace { erf: false })?;
         Ok(x)
     } else {
@@ -152,7 +154,7 @@ pub fn gelu_tanh_tensor(x: Tensor) -> candle_core::Result<Tensor> {
 /// The exact (erf) GELU of a tensor, in place on a fresh CPU f32 tensor like `gelu_tanh_tensor`;
 /// candle's `gelu_erf` elsewhere.
 pub fn gelu_erf_tensor(x: Tensor) -> candle_core::Result<Tensor> {
-    if x.device().is_cpu() && x.dtype() == DType::F32 && x.is_contiguous() {
+    if own_kernel(Op::Gelu, DeviceKind::of(x.device()), x.dtype()) && x.is_contiguous() {
         x.inplace_op1(&GeluInPlace { erf: true })?;
         Ok(x)
     } else {
@@ -189,7 +191,7 @@ impl candle_core::InplaceOp1 for GeluInPlace {
 /// the same dtype: 64 x 64 tiles on candle's worker pool (candle's strided copy walks the source
 /// element by element). CPU tensors only; others take candle's `t().contiguous()`.
 pub fn transpose(t: &Tensor) -> candle_core::Result<Tensor> {
-    if !t.device().is_cpu() || t.rank() != 2 {
+    if !own_kernel(Op::Transpose, DeviceKind::of(t.device()), t.dtype()) || t.rank() != 2 {
         return t.t()?.contiguous();
     }
     let t = t.contiguous()?;
@@ -249,7 +251,7 @@ pub fn weighted_row_sum(table: &Tensor, idx: &[u32], weights: &[f32], taps: usiz
         candle_core::bail!("weighted_row_sum: index {bad} outside the table's {rows} rows");
     }
     let n = idx.len() / taps;
-    if table.device().is_cpu() && table.dtype() == DType::F32 {
+    if own_kernel(Op::RowGather, DeviceKind::of(table.device()), table.dtype()) {
         let table = table.contiguous()?;
         let (storage, layout) = table.storage_and_layout();
         if let Some(all) = cpu_f32(&storage) {

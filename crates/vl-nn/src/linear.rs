@@ -9,6 +9,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Module, Tensor};
 use candle_nn::Linear;
 
+use crate::dispatch::{own_kernel, own_kernel_for, DeviceKind, Op};
 use crate::kernels::{cpu_f32, SendPtr};
 use crate::{Error, Result};
 
@@ -96,10 +97,11 @@ const QUANT_CHUNK_ROWS: usize = 64;
 pub fn quantize_rows(w: &Tensor, q: QuantType) -> Result<QTensor> {
     let (rows, cols) = w.dims2()?;
     let threads = candle_core::utils::get_num_threads().clamp(1, rows.div_ceil(QUANT_CHUNK_ROWS).max(1));
-    if q == QuantType::Q4K && w.device().is_cpu() && matches!(w.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+    let kind = DeviceKind::of(w.device());
+    if q == QuantType::Q4K && own_kernel(Op::Q4kQuantizer, kind, w.dtype()) {
         return quantize_q4k_cpu(&w.contiguous()?, rows, cols, threads);
     }
-    if !w.device().is_cpu() || threads == 1 {
+    if !own_kernel(Op::ParallelQuantizer, kind, w.dtype()) || threads == 1 {
         return Ok(QTensor::quantize(&w.to_dtype(DType::F32)?, q.ggml())?);
     }
     let w = w.contiguous()?;
@@ -260,7 +262,8 @@ pub struct Dense {
 impl Dense {
     /// The layout this CPU runs fastest (panels on AVX2-only x86_64 for weights in memory).
     pub fn from_linear(l: &Linear) -> Result<Self> {
-        let panels = l.weight().device().is_cpu() && crate::panels::preferred();
+        let w = l.weight();
+        let panels = own_kernel(Op::PanelPacking, DeviceKind::of(w.device()), w.dtype()) && crate::panels::preferred();
         Self::from_linear_as(l, panels)
     }
 
@@ -359,10 +362,9 @@ impl Dense {
             Then::Add(r) => Some(r),
             _ => None,
         };
-        let all_f32 = [Some(x), Some(&self.w), self.bias.as_ref(), residual]
-            .iter()
-            .flatten()
-            .all(|t| t.device().is_cpu() && t.dtype() == DType::F32);
+        let tensors: Vec<&Tensor> =
+            [Some(x), Some(&self.w), self.bias.as_ref(), residual].into_iter().flatten().collect();
+        let all_f32 = own_kernel_for(Op::DenseLinear, &tensors);
         if !all_f32 || x.rank() == 0 || (self.panels && !crate::panels::available()) {
             return Ok(None);
         }
@@ -540,7 +542,7 @@ fn panel_tiles(m: usize, n: usize, k: usize, threads: usize) -> (usize, usize) {
 
 /// A linear layer's weight [out, in] packed in `panels` layout (None: not a CPU float tensor).
 fn pack_panels(w: &Tensor) -> Result<Option<Tensor>> {
-    if !w.device().is_cpu() {
+    if !own_kernel(Op::PanelPacking, DeviceKind::of(w.device()), w.dtype()) {
         return Ok(None);
     }
     let w = w.contiguous()?;
@@ -644,7 +646,7 @@ impl QLinear {
     pub fn prepare(&self) -> Result<()> {
         if let QLinear::Quant { w: w @ QMatMul::QTensor(t), .. } = self {
             let dev = t.device();
-            if dev.is_cpu() {
+            if own_kernel(Op::KQuantRepack, DeviceKind::of(&dev), DType::F32) {
                 let (_, k) = t.shape().dims2()?;
                 w.forward(&Tensor::zeros((2, k), DType::F32, &dev)?)?;
             }
@@ -687,7 +689,10 @@ impl QEmbedding {
         let (rows, dim) = table.dims2()?;
         match qtype {
             // Row lookups read the quantized bytes in place on CPU; a GPU table stays dense.
-            Some(q) if dim % q.block() == 0 && table.device().is_cpu() => {
+            Some(q)
+                if dim % q.block() == 0
+                    && own_kernel(Op::QuantEmbedding, DeviceKind::of(table.device()), table.dtype()) =>
+            {
                 let t = quantize_rows(&table, q)?;
                 Ok(QEmbedding::Quant { table: Arc::new(t), qtype: q, rows, dim })
             }
@@ -696,7 +701,13 @@ impl QEmbedding {
     }
 
     /// A table already quantized (e.g. read from a GGUF file), used as stored.
+    /// Off the CPU the table is dequantized once (candle 0.11 reads a GPU table's bytes back to
+    /// the host for each lookup): a dense table, its lm_head a dense product.
     pub fn from_qtensor(t: Arc<QTensor>) -> Result<Self> {
+        let dev = t.device();
+        if !own_kernel(Op::QuantEmbedding, DeviceKind::of(&dev), DType::F32) {
+            return Ok(QEmbedding::Dense(t.dequantize(&dev)?));
+        }
         let (rows, dim) = t.shape().dims2()?;
         let qtype = QuantType::from_ggml(t.dtype()).ok_or_else(|| Error::Shape {
             layer: "QEmbedding",

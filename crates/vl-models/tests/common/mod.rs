@@ -30,8 +30,36 @@ pub fn goldens() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../goldens")
 }
 
+/// The device the parity tests run on: `VL_TEST_DEVICE` = `cpu` (the default), `cuda` or
+/// `metal` (tools/gpu-check sets it; the build needs the matching feature).
+pub fn device() -> Device {
+    match std::env::var("VL_TEST_DEVICE").as_deref() {
+        Err(_) | Ok("") | Ok("cpu") => Device::Cpu,
+        Ok("cuda") => Device::new_cuda(0).expect("VL_TEST_DEVICE=cuda: no CUDA device (build with --features cuda)"),
+        Ok("metal") => {
+            Device::new_metal(0).expect("VL_TEST_DEVICE=metal: no Metal device (build with --features metal)")
+        }
+        Ok(other) => panic!("VL_TEST_DEVICE={other}: expected cpu, cuda or metal"),
+    }
+}
+
+/// How much looser a GPU's f32 tolerances are than the CPU's: its reductions run in another
+/// order and cuBLAS picks its own kernels. A first bound, to be replaced by what
+/// tools/gpu-check measures (it prints every difference beside its tolerance).
+pub const GPU_TOLERANCE_FACTOR: f32 = 10.0;
+
+/// The tolerance `cpu` (a CPU f32 bound) on the test device.
+pub fn tol(cpu: f32) -> f32 {
+    if device().is_cpu() {
+        cpu
+    } else {
+        cpu * GPU_TOLERANCE_FACTOR
+    }
+}
+
+/// A golden file's tensors, on the test device.
 pub fn load(path: &Path) -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(path, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    candle_core::safetensors::load(path, &device()).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 pub fn read_json(path: &Path) -> serde_json::Value {
@@ -46,8 +74,8 @@ pub fn checkpoint(g: &str) -> (Qwen3VlConfig, Arc<Weights>) {
 /// Max absolute difference, both sides in f32.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims(), "shape mismatch");
-    let a = a.to_dtype(DType::F32).unwrap();
-    let b = b.to_dtype(DType::F32).unwrap();
+    let a = a.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+    let b = b.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
     (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
 }
 
