@@ -6,7 +6,7 @@
 //! written (the conversation keeps what was written), and Ctrl-C twice at the prompt or Ctrl-D
 //! exits; piped input is read one message per line.
 
-use std::io::{BufRead, IsTerminal, Write};
+use std::io::{BufRead, IsTerminal, Read as _, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -56,33 +56,75 @@ pub struct ChatArgs {
 
 enum Input {
     Editor(rustyline::DefaultEditor),
-    Lines(std::io::Lines<std::io::StdinLock<'static>>),
+    Lines(std::io::StdinLock<'static>),
 }
 
-enum Read {
+/// Longest message line read from a pipe; a longer one is skipped (read through, not kept).
+const MAX_LINE_BYTES: usize = 4 << 20;
+
+enum Got {
     Line(String),
+    /// A line that cannot be a message (too long, not UTF-8): said, and skipped.
+    Skipped(String),
     /// Ctrl-C at the prompt.
     Interrupted,
     End,
 }
 
 impl Input {
-    fn next(&mut self) -> Result<Read> {
+    fn next(&mut self) -> Result<Got> {
         match self {
             Input::Editor(ed) => match ed.readline("> ") {
+                Ok(line) if line.len() > MAX_LINE_BYTES => {
+                    Ok(Got::Skipped(format!("a line of more than {MAX_LINE_BYTES} bytes; skipped")))
+                }
                 Ok(line) => {
                     let _ = ed.add_history_entry(line.as_str());
-                    Ok(Read::Line(line))
+                    Ok(Got::Line(line))
                 }
-                Err(rustyline::error::ReadlineError::Interrupted) => Ok(Read::Interrupted),
-                Err(rustyline::error::ReadlineError::Eof) => Ok(Read::End),
+                Err(rustyline::error::ReadlineError::Interrupted) => Ok(Got::Interrupted),
+                Err(rustyline::error::ReadlineError::Eof) => Ok(Got::End),
                 Err(e) => Err(e).context("reading the terminal"),
             },
-            Input::Lines(lines) => Ok(match lines.next().transpose().context("reading stdin")? {
-                Some(l) => Read::Line(l),
-                None => Read::End,
-            }),
+            Input::Lines(stdin) => read_line(stdin, MAX_LINE_BYTES),
         }
+    }
+}
+
+/// One line of at most `max` bytes from `r`; a longer one is read through in bounded pieces
+/// and skipped, and one that is not UTF-8 is skipped too.
+fn read_line(r: &mut impl BufRead, max: usize) -> Result<Got> {
+    let mut line = Vec::new();
+    let n = r.by_ref().take(max as u64 + 1).read_until(b'\n', &mut line).context("reading stdin")?;
+    if n == 0 {
+        return Ok(Got::End);
+    }
+    if line.len() > max && line.last() != Some(&b'\n') {
+        // Read through the rest of the line without keeping it.
+        loop {
+            let buf = r.fill_buf().context("reading stdin")?;
+            if buf.is_empty() {
+                break;
+            }
+            match buf.iter().position(|&b| b == b'\n') {
+                Some(i) => {
+                    r.consume(i + 1);
+                    break;
+                }
+                None => {
+                    let len = buf.len();
+                    r.consume(len);
+                }
+            }
+        }
+        return Ok(Got::Skipped(format!("a line of more than {max} bytes; skipped")));
+    }
+    match String::from_utf8(line) {
+        Ok(s) => Ok(Got::Line(s)),
+        Err(e) => Ok(Got::Skipped(format!(
+            "the line is not UTF-8 (invalid byte at offset {}); skipped",
+            e.utf8_error().valid_up_to()
+        ))),
     }
 }
 
@@ -123,6 +165,10 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     // then, so it arrives as SIGINT); at the prompt the line editor reads it as a key.
     let interrupted = Arc::new(AtomicBool::new(false));
     if interactive {
+        // A second Ctrl-C before the first took effect (a long prefill or video decode, where no
+        // token comes to stop at) exits, as a terminal program's Ctrl-C would.
+        signal_hook::flag::register_conditional_shutdown(signal_hook::consts::SIGINT, 130, interrupted.clone())
+            .context("installing the Ctrl-C handler")?;
         signal_hook::flag::register(signal_hook::consts::SIGINT, interrupted.clone())
             .context("installing the Ctrl-C handler")?;
         note!(
@@ -134,7 +180,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let mut input = if interactive {
         Input::Editor(rustyline::DefaultEditor::new().context("starting the line editor")?)
     } else {
-        Input::Lines(std::io::stdin().lock().lines())
+        Input::Lines(std::io::stdin().lock())
     };
 
     let start = || args.system.iter().map(|s| ChatMessage::text("system", s)).collect::<Vec<_>>();
@@ -144,10 +190,14 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let mut interrupted_at_prompt = false;
     loop {
         let line = match input.next()? {
-            Read::Line(l) => l,
-            Read::End => break,
-            Read::Interrupted if interrupted_at_prompt => break,
-            Read::Interrupted => {
+            Got::Line(l) => l,
+            Got::Skipped(why) => {
+                note!("error: {why}");
+                continue;
+            }
+            Got::End => break,
+            Got::Interrupted if interrupted_at_prompt => break,
+            Got::Interrupted => {
                 interrupted_at_prompt = true;
                 note!("(Ctrl-C again, or Ctrl-D, exits)");
                 continue;
@@ -222,6 +272,8 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         let req = Request { messages: history.clone(), options: options.clone(), ..Default::default() };
         let mut write_err = None;
         let mut stopped = false;
+        // What was written: a stopped answer keeps exactly this.
+        let mut shown = String::new();
         interrupted.store(false, Ordering::Relaxed);
         let result = engine.generate(&req, &mut |piece| {
             if interrupted.swap(false, Ordering::Relaxed) {
@@ -229,7 +281,10 @@ pub fn chat(args: ChatArgs) -> Result<()> {
                 return false;
             }
             match out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
-                Ok(()) => true,
+                Ok(()) => {
+                    shown.push_str(piece);
+                    true
+                }
                 Err(e) => {
                     write_err = Some(e);
                     false
@@ -256,7 +311,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
                     c.token_ids.len(),
                     if decode > 0.0 { c.token_ids.len().saturating_sub(1) as f64 / decode } else { 0.0 }
                 );
-                history.push(ChatMessage::text("assistant", &c.text));
+                history.push(ChatMessage::text("assistant", if stopped { &shown } else { &c.text }));
             }
             Err(e) => {
                 // The turn is dropped; the conversation goes on without it.
@@ -306,8 +361,11 @@ fn save(path: &Path, history: &[ChatMessage]) -> Result<()> {
     };
     let mut tmp =
         tempfile::NamedTempFile::new_in(dir).with_context(|| format!("creating a file in {}", dir.display()))?;
-    serde_json::to_writer_pretty(std::io::BufWriter::new(tmp.as_file_mut()), &Value::Array(messages))?;
-    tmp.as_file_mut().flush()?;
+    let mut w = std::io::BufWriter::new(tmp.as_file_mut());
+    serde_json::to_writer_pretty(&mut w, &Value::Array(messages))?;
+    w.flush()?;
+    drop(w);
+    tmp.as_file().sync_all()?;
     tmp.persist(path).map_err(|e| e.error)?;
     Ok(())
 }

@@ -224,6 +224,8 @@ fn chat_ctrl_c_stops_the_answer_keeps_the_history_and_twice_exits() {
     s.exp_string("Ctrl-C stops an answer").unwrap();
     s.exp_string("> ").unwrap();
     s.send_line("tell me a long story").unwrap();
+    // Let the line editor hand the terminal back, so Ctrl-C is then a signal, not a key (the
+    // answer takes ~15 s; 700 ms is well inside it).
     std::thread::sleep(Duration::from_millis(700));
     s.send_control('c').unwrap();
     s.exp_string("(stopped; the conversation keeps the answer so far)").unwrap();
@@ -244,4 +246,73 @@ fn chat_ctrl_c_stops_the_answer_keeps_the_history_and_twice_exits() {
     assert_eq!(saved[0]["content"], "tell me a long story");
     assert_eq!(saved[1]["role"], "assistant");
     assert!(!saved[1]["content"].as_str().unwrap().is_empty());
+}
+
+#[test]
+fn quantize_that_cannot_write_leaves_nothing_and_names_the_file() {
+    // A full disk, as the process sees it: a file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored so
+    // the write fails with EFBIG instead of killing the process).
+    use std::os::unix::process::CommandExt;
+    let out = tempfile::tempdir().unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vl"));
+    cmd.args(["quantize", "--model", &checkpoint("tiny-a"), "--quantize", "q8", "--out", out.path().to_str().unwrap()])
+        .env("HF_HOME", home.path())
+        .env("HF_HUB_OFFLINE", "1");
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let lim = libc::rlimit { rlim_cur: 1 << 20, rlim_max: 1 << 20 };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let o = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let lines = error_lines(&err);
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(lines[0].contains("checkpoint-Q8_0.gguf.partial: cannot write"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(out.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.is_empty(), "files left behind: {left:?}");
+}
+
+#[test]
+fn chat_skips_a_huge_line_and_one_not_utf8_and_goes_on() {
+    // A 5 MiB line (over the 4 MiB bound), a line with an invalid byte, then a message.
+    let mut input = "x".repeat(5 << 20);
+    input.push('\n');
+    let mut bytes = input.into_bytes();
+    bytes.extend(b"caf\xe9\n");
+    bytes.extend(b"hi\n");
+    use std::io::Write;
+    let home = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vl"))
+        .args(["chat", "--model", &checkpoint("tiny-a"), "--max-new-tokens", "2"])
+        .env("HF_HOME", home.path())
+        .env("HF_HUB_OFFLINE", "1")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || stdin.write_all(&bytes));
+    let out = child.wait_with_output().unwrap();
+    writer.join().unwrap().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert_eq!(
+        error_lines(&err),
+        [
+            "error: a line of more than 4194304 bytes; skipped",
+            "error: the line is not UTF-8 (invalid byte at offset 3); skipped"
+        ],
+        "{err}"
+    );
+    // Only "hi" was answered.
+    assert_eq!(err.matches("prompt tokens").count(), 1, "{err}");
 }

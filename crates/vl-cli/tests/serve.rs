@@ -50,6 +50,24 @@ fn raw_post(s: &Server, path: &str, len: usize) -> (u16, Value) {
     (status, serde_json::from_str(body).unwrap_or_else(|_| panic!("not JSON ({status}): {body:?}")))
 }
 
+/// A POST announcing `len` body bytes that sends only `sent` of them, then closes its side.
+fn short_post(s: &Server, path: &str, len: usize, sent: &str) -> (u16, Value) {
+    let addr = s.base.trim_start_matches("http://");
+    let mut sock = std::net::TcpStream::connect(addr).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        sock,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n{sent}"
+    )
+    .unwrap();
+    sock.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut resp = String::new();
+    let _ = sock.read_to_string(&mut resp);
+    let status: u16 = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{resp:?}"));
+    let body = resp.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (status, serde_json::from_str(body).unwrap_or_else(|_| panic!("not JSON ({status}): {body:?}")))
+}
+
 fn get(s: &Server, path: &str) -> (u16, String) {
     match agent().get(&format!("{}{path}", s.base)).call() {
         Ok(r) => (r.status(), r.into_string().unwrap()),
@@ -236,6 +254,11 @@ fn every_bad_request_gets_its_status_and_an_openai_error() {
     // the refused body would race the server closing the connection).
     let (st, b) = raw_post(&s, c, 200_000);
     assert_error(st, &b, 413, "");
+    // A body shorter than its Content-Length (within the limit) is incomplete, not too large.
+    for (len, sent) in [(1000, "{\"messages\": ["), (50_000, ""), (10, "{")] {
+        let (st, b) = short_post(&s, c, len, sent);
+        assert_error(st, &b, 400, &format!("ended before it was complete (Content-Length {len})"));
+    }
     let (st, _) = get(&s, "/v1/nothing");
     assert_eq!(st, 404);
     // A GET on the POST route: 405 in OpenAI's error shape.

@@ -57,11 +57,26 @@ fn walk_header(path: &Path) -> Result<Option<String>> {
         let ty = r.u32(&key)?;
         if key == "general.architecture" && ty == 8 {
             architecture = Some(r.string(&key)?);
-        } else if key == "general.alignment" && ty == 4 {
-            alignment = u64::from(r.u32(&key)?);
-            if alignment == 0 || !alignment.is_power_of_two() {
-                return Err(bad(path, format!("general.alignment = {alignment} is not a power of two")));
+        } else if key == "general.alignment" {
+            // Any integer type candle reads it as, u8 to i32 (a u8 0 divides by zero in candle;
+            // a 64-bit one it ignores, reading the data at 32 instead).
+            let size = match ty {
+                0 | 1 => 1,
+                2 | 3 => 2,
+                4 | 5 => 4,
+                _ => return Err(bad(path, format!("general.alignment has type {ty}, not an integer of 8 to 32 bits"))),
+            };
+            let raw = r.bytes(size, &key)?;
+            let mut le = [0u8; 8];
+            le[..raw.len()].copy_from_slice(raw);
+            let value = i64::from_le_bytes(le);
+            // Sign-extend the signed types.
+            let shift = 64 - 8 * size as u32;
+            let value = if matches!(ty, 1 | 3 | 5 | 11) { (value << shift) >> shift } else { value };
+            if value <= 0 || !(value as u64).is_power_of_two() || value > 1 << 20 {
+                return Err(bad(path, format!("general.alignment = {value} is not a power of two up to 1 MiB")));
             }
+            alignment = value as u64;
         } else {
             r.value(ty, &key, 0)?;
         }

@@ -151,6 +151,53 @@ fn hostile_and_truncated_headers_are_named_errors() {
 }
 
 #[test]
+fn general_alignment_of_any_integer_type_is_checked() {
+    // general.alignment stored as each integer type: bad values (0, not a power of two,
+    // negative, huge) are named errors, never a division by zero; good ones pass the walk.
+    let kv = |ty: u32, raw: &[u8]| {
+        let key = b"general.alignment";
+        let mut kv = (key.len() as u64).to_le_bytes().to_vec();
+        kv.extend(key);
+        kv.extend(ty.to_le_bytes());
+        kv.extend(raw);
+        header(0, 1, &kv)
+    };
+    let cases: Vec<(u32, Vec<u8>, Option<i64>)> = vec![
+        (0, vec![0], Some(0)),
+        (0, vec![3], Some(3)),
+        (0, vec![32], None),
+        (1, vec![0xe0], Some(-32)),
+        (2, 0u16.to_le_bytes().to_vec(), Some(0)),
+        (2, 64u16.to_le_bytes().to_vec(), None),
+        (3, (-1i16).to_le_bytes().to_vec(), Some(-1)),
+        (4, 0u32.to_le_bytes().to_vec(), Some(0)),
+        (4, 48u32.to_le_bytes().to_vec(), Some(48)),
+        (4, 32u32.to_le_bytes().to_vec(), None),
+        (5, (-64i32).to_le_bytes().to_vec(), Some(-64)),
+        (4, (1u32 << 30).to_le_bytes().to_vec(), Some(1 << 30)),
+        (5, 256i32.to_le_bytes().to_vec(), None),
+    ];
+    for (ty, raw, bad) in cases {
+        let bytes = kv(ty, &raw);
+        let mut f = tempfile::Builder::new().suffix(".gguf").tempfile().unwrap();
+        f.write_all(&bytes).unwrap();
+        match (check_header(f.path()), bad) {
+            (Err(e), Some(v)) => {
+                let e = e.to_string();
+                assert!(e.contains(&format!("general.alignment = {v} is not a power of two")), "type {ty}: {e}");
+            }
+            (Ok(_), None) => {}
+            (r, want) => panic!("type {ty} {raw:?}: {:?}, wanted an error for {want:?}", r.map(|_| ())),
+        }
+    }
+    // A float, and a 64-bit integer (candle would ignore it and read the data at 32), are named.
+    for (ty, raw) in [(6, 1.0f32.to_le_bytes().to_vec()), (10, 64u64.to_le_bytes().to_vec())] {
+        let e = header_error(&kv(ty, &raw));
+        assert!(e.contains(&format!("general.alignment has type {ty}, not an integer of 8 to 32 bits")), "{e}");
+    }
+}
+
+#[test]
 fn a_tensor_set_that_does_not_match_the_metadata_is_named() {
     // Rename one tensor of the reference file (same length, so the header stays valid): it is
     // reported as unexpected, and the one it replaced as missing, both by their GGUF names.

@@ -701,12 +701,13 @@ impl QEmbedding {
     }
 
     /// A table already quantized (e.g. read from a GGUF file), used as stored.
-    /// Off the CPU the table is dequantized once (candle 0.11 reads a GPU table's bytes back to
-    /// the host for each lookup): a dense table, its lm_head a dense product.
-    pub fn from_qtensor(t: Arc<QTensor>) -> Result<Self> {
+    /// Off the CPU the table is dequantized once, to `dtype` (the model's compute dtype, so a
+    /// tied lm_head multiplies in it; candle 0.11 reads a GPU table's bytes back to the host for
+    /// each lookup): a dense table, its lm_head a dense product.
+    pub fn from_qtensor(t: Arc<QTensor>, dtype: DType) -> Result<Self> {
         let dev = t.device();
         if !own_kernel(Op::QuantEmbedding, DeviceKind::of(&dev), DType::F32) {
-            return Ok(QEmbedding::Dense(t.dequantize(&dev)?));
+            return Ok(QEmbedding::Dense(t.dequantize(&dev)?.to_dtype(dtype)?));
         }
         let (rows, dim) = t.shape().dims2()?;
         let qtype = QuantType::from_ggml(t.dtype()).ok_or_else(|| Error::Shape {

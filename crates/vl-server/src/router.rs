@@ -355,9 +355,27 @@ async fn read_body(app: &App, req: axum::extract::Request) -> std::result::Resul
     if let Some(n) = announced.filter(|&n| n > app.config.max_body_bytes as u64) {
         return Err(too_large(n.to_string()));
     }
-    axum::body::to_bytes(req.into_body(), app.config.max_body_bytes)
-        .await
-        .map_err(|_| too_large(format!("more than {}", app.config.max_body_bytes)))
+    axum::body::to_bytes(req.into_body(), app.config.max_body_bytes).await.map_err(|e| {
+        // Over the limit, or a body that broke off (shorter than its Content-Length, a
+        // connection closed mid-body): only the first is a 413.
+        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+        let mut over = false;
+        while let Some(s) = source {
+            over |= s.to_string().contains("length limit exceeded");
+            source = s.source();
+        }
+        if over {
+            too_large(format!("more than {}", app.config.max_body_bytes))
+        } else {
+            let told = announced.map(|n| format!(" (Content-Length {n})")).unwrap_or_default();
+            ApiError::with(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "incomplete_body",
+                format!("the request body ended before it was complete{told}: {e}"),
+            )
+        }
+    })
 }
 
 async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<Response, ApiError> {

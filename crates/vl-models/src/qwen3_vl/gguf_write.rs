@@ -3,7 +3,7 @@
 //! names, metadata keys and tokenizer fields, so `vl run --model DIR` starts without
 //! re-quantizing and llama.cpp's tools read the files.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -79,16 +79,34 @@ fn vocabulary(dir: &Path, vocab_size: usize) -> Result<(Vec<String>, Vec<i32>, V
     Ok((strings, types, merges))
 }
 
-fn write_file(path: &Path, meta: &[(String, Value)], tensors: &[(String, QTensor)]) -> Result<()> {
-    let tmp = path.with_extension("gguf.partial");
+/// The temporary name `path` is written under until both files are complete.
+fn partial(path: &Path) -> PathBuf {
+    path.with_extension("gguf.partial")
+}
+
+/// Writes the file to its temporary name (`partial`); errors name the file.
+fn write_partial(path: &Path, meta: &[(String, Value)], tensors: &[(String, QTensor)]) -> Result<()> {
+    let tmp = partial(path);
+    let named = |e: String| Error::Input { what: tmp.display().to_string(), message: format!("cannot write: {e}") };
     let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?);
     let meta: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
-    candle_core::quantized::gguf_file::write(&mut f, &meta, &tensors)?;
+    candle_core::quantized::gguf_file::write(&mut f, &meta, &tensors).map_err(|e| named(e.to_string()))?;
     use std::io::Write;
-    f.flush().map_err(|e| Error::io(&tmp, e))?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+    f.flush().map_err(|e| named(e.to_string()))?;
+    f.into_inner().map_err(|e| named(e.to_string()))?.sync_all().map_err(|e| named(e.to_string()))?;
+    Ok(())
+}
+
+/// Removes the temporary files when the write fails before both are renamed.
+struct Partials(Vec<PathBuf>);
+
+impl Drop for Partials {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
 }
 
 /// Writes `out/<name>-<TAG>.gguf` and `out/mmproj-<name>-<F16|BF16|F32>.gguf` (the vision
@@ -226,7 +244,10 @@ pub fn save(
         meta.push(("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)));
     }
     meta.push(("tokenizer.chat_template".into(), Value::String(model.processor.template.source_text())));
-    write_file(&text_path, &meta, &tensors)?;
+    // Both files go to temporary names and are renamed only once both are complete: a failure
+    // (a full disk) leaves neither, and no directory that loads as a text-only model.
+    let mut partials = Partials(vec![partial(&text_path), partial(&mmproj_path)]);
+    write_partial(&text_path, &meta, &tensors)?;
     let text_count = tensors.len();
     drop(tensors);
 
@@ -288,7 +309,15 @@ pub fn save(
         ("clip.vision.attention.layer_norm_epsilon".into(), Value::F32(t.rms_norm_eps as f32)),
         ("clip.vision.is_deepstack_layers".into(), Value::Array(deep)),
     ];
-    write_file(&mmproj_path, &meta, &tensors)?;
+    write_partial(&mmproj_path, &meta, &tensors)?;
+    // The mmproj first: a failure between the two renames leaves a vision projector alone,
+    // which loads as nothing, never a text model without its projector.
+    std::fs::rename(partial(&mmproj_path), &mmproj_path).map_err(|e| Error::io(&mmproj_path, e))?;
+    if let Err(e) = std::fs::rename(partial(&text_path), &text_path) {
+        let _ = std::fs::remove_file(&mmproj_path);
+        return Err(Error::io(&text_path, e));
+    }
+    partials.0.clear();
     let tensors = text_count + tensors.len();
     Ok(Written { text: text_path, mmproj: mmproj_path, tensors, stored, fell_back })
 }

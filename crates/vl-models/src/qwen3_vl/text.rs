@@ -266,7 +266,7 @@ impl TextModel {
         let embed = match plan.stored(&evb, "weight") {
             Some(t) => {
                 check_stored(&t, (cfg.vocab_size, cfg.hidden_size), &evb)?;
-                QEmbedding::from_qtensor(t)?
+                QEmbedding::from_qtensor(t, evb.dtype())?
             }
             None => {
                 let (table, tq) = weight((cfg.vocab_size, cfg.hidden_size), "weight", &evb, plan.quant)?;

@@ -32,15 +32,22 @@ pub fn goldens() -> PathBuf {
 
 /// The device the parity tests run on: `VL_TEST_DEVICE` = `cpu` (the default), `cuda` or
 /// `metal` (tools/gpu-check sets it; the build needs the matching feature).
+/// Made once: each `Device::new_cuda(0)` is a new device to candle, and tensors of two
+/// devices do not mix.
 pub fn device() -> Device {
-    match std::env::var("VL_TEST_DEVICE").as_deref() {
-        Err(_) | Ok("") | Ok("cpu") => Device::Cpu,
-        Ok("cuda") => Device::new_cuda(0).expect("VL_TEST_DEVICE=cuda: no CUDA device (build with --features cuda)"),
-        Ok("metal") => {
-            Device::new_metal(0).expect("VL_TEST_DEVICE=metal: no Metal device (build with --features metal)")
-        }
-        Ok(other) => panic!("VL_TEST_DEVICE={other}: expected cpu, cuda or metal"),
-    }
+    static DEVICE: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+    DEVICE
+        .get_or_init(|| match std::env::var("VL_TEST_DEVICE").as_deref() {
+            Err(_) | Ok("") | Ok("cpu") => Device::Cpu,
+            Ok("cuda") => {
+                Device::new_cuda(0).expect("VL_TEST_DEVICE=cuda: no CUDA device (build with --features cuda)")
+            }
+            Ok("metal") => {
+                Device::new_metal(0).expect("VL_TEST_DEVICE=metal: no Metal device (build with --features metal)")
+            }
+            Ok(other) => panic!("VL_TEST_DEVICE={other}: expected cpu, cuda or metal"),
+        })
+        .clone()
 }
 
 /// How much looser a GPU's f32 tolerances are than the CPU's: its reductions run in another
