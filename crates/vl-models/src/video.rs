@@ -70,7 +70,9 @@ pub struct VideoInfo {
 
 enum Kind {
     /// Decoded by ffmpeg from this file (a temporary copy for in-memory data, kept alive here).
-    Ffmpeg { file: PathBuf, _temp: Option<tempfile::NamedTempFile> },
+    /// `turns`: quarter turns clockwise that make the frames upright (the stream's display
+    /// rotation), applied by our own filter, not ffmpeg's autorotation.
+    Ffmpeg { file: PathBuf, _temp: Option<tempfile::NamedTempFile>, turns: u8 },
     /// An animated image held in memory.
     Animated { bytes: Vec<u8>, format: ImageFormat },
     /// Image files, one per frame, in name order.
@@ -212,7 +214,9 @@ impl VideoSource {
                     }
                 }
             }
-            Kind::Ffmpeg { file, .. } => self.ffmpeg_frames(file, indices, &mut |f| give(f, &mut last))?,
+            Kind::Ffmpeg { file, turns, .. } => {
+                self.ffmpeg_frames(file, *turns, indices, &mut |f| give(f, &mut last))?
+            }
         }
         if delivered.get() == 0 && !indices.is_empty() {
             return Err(self.input("no frame could be decoded".into()));
@@ -382,18 +386,19 @@ impl VideoSource {
                     ),
                 }
             })?;
-        // ffmpeg turns frames upright by the stream's display rotation (phone videos): a quarter
-        // turn swaps the sides it outputs.
+        // Frames are turned upright by the stream's display rotation (phone videos), to the
+        // nearest quarter turn, by our own filter: ffmpeg's autorotation rotates an angle just
+        // off a quarter (90.9) by that angle without swapping the sides, so the two would disagree.
         let side_rotation = stream
             .get("side_data_list")
             .and_then(|l| l.as_array())
             .and_then(|l| l.iter().find_map(|d| d.get("rotation").and_then(|r| r.as_f64())));
         let tag_rotation =
             stream.get("tags").and_then(|t| t.get("rotate")).and_then(|r| r.as_str()?.parse::<f64>().ok());
-        let quarter = side_rotation.or(tag_rotation).is_some_and(|r| (r.round() as i64).rem_euclid(180) == 90);
-        let (width, height) = if quarter { (dim("height"), dim("width")) } else { (dim("width"), dim("height")) };
+        let turns = quarter_turns(side_rotation, tag_rotation);
+        let (width, height) = if turns % 2 == 1 { (dim("height"), dim("width")) } else { (dim("width"), dim("height")) };
         let info = VideoInfo { width, height, frames, fps, decoder: "ffmpeg" };
-        Self::checked(name, Kind::Ffmpeg { file, _temp: temp }, info, limits)
+        Self::checked(name, Kind::Ffmpeg { file, _temp: temp, turns }, info, limits)
     }
 
     /// Streams the selected frames out of ffmpeg as raw RGB, one frame in memory at a time.
@@ -403,15 +408,17 @@ impl VideoSource {
     fn ffmpeg_frames(
         &self,
         file: &Path,
+        turns: u8,
         indices: &[usize],
         give: &mut dyn FnMut(RgbImage) -> Result<()>,
     ) -> Result<()> {
         if indices.is_empty() {
             return Ok(());
         }
-        let (mut got, mut ok, mut stderr) = self.run_ffmpeg(file, indices, &["-fps_mode", "passthrough"], give)?;
+        let (mut got, mut ok, mut stderr) =
+            self.run_ffmpeg(file, turns, indices, &["-fps_mode", "passthrough"], give)?;
         if got == 0 && !ok && String::from_utf8_lossy(&stderr).contains("fps_mode") {
-            (got, ok, stderr) = self.run_ffmpeg(file, indices, &["-vsync", "0"], give)?;
+            (got, ok, stderr) = self.run_ffmpeg(file, turns, indices, &["-vsync", "0"], give)?;
         }
         if got == 0 && !ok {
             return Err(self.input(format!("ffmpeg cannot decode it: {}", last_line(&stderr))));
@@ -423,18 +430,24 @@ impl VideoSource {
     fn run_ffmpeg(
         &self,
         file: &Path,
+        turns: u8,
         indices: &[usize],
         sync: &[&str],
         give: &mut dyn FnMut(RgbImage) -> Result<()>,
     ) -> Result<(usize, bool, Vec<u8>)> {
         // Only the sampled frames leave the filter graph (all are decoded; none are converted
-        // or piped besides those).
-        let select: Vec<String> = indices.iter().map(|i| format!("eq(n\\,{i})")).collect();
-        let mut child = input_guard(Command::new("ffmpeg").args(["-nostdin", "-v", "error"]))
+        // or piped besides those), then turned upright.
+        let upright = match turns {
+            1 => ",transpose=clock",
+            2 => ",hflip,vflip",
+            3 => ",transpose=cclock",
+            _ => "",
+        };
+        let mut child = input_guard(Command::new("ffmpeg").args(["-nostdin", "-v", "error", "-noautorotate"]))
             .arg("-i")
             .arg(file)
             .args(["-map", "0:v:0", "-vf"])
-            .arg(format!("select={}", select.join("+")))
+            .arg(format!("select={}{upright}", select_expr(indices)))
             .args(sync)
             .args(["-f", "rawvideo", "-pix_fmt", "rgb24", "pipe:1"])
             .stdin(Stdio::null())
@@ -512,6 +525,35 @@ impl VideoSource {
         }
         result?;
         Ok((got, status.success(), stderr))
+    }
+}
+
+/// Quarter turns clockwise (0-3) that make a stream upright: the display matrix's rotation as
+/// ffprobe prints it (counter-clockwise degrees), else the legacy `rotate` tag (clockwise), to
+/// the nearest quarter.
+fn quarter_turns(side_rotation: Option<f64>, tag_rotation: Option<f64>) -> u8 {
+    let clockwise = match (side_rotation, tag_rotation) {
+        (Some(r), _) => -r,
+        (None, Some(t)) => t,
+        (None, None) => return 0,
+    };
+    if !clockwise.is_finite() {
+        return 0;
+    }
+    ((clockwise / 90.0).round() as i64).rem_euclid(4) as u8
+}
+
+/// ffmpeg's `select` expression for these frame numbers: a balanced sum of `eq(n,i)`, so its
+/// nesting grows with the log of the count (ffmpeg 5.1's parser refuses a flat sum of more
+/// than about 100 terms, a clip of about 50 s at 2 frames a second).
+fn select_expr(indices: &[usize]) -> String {
+    match indices {
+        [] => "0".into(),
+        [i] => format!("eq(n\\,{i})"),
+        _ => {
+            let (a, b) = indices.split_at(indices.len() / 2);
+            format!("({}+{})", select_expr(a), select_expr(b))
+        }
     }
 }
 

@@ -339,3 +339,92 @@ fn a_decode_past_the_time_limit_is_stopped_and_refused() {
     .unwrap();
     assert_eq!(n, 3);
 }
+
+/// A copy of `src` (an MP4 with an identity display matrix) whose track says "display rotated
+/// `degrees` counter-clockwise": the tkhd matrix written as phones write it, any angle.
+fn with_display_rotation(src: &std::path::Path, degrees: f64, out: &std::path::Path) {
+    let mut d = std::fs::read(src).unwrap();
+    let at = d.windows(4).position(|w| w == b"tkhd").unwrap() + 4 + 40;
+    let identity: Vec<u8> = [0x10000i32, 0, 0, 0, 0x10000, 0].iter().flat_map(|v| v.to_be_bytes()).collect();
+    assert_eq!(&d[at..at + 24], identity.as_slice(), "not a version-0 tkhd with an identity matrix");
+    let (s, c) = degrees.to_radians().sin_cos();
+    let fixed = |v: f64| ((v * 65536.0).round() as i32).to_be_bytes();
+    for (k, v) in [c, -s, 0.0, s, c].into_iter().enumerate() {
+        d[at + 4 * k..at + 4 * k + 4].copy_from_slice(&fixed(v));
+    }
+    std::fs::write(out, d).unwrap();
+}
+
+/// ffmpeg's own RGB output of a clip's first frame (its autorotation applied).
+fn ffmpeg_first_frame(clip: &std::path::Path) -> Vec<u8> {
+    let o = std::process::Command::new("ffmpeg")
+        .args(["-v", "error", "-i"])
+        .arg(clip)
+        .args(["-frames:v", "1", "-f", "rawvideo", "-pix_fmt", "rgb24", "-"])
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    o.stdout
+}
+
+#[test]
+fn a_rotation_just_off_a_quarter_turn_reads_as_that_quarter_turn() {
+    // Angles phones write a little off (89.6, 90.9, ...): read as the nearest quarter turn, the
+    // same frames as a clip rotated by exactly that quarter, as ffmpeg itself outputs those.
+    let dir = tempfile::tempdir().unwrap();
+    let plain = dir.path().join("plain.mp4");
+    let ok = std::process::Command::new("ffmpeg")
+        .args(["-v", "error", "-y", "-f", "lavfi", "-i", "testsrc=size=80x48:rate=10", "-t", "1"])
+        .args(["-c:v", "mpeg4", "-q:v", "2"])
+        .arg(&plain)
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    for (angle, quarter) in [(89.6, 90.0), (90.9, 90.0), (-90.9, -90.0), (179.4, 180.0), (270.8, 270.0), (-0.7, 0.0)] {
+        let (odd, exact) = (dir.path().join("odd.mp4"), dir.path().join("exact.mp4"));
+        with_display_rotation(&plain, angle, &odd);
+        with_display_rotation(&plain, quarter, &exact);
+        let src = VideoSource::open(&odd, 2.0, &VideoLimits::default()).unwrap();
+        let sides = if (quarter as i64).rem_euclid(180) == 90 { (48, 80) } else { (80, 48) };
+        assert_eq!((src.info().width, src.info().height), sides, "{angle} degrees");
+        let mut first = None;
+        src.read_frames(&[0, 9], &mut |k, f| {
+            if k == 0 {
+                first = Some(f.as_raw().clone());
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert!(first.unwrap() == ffmpeg_first_frame(&exact), "{angle} degrees: not the frame turned {quarter}");
+    }
+}
+
+#[test]
+fn a_ten_minute_clip_samples_its_frames_at_the_default_budget() {
+    // 10 minutes at 5 frames a second, each frame's colour its number (lossless FFV1, RGB), read
+    // with tiny-a's default video processor. The reference's sampling (Qwen3VLVideoProcessor):
+    // min(600 s x 2 fps, max_frames 768) = 768 frames, spread from the first frame to the last.
+    let dir = tempfile::tempdir().unwrap();
+    let clip = dir.path().join("ten-minutes.mkv");
+    let ok = std::process::Command::new("ffmpeg")
+        .args(["-v", "error", "-y", "-f", "lavfi", "-i"])
+        .arg("nullsrc=size=16x16:rate=5:duration=600,format=rgb24,geq=r='mod(N,256)':g='floor(N/256)':b=0")
+        .args(["-c:v", "ffv1", "-pix_fmt", "bgr0"])
+        .arg(&clip)
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let src = VideoSource::open(&clip, 2.0, &VideoLimits::default()).unwrap();
+    assert_eq!(src.info().frames, 3000);
+    let plan = VideoProcessor::from_dir(&tiny_a()).unwrap().plan_source(&src).unwrap();
+    assert_eq!(plan.indices.len(), 768);
+    assert_eq!((plan.indices[0], plan.indices[767]), (0, 2999));
+    let mut seen = Vec::new();
+    src.read_frames(&plan.indices, &mut |_, f| {
+        let p = f.get_pixel(8, 8);
+        seen.push(p[0] as usize + 256 * p[1] as usize);
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(seen, plan.indices, "the frames decoded are the frames sampled");
+}
