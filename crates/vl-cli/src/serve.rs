@@ -114,7 +114,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let allowed_media_dir = args
         .allowed_media_dir
         .as_ref()
-        .map(|d| d.canonicalize().with_context(|| format!("--allowed-media-dir {}", d.display())))
+        .map(|d| vl_server::MediaDir::new(d).with_context(|| format!("--allowed-media-dir {}", d.display())))
         .transpose()?;
     // Bind first: a taken port fails before minutes of loading.
     let addr = format!("{}:{}", args.host, args.port);
@@ -134,6 +134,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         video_limits: vl_models::video::VideoLimits {
             max_decode_time: (args.video_decode_timeout > 0.0)
                 .then(|| Duration::from_secs_f64(args.video_decode_timeout.min(86_400.0))),
+            confined: true,
             ..Default::default()
         },
         image_cache_bytes: args.image_cache_mib << 20,

@@ -419,7 +419,16 @@ fn media_server(n: usize) -> String {
                 }
             }
             let head = String::from_utf8_lossy(&req);
-            if head.starts_with("GET /square.png") {
+            let redirect = |c: &mut std::net::TcpStream, to: &str| {
+                let _ = write!(c, "HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+            };
+            // /r/N: N+1 redirects in a row, the last to /square.png; /file: a redirect to file://.
+            let path = head.split(' ').nth(1).unwrap_or("");
+            if let Some(k) = path.strip_prefix("/r/").and_then(|k| k.parse::<usize>().ok()) {
+                redirect(&mut c, &if k == 0 { "/square.png".to_string() } else { format!("/r/{}", k - 1) });
+            } else if path == "/file" {
+                redirect(&mut c, "file:///etc/hostname");
+            } else if head.starts_with("GET /square.png") {
                 let _ = write!(
                     c,
                     "HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
@@ -437,7 +446,8 @@ fn media_server(n: usize) -> String {
 #[test]
 fn remote_images_only_when_allowed_and_within_limits() {
     let g = "tiny-a";
-    let media = media_server(2);
+    // 2 + 4 (three redirects) + 4 (the fourth refused) + 1 (to file://) connections.
+    let media = media_server(11);
     let s = start(g, &["--allow-remote-media", "--remote-media-timeout", "30"]);
     let (want, n, prompt) = golden(g);
     let body = |url: String| {
@@ -452,6 +462,14 @@ fn remote_images_only_when_allowed_and_within_limits() {
     assert_eq!(v["usage"]["prompt_tokens"], prompt);
     let (st, b) = post(&s, "/v1/chat/completions", &body(format!("{media}/big")));
     assert_error(st, &b, 413, "1000000000 bytes");
+    // Three redirects are followed (docs/limits.md), a fourth is not, nor one to file://.
+    let (st, v) = post(&s, "/v1/chat/completions", &body(format!("{media}/r/2")));
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+    let (st, b) = post(&s, "/v1/chat/completions", &body(format!("{media}/r/3")));
+    assert_error(st, &b, 400, "more than 3 redirects");
+    let (st, b) = post(&s, "/v1/chat/completions", &body(format!("{media}/file")));
+    assert_error(st, &b, 400, "redirect to a file: URL refused");
     // Nothing listens on the media server's port any more: a clear 400.
     let (st, b) = post(&s, "/v1/chat/completions", &body(format!("{media}/square.png")));
     assert_error(st, &b, 400, "cannot fetch");
@@ -878,4 +896,67 @@ fn grounding_requests_get_the_minimum_and_their_boxes_in_pixels() {
     assert_eq!(&last["choices"][0]["grounding"], g);
     // A plain answer carries no grounding field.
     assert!(plain["choices"][0].get("grounding").is_none(), "{plain}");
+}
+
+#[test]
+fn local_media_only_regular_files_inside_the_allowed_dir_and_no_probing() {
+    let g = "tiny-a";
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path().canonicalize().unwrap();
+    let square = goldens().join("images/square.png");
+    std::fs::copy(&square, r.join("ok.png")).unwrap();
+    // A FIFO under the directory (opening it for reading would block), a link to a device and
+    // one to a file outside it, and a directory of frames linking outside.
+    let fifo = std::ffi::CString::new(r.join("pipe.png").to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    std::os::unix::fs::symlink("/dev/zero", r.join("zero.png")).unwrap();
+    std::os::unix::fs::symlink(&square, r.join("escape.png")).unwrap();
+    std::fs::create_dir(r.join("frames")).unwrap();
+    for i in 0..4 {
+        std::os::unix::fs::symlink(&square, r.join(format!("frames/{i}.png"))).unwrap();
+    }
+    let s = start(g, &["--allowed-media-dir", r.to_str().unwrap()]);
+    let ask = |kind: &str, url: &str| {
+        let part = if kind == "image" {
+            json!({"type": "image_url", "image_url": {"url": url}})
+        } else {
+            json!({"type": "video_url", "video_url": {"url": url}})
+        };
+        let body = json!({"messages": [{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}], "max_tokens": 2});
+        let t = Instant::now();
+        let out = post(&s, "/v1/chat/completions", &body.to_string());
+        assert!(t.elapsed() < Duration::from_secs(20), "{url}: took {:?}", t.elapsed());
+        out
+    };
+    // Outside the directory one answer, whether the path exists or not: generated existing and
+    // missing paths, absolute, relative and through `..`.
+    let dotdots = "../".repeat(r.components().count() + 2);
+    let mut outside = vec![];
+    for existing in ["/etc/hostname", "/proc/self/environ", "/dev/null", "/tmp", square.to_str().unwrap()] {
+        outside.push(existing.to_string());
+        outside.push(format!("{existing}.missing-{}", outside.len()));
+        outside.push(format!("{}/{dotdots}{}", r.display(), existing.trim_start_matches('/')));
+        outside.push(format!("file://{existing}"));
+    }
+    outside.push(format!("{}/escape.png", r.display()));
+    outside.push(format!("{}/zero.png", r.display()));
+    for kind in ["image", "video"] {
+        for path in &outside {
+            let (st, b) = ask(kind, path);
+            assert_error(st, &b, 403, "is outside the allowed media directory");
+            assert_eq!(b["error"]["code"], "media_not_allowed", "{path}");
+        }
+        // Inside it: a FIFO is refused at once, not opened.
+        let (st, b) = ask(kind, &format!("{}/pipe.png", r.display()));
+        assert_error(st, &b, 400, "not a regular file");
+        let (st, b) = ask(kind, &format!("{}/missing.png", r.display()));
+        assert_error(st, &b, 400, "cannot open");
+    }
+    let (st, b) = ask("video", &format!("{}/frames", r.display()));
+    assert_error(st, &b, 400, "is a link to a file outside the directory");
+    // A normal request is still answered, by path and after all that.
+    let (st, v) = ask("image", &format!("{}/ok.png", r.display()));
+    assert_eq!(st, 200, "{v}");
+    let (st, _) = get(&s, "/health");
+    assert_eq!(st, 200);
 }

@@ -55,11 +55,56 @@ impl ImageLimits {
 /// Reads at most `limit` bytes of `path`; a longer file (or an endless one such as /dev/zero)
 /// is an error that names the file and the limit.
 pub fn read_bytes(path: &Path, limit: u64, kind: LimitKind) -> Result<Vec<u8>> {
-    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    read_within(path, limit, kind, false)
+}
+
+/// `read_bytes` for a path a client named (a server's media): only a regular file is read. A
+/// FIFO, device or socket is refused without blocking (it is opened non-blocking and checked on
+/// the open descriptor, so a file swapped for a FIFO after an earlier check is refused too).
+pub fn read_regular(path: &Path, limit: u64, kind: LimitKind) -> Result<Vec<u8>> {
+    read_within(path, limit, kind, true)
+}
+
+/// Opens `path` for reading without blocking on a FIFO, then checks what it is: a directory is
+/// an error, and so is anything but a regular file when `regular_only`. The descriptor is back
+/// in blocking mode when returned (a FIFO from a shell's `<(...)` then reads as usual).
+pub fn open_checked(path: &Path, regular_only: bool) -> Result<std::fs::File> {
+    #[cfg(unix)]
+    let file = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)
+    };
+    #[cfg(not(unix))]
+    let file = std::fs::File::open(path);
+    let file = file.map_err(|e| Error::io(path, e))?;
     let meta = file.metadata().map_err(|e| Error::io(path, e))?;
     if meta.is_dir() {
         return Err(Error::io(path, std::io::Error::other("is a directory")));
     }
+    if regular_only && !meta.is_file() {
+        return Err(Error::Input {
+            what: path.display().to_string(),
+            message: "not a regular file (a FIFO, device or socket is never read as media)".into(),
+        });
+    }
+    #[cfg(unix)]
+    {
+        use std::os::fd::AsRawFd;
+        let fd = file.as_raw_fd();
+        // SAFETY: fcntl on a descriptor this function owns.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            if flags >= 0 {
+                libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
+            }
+        }
+    }
+    Ok(file)
+}
+
+pub(crate) fn read_within(path: &Path, limit: u64, kind: LimitKind, regular_only: bool) -> Result<Vec<u8>> {
+    let file = open_checked(path, regular_only)?;
+    let meta = file.metadata().map_err(|e| Error::io(path, e))?;
     let too_big = |size: String| Error::Limit {
         what: path.display().to_string(),
         message: format!("{size} exceeds the limit of {limit} bytes"),

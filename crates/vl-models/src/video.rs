@@ -32,6 +32,10 @@ pub struct VideoLimits {
     /// Wall time one ffmpeg decode may take (`None`: unbounded); past it ffmpeg is killed and
     /// the video refused. `vl serve` sets it, so one long video cannot hold the worker for hours.
     pub max_decode_time: Option<std::time::Duration>,
+    /// Media a client named (a server): only regular files are opened (a FIFO, device or socket
+    /// is refused without blocking), and a directory's frames must resolve inside it (a frame
+    /// that is a link to a file elsewhere is refused).
+    pub confined: bool,
 }
 
 impl Default for VideoLimits {
@@ -45,6 +49,7 @@ impl Default for VideoLimits {
             max_source_frames: 216_000,
             max_animation_pixels: 1 << 32,
             max_decode_time: None,
+            confined: false,
         }
     }
 }
@@ -116,10 +121,13 @@ impl VideoSource {
             return Self::frames_dir(name, frames_fps, limits);
         }
         let mut head = Vec::with_capacity(64);
-        std::fs::File::open(path).and_then(|f| f.take(64).read_to_end(&mut head)).map_err(|e| Error::io(path, e))?;
+        limits::open_checked(path, limits.confined)?
+            .take(64)
+            .read_to_end(&mut head)
+            .map_err(|e| Error::io(path, e))?;
         if let Some(format) = animated_format(&head) {
-            let bytes =
-                limits::read_bytes(path, limits.max_file_bytes, LimitKind::Fixed).map_err(|e| rename(e, &name))?;
+            let bytes = limits::read_within(path, limits.max_file_bytes, LimitKind::Fixed, limits.confined)
+                .map_err(|e| rename(e, &name))?;
             return Self::animated(name, bytes, format, limits);
         }
         Self::ffmpeg(name, path.to_path_buf(), None, limits)
@@ -182,7 +190,7 @@ impl VideoSource {
         match &self.kind {
             Kind::Frames(files) => {
                 for &i in indices {
-                    let frame = ImageFile::open(&files[i], &self.image_limits()).and_then(|f| f.decode()).map_err(
+                    let frame = self.open_frame(&files[i]).and_then(|f| f.decode()).map_err(
                         |e| match e {
                             Error::Input { what, message } => self.input(format!("{what}: {message}")),
                             other => other,
@@ -226,6 +234,15 @@ impl VideoSource {
             give(frame, &mut last)?;
         }
         Ok(())
+    }
+
+    /// A frame file of a directory (confined: only a regular file, checked on the open file).
+    fn open_frame(&self, path: &Path) -> Result<ImageFile> {
+        if !self.limits.confined {
+            return ImageFile::open(path, &self.image_limits());
+        }
+        let bytes = limits::read_regular(path, self.limits.max_file_bytes, LimitKind::ImageBytes)?;
+        ImageFile::from_bytes(bytes, path, &self.image_limits())
     }
 
     fn image_limits(&self) -> limits::ImageLimits {
@@ -282,6 +299,19 @@ impl VideoSource {
             let is_frame = path.extension().is_some_and(|e| FRAME_EXTENSIONS.iter().any(|x| e.eq_ignore_ascii_case(x)));
             if file_name.to_string_lossy().starts_with('.') || !path.is_file() || !is_frame {
                 continue;
+            }
+            if limits.confined {
+                // The directory was allowed; a frame that links elsewhere is not.
+                let (dir, real) = (name.canonicalize(), path.canonicalize());
+                if !matches!((&dir, &real), (Ok(d), Ok(r)) if r.starts_with(d)) {
+                    return Err(Error::Input {
+                        what: what(&name),
+                        message: format!(
+                            "frame {} is a link to a file outside the directory",
+                            file_name.to_string_lossy()
+                        ),
+                    });
+                }
             }
             files.push(entry.path());
             if files.len() > limits.max_source_frames {

@@ -37,8 +37,8 @@ pub struct ServerConfig {
     pub id: String,
     /// Sampling when a request sets none.
     pub defaults: GenerationOptions,
-    /// Local media paths (and file:// URLs) are read only under this (canonical) directory.
-    pub allowed_media_dir: Option<PathBuf>,
+    /// Local media paths (and file:// URLs) are read only under this directory.
+    pub allowed_media_dir: Option<MediaDir>,
     /// Some(timeout) when http(s) media URLs may be fetched.
     pub remote_media: Option<Duration>,
     /// Largest image or video a request may carry or fetch, in bytes.
@@ -53,6 +53,25 @@ pub struct ServerConfig {
     pub cors_origins: Vec<String>,
     /// Serve the web chat at `/` (its assets under `/ui/`).
     pub ui: bool,
+}
+
+/// The directory local media paths must lie under: as written (absolute, `.` and `..`
+/// resolved) and resolved (links followed); a path is checked against both spellings.
+#[derive(Debug, Clone)]
+pub struct MediaDir {
+    pub(crate) written: PathBuf,
+    pub(crate) real: PathBuf,
+}
+
+impl MediaDir {
+    /// The directory `path` (it must exist).
+    pub fn new(path: &std::path::Path) -> std::io::Result<Self> {
+        let real = path.canonicalize()?;
+        if !real.is_dir() {
+            return Err(std::io::Error::other("not a directory"));
+        }
+        Ok(Self { written: media::lexical(path), real })
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -110,25 +110,59 @@ fn video_part(app: &App, p: &Value, kind: &str, at: &str) -> std::result::Result
     Ok(Part::Video { source, name, options })
 }
 
-/// `path` resolved, when it lies under --allowed-media-dir.
+/// `path` resolved, when it lies under --allowed-media-dir and is a regular file (or, for a
+/// video, a directory of frames).
+///
+/// A path outside the directory gets one answer whether or not it exists: it is first checked
+/// as written (made absolute, `.` and `..` taken lexically), without asking the filesystem, so a
+/// client cannot probe which files exist elsewhere. Only a path inside is resolved; one whose
+/// links lead outside gets that same answer.
 fn allowed_path(app: &App, path: &str, at: &str, what: &str) -> std::result::Result<PathBuf, ApiError> {
     let Some(root) = &app.config.allowed_media_dir else {
         return Err(ApiError::bad(format!(
             "`{at}`: local {what} paths are disabled; start the server with --allowed-media-dir DIR or send a data URL"
         )));
     };
-    let real = std::path::Path::new(path)
-        .canonicalize()
-        .map_err(|e| ApiError::bad(format!("`{at}`: cannot open {path}: {e}")))?;
-    if !real.starts_with(root) {
-        return Err(ApiError::with(
+    let outside = || {
+        ApiError::with(
             StatusCode::FORBIDDEN,
             "invalid_request_error",
             "media_not_allowed",
             format!("`{at}`: {path} is outside the allowed media directory"),
-        ));
+        )
+    };
+    let written = lexical(std::path::Path::new(path));
+    if !written.starts_with(&root.written) && !written.starts_with(&root.real) {
+        return Err(outside());
+    }
+    let real = written.canonicalize().map_err(|e| ApiError::bad(format!("`{at}`: cannot open {path}: {e}")))?;
+    if !real.starts_with(&root.real) {
+        return Err(outside());
+    }
+    let meta = std::fs::metadata(&real).map_err(|e| ApiError::bad(format!("`{at}`: cannot open {path}: {e}")))?;
+    if !(meta.is_file() || (what == "video" && meta.is_dir())) {
+        let kind = if meta.is_dir() { "a directory" } else { "not a regular file (a FIFO, device or socket)" };
+        return Err(ApiError::bad(format!("`{at}`: {path} is {kind}: only files are read as {what}s")));
     }
     Ok(real)
+}
+
+/// `path` made absolute (against the working directory) with `.` and `..` resolved as written,
+/// without touching the filesystem.
+pub(crate) fn lexical(path: &std::path::Path) -> PathBuf {
+    use std::path::Component;
+    let base = if path.is_absolute() { PathBuf::new() } else { std::env::current_dir().unwrap_or_default() };
+    let mut out = PathBuf::new();
+    for c in base.components().chain(path.components()) {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                out.pop();
+            }
+            other => out.push(other),
+        }
+    }
+    out
 }
 
 enum Fetch {
@@ -136,12 +170,44 @@ enum Fetch {
     Failed(String),
 }
 
+/// Redirects a remote media fetch follows at most.
+const MAX_REDIRECTS: usize = 3;
+
 /// GETs `url` within `timeout` in all and at most `max` bytes (an announced or actual larger
-/// body is refused without reading it all).
+/// body is refused without reading it all). Redirects are followed here, at most
+/// `MAX_REDIRECTS`, and only to http(s) URLs (a redirect to `file://` or any other scheme is
+/// refused by name).
 fn fetch(url: &str, timeout: Duration, max: u64) -> std::result::Result<Vec<u8>, Fetch> {
     use std::io::Read;
-    let agent = ureq::AgentBuilder::new().timeout(timeout).redirects(3).build();
-    let resp = agent.get(url).call().map_err(|e| Fetch::Failed(e.to_string()))?;
+    let deadline = std::time::Instant::now() + timeout;
+    let agent = ureq::AgentBuilder::new().redirects(0).build();
+    let mut at = url::Url::parse(url).map_err(|e| Fetch::Failed(format!("invalid URL: {e}")))?;
+    let mut hops = 0;
+    let resp = loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(Fetch::Failed(format!("no answer within {} s", timeout.as_secs_f64())));
+        }
+        let resp = agent.request_url("GET", &at).timeout(left).call().map_err(|e| Fetch::Failed(e.to_string()))?;
+        if !(300..400).contains(&resp.status()) {
+            break resp;
+        }
+        let location = resp
+            .header("location")
+            .ok_or_else(|| Fetch::Failed(format!("{} {} without a Location", resp.status(), resp.status_text())))?;
+        let next = at.join(location).map_err(|e| Fetch::Failed(format!("redirect to {location:?}: {e}")))?;
+        if !matches!(next.scheme(), "http" | "https") {
+            return Err(Fetch::Failed(format!(
+                "redirect to a {}: URL refused (only http and https are followed)",
+                next.scheme()
+            )));
+        }
+        hops += 1;
+        if hops > MAX_REDIRECTS {
+            return Err(Fetch::Failed(format!("more than {MAX_REDIRECTS} redirects")));
+        }
+        at = next;
+    };
     if let Some(n) = resp.header("content-length").and_then(|v| v.parse::<u64>().ok()) {
         if n > max {
             return Err(Fetch::TooLarge(n));
@@ -186,9 +252,8 @@ fn media_bytes(app: &App, url: &str, at: &str, what: &str) -> std::result::Resul
                 "`{at}`: remote {what} URLs are disabled; start the server with --allow-remote-media or send a base64 data URL"
             )));
         };
-        // A blocking fetch on this worker thread (the runtime keeps serving on the other).
-        let data =
-            tokio::task::block_in_place(|| fetch(url, timeout, app.config.max_image_bytes)).map_err(|e| match e {
+        // Off the runtime's threads: request parsing runs in `block_in_place`.
+        let data = fetch(url, timeout, app.config.max_image_bytes).map_err(|e| match e {
                 Fetch::TooLarge(n) => too_big(n),
                 Fetch::Failed(m) => ApiError::bad(format!("`{at}`: cannot fetch {url}: {m}")),
             })?;
@@ -196,7 +261,7 @@ fn media_bytes(app: &App, url: &str, at: &str, what: &str) -> std::result::Resul
     }
     let path = url.strip_prefix("file://").unwrap_or(url);
     let real = allowed_path(app, path, at, "image")?;
-    let data = vl_models::limits::read_bytes(&real, app.config.max_image_bytes, LimitKind::ImageBytes).map_err(
+    let data = vl_models::limits::read_regular(&real, app.config.max_image_bytes, LimitKind::ImageBytes).map_err(
         |e| match e {
             vl_models::Error::Limit { .. } => too_big(std::fs::metadata(&real).map_or(0, |m| m.len())),
             other => ApiError::bad(format!("`{at}`: {other}")),

@@ -380,10 +380,12 @@ async fn read_body(app: &App, req: axum::extract::Request) -> std::result::Resul
 
 async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<Response, ApiError> {
     let started = Instant::now();
-    let parsed = match kind {
-        Kind::Chat => parse(app, typed(&body)?)?,
-        Kind::Text => crate::request::parse_completion(app, &body)?,
-    };
+    // Parsing reads local media files and fetches remote ones: off the runtime's threads (the
+    // runtime moves its other tasks to a fresh thread meanwhile).
+    let parsed = tokio::task::block_in_place(|| match kind {
+        Kind::Chat => parse(app, typed(&body)?),
+        Kind::Text => crate::request::parse_completion(app, &body),
+    })?;
     let want_logprobs = parsed.req.options.logprobs.is_some();
     let (tx, mut rx) = mpsc::unbounded_channel::<Msg>();
     let job = Job { req: parsed.req, n: parsed.n, tx, queued: Instant::now() };
