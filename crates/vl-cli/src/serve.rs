@@ -84,6 +84,53 @@ pub struct ServeArgs {
     /// Do not serve the web chat at `/` (the API only).
     #[arg(long)]
     no_ui: bool,
+    /// Open connections at most (default: 1024, or the open-file limit less 128 when that is
+    /// lower); one more is answered 503 and closed.
+    #[arg(long)]
+    max_connections: Option<usize>,
+    /// Seconds a client has to send a request's headers; also how long an idle keep-alive
+    /// connection stays open.
+    #[arg(long, default_value_t = 15.0)]
+    header_timeout: f64,
+    /// Seconds a client has to send a request's body once its headers are in (408 after).
+    #[arg(long, default_value_t = 60.0)]
+    body_timeout: f64,
+    /// Seconds the server waits, after SIGINT or SIGTERM, for the requests in flight before it
+    /// exits anyway.
+    #[arg(long, default_value_t = 60.0)]
+    shutdown_timeout: f64,
+}
+
+/// `--NAME S` as a duration: a number of seconds above 0, at most a day.
+fn seconds(name: &str, s: f64) -> Result<Duration> {
+    if !(s.is_finite() && s > 0.0 && s <= 86_400.0) {
+        anyhow::bail!("--{name} {s}: must be a number of seconds above 0 and at most 86400");
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+/// The connection bounds from the flags, checked against the open-file limit.
+fn connection_limits(args: &ServeArgs) -> Result<vl_server::ConnectionLimits> {
+    let max_connections = match args.max_connections {
+        None => vl_server::default_max_connections(),
+        Some(n) => {
+            let room = vl_server::descriptor_limit().map(|l| l.saturating_sub(vl_server::RESERVED_DESCRIPTORS));
+            if n == 0 || room.is_some_and(|r| n as u64 > r) {
+                anyhow::bail!(
+                    "--max-connections {n}: must be in 1..={} (the open-file limit, ulimit -n, less {} kept for files)",
+                    room.unwrap_or(u64::MAX),
+                    vl_server::RESERVED_DESCRIPTORS
+                );
+            }
+            n
+        }
+    };
+    Ok(vl_server::ConnectionLimits {
+        max_connections,
+        header_timeout: seconds("header-timeout", args.header_timeout)?,
+        body_timeout: seconds("body-timeout", args.body_timeout)?,
+        shutdown_timeout: seconds("shutdown-timeout", args.shutdown_timeout)?,
+    })
 }
 
 /// Most sequences `--parallel` may ask to decode together.
@@ -103,6 +150,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     if args.api_key.as_deref() == Some("") {
         anyhow::bail!("--api-key: the key is empty");
     }
+    let connections = connection_limits(&args)?;
     let dev = device(args.load.device)?;
     let dtype = dtype(args.load.dtype, &dev);
     let dir = crate::hub::resolve(&args.load.model)?;
@@ -164,6 +212,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         api_key: args.api_key.clone(),
         cors_origins: args.cors_origins.clone(),
         ui: !args.no_ui,
+        connections,
     };
     vl_server::serve(engine, listener, config)?;
     Ok(())

@@ -420,7 +420,8 @@ fn media_server(n: usize) -> String {
             }
             let head = String::from_utf8_lossy(&req);
             let redirect = |c: &mut std::net::TcpStream, to: &str| {
-                let _ = write!(c, "HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                let _ =
+                    write!(c, "HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
             };
             // /r/N: N+1 redirects in a row, the last to /square.png; /file: a redirect to file://.
             let path = head.split(' ').nth(1).unwrap_or("");
@@ -768,7 +769,16 @@ fn a_hostile_template_costs_one_request_not_the_server() {
 
 #[test]
 fn serve_flags_out_of_range_are_refused_with_the_flag() {
-    for (flag, value) in [("--queue", "10000000000"), ("--queue", "4097"), ("--parallel", "0")] {
+    for (flag, value) in [
+        ("--queue", "10000000000"),
+        ("--queue", "4097"),
+        ("--parallel", "0"),
+        ("--max-connections", "0"),
+        ("--max-connections", "100000000"),
+        ("--header-timeout", "0"),
+        ("--body-timeout", "NaN"),
+        ("--shutdown-timeout", "1000000"),
+    ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_vl"))
             .args(["serve", "--model", goldens().join("tiny-a/checkpoint").to_str().unwrap(), flag, value])
             .env("HF_HUB_OFFLINE", "1")
@@ -922,7 +932,8 @@ fn local_media_only_regular_files_inside_the_allowed_dir_and_no_probing() {
         } else {
             json!({"type": "video_url", "video_url": {"url": url}})
         };
-        let body = json!({"messages": [{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}], "max_tokens": 2});
+        let body =
+            json!({"messages": [{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}], "max_tokens": 2});
         let t = Instant::now();
         let out = post(&s, "/v1/chat/completions", &body.to_string());
         assert!(t.elapsed() < Duration::from_secs(20), "{url}: took {:?}", t.elapsed());
@@ -959,4 +970,121 @@ fn local_media_only_regular_files_inside_the_allowed_dir_and_no_probing() {
     assert_eq!(st, 200, "{v}");
     let (st, _) = get(&s, "/health");
     assert_eq!(st, 200);
+}
+
+/// What a raw socket reads until the server closes it or `limit` passes: (text, closed by the
+/// server).
+fn read_until_closed(sock: &mut std::net::TcpStream, limit: Duration) -> (String, bool) {
+    sock.set_read_timeout(Some(limit)).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match sock.read(&mut buf) {
+            Ok(0) => return (String::from_utf8_lossy(&got).into_owned(), true),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return (String::from_utf8_lossy(&got).into_owned(), true)
+            }
+            Err(_) => return (String::from_utf8_lossy(&got).into_owned(), false),
+        }
+    }
+}
+
+#[test]
+fn slow_and_idle_connections_are_timed_out_and_bounded() {
+    let s = start("tiny-a", &["--max-connections", "8", "--header-timeout", "1"]);
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let connect = || std::net::TcpStream::connect(&addr).unwrap();
+    // Half-sent headers are closed after the header timeout (1 s), not held forever.
+    let t = Instant::now();
+    let mut half = connect();
+    half.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Le").unwrap();
+    let (_, closed) = read_until_closed(&mut half, Duration::from_secs(10));
+    assert!(closed && t.elapsed() < Duration::from_secs(5), "half-sent headers held {:?}", t.elapsed());
+    // Idle sockets fill the 8 connections: the next clients get 503 at once, with an OpenAI
+    // error, and the server keeps its descriptors (generated: 3 rounds of 8 idle + 12 over).
+    for round in 0..3 {
+        let idle: Vec<_> = (0..8).map(|_| connect()).collect();
+        std::thread::sleep(Duration::from_millis(300));
+        for _ in 0..12 {
+            let mut c = connect();
+            c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            let (text, closed) = read_until_closed(&mut c, Duration::from_secs(5));
+            assert!(closed && text.starts_with("HTTP/1.1 503"), "round {round}: {text:?}");
+            assert!(text.contains("\"code\":\"too_many_connections\"") && text.contains("--max-connections"), "{text}");
+        }
+        // The idle ones are closed after the header timeout; /health answers again.
+        let t = Instant::now();
+        loop {
+            let mut c = connect();
+            c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+            let (text, _) = read_until_closed(&mut c, Duration::from_secs(5));
+            if text.starts_with("HTTP/1.1 200") {
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "round {round}: still refused: {text:?}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        drop(idle);
+    }
+    let (st, v) = post(&s, "/v1/chat/completions", &one_image("tiny-a", 2, json!({})).to_string());
+    assert_eq!(st, 200, "{v}");
+}
+
+#[test]
+fn a_stalled_body_gets_408_and_cannot_hold_shutdown() {
+    let mut s = start("tiny-a", &["--body-timeout", "2", "--shutdown-timeout", "30"]);
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let mut c = std::net::TcpStream::connect(&addr).unwrap();
+    write!(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{\"mess").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+    let (text, _) = read_until_closed(&mut c, Duration::from_secs(20));
+    assert!(text.starts_with("HTTP/1.1 408") && text.contains("\"code\":\"body_timeout\""), "{text:?}");
+    assert!(text.contains("--body-timeout"), "{text}");
+    let status = loop {
+        if let Some(st) = s.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "the server did not exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "exit status {status}");
+    assert!(t.elapsed() < Duration::from_secs(10), "shutdown took {:?}", t.elapsed());
+}
+
+#[test]
+fn shutdown_waits_at_most_its_bound() {
+    // A long answer (1900 tokens, ~15 s on the tiny model) and --shutdown-timeout 1: the server
+    // exits about a second after SIGTERM, and says the answer was cut.
+    let mut s = start("tiny-a", &["--shutdown-timeout", "1"]);
+    std::thread::scope(|sc| {
+        let base = s.base.clone();
+        sc.spawn(move || {
+            let body = one_image("tiny-a", 1900, json!({})).to_string();
+            let _ = agent().post(&format!("{base}/v1/chat/completions")).send_string(&body);
+        });
+        let t = Instant::now();
+        loop {
+            let (_, m) = get(&s, "/metrics");
+            if m.contains("vl_requests_running 1") {
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "the request never started");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let t = Instant::now();
+        unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+        let status = loop {
+            if let Some(st) = s.child.try_wait().unwrap() {
+                break st;
+            }
+            assert!(t.elapsed() < Duration::from_secs(8), "the server did not stop at its bound");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(status.success(), "exit status {status}");
+    });
+    let log = s.log.lock().unwrap().join("\n");
+    assert!(log.contains("stopped at the shutdown bound of 1 s"), "{log}");
 }

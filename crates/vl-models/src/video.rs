@@ -121,10 +121,7 @@ impl VideoSource {
             return Self::frames_dir(name, frames_fps, limits);
         }
         let mut head = Vec::with_capacity(64);
-        limits::open_checked(path, limits.confined)?
-            .take(64)
-            .read_to_end(&mut head)
-            .map_err(|e| Error::io(path, e))?;
+        limits::open_checked(path, limits.confined)?.take(64).read_to_end(&mut head).map_err(|e| Error::io(path, e))?;
         if let Some(format) = animated_format(&head) {
             let bytes = limits::read_within(path, limits.max_file_bytes, LimitKind::Fixed, limits.confined)
                 .map_err(|e| rename(e, &name))?;
@@ -190,12 +187,10 @@ impl VideoSource {
         match &self.kind {
             Kind::Frames(files) => {
                 for &i in indices {
-                    let frame = self.open_frame(&files[i]).and_then(|f| f.decode()).map_err(
-                        |e| match e {
-                            Error::Input { what, message } => self.input(format!("{what}: {message}")),
-                            other => other,
-                        },
-                    )?;
+                    let frame = self.open_frame(&files[i]).and_then(|f| f.decode()).map_err(|e| match e {
+                        Error::Input { what, message } => self.input(format!("{what}: {message}")),
+                        other => other,
+                    })?;
                     if frame.dimensions() != (self.info.width, self.info.height) {
                         return Err(self.input(format!(
                             "{} is {}x{}, the first frame {}x{}: frames of changing size are not supported",
@@ -426,7 +421,8 @@ impl VideoSource {
         let tag_rotation =
             stream.get("tags").and_then(|t| t.get("rotate")).and_then(|r| r.as_str()?.parse::<f64>().ok());
         let turns = quarter_turns(side_rotation, tag_rotation);
-        let (width, height) = if turns % 2 == 1 { (dim("height"), dim("width")) } else { (dim("width"), dim("height")) };
+        let (width, height) =
+            if turns % 2 == 1 { (dim("height"), dim("width")) } else { (dim("width"), dim("height")) };
         let info = VideoInfo { width, height, frames, fps, decoder: "ffmpeg" };
         Self::checked(name, Kind::Ffmpeg { file, _temp: temp, turns }, info, limits)
     }

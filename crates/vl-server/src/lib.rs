@@ -17,6 +17,7 @@ macro_rules! note {
     }};
 }
 
+mod conn;
 mod error;
 mod media;
 mod metrics;
@@ -27,6 +28,7 @@ mod router;
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub use conn::{default_max_connections, descriptor_limit, ConnectionLimits, RESERVED_DESCRIPTORS};
 pub use router::serve;
 use vl_models::sampling::GenerationOptions;
 
@@ -53,6 +55,8 @@ pub struct ServerConfig {
     pub cors_origins: Vec<String>,
     /// Serve the web chat at `/` (its assets under `/ui/`).
     pub ui: bool,
+    /// Connection count, header and body timeouts, shutdown bound.
+    pub connections: ConnectionLimits,
 }
 
 /// The directory local media paths must lie under: as written (absolute, `.` and `..`

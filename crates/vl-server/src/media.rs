@@ -254,9 +254,9 @@ fn media_bytes(app: &App, url: &str, at: &str, what: &str) -> std::result::Resul
         };
         // Off the runtime's threads: request parsing runs in `block_in_place`.
         let data = fetch(url, timeout, app.config.max_image_bytes).map_err(|e| match e {
-                Fetch::TooLarge(n) => too_big(n),
-                Fetch::Failed(m) => ApiError::bad(format!("`{at}`: cannot fetch {url}: {m}")),
-            })?;
+            Fetch::TooLarge(n) => too_big(n),
+            Fetch::Failed(m) => ApiError::bad(format!("`{at}`: cannot fetch {url}: {m}")),
+        })?;
         return Ok((data, url.to_string()));
     }
     let path = url.strip_prefix("file://").unwrap_or(url);

@@ -118,24 +118,41 @@ pub fn serve(engine: Arc<Engine>, listener: std::net::TcpListener, config: Serve
         .layer(DefaultBodyLimit::disable())
         .with_state(app.clone());
 
-    let ui = app.config.ui;
+    let (ui, limits) = (app.config.ui, app.config.connections);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(async move {
+    let done = rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         note!("listening on http://{local}");
         if ui {
             note!("web chat: http://{local}/");
         }
-        axum::serve(listener, router).with_graceful_shutdown(shutdown_signal()).await
+        let stop = async {
+            shutdown_signal().await;
+            note!(
+                "stopping: no new connections; finishing the requests in flight (at most {} s)",
+                limits.shutdown_timeout.as_secs_f64()
+            );
+        };
+        Ok::<_, std::io::Error>(crate::conn::serve_connections(listener, router, limits, stop).await)
     })?;
-    // Close the queue: the workers finish what they hold, then return.
+    // Close the queue: the workers finish what they hold, then return, within what is left of
+    // the shutdown bound.
     app.jobs.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let bound = app.config.connections.shutdown_timeout;
     drop(app);
-    note!("stopping: finishing queued requests");
-    for w in workers {
-        let _ = w.join();
+    let (tx, all_joined) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for w in workers {
+            let _ = w.join();
+        }
+        let _ = tx.send(());
+    });
+    if !done || all_joined.recv_timeout(bound).is_err() {
+        note!("stopped at the shutdown bound of {} s: requests still running were cut", bound.as_secs_f64());
+    } else {
+        note!("stopped");
     }
-    note!("stopped");
+    rt.shutdown_timeout(Duration::from_millis(100));
     Ok(())
 }
 
@@ -355,7 +372,21 @@ async fn read_body(app: &App, req: axum::extract::Request) -> std::result::Resul
     if let Some(n) = announced.filter(|&n| n > app.config.max_body_bytes as u64) {
         return Err(too_large(n.to_string()));
     }
-    axum::body::to_bytes(req.into_body(), app.config.max_body_bytes).await.map_err(|e| {
+    let timeout = app.config.connections.body_timeout;
+    let read = tokio::time::timeout(timeout, axum::body::to_bytes(req.into_body(), app.config.max_body_bytes));
+    let Ok(read) = read.await else {
+        return Err(ApiError::with(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "body_timeout",
+            format!(
+                "the request body did not arrive within {} s (--body-timeout){}",
+                timeout.as_secs_f64(),
+                announced.map(|n| format!("; Content-Length {n}")).unwrap_or_default()
+            ),
+        ));
+    };
+    read.map_err(|e| {
         // Over the limit, or a body that broke off (shorter than its Content-Length, a
         // connection closed mid-body): only the first is a 413.
         let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
