@@ -16,6 +16,13 @@ const MAX_TENSORS: u64 = 1 << 16;
 const MAX_KV: u64 = 1 << 16;
 const MAX_STRING: u64 = 1 << 24;
 const MAX_DIMS: u32 = 4;
+/// Memory the parsed metadata may take. candle keeps every array element as its own `Value`
+/// (32 bytes, a string's bytes besides), so a u8 array costs 32 times its size: the walk adds
+/// up that cost before candle parses anything. Qwen3-VL's tokenizer (151k tokens and merges)
+/// takes about 20 MiB.
+pub const MAX_METADATA_MEMORY: u64 = 256 << 20;
+/// What one parsed value costs beyond its string bytes: the `Value` and allocator overhead.
+const VALUE_COST: u64 = std::mem::size_of::<Value>() as u64 + 16;
 
 pub(crate) fn bad(path: &Path, message: impl Into<String>) -> Error {
     Error::Input { what: path.display().to_string(), message: message.into() }
@@ -33,7 +40,7 @@ fn walk_header(path: &Path) -> Result<Option<String>> {
     let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
     // SAFETY: read-only map of a file we only read; a concurrent truncation is the user's doing.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-    let mut r = Reader { b: &map, at: 0, path };
+    let mut r = Reader { b: &map, at: 0, path, memory: 0 };
     let magic = r.bytes(4, "magic")?;
     if magic != b"GGUF" {
         return Err(bad(path, format!("not a GGUF file (magic {magic:02x?})")));
@@ -168,6 +175,8 @@ struct Reader<'a> {
     b: &'a [u8],
     at: usize,
     path: &'a Path,
+    /// Memory the metadata walked so far takes once parsed (`MAX_METADATA_MEMORY`).
+    memory: u64,
 }
 
 impl<'a> Reader<'a> {
@@ -198,6 +207,24 @@ impl<'a> Reader<'a> {
         Ok(String::from_utf8_lossy(self.string_bytes(what)?).into_owned())
     }
     fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<()> {
+        let start = self.at;
+        self.value_inner(ty, key, depth)?;
+        // A value costs its `Value` plus, for a string, its bytes (an array: its elements').
+        self.memory += VALUE_COST + if ty == 8 { (self.at - start) as u64 } else { 0 };
+        if self.memory > MAX_METADATA_MEMORY {
+            return Err(bad(
+                self.path,
+                format!(
+                    "{key}: the metadata would take more than {} MiB of memory once read (each array element is a value of its own), over the limit of {} MiB",
+                    self.memory >> 20,
+                    MAX_METADATA_MEMORY >> 20
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn value_inner(&mut self, ty: u32, key: &str, depth: u32) -> Result<()> {
         let fixed = match ty {
             0 | 1 | 7 => 1,
             2 | 3 => 2,

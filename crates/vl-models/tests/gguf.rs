@@ -127,6 +127,24 @@ fn hostile_and_truncated_headers_are_named_errors() {
     kv.extend(0u32.to_le_bytes());
     kv.extend((1u64 << 62).to_le_bytes());
     assert!(header_error(&header(0, 1, &kv)).contains("longer than the file"));
+    // Arrays that exist but would take 32x their bytes once parsed: refused by the walk, before
+    // candle allocates (generated: u8, i32 and string arrays over the 256 MiB budget, split
+    // across keys or not).
+    for (ty, elem, n, keys) in [(0u32, vec![7u8], 6u64 << 20, 1), (5, vec![1, 0, 0, 0], 3 << 20, 2), (8, vec![0u8; 8], 3 << 20, 2)] {
+        let mut kvs = Vec::new();
+        for k in 0..keys {
+            kvs.extend(2u64.to_le_bytes());
+            kvs.extend(format!("a{k}").as_bytes());
+            kvs.extend(9u32.to_le_bytes());
+            kvs.extend(ty.to_le_bytes());
+            kvs.extend(n.to_le_bytes());
+            for _ in 0..n {
+                kvs.extend(&elem);
+            }
+        }
+        let e = header_error(&header(0, keys, &kvs));
+        assert!(e.contains("would take more than") && e.contains("over the limit of 256 MiB"), "{e}");
+    }
     // A tensor of an unsupported type (IQ2_XXS), and one past the end.
     let tensor = |ty: u32, offset: u64| {
         let mut t = 1u64.to_le_bytes().to_vec();
