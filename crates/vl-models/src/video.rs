@@ -29,8 +29,10 @@ pub struct VideoLimits {
     /// Pixels decoded to read an animated image (frames x canvas, counting its frames included):
     /// a tiny file can describe a huge canvas many times over.
     pub max_animation_pixels: u64,
-    /// Wall time one ffmpeg decode may take (`None`: unbounded); past it ffmpeg is killed and
-    /// the video refused. `vl serve` sets it, so one long video cannot hold the worker for hours.
+    /// Wall time one decode may take (`None`: unbounded), by every decoder: ffmpeg (killed past
+    /// it) and the in-process ones (animated images, frame directories; checked after each
+    /// frame). Past it the video is refused. `vl serve` sets it, so one video cannot hold the
+    /// worker for long.
     pub max_decode_time: Option<std::time::Duration>,
     /// Media a client named (a server): only regular files are opened (a FIFO, device or socket
     /// is refused without blocking), and a directory's frames must resolve inside it (a frame
@@ -42,12 +44,12 @@ impl Default for VideoLimits {
     fn default() -> Self {
         // 1 GiB of encoded video in memory; 2^26-pixel frames as for images (8K is 2^25); an
         // hour at 60 fps.
-        // 2^32 animation pixels: 67 frames of an 8000x8000 canvas, 17179 of 500x500.
+        // 2^30 animation pixels: 16 frames of an 8000x8000 canvas, 517 of 1080p, 4294 of 500x500.
         Self {
             max_file_bytes: 1 << 30,
             max_frame_pixels: 1 << 26,
             max_source_frames: 216_000,
-            max_animation_pixels: 1 << 32,
+            max_animation_pixels: 1 << 30,
             max_decode_time: None,
             confined: false,
         }
@@ -186,7 +188,9 @@ impl VideoSource {
         };
         match &self.kind {
             Kind::Frames(files) => {
+                let started = std::time::Instant::now();
                 for &i in indices {
+                    decode_time_check(&self.name, &self.limits, started)?;
                     let frame = self.open_frame(&files[i]).and_then(|f| f.decode()).map_err(|e| match e {
                         Error::Input { what, message } => self.input(format!("{what}: {message}")),
                         other => other,
@@ -206,10 +210,12 @@ impl VideoSource {
             }
             Kind::Animated { bytes, format } => {
                 let mut wanted = indices.iter().peekable();
+                let started = std::time::Instant::now();
                 for (i, frame) in animation_frames(bytes, *format).map_err(|e| self.decode_error(e))?.enumerate() {
                     if wanted.peek().is_none() {
                         break;
                     }
+                    decode_time_check(&self.name, &self.limits, started)?;
                     let frame = frame.map_err(|e| self.decode_error(e))?;
                     if wanted.peek() == Some(&&i) {
                         wanted.next();
@@ -346,7 +352,9 @@ impl VideoSource {
         // the pixels decoded (a tiny file can describe a huge canvas many times over).
         let (mut frames, mut seconds) = (0usize, 0f64);
         let canvas = width as u64 * height as u64;
+        let started = std::time::Instant::now();
         for frame in animation_frames(&bytes, format).map_err(bad)? {
+            decode_time_check(&name, limits, started)?;
             if (frames as u64 + 1).saturating_mul(canvas) > limits.max_animation_pixels {
                 return Err(Error::Limit {
                     what: what(&name),
@@ -551,6 +559,18 @@ impl VideoSource {
         }
         result?;
         Ok((got, status.success(), stderr))
+    }
+}
+
+/// The in-process decoders' time bound (`VideoLimits::max_decode_time`), checked between frames.
+fn decode_time_check(name: &Path, limits: &VideoLimits, started: std::time::Instant) -> Result<()> {
+    match limits.max_decode_time {
+        Some(limit) if started.elapsed() > limit => Err(Error::Limit {
+            what: what(name),
+            message: format!("decoding took longer than the limit of {} s", limit.as_secs_f64()),
+            kind: LimitKind::Fixed,
+        }),
+        _ => Ok(()),
     }
 }
 

@@ -130,7 +130,9 @@ fn hostile_and_truncated_headers_are_named_errors() {
     // Arrays that exist but would take 32x their bytes once parsed: refused by the walk, before
     // candle allocates (generated: u8, i32 and string arrays over the 256 MiB budget, split
     // across keys or not).
-    for (ty, elem, n, keys) in [(0u32, vec![7u8], 6u64 << 20, 1), (5, vec![1, 0, 0, 0], 3 << 20, 2), (8, vec![0u8; 8], 3 << 20, 2)] {
+    for (ty, elem, n, keys) in
+        [(0u32, vec![7u8], 6u64 << 20, 1), (5, vec![1, 0, 0, 0], 3 << 20, 2), (8, vec![0u8; 8], 3 << 20, 2)]
+    {
         let mut kvs = Vec::new();
         for k in 0..keys {
             kvs.extend(2u64.to_le_bytes());

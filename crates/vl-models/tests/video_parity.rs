@@ -428,3 +428,52 @@ fn a_ten_minute_clip_samples_its_frames_at_the_default_budget() {
     .unwrap();
     assert_eq!(seen, plan.indices, "the frames decoded are the frames sampled");
 }
+
+/// A GIF of `n` 1x1 frames (0.1 s each) on a `w` x `h` canvas: a few bytes a frame, while a
+/// decoder composes each onto the whole canvas.
+fn sparse_gif(w: u16, h: u16, n: usize) -> Vec<u8> {
+    let mut b = b"GIF89a".to_vec();
+    b.extend(w.to_le_bytes());
+    b.extend(h.to_le_bytes());
+    b.extend([0, 0, 0]);
+    for _ in 0..n {
+        b.extend([0x21, 0xf9, 0x04, 0x00, 10, 0, 0, 0]);
+        b.push(0x2c);
+        for v in [0u16, 0, 1, 1] {
+            b.extend(v.to_le_bytes());
+        }
+        // A 2-colour local table, then one pixel: LZW codes clear, 0, end at 3 bits.
+        b.extend([0x80, 0, 0, 0, 0xff, 0xff, 0xff, 0x02, 0x02, 0x44, 0x01, 0x00]);
+    }
+    b.push(0x3b);
+    b
+}
+
+#[test]
+fn sparse_animations_on_huge_canvases_are_bounded_in_pixels_and_time() {
+    // Canvases of 8000x8000 and 2000x2000, frame counts just over the 2^30 decoded-pixel
+    // budget and far over it: each is refused by the budget (about 4 s of decoding, the
+    // budget's cost), whatever the file's few bytes say.
+    for (side, n) in [(8000u16, 67usize), (2000, 300)] {
+        let bytes = sparse_gif(side, side, n);
+        assert!(bytes.len() < 10_000);
+        let t = std::time::Instant::now();
+        let e = VideoSource::from_bytes(bytes, std::path::Path::new("bomb.gif"), &VideoLimits::default())
+            .err()
+            .unwrap_or_else(|| panic!("{side}x{side} x {n} frames accepted"))
+            .to_string();
+        assert!(e.contains("over the limit of 1073741824 decoded pixels per animation"), "{e}");
+        assert!(t.elapsed() < std::time::Duration::from_secs(20), "{side} x {n}: {:?}", t.elapsed());
+    }
+    // Within the budget, the decode-time bound covers the in-process decoder too.
+    let limits = VideoLimits { max_decode_time: Some(std::time::Duration::from_millis(1)), ..Default::default() };
+    let e = VideoSource::from_bytes(sparse_gif(4000, 4000, 20), std::path::Path::new("slow.gif"), &limits)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("slow.gif") && e.contains("decoding took longer than the limit of 0.001 s"), "{e}");
+    // And a small one decodes: 20 frames at 10 fps.
+    let src = VideoSource::from_bytes(sparse_gif(64, 48, 20), std::path::Path::new("ok.gif"), &VideoLimits::default())
+        .unwrap();
+    assert_eq!((src.info().width, src.info().height, src.info().frames), (64, 48, 20));
+}
