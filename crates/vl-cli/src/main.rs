@@ -70,11 +70,19 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Started as a chat-template renderer (a child of this binary, bounded in memory and time):
+    // render one job and exit.
+    vl_models::template::renderer_main();
     // Library errors (candle's) capture a backtrace when RUST_BACKTRACE is set and print it as
     // part of their message; errors here are one line. Panics still honor RUST_BACKTRACE.
     // Set before any thread exists.
     std::env::set_var("RUST_LIB_BACKTRACE", "0");
     vl_models::alloc::keep_large_buffers();
+    // Chat templates are programs a checkpoint ships: they render in a child process of this
+    // binary, so a hostile one costs that child, never the server or the CLI.
+    if let Ok(exe) = std::env::current_exe() {
+        vl_models::template::render_in_child_processes(exe);
+    }
     std::panic::set_hook(Box::new(|info| {
         let msg = info
             .payload()

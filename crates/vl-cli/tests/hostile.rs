@@ -562,6 +562,18 @@ fn hostile_chat_templates_are_bounded_in_time_output_and_recursion() {
             "bytes",
         ));
     }
+    // Memory: values that double (or square) in a loop through `namespace()` reach gigabytes in a
+    // few dozen instructions; the render's child process is bounded (256 MiB), not this one.
+    for grow in ["ns.s ~ ns.s", "ns.s + ns.s", "ns.s|replace('x', ns.s)", "[ns.s, ns.s]|join"] {
+        cases.push((
+            format!("{{% set ns = namespace(s='xx') %}}{{% for i in range(64) %}}{{% set ns.s = {grow} %}}{{% endfor %}}{{{{ ns.s|length }}}}"),
+            "memory",
+        ));
+    }
+    cases.push((
+        "{% set ns = namespace(l=[1]) %}{% for i in range(64) %}{% set ns.l = ns.l + ns.l %}{% endfor %}{{ ns.l|length }}".into(),
+        "memory",
+    ));
     for (src, needle) in &cases {
         std::fs::write(&file, src).unwrap();
         let t = std::time::Instant::now();

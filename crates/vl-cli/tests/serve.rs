@@ -741,6 +741,8 @@ fn a_hostile_template_costs_one_request_not_the_server() {
     std::fs::write(
         dir.path().join("chat_template.jinja"),
         "{% if messages|length > 3 %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}\
+         {% if messages|length == 3 %}{% set ns = namespace(s='xxxxxxxx') %}{% for i in range(40) %}\
+         {% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}{% endif %}\
          {% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}\
          {% for c in m.content %}{% if c.type == 'text' %}{{ c.text }}{% elif c.type == 'image' %}\
          <|vision_start|><|image_pad|><|vision_end|>{% elif c.type == 'video' %}<|vision_start|><|video_pad|><|vision_end|>\
@@ -763,6 +765,27 @@ fn a_hostile_template_costs_one_request_not_the_server() {
     assert_error(st, &b, 400, "chat_template.jinja");
     assert!(b["error"]["message"].as_str().unwrap().contains("instructions"), "{b}");
     assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    let (st, v) = post(&s, c, &short);
+    assert_eq!(st, 200, "the server keeps serving: {v}");
+    // A string doubled 40 times (8 TiB) when the conversation has 3 messages: the render's
+    // child process runs out of its 256 MiB, the request gets 400, the server's own peak memory
+    // stays far below that, and it keeps serving.
+    let three = json!({"messages": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+        "max_tokens": 2})
+    .to_string();
+    let t = Instant::now();
+    let (st, b) = post(&s, c, &three);
+    assert_error(st, &b, 400, "chat_template.jinja");
+    assert!(b["error"]["message"].as_str().unwrap().contains("more than 256 MiB of memory"), "{b}");
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    let status = std::fs::read_to_string(format!("/proc/{}/status", s.child.id())).unwrap();
+    let peak_kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    assert!(peak_kb < 600 << 10, "the server's peak memory: {peak_kb} kB");
     let (st, v) = post(&s, c, &short);
     assert_eq!(st, 200, "the server keeps serving: {v}");
 }

@@ -197,21 +197,33 @@ impl ChatTemplate {
                 message: "this checkpoint's chat template has no `tools` variable: it cannot offer functions".into(),
             });
         }
-        let tmpl = self.env.get_template("chat").expect("added in new");
-        let mut out = Bounded(Vec::new());
-        let ctx = minijinja::context! {
-            tools => tools.filter(|t| !t.is_empty()),
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            add_vision_id => false,
-            bos_token => self.bos_token,
-            eos_token => self.eos_token,
-        };
-        let what = match &self.source {
+        let ctx = serde_json::json!({
+            "tools": tools.filter(|t| !t.is_empty()),
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "add_vision_id": false,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+        });
+        match RENDERER.get() {
+            Some(exe) => self.render_in_child(exe, ctx),
+            None => self.render_here(&ctx),
+        }
+    }
+
+    fn what(&self) -> String {
+        match &self.source {
             TemplateSource::File(p) => format!("chat template {}", p.display()),
             TemplateSource::BuiltIn => "chat template".into(),
-        };
-        tmpl.render_captured_to(ctx, &mut out).map_err(|e| {
+        }
+    }
+
+    /// Renders in this process (fuel, output and recursion bounds; no memory bound).
+    fn render_here(&self, ctx: &serde_json::Value) -> Result<String> {
+        let tmpl = self.env.get_template("chat").expect("added in new");
+        let mut out = Bounded(Vec::new());
+        let what = self.what();
+        tmpl.render_captured_to(minijinja::Value::from_serialize(ctx), &mut out).map_err(|e| {
             let message = match e.kind() {
                 minijinja::ErrorKind::OutOfFuel => format!(
                     "render stopped: the template ran past {TEMPLATE_FUEL} instructions (a loop that does not end?)"
@@ -225,6 +237,141 @@ impl ChatTemplate {
         })?;
         String::from_utf8(out.0).map_err(|_| Error::Input { what, message: "rendered text is not UTF-8".into() })
     }
+
+    /// Renders in a child process of `exe` (started as a renderer, see `renderer_main`) with
+    /// its address space limited to `RENDER_MEMORY` and its wall time to `RENDER_TIME`: a
+    /// template that doubles a string in a loop, or runs long, costs that child, not this
+    /// process.
+    fn render_in_child(&self, exe: &Path, ctx: serde_json::Value) -> Result<String> {
+        use std::io::{Read, Write};
+        use std::process::{Command, Stdio};
+        let what = self.what();
+        let fail = |message: String| Error::Input { what: what.clone(), message };
+        let job = serde_json::json!({
+            "source": self.source_text(),
+            "file": match &self.source { TemplateSource::File(p) => Some(p.clone()), TemplateSource::BuiltIn => None },
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "context": ctx,
+        });
+        let job = serde_json::to_vec(&job).map_err(|e| fail(format!("cannot pass the render its input: {e}")))?;
+        let mut child = Command::new(exe)
+            .env(RENDER_ENV, "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| fail(format!("cannot start the template renderer {}: {e}", exe.display())))?;
+        let mut stdin = child.stdin.take().expect("piped");
+        let writer = std::thread::spawn(move || {
+            let _ = stdin.write_all(&job);
+        });
+        let (done, finished) = std::sync::mpsc::channel::<()>();
+        let timed_out = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (pid, flag) = (child.id(), timed_out.clone());
+        let watchdog = std::thread::spawn(move || {
+            if finished.recv_timeout(RENDER_TIME) == Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+                flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                #[cfg(unix)]
+                // SAFETY: a signal to our own child, not yet waited for (waited for below,
+                // after this thread is joined), so the pid is still its.
+                unsafe {
+                    libc::kill(pid as libc::pid_t, libc::SIGKILL);
+                }
+            }
+        });
+        let mut out = Vec::new();
+        let read = child.stdout.take().expect("piped").take(MAX_RENDER_BYTES as u64 + 4096).read_to_end(&mut out);
+        drop(done);
+        let _ = watchdog.join();
+        let _ = child.kill();
+        let status = child.wait().map_err(|e| fail(format!("the template renderer: {e}")))?;
+        let _ = writer.join();
+        if timed_out.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(fail(format!("render stopped: the template ran longer than {} s", RENDER_TIME.as_secs())));
+        }
+        read.map_err(|e| fail(format!("the template renderer: {e}")))?;
+        let text = String::from_utf8(out).map_err(|_| fail("rendered text is not UTF-8".into()))?;
+        match status.code() {
+            Some(0) => Ok(text),
+            Some(RENDER_FAILED) => Err(fail(text)),
+            _ => Err(fail(format!(
+                "render stopped: the template used more than {} MiB of memory, or its renderer crashed ({status})",
+                RENDER_MEMORY >> 20
+            ))),
+        }
+    }
+}
+
+/// The program chat templates render in, when set (`render_in_child_processes`).
+static RENDERER: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+/// The environment variable that makes a binary a template renderer (`renderer_main`).
+const RENDER_ENV: &str = "__VL_RENDER_TEMPLATE";
+/// Address space a render's child process may use: templates build strings with no other
+/// bound (a string doubled in a loop through `namespace()` reaches gigabytes in 32 steps).
+pub const RENDER_MEMORY: u64 = 256 << 20;
+/// Wall time a render's child process may take.
+pub const RENDER_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+/// The renderer's exit code for a render error (its message on stdout).
+const RENDER_FAILED: i32 = 3;
+
+/// From now on every chat template renders in a child process of `exe`, bounded in memory and
+/// time. `exe` must call `renderer_main` first thing (the `vl` binary does); a library user
+/// that does not call this renders in its own process, bounded by fuel, output size and
+/// recursion only.
+pub fn render_in_child_processes(exe: PathBuf) {
+    let _ = RENDERER.set(exe);
+}
+
+/// Call first thing in `main`: when this process was started as a template renderer, it reads
+/// one render job on stdin, writes the text (or the error) on stdout and exits; otherwise it
+/// returns at once.
+pub fn renderer_main() {
+    if std::env::var_os(RENDER_ENV).is_none() {
+        return;
+    }
+    #[cfg(unix)]
+    // SAFETY: setrlimit on this process, before any other thread exists.
+    unsafe {
+        let lim = libc::rlimit { rlim_cur: RENDER_MEMORY as libc::rlim_t, rlim_max: RENDER_MEMORY as libc::rlim_t };
+        libc::setrlimit(libc::RLIMIT_AS, &lim);
+    }
+    let code = match render_job() {
+        Ok(text) => {
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(text.as_bytes());
+            let _ = out.flush();
+            0
+        }
+        Err(e) => {
+            let message = match e {
+                Error::Input { message, .. } => message,
+                other => other.to_string(),
+            };
+            print!("{message}");
+            RENDER_FAILED
+        }
+    };
+    std::process::exit(code);
+}
+
+fn render_job() -> Result<String> {
+    use std::io::Read;
+    let mut job = Vec::new();
+    std::io::stdin()
+        .take(1 << 30)
+        .read_to_end(&mut job)
+        .map_err(|e| Error::Input { what: "render job".into(), message: e.to_string() })?;
+    let job: serde_json::Value = serde_json::from_slice(&job)
+        .map_err(|e| Error::Input { what: "render job".into(), message: format!("unreadable: {e}") })?;
+    let text = |k: &str| job[k].as_str().map(String::from);
+    let source = match text("file") {
+        Some(f) => TemplateSource::File(f.into()),
+        None => TemplateSource::BuiltIn,
+    };
+    let template = ChatTemplate::new(text("source").unwrap_or_default(), source, text("bos_token"), text("eos_token"))?;
+    template.render_here(&job["context"])
 }
 
 fn find_template(
