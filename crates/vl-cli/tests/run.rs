@@ -518,3 +518,30 @@ fn draw_boxes_without_boxes_writes_the_image_unchanged() {
         &["--draw-boxes /no/such/dir/x.png", "cannot create"],
     );
 }
+
+#[test]
+fn videos_past_the_context_are_refused_before_the_rest_are_probed() {
+    // A 10-minute clip plans hundreds of tokens at `vl run`'s default video budget: with the
+    // same clip named 30 times, a few already overflow tiny-a's 2048-token context, and the
+    // rest are never probed (each probe reads the whole file).
+    let dir = tempfile::tempdir().unwrap();
+    let clip = dir.path().join("ten-minutes.mkv");
+    let ok = std::process::Command::new("ffmpeg")
+        .args(["-v", "error", "-y", "-f", "lavfi", "-i", "testsrc=size=16x16:rate=5:duration=600"])
+        .args(["-c:v", "ffv1"])
+        .arg(&clip)
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let ck = checkpoint("tiny-a");
+    let mut args = vec!["run", "--model", ck.as_str(), "--max-new-tokens", "1"];
+    for _ in 0..30 {
+        args.extend(["--video", clip.to_str().unwrap()]);
+    }
+    let t = std::time::Instant::now();
+    assert_error(&args, &["the prompt is at least", "context of 2048"]);
+    let (_, _, err) = vl(&args);
+    let probed: usize = err.split("from its first ").nth(1).and_then(|r| r.split(' ').next()?.parse().ok()).unwrap();
+    assert!((2..30).contains(&probed), "{err}");
+    assert!(t.elapsed() < std::time::Duration::from_secs(30), "{:?}", t.elapsed());
+}

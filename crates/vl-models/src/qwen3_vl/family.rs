@@ -642,6 +642,7 @@ fn prepare(
     let mut files = Vec::new();
     let mut clips: Vec<Clip> = Vec::new();
     let mut reports = Vec::new();
+    let mut video_tokens = 0usize;
     for m in &req.messages {
         let mut content = Vec::with_capacity(m.parts.len());
         for p in &m.parts {
@@ -673,6 +674,21 @@ fn prepare(
                     content.push(Content::Video { video: name.clone() });
                     let plan = clip.plan().clone();
                     let tokens = plan.num_tokens(processor.videos.config.base.merge_size);
+                    // Cheap check first: the videos planned so far already overflow the context,
+                    // so the others are not probed (a probe lists a frame directory or runs
+                    // ffprobe over the whole file).
+                    video_tokens += tokens;
+                    let context = config.text.max_position_embeddings;
+                    if video_tokens >= context {
+                        return Err(Error::Limit {
+                            what: "prompt".into(),
+                            message: format!(
+                                "the prompt is at least {video_tokens} tokens from its first {} video(s), longer than the model's context of {context} tokens",
+                                reports.len() + 1
+                            ),
+                            kind: crate::limits::LimitKind::Fixed,
+                        });
+                    }
                     let from_cache = matches!(clip, Clip::Cached(_));
                     reports.push(VideoReport { name: name.clone(), info, plan, tokens, from_cache });
                     clips.push(clip);
