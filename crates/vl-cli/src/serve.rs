@@ -60,8 +60,8 @@ pub struct ServeArgs {
     /// again.
     #[arg(long, default_value_t = 256)]
     clip_cache_mib: usize,
-    /// Seconds one video's decoding may take before it is refused (0: no limit); a long video in
-    /// one request would otherwise hold the server's worker.
+    /// Seconds a request's videos may take to probe and decode, all of them together, before it
+    /// is refused (0: no limit); long videos in one request would otherwise hold the server.
     #[arg(long, default_value_t = 120.0)]
     video_decode_timeout: f64,
     /// Prefill every prompt in full (by default a request reuses the KV cache of the longest

@@ -152,6 +152,12 @@ impl VideoSource {
         Self::ffmpeg(name, file, Some(temp), limits)
     }
 
+    /// Sets the decode-time bound for the reads that follow (a request's budget, what is left
+    /// of it).
+    pub fn set_max_decode_time(&mut self, limit: Option<std::time::Duration>) {
+        self.limits.max_decode_time = limit;
+    }
+
     pub fn info(&self) -> &VideoInfo {
         &self.info
     }
@@ -397,6 +403,7 @@ impl VideoSource {
                 .arg("stream=width,height,avg_frame_rate,r_frame_rate,nb_read_packets:stream_side_data=rotation:stream_tags=rotate")
                 .args(["-of", "json"])
                 .arg(&file),
+            limits.max_decode_time,
         )?;
         let json: serde_json::Value = serde_json::from_slice(&out).map_err(|e| Error::Input {
             what: what(&name),
@@ -681,16 +688,64 @@ fn spawn_error(name: &Path, tool: &str, e: std::io::Error) -> Error {
 }
 
 /// Runs a probe tool to completion; its stdout, or an error with the last line it printed.
-fn run_tool(name: &Path, cmd: &mut Command) -> Result<Vec<u8>> {
+/// Runs a probe (ffprobe) and returns its stdout (at most 16 MiB), within `limit` when given:
+/// a probe that counts packets reads the whole file, so a huge or crafted one is killed at the
+/// decode-time bound like ffmpeg itself.
+fn run_tool(name: &Path, cmd: &mut Command, limit: Option<std::time::Duration>) -> Result<Vec<u8>> {
     let tool = cmd.get_program().to_string_lossy().into_owned();
-    let out = cmd.stdin(Stdio::null()).output().map_err(|e| spawn_error(name, &tool, e))?;
-    if !out.status.success() {
-        return Err(Error::Input {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| spawn_error(name, &tool, e))?;
+    let mut stderr = child.stderr.take().expect("piped");
+    let errors = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = (&mut stderr).take(1 << 20).read_to_end(&mut buf);
+        let _ = std::io::copy(&mut stderr, &mut std::io::sink());
+        buf
+    });
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    let timed_out = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watchdog = limit.map(|limit| {
+        let (pid, flag) = (child.id(), timed_out.clone());
+        std::thread::spawn(move || {
+            if finished.recv_timeout(limit) == Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+                flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                // SAFETY: a signal to our own child, not yet waited for (waited for below,
+                // after this thread is joined), so the pid is still its.
+                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            }
+        })
+    });
+    let mut out = Vec::new();
+    let read = child.stdout.take().expect("piped").take(16 << 20).read_to_end(&mut out);
+    drop(done);
+    if let Some(w) = watchdog {
+        let _ = w.join();
+    }
+    let _ = child.kill();
+    let status = child.wait().map_err(|e| Error::io(name, e))?;
+    let stderr = errors.join().unwrap_or_default();
+    if timed_out.load(std::sync::atomic::Ordering::SeqCst) {
+        return Err(Error::Limit {
             what: what(name),
-            message: format!("{tool} cannot read it: {}", last_line(&out.stderr)),
+            message: format!(
+                "probing it with {tool} took longer than the decode limit of {} s",
+                limit.unwrap_or_default().as_secs_f64()
+            ),
+            kind: LimitKind::Fixed,
         });
     }
-    Ok(out.stdout)
+    read.map_err(|e| Error::io(name, e))?;
+    if !status.success() {
+        return Err(Error::Input {
+            what: what(name),
+            message: format!("{tool} cannot read it: {}", last_line(&stderr)),
+        });
+    }
+    Ok(out)
 }
 
 /// `num/den` (or a plain number) as a rate; `None` for 0/0, zero, negative or non-finite.

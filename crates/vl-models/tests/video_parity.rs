@@ -326,7 +326,14 @@ fn a_rotated_phone_video_is_read_upright_with_its_sides_swapped() {
 fn a_decode_past_the_time_limit_is_stopped_and_refused() {
     let clip = goldens().join("videos/long.mkv");
     let limits = VideoLimits { max_decode_time: Some(std::time::Duration::from_millis(1)), ..Default::default() };
-    let src = VideoSource::open(&clip, 2.0, &limits).unwrap();
+    // The probe (ffprobe counts every packet, reading the whole file) is bounded too.
+    let e = VideoSource::open(&clip, 2.0, &limits).unwrap_err().to_string();
+    assert!(
+        e.contains("long.mkv") && e.contains("probing it with ffprobe took longer than the decode limit of 0.001 s"),
+        "{e}"
+    );
+    let mut src = VideoSource::open(&clip, 2.0, &VideoLimits::default()).unwrap();
+    src.set_max_decode_time(limits.max_decode_time);
     let e = src.read_frames(&[0, 30, 59], &mut |_, _| Ok(())).unwrap_err().to_string();
     assert!(e.contains("long.mkv") && e.contains("decoding took longer than the limit of 0.001 s"), "{e}");
     // Without a limit the same frames decode.
@@ -476,4 +483,32 @@ fn sparse_animations_on_huge_canvases_are_bounded_in_pixels_and_time() {
     let src = VideoSource::from_bytes(sparse_gif(64, 48, 20), std::path::Path::new("ok.gif"), &VideoLimits::default())
         .unwrap();
     assert_eq!((src.info().width, src.info().height, src.info().frames), (64, 48, 20));
+}
+
+#[test]
+fn the_decode_time_bound_is_the_request_s_for_all_its_videos() {
+    use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
+    // 60 video parts of a clip that decodes in well under the bound each: without a request-wide
+    // budget they would take 60 times one decode; with it the request stops at the bound.
+    let limits = VideoLimits { max_decode_time: Some(std::time::Duration::from_millis(300)), ..Default::default() };
+    let opts = EngineOptions { video_limits: limits, clip_cache_bytes: 0, ..Default::default() };
+    let engine = Engine::load(&tiny_a(), "tiny-a", opts).unwrap();
+    let clip = goldens().join("videos/long.mkv");
+    let mut parts: Vec<Part> = (0..60)
+        .map(|_| Part::Video {
+            source: VideoData::Path(clip.clone()),
+            name: clip.display().to_string(),
+            options: Default::default(),
+        })
+        .collect();
+    parts.push(Part::Text("Describe.".into()));
+    let req = Request {
+        messages: vec![ChatMessage::new("user", parts)],
+        options: GenerationOptions { max_new_tokens: 1, ..Default::default() },
+        ..Default::default()
+    };
+    let t = std::time::Instant::now();
+    let e = engine.generate(&req, &mut |_| true).unwrap_err().to_string();
+    assert!(e.contains("longer than the") && e.contains("limit of"), "{e}");
+    assert!(t.elapsed() < std::time::Duration::from_secs(3), "{:?}: {e}", t.elapsed());
 }

@@ -643,6 +643,24 @@ fn prepare(
     let mut clips: Vec<Clip> = Vec::new();
     let mut reports = Vec::new();
     let mut video_tokens = 0usize;
+    // The decode-time bound is the request's, for all its videos together: each probe and
+    // decode gets what is left of it.
+    let decode_started = std::time::Instant::now();
+    let decode_left = || -> Result<Option<std::time::Duration>> {
+        let Some(budget) = processor.videos.limits.max_decode_time else { return Ok(None) };
+        let left = budget.saturating_sub(decode_started.elapsed());
+        if left.is_zero() {
+            return Err(Error::Limit {
+                what: "videos".into(),
+                message: format!(
+                    "the request's videos took longer than the decode limit of {} s in all",
+                    budget.as_secs_f64()
+                ),
+                kind: crate::limits::LimitKind::Fixed,
+            });
+        }
+        Ok(Some(left))
+    };
     for m in &req.messages {
         let mut content = Vec::with_capacity(m.parts.len());
         for p in &m.parts {
@@ -655,7 +673,8 @@ fn prepare(
                     files.push((file, proc, Sha256::digest(data)));
                 }
                 Part::Video { source, name, options } => {
-                    let proc = video_processor(&processor.videos, options)?;
+                    let mut proc = video_processor(&processor.videos, options)?;
+                    proc.limits.max_decode_time = decode_left()?;
                     let key = clip_cache.and_then(|_| clip_key(source, &proc));
                     let cached = key.and_then(|k| clip_cache.and_then(|c| lock_clips(c).get(&k)));
                     let (info, clip) = match cached {
@@ -729,7 +748,8 @@ fn prepare(
     for (clip, report) in clips.into_iter().zip(&reports) {
         videos.push(match clip {
             Clip::Cached(video) => video,
-            Clip::Fresh { src, proc, plan, key } => {
+            Clip::Fresh { mut src, proc, plan, key } => {
+                src.set_max_decode_time(decode_left()?);
                 let video = proc.process_planned(&src, plan)?;
                 if let (Some(k), Some(c)) = (key, clip_cache) {
                     let bytes = video.pixels.len() * std::mem::size_of::<f32>();
