@@ -119,6 +119,10 @@ pub fn serve(engine: Arc<Engine>, listener: std::net::TcpListener, config: Serve
         .with_state(app.clone());
 
     let (ui, limits) = (app.config.ui, app.config.connections);
+    // When the stop signal came: the shutdown bound counts from there, for the connections and
+    // the workers together.
+    let stopped_at = Arc::new(std::sync::OnceLock::<Instant>::new());
+    let stop_mark = stopped_at.clone();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let done = rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
@@ -126,8 +130,9 @@ pub fn serve(engine: Arc<Engine>, listener: std::net::TcpListener, config: Serve
         if ui {
             note!("web chat: http://{local}/");
         }
-        let stop = async {
+        let stop = async move {
             shutdown_signal().await;
+            let _ = stop_mark.set(Instant::now());
             note!(
                 "stopping: no new connections; finishing the requests in flight (at most {} s)",
                 limits.shutdown_timeout.as_secs_f64()
@@ -147,7 +152,8 @@ pub fn serve(engine: Arc<Engine>, listener: std::net::TcpListener, config: Serve
         }
         let _ = tx.send(());
     });
-    if !done || all_joined.recv_timeout(bound).is_err() {
+    let left = bound.saturating_sub(stopped_at.get().map_or(Duration::ZERO, |t| t.elapsed()));
+    if !done || all_joined.recv_timeout(left).is_err() {
         note!("stopped at the shutdown bound of {} s: requests still running were cut", bound.as_secs_f64());
     } else {
         note!("stopped");
