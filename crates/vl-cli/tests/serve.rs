@@ -35,32 +35,29 @@ fn post(s: &Server, path: &str, body: &str) -> (u16, Value) {
 
 /// Sends only the headers of a POST announcing `len` body bytes; the status and JSON body.
 fn raw_post(s: &Server, path: &str, len: usize) -> (u16, Value) {
-    let addr = s.base.trim_start_matches("http://");
-    let mut sock = std::net::TcpStream::connect(addr).unwrap();
-    sock.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(
-        sock,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut resp = String::new();
-    let _ = sock.read_to_string(&mut resp);
-    let status: u16 = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{resp:?}"));
-    let body = resp.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    (status, serde_json::from_str(body).unwrap_or_else(|_| panic!("not JSON ({status}): {body:?}")))
+    partial_post(s, path, len, None)
 }
 
 /// A POST announcing `len` body bytes that sends only `sent` of them, then closes its side.
 fn short_post(s: &Server, path: &str, len: usize, sent: &str) -> (u16, Value) {
+    partial_post(s, path, len, Some(sent))
+}
+
+/// A POST's headers announcing `len` body bytes, then `sent` (if any) and the end of its side;
+/// the status and JSON body of the answer.
+fn partial_post(s: &Server, path: &str, len: usize, sent: Option<&str>) -> (u16, Value) {
     let addr = s.base.trim_start_matches("http://");
     let mut sock = std::net::TcpStream::connect(addr).unwrap();
     sock.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     write!(
         sock,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n{sent}"
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n{}",
+        sent.unwrap_or("")
     )
     .unwrap();
-    sock.shutdown(std::net::Shutdown::Write).unwrap();
+    if sent.is_some() {
+        sock.shutdown(std::net::Shutdown::Write).unwrap();
+    }
     let mut resp = String::new();
     let _ = sock.read_to_string(&mut resp);
     let status: u16 = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{resp:?}"));

@@ -130,6 +130,39 @@ pub fn read_text(path: &Path, limit: u64) -> Result<String> {
     })
 }
 
+/// Kills a child process with SIGKILL if it is still running `limit` after `start`; `stop`
+/// before waiting for the child says whether it was killed. (No limit: never kills.)
+pub(crate) struct Watchdog {
+    done: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<bool>>,
+}
+
+impl Watchdog {
+    pub(crate) fn start(child: &std::process::Child, limit: Option<std::time::Duration>) -> Self {
+        let (done, finished) = std::sync::mpsc::channel::<()>();
+        let pid = child.id();
+        let thread = limit.map(|limit| {
+            std::thread::spawn(move || {
+                let late = finished.recv_timeout(limit) == Err(std::sync::mpsc::RecvTimeoutError::Timeout);
+                #[cfg(unix)]
+                if late {
+                    // SAFETY: a signal to the caller's child, not yet waited for (the caller
+                    // waits for it only after `stop` joins this thread), so the pid is still its.
+                    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+                }
+                late
+            })
+        });
+        Self { done: Some(done), thread }
+    }
+
+    /// Ends the watch; whether the child was killed for running past the limit.
+    pub(crate) fn stop(mut self) -> bool {
+        drop(self.done.take());
+        self.thread.take().is_some_and(|t| t.join().unwrap_or(false))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

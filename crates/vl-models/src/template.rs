@@ -266,28 +266,14 @@ impl ChatTemplate {
         let writer = std::thread::spawn(move || {
             let _ = stdin.write_all(&job);
         });
-        let (done, finished) = std::sync::mpsc::channel::<()>();
-        let timed_out = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (pid, flag) = (child.id(), timed_out.clone());
-        let watchdog = std::thread::spawn(move || {
-            if finished.recv_timeout(RENDER_TIME) == Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
-                flag.store(true, std::sync::atomic::Ordering::SeqCst);
-                #[cfg(unix)]
-                // SAFETY: a signal to our own child, not yet waited for (waited for below,
-                // after this thread is joined), so the pid is still its.
-                unsafe {
-                    libc::kill(pid as libc::pid_t, libc::SIGKILL);
-                }
-            }
-        });
+        let watchdog = crate::limits::Watchdog::start(&child, Some(RENDER_TIME));
         let mut out = Vec::new();
         let read = child.stdout.take().expect("piped").take(MAX_RENDER_BYTES as u64 + 4096).read_to_end(&mut out);
-        drop(done);
-        let _ = watchdog.join();
+        let timed_out = watchdog.stop();
         let _ = child.kill();
         let status = child.wait().map_err(|e| fail(format!("the template renderer: {e}")))?;
         let _ = writer.join();
-        if timed_out.load(std::sync::atomic::Ordering::SeqCst) {
+        if timed_out {
             return Err(fail(format!("render stopped: the template ran longer than {} s", RENDER_TIME.as_secs())));
         }
         read.map_err(|e| fail(format!("the template renderer: {e}")))?;

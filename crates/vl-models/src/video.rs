@@ -505,19 +505,7 @@ impl VideoSource {
             buf
         });
         // A watchdog kills ffmpeg past the time limit (its stdout then ends).
-        let (done, finished) = std::sync::mpsc::channel::<()>();
-        let timed_out = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let watchdog = self.limits.max_decode_time.map(|limit| {
-            let (pid, flag) = (child.id(), timed_out.clone());
-            std::thread::spawn(move || {
-                if finished.recv_timeout(limit) == Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
-                    flag.store(true, std::sync::atomic::Ordering::SeqCst);
-                    // SAFETY: a signal to our own child, not yet waited for (the reader waits
-                    // for it only after joining this thread), so the pid is still its.
-                    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-                }
-            })
-        });
+        let watchdog = limits::Watchdog::start(&child, self.limits.max_decode_time);
         let mut stdout = child.stdout.take().expect("piped");
         let (w, h) = (self.info.width, self.info.height);
         let size = w as usize * h as usize * 3;
@@ -547,14 +535,11 @@ impl VideoSource {
             got += 1;
         }
         drop(stdout);
-        drop(done);
-        if let Some(w) = watchdog {
-            let _ = w.join();
-        }
+        let timed_out = watchdog.stop();
         let _ = child.kill();
         let status = child.wait().map_err(|e| Error::io(&self.name, e))?;
         let stderr = errors.join().unwrap_or_default();
-        if timed_out.load(std::sync::atomic::Ordering::SeqCst) {
+        if timed_out {
             return Err(Error::Limit {
                 what: what(&self.name),
                 message: format!(
@@ -706,29 +691,14 @@ fn run_tool(name: &Path, cmd: &mut Command, limit: Option<std::time::Duration>) 
         let _ = std::io::copy(&mut stderr, &mut std::io::sink());
         buf
     });
-    let (done, finished) = std::sync::mpsc::channel::<()>();
-    let timed_out = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let watchdog = limit.map(|limit| {
-        let (pid, flag) = (child.id(), timed_out.clone());
-        std::thread::spawn(move || {
-            if finished.recv_timeout(limit) == Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
-                flag.store(true, std::sync::atomic::Ordering::SeqCst);
-                // SAFETY: a signal to our own child, not yet waited for (waited for below,
-                // after this thread is joined), so the pid is still its.
-                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-            }
-        })
-    });
+    let watchdog = limits::Watchdog::start(&child, limit);
     let mut out = Vec::new();
     let read = child.stdout.take().expect("piped").take(16 << 20).read_to_end(&mut out);
-    drop(done);
-    if let Some(w) = watchdog {
-        let _ = w.join();
-    }
+    let timed_out = watchdog.stop();
     let _ = child.kill();
     let status = child.wait().map_err(|e| Error::io(name, e))?;
     let stderr = errors.join().unwrap_or_default();
-    if timed_out.load(std::sync::atomic::Ordering::SeqCst) {
+    if timed_out {
         return Err(Error::Limit {
             what: what(name),
             message: format!(

@@ -304,13 +304,7 @@ fn a_rotated_phone_video_is_read_upright_with_its_sides_swapped() {
     let src = VideoSource::open(&clip, 2.0, &VideoLimits::default()).unwrap();
     assert_eq!((src.info().width, src.info().height, src.info().frames), (48, 80, 10));
     // The frames equal what ffmpeg itself outputs for the stream (turned upright).
-    let raw = std::process::Command::new("ffmpeg")
-        .args(["-v", "error", "-i"])
-        .arg(&clip)
-        .args(["-frames:v", "1", "-f", "rawvideo", "-pix_fmt", "rgb24", "-"])
-        .output()
-        .unwrap()
-        .stdout;
+    let raw = ffmpeg_first_frame(&clip);
     let mut first = None;
     src.read_frames(&[0, 9], &mut |k, f| {
         if k == 0 {
