@@ -841,6 +841,94 @@ def mlx_goldens(out, cache):
         print(f"{name}: goldens written")
 
 
+# The Qwen3-VL Thinking checkpoints' own template (origin and hash in docs/goldens.md).
+THINKING_TEMPLATE = HERE / "templates" / "Qwen3-VL-Thinking.jinja"
+THINKING_TEMPLATE_SHA256 = "36e042fe45641f067b1f2381fcc8955d10d956a3ed333ecdf7f7eb0916f68956"
+THINKING_STEPS = 12
+
+
+def thinking_goldens(out):
+    """goldens/thinking/thinking.json: prompts rendered and tokenized by transformers with the
+    Thinking template (and the Qwen3 text template of goldens/tokenizer with template kwargs), and
+    tiny-a's greedy answer under the Thinking template, with the template's own reading of it."""
+    if sha256(THINKING_TEMPLATE) != THINKING_TEMPLATE_SHA256:
+        sys.exit(f"{THINKING_TEMPLATE}: not the pinned Thinking template")
+    template = THINKING_TEMPLATE.read_text()
+    ck = out / "tiny-a" / "checkpoint"
+    proc = Qwen3VLProcessor.from_pretrained(ck)
+    tok = proc.tokenizer
+    qwen3_text = json.loads((out / "tokenizer" / "tokenizer_config.json").read_text())["chat_template"]
+    think = "<think>\nLet me look.\n</think>\n\n"
+    cases = [
+        ("one_turn", template, [{"role": "user", "content": [{"type": "text", "text": "Describe the weather."}]}], {}),
+        # The template keeps an assistant turn's reasoning only after the last user query: here it
+        # is dropped from the first answer (in the content, and as `reasoning_content`).
+        ("history", template, [
+            {"role": "user", "content": [{"type": "text", "text": "Hi."}]},
+            {"role": "assistant", "content": [{"type": "text", "text": think + "Hello."}]},
+            {"role": "user", "content": [{"type": "text", "text": "And now?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Later."}], "reasoning_content": "Hmm."},
+            {"role": "user", "content": [{"type": "text", "text": "Why?"}]},
+        ], {}),
+        # After the last user query (a tool round), the reasoning is shown again.
+        ("tool_round", template, [
+            {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": ""}], "reasoning_content": "Call the tool.",
+             "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": [{"type": "text", "text": "sunny"}]},
+        ], {}),
+        # A template that reads `enable_thinking` (Qwen3's, as goldens/tokenizer ships it).
+        ("qwen3_no_thinking", qwen3_text, [{"role": "user", "content": "Hi."}], {"enable_thinking": False}),
+        ("qwen3_thinking", qwen3_text, [{"role": "user", "content": "Hi."}], {"enable_thinking": True}),
+    ]
+    renders = []
+    for name, tmpl, messages, kwargs in cases:
+        text = proc.apply_chat_template(messages, chat_template=tmpl, tokenize=False, add_generation_prompt=True,
+                                        **kwargs)
+        ids = tok(text)["input_ids"]
+        renders.append({"case": name, "template": "thinking" if tmpl is template else "qwen3_text",
+                        "messages": messages, "kwargs": kwargs, "text": text, "ids": ids})
+    model = Qwen3VLForConditionalGeneration.from_pretrained(ck, torch_dtype=torch.float32).eval()
+    greedy = None
+    for question in ["Describe the weather.", "What is in the picture?", "Count to three.", "Say hello."]:
+        messages = [{"role": "user", "content": [{"type": "text", "text": question}]}]
+        text = proc.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+        batch = proc(text=[text], return_tensors="pt")
+        with torch.no_grad():
+            gen = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                 do_sample=False, max_new_tokens=THINKING_STEPS, min_new_tokens=THINKING_STEPS,
+                                 output_logits=True, return_dict_in_generate=True)
+        new = gen.sequences[0, batch["input_ids"].shape[1]:]
+        steps = torch.stack([l[0] for l in gen.logits]).float()
+        top2 = steps.topk(2, dim=-1)
+        margin = (top2.values[:, 0] - top2.values[:, 1]).min().item()
+        if margin < MIN_GREEDY_MARGIN:
+            print(f"thinking: {question!r}: greedy margin {margin:.4f}, next")
+            continue
+        answer = tok.decode(new, skip_special_tokens=True)
+        # The template's own reading of an assistant message; the prompt opened the block, so
+        # the answer begins inside it (an unclosed block is all reasoning).
+        if "</think>" in answer:
+            reasoning = answer.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            content = answer.split("</think>")[-1].lstrip("\n")
+        else:
+            reasoning, content = answer.lstrip("\n").rstrip("\n"), ""
+        greedy = {"question": question, "prompt_ids": batch["input_ids"][0].tolist(), "ids": new.tolist(),
+                  "text": answer, "reasoning": reasoning, "content": content, "min_margin": margin}
+        break
+    if greedy is None:
+        sys.exit("thinking: no question with a clear greedy answer")
+    d = out / "thinking"
+    d.mkdir(exist_ok=True)
+    (d / "thinking.json").write_text(json.dumps({"renders": renders, "greedy": greedy}, indent=1,
+                                                 ensure_ascii=False) + "\n")
+    write_provenance(out, {"thinking": {
+        "generator": "tools/hf-reference/generate --thinking", "checkpoint": "tiny-a",
+        "template": {"file": "tools/hf-reference/templates/Qwen3-VL-Thinking.jinja", "sha256": THINKING_TEMPLATE_SHA256},
+        "render": "Qwen3VLProcessor.apply_chat_template(messages, chat_template=..., tokenize=False, add_generation_prompt=True, **kwargs)",
+        "greedy": f"generate(do_sample=False, max_new_tokens={THINKING_STEPS}), float32"}})
+
+
 def write_provenance(out, update):
     path = out / "provenance.json"
     prov = json.loads(path.read_text()) if path.exists() else {}
@@ -858,9 +946,13 @@ def main():
     ap.add_argument("--max-seed-tries", type=int, default=60)
     ap.add_argument("--mlx-source", help="only write the tiny-q source checkpoint for mlx_vlm convert here")
     ap.add_argument("--mlx-goldens", help="only write the MLX fixtures' reference goldens (cache dir)")
+    ap.add_argument("--thinking", action="store_true", help="only write goldens/thinking (Thinking template)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     out = Path(args.out)
+    if args.thinking:
+        thinking_goldens(out)
+        return
     if args.mlx_source:
         mlx_source(args.mlx_source, args.seed + 5000)
         return

@@ -52,6 +52,8 @@ pub struct ChatArgs {
     repetition_penalty: f64,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    #[command(flatten)]
+    reasoning: crate::reasoning::ReasoningArgs,
 }
 
 enum Input {
@@ -186,6 +188,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let start = || args.system.iter().map(|s| ChatMessage::text("system", s)).collect::<Vec<_>>();
     let mut history = start();
     let mut pending: Vec<Part> = Vec::new();
+    let out_is_terminal = std::io::stdout().is_terminal();
     let mut out = std::io::stdout().lock();
     let mut interrupted_at_prompt = false;
     loop {
@@ -269,20 +272,28 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         let mut parts = std::mem::take(&mut pending);
         parts.push(Part::Text(line.to_string()));
         history.push(ChatMessage::new("user", parts));
-        let req = Request { messages: history.clone(), options: options.clone(), ..Default::default() };
+        let req = Request {
+            messages: history.clone(),
+            options: options.clone(),
+            template_kwargs: args.reasoning.chat_template_kwargs.clone().unwrap_or_default(),
+            ..Default::default()
+        };
         let mut write_err = None;
         let mut stopped = false;
         // What was written: a stopped answer keeps exactly this.
         let mut shown = String::new();
+        let mut printer = crate::reasoning::Printer::new(&args.reasoning, out_is_terminal);
         interrupted.store(false, Ordering::Relaxed);
-        let result = engine.generate(&req, &mut |piece| {
+        let result = engine.stream(&req, 1, &mut |d| {
             if interrupted.swap(false, Ordering::Relaxed) {
                 stopped = true;
                 return false;
             }
-            match out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+            match printer.piece(&mut out, d.text, d.reasoning) {
                 Ok(()) => {
-                    shown.push_str(piece);
+                    if !d.reasoning {
+                        shown.push_str(d.text);
+                    }
                     true
                 }
                 Err(e) => {
@@ -296,8 +307,9 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         }
         // A Ctrl-C that came after the last piece still counts as a stop of this answer.
         stopped |= interrupted.swap(false, Ordering::Relaxed);
-        match result {
+        match result.map(|mut all| all.remove(0)) {
             Ok(c) => {
+                printer.end_reasoning(&mut out).context("writing to stdout")?;
                 writeln!(out).context("writing to stdout")?;
                 if stopped {
                     note!("(stopped; the conversation keeps the answer so far)");
@@ -311,7 +323,9 @@ pub fn chat(args: ChatArgs) -> Result<()> {
                     c.token_ids.len(),
                     if decode > 0.0 { c.token_ids.len().saturating_sub(1) as f64 / decode } else { 0.0 }
                 );
-                history.push(ChatMessage::text("assistant", if stopped { &shown } else { &c.text }));
+                let mut answer = ChatMessage::text("assistant", if stopped { &shown } else { &c.text });
+                answer.reasoning = c.reasoning.clone();
+                history.push(answer);
             }
             Err(e) => {
                 // The turn is dropped; the conversation goes on without it.
@@ -353,7 +367,11 @@ fn save(path: &Path, history: &[ChatMessage]) -> Result<()> {
             }
             Value::Array(parts)
         };
-        messages.push(json!({"role": m.role, "content": content}));
+        let mut msg = json!({"role": m.role, "content": content});
+        if let Some(r) = &m.reasoning {
+            msg["reasoning_content"] = json!(r);
+        }
+        messages.push(msg);
     }
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
@@ -402,7 +420,13 @@ fn load(path: &Path, max_media_bytes: u64) -> Result<Vec<ChatMessage>> {
             Value::Null => vec![],
             _ => bail!("{at}.content: expected a string or a list of parts"),
         };
-        out.push(ChatMessage::new(role, parts));
+        let mut msg = ChatMessage::new(role, parts);
+        msg.reasoning = match &m["reasoning_content"] {
+            Value::String(r) if role == "assistant" => Some(r.clone()),
+            Value::Null => None,
+            _ => bail!("{at}.reasoning_content: expected a string on an assistant message"),
+        };
+        out.push(msg);
     }
     Ok(out)
 }

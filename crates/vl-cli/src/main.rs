@@ -2,6 +2,7 @@
 
 mod chat;
 mod hub;
+mod reasoning;
 mod run;
 mod serve;
 

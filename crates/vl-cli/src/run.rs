@@ -220,6 +220,8 @@ pub struct RunArgs {
     /// at the image's own size, into this PNG file; stderr says how many were drawn.
     #[arg(long, value_name = "OUT.png")]
     draw_boxes: Option<PathBuf>,
+    #[command(flatten)]
+    reasoning: crate::reasoning::ReasoningArgs,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -615,13 +617,15 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         messages.push(ChatMessage::text("system", s));
     }
     messages.push(ChatMessage::new("user", parts));
-    let req = Request { messages, options, constraint, ..Default::default() };
+    let template_kwargs = args.reasoning.chat_template_kwargs.clone().unwrap_or_default();
+    let req = Request { messages, options, constraint, template_kwargs, ..Default::default() };
 
+    let mut printer = crate::reasoning::Printer::new(&args.reasoning, std::io::stdout().is_terminal());
     let mut stdout = std::io::stdout().lock();
     let mut write_err: Option<std::io::Error> = None;
     let mut started = false;
     let before_load = t_start.elapsed();
-    let mut on_text = |piece: &str| {
+    let mut on_text = |d: &vl_models::engine::Delta<'_>| {
         if !started {
             started = true;
             if let Some(b) = &bar {
@@ -631,7 +635,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         if args.json {
             return true;
         }
-        if let Err(e) = stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()) {
+        if let Err(e) = printer.piece(&mut stdout, d.text, d.reasoning) {
             write_err = Some(e);
             return false;
         }
@@ -678,6 +682,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         }
     }
     if !args.json {
+        printer.end_reasoning(&mut stdout).context("writing to stdout")?;
         writeln!(stdout).and_then(|_| stdout.flush()).context("writing to stdout")?;
     }
     if let Some(out) = logits_out {
@@ -725,6 +730,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         let out = serde_json::json!({
             "model": dir.display().to_string(),
             "text": c.text,
+            "reasoning": c.reasoning,
             "token_ids": c.token_ids,
             "prompt_tokens": c.prompt_tokens,
             "image_tokens": c.image_tokens,

@@ -125,6 +125,11 @@ pub trait Family: Send + Sync {
     fn grounding(&self) -> Option<crate::grounding::Grounding> {
         None
     }
+    /// The markers of the reasoning block a thinking checkpoint writes before its answer (split
+    /// into `Completion::reasoning`); None when the family has none.
+    fn reasoning(&self) -> Option<&crate::reasoning::Markers> {
+        None
+    }
 }
 
 /// `FamilyEntry::quantize`: (checkpoint directory, recipe, output directory, overwrite, progress)

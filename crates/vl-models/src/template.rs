@@ -32,6 +32,10 @@ pub struct Message {
     /// shape them: `{"type": "function", "function": {"name", "arguments"}}`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<TemplateToolCall>,
+    /// An assistant turn's reasoning, as OpenAI-style clients send it back
+    /// (`reasoning_content`); thinking templates decide whether it is shown again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 /// One function call of an assistant message. `arguments` is the JSON text the model wrote (a
@@ -72,7 +76,7 @@ impl TemplateToolCall {
 
 impl Message {
     pub fn new(role: &str, content: Vec<Content>) -> Self {
-        Self { role: role.into(), content, tool_calls: vec![] }
+        Self { role: role.into(), content, tool_calls: vec![], reasoning_content: None }
     }
     pub fn text(role: &str, text: &str) -> Self {
         Self::new(role, vec![Content::Text { text: text.into() }])
@@ -91,6 +95,9 @@ pub enum TemplateSource {
 /// a 2-vCPU EPYC). minijinja also refuses a `range` over 100,000 elements and a string repeated
 /// past 100 MB.
 pub const TEMPLATE_FUEL: u64 = 50_000_000;
+/// Template variables a request sets itself: `chat_template_kwargs` may not.
+pub const RESERVED_TEMPLATE_VARIABLES: [&str; 3] = ["messages", "tools", "add_generation_prompt"];
+
 /// Bytes one render may write (a prompt far larger cannot fit any context).
 pub const MAX_RENDER_BYTES: usize = 64 << 20;
 /// Nesting depth of macro calls and includes.
@@ -191,20 +198,45 @@ impl ChatTemplate {
         tools: Option<&[serde_json::Value]>,
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.render_kw(messages, tools, &serde_json::Map::new(), add_generation_prompt)
+    }
+
+    /// `render_with` and extra variables for the template (`chat_template_kwargs`, e.g.
+    /// `enable_thinking`): they may set `add_vision_id`, `bos_token` and `eos_token`; the names
+    /// in `RESERVED_TEMPLATE_VARIABLES` are refused.
+    pub fn render_kw(
+        &self,
+        messages: &[Message],
+        tools: Option<&[serde_json::Value]>,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        if let Some(k) = kwargs.keys().find(|k| RESERVED_TEMPLATE_VARIABLES.contains(&k.as_str())) {
+            return Err(Error::Input {
+                what: "chat_template_kwargs".into(),
+                message: format!("`{k}` is set by the request itself, not by template arguments"),
+            });
+        }
         if tools.is_some_and(|t| !t.is_empty()) && !self.takes_tools() {
             return Err(Error::Input {
                 what: "tools".into(),
                 message: "this checkpoint's chat template has no `tools` variable: it cannot offer functions".into(),
             });
         }
-        let ctx = serde_json::json!({
-            "tools": tools.filter(|t| !t.is_empty()),
-            "messages": messages,
-            "add_generation_prompt": add_generation_prompt,
+        let mut ctx = serde_json::json!({
             "add_vision_id": false,
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
         });
+        let o = ctx.as_object_mut().expect("an object");
+        o.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
+        o.insert("tools".into(), serde_json::json!(tools.filter(|t| !t.is_empty())));
+        o.insert(
+            "messages".into(),
+            serde_json::to_value(messages)
+                .map_err(|e| Error::Input { what: "messages".into(), message: e.to_string() })?,
+        );
+        o.insert("add_generation_prompt".into(), add_generation_prompt.into());
         match RENDERER.get() {
             Some(exe) => self.render_in_child(exe, ctx),
             None => self.render_here(&ctx),

@@ -42,6 +42,9 @@ pub struct ChatCompletionRequest {
     /// least the family's grounding minimum). Absent: guessed from the user's text and the
     /// response format (`vl_models::grounding::looks_like_grounding`).
     pub grounding: Option<bool>,
+    /// Extra variables for the chat template (vLLM's and llama-server's field), e.g.
+    /// `{"enable_thinking": false}`; checked in `request::template_kwargs`.
+    pub chat_template_kwargs: Option<Value>,
     // Not implemented: refused by `check_supported` when they ask for anything.
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
@@ -112,6 +115,9 @@ pub struct Message {
     pub tool_call_id: Option<String>,
     /// A participant's name: accepted and ignored (the chat template has no place for it).
     pub name: Option<String>,
+    /// An assistant turn's reasoning as this server answered it, sent back: given to the
+    /// template (thinking templates show the latest turn's again).
+    pub reasoning_content: Option<String>,
     pub refusal: Option<Value>,
     pub annotations: Option<Value>,
     pub audio: Option<Value>,

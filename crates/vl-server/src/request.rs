@@ -21,6 +21,8 @@ const MAX_STOP_BYTES: usize = 256;
 const MAX_MEDIA: usize = 64;
 /// Most `logit_bias` entries (OpenAI's limit is 300).
 const MAX_LOGIT_BIAS: usize = 300;
+/// Largest `chat_template_kwargs`, in bytes of its JSON text.
+const MAX_TEMPLATE_KWARGS_BYTES: usize = 64 << 10;
 
 /// A parsed request and how its answer is sent.
 pub(crate) struct Parsed {
@@ -123,6 +125,7 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
         }
     }
     let logit_bias = logit_bias(v.logit_bias.as_ref(), app.engine.family().vocab_size())?;
+    let template_kwargs = template_kwargs(v.chat_template_kwargs.as_ref())?;
     let most = vl_models::engine::MAX_CHOICES as u64;
     let n = match v.n {
         None => 1,
@@ -261,15 +264,19 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
                 parts
             }
         };
+        if m.reasoning_content.is_some() && role != "assistant" {
+            return Err(ApiError::bad(format!("`messages[{i}].reasoning_content` goes on an assistant message")));
+        }
         let mut msg = ChatMessage::new(role, parts);
         msg.tool_calls = tool_calls;
+        msg.reasoning = m.reasoning_content;
         messages.push(msg);
     }
     if is_grounding(grounding, &messages, format.as_ref()) {
         grounding_minimum(app, &mut messages);
     }
     Ok(Parsed {
-        req: Request { messages, options: o, stop, tools, constraint, prompt: None },
+        req: Request { messages, options: o, stop, tools, constraint, prompt: None, template_kwargs },
         n,
         stream,
         include_usage,
@@ -365,6 +372,27 @@ fn tool_choice(c: &Value, tools: &[Value]) -> Result<Constraint, ApiError> {
     }
 }
 
+/// `chat_template_kwargs`: an object of variables for the chat template, at most
+/// `MAX_TEMPLATE_KWARGS_BYTES`, none of the names the request sets itself.
+fn template_kwargs(k: Option<&Value>) -> Result<serde_json::Map<String, Value>, ApiError> {
+    let Some(k) = k.filter(|k| !k.is_null()) else { return Ok(Default::default()) };
+    let Some(o) = k.as_object() else {
+        return Err(ApiError::bad("`chat_template_kwargs` must be an object of template variables"));
+    };
+    let size = k.to_string().len();
+    if size > MAX_TEMPLATE_KWARGS_BYTES {
+        return Err(ApiError::bad(format!(
+            "`chat_template_kwargs` is {size} bytes, over the limit of {MAX_TEMPLATE_KWARGS_BYTES}"
+        )));
+    }
+    if let Some(r) = o.keys().find(|r| vl_models::template::RESERVED_TEMPLATE_VARIABLES.contains(&r.as_str())) {
+        return Err(ApiError::bad(format!(
+            "`chat_template_kwargs.{r}`: set by the request itself, not by template arguments"
+        )));
+    }
+    Ok(o.clone())
+}
+
 /// `logit_bias`: token ids (as strings) to a bias in [-100, 100].
 fn logit_bias(b: Option<&Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
     let Some(b) = b.filter(|b| !b.is_null()) else { return Ok(vec![]) };
@@ -427,6 +455,7 @@ pub(crate) fn parse_completion(app: &App, body: &[u8]) -> Result<Parsed, ApiErro
         ("messages", o.contains_key("messages")),
         ("tools", o.contains_key("tools")),
         ("tool_choice", o.contains_key("tool_choice")),
+        ("chat_template_kwargs", o.contains_key("chat_template_kwargs")),
     ] {
         if refused {
             return Err(ApiError::bad(format!("`{name}` is not supported on /v1/completions")));

@@ -34,9 +34,9 @@ struct Job {
 /// One `Done` per request, after its texts: its size is no concern.
 #[allow(clippy::large_enum_variant)]
 enum Msg {
-    /// A piece of choice `.0`'s answer and its tokens' log-probabilities (JSON, null when not
-    /// asked).
-    Text(usize, String, Value),
+    /// A piece of choice `.0`'s answer (of its reasoning when `.2`) and its tokens'
+    /// log-probabilities (JSON, null when not asked).
+    Text(usize, String, bool, Value),
     /// Every choice's completion, in order.
     Done(std::result::Result<Vec<Completion>, ApiError>),
 }
@@ -229,13 +229,13 @@ fn work(app: &App, rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
         let mut first = true;
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let want = job.req.options.logprobs.is_some();
-            app.engine.generate_n(&job.req, job.n, &mut |choice, piece, lp| {
+            app.engine.stream(&job.req, job.n, &mut |d| {
                 if first {
                     first = false;
                     app.metrics.ttft.observe(job.queued.elapsed().as_secs_f64());
                 }
-                let lp = if want { logprobs_json(app, lp) } else { Value::Null };
-                job.tx.send(Msg::Text(choice, piece.to_string(), lp)).is_ok()
+                let lp = if want { logprobs_json(app, d.logprobs) } else { Value::Null };
+                job.tx.send(Msg::Text(d.choice, d.text.to_string(), d.reasoning, lp)).is_ok()
             })
         }));
         app.metrics.running.dec();
@@ -554,8 +554,9 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
                 },
             };
             match m {
-                Msg::Text(i, t, lp) => {
-                    if lines.send(chunk(i, json!({"content": t}), Value::Null, lp).to_string()).await.is_err() {
+                Msg::Text(i, t, reasoning, lp) => {
+                    let delta = if reasoning { json!({"reasoning_content": t}) } else { json!({"content": t}) };
+                    if lines.send(chunk(i, delta, Value::Null, lp).to_string()).await.is_err() {
                         return;
                     }
                 }
@@ -601,11 +602,18 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
 
 /// The response's assistant message: the text (null when the answer is only calls) and the calls.
 fn message(id: &str, c: &Completion) -> Value {
-    if c.tool_calls.is_empty() {
-        return json!({"role": "assistant", "content": c.text});
+    let mut m = if c.tool_calls.is_empty() {
+        json!({"role": "assistant", "content": c.text})
+    } else {
+        let content = if c.text.trim().is_empty() { Value::Null } else { json!(c.text) };
+        json!({"role": "assistant", "content": content, "tool_calls": tool_calls_json(id, &c.tool_calls, false)})
+    };
+    // A thinking checkpoint's reasoning block, apart from the answer (vLLM's and llama-server's
+    // field).
+    if let Some(r) = &c.reasoning {
+        m["reasoning_content"] = json!(r);
     }
-    let content = if c.text.trim().is_empty() { Value::Null } else { json!(c.text) };
-    json!({"role": "assistant", "content": content, "tool_calls": tool_calls_json(id, &c.tool_calls, false)})
+    m
 }
 
 /// OpenAI's `logprobs` object: `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`;
@@ -684,6 +692,7 @@ mod tests {
     fn completion(text: &str, calls: Vec<ToolCall>) -> Completion {
         Completion {
             text: text.into(),
+            reasoning: None,
             finish: if calls.is_empty() { Finish::Stop } else { Finish::ToolCalls },
             tool_calls: calls,
             token_ids: vec![],

@@ -189,11 +189,14 @@ pub struct ChatMessage {
     /// An assistant turn's function calls (given back with the tools' answers in `tool`
     /// messages).
     pub tool_calls: Vec<ToolCall>,
+    /// An assistant turn's reasoning (`Completion::reasoning`), given back to the template as
+    /// `reasoning_content`.
+    pub reasoning: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: &str, parts: Vec<Part>) -> Self {
-        Self { role: role.into(), parts, tool_calls: vec![] }
+        Self { role: role.into(), parts, tool_calls: vec![], reasoning: None }
     }
     pub fn text(role: &str, text: &str) -> Self {
         Self::new(role, vec![Part::Text(text.into())])
@@ -218,6 +221,8 @@ pub struct Request {
     /// A raw prompt, tokenized as it is without the chat template (OpenAI's `/v1/completions`);
     /// `messages` and `tools` must then be empty.
     pub prompt: Option<String>,
+    /// Extra variables for the chat template (`chat_template_kwargs`, e.g. `enable_thinking`).
+    pub template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -247,8 +252,12 @@ impl Finish {
 
 #[derive(Debug, Clone)]
 pub struct Completion {
-    /// The answer's text (with tool calls, the text before the first call).
+    /// The answer's text (with tool calls, the text before the first call; with a reasoning
+    /// block, the text after it).
     pub text: String,
+    /// The reasoning block's text (`<think>...</think>`, without the markers), when the answer
+    /// has one (a thinking checkpoint; `Family::reasoning`).
+    pub reasoning: Option<String>,
     /// Function calls the answer made (only when the request offered tools).
     pub tool_calls: Vec<ToolCall>,
     /// Generated ids (an eos id included when it ended the answer).
@@ -429,13 +438,21 @@ impl Engine {
     }
 
     /// `n` answers to `req` (1..=`MAX_CHOICES`) from one prefill: choice `i` samples with seed
-    /// `options.seed + i`. `on_text(choice, piece, logprobs)`; returning `false` cancels them all.
+    /// `options.seed + i`. `on_text(choice, piece, logprobs)` with the answers' text (a
+    /// reasoning block's text is not passed: it is in `Completion::reasoning`, and `stream`
+    /// passes it); returning `false` cancels them all.
     pub fn generate_n(
         &self,
         req: &Request,
         n: usize,
         on_text: &mut dyn FnMut(usize, &str, &[TokenLogprob]) -> bool,
     ) -> Result<Vec<Completion>> {
+        self.stream(req, n, &mut |d| d.reasoning || on_text(d.choice, d.text, d.logprobs))
+    }
+
+    /// `generate_n`, every piece of every answer passed as a `Delta` (reasoning included, marked
+    /// as such); returning `false` cancels them all.
+    pub fn stream(&self, req: &Request, n: usize, on: &mut dyn FnMut(&Delta<'_>) -> bool) -> Result<Vec<Completion>> {
         if n == 0 || n > MAX_CHOICES {
             return Err(Error::Input { what: "n".into(), message: format!("{n} is outside 1..={MAX_CHOICES}") });
         }
@@ -448,7 +465,7 @@ impl Engine {
         check_fits(&*self.shared.family, self.shared.opts.kv_cache_bytes, &prepared)?;
         let s = &self.shared;
         let encoded = encode(&*s.family, &prepared, &s.features, &s.vision)?;
-        self.run(prepared, encoded, guides, req, on_text, t0)
+        self.run(prepared, encoded, guides, req, on, t0)
     }
 
     fn guide(&self, req: &Request) -> Result<Option<Guide>> {
@@ -462,7 +479,7 @@ impl Engine {
         encoded: Encoded,
         guides: Vec<Option<Guide>>,
         req: &Request,
-        on_text: &mut dyn FnMut(usize, &str, &[TokenLogprob]) -> bool,
+        on: &mut dyn FnMut(&Delta<'_>) -> bool,
         t0: Instant,
     ) -> Result<Vec<Completion>> {
         let (events, rx) = mpsc::channel();
@@ -483,6 +500,8 @@ impl Engine {
             forks,
             stop: req.stop.clone(),
             tools: !req.tools.is_empty(),
+            // A raw prompt's answer is text as written.
+            reasoning: req.prompt.is_none(),
             events,
             cancel: cancel.clone(),
             t0,
@@ -492,8 +511,9 @@ impl Engine {
         let mut left = n;
         while left > 0 {
             match rx.recv() {
-                Ok(Event::Text(choice, piece, logprobs)) => {
-                    if !cancel.load(Ordering::Relaxed) && !on_text(choice, &piece, &logprobs) {
+                Ok(Event::Text { choice, text, reasoning, logprobs }) => {
+                    let d = Delta { choice, text: &text, reasoning, logprobs: &logprobs };
+                    if !cancel.load(Ordering::Relaxed) && !on(&d) {
                         cancel.store(true, Ordering::Relaxed);
                     }
                 }
@@ -518,7 +538,7 @@ impl Engine {
         id: &str,
         opts: EngineOptions,
         req: &Request,
-        on_text: &mut dyn FnMut(&str) -> bool,
+        on: &mut dyn FnMut(&Delta<'_>) -> bool,
     ) -> Result<OneShot> {
         check_text_fits(&*family, &std::sync::OnceLock::new(), req)?;
         // The constraint compiles first (a bad schema costs nothing else).
@@ -548,9 +568,7 @@ impl Engine {
         let opts = EngineOptions { prefix_cache: false, image_cache_bytes: 0, parallel: 1, ..opts };
         let engine = Self::from_family(family, id, opts)?;
         let generate_started = Instant::now();
-        let completion = engine
-            .run(prepared, encoded, vec![guide], req, &mut |_, piece, _| on_text(piece), generate_started)?
-            .remove(0);
+        let completion = engine.run(prepared, encoded, vec![guide], req, on, generate_started)?.remove(0);
         let checkpoint_videos = completion.videos.iter().map(|v| engine.family().checkpoint_video_sizing(v)).collect();
         Ok(OneShot { completion, load_time, media_time, vision_time, storage, generate_started, checkpoint_videos })
     }
@@ -694,6 +712,18 @@ pub(crate) struct Encoded {
     pub time: Duration,
     pub image_hits: usize,
     pub video_hits: usize,
+}
+
+/// A piece of a streamed answer.
+#[derive(Debug, Clone, Copy)]
+pub struct Delta<'a> {
+    /// Which answer of the request (`n`).
+    pub choice: usize,
+    pub text: &'a str,
+    /// A piece of the reasoning block (`Completion::reasoning`), not of the answer's text.
+    pub reasoning: bool,
+    /// The log-probabilities of the tokens picked since the last piece (when asked for).
+    pub logprobs: &'a [TokenLogprob],
 }
 
 /// What `Engine::answer_once` did, for reports.

@@ -23,6 +23,7 @@ use crate::constraint::Guide;
 use crate::error::Result;
 use crate::family::{Family, Identity, Prepared};
 use crate::kv::SeqCache;
+use crate::reasoning::Split;
 use crate::sampling::{TokenLogprob, TokenPicker};
 use crate::stream::StreamDecoder;
 use crate::tools::{split_tool_calls, CallHold};
@@ -34,9 +35,14 @@ pub(crate) enum Command {
 /// One `Done` per request, after its texts: its size is no concern.
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Event {
-    /// A piece of the answer, with the log-probabilities of the tokens picked since the last
-    /// piece (when asked for).
-    Text(usize, String, Vec<TokenLogprob>),
+    /// A piece of choice `choice`'s answer (of its reasoning block when `reasoning`), with the
+    /// log-probabilities of the tokens picked since the last piece (when asked for).
+    Text {
+        choice: usize,
+        text: String,
+        reasoning: bool,
+        logprobs: Vec<TokenLogprob>,
+    },
     Done(usize, Result<Completion>),
 }
 
@@ -60,6 +66,8 @@ pub(crate) struct Job {
     pub forks: Vec<Fork>,
     pub stop: Vec<String>,
     pub tools: bool,
+    /// The answer's reasoning block is split off (`Family::reasoning`).
+    pub reasoning: bool,
     pub events: mpsc::Sender<Event>,
     pub cancel: Arc<AtomicBool>,
     /// When the caller began (time to first token counts from here).
@@ -94,6 +102,11 @@ struct Seq<'f> {
     logprobs: Vec<TokenLogprob>,
     sent_logprobs: usize,
     hold: Option<CallHold>,
+    /// The reasoning block split from the answer's text, when the family has markers.
+    split: Option<Split>,
+    /// The closing marker's id while the answer is inside a reasoning block the prompt opened:
+    /// the request's constraint applies from the token after it.
+    thinking_until: Option<u32>,
     /// Tokens it may generate: max_new_tokens within the context.
     budget: usize,
     cached_tokens: usize,
@@ -112,6 +125,10 @@ impl<'f> Seq<'f> {
         let picker = TokenPicker::new(p.options.clone(), &p.ids);
         let hold = job.tools.then(CallHold::default);
         let out = StopFilter::new(job.stop.clone());
+        let markers = family.reasoning().filter(|_| job.reasoning);
+        let opened = markers.is_some_and(|m| m.opened_by(family.tokenizer(), &p.ids));
+        let split = markers.map(|m| Split::new(m, opened));
+        let thinking_until = markers.filter(|_| opened).map(|m| m.close_id);
         Self {
             ids: p.ids.clone(),
             ident: p.ident.clone(),
@@ -125,6 +142,8 @@ impl<'f> Seq<'f> {
             logprobs: Vec::new(),
             sent_logprobs: 0,
             hold,
+            split,
+            thinking_until,
             budget,
             cached_tokens: 0,
             prefill_time: Duration::ZERO,
@@ -144,7 +163,8 @@ impl<'f> Seq<'f> {
     /// finish when the answer ends here.
     fn accept(&mut self, logits: Vec<f32>) -> Result<Option<Finish>> {
         let step = self.picker.generated().len();
-        let next = match &mut self.job.guide {
+        let constrained = self.thinking_until.is_none();
+        let next = match self.job.guide.as_mut().filter(|_| constrained) {
             Some(g) => {
                 let mask = g.mask()?;
                 let next = self.picker.pick_among(logits, Some(mask.as_slice()))?;
@@ -153,6 +173,9 @@ impl<'f> Seq<'f> {
             }
             None => self.picker.pick(logits)?,
         };
+        if self.thinking_until == Some(next) {
+            self.thinking_until = None;
+        }
         self.ttft.get_or_insert_with(|| self.job.t0.elapsed());
         self.decode_started.get_or_insert_with(Instant::now);
         if self.picker.is_eos(next) {
@@ -162,22 +185,26 @@ impl<'f> Seq<'f> {
             self.logprobs.push(lp);
         }
         if let Some(piece) = self.stream.push(next)? {
-            let (mut emit, stopped) = self.out.push(&piece);
-            if let Some(h) = &mut self.hold {
-                emit = h.push(&emit);
-            }
-            if !emit.is_empty() {
-                let lp = self.unsent_logprobs();
-                if self.job.events.send(Event::Text(self.job.choice, emit, lp)).is_err() {
-                    return Ok(Some(Finish::Cancelled));
+            let (emit, stopped) = self.out.push(&piece);
+            let (reasoning, mut content) = match &mut self.split {
+                Some(s) => {
+                    let p = s.push(&emit);
+                    (p.reasoning, p.content)
                 }
+                None => (String::new(), emit),
+            };
+            if let Some(h) = &mut self.hold {
+                content = h.push(&content);
+            }
+            if !self.send(reasoning, true) || !self.send(content, false) {
+                return Ok(Some(Finish::Cancelled));
             }
             if stopped {
                 return Ok(Some(Finish::Stop));
             }
         }
         // The grammar can go no further: the answer is complete.
-        if self.job.guide.as_ref().is_some_and(Guide::is_done) {
+        if constrained && self.job.guide.as_ref().is_some_and(Guide::is_done) {
             return Ok(Some(Finish::Stop));
         }
         if step + 1 >= self.budget {
@@ -186,6 +213,15 @@ impl<'f> Seq<'f> {
         }
         self.pending = Some(next);
         Ok(None)
+    }
+
+    /// Sends a piece (nothing when empty); false when the caller has gone.
+    fn send(&mut self, text: String, reasoning: bool) -> bool {
+        if text.is_empty() {
+            return true;
+        }
+        let logprobs = self.unsent_logprobs();
+        self.job.events.send(Event::Text { choice: self.job.choice, text, reasoning, logprobs }).is_ok()
     }
 
     /// The log-probabilities picked since the last piece was sent.
@@ -204,7 +240,15 @@ impl<'f> Seq<'f> {
             }
             tail.push_str(&self.out.flush());
         }
-        let mut text = std::mem::take(&mut self.out.text);
+        let all = std::mem::take(&mut self.out.text);
+        let (reasoning_tail, mut tail, mut text, reasoning) = match &mut self.split {
+            Some(s) => {
+                let (p, f) = (s.push(&tail), s.finish());
+                let thought = s.thought.then(|| std::mem::take(&mut s.reasoning));
+                (p.reasoning + &f.reasoning, p.content + &f.content, std::mem::take(&mut s.content), thought)
+            }
+            None => (String::new(), tail, all, None),
+        };
         let mut tool_calls = vec![];
         if let Some(h) = &mut self.hold {
             tail = h.push(&tail);
@@ -218,14 +262,15 @@ impl<'f> Seq<'f> {
                 _ => tail.push_str(&h.take()),
             }
         }
-        if !tail.is_empty() && finish != Finish::Cancelled {
-            let lp = self.unsent_logprobs();
-            let _ = self.job.events.send(Event::Text(self.job.choice, tail, lp));
+        if finish != Finish::Cancelled {
+            self.send(reasoning_tail, true);
+            self.send(tail, false);
         }
         let p = &self.job.prepared;
         let e = &self.job.encoded;
         Ok(Completion {
             text,
+            reasoning,
             tool_calls,
             token_ids: self.picker.generated().to_vec(),
             prompt_tokens: self.prompt_len,
@@ -477,6 +522,7 @@ impl<'f> Scheduler<'f> {
                     forks: vec![],
                     stop: parent.job.stop.clone(),
                     tools: parent.job.tools,
+                    reasoning: parent.job.reasoning,
                     events: parent.job.events.clone(),
                     cancel: parent.job.cancel.clone(),
                     t0: parent.job.t0,

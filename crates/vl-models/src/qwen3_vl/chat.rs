@@ -78,7 +78,7 @@ impl Processor {
         tools: Option<&[serde_json::Value]>,
         image_tokens: &[usize],
     ) -> Result<usize> {
-        self.prompt_len_media(messages, tools, image_tokens, &[])
+        self.prompt_len_media(messages, tools, &serde_json::Map::new(), image_tokens, &[])
     }
 
     /// `prompt_len_with` for images and videos (their plans: timestamps and grids).
@@ -86,10 +86,11 @@ impl Processor {
         &self,
         messages: &[Message],
         tools: Option<&[serde_json::Value]>,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
         image_tokens: &[usize],
         videos: &[&VideoPlan],
     ) -> Result<usize> {
-        let text = self.template.render_with(messages, tools, true)?;
+        let text = self.template.render_kw(messages, tools, kwargs, true)?;
         // Each run of pads is one special token in `short`, expanded to its count after encoding.
         let (short, extra) = self.expand(&text, image_tokens, videos, false)?;
         Ok(self.encode(&short)?.len().saturating_add(extra))
@@ -122,7 +123,7 @@ impl Processor {
         videos: &[ProcessedVideo],
         device: &Device,
     ) -> Result<Prompt> {
-        let input_ids = self.prompt_ids(messages, tools, images, videos)?;
+        let input_ids = self.prompt_ids(messages, tools, &serde_json::Map::new(), images, videos)?;
         let images = (!images.is_empty()).then(|| self.images.batch(images, device)).transpose()?;
         let videos = (!videos.is_empty()).then(|| self.videos.batch(videos, device)).transpose()?;
         Ok(Prompt { input_ids, images, videos })
@@ -133,10 +134,11 @@ impl Processor {
         &self,
         messages: &[Message],
         tools: Option<&[serde_json::Value]>,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
         images: &[ProcessedImage],
         videos: &[ProcessedVideo],
     ) -> Result<Vec<u32>> {
-        let text = self.template.render_with(messages, tools, true)?;
+        let text = self.template.render_kw(messages, tools, kwargs, true)?;
         let merge = self.images.config.merge_size;
         let tokens: Vec<usize> = images.iter().map(|i| i.num_tokens(merge)).collect();
         let plans: Vec<&VideoPlan> = videos.iter().map(|v| &v.plan).collect();

@@ -117,6 +117,8 @@ struct CachedClip {
 
 /// A loaded Qwen3-VL model.
 pub struct Qwen3Vl {
+    /// The reasoning markers, when the tokenizer has them.
+    think: Option<crate::reasoning::Markers>,
     config: Qwen3VlConfig,
     processor: Processor,
     eos: Vec<u32>,
@@ -217,7 +219,9 @@ impl Qwen3Vl {
         staged: bool,
         checkpoint: Checkpoint,
     ) -> Result<Self> {
+        let think = crate::reasoning::Markers::from_tokenizer(&processor.tokenizer, "<think>", "</think>");
         let m = Self {
+            think,
             config,
             processor,
             eos,
@@ -393,6 +397,12 @@ impl Family for Qwen3Vl {
         let unit = c.factor() * c.factor();
         let min_pixels = (GROUNDING_MIN_TOKENS * unit).clamp(c.min_pixels, c.max_pixels);
         Some(crate::grounding::Grounding { coords: crate::grounding::Coords::Relative(1000.0), min_pixels })
+    }
+
+    /// `<think>` / `</think>`, single tokens of every Qwen3-VL tokenizer (the Thinking
+    /// checkpoints write them; their template opens the block in the generation prompt).
+    fn reasoning(&self) -> Option<&crate::reasoning::Markers> {
+        self.think.as_ref()
     }
 }
 
@@ -720,13 +730,14 @@ fn prepare(
             .iter()
             .map(|c| TemplateToolCall::function(&c.name, serde_json::Value::String(c.arguments.clone())))
             .collect();
+        msg.reasoning_content = m.reasoning.clone();
         messages.push(msg);
     }
     let tokens: Vec<usize> = files.iter().map(|(f, p, _)| p.tokens_for(f)).collect::<Result<_>>()?;
     let context = config.text.max_position_embeddings;
     let tools = (!req.tools.is_empty()).then_some(req.tools.as_slice());
     let plans: Vec<&VideoPlan> = clips.iter().map(Clip::plan).collect();
-    let prompt_len = processor.prompt_len_media(&messages, tools, &tokens, &plans)?;
+    let prompt_len = processor.prompt_len_media(&messages, tools, &req.template_kwargs, &tokens, &plans)?;
     if prompt_len >= context {
         let merge = processor.videos.config.base.merge_size;
         let video_tokens: usize = plans.iter().map(|p| p.num_tokens(merge)).sum();
@@ -760,7 +771,7 @@ fn prepare(
         });
     }
     let video_keys: Vec<u64> = videos.iter().map(video_key).collect();
-    let ids = processor.prompt_ids(&messages, tools, &processed, &videos)?;
+    let ids = processor.prompt_ids(&messages, tools, &req.template_kwargs, &processed, &videos)?;
     let count = |id: u32| ids.iter().filter(|&&t| t == id).count();
     let (image_tokens, video_tokens) = (count(config.image_token_id), count(config.video_token_id));
     // Identities: which image or video each placeholder belongs to, in prompt order (a video's
