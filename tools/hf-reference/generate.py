@@ -877,6 +877,10 @@ def thinking_goldens(out):
              "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
             {"role": "tool", "content": [{"type": "text", "text": "sunny"}]},
         ], {}),
+        # `add_vision_id` from the request's template arguments.
+        ("vision_id", template, [{"role": "user", "content": [
+            {"type": "image", "image": "square.png"}, {"type": "text", "text": "What is this?"}]}],
+         {"add_vision_id": True}),
         # A template that reads `enable_thinking` (Qwen3's, as goldens/tokenizer ships it).
         ("qwen3_no_thinking", qwen3_text, [{"role": "user", "content": "Hi."}], {"enable_thinking": False}),
         ("qwen3_thinking", qwen3_text, [{"role": "user", "content": "Hi."}], {"enable_thinking": True}),
@@ -886,8 +890,13 @@ def thinking_goldens(out):
         text = proc.apply_chat_template(messages, chat_template=tmpl, tokenize=False, add_generation_prompt=True,
                                         **kwargs)
         ids = tok(text)["input_ids"]
-        renders.append({"case": name, "template": "thinking" if tmpl is template else "qwen3_text",
-                        "messages": messages, "kwargs": kwargs, "text": text, "ids": ids})
+        r = {"case": name, "template": "thinking" if tmpl is template else "qwen3_text",
+             "messages": messages, "kwargs": kwargs, "text": text, "ids": ids}
+        names = image_names(messages)
+        if names:
+            imgs = [Image.open(out / "images" / n).convert("RGB") for n in names]
+            r["prompt_tokens"] = proc(text=[text], images=imgs, return_tensors="pt")["input_ids"].shape[1]
+        renders.append(r)
     model = Qwen3VLForConditionalGeneration.from_pretrained(ck, torch_dtype=torch.float32).eval()
     greedy = None
     for question in ["Describe the weather.", "What is in the picture?", "Count to three.", "Say hello."]:

@@ -545,3 +545,52 @@ fn videos_past_the_context_are_refused_before_the_rest_are_probed() {
     assert!((2..30).contains(&probed), "{err}");
     assert!(t.elapsed() < std::time::Duration::from_secs(30), "{:?}", t.elapsed());
 }
+
+/// A Thinking checkpoint (tiny-a with the Qwen3-VL Thinking template, goldens/thinking): the
+/// reasoning is printed apart from the answer (stderr when stdout is not a terminal), hidden with
+/// `--hide-reasoning`, and in `--json` as `reasoning`; `--chat-template-kwargs` reach the
+/// template and bad ones are one clear line.
+#[test]
+fn thinking_reasoning_is_printed_apart_or_hidden() {
+    let tmp = scratch();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/hf-reference/templates");
+    std::fs::copy(root.join("Qwen3-VL-Thinking.jinja"), tmp.path().join("chat_template.jinja")).unwrap();
+    let g = read_json(&goldens().join("thinking/thinking.json"))["greedy"].clone();
+    let ck = tmp.path().display().to_string();
+    let n = g["ids"].as_array().unwrap().len().to_string();
+    let q = g["question"].as_str().unwrap();
+    let reasoning = g["reasoning"].as_str().unwrap();
+    let base = ["run", "--model", &ck, "--prompt", q, "--max-new-tokens", &n];
+    let (code, out, err) = vl(&base);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, format!("{}\n", g["content"].as_str().unwrap()), "stdout is the answer alone");
+    assert!(err.contains(reasoning), "the reasoning on stderr: {err}");
+    let (code, out, err) = vl(&[&base[..], &["--hide-reasoning"]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, format!("{}\n", g["content"].as_str().unwrap()));
+    assert!(!err.contains(reasoning), "{err}");
+    let (code, out, err) = vl(&[&base[..], &["--json"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["reasoning"], g["reasoning"]);
+    assert_eq!(v["text"], g["content"]);
+    // Template arguments: add_vision_id numbers the picture (the reference's prompt length).
+    let r = read_json(&goldens().join("thinking/thinking.json"))["renders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["case"] == "vision_id")
+        .unwrap()
+        .clone();
+    let img = image("square.png");
+    let args = ["run", "--model", &ck, "--image", &img, "--prompt", "What is this?", "--max-new-tokens", "1", "--json"];
+    let (code, out, err) = vl(&[&args[..], &["--chat-template-kwargs", r#"{"add_vision_id": true}"#]].concat());
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["prompt_tokens"], r["prompt_tokens"]);
+    assert_error(&[&args[..], &["--chat-template-kwargs", "[1]"]].concat(), &["--chat-template-kwargs", "JSON object"]);
+    assert_error(
+        &[&args[..], &["--chat-template-kwargs", r#"{"messages": 1}"#]].concat(),
+        &["--chat-template-kwargs", "messages"],
+    );
+}

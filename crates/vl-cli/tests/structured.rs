@@ -487,3 +487,130 @@ fn completions_take_a_raw_prompt() {
     let (st, t) = post(json!({"model": g}));
     assert!(st == 400 && t.contains("prompt"), "{t}");
 }
+
+/// tiny-a with `template` as its own chat template (the other files linked).
+fn with_template(template: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(goldens().join("tiny-a/checkpoint")).unwrap() {
+        let p = entry.unwrap().path();
+        if p.file_name().unwrap() != "chat_template.jinja" {
+            std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), dir.path().join(p.file_name().unwrap()))
+                .unwrap();
+        }
+    }
+    std::fs::write(dir.path().join("chat_template.jinja"), template).unwrap();
+    dir
+}
+
+fn post_json(base: &str, path: &str, body: &Value) -> (u16, String) {
+    let agent = ureq::AgentBuilder::new().timeout(std::time::Duration::from_secs(120)).build();
+    match agent.post(&format!("{base}{path}")).send_string(&body.to_string()) {
+        Ok(r) => (r.status(), r.into_string().unwrap()),
+        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap()),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// The data lines of an SSE answer, parsed.
+fn sse_events(sse: &str) -> Vec<Value> {
+    sse.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+/// A Thinking checkpoint's template opens `<think>` in the generation prompt: the answer's
+/// reasoning comes as `reasoning_content` (message and deltas), apart from `content`, equal to the
+/// reference's greedy answer read as the template reads it; an assistant turn's
+/// `reasoning_content` goes back to the template, and `chat_template_kwargs` reach it (prompt
+/// lengths equal the reference's renders, goldens/thinking).
+#[test]
+fn thinking_answers_split_reasoning_and_template_kwargs_reach_the_template() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/hf-reference/templates");
+    let thinking = std::fs::read_to_string(root.join("Qwen3-VL-Thinking.jinja")).unwrap();
+    let g: Value =
+        serde_json::from_str(&std::fs::read_to_string(goldens().join("thinking/thinking.json")).unwrap()).unwrap();
+    let greedy = &g["greedy"];
+    let render = |case: &str| g["renders"].as_array().unwrap().iter().find(|r| r["case"] == case).unwrap().clone();
+    let dir = with_template(&thinking);
+    let server = common::start_dir(dir.path(), &[]);
+    let n = greedy["ids"].as_array().unwrap().len();
+    let body = json!({"messages": [{"role": "user", "content": greedy["question"]}], "max_tokens": n});
+    let (st, text) = post_json(&server.base, "/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let m = &v["choices"][0]["message"];
+    assert_eq!(m["reasoning_content"], greedy["reasoning"], "{v}");
+    assert_eq!(m["content"], greedy["content"], "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"].as_u64().unwrap() as usize, greedy["prompt_ids"].as_array().unwrap().len());
+    assert_eq!(v["usage"]["completion_tokens"].as_u64().unwrap() as usize, n);
+    // Streamed: reasoning deltas, then content deltas, add up to the same.
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let (st, sse) = post_json(&server.base, "/v1/chat/completions", &sb);
+    assert_eq!(st, 200, "{sse}");
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for e in sse_events(&sse) {
+        let d = &e["choices"][0]["delta"];
+        reasoning.push_str(d["reasoning_content"].as_str().unwrap_or(""));
+        content.push_str(d["content"].as_str().unwrap_or(""));
+    }
+    assert_eq!(reasoning, greedy["reasoning"].as_str().unwrap());
+    assert_eq!(content, greedy["content"].as_str().unwrap());
+    // History: reasoning in an answer's content and in `reasoning_content`, as a client sends it
+    // back; the prompt is the reference's render of it.
+    for case in ["history", "tool_round"] {
+        let r = render(case);
+        let mut messages = r["messages"].clone();
+        for m in messages.as_array_mut().unwrap() {
+            for call in m["tool_calls"].as_array_mut().into_iter().flatten() {
+                // The OpenAI shape: arguments as JSON text, as this server writes it (Python's
+                // separators, as the template's `tojson` prints the reference's object).
+                assert_eq!(call["function"]["arguments"], json!({"city": "Paris"}));
+                call["function"]["arguments"] = json!(r#"{"city": "Paris"}"#);
+            }
+        }
+        let body = json!({"messages": messages, "max_tokens": 1});
+        let (st, text) = post_json(&server.base, "/v1/chat/completions", &body);
+        assert_eq!(st, 200, "{case}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            v["usage"]["prompt_tokens"].as_u64().unwrap() as usize,
+            r["ids"].as_array().unwrap().len(),
+            "{case}"
+        );
+    }
+    // Template arguments: `add_vision_id` numbers the pictures, as the reference rendered it.
+    let r = render("vision_id");
+    let png = std::fs::read(goldens().join("images/square.png")).unwrap();
+    let url =
+        format!("data:image/png;base64,{}", base64::Engine::encode(&base64::engine::general_purpose::STANDARD, png));
+    let messages = json!([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]}]);
+    let mut tokens = vec![];
+    for kwargs in [r["kwargs"].clone(), json!({})] {
+        let body = json!({"messages": messages, "max_tokens": 1, "chat_template_kwargs": kwargs});
+        let (st, text) = post_json(&server.base, "/v1/chat/completions", &body);
+        assert_eq!(st, 200, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        tokens.push(v["usage"]["prompt_tokens"].as_u64().unwrap());
+    }
+    assert_eq!(tokens[0], r["prompt_tokens"].as_u64().unwrap());
+    assert!(tokens[1] < tokens[0], "{tokens:?}: without add_vision_id the prompt has no `Picture 1: `");
+    // Refused by name: template arguments that are not an object or set what the request sets,
+    // and reasoning on a message that is not the assistant's.
+    for (bad, needle) in [
+        (json!({"chat_template_kwargs": ["x"]}), "chat_template_kwargs"),
+        (json!({"chat_template_kwargs": {"messages": []}}), "chat_template_kwargs.messages"),
+        (json!({"messages": [{"role": "user", "content": "hi", "reasoning_content": "x"}]}), "reasoning_content"),
+    ] {
+        let mut b = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+        for (k, x) in bad.as_object().unwrap() {
+            b[k] = x.clone();
+        }
+        let (st, t) = post_json(&server.base, "/v1/chat/completions", &b);
+        assert_eq!(st, 400, "{bad}: {t}");
+        assert!(t.contains(needle), "{t}");
+    }
+}

@@ -29,9 +29,13 @@ fn messages(v: &Value) -> Vec<Message> {
         .map(|m| {
             let content = match &m["content"] {
                 Value::String(s) => vec![Content::Text { text: s.clone() }],
-                Value::Array(parts) => {
-                    parts.iter().map(|p| Content::Text { text: p["text"].as_str().unwrap().into() }).collect()
-                }
+                Value::Array(parts) => parts
+                    .iter()
+                    .map(|p| match p["type"].as_str().unwrap() {
+                        "image" => Content::Image { image: p["image"].as_str().unwrap().into() },
+                        _ => Content::Text { text: p["text"].as_str().unwrap().into() },
+                    })
+                    .collect(),
                 other => panic!("content {other}"),
             };
             let mut msg = Message::new(m["role"].as_str().unwrap(), content);
@@ -59,7 +63,7 @@ fn thinking_and_kwarg_templates_render_as_transformers_does() {
     let qwen3_text = tokenizer_config["chat_template"].as_str().unwrap().to_string();
     let tok = tokenizers::Tokenizer::from_file(goldens().join("tokenizer/tokenizer.json")).unwrap();
     let renders = g["renders"].as_array().unwrap();
-    assert_eq!(renders.len(), 5);
+    assert_eq!(renders.len(), 6);
     for r in renders {
         let case = r["case"].as_str().unwrap();
         let src = if r["template"] == "thinking" { thinking_template() } else { qwen3_text.clone() };
