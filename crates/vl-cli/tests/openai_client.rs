@@ -90,3 +90,138 @@ fn the_openai_client_gets_the_reference_answer() {
         }
     });
 }
+
+/// `/v1/responses` through the client's Responses API: the reference's greedy answer as an
+/// `output_text`, streamed as typed events in order, a required function call and a JSON-schema
+/// answer that validate, and what needs stored state refused by name.
+#[test]
+fn the_responses_api_answers_stateless_requests() {
+    use async_openai::types::responses::CreateResponse;
+    let g = "tiny-a";
+    let meta: Value =
+        serde_json::from_str(&std::fs::read_to_string(goldens().join(g).join("cases/one_image.json")).unwrap())
+            .unwrap();
+    let want = meta["greedy"]["text"].as_str().unwrap().to_string();
+    let n = meta["greedy"]["ids"].as_array().unwrap().len();
+    let prompt = meta["num_tokens"].as_u64().unwrap();
+    let png = std::fs::read(goldens().join("images/square.png")).unwrap();
+    let url = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(png));
+    let body = json!({
+        "model": g,
+        "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": url},
+            {"type": "input_text", "text": "Describe this image."},
+        ]}],
+        "max_output_tokens": n,
+        "temperature": 0.0,
+        "store": false,
+    });
+    let req = |v: &Value| -> CreateResponse { serde_json::from_value(v.clone()).expect("the client's request type") };
+    let server = start(g, &[]);
+    let base = server.base.clone();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let client =
+            Client::with_config(OpenAIConfig::new().with_api_base(format!("{base}/v1")).with_api_key("unused"));
+        let r = client.responses().create(req(&body)).await.expect("a response");
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["object"], "response");
+        // The answer ran to max_output_tokens.
+        assert_eq!(v["status"], "incomplete", "{v}");
+        assert_eq!(v["incomplete_details"]["reason"], "max_output_tokens");
+        assert_eq!(v["output"].as_array().unwrap().len(), 1, "{v}");
+        assert_eq!(v["output"][0]["type"], "message");
+        assert_eq!(v["output"][0]["content"][0]["text"], want.as_str());
+        assert_eq!(v["usage"]["input_tokens"], prompt);
+        assert_eq!(v["usage"]["output_tokens"].as_u64().unwrap() as usize, n);
+
+        // Streamed: typed events, numbered in order; the deltas add up to the answer and the
+        // last event carries the whole response.
+        let mut sb = body.clone();
+        sb["stream"] = json!(true);
+        let mut s = client.responses().create_stream(req(&sb)).await.expect("a stream");
+        let (mut kinds, mut text, mut last) = (vec![], String::new(), Value::Null);
+        while let Some(e) = s.next().await {
+            let e = serde_json::to_value(e.expect("an event")).unwrap();
+            assert_eq!(e["sequence_number"].as_u64().unwrap() as usize, kinds.len(), "{e}");
+            let kind = e["type"].as_str().unwrap().to_string();
+            if kind == "response.output_text.delta" {
+                text.push_str(e["delta"].as_str().unwrap());
+            }
+            kinds.push(kind);
+            last = e;
+        }
+        assert_eq!(text, want);
+        assert_eq!(
+            kinds.iter().filter(|k| !k.ends_with(".delta")).map(String::as_str).collect::<Vec<_>>(),
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.incomplete",
+            ]
+        );
+        assert_eq!(last["response"]["output"][0]["content"][0]["text"], want.as_str());
+        assert_eq!(last["response"]["usage"]["output_tokens"].as_u64().unwrap() as usize, n);
+
+        // A required function call, its arguments valid against the function's parameters (on
+        // tiny-b, whose template is the official one, with tools).
+        let tools_server = start("tiny-b", &[]);
+        let client = Client::with_config(
+            OpenAIConfig::new().with_api_base(format!("{}/v1", tools_server.base)).with_api_key("unused"),
+        );
+        let g = "tiny-b";
+        let params = json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                            "required": ["city"], "additionalProperties": false});
+        let call = json!({"model": g, "input": "Weather?", "max_output_tokens": 64, "temperature": 1.0, "seed": 3,
+                          "tools": [{"type": "function", "name": "weather", "parameters": params, "strict": true}],
+                          "tool_choice": "required"});
+        let v = serde_json::to_value(client.responses().create(req(&call)).await.expect("a call")).unwrap();
+        let item = v["output"].as_array().unwrap().iter().find(|i| i["type"] == "function_call").expect("a call");
+        assert_eq!(item["name"], "weather");
+        let args: Value = serde_json::from_str(item["arguments"].as_str().unwrap()).unwrap();
+        assert!(jsonschema::is_valid(&params, &args), "{args}");
+        assert!(item["call_id"].as_str().unwrap().starts_with("call_"));
+        assert_eq!(v["tools"][0]["name"], "weather");
+        // The call and its output sent back: the next turn's prompt has them.
+        let follow = json!({"model": g, "max_output_tokens": 2, "input": [
+            {"role": "user", "content": "Weather?"},
+            {"type": "function_call", "call_id": item["call_id"], "name": "weather", "arguments": item["arguments"]},
+            {"type": "function_call_output", "call_id": item["call_id"], "output": "sunny"},
+        ]});
+        let v = serde_json::to_value(client.responses().create(req(&follow)).await.expect("a follow-up")).unwrap();
+        assert_eq!(v["usage"]["output_tokens"], 2);
+
+        // A JSON-schema answer through `text.format`.
+        let schema = json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                            "required": ["n"], "additionalProperties": false});
+        let j = json!({"model": g, "input": "A number?", "max_output_tokens": 64, "temperature": 1.0, "seed": 5,
+                       "text": {"format": {"type": "json_schema", "name": "n", "schema": schema, "strict": true}}});
+        let v = serde_json::to_value(client.responses().create(req(&j)).await.expect("a JSON answer")).unwrap();
+        assert_eq!(v["status"], "completed", "{v}");
+        let answer: Value = serde_json::from_str(v["output"][0]["content"][0]["text"].as_str().unwrap()).unwrap();
+        assert!(jsonschema::is_valid(&schema, &answer), "{answer}");
+
+        // What needs stored state, or tools this server does not have: refused by name.
+        for (field, x) in [
+            ("previous_response_id", json!("resp_1")),
+            ("store", json!(true)),
+            ("tools", json!([{"type": "web_search"}])),
+            ("background", json!(true)),
+        ] {
+            let mut b = json!({"model": g, "input": "hi", "max_output_tokens": 1});
+            b[field] = x;
+            match client.responses().create(req(&b)).await.unwrap_err() {
+                OpenAIError::ApiError(e) => {
+                    assert_eq!(e.status_code.as_u16(), 400, "{field}");
+                    assert!(e.api_error.message.contains(field), "{field}: {}", e.api_error.message);
+                }
+                other => panic!("{field}: expected an API error, got {other}"),
+            }
+        }
+    });
+}

@@ -474,8 +474,57 @@ fn completions_take_a_raw_prompt() {
         })
         .collect();
     assert_eq!(pieces, want);
+    // The legacy `logprobs`: the chosen tokens spell the answer, each with its log-probability
+    // (the top one at greedy), `logprobs` alternatives and its character offset; streamed, the
+    // offsets run on across chunks.
+    let mut lb = body.clone();
+    lb["logprobs"] = json!(3);
+    let (st, text) = post(lb.clone());
+    assert_eq!(st, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let lp = &v["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(tokens.len(), n);
+    assert_eq!(tokens.concat(), want);
+    let mut at = 0;
+    for (i, t) in tokens.iter().enumerate() {
+        assert_eq!(lp["text_offset"][i].as_u64().unwrap() as usize, at, "{lp}");
+        at += t.chars().count();
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        assert!(!top.is_empty() && top.len() <= 3, "{top:?}");
+        let best = top.values().map(|x| x.as_f64().unwrap()).fold(f64::MIN, f64::max);
+        assert!((lp["token_logprobs"][i].as_f64().unwrap() - best).abs() < 1e-6, "{lp}");
+    }
+    lb["stream"] = json!(true);
+    let (st, sse) = post(lb);
+    assert_eq!(st, 200);
+    let (mut streamed, mut offsets) = (String::new(), vec![]);
+    for c in sse.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| *d != "[DONE]") {
+        let c: Value = serde_json::from_str(c).unwrap();
+        let lp = &c["choices"][0]["logprobs"];
+        for (t, o) in
+            lp["tokens"].as_array().into_iter().flatten().zip(lp["text_offset"].as_array().into_iter().flatten())
+        {
+            offsets.push(o.as_u64().unwrap() as usize);
+            streamed.push_str(t.as_str().unwrap());
+        }
+    }
+    assert_eq!(streamed, want);
+    assert_eq!(
+        offsets,
+        v["choices"][0]["logprobs"]["text_offset"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| o.as_u64().unwrap() as usize)
+            .collect::<Vec<_>>()
+    );
+    let mut bad = body.clone();
+    bad["logprobs"] = json!(21);
+    let (st, t) = post(bad);
+    assert!(st == 400 && t.contains("logprobs"), "{t}");
     // What the legacy endpoint has and we do not: refused by name.
-    for (k, x) in [("echo", json!(true)), ("suffix", json!("x")), ("best_of", json!(2)), ("logprobs", json!(2))] {
+    for (k, x) in [("echo", json!(true)), ("suffix", json!("x")), ("best_of", json!(2))] {
         let mut b = body.clone();
         b[k] = x;
         let (st, t) = post(b);
@@ -558,6 +607,24 @@ fn thinking_answers_split_reasoning_and_template_kwargs_reach_the_template() {
     }
     assert_eq!(reasoning, greedy["reasoning"].as_str().unwrap());
     assert_eq!(content, greedy["content"].as_str().unwrap());
+    // /v1/responses: the reasoning is an output item of its own, and its tokens are counted.
+    let rb = json!({"input": greedy["question"], "max_output_tokens": n});
+    let (st, text) = post_json(&server.base, "/v1/responses", &rb);
+    assert_eq!(st, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["output"][0]["type"], "reasoning", "{v}");
+    assert_eq!(v["output"][0]["content"][0]["text"], greedy["reasoning"]);
+    assert_eq!(v["usage"]["output_tokens_details"]["reasoning_tokens"].as_u64().unwrap() as usize, n);
+    let mut rb = rb.clone();
+    rb["stream"] = json!(true);
+    let (st, sse) = post_json(&server.base, "/v1/responses", &rb);
+    assert_eq!(st, 200, "{sse}");
+    let streamed: String = sse_events(&sse)
+        .iter()
+        .filter(|e| e["type"] == "response.reasoning_text.delta")
+        .map(|e| e["delta"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(streamed, greedy["reasoning"].as_str().unwrap());
     // History: reasoning in an answer's content and in `reasoning_content`, as a client sends it
     // back; the prompt is the reference's render of it.
     for case in ["history", "tool_round"] {

@@ -102,7 +102,7 @@ fn video_processing_matches_the_reference() {
         )];
         let prompt = proc.prepare_media(&messages, None, &[], std::slice::from_ref(&got), &device()).unwrap();
         assert_eq!(prompt.input_ids, ids_of(&want["input_ids"]), "{case}: prompt ids");
-        let n = proc.prompt_len_media(&messages, None, &[], &[&got.plan]).unwrap();
+        let n = proc.prompt_len_media(&messages, None, &Default::default(), &[], &[&got.plan]).unwrap();
         assert_eq!(n, prompt.input_ids.len(), "{case}: counted prompt length");
         println!(
             "{case}: {} of {} frames {:?}, grid {:?}, {} tokens, pixels max|diff| {d:.2e}",

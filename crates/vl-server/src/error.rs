@@ -21,6 +21,11 @@ impl ApiError {
     pub(crate) fn with(status: StatusCode, kind: &'static str, code: &'static str, message: impl Into<String>) -> Self {
         Self { status, kind, code: Some(code), message: message.into() }
     }
+    /// The same error with its message rewritten.
+    pub(crate) fn map_message(mut self, f: impl FnOnce(&str) -> String) -> Self {
+        self.message = f(&self.message);
+        self
+    }
     pub(crate) fn body(&self) -> Value {
         json!({"error": {"message": self.message, "type": self.kind, "code": self.code, "param": Value::Null}})
     }

@@ -3,6 +3,7 @@
 //!
 //! - `openai`: the request, typed; unknown fields refused with their name.
 //! - `request`: a typed request checked and made into an engine request.
+//! - `responses`: OpenAI's Responses API over the chat request it stands for.
 //! - `media`: images and videos from data URLs, http(s) URLs and allowed local paths.
 //! - `router`: the routes, the guard (CORS, API key, one log line per request) and the workers
 //!   that hand requests to the engine, whose scheduler decodes them together.
@@ -23,6 +24,7 @@ mod media;
 mod metrics;
 pub mod openai;
 mod request;
+mod responses;
 mod router;
 
 use std::path::PathBuf;

@@ -430,8 +430,9 @@ fn tool_call(c: &ToolCallIn, at: &str) -> Result<ToolCall, ApiError> {
 }
 
 /// A `/v1/completions` body: `prompt` (a string, or a list of one) answered without the chat
-/// template, with the chat endpoint's sampling fields and checks. `echo`, `suffix`, `best_of` > 1
-/// and the legacy integer `logprobs` are refused by name; a request with `messages` is refused.
+/// template, with the chat endpoint's sampling fields and checks, and the legacy integer
+/// `logprobs` (alternatives per token). `echo`, `suffix` and `best_of` > 1 are refused by name; a
+/// request with `messages` is refused.
 pub(crate) fn parse_completion(app: &App, body: &[u8]) -> Result<Parsed, ApiError> {
     let mut v: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad(format!("malformed JSON body: {e}")))?;
     let Some(o) = v.as_object_mut() else { return Err(ApiError::bad("the body must be a JSON object")) };
@@ -451,7 +452,6 @@ pub(crate) fn parse_completion(app: &App, body: &[u8]) -> Result<Parsed, ApiErro
         ("echo", o.get("echo").is_some_and(|e| e.as_bool() == Some(true))),
         ("suffix", o.get("suffix").is_some_and(|s| !s.is_null())),
         ("best_of", o.get("best_of").is_some_and(|b| b.as_u64() != Some(1) && !b.is_null())),
-        ("logprobs", o.get("logprobs").is_some_and(|l| !l.is_null())),
         ("messages", o.contains_key("messages")),
         ("tools", o.contains_key("tools")),
         ("tool_choice", o.contains_key("tool_choice")),
@@ -461,8 +461,23 @@ pub(crate) fn parse_completion(app: &App, body: &[u8]) -> Result<Parsed, ApiErro
             return Err(ApiError::bad(format!("`{name}` is not supported on /v1/completions")));
         }
     }
-    for k in ["echo", "suffix", "best_of", "logprobs"] {
+    for k in ["echo", "suffix", "best_of"] {
         o.remove(k);
+    }
+    // The legacy `logprobs`: how many alternatives per token (0 = only the chosen one's).
+    match o.remove("logprobs") {
+        None | Some(Value::Null) => {}
+        Some(l) => {
+            let most = vl_models::sampling::MAX_TOP_LOGPROBS as u64;
+            let n = l.as_u64().filter(|&n| n <= most).ok_or_else(|| {
+                ApiError::bad(format!("`logprobs` = {l} must be an integer in 0..={most} on /v1/completions"))
+            })?;
+            if o.contains_key("top_logprobs") {
+                return Err(ApiError::bad("`top_logprobs` is not a /v1/completions field: `logprobs` takes the count"));
+            }
+            o.insert("logprobs".into(), Value::Bool(true));
+            o.insert("top_logprobs".into(), n.into());
+        }
     }
     // The chat endpoint's checks, on a placeholder message.
     o.insert("messages".into(), serde_json::json!([{"role": "user", "content": ""}]));

@@ -33,7 +33,7 @@ struct Job {
 
 /// One `Done` per request, after its texts: its size is no concern.
 #[allow(clippy::large_enum_variant)]
-enum Msg {
+pub(crate) enum Msg {
     /// A piece of choice `.0`'s answer (of its reasoning when `.2`) and its tokens'
     /// log-probabilities (JSON, null when not asked).
     Text(usize, String, bool, Value),
@@ -100,6 +100,7 @@ pub fn serve(engine: Arc<Engine>, listener: std::net::TcpListener, config: Serve
     let router = router
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { axum::Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics))
@@ -300,7 +301,9 @@ async fn guard(State(app): State<Arc<App>>, req: axum::extract::Request, next: a
         resp.headers_mut().insert(header::VARY, header::HeaderValue::from_static("origin"));
     }
     let status = resp.status();
-    if !(path == "/v1/chat/completions" && status == StatusCode::OK) {
+    // An answered completion logs its own line, with its token counts, when its answer ends.
+    let answers = ["/v1/chat/completions", "/v1/completions", "/v1/responses"];
+    if !(answers.contains(&path.as_str()) && status == StatusCode::OK) {
         note!("{method} {path} {} total={:.3}s", status.as_u16(), t.elapsed().as_secs_f64());
     }
     resp
@@ -314,11 +317,11 @@ fn authorized(app: &App, headers: &axum::http::HeaderMap) -> bool {
     sent.is_some_and(|s| s.len() == key.len() && s.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0)
 }
 
-/// The log line of an answered chat completion.
-fn log_answer(all: &[Completion], started: Instant) {
+/// The log line of an answered request to `path`.
+pub(crate) fn log_answer(path: &str, all: &[Completion], started: Instant) {
     let c = &all[0];
     note!(
-        "POST /v1/chat/completions 200 prompt={} cached={} completion={} ttft={:.3}s total={:.3}s",
+        "POST {path} 200 prompt={} cached={} completion={} ttft={:.3}s total={:.3}s",
         c.prompt_tokens,
         c.cached_tokens,
         all.iter().map(|c| c.token_ids.len()).sum::<usize>(),
@@ -345,11 +348,17 @@ async fn completions(State(app): State<Arc<App>>, req: axum::extract::Request) -
     endpoint(app, req, Kind::Text).await
 }
 
+/// `POST /v1/responses`: OpenAI's Responses API, stateless (`crate::responses`).
+async fn responses(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
+    endpoint(app, req, Kind::Responses).await
+}
+
 /// Which OpenAI endpoint a request came to: the answers' shape follows it.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Chat,
     Text,
+    Responses,
 }
 
 async fn endpoint(app: Arc<App>, req: axum::extract::Request, kind: Kind) -> Response {
@@ -419,10 +428,12 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
     let started = Instant::now();
     // Parsing reads local media files and fetches remote ones: off the runtime's threads (the
     // runtime moves its other tasks to a fresh thread meanwhile).
-    let parsed = tokio::task::block_in_place(|| match kind {
-        Kind::Chat => parse(app, typed(&body)?),
-        Kind::Text => crate::request::parse_completion(app, &body),
+    let (parsed, echo) = tokio::task::block_in_place(|| match kind {
+        Kind::Chat => Ok((parse(app, typed(&body)?)?, None)),
+        Kind::Text => Ok((crate::request::parse_completion(app, &body)?, None)),
+        Kind::Responses => crate::responses::parse_responses(app, &body).map(|(p, e)| (p, Some(e))),
     })?;
+    let stream = parsed.stream;
     let want_logprobs = parsed.req.options.logprobs.is_some();
     let (tx, mut rx) = mpsc::unbounded_channel::<Msg>();
     let job = Job { req: parsed.req, n: parsed.n, tx, queued: Instant::now() };
@@ -456,7 +467,9 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
         });
     }
     let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
-    let id = format!("{prefix}-{}", app.next_id.fetch_add(1, Ordering::Relaxed));
+    let path = if kind == Kind::Chat { "/v1/chat/completions" } else { "/v1/completions" };
+    let number = app.next_id.fetch_add(1, Ordering::Relaxed);
+    let id = format!("{prefix}-{number}");
     let (object, chunk_object) = if kind == Kind::Chat {
         ("chat.completion", "chat.completion.chunk")
     } else {
@@ -468,14 +481,17 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
     let first = rx.recv().await.ok_or_else(|| {
         ApiError::with(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error", "the engine stopped")
     })?;
-    if !parsed.stream {
+    if let Some(echo) = echo {
+        return crate::responses::answer(app.clone(), echo, stream, first, rx, started, number).await;
+    }
+    if !stream {
         let mut msg = first;
         loop {
             match msg {
                 Msg::Text(..) => {}
                 Msg::Done(done) => {
                     let all = done?;
-                    log_answer(&all, started);
+                    log_answer(path, &all, started);
                     let choices: Vec<Value> = all
                         .iter()
                         .enumerate()
@@ -487,7 +503,12 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
                             });
                             match kind {
                                 Kind::Chat => v["message"] = message(&id, c),
-                                Kind::Text => v["text"] = json!(c.text),
+                                _ => {
+                                    v["text"] = json!(c.text);
+                                    if want_logprobs {
+                                        v["logprobs"] = legacy_logprobs(&v["logprobs"], &mut 0);
+                                    }
+                                }
                             }
                             if let Some(g) = grounding_json(app, c) {
                                 v["grounding"] = g;
@@ -524,12 +545,20 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
     let app2 = app.clone();
     let include_usage = parsed.include_usage;
     let n = parsed.n;
-    let chunk = move |index: usize, delta: Value, finish: Value, logprobs: Value| {
+    // Each text completion choice's characters so far (the legacy logprobs' `text_offset`).
+    let mut offsets = vec![0usize; n];
+    let mut chunk = move |index: usize, delta: Value, finish: Value, logprobs: Value| {
         let mut choice = json!({"index": index, "finish_reason": finish, "logprobs": logprobs});
         match kind {
             Kind::Chat => choice["delta"] = delta,
-            // A text completion's chunk carries the piece as `text`.
-            Kind::Text => choice["text"] = delta.get("content").cloned().unwrap_or(json!("")),
+            // A text completion's chunk carries the piece as `text`, its logprobs in the legacy
+            // shape.
+            _ => {
+                choice["text"] = delta.get("content").cloned().unwrap_or(json!(""));
+                if !choice["logprobs"].is_null() {
+                    choice["logprobs"] = legacy_logprobs(&choice["logprobs"], &mut offsets[index]);
+                }
+            }
         }
         json!({"id": id, "object": chunk_object, "created": created, "model": model, "choices": [choice]})
     };
@@ -561,7 +590,7 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
                     }
                 }
                 Msg::Done(Ok(all)) => {
-                    log_answer(&all, started);
+                    log_answer(path, &all, started);
                     for (i, c) in all.iter().enumerate() {
                         if !c.tool_calls.is_empty() {
                             let calls = tool_calls_json(&usage_id, &c.tool_calls, true);
@@ -635,6 +664,35 @@ fn logprobs_json(app: &App, lps: &[vl_models::engine::TokenLogprob]) -> Value {
         })
         .collect();
     json!({"content": content})
+}
+
+/// The legacy completions' `logprobs` (`{"tokens", "token_logprobs", "top_logprobs": [{token:
+/// logprob}], "text_offset"}`) from the chat shape; `offset`: the characters of the choice's
+/// text before these tokens, advanced past them.
+fn legacy_logprobs(chat: &Value, offset: &mut usize) -> Value {
+    let entries = chat["content"].as_array().cloned().unwrap_or_default();
+    let mut text_offset = Vec::with_capacity(entries.len());
+    for e in &entries {
+        text_offset.push(*offset);
+        *offset += e["token"].as_str().map_or(0, |t| t.chars().count());
+    }
+    json!({
+        "tokens": entries.iter().map(|e| e["token"].clone()).collect::<Vec<_>>(),
+        "token_logprobs": entries.iter().map(|e| e["logprob"].clone()).collect::<Vec<_>>(),
+        "top_logprobs": entries
+            .iter()
+            .map(|e| {
+                let top: serde_json::Map<String, Value> = e["top_logprobs"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|t| (t["token"].as_str().unwrap_or_default().to_string(), t["logprob"].clone()))
+                    .collect();
+                Value::Object(top)
+            })
+            .collect::<Vec<_>>(),
+        "text_offset": text_offset,
+    })
 }
 
 /// Ours, on a choice whose answer names boxes or points (`vl_models::grounding`): the shapes in
