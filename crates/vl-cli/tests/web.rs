@@ -178,16 +178,28 @@ fn screenshot_dir() -> PathBuf {
 #[test]
 fn the_page_in_a_browser() {
     let server = common::start("tiny-a", &["--api-key", "sekret"]);
+    // tiny-a with the Qwen3-VL Thinking template (goldens/thinking): its answers are reasoning.
+    let thinking_dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(common::goldens().join("tiny-a/checkpoint")).unwrap() {
+        let p = entry.unwrap().path();
+        if p.file_name().unwrap() != "chat_template.jinja" {
+            let to = thinking_dir.path().join(p.file_name().unwrap());
+            std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), to).unwrap();
+        }
+    }
+    let templates = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/hf-reference/templates");
+    std::fs::copy(templates.join("Qwen3-VL-Thinking.jinja"), thinking_dir.path().join("chat_template.jinja")).unwrap();
+    let thinking = common::start_dir(thinking_dir.path(), &[]);
     let driver = chromedriver();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
-        tokio::time::timeout(Duration::from_secs(300), drive(&server.base, &driver.url))
+        tokio::time::timeout(Duration::from_secs(300), drive(&server.base, &thinking.base, &driver.url))
             .await
             .expect("the browser test finished within 300 s");
     });
 }
 
-async fn drive(base: &str, driver: &str) {
+async fn drive(base: &str, thinking: &str, driver: &str) {
     let mut caps = serde_json::Map::new();
     caps.insert(
         "goog:chromeOptions".into(),
@@ -311,5 +323,23 @@ async fn drive(base: &str, driver: &str) {
     assert!(severe.is_empty(), "browser errors: {severe:?}");
     let outside = js(&c, "return [...performance.getEntriesByType('resource').map(e => e.name), location.href].filter(u => !u.startsWith(location.origin + '/'))").await;
     assert_eq!(outside, json!([]), "requests outside the server");
+
+    // A thinking checkpoint: the reasoning shows folded above the answer (the reference's greedy
+    // answer under the template is all reasoning), and the next turn sends it back.
+    let g: Value =
+        serde_json::from_str(&std::fs::read_to_string(common::goldens().join("thinking/thinking.json")).unwrap())
+            .unwrap();
+    let g = &g["greedy"];
+    c.goto(&format!("{thinking}/")).await.unwrap();
+    wait_for(&c, "return document.body.dataset.ready === '1'", 20).await;
+    set(&c, "max-tokens", &g["ids"].as_array().unwrap().len().to_string()).await;
+    set(&c, "temperature", "0").await;
+    ask(&c, g["question"].as_str().unwrap()).await;
+    let (text, _) = answer(&c, 0, 60).await;
+    assert_eq!(text, g["content"].as_str().unwrap());
+    let shown = js(&c, &format!("const a = {ANSWERS}[0]; return [a.querySelector('[data-testid=reasoning]').textContent, a.querySelector('.thinking').hidden]")).await;
+    assert_eq!(shown, json!([g["reasoning"], false]));
+    ask(&c, "And then?").await;
+    answer(&c, 1, 60).await;
     c.close().await.unwrap();
 }

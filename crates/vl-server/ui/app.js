@@ -152,6 +152,14 @@ function answerBubble() {
   const m = el("div", "msg assistant");
   m.dataset.testid = "answer";
   m.appendChild(el("div", "who", "Assistant"));
+  // A thinking model's reasoning, folded above the answer (created at its first piece).
+  const thinking = el("details", "thinking");
+  thinking.appendChild(el("summary", null, "Thinking"));
+  const reasoning = el("div", "reasoning");
+  reasoning.dataset.testid = "reasoning";
+  thinking.appendChild(reasoning);
+  thinking.hidden = true;
+  m.appendChild(thinking);
   const body = el("div", "body");
   m.appendChild(body);
   const stats = el("div", "stats");
@@ -159,7 +167,7 @@ function answerBubble() {
   m.appendChild(stats);
   $("log").appendChild(m);
   m.scrollIntoView({ block: "end" });
-  return { m, body, stats };
+  return { m, body, stats, thinking, reasoning };
 }
 
 // The last image of the conversation (the one an answer's boxes are drawn over) and its index
@@ -265,7 +273,7 @@ async function send() {
   if (format === "grounding") body.grounding = true;
 
   const bubble = answerBubble();
-  let answer = "", usage = null, grounding = null, finish = null, first = 0, rendered = false;
+  let answer = "", thought = "", usage = null, grounding = null, finish = null, first = 0, rendered = false;
   const started = performance.now();
   const render = () => {
     if (rendered) return;
@@ -308,6 +316,13 @@ async function send() {
         if (ev.error) throw new Error(ev.error.message);
         if (ev.usage) usage = ev.usage;
         for (const c of ev.choices || []) {
+          const rt = c.delta && c.delta.reasoning_content;
+          if (rt) {
+            if (!first) first = performance.now();
+            thought += rt;
+            bubble.thinking.hidden = false;
+            bubble.reasoning.textContent = thought;
+          }
           const t = c.delta && c.delta.content;
           if (t) {
             if (!first) first = performance.now();
@@ -328,7 +343,11 @@ async function send() {
   }
   renderMarkdown(bubble.body, answer || (finish === "error" ? "(no answer)" : ""));
   bubble.m.dataset.finish = finish || "";
-  if (finish !== "error") history.push({ role: "assistant", content: answer });
+  if (finish !== "error") {
+    const turn = { role: "assistant", content: answer };
+    if (thought) turn.reasoning_content = thought;
+    history.push(turn);
+  }
   else history.pop();
   drawShapes(bubble, grounding);
   const secs = first ? (performance.now() - first) / 1000 : 0;
