@@ -316,3 +316,39 @@ fn chat_skips_a_huge_line_and_one_not_utf8_and_goes_on() {
     // Only "hi" was answered.
     assert_eq!(err.matches("prompt tokens").count(), 1, "{err}");
 }
+
+/// `vl chat` on a Thinking checkpoint (tiny-a with the Qwen3-VL Thinking template,
+/// goldens/thinking): stdout is not a terminal, so the reasoning goes to stderr and stdout
+/// carries the answers alone; `/save` keeps each turn's reasoning as `reasoning_content`, and
+/// `--hide-reasoning` prints none of it.
+#[test]
+fn chat_prints_reasoning_apart_and_saves_it() {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(checkpoint("tiny-a")).unwrap() {
+        let p = entry.unwrap().path();
+        if p.file_name().unwrap() != "chat_template.jinja" {
+            std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), dir.path().join(p.file_name().unwrap()))
+                .unwrap();
+        }
+    }
+    let templates = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/hf-reference/templates");
+    std::fs::copy(templates.join("Qwen3-VL-Thinking.jinja"), dir.path().join("chat_template.jinja")).unwrap();
+    let g: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(goldens().join("thinking/thinking.json")).unwrap()).unwrap();
+    let g = &g["greedy"];
+    let n = g["ids"].as_array().unwrap().len().to_string();
+    let file = dir.path().join("conv.json");
+    let script = format!("{}\n/save {}\n", g["question"].as_str().unwrap(), file.display());
+    let model = dir.path().to_str().unwrap();
+    let (code, out, err) = vl_stdin(&["chat", "--model", model, "--max-new-tokens", &n], &script);
+    assert_eq!(code, 0, "{err}");
+    let reasoning = g["reasoning"].as_str().unwrap();
+    assert!(err.contains(reasoning), "{err}");
+    assert!(!out.contains(reasoning), "{out}");
+    let saved: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(saved[1]["reasoning_content"], g["reasoning"]);
+    assert_eq!(saved[1]["content"], g["content"]);
+    let (code, out, err) = vl_stdin(&["chat", "--model", model, "--max-new-tokens", &n, "--hide-reasoning"], &script);
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains(reasoning) && !out.contains(reasoning), "{err}");
+}
