@@ -169,7 +169,7 @@ pub struct Source<'a> {
 }
 
 /// Every family this build runs.
-pub static FAMILIES: &[&FamilyEntry] = &[&crate::qwen3_vl::family::ENTRY];
+pub static FAMILIES: &[&FamilyEntry] = &[&crate::qwen3_vl::family::ENTRY, &crate::qwen3_vl_moe::ENTRY];
 
 /// What identifies a model's family.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -6,7 +6,7 @@
 //! `checkpoint` (safetensors access), `constraint` (constrained decoding), `gguf` (the GGUF container), `grounding` (boxes and points in answers: parsed, mapped, drawn), `media` (vision inputs and
 //! features), `image_file` (image reading and decoding), `kv` (a sequence's KV cache), `cache` (byte-bounded LRU), `reasoning` (`<think>` blocks split from the answer), `sampling`, `stream`
 //! (streaming detokenization), `template` (chat templates), `tools` (tool-call text format and transformers' `tojson`),
-//! `video` (video sources). `qwen3_vl` holds everything Qwen-named.
+//! `video` (video sources). `qwen3_vl` holds everything Qwen-named; `qwen3_vl_moe` registers the MoE family on it.
 
 pub mod affine;
 pub mod alloc;
@@ -24,6 +24,7 @@ pub mod limits;
 pub mod media;
 pub mod progress;
 pub mod qwen3_vl;
+pub mod qwen3_vl_moe;
 pub mod reasoning;
 pub mod sampling;
 pub mod stream;

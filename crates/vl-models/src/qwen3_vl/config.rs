@@ -15,6 +15,9 @@ use crate::error::{Error, Result};
 
 pub const ARCHITECTURE: &str = "Qwen3VLForConditionalGeneration";
 pub const MODEL_TYPE: &str = "qwen3_vl";
+/// The MoE checkpoints (30B-A3B, 235B-A22B): the same model with routed-expert MLPs.
+pub const MOE_ARCHITECTURE: &str = "Qwen3VLMoeForConditionalGeneration";
+pub const MOE_MODEL_TYPE: &str = "qwen3_vl_moe";
 
 /// The vision tower's rotary base: fixed in transformers 4.57, `rope_parameters.rope_theta` in 5.
 const DEFAULT_VISION_ROPE_THETA: f64 = 10_000.0;
@@ -61,6 +64,12 @@ const IGNORED_TEXT: &[&str] = &[
     "rope_parameters",
     "tie_word_embeddings",
     "transformers_version",
+    // MoE training knobs (auxiliary load-balancing loss).
+    "output_router_logits",
+    "router_aux_loss_coef",
+    // transformers (4.57 and 5.x alike) renormalizes the top-k weights whatever this says.
+    "norm_topk_prob",
+    "sliding_window",
 ];
 const IGNORED_VISION: &[&str] =
     &["model_type", "initializer_range", "dtype", "torch_dtype", "rope_parameters", "transformers_version"];
@@ -99,6 +108,13 @@ struct RawText {
     #[serde(default)]
     attention_bias: bool,
     tie_word_embeddings: Option<bool>,
+    // MoE (`qwen3_vl_moe` only): `num_experts` (4.57 dialect) or `num_local_experts` (5.x).
+    num_experts: Option<usize>,
+    num_local_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
     #[serde(flatten)]
     extra: BTreeMap<String, Value>,
 }
@@ -195,6 +211,35 @@ pub struct TextConfig {
     pub rope_theta: f64,
     /// Frequency slots per axis (t, h, w); laid out interleaved T,H,W,T,H,W,...
     pub mrope_section: Vec<usize>,
+    /// Routed experts (the MoE checkpoints); None for the dense ones.
+    pub moe: Option<MoeConfig>,
+}
+
+/// The routed-expert MLPs of a MoE checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: usize,
+    pub moe_intermediate_size: usize,
+    pub decoder_sparse_step: usize,
+    /// Layers whose MLP stays dense.
+    pub mlp_only_layers: Vec<usize>,
+}
+
+impl MoeConfig {
+    /// Whether layer `i` has routed experts (transformers' rule: not in `mlp_only_layers`, and
+    /// `(i + 1) % decoder_sparse_step == 0`).
+    pub fn is_sparse(&self, i: usize) -> bool {
+        !self.mlp_only_layers.contains(&i) && (i + 1).is_multiple_of(self.decoder_sparse_step)
+    }
+}
+
+impl TextConfig {
+    /// Whether layer `i`'s MLP is routed experts.
+    pub fn is_sparse(&self, i: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_sparse(i))
+    }
 }
 
 /// The vision tower's geometry.
@@ -259,7 +304,7 @@ impl Qwen3VlConfig {
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
         let json_err = |source| Error::Json { path: path.to_path_buf(), source };
         let value: Value = serde_json::from_str(text).map_err(json_err)?;
-        check_architecture(&value, path)?;
+        let is_moe = check_architecture(&value, path)?;
         let top: RawTop = serde_json::from_value(value).map_err(json_err)?;
         let field_err = |field: &str, message: String| Error::Config {
             path: path.to_path_buf(),
@@ -346,7 +391,23 @@ impl Qwen3VlConfig {
                 format!("{kv_heads} does not divide num_attention_heads {}", raw_text.num_attention_heads),
             ));
         }
+        let moe = if is_moe { Some(moe_config(&raw_text, &b, path)?) } else { None };
+        if !is_moe {
+            for (k, set) in [
+                ("num_experts", raw_text.num_experts.is_some()),
+                ("num_local_experts", raw_text.num_local_experts.is_some()),
+                ("num_experts_per_tok", raw_text.num_experts_per_tok.is_some()),
+                ("moe_intermediate_size", raw_text.moe_intermediate_size.is_some()),
+                ("decoder_sparse_step", raw_text.decoder_sparse_step.is_some()),
+                ("mlp_only_layers", raw_text.mlp_only_layers.is_some()),
+            ] {
+                if set {
+                    unknown.push(format!("text_config.{k}"));
+                }
+            }
+        }
         let text = TextConfig {
+            moe,
             vocab_size: raw_text.vocab_size,
             hidden_size: raw_text.hidden_size,
             intermediate_size: raw_text.intermediate_size,
@@ -410,23 +471,59 @@ impl Qwen3VlConfig {
     }
 }
 
-fn check_architecture(value: &Value, path: &Path) -> Result<()> {
+/// The MoE fields of a `qwen3_vl_moe` text config, bounded and related to the layers.
+fn moe_config(t: &RawText, b: &Bounds, path: &Path) -> Result<MoeConfig> {
+    let field_err =
+        |field: &str, message: String| Error::Config { path: path.to_path_buf(), field: field.into(), message };
+    let (field, num_experts) = match (t.num_local_experts, t.num_experts) {
+        (Some(n), _) => ("text_config.num_local_experts", n),
+        (None, Some(n)) => ("text_config.num_experts", n),
+        (None, None) => {
+            return Err(field_err(
+                "text_config.num_experts",
+                "missing (a qwen3_vl_moe config names its experts: num_experts or num_local_experts)".into(),
+            ))
+        }
+    };
+    b.size(field, num_experts, MAX_EXPERTS)?;
+    let top_k = t.num_experts_per_tok.ok_or_else(|| field_err("text_config.num_experts_per_tok", "missing".into()))?;
+    if top_k == 0 || top_k > num_experts {
+        return Err(field_err("text_config.num_experts_per_tok", format!("{top_k} must be in 1..={num_experts}")));
+    }
+    let inter =
+        t.moe_intermediate_size.ok_or_else(|| field_err("text_config.moe_intermediate_size", "missing".into()))?;
+    b.size("text_config.moe_intermediate_size", inter, MAX_INTERMEDIATE)?;
+    let step = t.decoder_sparse_step.unwrap_or(1);
+    b.size("text_config.decoder_sparse_step", step, MAX_LAYERS)?;
+    let only = t.mlp_only_layers.clone().unwrap_or_default();
+    if let Some(l) = only.iter().find(|&&l| l >= t.num_hidden_layers) {
+        return Err(field_err(
+            "text_config.mlp_only_layers",
+            format!("layer {l} is past the model's {} layers", t.num_hidden_layers),
+        ));
+    }
+    Ok(MoeConfig { num_experts, top_k, moe_intermediate_size: inter, decoder_sparse_step: step, mlp_only_layers: only })
+}
+
+/// Checks `architectures` / `model_type`; true for the MoE architecture.
+fn check_architecture(value: &Value, path: &Path) -> Result<bool> {
     let archs: Vec<String> = value
         .get("architectures")
         .and_then(Value::as_array)
         .map(|a| a.iter().filter_map(|v| v.as_str().map(String::from)).collect())
         .unwrap_or_default();
     let model_type = value.get("model_type").and_then(Value::as_str).map(String::from);
-    let arch_ok = archs.is_empty() || archs.iter().any(|a| a == ARCHITECTURE);
-    let type_ok = model_type.as_deref() == Some(MODEL_TYPE);
-    if arch_ok && type_ok {
-        return Ok(());
+    for (arch, kind, moe) in [(ARCHITECTURE, MODEL_TYPE, false), (MOE_ARCHITECTURE, MOE_MODEL_TYPE, true)] {
+        let arch_ok = archs.is_empty() || archs.iter().any(|a| a == arch);
+        if arch_ok && model_type.as_deref() == Some(kind) {
+            return Ok(moe);
+        }
     }
     Err(Error::UnknownArchitecture {
         path: path.to_path_buf(),
         found: archs,
         model_type,
-        supported: "Qwen3VLForConditionalGeneration (model_type qwen3_vl)",
+        supported: "Qwen3VLForConditionalGeneration (model_type qwen3_vl), Qwen3VLMoeForConditionalGeneration (model_type qwen3_vl_moe)",
     })
 }
 
@@ -437,6 +534,8 @@ const MAX_VOCAB: usize = 1 << 22;
 const MAX_HIDDEN: usize = 1 << 16;
 const MAX_INTERMEDIATE: usize = 1 << 18;
 const MAX_LAYERS: usize = 1024;
+/// Routed experts per layer (the released MoE models have 128).
+const MAX_EXPERTS: usize = 4096;
 const MAX_HEADS: usize = 1024;
 const MAX_HEAD_DIM: usize = 1024;
 const MAX_POSITIONS: usize = 1 << 24;

@@ -289,7 +289,10 @@ impl Qwen3Vl {
 
 impl Family for Qwen3Vl {
     fn name(&self) -> &'static str {
-        ENTRY.name
+        match self.config.text.moe {
+            Some(_) => crate::qwen3_vl_moe::ENTRY.name,
+            None => ENTRY.name,
+        }
     }
 
     fn context(&self) -> usize {

@@ -163,6 +163,8 @@ impl GgufModel {
             rms_norm_eps: t.f64(&k("attention.layer_norm_rms_epsilon"))?,
             rope_theta: t.f64(&k("rope.freq_base"))?,
             mrope_section: sections[..3].to_vec(),
+            // MoE GGUF files (`qwen3vlmoe`) are not read yet: refused by the registry.
+            moe: None,
         };
         let vision = match m {
             Some(m) => {

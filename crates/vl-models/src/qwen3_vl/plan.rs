@@ -24,6 +24,9 @@ pub struct PlannedTensor {
     pub group: Group,
     /// False for tensors that may be present but are not used (`lm_head.weight` when tied).
     pub required: bool,
+    /// Another shape the tensor may be stored in (fused experts: the hub's `[E, in, out]` beside
+    /// transformers 5's `[E, out, in]`).
+    pub alt_shape: Option<Vec<usize>>,
 }
 
 pub const VISION_PREFIX: &str = "model.visual";
@@ -34,7 +37,7 @@ pub const LM_HEAD: &str = "lm_head.weight";
 pub fn tensor_plan(cfg: &Qwen3VlConfig) -> Vec<PlannedTensor> {
     let mut plan = Vec::new();
     let mut add = |key: String, shape: Vec<usize>, group: Group, required: bool| {
-        plan.push(PlannedTensor { key, shape, group, required });
+        plan.push(PlannedTensor { key, shape, group, required, alt_shape: None });
     };
     let v = &cfg.vision;
     let vp = VISION_PREFIX;
@@ -88,12 +91,26 @@ pub fn tensor_plan(cfg: &Qwen3VlConfig) -> Vec<PlannedTensor> {
         txt(format!("{l}.self_attn.o_proj.weight"), vec![d, q]);
         txt(format!("{l}.self_attn.q_norm.weight"), vec![t.head_dim]);
         txt(format!("{l}.self_attn.k_norm.weight"), vec![t.head_dim]);
-        txt(format!("{l}.mlp.gate_proj.weight"), vec![t.intermediate_size, d]);
-        txt(format!("{l}.mlp.up_proj.weight"), vec![t.intermediate_size, d]);
-        txt(format!("{l}.mlp.down_proj.weight"), vec![d, t.intermediate_size]);
+        match t.moe.as_ref().filter(|_| t.is_sparse(i)) {
+            Some(m) => {
+                let (e, mi) = (m.num_experts, m.moe_intermediate_size);
+                txt(format!("{l}.mlp.gate.weight"), vec![e, d]);
+                txt(format!("{l}.mlp.experts.gate_up_proj"), vec![e, 2 * mi, d]);
+                txt(format!("{l}.mlp.experts.down_proj"), vec![e, d, mi]);
+            }
+            None => {
+                txt(format!("{l}.mlp.gate_proj.weight"), vec![t.intermediate_size, d]);
+                txt(format!("{l}.mlp.up_proj.weight"), vec![t.intermediate_size, d]);
+                txt(format!("{l}.mlp.down_proj.weight"), vec![d, t.intermediate_size]);
+            }
+        }
     }
     txt(format!("{tp}.norm.weight"), vec![d]);
     add(LM_HEAD.to_string(), vec![t.vocab_size, d], Group::LmHead, !cfg.tie_word_embeddings);
+    // The fused experts may be stored as the hub has them, [E, in, out].
+    for p in plan.iter_mut().filter(|p| p.key.contains(".mlp.experts.")) {
+        p.alt_shape = Some(vec![p.shape[0], p.shape[2], p.shape[1]]);
+    }
     plan
 }
 
@@ -115,11 +132,8 @@ pub fn check_plan(plan: &[PlannedTensor], ck: &Weights) -> Result<PlanReport> {
         match ck.get(&p.key) {
             None if p.required => missing.push(p.key.clone()),
             None => {}
-            Some(info) if info.shape != p.shape => wrong_shape.push(ShapeMismatch {
-                key: p.key.clone(),
-                expected: p.shape.clone(),
-                found: info.shape.clone(),
-            }),
+            Some(info) if info.shape != p.shape && p.alt_shape.as_ref() != Some(&info.shape) => wrong_shape
+                .push(ShapeMismatch { key: p.key.clone(), expected: p.shape.clone(), found: info.shape.clone() }),
             Some(_) if !p.required => report.ignored.push(p.key.clone()),
             Some(_) => {}
         }

@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{RmsNorm, VarBuilder};
-use vl_nn::{causal_gqa_attention, KvCache, MultiAxisRope, QEmbedding, QLinear, QuantType};
+use vl_nn::{causal_gqa_attention, KvCache, MultiAxisRope, QEmbedding, QLinear, QuantType, SparseMoe, SwiGluExpert};
 
 use super::config::TextConfig;
 use crate::error::{Error, Result};
@@ -188,21 +188,101 @@ impl Mlp {
     }
 }
 
+/// A layer's MLP: dense SwiGLU, or routed experts (`Qwen3VLMoeTextSparseMoeBlock`).
+#[derive(Debug, Clone)]
+enum Ffn {
+    Dense(Mlp),
+    Sparse(SparseMoe),
+}
+
+impl Ffn {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Ffn::Dense(m) => m.forward(x),
+            Ffn::Sparse(m) => Ok(m.forward(x)?),
+        }
+    }
+
+    /// The linears a report or the repacking sees (the experts' are not repacked: a decode step
+    /// multiplies only a few of them, one row each).
+    fn dense_linears(&self) -> Vec<&QLinear> {
+        match self {
+            Ffn::Dense(m) => vec![&m.gate, &m.up, &m.down],
+            Ffn::Sparse(_) => vec![],
+        }
+    }
+}
+
+/// Routed experts from the fused tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`)
+/// in either layout: transformers 5's `[E, out, in]` or the hub's `[E, in, out]` (transposed at
+/// load, as transformers' conversion does; a square tensor is taken as `[E, out, in]`, as
+/// there). `gate_up` holds each expert's gate rows, then its up rows. Each expert is quantized
+/// on its own, so a decode step reads only its rows.
+fn sparse_moe(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<SparseMoe> {
+    let m = cfg.moe.as_ref().expect("a sparse layer has a MoE config");
+    let (e, d, mi) = (m.num_experts, cfg.hidden_size, m.moe_intermediate_size);
+    if qt.pre.is_some() {
+        return Err(Error::Input {
+            what: vb.prefix().to_string(),
+            message: "routed experts from a GGUF file are not supported yet".into(),
+        });
+    }
+    let router = vb.pp("gate").get((e, d), "weight")?;
+    let read_as = qt.quant.map_or(vb.dtype(), |q| q.read_as);
+    let fused = |name: &str, out: usize, inp: usize| -> Result<Tensor> {
+        let key = format!("{}.experts.{name}", vb.prefix());
+        let t = vb.pp("experts").get_unchecked_dtype(name, read_as)?;
+        match t.dims() {
+            [n, o, i] if (*n, *o, *i) == (e, out, inp) => Ok(t),
+            [n, i, o] if (*n, *i, *o) == (e, inp, out) => Ok(t.transpose(1, 2)?.contiguous()?),
+            dims => Err(Error::Input {
+                what: key,
+                message: format!("shape {dims:?}, expected [{e}, {out}, {inp}] or [{e}, {inp}, {out}]"),
+            }),
+        }
+    };
+    let gate_up = fused("gate_up_proj", 2 * mi, d)?;
+    let down = fused("down_proj", d, mi)?;
+    let q = qt.quant.map(|q| q.qtype);
+    let to_model = |t: Tensor| -> Result<Tensor> { Ok(if q.is_some() { t } else { t.to_dtype(vb.dtype())? }) };
+    let linear = |w: Tensor| -> Result<QLinear> {
+        let qt = q.filter(|q| w.dim(1).is_ok_and(|i| i.is_multiple_of(q.block())));
+        let w = if qt.is_some() { w } else { w.to_dtype(vb.dtype())? };
+        Ok(QLinear::new(candle_nn::Linear::new(w.contiguous()?, None), qt)?)
+    };
+    let experts = (0..e)
+        .map(|x| {
+            let gu = to_model(gate_up.get(x)?)?;
+            Ok(SwiGluExpert {
+                gate: linear(gu.narrow(0, 0, mi)?)?,
+                up: linear(gu.narrow(0, mi, mi)?)?,
+                down: linear(to_model(down.get(x)?)?)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(SparseMoe::new(router, experts, m.top_k)?)
+}
+
 #[derive(Debug, Clone)]
 struct DecoderLayer {
     input_norm: RmsNorm,
     attn: Attention,
     post_attn_norm: RmsNorm,
-    mlp: Mlp,
+    mlp: Ffn,
 }
 
 impl DecoderLayer {
-    fn load(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<Self> {
+    fn load(cfg: &TextConfig, i: usize, vb: VarBuilder, qt: LoadPlan) -> Result<Self> {
+        let mlp = if cfg.is_sparse(i) {
+            Ffn::Sparse(sparse_moe(cfg, vb.pp("mlp"), qt)?)
+        } else {
+            Ffn::Dense(Mlp::load(cfg, vb.pp("mlp"), qt)?)
+        };
         Ok(Self {
             input_norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
             attn: Attention::load(cfg, vb.pp("self_attn"), qt)?,
             post_attn_norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"))?,
-            mlp: Mlp::load(cfg, vb.pp("mlp"), qt)?,
+            mlp,
         })
     }
 
@@ -279,7 +359,7 @@ impl TextModel {
             linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"), plan)?
         };
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| DecoderLayer::load(cfg, tvb.pp(format!("layers.{i}")), plan))
+            .map(|i| DecoderLayer::load(cfg, i, tvb.pp(format!("layers.{i}")), plan))
             .collect::<Result<_>>()?;
         let s = &cfg.mrope_section;
         let model = Self {
@@ -302,7 +382,8 @@ impl TextModel {
         let mut all: Vec<&QLinear> = vec![&self.lm_head];
         for l in &self.layers {
             let a = &l.attn;
-            all.extend([&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &l.mlp.gate, &l.mlp.up, &l.mlp.down]);
+            all.extend([&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj]);
+            all.extend(l.mlp.dense_linears());
         }
         Ok(vl_nn::linear::prepare_all(&all)?)
     }
@@ -314,13 +395,20 @@ impl TextModel {
     /// (group, storage, weight bytes) of the decoder's big tensors, for reports.
     pub fn storage(&self) -> Vec<(String, String, usize)> {
         let mut layers: std::collections::BTreeMap<String, usize> = Default::default();
+        let mut experts: std::collections::BTreeMap<String, usize> = Default::default();
         for l in &self.layers {
             let a = &l.attn;
-            for q in [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &l.mlp.gate, &l.mlp.up, &l.mlp.down] {
+            for q in [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj].into_iter().chain(l.mlp.dense_linears()) {
                 *layers.entry(q.storage()).or_default() += q.weight_bytes();
+            }
+            if let Ffn::Sparse(m) = &l.mlp {
+                for x in m.experts() {
+                    *experts.entry(x.gate.storage()).or_default() += x.weight_bytes();
+                }
             }
         }
         let mut out: Vec<_> = layers.into_iter().map(|(s, b)| ("text decoder linears".to_string(), s, b)).collect();
+        out.extend(experts.into_iter().map(|(s, b)| ("routed experts".to_string(), s, b)));
         out.push(("token embeddings".into(), self.embed.storage(), self.embed.weight_bytes()));
         out.push(("lm_head".into(), self.lm_head.storage(), self.lm_head.weight_bytes()));
         out

@@ -1,0 +1,63 @@
+//! Qwen3-VL MoE (`Qwen3VLMoeForConditionalGeneration`, model_type `qwen3_vl_moe`: 30B-A3B,
+//! 235B-A22B), the second family of the registry. It is Qwen3-VL (the same vision tower,
+//! processor, chat template, attention and M-RoPE) whose text MLPs are routed experts
+//! (`vl_nn::SparseMoe`) except in `mlp_only_layers`, mirroring transformers'
+//! `models/qwen3_vl_moe/`: so it loads through the `qwen3_vl` family's code, whose config carries
+//! the experts (`TextConfig::moe`) and whose text decoder builds a sparse MLP for each sparse layer.
+//!
+//! Loaded: checkpoint directories (safetensors; the fused experts in transformers 5's
+//! `[E, out, in]` layout or the hub's `[E, in, out]`). Not yet: GGUF files (`qwen3vlmoe`), MLX
+//! conversions, and `vl quantize` of a MoE checkpoint (each refused with a message saying so).
+
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::family::{FamilyEntry, Source};
+
+/// The registry's entry for Qwen3-VL MoE.
+pub static ENTRY: FamilyEntry = FamilyEntry {
+    name: "qwen3_vl_moe",
+    architectures: &["Qwen3VLMoeForConditionalGeneration"],
+    model_types: &["qwen3_vl_moe"],
+    gguf_architectures: &["qwen3vlmoe"],
+    open: open_entry,
+    inspect: inspect_entry,
+    quantize: quantize_entry,
+    default_quant: default_quant_entry,
+};
+
+fn not_yet(path: &Path, what: &str) -> Error {
+    Error::Input { what: path.display().to_string(), message: format!("Qwen3-VL MoE: {what} are not supported yet") }
+}
+
+fn open_entry(
+    source: &Source<'_>,
+    opts: &crate::engine::EngineOptions,
+    staged: bool,
+) -> Result<Box<dyn crate::family::Family>> {
+    if crate::gguf::is_gguf(source.model) {
+        return Err(not_yet(source.model, "GGUF files (general.architecture qwen3vlmoe)"));
+    }
+    (crate::qwen3_vl::family::ENTRY.open)(source, opts, staged)
+}
+
+fn inspect_entry(source: &Source<'_>, json: bool) -> Result<String> {
+    if crate::gguf::is_gguf(source.model) {
+        return Err(not_yet(source.model, "GGUF files (general.architecture qwen3vlmoe)"));
+    }
+    (crate::qwen3_vl::family::ENTRY.inspect)(source, json)
+}
+
+fn quantize_entry(
+    model: &Path,
+    _recipe: crate::gguf::Recipe,
+    _out: &Path,
+    _overwrite: bool,
+    _progress: &mut dyn FnMut(&str),
+) -> Result<crate::gguf::Written> {
+    Err(not_yet(model, "GGUF files written by `vl quantize` (use --quantize at load)"))
+}
+
+fn default_quant_entry(model: &Path) -> Result<Option<vl_nn::QuantType>> {
+    (crate::qwen3_vl::family::ENTRY.default_quant)(model)
+}

@@ -1,0 +1,114 @@
+//! The MoE family (Qwen3VLMoeForConditionalGeneration) against the pinned reference's tiny-moe
+//! checkpoint (8 experts, top-2, layer 1 dense through `mlp_only_layers`, GQA 2:1; docs/goldens.md):
+//! prompt logits of every golden case within 1e-3, greedy answers through the engine equal to
+//! the reference's ids, and the hub's fused-expert layout (`[E, in, out]`) loading to the same
+//! model as transformers 5's (`[E, out, in]`).
+
+mod common;
+
+use candle_core::DType;
+use common::*;
+use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request};
+use vl_models::qwen3_vl::{GenerationOptions, Qwen3VlModel};
+
+const LOGIT_TOL: f32 = 1e-3;
+const G: &str = "tiny-moe";
+
+fn prompt_logits_within(dir: &std::path::Path, what: &str) {
+    let m = Qwen3VlModel::load(dir, DType::F32, &device()).unwrap();
+    let sampled = load(&goldens().join("sampled_vocab_ids.safetensors"))["vocab_ids"].to_dtype(DType::U32).unwrap();
+    for case in CASES {
+        let want = load(&goldens().join(G).join("cases").join(format!("{case}.safetensors")));
+        let p = prompt(case);
+        let mut cache = m.new_cache();
+        let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
+        let d_last = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
+        let all = m.text().logits(&state.hidden).unwrap().index_select(&sampled, 1).unwrap();
+        let d_all = max_abs_diff(&all, &want["logits.sampled"]);
+        println!(
+            "{what} {case} ({} tokens): last {d_last:.2e}, all positions (sampled ids) {d_all:.2e}",
+            p.input_ids.len()
+        );
+        assert!(d_last <= tol(LOGIT_TOL) && d_all <= tol(LOGIT_TOL), "{what} {case}: {d_last:e} {d_all:e}");
+    }
+}
+
+#[test]
+fn prompt_logits_match_the_reference() {
+    prompt_logits_within(&goldens().join(G).join("checkpoint"), "tiny-moe");
+}
+
+/// The same checkpoint with its fused experts stored as the hub's checkpoints have them
+/// (`gate_up_proj` [E, hidden, 2 * moe_intermediate], `down_proj` [E, moe_intermediate, hidden]):
+/// transformers transposes them at load, and so does the loader.
+#[test]
+fn the_hub_expert_layout_loads_to_the_same_model() {
+    let src = goldens().join(G).join("checkpoint");
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let p = entry.unwrap().path();
+        if p.file_name().unwrap() != "model.safetensors" {
+            std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), dir.path().join(p.file_name().unwrap()))
+                .unwrap();
+        }
+    }
+    let tensors = candle_core::safetensors::load(src.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
+    let mut n = 0;
+    let hub: std::collections::HashMap<String, candle_core::Tensor> = tensors
+        .into_iter()
+        .map(|(k, t)| {
+            if k.contains(".mlp.experts.") {
+                n += 1;
+                (k, t.transpose(1, 2).unwrap().contiguous().unwrap())
+            } else {
+                (k, t)
+            }
+        })
+        .collect();
+    assert_eq!(n, 4, "two sparse layers, two fused tensors each");
+    candle_core::safetensors::save(&hub, dir.path().join("model.safetensors")).unwrap();
+    prompt_logits_within(dir.path(), "hub layout");
+}
+
+#[test]
+fn greedy_answers_through_the_engine_match_the_reference() {
+    let opts = EngineOptions { device: device(), ..Default::default() };
+    let engine = Engine::load(&goldens().join(G).join("checkpoint"), G, opts).unwrap();
+    assert_eq!(engine.family().name(), "qwen3_vl_moe");
+    for case in ["text_only", "one_image", "two_images"] {
+        let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
+        let golden = read_json(&goldens().join(G).join("cases").join(format!("{case}.json")));
+        let ids: Vec<u32> =
+            golden["greedy"]["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let messages = meta["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                let parts = m["content"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|c| match c["type"].as_str().unwrap() {
+                        "text" => Part::Text(c["text"].as_str().unwrap().into()),
+                        _ => {
+                            let name = format!("{}.png", c["image"].as_str().unwrap());
+                            let data = std::fs::read(goldens().join("images").join(&name)).unwrap();
+                            Part::Image { data, name, min_pixels: None, max_pixels: None }
+                        }
+                    })
+                    .collect();
+                ChatMessage::new(m["role"].as_str().unwrap(), parts)
+            })
+            .collect();
+        let req = Request {
+            messages,
+            options: GenerationOptions { max_new_tokens: ids.len(), ..Default::default() },
+            ..Default::default()
+        };
+        let c = engine.generate(&req, &mut |_| true).unwrap();
+        assert_eq!(c.prompt_tokens as u64, golden["num_tokens"].as_u64().unwrap(), "{case}");
+        assert_eq!(c.token_ids, ids, "{case}");
+        assert_eq!(c.text, golden["greedy"]["text"].as_str().unwrap(), "{case}");
+    }
+}

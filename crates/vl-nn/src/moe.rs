@@ -1,0 +1,161 @@
+//! A sparse mixture-of-experts MLP: a router picks `top_k` SwiGLU experts per token.
+//!
+//! Routing is the one of Qwen3-MoE style models in transformers: softmax over the router's
+//! logits (in f32), the `top_k` largest probabilities, renormalized to sum to one, cast to the
+//! activations' dtype. Then the rows are grouped by expert: each active expert multiplies only the
+//! rows routed to it (one product per expert, its weights read once, quantized as stored), and
+//! its outputs, scaled by their routing weights, are added into those rows. An expert no row
+//! chose costs nothing, so a decode step reads only the active experts' weights.
+
+use candle_core::{DType, Tensor};
+
+use crate::error::{Error, Result};
+use crate::linear::QLinear;
+
+/// One expert: `down(silu(gate(x)) * up(x))`.
+#[derive(Debug, Clone)]
+pub struct SwiGluExpert {
+    pub gate: QLinear,
+    pub up: QLinear,
+    pub down: QLinear,
+}
+
+impl SwiGluExpert {
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = (candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?;
+        self.down.forward(&h)
+    }
+
+    /// Bytes held by the expert's weights.
+    pub fn weight_bytes(&self) -> usize {
+        self.gate.weight_bytes() + self.up.weight_bytes() + self.down.weight_bytes()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SparseMoe {
+    /// [experts, hidden], kept dense (it is small and the routing is sensitive to it).
+    router: Tensor,
+    experts: Vec<SwiGluExpert>,
+    top_k: usize,
+}
+
+/// Each row's experts and their weights, in the order of decreasing probability.
+pub type Routes = Vec<Vec<(usize, f32)>>;
+
+impl SparseMoe {
+    pub fn new(router: Tensor, experts: Vec<SwiGluExpert>, top_k: usize) -> Result<Self> {
+        let (e, _) = router.dims2()?;
+        if e != experts.len() || top_k == 0 || top_k > e {
+            return Err(Error::Shape {
+                layer: "SparseMoe",
+                message: format!("router of {e} experts, {} experts, top_k {top_k}", experts.len()),
+            });
+        }
+        Ok(Self { router, experts, top_k })
+    }
+
+    pub fn experts(&self) -> &[SwiGluExpert] {
+        &self.experts
+    }
+
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+
+    /// The routes of `x` [rows, hidden]: softmax in f32, top-k, renormalized.
+    pub fn route(&self, x: &Tensor) -> Result<Routes> {
+        let logits = x.to_dtype(DType::F32)?.matmul(&self.router.to_dtype(DType::F32)?.t()?)?;
+        let probs = candle_nn::ops::softmax_last_dim(&logits)?.to_vec2::<f32>()?;
+        Ok(probs.iter().map(|p| top_k(p, self.top_k)).collect())
+    }
+
+    /// `x` [..., hidden] through the routed experts.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let shape = x.shape().clone();
+        let hidden = *shape
+            .dims()
+            .last()
+            .ok_or_else(|| Error::Shape { layer: "SparseMoe", message: "a scalar input".into() })?;
+        let rows = x.reshape(((), hidden))?;
+        let routes = self.route(&rows)?;
+        // The rows of each expert, and their weights.
+        let mut by_expert: Vec<(Vec<u32>, Vec<f32>)> = vec![(vec![], vec![]); self.experts.len()];
+        for (r, route) in routes.iter().enumerate() {
+            for &(e, w) in route {
+                by_expert[e].0.push(r as u32);
+                by_expert[e].1.push(w);
+            }
+        }
+        let mut out = rows.zeros_like()?;
+        for (e, (idx, w)) in by_expert.iter().enumerate() {
+            if idx.is_empty() {
+                continue;
+            }
+            let n = idx.len();
+            let ids = Tensor::from_vec(idx.clone(), n, x.device())?;
+            let y = self.experts[e].forward(&rows.index_select(&ids, 0)?)?;
+            // The weights in the activations' dtype, as transformers casts them.
+            let w = Tensor::from_vec(w.clone(), (n, 1), x.device())?.to_dtype(y.dtype())?;
+            out = out.index_add(&ids, &y.broadcast_mul(&w)?, 0)?;
+        }
+        Ok(out.reshape(shape)?)
+    }
+}
+
+/// The `k` largest of `p` (ties to the lower index, as `torch.topk` on distinct values), their
+/// weights divided by their sum.
+fn top_k(p: &[f32], k: usize) -> Vec<(usize, f32)> {
+    let mut idx: Vec<usize> = (0..p.len()).collect();
+    idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    let sum: f32 = idx.iter().map(|&i| p[i]).sum();
+    idx.into_iter().map(|i| (i, p[i] / sum)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn top_k_renormalizes_the_largest() {
+        let r = top_k(&[0.1, 0.4, 0.2, 0.3], 2);
+        assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 3]);
+        assert!((r[0].1 - 0.4 / 0.7).abs() < 1e-6 && (r[1].1 - 0.3 / 0.7).abs() < 1e-6);
+    }
+
+    /// Grouped by expert equals each row through its own experts, weighted (computed directly).
+    #[test]
+    fn grouped_rows_equal_each_row_through_its_experts() {
+        let dev = Device::Cpu;
+        let (h, i, e) = (8, 6, 4);
+        let lin = |o: usize, n: usize, s: u64| {
+            let v: Vec<f32> = (0..o * n).map(|j| (((j as u64 * 2654435761 + s) % 1000) as f32 / 500.0) - 1.0).collect();
+            QLinear::Dense(candle_nn::Linear::new(Tensor::from_vec(v, (o, n), &dev).unwrap(), None))
+        };
+        let experts: Vec<SwiGluExpert> = (0..e as u64)
+            .map(|s| SwiGluExpert { gate: lin(i, h, s), up: lin(i, h, s + 10), down: lin(h, i, s + 20) })
+            .collect();
+        let router: Vec<f32> = (0..e * h).map(|j| ((j * 37 % 11) as f32 - 5.0) / 4.0).collect();
+        let moe = SparseMoe::new(Tensor::from_vec(router, (e, h), &dev).unwrap(), experts.clone(), 2).unwrap();
+        let xs: Vec<f32> = (0..5 * h).map(|j| ((j * 13 % 17) as f32 - 8.0) / 8.0).collect();
+        let x = Tensor::from_vec(xs, (5, h), &dev).unwrap();
+        let got = moe.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        let routes = moe.route(&x).unwrap();
+        for (r, route) in routes.iter().enumerate() {
+            assert_eq!(route.len(), 2);
+            let row = x.narrow(0, r, 1).unwrap();
+            let mut want = vec![0f32; h];
+            for &(ex, w) in route {
+                let y = experts[ex].forward(&row).unwrap().to_vec2::<f32>().unwrap();
+                for (a, b) in want.iter_mut().zip(&y[0]) {
+                    *a += w * b;
+                }
+            }
+            for (a, b) in got[r].iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5, "row {r}: {a} vs {b}");
+            }
+        }
+    }
+}
