@@ -142,3 +142,38 @@ fn inspect_takes_a_cached_hub_id_and_never_downloads() {
     assert_ne!(code, 0);
     assert!(err.contains("GGUF file /nonexistent/model-Q4_K_M.gguf not found"), "{err}");
 }
+
+/// A MoE checkpoint (goldens/tiny-moe): its family, expert counts and sparse layers, and the
+/// parameter counts the reference reported (reference.json).
+#[test]
+fn inspect_shows_a_moe_checkpoint_s_experts() {
+    let dir = golden("tiny-moe");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.parent().unwrap().join("reference.json")).unwrap()).unwrap();
+    let (code, out, err) = vl(&["inspect", "--model", dir.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("architecture: Qwen3VLMoeForConditionalGeneration (qwen3_vl_moe)"), "{out}");
+    assert!(
+        out.contains(
+            "experts:      8 per layer, 2 active per token, moe_intermediate 24; sparse layers [0, 2], dense [1]"
+        ),
+        "{out}"
+    );
+    let (code, out, err) = vl(&["inspect", "--model", dir.to_str().unwrap(), "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let counts = &reference["parameter_counts"];
+    assert_eq!(v["parameters"]["vision"], counts["vision"]);
+    assert_eq!(v["parameters"]["text"], counts["text"]);
+    assert_eq!(v["parameters"]["lm_head"], counts["lm_head"]);
+    assert_eq!(v["experts"]["experts_per_layer"], 8);
+    assert_eq!(v["experts"]["sparse_layers"], serde_json::json!([0, 2]));
+    // `vl quantize` does not write MoE GGUF files yet: one line saying so, nothing written.
+    let out_dir = tempfile::tempdir().unwrap();
+    let target = out_dir.path().join("q");
+    let (code, _, err) =
+        vl(&["quantize", "--model", dir.to_str().unwrap(), "--quantize", "q8", "--out", target.to_str().unwrap()]);
+    assert_ne!(code, 0);
+    assert!(err.contains("Qwen3-VL MoE") && err.contains("not supported yet"), "{err}");
+    assert!(!target.exists());
+}

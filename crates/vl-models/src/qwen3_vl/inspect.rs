@@ -9,7 +9,7 @@ use serde::Serialize;
 use crate::checkpoint::SHARD_INDEX;
 use crate::error::Result;
 
-use super::config::{ARCHITECTURE, MODEL_TYPE};
+use super::config::{ARCHITECTURE, MODEL_TYPE, MOE_ARCHITECTURE, MOE_MODEL_TYPE};
 use super::plan::Group;
 use super::preflight::ModelDir;
 use super::weights::{Layout, Storage};
@@ -37,10 +37,26 @@ pub struct Summary {
     pub tied_lm_head: bool,
     pub text: String,
     pub vision: String,
+    /// The routed experts of a MoE checkpoint (None for a dense one).
+    pub experts: Option<Experts>,
     /// Tensors present but unused (e.g. lm_head.weight of a tied model).
     pub ignored_tensors: Vec<String>,
     /// config.json keys neither read nor ignored on purpose.
     pub unknown_config_keys: Vec<String>,
+}
+
+/// A MoE checkpoint's experts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Experts {
+    pub experts_per_layer: usize,
+    /// Experts each token is routed to.
+    pub active_per_token: usize,
+    pub moe_intermediate_size: usize,
+    /// Layers with routed experts, and the dense ones (`mlp_only_layers`, `decoder_sparse_step`).
+    pub sparse_layers: Vec<usize>,
+    pub dense_layers: Vec<usize>,
+    /// Text parameters a token uses: the dense ones and its experts' (without the embeddings).
+    pub active_text_parameters: usize,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -120,9 +136,25 @@ pub fn inspect(dir: &Path) -> Result<Summary> {
     params.total = params.vision + params.text + params.lm_head;
     let (t, v) = (&cfg.text, &cfg.vision);
     let side = v.num_grid_per_side();
+    let experts = t.moe.as_ref().map(|m| {
+        let (sparse, dense): (Vec<usize>, Vec<usize>) = (0..t.num_hidden_layers).partition(|&i| t.is_sparse(i));
+        let per_expert = 3 * t.hidden_size * m.moe_intermediate_size;
+        let all_experts = sparse.len() * m.num_experts * per_expert;
+        let embed = t.vocab_size * t.hidden_size;
+        Experts {
+            experts_per_layer: m.num_experts,
+            active_per_token: m.top_k,
+            moe_intermediate_size: m.moe_intermediate_size,
+            active_text_parameters: params.text - embed - all_experts + sparse.len() * m.top_k * per_expert,
+            sparse_layers: sparse,
+            dense_layers: dense,
+        }
+    });
+    let moe = experts.is_some();
     Ok(Summary {
-        architecture: ARCHITECTURE.into(),
-        model_type: MODEL_TYPE.into(),
+        experts,
+        architecture: if moe { MOE_ARCHITECTURE } else { ARCHITECTURE }.into(),
+        model_type: if moe { MOE_MODEL_TYPE } else { MODEL_TYPE }.into(),
         files: w.checkpoint().files().len(),
         sharded: dir.join(SHARD_INDEX).is_file(),
         tensors: w.checkpoint().tensors().len(),
@@ -209,6 +241,19 @@ impl fmt::Display for Summary {
         writeln!(f, "storage:      {} layout; {}", self.layout, self.storage.join("; "))?;
         writeln!(f, "compute:      {}", self.compute)?;
         writeln!(f, "text:         {}", self.text)?;
+        if let Some(e) = &self.experts {
+            writeln!(
+                f,
+                "experts:      {} per layer, {} active per token, moe_intermediate {}; sparse layers {:?}, dense {:?}; {} ({}) text parameters active per token",
+                e.experts_per_layer,
+                e.active_per_token,
+                e.moe_intermediate_size,
+                e.sparse_layers,
+                e.dense_layers,
+                human(e.active_text_parameters),
+                e.active_text_parameters
+            )?;
+        }
         write!(f, "vision:       {}", self.vision)?;
         if !self.ignored_tensors.is_empty() {
             write!(f, "\nignored:      {}", self.ignored_tensors.join(", "))?;
