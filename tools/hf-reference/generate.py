@@ -109,6 +109,12 @@ TINY_MOE = dict(
 )
 
 
+# The MoE geometry for llama.cpp's converter, which takes only all-sparse models: no
+# mlp_only_layers, tied lm_head (the GGUF files are the goldens; the checkpoint is not kept).
+MOE_GGUF_GEOMETRY = "tiny-moe-gguf"
+TINY_MOE_GGUF = dict(TINY_MOE, moe=dict(TINY_MOE["moe"], mlp_only_layers=[]), tie=True)
+
+
 # Quantizable geometry for the MLX fixtures: every linear's input dim a multiple of 64.
 TINY_Q = dict(
     dtype="float32",
@@ -977,26 +983,37 @@ def main():
     ap.add_argument("--mlx-goldens", help="only write the MLX fixtures' reference goldens (cache dir)")
     ap.add_argument("--thinking", action="store_true", help="only write goldens/thinking (Thinking template)")
     ap.add_argument("--moe", action="store_true", help="only write goldens/tiny-moe (the MoE family)")
+    ap.add_argument("--moe-gguf", action="store_true",
+                    help="only write goldens/tiny-moe-gguf (all-sparse MoE, for generate-gguf-moe)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     out = Path(args.out)
     if args.thinking:
         thinking_goldens(out)
         return
-    if args.moe:
+    if args.moe or args.moe_gguf:
         # The probe images, tokenizer, sampled ids and prompt goldens are the dense geometries'.
         images = {p.stem: Image.open(p) for p in sorted((out / "images").glob("*.png")) if p.stem in probe_images()}
         sampled_ids = load_file(out / "sampled_vocab_ids.safetensors")["vocab_ids"]
         template = BUILTIN_TEMPLATE.read_text()
+        name, geometry, base = ((MOE_GEOMETRY, TINY_MOE, 7000) if args.moe
+                                else (MOE_GGUF_GEOMETRY, TINY_MOE_GGUF, 8000))
         for k in range(args.max_seed_tries):
-            seed = args.seed + 7000 + k
-            ok, why = run_geometry(MOE_GEOMETRY, TINY_MOE, seed, out, images, out / "tokenizer", template,
+            seed = args.seed + base + k
+            ok, why = run_geometry(name, geometry, seed, out, images, out / "tokenizer", template,
                                    sampled_ids, print)
             if ok:
                 break
-            print(f"{MOE_GEOMETRY}: seed {seed} rejected ({why})")
+            print(f"{name}: seed {seed} rejected ({why})")
         else:
-            sys.exit(f"{MOE_GEOMETRY}: no seed passed the greedy margin check")
+            sys.exit(f"{name}: no seed passed the greedy margin check")
+        if args.moe_gguf:
+            write_provenance(out, {"moe_gguf": {
+                "generator": "tools/hf-reference/generate --moe-gguf, then tools/hf-reference/generate-gguf-moe",
+                "geometry": geometry, "seed": seed,
+                "cases": "as tiny-a's (prompts/ shared), float32, eager attention; the checkpoint is converted by "
+                         "llama.cpp's converter into gguf-moe/ and not kept"}})
+            return
         write_provenance(out, {"moe": {
             "generator": "tools/hf-reference/generate --moe", "geometry": TINY_MOE, "seed": seed,
             "model": "Qwen3VLMoeForConditionalGeneration (transformers' save_pretrained: hub layout, experts "

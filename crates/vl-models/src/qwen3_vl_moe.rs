@@ -6,8 +6,10 @@
 //! the experts (`TextConfig::moe`) and whose text decoder builds a sparse MLP for each sparse layer.
 //!
 //! Loaded: checkpoint directories (safetensors; the fused experts in transformers 5's
-//! `[E, out, in]` layout or the hub's `[E, in, out]`). Not yet: GGUF files (`qwen3vlmoe`), MLX
-//! conversions, and `vl quantize` of a MoE checkpoint (each refused with a message saying so).
+//! `[E, out, in]` layout or the hub's `[E, in, out]`) and llama.cpp's GGUF files
+//! (`qwen3vlmoe`: `ffn_gate_inp`, `ffn_{gate,up,down}_exps`, each expert's blocks used as
+//! stored). Not yet: MLX conversions, and `vl quantize` of a MoE checkpoint (refused with a
+//! message saying so).
 
 use std::path::Path;
 
@@ -35,16 +37,10 @@ fn open_entry(
     opts: &crate::engine::EngineOptions,
     staged: bool,
 ) -> Result<Box<dyn crate::family::Family>> {
-    if crate::gguf::is_gguf(source.model) {
-        return Err(not_yet(source.model, "GGUF files (general.architecture qwen3vlmoe)"));
-    }
     (crate::qwen3_vl::family::ENTRY.open)(source, opts, staged)
 }
 
 fn inspect_entry(source: &Source<'_>, json: bool) -> Result<String> {
-    if crate::gguf::is_gguf(source.model) {
-        return Err(not_yet(source.model, "GGUF files (general.architecture qwen3vlmoe)"));
-    }
     (crate::qwen3_vl::family::ENTRY.inspect)(source, json)
 }
 

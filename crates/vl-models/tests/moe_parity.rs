@@ -150,3 +150,31 @@ fn batched_decode_routes_each_sequence_as_alone() {
     let stats = engine.stats();
     println!("decode steps {}, rows {}", stats.decode_steps, stats.decode_rows);
 }
+
+/// llama.cpp's converter's GGUF pair of the all-sparse tiny-moe-gguf (`qwen3vlmoe`; its
+/// checkpoint is not kept, goldens/gguf-moe): logits of every case within 1e-3 of the reference
+/// and the greedy ids equal.
+#[test]
+fn llama_cpp_moe_gguf_matches_the_reference() {
+    let g = goldens().join("gguf-moe");
+    let pair = vl_models::qwen3_vl::gguf::GgufModel::open(
+        &g.join("tiny-moe-f32.gguf"),
+        Some(&g.join("mmproj-tiny-moe-f32.gguf")),
+    )
+    .unwrap();
+    assert_eq!(pair.config.text.moe.as_ref().map(|m| (m.num_experts, m.top_k)), Some((8, 2)));
+    let m = pair.load_model(DType::F32, &candle_core::Device::Cpu).unwrap();
+    for case in CASES {
+        let want = load(&goldens().join("tiny-moe-gguf/cases").join(format!("{case}.safetensors")));
+        let p = prompt(case);
+        let mut cache = m.new_cache();
+        let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
+        let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
+        let want_ids: Vec<u32> = want["greedy.ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
+        let opts = GenerationOptions { max_new_tokens: want_ids.len(), ..Default::default() };
+        let got = m.generate(&p, &opts, &mut |_| true).unwrap().tokens;
+        println!("gguf moe f32 {case}: last logits max|diff| {d:.2e}");
+        assert!(d <= LOGIT_TOL, "{case}: {d}");
+        assert_eq!(got, want_ids, "{case}");
+    }
+}

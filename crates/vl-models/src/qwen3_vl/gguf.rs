@@ -40,10 +40,10 @@ impl GgufModel {
     pub fn open(text: &Path, mmproj: Option<&Path>) -> Result<Self> {
         let text = GgufFile::open(text)?;
         let arch = text.str("general.architecture")?;
-        if arch != "qwen3vl" {
+        if arch != "qwen3vl" && arch != "qwen3vlmoe" {
             return Err(bad(
                 &text.path,
-                format!("general.architecture = {arch:?}: not a Qwen3-VL text model (qwen3vl)"),
+                format!("general.architecture = {arch:?}: not a Qwen3-VL text model (qwen3vl, qwen3vlmoe)"),
             ));
         }
         let mmproj = mmproj.map(GgufFile::open).transpose()?;
@@ -112,7 +112,7 @@ impl GgufModel {
         }
         let mut missing = vec![];
         let mut wrong_shape = vec![];
-        for p in super::plan::tensor_plan(&self.config) {
+        for p in gguf_plan(&self.config) {
             if p.group == super::plan::Group::Vision && self.mmproj.is_none() {
                 continue;
             }
@@ -133,7 +133,7 @@ impl GgufModel {
     }
 
     fn read_config(t: &GgufFile, m: Option<&GgufFile>) -> Result<Qwen3VlConfig> {
-        let a = "qwen3vl";
+        let a = t.str("general.architecture")?;
         let k = |s: &str| format!("{a}.{s}");
         let vocab = t.array("tokenizer.ggml.tokens")?.len();
         let heads = t.usize(&k("attention.head_count"), 1024)?;
@@ -154,7 +154,11 @@ impl GgufModel {
         let text = TextConfig {
             vocab_size: vocab,
             hidden_size: t.usize(&k("embedding_length"), 65_536)?,
-            intermediate_size: t.usize(&k("feed_forward_length"), 262_144)?,
+            intermediate_size: if t.content.metadata.contains_key(&k("feed_forward_length")) || a == "qwen3vl" {
+                t.usize(&k("feed_forward_length"), 262_144)?
+            } else {
+                0
+            },
             num_hidden_layers: t.usize(&k("block_count"), 1024)?,
             num_attention_heads: heads,
             num_key_value_heads: kv,
@@ -163,8 +167,23 @@ impl GgufModel {
             rms_norm_eps: t.f64(&k("attention.layer_norm_rms_epsilon"))?,
             rope_theta: t.f64(&k("rope.freq_base"))?,
             mrope_section: sections[..3].to_vec(),
-            // MoE GGUF files (`qwen3vlmoe`) are not read yet: refused by the registry.
-            moe: None,
+            // llama.cpp's qwen3vlmoe has routed experts in every layer.
+            moe: if a == "qwen3vlmoe" {
+                let experts = t.usize(&k("expert_count"), 4096)?;
+                let used = t.usize(&k("expert_used_count"), 4096)?;
+                if used == 0 || used > experts {
+                    return Err(bad(&t.path, format!("expert_used_count {used} is not in 1..={experts}")));
+                }
+                Some(super::config::MoeConfig {
+                    num_experts: experts,
+                    top_k: used,
+                    moe_intermediate_size: t.usize(&k("expert_feed_forward_length"), 262_144)?,
+                    decoder_sparse_step: 1,
+                    mlp_only_layers: vec![],
+                })
+            } else {
+                None
+            },
         };
         let vision = match m {
             Some(m) => {
@@ -475,3 +494,33 @@ fn tokenizer(t: &GgufFile) -> Result<Tokenizer> {
 /// llama.cpp's `qwen2` pre-tokenizer: the split regex of Qwen2's tokenizer.json.
 const QWEN2_PATTERN: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The tensor plan as a GGUF holds it: llama.cpp splits each layer's fused experts into
+/// `ffn_gate_exps` / `ffn_up_exps` `[E, moe_inter, hidden]` and `ffn_down_exps`
+/// `[E, hidden, moe_inter]` (checkpoint keys `mlp.experts.{gate,up,down}_proj.weight`).
+fn gguf_plan(cfg: &Qwen3VlConfig) -> Vec<super::plan::PlannedTensor> {
+    let mut out = vec![];
+    for p in super::plan::tensor_plan(cfg) {
+        let Some(base) = p.key.strip_suffix(".experts.gate_up_proj").or(p.key.strip_suffix(".experts.down_proj"))
+        else {
+            out.push(p);
+            continue;
+        };
+        let (e, fused) = (p.shape[0], p.shape[1]);
+        if p.key.ends_with("gate_up_proj") {
+            for part in ["gate_proj", "up_proj"] {
+                let key = format!("{base}.experts.{part}.weight");
+                out.push(super::plan::PlannedTensor {
+                    key,
+                    shape: vec![e, fused / 2, p.shape[2]],
+                    alt_shape: None,
+                    ..p.clone()
+                });
+            }
+        } else {
+            let key = format!("{base}.experts.down_proj.weight");
+            out.push(super::plan::PlannedTensor { key, shape: p.shape.clone(), alt_shape: None, ..p.clone() });
+        }
+    }
+    out
+}

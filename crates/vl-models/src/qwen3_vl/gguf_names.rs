@@ -23,6 +23,11 @@ const TEXT_LAYER: &[(&str, &str)] = &[
     ("ffn_gate", "mlp.gate_proj"),
     ("ffn_up", "mlp.up_proj"),
     ("ffn_down", "mlp.down_proj"),
+    // MoE (qwen3vlmoe): the router, and each layer's experts as one 3-D tensor per matrix.
+    ("ffn_gate_inp", "mlp.gate"),
+    ("ffn_gate_exps", "mlp.experts.gate_proj"),
+    ("ffn_up_exps", "mlp.experts.up_proj"),
+    ("ffn_down_exps", "mlp.experts.down_proj"),
 ];
 
 /// Whole-tower vision parts (relative to `model.visual`).

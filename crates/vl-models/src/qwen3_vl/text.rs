@@ -221,13 +221,33 @@ impl Ffn {
 fn sparse_moe(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<SparseMoe> {
     let m = cfg.moe.as_ref().expect("a sparse layer has a MoE config");
     let (e, d, mi) = (m.num_experts, cfg.hidden_size, m.moe_intermediate_size);
-    if qt.pre.is_some() {
-        return Err(Error::Input {
-            what: vb.prefix().to_string(),
-            message: "routed experts from a GGUF file are not supported yet".into(),
-        });
-    }
     let router = vb.pp("gate").get((e, d), "weight")?;
+    // A GGUF file's experts: one 3-D tensor per matrix, quantized as stored or in floats.
+    let evb = vb.pp("experts");
+    let split = ["gate_proj", "up_proj", "down_proj"].map(|n| format!("{n}.weight"));
+    if split.iter().all(|n| qt.stored(&evb, n).is_some() || evb.contains_tensor(n)) {
+        let shapes = [(mi, d), (mi, d), (d, mi)];
+        let mut parts: Vec<Vec<QLinear>> = Vec::with_capacity(3);
+        for (name, (o, i)) in split.iter().zip(shapes) {
+            parts.push(match qt.stored(&evb, name) {
+                Some(q) => split_experts(&q, e, (o, i), &format!("{}.{name}", evb.prefix()))?,
+                None => {
+                    let t = evb.get((e, o, i), name)?;
+                    (0..e)
+                        .map(|x| {
+                            let w = t.get(x)?.contiguous()?;
+                            let qt = qt.quant.map(|q| q.qtype).filter(|q| i.is_multiple_of(q.block()));
+                            Ok(QLinear::new(candle_nn::Linear::new(w, None), qt)?)
+                        })
+                        .collect::<Result<_>>()?
+                }
+            });
+        }
+        let (down, up, gate) = (parts.pop().unwrap(), parts.pop().unwrap(), parts.pop().unwrap());
+        let experts =
+            gate.into_iter().zip(up).zip(down).map(|((gate, up), down)| SwiGluExpert { gate, up, down }).collect();
+        return Ok(SparseMoe::new(router, experts, m.top_k)?);
+    }
     let read_as = qt.quant.map_or(vb.dtype(), |q| q.read_as);
     let fused = |name: &str, out: usize, inp: usize| -> Result<Tensor> {
         let key = format!("{}.experts.{name}", vb.prefix());
@@ -261,6 +281,37 @@ fn sparse_moe(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<SparseMo
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(SparseMoe::new(router, experts, m.top_k)?)
+}
+
+/// A quantized 3-D expert tensor `[E, out, in]` cut into one `QLinear` per expert: each
+/// expert's rows are whole blocks, contiguous in the tensor's bytes, so they are copied as
+/// stored (no dequantize).
+fn split_experts(
+    q: &candle_core::quantized::QTensor,
+    e: usize,
+    (o, i): (usize, usize),
+    key: &str,
+) -> Result<Vec<QLinear>> {
+    if q.shape().dims() != [e, o, i] {
+        return Err(Error::Input {
+            what: key.into(),
+            message: format!("shape {:?}, expected {:?}", q.shape().dims(), [e, o, i]),
+        });
+    }
+    let bytes = q.data()?;
+    let per = bytes.len() / e;
+    let dev = q.device();
+    (0..e)
+        .map(|x| {
+            let part = candle_core::quantized::ggml_file::qtensor_from_ggml(
+                q.dtype(),
+                &bytes[x * per..(x + 1) * per],
+                vec![o, i],
+                &dev,
+            )?;
+            Ok(QLinear::from_qtensor(std::sync::Arc::new(part), None)?)
+        })
+        .collect()
 }
 
 #[derive(Debug, Clone)]
