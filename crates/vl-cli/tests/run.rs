@@ -594,3 +594,28 @@ fn thinking_reasoning_is_printed_apart_or_hidden() {
         &["--chat-template-kwargs", "messages"],
     );
 }
+
+/// Weights that cannot fit the memory left are refused before any is read, with one line naming
+/// the checkpoint and both sizes; the same checkpoint quantized at load fits and runs.
+/// (`VL_MEMORY_AVAILABLE` stands for a machine with 10 MB free: tiny-a's weights are ~20 MB in
+/// f32 and ~6 MB with `--quantize q8`.)
+#[test]
+fn weights_that_cannot_fit_the_memory_are_refused_before_loading() {
+    let ck = checkpoint("tiny-a");
+    let run = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_vl"))
+            .args(["run", "--model", &ck, "--prompt", "hi", "--max-new-tokens", "2"])
+            .args(extra)
+            .env("VL_MEMORY_AVAILABLE", "10000000")
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap();
+        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, err) = run(&[]);
+    assert_ne!(code, 0);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains(&ck) && err.contains("loaded as f32") && err.contains("9.5 MiB of memory available"), "{err}");
+    let (code, err) = run(&["--quantize", "q8"]);
+    assert_eq!(code, 0, "{err}");
+}

@@ -184,3 +184,33 @@ mod tests {
         assert!(read_bytes(dir.path(), 10, LimitKind::Fixed).unwrap_err().to_string().contains("is a directory"));
     }
 }
+
+/// Memory this process may still fill, in bytes: the smallest of the system's available memory
+/// and free swap (`/proc/meminfo`), the cgroup's room (`memory.max` less its anonymous memory, in
+/// a container) and `VL_MEMORY_AVAILABLE` when set (bytes: for machines where neither is right).
+/// None where none can be read.
+pub fn available_memory() -> Option<u64> {
+    let mut best: Option<u64> = None;
+    let mut take = |v: u64| best = Some(best.map_or(v, |b| b.min(v)));
+    if let Some(v) = std::env::var("VL_MEMORY_AVAILABLE").ok().and_then(|v| v.trim().parse::<u64>().ok()) {
+        take(v);
+    }
+    if let Ok(m) = std::fs::read_to_string("/proc/meminfo") {
+        let kb = |key: &str| -> Option<u64> {
+            m.lines().find(|l| l.starts_with(key))?.split_whitespace().nth(1)?.parse::<u64>().ok().map(|k| k * 1024)
+        };
+        if let Some(a) = kb("MemAvailable:") {
+            take(a + kb("SwapFree:").unwrap_or(0));
+        }
+    }
+    // In a cgroup with a memory limit: the limit less the anonymous memory charged to it (page
+    // cache counts in `memory.current` but is given back under pressure).
+    let cg = |f: &str| std::fs::read_to_string(Path::new("/sys/fs/cgroup").join(f)).ok();
+    let max = cg("memory.max").and_then(|m| m.trim().parse::<u64>().ok());
+    let anon = cg("memory.stat")
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("anon ").and_then(|v| v.trim().parse::<u64>().ok())));
+    if let (Some(max), Some(anon)) = (max, anon) {
+        take(max.saturating_sub(anon));
+    }
+    best
+}

@@ -152,6 +152,7 @@ impl Qwen3Vl {
         progress: Option<crate::checkpoint::LoadProgress>,
     ) -> Result<Self> {
         let ModelDir { config, weights, mut processor, generation, .. } = dir;
+        check_memory(&config, &weights, opts)?;
         let checkpoint = apply_image_options(&mut processor, opts)?;
         let tensors = weights.entries().len();
         let (dtype, device) = (opts.dtype, opts.device.clone());
@@ -407,6 +408,69 @@ impl Family for Qwen3Vl {
     fn reasoning(&self) -> Option<&crate::reasoning::Markers> {
         self.think.as_ref()
     }
+}
+
+/// Bytes the weights of a checkpoint hold once loaded as `opts` asks: the text decoder's
+/// matrices in `quant` where their rows fill its blocks, else in the compute dtype; the vision
+/// tower in its stored dtype (f32 compute keeps a bf16 tower bf16). An estimate: the kernels'
+/// repacked copies and the activations come on top.
+pub fn resident_bytes(
+    cfg: &Qwen3VlConfig,
+    weights: &super::Weights,
+    dtype: DType,
+    quant: Option<vl_nn::QuantType>,
+) -> u64 {
+    let vision_dtype = if dtype == DType::F32 { weights.vision_float_dtype() } else { dtype };
+    let mut total = 0f64;
+    for p in super::plan::tensor_plan(cfg) {
+        if p.group == super::plan::Group::LmHead && cfg.tie_word_embeddings {
+            continue;
+        }
+        let elems = p.shape.iter().product::<usize>() as f64;
+        let cols = *p.shape.last().unwrap_or(&1);
+        let per = match (p.group, quant) {
+            (super::plan::Group::Vision, _) => vision_dtype.size_in_bytes() as f64,
+            (_, Some(q)) if p.shape.len() >= 2 && cols.is_multiple_of(q.block()) => {
+                q.ggml().type_size() as f64 / q.block() as f64
+            }
+            _ => dtype.size_in_bytes() as f64,
+        };
+        total += elems * per;
+    }
+    total as u64
+}
+
+/// Refuses, before any weight is read, a load whose weights cannot fit the memory this process
+/// may still fill (`limits::available_memory`), naming both and what `--quantize q4k` would take.
+fn check_memory(cfg: &Qwen3VlConfig, weights: &super::Weights, opts: &EngineOptions) -> Result<()> {
+    let Some(available) = crate::limits::available_memory() else { return Ok(()) };
+    let need = resident_bytes(cfg, weights, opts.dtype, opts.quant);
+    if need <= available {
+        return Ok(());
+    }
+    let size = |b: u64| match b {
+        b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
+        b => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+    };
+    let how = match opts.quant {
+        Some(q) => q.name().to_string(),
+        None => format!("{:?}", opts.dtype).to_lowercase(),
+    };
+    let q4k = resident_bytes(cfg, weights, opts.dtype, Some(vl_nn::QuantType::Q4K));
+    let hint = if opts.quant != Some(vl_nn::QuantType::Q4K) && q4k < need {
+        format!("; with --quantize q4k it needs about {}", size(q4k))
+    } else {
+        String::new()
+    };
+    Err(Error::Limit {
+        what: weights.dir().display().to_string(),
+        message: format!(
+            "its weights need about {} loaded as {how}, more than the {} of memory available (VL_MEMORY_AVAILABLE overrides what is detected){hint}",
+            size(need),
+            size(available)
+        ),
+        kind: crate::limits::LimitKind::Fixed,
+    })
 }
 
 /// Fewest visual tokens of an image in a grounding request (llama.cpp warns below 1024 for
