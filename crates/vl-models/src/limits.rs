@@ -163,28 +163,6 @@ impl Watchdog {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn endless_and_oversized_files_are_refused() {
-        let err = read_bytes(Path::new("/dev/zero"), 1000, LimitKind::ImageBytes).unwrap_err();
-        assert!(matches!(err, Error::Limit { kind: LimitKind::ImageBytes, .. }));
-        assert!(err.to_string().contains("/dev/zero") && err.to_string().contains("1000 bytes"), "{err}");
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("f");
-        std::fs::write(&p, vec![b'x'; 1001]).unwrap();
-        let err = read_text(&p, 1000).unwrap_err().to_string();
-        assert!(err.contains("file size 1001 bytes exceeds the limit of 1000 bytes"), "{err}");
-        std::fs::write(&p, b"ok").unwrap();
-        assert_eq!(read_text(&p, 1000).unwrap(), "ok");
-        std::fs::write(&p, [0xff, 0xfe]).unwrap();
-        assert!(read_text(&p, 1000).unwrap_err().to_string().contains("not UTF-8"));
-        assert!(read_bytes(dir.path(), 10, LimitKind::Fixed).unwrap_err().to_string().contains("is a directory"));
-    }
-}
-
 /// Memory this process may still fill, in bytes: the smallest of the system's available memory
 /// and free swap (`/proc/meminfo`), the cgroup's room (`memory.max` less its anonymous memory, in
 /// a container) and `VL_MEMORY_AVAILABLE` when set (bytes: for machines where neither is right).
@@ -213,4 +191,26 @@ pub fn available_memory() -> Option<u64> {
         take(max.saturating_sub(anon));
     }
     best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endless_and_oversized_files_are_refused() {
+        let err = read_bytes(Path::new("/dev/zero"), 1000, LimitKind::ImageBytes).unwrap_err();
+        assert!(matches!(err, Error::Limit { kind: LimitKind::ImageBytes, .. }));
+        assert!(err.to_string().contains("/dev/zero") && err.to_string().contains("1000 bytes"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        std::fs::write(&p, vec![b'x'; 1001]).unwrap();
+        let err = read_text(&p, 1000).unwrap_err().to_string();
+        assert!(err.contains("file size 1001 bytes exceeds the limit of 1000 bytes"), "{err}");
+        std::fs::write(&p, b"ok").unwrap();
+        assert_eq!(read_text(&p, 1000).unwrap(), "ok");
+        std::fs::write(&p, [0xff, 0xfe]).unwrap();
+        assert!(read_text(&p, 1000).unwrap_err().to_string().contains("not UTF-8"));
+        assert!(read_bytes(dir.path(), 10, LimitKind::Fixed).unwrap_err().to_string().contains("is a directory"));
+    }
 }
