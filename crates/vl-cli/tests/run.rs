@@ -598,7 +598,7 @@ fn thinking_reasoning_is_printed_apart_or_hidden() {
 /// Weights that cannot fit the memory left are refused before any is read, with one line naming
 /// the checkpoint and both sizes; the same checkpoint quantized at load fits and runs.
 /// (`VL_MEMORY_AVAILABLE` stands for a machine with 10 MB free: tiny-a's weights are ~20 MB in
-/// f32 and ~6 MB with `--quantize q8`.)
+/// f32 and ~6 MB with `--quantize q8`; GGUF files likewise.)
 #[test]
 fn weights_that_cannot_fit_the_memory_are_refused_before_loading() {
     let ck = checkpoint("tiny-a");
@@ -618,4 +618,22 @@ fn weights_that_cannot_fit_the_memory_are_refused_before_loading() {
     assert!(err.contains(&ck) && err.contains("loaded as f32") && err.contains("9.5 MiB of memory available"), "{err}");
     let (code, err) = run(&["--quantize", "q8"]);
     assert_eq!(code, 0, "{err}");
+    // A GGUF file: its quantized tensors count as stored. llama.cpp's Q8_0 tiny MoE (~5.5 MB
+    // loaded) fits in 10 MB; its f32 file (~19 MB) does not.
+    let gguf = goldens().join("gguf-moe");
+    let q8 = gguf.join("tiny-moe-q8_0.gguf").display().to_string();
+    let f32 = gguf.join("tiny-moe-f32.gguf").display().to_string();
+    let go = |model: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_vl"))
+            .args(["run", "--model", model, "--prompt", "hi", "--max-new-tokens", "2"])
+            .env("VL_MEMORY_AVAILABLE", "10000000")
+            .output()
+            .unwrap();
+        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, err) = go(&q8);
+    assert_eq!(code, 0, "{err}");
+    let (code, err) = go(&f32);
+    assert_ne!(code, 0);
+    assert!(err.contains(&f32) && err.contains("loaded as stored"), "{err}");
 }

@@ -191,6 +191,9 @@ impl Qwen3Vl {
     pub fn open_gguf(model: &Path, mmproj: Option<&Path>, opts: &EngineOptions, staged: bool) -> Result<Self> {
         let (text, mm) = gguf::find_files(model, mmproj)?;
         let g = Arc::new(GgufModel::open(&text, mm.as_deref())?);
+        let floats = opts.quant.map_or_else(|| format!("{:?}", opts.dtype).to_lowercase(), |q| q.name().to_string());
+        let how = format!("as stored, float tensors in {floats}");
+        fits_memory(&text, g.resident_bytes(opts.dtype, opts.quant), &how, None, opts)?;
         let mut processor = g.processor()?;
         let checkpoint = apply_image_options(&mut processor, opts)?;
         let (dtype, device, quant) = (opts.dtype, opts.device.clone(), opts.quant);
@@ -443,8 +446,16 @@ pub fn resident_bytes(
 /// Refuses, before any weight is read, a load whose weights cannot fit the memory this process
 /// may still fill (`limits::available_memory`), naming both and what `--quantize q4k` would take.
 fn check_memory(cfg: &Qwen3VlConfig, weights: &super::Weights, opts: &EngineOptions) -> Result<()> {
-    let Some(available) = crate::limits::available_memory() else { return Ok(()) };
     let need = resident_bytes(cfg, weights, opts.dtype, opts.quant);
+    let q4k = resident_bytes(cfg, weights, opts.dtype, Some(vl_nn::QuantType::Q4K));
+    let how = opts.quant.map_or_else(|| format!("{:?}", opts.dtype).to_lowercase(), |q| q.name().to_string());
+    fits_memory(weights.dir(), need, &format!("as {how}"), Some(q4k), opts)
+}
+
+/// Refuses `need` bytes of weights over the memory available; `q4k`: what `--quantize q4k`
+/// would need instead (said when smaller).
+fn fits_memory(what: &Path, need: u64, how: &str, q4k: Option<u64>, opts: &EngineOptions) -> Result<()> {
+    let Some(available) = crate::limits::available_memory() else { return Ok(()) };
     if need <= available {
         return Ok(());
     }
@@ -452,20 +463,16 @@ fn check_memory(cfg: &Qwen3VlConfig, weights: &super::Weights, opts: &EngineOpti
         b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
         b => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
     };
-    let how = match opts.quant {
-        Some(q) => q.name().to_string(),
-        None => format!("{:?}", opts.dtype).to_lowercase(),
-    };
-    let q4k = resident_bytes(cfg, weights, opts.dtype, Some(vl_nn::QuantType::Q4K));
-    let hint = if opts.quant != Some(vl_nn::QuantType::Q4K) && q4k < need {
-        format!("; with --quantize q4k it needs about {}", size(q4k))
-    } else {
-        String::new()
+    let hint = match q4k {
+        Some(q4k) if opts.quant != Some(vl_nn::QuantType::Q4K) && q4k < need => {
+            format!("; with --quantize q4k it needs about {}", size(q4k))
+        }
+        _ => String::new(),
     };
     Err(Error::Limit {
-        what: weights.dir().display().to_string(),
+        what: what.display().to_string(),
         message: format!(
-            "its weights need about {} loaded as {how}, more than the {} of memory available (VL_MEMORY_AVAILABLE overrides what is detected){hint}",
+            "its weights need about {} loaded {how}, more than the {} of memory available (VL_MEMORY_AVAILABLE overrides what is detected){hint}",
             size(need),
             size(available)
         ),

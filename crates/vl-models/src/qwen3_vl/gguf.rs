@@ -334,6 +334,38 @@ impl GgufModel {
         })
     }
 
+    /// Bytes the weights hold once loaded as `load_text_quantized(dtype, _, quant)` and
+    /// `load_vision` do: quantized tensors as stored, float text tensors in `dtype` (or `quant`
+    /// where a 2-D one's rows fill its blocks), the projector in its stored float type.
+    pub fn resident_bytes(&self, dtype: DType, quant: Option<vl_nn::QuantType>) -> u64 {
+        let bytes = |f: &GgufFile, vision: bool| -> f64 {
+            f.content
+                .tensor_infos
+                .values()
+                .map(|i| {
+                    let dims = i.shape.dims();
+                    let elems = dims.iter().product::<usize>() as f64;
+                    let t = i.ggml_dtype;
+                    let float = matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+                    let per = if !float {
+                        t.type_size() as f64 / t.block_size() as f64
+                    } else if vision {
+                        t.type_size() as f64
+                    } else {
+                        match quant {
+                            Some(q) if dims.len() >= 2 && dims[dims.len() - 1].is_multiple_of(q.block()) => {
+                                q.ggml().type_size() as f64 / q.block() as f64
+                            }
+                            _ => dtype.size_in_bytes() as f64,
+                        }
+                    };
+                    elems * per
+                })
+                .sum()
+        };
+        (bytes(&self.text, false) + self.mmproj.as_ref().map_or(0.0, |m| bytes(m, true))) as u64
+    }
+
     /// The text decoder: quantized tensors as stored, float tensors as `dtype` (the 2-D ones
     /// quantized to `quant` when given, e.g. `--quantize q4k` on an f16 GGUF).
     pub fn load_text(&self, dtype: DType, dev: &Device) -> Result<TextModel> {
