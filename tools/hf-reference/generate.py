@@ -110,7 +110,7 @@ TINY_MOE = dict(
 
 
 # The MoE geometry for llama.cpp's converter, which takes only all-sparse models: no
-# mlp_only_layers, tied lm_head (the GGUF files are the goldens; the checkpoint is not kept).
+# mlp_only_layers, tied lm_head (kept: `vl quantize`'s MoE output is compared with the converter's).
 MOE_GGUF_GEOMETRY = "tiny-moe-gguf"
 TINY_MOE_GGUF = dict(TINY_MOE, moe=dict(TINY_MOE["moe"], mlp_only_layers=[]), tie=True)
 
@@ -1012,7 +1012,7 @@ def main():
                 "generator": "tools/hf-reference/generate --moe-gguf, then tools/hf-reference/generate-gguf-moe",
                 "geometry": geometry, "seed": seed,
                 "cases": "as tiny-a's (prompts/ shared), float32, eager attention; the checkpoint is converted by "
-                         "llama.cpp's converter into gguf-moe/ and not kept"}})
+                         "llama.cpp's converter into gguf-moe/, and by `vl quantize` in the tests"}})
             return
         write_provenance(out, {"moe": {
             "generator": "tools/hf-reference/generate --moe", "geometry": TINY_MOE, "seed": seed,

@@ -168,12 +168,29 @@ fn inspect_shows_a_moe_checkpoint_s_experts() {
     assert_eq!(v["parameters"]["lm_head"], counts["lm_head"]);
     assert_eq!(v["experts"]["experts_per_layer"], 8);
     assert_eq!(v["experts"]["sparse_layers"], serde_json::json!([0, 2]));
-    // `vl quantize` does not write MoE GGUF files yet: one line saying so, nothing written.
+    // Its dense layer has no place in llama.cpp's qwen3vlmoe file: one line saying so, nothing
+    // written.
     let out_dir = tempfile::tempdir().unwrap();
     let target = out_dir.path().join("q");
     let (code, _, err) =
         vl(&["quantize", "--model", dir.to_str().unwrap(), "--quantize", "q8", "--out", target.to_str().unwrap()]);
     assert_ne!(code, 0);
-    assert!(err.contains("Qwen3-VL MoE") && err.contains("not supported yet"), "{err}");
+    assert!(err.contains("layers 1 are dense") && err.trim().lines().count() == 1, "{err}");
     assert!(!target.exists());
+    // The all-sparse checkpoint is written as llama.cpp's qwen3vlmoe pair, which inspects as the
+    // checkpoint does.
+    let sparse = golden("tiny-moe-gguf");
+    let (code, _, err) = vl(&[
+        "quantize",
+        "--model",
+        sparse.to_str().unwrap(),
+        "--quantize",
+        "q4k_m",
+        "--out",
+        target.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = vl(&["inspect", "--model", target.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("experts:      8 per layer, 2 active per token, moe_intermediate 24"), "{out}");
 }

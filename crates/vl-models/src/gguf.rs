@@ -424,15 +424,34 @@ impl Recipe {
         }
     }
 
-    /// The block type of a text tensor (llama.cpp name) of `layer` among `layers`.
-    pub(crate) fn text_type(self, name: &str, layer: Option<usize>, layers: usize, tied: bool) -> vl_nn::QuantType {
+    /// The block type of a text tensor (llama.cpp name) of `layer` among `layers`, in a model of
+    /// `experts` routed experts per layer (1: dense), as llama-quantize picks it.
+    pub(crate) fn text_type(
+        self,
+        name: &str,
+        layer: Option<usize>,
+        layers: usize,
+        tied: bool,
+        experts: usize,
+    ) -> vl_nn::QuantType {
         let Recipe::Uniform(q) = self else {
             let more_bits =
                 |i: usize| i < layers / 8 || i >= 7 * layers / 8 || (i as i64 - (layers / 8) as i64) % 3 == 2;
             if name == "output.weight" || (tied && name == "token_embd.weight") {
                 return vl_nn::QuantType::Q6K;
             }
-            if (name.ends_with("attn_v.weight") || name.ends_with("ffn_down.weight")) && layer.is_some_and(more_bits) {
+            // llama.cpp's rule for 8-expert models (Mixtral's): attention K and V in Q8_0, its
+            // output in Q5_K.
+            if experts == 8 {
+                if name.ends_with("attn_v.weight") || name.ends_with("attn_k.weight") {
+                    return vl_nn::QuantType::Q8_0;
+                }
+                if name.ends_with("attn_output.weight") {
+                    return vl_nn::QuantType::Q5K;
+                }
+            }
+            // `ffn_down` and the experts' `ffn_down_exps` alike.
+            if (name.ends_with("attn_v.weight") || name.contains("ffn_down")) && layer.is_some_and(more_bits) {
                 return vl_nn::QuantType::Q6K;
             }
             return vl_nn::QuantType::Q4K;

@@ -8,12 +8,11 @@
 //! Loaded: checkpoint directories (safetensors; the fused experts in transformers 5's
 //! `[E, out, in]` layout or the hub's `[E, in, out]`) and llama.cpp's GGUF files
 //! (`qwen3vlmoe`: `ffn_gate_inp`, `ffn_{gate,up,down}_exps`, each expert's blocks used as
-//! stored). Not yet: MLX conversions, and `vl quantize` of a MoE checkpoint (refused with a
-//! message saying so).
+//! stored). `vl quantize` writes llama.cpp's `qwen3vlmoe` files from an all-sparse checkpoint.
 
 use std::path::Path;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::family::{FamilyEntry, Source};
 
 /// The registry's entry for Qwen3-VL MoE.
@@ -27,10 +26,6 @@ pub static ENTRY: FamilyEntry = FamilyEntry {
     quantize: quantize_entry,
     default_quant: default_quant_entry,
 };
-
-fn not_yet(path: &Path, what: &str) -> Error {
-    Error::Input { what: path.display().to_string(), message: format!("Qwen3-VL MoE: {what} are not supported yet") }
-}
 
 fn open_entry(
     source: &Source<'_>,
@@ -46,12 +41,12 @@ fn inspect_entry(source: &Source<'_>, json: bool) -> Result<String> {
 
 fn quantize_entry(
     model: &Path,
-    _recipe: crate::gguf::Recipe,
-    _out: &Path,
-    _overwrite: bool,
-    _progress: &mut dyn FnMut(&str),
+    recipe: crate::gguf::Recipe,
+    out: &Path,
+    overwrite: bool,
+    progress: &mut dyn FnMut(&str),
 ) -> Result<crate::gguf::Written> {
-    Err(not_yet(model, "GGUF files written by `vl quantize` (use --quantize at load)"))
+    (crate::qwen3_vl::family::ENTRY.quantize)(model, recipe, out, overwrite, progress)
 }
 
 fn default_quant_entry(model: &Path) -> Result<Option<vl_nn::QuantType>> {

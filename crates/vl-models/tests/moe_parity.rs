@@ -202,6 +202,13 @@ fn llama_cpp_q8_0_moe_gguf_stays_within_its_measured_bound() {
         .filter(|(n, i)| n.contains("_exps") && format!("{:?}", i.ggml_dtype) == "Q8_0")
         .count();
     assert_eq!(q8_experts, 6, "gate and up experts of three layers in Q8_0");
+    let worst = worst_last_logits(&pair, "gguf moe q8_0");
+    assert!(worst <= MOE_Q8_0_BOUND, "{worst}");
+}
+
+/// The worst last-position logit difference of a GGUF pair against the all-sparse reference
+/// (goldens/tiny-moe-gguf/cases) over the golden prompts.
+fn worst_last_logits(pair: &vl_models::qwen3_vl::gguf::GgufModel, what: &str) -> f32 {
     let m = pair.load_model(DType::F32, &candle_core::Device::Cpu).unwrap();
     let mut worst = 0f32;
     for case in CASES {
@@ -210,9 +217,86 @@ fn llama_cpp_q8_0_moe_gguf_stays_within_its_measured_bound() {
         let mut cache = m.new_cache();
         let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
         let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
-        println!("gguf moe q8_0 {case}: last logits max|diff| {d:.3e}");
+        println!("{what} {case}: last logits max|diff| {d:.3e}");
         worst = worst.max(d);
     }
-    println!("gguf moe q8_0: worst {worst:.3e}");
-    assert!(worst <= MOE_Q8_0_BOUND, "{worst}");
+    println!("{what}: worst {worst:.3e}");
+    worst
+}
+
+/// The all-sparse checkpoint llama.cpp's converter read (goldens/tiny-moe-gguf/checkpoint) matches
+/// its reference cases in f32, as tiny-moe does.
+#[test]
+fn the_all_sparse_checkpoint_matches_its_reference() {
+    let m = Qwen3VlModel::load(&goldens().join("tiny-moe-gguf/checkpoint"), DType::F32, &device()).unwrap();
+    for case in CASES {
+        let want = load(&goldens().join("tiny-moe-gguf/cases").join(format!("{case}.safetensors")));
+        let mut cache = m.new_cache();
+        let state = m.prefill(&prompt(case), &mut cache, &mut |_, _| {}).unwrap();
+        let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
+        assert!(d <= tol(LOGIT_TOL), "{case}: {d}");
+    }
+}
+
+/// `vl quantize` of that checkpoint writes what llama.cpp's converter wrote from it
+/// (goldens/gguf-moe): the same tensors and shapes, Q8_0 blocks byte for byte, the same
+/// `qwen3vlmoe` metadata and the same mmproj; the one difference is the down experts, whose rows
+/// of 24 values fill no Q8_0 block: the converter writes them F16, we keep the checkpoint's f32.
+/// The pair answers within the bound of the converter's own Q8_0 file.
+#[test]
+fn vl_quantize_writes_the_moe_files_llama_cpp_writes() {
+    use candle_core::quantized::gguf_file::Content;
+    use vl_models::qwen3_vl::gguf_write::{save, Recipe};
+    use vl_models::qwen3_vl::ModelDir;
+    let out = tempfile::tempdir().unwrap();
+    let ck = goldens().join("tiny-moe-gguf/checkpoint");
+    let w =
+        save(&ModelDir::open(&ck).unwrap(), Recipe::Uniform(vl_nn::QuantType::Q8_0), out.path(), false, &mut |_| {})
+            .unwrap();
+    let g = goldens().join("gguf-moe");
+    let dev = candle_core::Device::Cpu;
+    for (ours, theirs) in [(&w.text, g.join("tiny-moe-q8_0.gguf")), (&w.mmproj, g.join("mmproj-tiny-moe-f32.gguf"))] {
+        let (mut fa, mut fb) = (std::fs::File::open(ours).unwrap(), std::fs::File::open(&theirs).unwrap());
+        let (a, b) = (Content::read(&mut fa).unwrap(), Content::read(&mut fb).unwrap());
+        let mut names_a: Vec<&String> = a.tensor_infos.keys().collect();
+        let mut names_b: Vec<&String> = b.tensor_infos.keys().collect();
+        names_a.sort();
+        names_b.sort();
+        assert_eq!(names_a, names_b, "{}", theirs.display());
+        for name in names_b {
+            let (ta, tb) = (a.tensor(&mut fa, name, &dev).unwrap(), b.tensor(&mut fb, name, &dev).unwrap());
+            assert_eq!(ta.shape(), tb.shape(), "{name}");
+            let (da, db) = (format!("{:?}", ta.dtype()), format!("{:?}", tb.dtype()));
+            if name.ends_with("ffn_down_exps.weight") {
+                assert_eq!((da.as_str(), db.as_str()), ("F32", "F16"), "{name}");
+                let d = max_abs_diff(&ta.dequantize(&dev).unwrap(), &tb.dequantize(&dev).unwrap());
+                assert!(d <= 1e-3, "{name}: {d}");
+                continue;
+            }
+            assert_eq!(da, db, "{name}");
+            assert_eq!(ta.data().unwrap(), tb.data().unwrap(), "{name}: {da} bytes");
+        }
+        for (key, v) in &b.metadata {
+            if key.starts_with("qwen3vlmoe.") || key.starts_with("clip.vision.") || key == "general.architecture" {
+                let mine = a.metadata.get(key).unwrap_or_else(|| panic!("{key} missing"));
+                assert_eq!(format!("{mine:?}"), format!("{v:?}"), "{key}");
+            }
+        }
+    }
+    let pair = vl_models::qwen3_vl::gguf::GgufModel::open(&w.text, Some(&w.mmproj)).unwrap();
+    assert!(worst_last_logits(&pair, "vl quantize moe q8_0") <= MOE_Q8_0_BOUND);
+}
+
+/// A MoE checkpoint with a dense layer among the sparse ones (tiny-moe's layer 1) has no
+/// `qwen3vlmoe` file: refused in one line naming the layers, nothing written.
+#[test]
+fn vl_quantize_refuses_dense_layers_among_experts() {
+    use vl_models::qwen3_vl::gguf_write::{save, Recipe};
+    use vl_models::qwen3_vl::ModelDir;
+    let out = tempfile::tempdir().unwrap();
+    let ck = goldens().join(G).join("checkpoint");
+    let err =
+        save(&ModelDir::open(&ck).unwrap(), Recipe::Q4KM, out.path(), false, &mut |_| {}).unwrap_err().to_string();
+    assert!(err.contains("layers 1 are dense") && err.contains("--quantize") && !err.contains('\n'), "{err}");
+    assert_eq!(std::fs::read_dir(out.path()).unwrap().count(), 0);
 }

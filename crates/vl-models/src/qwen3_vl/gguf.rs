@@ -312,6 +312,10 @@ impl GgufModel {
                     "lm_head"
                 } else if name.ends_with("norm.weight") {
                     "norms"
+                } else if name.contains("_exps.") {
+                    "routed experts"
+                } else if name.contains("ffn_gate_inp.") {
+                    "routers"
                 } else {
                     "text"
                 };
@@ -329,6 +333,8 @@ impl GgufModel {
             "vision": self.mmproj.as_ref().map(|_| serde_json::json!({"depth": c.vision.depth, "hidden": c.vision.hidden_size,
                      "heads": c.vision.num_heads, "patch": c.vision.patch_size, "merge": c.vision.spatial_merge_size,
                      "deepstack": c.vision.deepstack_visual_indexes})),
+            "experts": c.text.moe.as_ref().map(|m| serde_json::json!({"experts_per_layer": m.num_experts,
+                     "active_per_token": m.top_k, "moe_intermediate_size": m.moe_intermediate_size})),
             "storage": groups,
             "chat_template": self.text.content.metadata.contains_key("tokenizer.chat_template"),
         })
@@ -453,6 +459,12 @@ pub fn summary_text(s: &serde_json::Value) -> String {
         None => out.push("vision projector: none (text only)".into()),
     }
     out.push(format!("text: {}", s["text"]));
+    if let Some(e) = s["experts"].as_object() {
+        out.push(format!(
+            "experts:      {} per layer, {} active per token, moe_intermediate {}",
+            e["experts_per_layer"], e["active_per_token"], e["moe_intermediate_size"]
+        ));
+    }
     if !s["vision"].is_null() {
         out.push(format!("vision: {}", s["vision"]));
     }

@@ -41,6 +41,81 @@ fn float_tensor(t: &Tensor, d: GgmlDType) -> Result<QTensor> {
     Ok(QTensor::quantize(&t.to_dtype(DType::F32)?.contiguous()?, d)?)
 }
 
+/// Where a text tensor of the file comes from: a checkpoint tensor as it is, or a fused expert
+/// tensor (`rows`: `Some(k)` takes the k-th `out`-row half of `gate_up_proj`, `None` all of
+/// `down_proj`).
+enum Source {
+    Plain(String),
+    Experts { key: String, rows: Option<usize> },
+}
+
+/// A text tensor as llama.cpp's file holds it: name, decoder layer, shape `[.., out, in]`.
+struct Output {
+    name: String,
+    layer: Option<usize>,
+    shape: Vec<usize>,
+    source: Source,
+}
+
+/// The text tensors of the file, in the plan's order. Fused experts become llama.cpp's
+/// `ffn_gate_exps` / `ffn_up_exps` `[E, moe_inter, hidden]` and `ffn_down_exps`
+/// `[E, hidden, moe_inter]`. A MoE checkpoint with dense layers among the sparse ones is refused:
+/// llama.cpp's `qwen3vlmoe` has routed experts in every layer, so no file of it holds one.
+fn text_outputs(model: &ModelDir) -> Result<Vec<Output>> {
+    let cfg = &model.config;
+    let t = &cfg.text;
+    if let Some(m) = &t.moe {
+        let dense: Vec<String> = (0..t.num_hidden_layers).filter(|&i| !m.is_sparse(i)).map(|i| i.to_string()).collect();
+        if !dense.is_empty() {
+            return Err(Error::Input {
+                what: model.dir.join("config.json").display().to_string(),
+                message: format!(
+                    "layers {} are dense MLPs among routed experts (mlp_only_layers / decoder_sparse_step); llama.cpp's qwen3vlmoe GGUF has experts in every layer and cannot hold them: load the checkpoint with --quantize instead",
+                    dense.join(", ")
+                ),
+            });
+        }
+    }
+    let no_name = |key: &str| Error::Input { what: key.into(), message: "no llama.cpp name for this tensor".into() };
+    let mut out = Vec::new();
+    for p in tensor_plan(cfg) {
+        if p.group == Group::Vision || (p.group == Group::LmHead && cfg.tie_word_embeddings) {
+            continue;
+        }
+        let experts = p.key.strip_suffix(".experts.gate_up_proj").map(|b| (b, true));
+        let experts = experts.or(p.key.strip_suffix(".experts.down_proj").map(|b| (b, false)));
+        let Some((base, gate_up)) = experts else {
+            let (name, layer) = text_name(&p.key).ok_or_else(|| no_name(&p.key))?;
+            out.push(Output { name, layer, shape: p.shape.clone(), source: Source::Plain(p.key.clone()) });
+            continue;
+        };
+        // The plan's shape is transformers 5's [E, out, in].
+        let (e, rows, cols) = (p.shape[0], p.shape[1], p.shape[2]);
+        let parts: &[(&str, Option<usize>)] =
+            if gate_up { &[("gate_proj", Some(0)), ("up_proj", Some(1))] } else { &[("down_proj", None)] };
+        for &(part, half) in parts {
+            let split = format!("{base}.experts.{part}.weight");
+            let (name, layer) = text_name(&split).ok_or_else(|| no_name(&split))?;
+            let rows = if half.is_some() { rows / 2 } else { rows };
+            let source = Source::Experts { key: p.key.clone(), rows: half };
+            out.push(Output { name, layer, shape: vec![e, rows, cols], source });
+        }
+    }
+    Ok(out)
+}
+
+/// `w` `[.., in]` quantized row by row into `q`, keeping its shape (a 3-D expert tensor is one
+/// run of rows, each expert's after the previous one's, as llama.cpp stores it).
+fn quantize_stacked(w: &Tensor, q: QuantType) -> Result<QTensor> {
+    if w.rank() == 2 {
+        return Ok(quantize_rows(w, q)?);
+    }
+    let cols = w.dims()[w.rank() - 1];
+    let flat = quantize_rows(&w.reshape(((), cols))?, q)?;
+    let dev = w.device();
+    Ok(candle_core::quantized::ggml_file::qtensor_from_ggml(flat.dtype(), &flat.data()?, w.dims().to_vec(), dev)?)
+}
+
 /// Token strings and types (llama.cpp: 1 normal, 3 control, 4 user-defined, 5 unused) and the
 /// merges, from the checkpoint's tokenizer.json.
 fn vocabulary(dir: &Path, vocab_size: usize) -> Result<(Vec<String>, Vec<i32>, Vec<String>)> {
@@ -127,6 +202,8 @@ pub fn save(
         .ok()
         .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
         .unwrap_or_else(|| "model".into());
+    // The checkpoint's shape is checked before anything is created.
+    let outputs = text_outputs(model)?;
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     let text_path = out.join(format!("{base}-{}.gguf", recipe.file_tag()));
     let (vdtype, vtag, vftype) = match model.weights.vision_float_dtype() {
@@ -148,19 +225,20 @@ pub fn save(
     let mut stored = std::collections::BTreeMap::<String, usize>::new();
     let mut fell_back = 0;
     let (mut left_float, mut narrow_rows) = (0, std::collections::BTreeSet::new());
-    for p in tensor_plan(cfg) {
-        if p.group == Group::Vision || (p.group == Group::LmHead && cfg.tie_word_embeddings) || p.shape.len() != 2 {
+    let experts = cfg.text.moe.as_ref().map_or(1, |m| m.num_experts);
+    for o in &outputs {
+        if o.shape.len() < 2 || o.name.ends_with("ffn_gate_inp.weight") {
             continue;
         }
-        let Some((name, layer)) = text_name(&p.key) else { continue };
-        let want = recipe.text_type(&name, layer, cfg.text.num_hidden_layers, cfg.tie_word_embeddings);
-        let got = fallback(want, p.shape[1]);
+        let want = recipe.text_type(&o.name, o.layer, cfg.text.num_hidden_layers, cfg.tie_word_embeddings, experts);
+        let cols = o.shape[o.shape.len() - 1];
+        let got = fallback(want, cols);
         if got != Some(want) {
             fell_back += 1;
         }
         if got.is_none() {
             left_float += 1;
-            narrow_rows.insert(p.shape[1]);
+            narrow_rows.insert(cols);
         }
         let tag = got.map(|q| ggml_name(q).to_string()).unwrap_or_else(|| float_name(model.weights.text_float_dtype()));
         *stored.entry(tag).or_default() += 1;
@@ -173,7 +251,7 @@ pub fn save(
                 "applies to no tensor of {}: its rows hold {} values, which fill neither its blocks of {} nor a fallback type's; nothing written",
                 model.dir.display(),
                 rows.join(", "),
-                recipe.text_type("blk.0.attn_q.weight", Some(0), 1, false).block()
+                recipe.text_type("blk.0.attn_q.weight", Some(0), 1, false, 1).block()
             ),
         });
     }
@@ -187,52 +265,69 @@ pub fn save(
 
     // Text model.
     let mut tensors = Vec::new();
-    for p in tensor_plan(cfg) {
-        if p.group == Group::Vision || (p.group == Group::LmHead && cfg.tie_word_embeddings) {
-            continue;
-        }
-        let (name, layer) = text_name(&p.key)
-            .ok_or_else(|| Error::Input { what: p.key.clone(), message: "no llama.cpp name for this tensor".into() })?;
-        let w = model.weights.load(&p.key, read_as, &dev)?;
-        let q = if w.rank() == 2 {
-            let cols = w.dims()[1];
-            match fallback(recipe.text_type(&name, layer, t.num_hidden_layers, cfg.tie_word_embeddings), cols) {
-                Some(q) => quantize_rows(&w, q)?,
+    // The fused gate/up experts, read once for the two tensors cut from them.
+    let mut fused: Option<(String, Tensor)> = None;
+    for o in &outputs {
+        let w = match &o.source {
+            Source::Plain(key) => model.weights.load(key, read_as, &dev)?,
+            Source::Experts { key, rows } => {
+                if fused.as_ref().is_none_or(|(k, _)| k != key) {
+                    let t = model.weights.load(key, read_as, &dev)?;
+                    let (e, inp) = (o.shape[0], o.shape[2]);
+                    let out = if rows.is_some() { 2 * o.shape[1] } else { o.shape[1] };
+                    fused = Some((key.clone(), super::text::experts_out_in(t, (e, out, inp), key)?));
+                }
+                let t = &fused.as_ref().expect("read above").1;
+                match rows {
+                    Some(start) => t.narrow(1, *start * o.shape[1], o.shape[1])?.contiguous()?,
+                    None => t.clone(),
+                }
+            }
+        };
+        let q = if w.rank() >= 2 && !o.name.ends_with("ffn_gate_inp.weight") {
+            let cols = w.dims()[w.rank() - 1];
+            let want = recipe.text_type(&o.name, o.layer, t.num_hidden_layers, cfg.tie_word_embeddings, experts);
+            match fallback(want, cols) {
+                Some(q) => quantize_stacked(&w, q)?,
                 // No block type fits the row: kept in the checkpoint's float type, as the
                 // runtime keeps such a layer dense.
                 None => float_tensor(&w, text_float)?,
             }
         } else {
+            // Norms, and the router (llama.cpp keeps `ffn_gate_inp` in f32).
             f32_tensor(&w)?
         };
-        progress(&name);
-        tensors.push((name, q));
+        progress(&o.name);
+        tensors.push((o.name.clone(), q));
     }
+    drop(fused);
     let (tokens, types, merges) = vocabulary(&model.dir, t.vocab_size)?;
     let s = |v: &str| Value::String(v.into());
     let u = |v: usize| Value::U32(v as u32);
+    let arch = if t.moe.is_some() { "qwen3vlmoe" } else { "qwen3vl" };
+    let a = |k: &str| format!("{arch}.{k}");
     let mut meta = vec![
-        ("general.architecture".to_string(), s("qwen3vl")),
+        ("general.architecture".to_string(), s(arch)),
         ("general.type".into(), s("model")),
         ("general.name".into(), s(&base)),
         ("general.file_type".into(), Value::U32(recipe.file_type())),
         ("general.quantization_version".into(), Value::U32(2)),
-        ("qwen3vl.block_count".into(), u(t.num_hidden_layers)),
-        ("qwen3vl.context_length".into(), u(t.max_position_embeddings)),
-        ("qwen3vl.embedding_length".into(), u(t.hidden_size)),
-        ("qwen3vl.feed_forward_length".into(), u(t.intermediate_size)),
-        ("qwen3vl.attention.head_count".into(), u(t.num_attention_heads)),
-        ("qwen3vl.attention.head_count_kv".into(), u(t.num_key_value_heads)),
+        (a("block_count"), u(t.num_hidden_layers)),
+        (a("context_length"), u(t.max_position_embeddings)),
+        (a("embedding_length"), u(t.hidden_size)),
+        (a("feed_forward_length"), u(t.intermediate_size)),
+        (a("attention.head_count"), u(t.num_attention_heads)),
+        (a("attention.head_count_kv"), u(t.num_key_value_heads)),
         (
-            "qwen3vl.rope.dimension_sections".into(),
+            a("rope.dimension_sections"),
             Value::Array(t.mrope_section.iter().chain(&[0]).map(|&x| Value::I32(x as i32)).collect()),
         ),
-        ("qwen3vl.rope.freq_base".into(), Value::F32(t.rope_theta as f32)),
-        ("qwen3vl.attention.layer_norm_rms_epsilon".into(), Value::F32(t.rms_norm_eps as f32)),
-        ("qwen3vl.attention.key_length".into(), u(t.head_dim)),
-        ("qwen3vl.attention.value_length".into(), u(t.head_dim)),
-        ("qwen3vl.n_deepstack_layers".into(), u(cfg.vision.deepstack_visual_indexes.len())),
-        ("tokenizer.ggml.model".into(), s("gpt2")),
+        (a("rope.freq_base"), Value::F32(t.rope_theta as f32)),
+        (a("attention.layer_norm_rms_epsilon"), Value::F32(t.rms_norm_eps as f32)),
+        (a("attention.key_length"), u(t.head_dim)),
+        (a("attention.value_length"), u(t.head_dim)),
+        (a("n_deepstack_layers"), u(cfg.vision.deepstack_visual_indexes.len())),
+        ("tokenizer.ggml.model".to_string(), s("gpt2")),
         ("tokenizer.ggml.pre".into(), s("qwen2")),
         ("tokenizer.ggml.tokens".into(), Value::Array(tokens.into_iter().map(Value::String).collect())),
         ("tokenizer.ggml.token_type".into(), Value::Array(types.into_iter().map(Value::I32).collect())),
@@ -240,6 +335,11 @@ pub fn save(
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
         ("tokenizer.ggml.add_eos_token".into(), Value::Bool(false)),
     ];
+    if let Some(m) = &t.moe {
+        meta.push((a("expert_count"), u(m.num_experts)));
+        meta.push((a("expert_used_count"), u(m.top_k)));
+        meta.push((a("expert_feed_forward_length"), u(m.moe_intermediate_size)));
+    }
     if let Some(&eos) = model.generation.eos_token_ids.first() {
         meta.push(("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)));
     }
@@ -357,11 +457,26 @@ mod tests {
         // embedding table Q6_K, the rest Q4_K.
         let r = Recipe::Q4KM;
         let q6: Vec<usize> =
-            (0..28).filter(|&i| r.text_type("blk.0.attn_v.weight", Some(i), 28, true) == QuantType::Q6K).collect();
+            (0..28).filter(|&i| r.text_type("blk.0.attn_v.weight", Some(i), 28, true, 1) == QuantType::Q6K).collect();
         assert_eq!(q6, vec![0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27]);
-        assert_eq!(r.text_type("token_embd.weight", None, 28, true), QuantType::Q6K);
-        assert_eq!(r.text_type("token_embd.weight", None, 28, false), QuantType::Q4K);
-        assert_eq!(r.text_type("blk.3.attn_q.weight", Some(3), 28, true), QuantType::Q4K);
+        assert_eq!(r.text_type("token_embd.weight", None, 28, true, 1), QuantType::Q6K);
+        assert_eq!(r.text_type("token_embd.weight", None, 28, false, 1), QuantType::Q4K);
+        assert_eq!(r.text_type("blk.3.attn_q.weight", Some(3), 28, true, 1), QuantType::Q4K);
+        // MoE (30B-A3B: 48 layers, 128 experts): the experts' ffn_down_exps follow ffn_down's
+        // layer rule; the 8-expert rule (Mixtral's) moves attention K/V to Q8_0, its output to
+        // Q5_K, and applies to 8 experts only.
+        let down: Vec<usize> = (0..48)
+            .filter(|&i| {
+                r.text_type(&format!("blk.{i}.ffn_down_exps.weight"), Some(i), 48, false, 128) == QuantType::Q6K
+            })
+            .collect();
+        assert_eq!(down.len(), 24, "{down:?}");
+        assert_eq!(&down[..8], &[0, 1, 2, 3, 4, 5, 8, 11]);
+        assert_eq!(r.text_type("blk.4.ffn_gate_exps.weight", Some(4), 48, false, 128), QuantType::Q4K);
+        assert_eq!(r.text_type("blk.6.attn_v.weight", Some(6), 48, false, 128), QuantType::Q4K);
+        assert_eq!(r.text_type("blk.3.attn_v.weight", Some(3), 48, false, 8), QuantType::Q8_0);
+        assert_eq!(r.text_type("blk.3.attn_k.weight", Some(3), 48, false, 8), QuantType::Q8_0);
+        assert_eq!(r.text_type("blk.3.attn_output.weight", Some(3), 48, false, 8), QuantType::Q5K);
         assert_eq!(fallback(QuantType::Q4K, 32), Some(QuantType::Q5_0));
         assert_eq!(fallback(QuantType::Q6K, 96), Some(QuantType::Q8_0));
         assert_eq!(fallback(QuantType::Q8_0, 48), None);

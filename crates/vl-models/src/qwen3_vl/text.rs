@@ -251,15 +251,7 @@ fn sparse_moe(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<SparseMo
     let read_as = qt.quant.map_or(vb.dtype(), |q| q.read_as);
     let fused = |name: &str, out: usize, inp: usize| -> Result<Tensor> {
         let key = format!("{}.experts.{name}", vb.prefix());
-        let t = vb.pp("experts").get_unchecked_dtype(name, read_as)?;
-        match t.dims() {
-            [n, o, i] if (*n, *o, *i) == (e, out, inp) => Ok(t),
-            [n, i, o] if (*n, *i, *o) == (e, inp, out) => Ok(t.transpose(1, 2)?.contiguous()?),
-            dims => Err(Error::Input {
-                what: key,
-                message: format!("shape {dims:?}, expected [{e}, {out}, {inp}] or [{e}, {inp}, {out}]"),
-            }),
-        }
+        experts_out_in(vb.pp("experts").get_unchecked_dtype(name, read_as)?, (e, out, inp), &key)
     };
     let gate_up = fused("gate_up_proj", 2 * mi, d)?;
     let down = fused("down_proj", d, mi)?;
@@ -281,6 +273,19 @@ fn sparse_moe(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<SparseMo
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(SparseMoe::new(router, experts, m.top_k)?)
+}
+
+/// A fused expert tensor (`key`) as `[E, out, in]`: transformers 5's layout as is, the hub's
+/// `[E, in, out]` transposed (a square one is taken as `[E, out, in]`, as transformers does).
+pub(crate) fn experts_out_in(t: Tensor, (e, out, inp): (usize, usize, usize), key: &str) -> Result<Tensor> {
+    match t.dims() {
+        [n, o, i] if (*n, *o, *i) == (e, out, inp) => Ok(t),
+        [n, i, o] if (*n, *i, *o) == (e, inp, out) => Ok(t.transpose(1, 2)?.contiguous()?),
+        dims => Err(Error::Input {
+            what: key.into(),
+            message: format!("shape {dims:?}, expected [{e}, {out}, {inp}] or [{e}, {inp}, {out}]"),
+        }),
+    }
 }
 
 /// A quantized 3-D expert tensor `[E, out, in]` cut into one `QLinear` per expert: each
