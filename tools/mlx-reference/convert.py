@@ -56,7 +56,13 @@ FIXTURES = {
                                  ("layers.1.mlp.down_proj", False),
                                  ("layers.0.mlp.down_proj", {"bits": 8, "group_size": 32}),
                                  ("self_attn.v_proj", {"bits": 6, "group_size": 64})]),
+    # Qwen3-VL MoE through mlx_vlm's CLI: the experts stacked as `switch_mlp.{gate,up,down}_proj`
+    # [E, out, in], 4-bit like everything else, the router `mlp.gate` included (the CLI applies
+    # no per-layer predicate: one `quantization` entry).
+    "tiny-q-mlx-moe": (4, 64, None),
 }
+# A fixture's source checkpoint, next to tiny-q-src in the cache (generate.py MLX_SOURCES).
+SOURCES = {"tiny-q-mlx-moe": "tiny-qmoe-src"}
 
 
 def predicate_for(rules, bits, group):
@@ -109,7 +115,9 @@ def write_shards(ck, weights, embed_file):
 def main(src, out_root, cache, names):
     from mlx_vlm.convert import convert
 
+    base = src
     for name in names:
+        src = str(Path(base).parent / SOURCES[name]) if name in SOURCES else base
         bits, group, rules = FIXTURES[name]
         ck = Path(out_root) / name / "checkpoint"
         if ck.parent.exists():
@@ -151,6 +159,13 @@ def main(src, out_root, cache, names):
                 if hf_key(k) == "model.visual.patch_embed.proj.weight" and arr.ndim == 5:
                     arr = np.ascontiguousarray(arr.transpose(0, 4, 1, 2, 3))
             dense[hf_key(k)] = arr
+        # The stacked experts back in transformers 5's fused layout for the reference:
+        # gate_up_proj [E, 2*inter, hidden] (gate rows, then up rows), down_proj [E, hidden, inter].
+        for k in [k for k in dense if k.endswith(".mlp.switch_mlp.gate_proj.weight")]:
+            base_key = k[: -len(".switch_mlp.gate_proj.weight")]
+            gate, up = dense.pop(k), dense.pop(f"{base_key}.switch_mlp.up_proj.weight")
+            dense[f"{base_key}.experts.gate_up_proj"] = np.ascontiguousarray(np.concatenate([gate, up], axis=1))
+            dense[f"{base_key}.experts.down_proj"] = dense.pop(f"{base_key}.switch_mlp.down_proj.weight")
         Path(cache).mkdir(parents=True, exist_ok=True)
         save_file(dense, str(Path(cache) / f"{name}-dequantized.safetensors"))
         save_file(pinned, str(ck.parent / "dequantized.safetensors"))

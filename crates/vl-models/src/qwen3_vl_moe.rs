@@ -6,7 +6,8 @@
 //! the experts (`TextConfig::moe`) and whose text decoder builds a sparse MLP for each sparse layer.
 //!
 //! Loaded: checkpoint directories (safetensors; the fused experts in transformers 5's
-//! `[E, out, in]` layout or the hub's `[E, in, out]`) and llama.cpp's GGUF files
+//! `[E, out, in]` layout or the hub's `[E, in, out]`), MLX-community conversions (the experts
+//! stacked as `switch_mlp`, affine-quantized) and llama.cpp's GGUF files
 //! (`qwen3vlmoe`: `ffn_gate_inp`, `ffn_{gate,up,down}_exps`, each expert's blocks used as
 //! stored). `vl quantize` writes llama.cpp's `qwen3vlmoe` files from an all-sparse checkpoint.
 

@@ -1,6 +1,7 @@
 //! MLX-community fixtures converted by mlx_vlm (tools/mlx-reference/convert.py): 4 and 8 bits;
 //! 6, 3, 5 bits and 6 bits at group 32 (the embedding kept at 4 bits, its shard shared); a mixed
-//! one (per-layer widths and group sizes, one layer left in float). The layout maps to the HF
+//! one (per-layer widths and group sizes, one layer left in float); a Qwen3-VL MoE one (experts
+//! stacked as `switch_mlp`, dequantized per expert). The layout maps to the HF
 //! names with each tensor's width and group from the config's per-layer entries, unpacking is
 //! bit-exact against mx.dequantize, and our run on the quantized checkpoint matches the reference
 //! run on the dequantized weights (the exact model), logits within 1e-3.
@@ -12,10 +13,10 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 use common::*;
 use vl_models::qwen3_vl::weights::Storage;
-use vl_models::qwen3_vl::{check_plan, tensor_plan, GenerationOptions, Layout, Qwen3VlConfig, Qwen3VlModel, Weights};
+use vl_models::qwen3_vl::{check_plan, plan_for, GenerationOptions, Layout, Qwen3VlConfig, Qwen3VlModel, Weights};
 
 /// (fixture, default bits, default group, golden cases).
-const FIXTURES: [(&str, usize, usize, &[&str]); 7] = [
+const FIXTURES: [(&str, usize, usize, &[&str]); 8] = [
     ("tiny-q-mlx4", 4, 64, &MLX_CASES),
     ("tiny-q-mlx8", 8, 64, &MLX_CASES),
     ("tiny-q-mlx6", 6, 64, &["one_image"]),
@@ -23,6 +24,8 @@ const FIXTURES: [(&str, usize, usize, &[&str]); 7] = [
     ("tiny-q-mlx5", 5, 64, &["one_image"]),
     ("tiny-q-mlx6g32", 6, 32, &["one_image"]),
     ("tiny-q-mlx-mixed", 3, 64, &["one_image"]),
+    // Qwen3-VL MoE (8 experts, top-2, layer 1 dense): the experts stacked as `switch_mlp`.
+    ("tiny-q-mlx-moe", 4, 64, &MLX_CASES),
 ];
 
 /// The storage mlx_vlm's config gives a tensor: its module's entry in `quantization`, else the
@@ -41,7 +44,7 @@ fn mlx_layout_maps_to_the_plan_with_quantized_tensors() {
         let quant = read_json(&dir.join("config.json"))["quantization"].clone();
         let w = Weights::open(&dir).unwrap();
         assert_eq!(w.layout, Layout::MlxCommunity);
-        check_plan(&tensor_plan(&cfg), &w).unwrap();
+        check_plan(&plan_for(&cfg, &w), &w).unwrap();
         let quantized: Vec<&String> =
             w.entries().iter().filter(|(_, e)| matches!(e.storage, Storage::Affine { .. })).map(|(k, _)| k).collect();
         assert!(quantized.iter().any(|k| k.ends_with("embed_tokens.weight")), "{quantized:?}");
@@ -59,6 +62,16 @@ fn mlx_layout_maps_to_the_plan_with_quantized_tensors() {
             assert_eq!(widths.len(), 4, "{widths:?}");
             let down1 = w.get("model.language_model.layers.1.mlp.down_proj.weight").unwrap();
             assert_eq!(down1.storage, Storage::Plain, "left in float by the predicate");
+        }
+        if name == "tiny-q-mlx-moe" {
+            // mlx_vlm's `switch_mlp.{gate,up,down}_proj`: one 3-D affine tensor per matrix, named
+            // as the plan's stacked experts; the router quantized like the rest.
+            for (part, shape) in [("gate_proj", [8, 64, 64]), ("up_proj", [8, 64, 64]), ("down_proj", [8, 64, 64])] {
+                let e = w.get(&format!("model.language_model.layers.0.mlp.experts.{part}.weight")).unwrap();
+                assert_eq!((e.shape.as_slice(), &e.storage), (&shape[..], &default), "{part}");
+            }
+            assert_eq!(w.get("model.language_model.layers.0.mlp.gate.weight").unwrap().storage, default);
+            assert!(w.get("model.language_model.layers.1.mlp.down_proj.weight").is_some(), "layer 1 is dense");
         }
         assert_eq!(w.get("model.visual.patch_embed.proj.weight").unwrap().storage, Storage::ChannelsLast);
         // Affine weights dequantize in f32: that is what a requantization reads.

@@ -112,7 +112,7 @@ impl GgufModel {
         }
         let mut missing = vec![];
         let mut wrong_shape = vec![];
-        for p in gguf_plan(&self.config) {
+        for p in super::plan::split_experts(super::plan::tensor_plan(&self.config)) {
             if p.group == super::plan::Group::Vision && self.mmproj.is_none() {
                 continue;
             }
@@ -538,33 +538,3 @@ fn tokenizer(t: &GgufFile) -> Result<Tokenizer> {
 /// llama.cpp's `qwen2` pre-tokenizer: the split regex of Qwen2's tokenizer.json.
 const QWEN2_PATTERN: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-
-/// The tensor plan as a GGUF holds it: llama.cpp splits each layer's fused experts into
-/// `ffn_gate_exps` / `ffn_up_exps` `[E, moe_inter, hidden]` and `ffn_down_exps`
-/// `[E, hidden, moe_inter]` (checkpoint keys `mlp.experts.{gate,up,down}_proj.weight`).
-fn gguf_plan(cfg: &Qwen3VlConfig) -> Vec<super::plan::PlannedTensor> {
-    let mut out = vec![];
-    for p in super::plan::tensor_plan(cfg) {
-        let Some(base) = p.key.strip_suffix(".experts.gate_up_proj").or(p.key.strip_suffix(".experts.down_proj"))
-        else {
-            out.push(p);
-            continue;
-        };
-        let (e, fused) = (p.shape[0], p.shape[1]);
-        if p.key.ends_with("gate_up_proj") {
-            for part in ["gate_proj", "up_proj"] {
-                let key = format!("{base}.experts.{part}.weight");
-                out.push(super::plan::PlannedTensor {
-                    key,
-                    shape: vec![e, fused / 2, p.shape[2]],
-                    alt_shape: None,
-                    ..p.clone()
-                });
-            }
-        } else {
-            let key = format!("{base}.experts.down_proj.weight");
-            out.push(super::plan::PlannedTensor { key, shape: p.shape.clone(), alt_shape: None, ..p.clone() });
-        }
-    }
-    out
-}

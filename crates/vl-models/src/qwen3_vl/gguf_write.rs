@@ -12,7 +12,7 @@ use vl_nn::linear::quantize_rows;
 use vl_nn::QuantType;
 
 use super::gguf_names::{text_name, vision_name};
-use super::plan::{tensor_plan, Group, VISION_PREFIX};
+use super::plan::{Group, VISION_PREFIX};
 use super::preflight::ModelDir;
 use crate::error::{Error, Result};
 use crate::limits::{read_text, MAX_METADATA_FILE_BYTES};
@@ -78,7 +78,7 @@ fn text_outputs(model: &ModelDir) -> Result<Vec<Output>> {
     }
     let no_name = |key: &str| Error::Input { what: key.into(), message: "no llama.cpp name for this tensor".into() };
     let mut out = Vec::new();
-    for p in tensor_plan(cfg) {
+    for p in &model.plan {
         if p.group == Group::Vision || (p.group == Group::LmHead && cfg.tie_word_embeddings) {
             continue;
         }
@@ -355,7 +355,7 @@ pub fn save(
     // as llama.cpp writes them).
     let v = &cfg.vision;
     let mut tensors = Vec::new();
-    for p in tensor_plan(cfg) {
+    for p in &model.plan {
         if p.group != Group::Vision {
             continue;
         }

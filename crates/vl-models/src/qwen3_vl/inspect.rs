@@ -107,7 +107,7 @@ pub fn inspect(dir: &Path) -> Result<Summary> {
         (true, Some(q)) => {
             // As `vl run` loads it: rows that fill whole k-quant blocks are requantized.
             let affine_text = plan.iter().filter(|p| p.required && p.group != Group::Vision).filter_map(|p| {
-                w.get(&p.key).filter(|e| matches!(e.storage, Storage::Affine { .. }) && e.shape.len() == 2)
+                w.get(&p.key).filter(|e| matches!(e.storage, Storage::Affine { .. }) && e.shape.len() >= 2)
             });
             let (mut fit, mut dense) = (0, 0);
             for e in affine_text {

@@ -26,7 +26,7 @@ pub use generate::{Generation, GenerationOptions, StopReason};
 pub use generation_config::GenerationConfig;
 pub use inspect::{inspect, Summary};
 pub use model::{PrefillOutput, Prompt, Qwen3VlModel, VisionInput};
-pub use plan::{check_plan, tensor_plan, Group, PlanReport, PlannedTensor};
+pub use plan::{check_plan, plan_for, split_experts, tensor_plan, Group, PlanReport, PlannedTensor};
 pub use preflight::ModelDir;
 pub use processor::{ImageFile, ImageProcessor, PreprocessorConfig, ProcessedImage};
 pub use text::{LoadPlan, Prequantized, QuantLoad, TextCache, TextModel};

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 
 use super::config::Qwen3VlConfig;
-use super::plan::{check_plan, tensor_plan, VISION_PREFIX};
+use super::plan::{check_plan, plan_for, VISION_PREFIX};
 use super::positions::{mrope_positions, token_types, TokenType};
 use super::text::{DeepStack, QuantLoad, TextCache, TextModel};
 use super::vision::{VisionOutput, VisionTower};
@@ -57,7 +57,7 @@ impl Qwen3VlModel {
     pub fn load_quantized(dir: &Path, dtype: DType, device: &Device, quant: Option<vl_nn::QuantType>) -> Result<Self> {
         let cfg = Qwen3VlConfig::from_dir(dir)?;
         let w = Arc::new(Weights::open(dir)?);
-        check_plan(&tensor_plan(&cfg), &w)?;
+        check_plan(&plan_for(&cfg, &w), &w)?;
         let read_as = w.text_float_dtype();
         let vision = VisionTower::load(&cfg.vision, w.var_builder(dtype, device, None).pp(VISION_PREFIX))?;
         let quant = quant.map(|qtype| QuantLoad { qtype, read_as });

@@ -114,6 +114,43 @@ pub fn tensor_plan(cfg: &Qwen3VlConfig) -> Vec<PlannedTensor> {
     plan
 }
 
+/// The plan with each layer's fused experts as three stacked tensors, as llama.cpp's GGUF files
+/// and MLX-community conversions (`switch_mlp`) store them: `mlp.experts.{gate,up}_proj.weight`
+/// `[E, moe_inter, hidden]` and `mlp.experts.down_proj.weight` `[E, hidden, moe_inter]`.
+pub fn split_experts(plan: Vec<PlannedTensor>) -> Vec<PlannedTensor> {
+    let mut out = vec![];
+    for p in plan {
+        let (base, gate_up) =
+            match (p.key.strip_suffix(".experts.gate_up_proj"), p.key.strip_suffix(".experts.down_proj")) {
+                (Some(b), _) => (b.to_string(), true),
+                (_, Some(b)) => (b.to_string(), false),
+                _ => {
+                    out.push(p);
+                    continue;
+                }
+            };
+        let (e, rows, cols) = (p.shape[0], p.shape[1], p.shape[2]);
+        let parts: &[&str] = if gate_up { &["gate_proj", "up_proj"] } else { &["down_proj"] };
+        for part in parts {
+            let rows = if gate_up { rows / 2 } else { rows };
+            let key = format!("{base}.experts.{part}.weight");
+            out.push(PlannedTensor { key, shape: vec![e, rows, cols], alt_shape: None, ..p.clone() });
+        }
+    }
+    out
+}
+
+/// The plan `w` is checked against: the experts fused (transformers, the hub) or stacked per
+/// matrix (MLX-community), as the checkpoint stores them.
+pub fn plan_for(cfg: &Qwen3VlConfig, w: &Weights) -> Vec<PlannedTensor> {
+    let plan = tensor_plan(cfg);
+    if w.entries().keys().any(|k| k.ends_with(".mlp.experts.gate_proj.weight")) {
+        split_experts(plan)
+    } else {
+        plan
+    }
+}
+
 /// What a checkpoint holds relative to the plan, once it has passed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PlanReport {

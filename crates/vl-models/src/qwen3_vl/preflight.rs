@@ -9,7 +9,7 @@ use std::sync::Arc;
 use super::chat::{Content, Message, Processor};
 use super::config::Qwen3VlConfig;
 use super::generation_config::GenerationConfig;
-use super::plan::{check_plan, tensor_plan, PlanReport, PlannedTensor};
+use super::plan::{check_plan, plan_for, PlanReport, PlannedTensor};
 use super::weights::Weights;
 use crate::error::{Error, Result};
 
@@ -31,7 +31,7 @@ impl ModelDir {
     pub fn open(dir: &Path) -> Result<Self> {
         let config = Qwen3VlConfig::from_dir(dir)?;
         let weights = Arc::new(Weights::open(dir)?);
-        let plan = tensor_plan(&config);
+        let plan = plan_for(&config, &weights);
         let plan_report = check_plan(&plan, &weights)?;
         let processor = Processor::from_dir(dir)?;
         check_processor(dir, &config, &processor)?;

@@ -26,11 +26,13 @@ const MLX_PREFIXES: [(&str, &str); 3] = [
 
 const PATCH_EMBED: &str = "model.visual.patch_embed.proj.weight";
 
-/// The HF name of a stored key. Idempotent: HF names map to themselves.
+/// The HF name of a stored key. Idempotent: HF names map to themselves. MLX's stacked experts
+/// (`mlp.switch_mlp.{gate,up,down}_proj`) are named as the plan's stacked ones
+/// (`mlp.experts.*`, `plan::split_experts`).
 pub fn hf_key(stored: &str) -> String {
     for (from, to) in MLX_PREFIXES {
         if let Some(rest) = stored.strip_prefix(from) {
-            return format!("{to}{rest}");
+            return format!("{to}{}", rest.replacen(".mlp.switch_mlp.", ".mlp.experts.", 1));
         }
     }
     stored.to_string()

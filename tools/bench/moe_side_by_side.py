@@ -1,0 +1,117 @@
+"""The MoE side by side (issue 31's table): llama.cpp and vl on the same Q4_K_M GGUF and f16
+mmproj, made by llama.cpp's converter and llama-quantize from the 30B-A3B-width random checkpoint,
+2 threads, alternating rounds (the first engine of a round alternates), medians. Run by
+tools/bench/moe-side-by-side, which builds llama.cpp and converts the checkpoint first.
+
+    python moe_side_by_side.py MODELS_DIR LLAMA_BIN_DIR VL_BIN IMAGE_448 [ROUNDS]
+
+Per round and engine:
+- decode at 200 and 2000 positions: llama-bench -p 0 -n 32 -d 200,2000 (tg32 after a prompt of
+  that depth) and `vl run --json` on a text prompt of 200 / 2000 tokens, 32 new tokens
+  (decode_tokens_per_s);
+- the image answer (the 448x448 image, "Describe this image.", 32 new tokens): llama-mtmd-cli vs
+  `vl run --json`: the image prompt's prefill (vision encode + prompt), wall and peak RSS
+  (/usr/bin/time), both cold processes.
+"""
+import json
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+models, llama_bin, vl, image = (Path(a) for a in sys.argv[1:5])
+rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 3
+text_model, mmproj = models / "model-Q4_K_M.gguf", models / "mmproj-f16.gguf"
+THREADS = "2"
+WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing about rivers mountains and distant cities".split()
+
+
+def prompt(tokens):
+    # One token per word with this tokenizer, plus 8 of the chat template.
+    return " ".join(WORDS[i % len(WORDS)] for i in range(tokens - 8))
+
+
+def timed(cmd):
+    """Runs cmd under /usr/bin/time; returns (stdout, stderr, wall s, peak RSS bytes)."""
+    p = subprocess.run(["/usr/bin/time", "-f", "TIME %e %M"] + cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"{cmd[0]} failed ({p.returncode}): {p.stderr[-2000:]}")
+    wall, rss = re.findall(r"TIME ([\d.]+) (\d+)", p.stderr)[-1]
+    return p.stdout, p.stderr, float(wall), int(rss) * 1024
+
+
+def llama_decode():
+    out = subprocess.run([str(llama_bin / "llama-bench"), "-m", str(text_model), "-t", THREADS, "-p", "0", "-n", "32",
+                          "-d", "200,2000", "-r", "1", "-o", "json"], capture_output=True, text=True, check=True).stdout
+    return {r["n_depth"]: r["avg_ts"] for r in json.loads(out)}
+
+
+def vl_decode():
+    got = {}
+    for depth in (200, 2000):
+        out, _, _, _ = timed([str(vl), "run", "--model", str(text_model), "--prompt", prompt(depth),
+                              "--max-new-tokens", "32", "--temperature", "0", "--json"])
+        j = json.loads(out)
+        assert abs(j["prompt_tokens"] - depth) <= 2, j["prompt_tokens"]
+        got[depth] = j["timings"]["decode_tokens_per_s"]
+    return got
+
+
+def llama_image():
+    _, err, wall, rss = timed([str(llama_bin / "llama-mtmd-cli"), "-m", str(text_model), "--mmproj", str(mmproj),
+                               "--image", str(image), "-p", "Describe this image.", "-n", "32", "-t", THREADS,
+                               "-c", "4096", "--temp", "0"])
+    enc = sum(float(x) for x in re.findall(r"image slice encoded in (\d+) ms", err))
+    dec = sum(float(x) for x in re.findall(r"image decoded \(batch \d+/\d+\) in (\d+) ms", err))
+    pe = re.search(r"prompt eval time =\s+([\d.]+) ms /\s+(\d+) tokens", err)
+    # The image prompt: encode, the image embeddings' decode, and the text tokens around them.
+    text_ms = float(pe.group(1)) if pe else 0.0
+    return {"prefill_s": (enc + dec + text_ms) / 1000, "encode_s": enc / 1000, "wall_s": wall, "rss": rss,
+            "detail": f"encode {enc:.0f} ms, image decode {dec:.0f} ms, text prompt eval {text_ms:.0f} ms"}
+
+
+def vl_image():
+    out, _, wall, rss = timed([str(vl), "run", "--model", str(text_model), "--mmproj", str(mmproj), "--image",
+                               str(image), "--prompt", "Describe this image.", "--max-new-tokens", "32",
+                               "--temperature", "0", "--json"])
+    t = json.loads(out)["timings"]
+    return {"prefill_s": t["vision_s"] + t["prefill_s"], "encode_s": t["vision_s"], "wall_s": wall, "rss": rss,
+            "detail": f"vision {t['vision_s'] * 1000:.0f} ms, prefill {t['prefill_s'] * 1000:.0f} ms, load {t['load_s']:.1f} s"}
+
+
+runs = {"llama.cpp": {"decode": [], "image": []}, "vl": {"decode": [], "image": []}}
+engines = [("llama.cpp", llama_decode, llama_image), ("vl", vl_decode, vl_image)]
+for r in range(rounds):
+    order = engines if r % 2 == 0 else engines[::-1]
+    for name, dec, img in order:
+        d, i = dec(), img()
+        runs[name]["decode"].append(d)
+        runs[name]["image"].append(i)
+        print(f"round {r + 1} {name}: decode@200 {d[200]:.2f} tok/s, decode@2000 {d[2000]:.2f} tok/s; image prefill "
+              f"{i['prefill_s']:.2f} s ({i['detail']}), wall {i['wall_s']:.1f} s, peak RSS {i['rss'] / 2**30:.2f} GiB",
+              flush=True)
+
+
+def med(name, f):
+    return statistics.median(f(x) for x in runs[name]["decode" if f.__name__.startswith("d") else "image"])
+
+
+def d200(x): return x[200]
+def d2000(x): return x[2000]
+def i_prefill(x): return x["prefill_s"]
+def i_encode(x): return x["encode_s"]
+def i_wall(x): return x["wall_s"]
+def i_rss(x): return x["rss"] / 2**30
+
+
+print(f"\nmedians of {rounds} rounds | vl | llama.cpp | ratio")
+print("|---|---|---|---|")
+for label, f, better in [("decode at 200 positions (tok/s)", d200, "higher"), ("decode at 2000 positions (tok/s)", d2000, "higher"),
+                         ("image prompt prefill, encode + prompt (s)", i_prefill, "lower"),
+                         ("of which vision encode (s)", i_encode, "lower"),
+                         ("image answer wall, cold process (s)", i_wall, "lower"), ("image answer peak RSS (GiB)", i_rss, "lower")]:
+    a, b = med("vl", f), med("llama.cpp", f)
+    ratio = a / b if better == "higher" else b / a
+    print(f"| {label} | {a:.2f} | {b:.2f} | {ratio:.2f}x |")
+print("(ratio: vl's speed over llama.cpp's; for times and memory, llama.cpp's over vl's: above 1.0 vl is ahead)")
