@@ -82,6 +82,11 @@ def main():
     for f in ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"]:
         shutil.copyfile(src / f, out / f)
     shutil.copyfile(TEMPLATE, out / "chat_template.jinja")
+    # The release's tokenizer_config.json carries the VL template too; the package's has the Qwen3
+    # text one, which llama.cpp's converter would embed in the GGUF (it fails on image parts).
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TEMPLATE.read_text()
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
     n = sum(p.numel() for p in model.parameters())
     files = sorted(p.name for p in out.glob("*.safetensors"))
     print(json.dumps({"out": str(out), "parameters": n, "files": files, "seed": args.seed,

@@ -22,7 +22,7 @@ use super::config::{Qwen3VlConfig, TextConfig, VisionConfig};
 use super::gguf_names::{text_key, text_name, vision_key, vision_name};
 use super::model::Qwen3VlModel;
 use super::processor::{ImageProcessor, PreprocessorConfig};
-use super::text::{LoadPlan, Prequantized, TextModel};
+use super::text::{cut_experts, LoadPlan, PreExperts, Prequantized, TextModel};
 use super::video::{VideoConfig, VideoProcessor};
 use super::vision::VisionTower;
 use crate::error::{Error, Result};
@@ -387,6 +387,7 @@ impl GgufModel {
         let cfg = &self.config;
         let mut floats = HashMap::new();
         let mut pre: Prequantized = HashMap::new();
+        let mut experts: PreExperts = HashMap::new();
         for name in self.text.content.tensor_infos.keys() {
             let Some(hf) = text_key(name) else {
                 return Err(bad(&self.text.path, format!("unexpected tensor {name} in a Qwen3-VL text model")));
@@ -395,13 +396,18 @@ impl GgufModel {
             let float = matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
             if float || q.shape().rank() == 1 {
                 floats.insert(hf, q.dequantize(dev)?.to_dtype(dtype)?);
+            } else if q.shape().rank() == 3 {
+                // Cut now: the 3-D bytes are dropped before the next tensor is read, so the
+                // experts are held once, not twice, at the peak of the load.
+                experts.insert(hf, cut_experts(&q)?);
             } else {
                 pre.insert(hf, Arc::new(q));
             }
         }
         let vb = VarBuilder::from_tensors(floats, dtype, dev);
         let quant = quant.map(|qtype| super::text::QuantLoad { qtype, read_as: dtype });
-        TextModel::load_plan(&cfg.text, cfg.tie_word_embeddings, vb, LoadPlan { quant, pre: Some(&pre) })
+        let plan = LoadPlan { quant, pre: Some(&pre), experts: Some(&experts) };
+        TextModel::load_plan(&cfg.text, cfg.tie_word_embeddings, vb, plan)
     }
 
     /// The vision tower from the mmproj file, computing in `dtype`. An f16/bf16 mmproj stays in

@@ -24,18 +24,33 @@ pub struct QuantLoad {
 /// Weights already quantized, by checkpoint key (`model.language_model.layers.0.mlp.up_proj.weight`),
 /// used as stored (GGUF files): no dequantize-requantize round trip.
 pub type Prequantized = std::collections::HashMap<String, std::sync::Arc<candle_core::quantized::QTensor>>;
+/// A GGUF file's 3-D expert tensors, each already cut into one `[out, in]` tensor per expert as
+/// it was read (`cut_experts`), so the 3-D bytes are never held beside the experts' own.
+pub type PreExperts = std::collections::HashMap<String, Vec<std::sync::Arc<candle_core::quantized::QTensor>>>;
 
 /// How the decoder's weights are built: quantized at load (`quant`) and/or already quantized (`pre`).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LoadPlan<'a> {
     pub quant: Option<QuantLoad>,
     pub pre: Option<&'a Prequantized>,
+    pub experts: Option<&'a PreExperts>,
 }
 
 impl LoadPlan<'_> {
+    fn key(vb: &VarBuilder, name: &str) -> String {
+        if vb.prefix().is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", vb.prefix())
+        }
+    }
+
     fn stored(&self, vb: &VarBuilder, name: &str) -> Option<std::sync::Arc<candle_core::quantized::QTensor>> {
-        let key = if vb.prefix().is_empty() { name.to_string() } else { format!("{}.{name}", vb.prefix()) };
-        self.pre.and_then(|p| p.get(&key)).cloned()
+        self.pre.and_then(|p| p.get(&Self::key(vb, name))).cloned()
+    }
+
+    fn stored_experts(&self, vb: &VarBuilder, name: &str) -> Option<&[std::sync::Arc<candle_core::quantized::QTensor>]> {
+        self.experts.and_then(|p| p.get(&Self::key(vb, name))).map(|v| v.as_slice())
     }
 }
 
@@ -225,12 +240,18 @@ fn sparse_moe(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<SparseMo
     // A GGUF file's experts: one 3-D tensor per matrix, quantized as stored or in floats.
     let evb = vb.pp("experts");
     let split = ["gate_proj", "up_proj", "down_proj"].map(|n| format!("{n}.weight"));
-    if split.iter().all(|n| qt.stored(&evb, n).is_some() || evb.contains_tensor(n)) {
+    let stored = |n: &str| qt.stored_experts(&evb, n).is_some() || qt.stored(&evb, n).is_some();
+    if split.iter().all(|n| stored(n) || evb.contains_tensor(n)) {
         let shapes = [(mi, d), (mi, d), (d, mi)];
         let mut parts: Vec<Vec<QLinear>> = Vec::with_capacity(3);
         for (name, (o, i)) in split.iter().zip(shapes) {
+            let key = format!("{}.{name}", evb.prefix());
+            if let Some(cut) = qt.stored_experts(&evb, name) {
+                parts.push(experts_as_linears(cut, e, (o, i), &key)?);
+                continue;
+            }
             parts.push(match qt.stored(&evb, name) {
-                Some(q) => split_experts(&q, e, (o, i), &format!("{}.{name}", evb.prefix()))?,
+                Some(q) => experts_as_linears(&cut_experts(&q)?, e, (o, i), &key)?,
                 None => {
                     let t = evb.get((e, o, i), name)?;
                     (0..e)
@@ -288,23 +309,18 @@ pub(crate) fn experts_out_in(t: Tensor, (e, out, inp): (usize, usize, usize), ke
     }
 }
 
-/// A quantized 3-D expert tensor `[E, out, in]` cut into one `QLinear` per expert: each
-/// expert's rows are whole blocks, contiguous in the tensor's bytes, so they are copied as
-/// stored (no dequantize).
-fn split_experts(
+/// A quantized 3-D expert tensor `[E, out, in]` cut into one `[out, in]` tensor per expert: each
+/// expert's rows are whole blocks, contiguous in the tensor's bytes, so they are copied as stored
+/// (no dequantize).
+pub fn cut_experts(
     q: &candle_core::quantized::QTensor,
-    e: usize,
-    (o, i): (usize, usize),
-    key: &str,
-) -> Result<Vec<QLinear>> {
-    if q.shape().dims() != [e, o, i] {
-        return Err(Error::Input {
-            what: key.into(),
-            message: format!("shape {:?}, expected {:?}", q.shape().dims(), [e, o, i]),
-        });
-    }
+) -> Result<Vec<std::sync::Arc<candle_core::quantized::QTensor>>> {
+    let dims = q.shape().dims().to_vec();
+    let [e, o, i] = dims[..] else {
+        return Err(Error::Input { what: "expert tensor".into(), message: format!("shape {dims:?} is not 3-D") });
+    };
     let bytes = q.data()?;
-    let per = bytes.len() / e;
+    let per = bytes.len() / e.max(1);
     let dev = q.device();
     (0..e)
         .map(|x| {
@@ -314,9 +330,28 @@ fn split_experts(
                 vec![o, i],
                 &dev,
             )?;
-            Ok(QLinear::from_qtensor(std::sync::Arc::new(part), None)?)
+            Ok(std::sync::Arc::new(part))
         })
         .collect()
+}
+
+/// `e` experts' `[out, in]` tensors as linears, their count and shapes checked against `key`'s
+/// plan.
+fn experts_as_linears(
+    cut: &[std::sync::Arc<candle_core::quantized::QTensor>],
+    e: usize,
+    (o, i): (usize, usize),
+    key: &str,
+) -> Result<Vec<QLinear>> {
+    let bad = cut.len() != e || cut.iter().any(|q| q.shape().dims() != [o, i]);
+    if bad {
+        let found = cut.first().map(|q| q.shape().dims().to_vec()).unwrap_or_default();
+        return Err(Error::Input {
+            what: key.into(),
+            message: format!("{} experts of shape {found:?}, expected {e} of [{o}, {i}]", cut.len()),
+        });
+    }
+    cut.iter().map(|q| Ok(QLinear::from_qtensor(q.clone(), None)?)).collect()
 }
 
 #[derive(Debug, Clone)]
@@ -392,7 +427,7 @@ impl TextModel {
         vb: VarBuilder,
         quant: Option<QuantLoad>,
     ) -> Result<Self> {
-        Self::load_plan(cfg, tie_word_embeddings, vb, LoadPlan { quant, pre: None })
+        Self::load_plan(cfg, tie_word_embeddings, vb, LoadPlan { quant, pre: None, experts: None })
     }
 
     /// `load_with`, taking the weights in `plan.pre` as they are stored.
