@@ -14,6 +14,7 @@ Per round and engine:
   (/usr/bin/time), both cold processes.
 """
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -22,7 +23,11 @@ from pathlib import Path
 
 models, llama_bin, vl, image = (Path(a) for a in sys.argv[1:5])
 rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 3
-text_model, mmproj = models / "model-Q4_K_M.gguf", models / "mmproj-f16.gguf"
+# MOE_BENCH_TEXT names another text model in MODELS_DIR (the layer-count point of the
+# extrapolation: gguf_first_layers.py); MOE_BENCH_DECODE_ONLY=1 skips the image answer.
+text_model = models / os.environ.get("MOE_BENCH_TEXT", "model-Q4_K_M.gguf")
+mmproj = models / "mmproj-f16.gguf"
+decode_only = os.environ.get("MOE_BENCH_DECODE_ONLY") == "1"
 THREADS = "2"
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing about rivers mountains and distant cities".split()
 
@@ -85,12 +90,15 @@ engines = [("llama.cpp", llama_decode, llama_image), ("vl", vl_decode, vl_image)
 for r in range(rounds):
     order = engines if r % 2 == 0 else engines[::-1]
     for name, dec, img in order:
-        d, i = dec(), img()
+        d = dec()
         runs[name]["decode"].append(d)
-        runs[name]["image"].append(i)
-        print(f"round {r + 1} {name}: decode@200 {d[200]:.2f} tok/s, decode@2000 {d[2000]:.2f} tok/s; image prefill "
-              f"{i['prefill_s']:.2f} s ({i['detail']}), wall {i['wall_s']:.1f} s, peak RSS {i['rss'] / 2**30:.2f} GiB",
-              flush=True)
+        line = f"round {r + 1} {name} ({text_model.name}): decode@200 {d[200]:.2f} tok/s, decode@2000 {d[2000]:.2f} tok/s"
+        if not decode_only:
+            i = img()
+            runs[name]["image"].append(i)
+            line += (f"; image prefill {i['prefill_s']:.2f} s ({i['detail']}), wall {i['wall_s']:.1f} s, "
+                     f"peak RSS {i['rss'] / 2**30:.2f} GiB")
+        print(line, flush=True)
 
 
 def med(name, f):
@@ -111,6 +119,8 @@ for label, f, better in [("decode at 200 positions (tok/s)", d200, "higher"), ("
                          ("image prompt prefill, encode + prompt (s)", i_prefill, "lower"),
                          ("of which vision encode (s)", i_encode, "lower"),
                          ("image answer wall, cold process (s)", i_wall, "lower"), ("image answer peak RSS (GiB)", i_rss, "lower")]:
+    if decode_only and not f.__name__.startswith("d"):
+        continue
     a, b = med("vl", f), med("llama.cpp", f)
     ratio = a / b if better == "higher" else b / a
     print(f"| {label} | {a:.2f} | {b:.2f} | {ratio:.2f}x |")

@@ -1,0 +1,32 @@
+"""Writes a copy of a GGUF text model keeping only its first N decoder layers (`blk.0` ..
+`blk.N-1`, `<arch>.block_count` = N), with llama.cpp's own gguf-py: the layer-count point of the
+MoE side by side's extrapolation (two files that differ only in their layer count, run by both
+engines).
+
+    PYTHONPATH=target/llama.cpp/src/gguf-py python gguf_first_layers.py IN.gguf OUT.gguf N
+"""
+import re
+import sys
+
+import gguf
+
+src, dst, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+reader = gguf.GGUFReader(src)
+arch = reader.get_field("general.architecture").contents()
+writer = gguf.GGUFWriter(dst, arch=arch, endianess=reader.endianess)
+for field in reader.fields.values():
+    if field.name == "general.architecture" or field.name.startswith("GGUF."):
+        continue
+    value = n if field.name == f"{arch}.block_count" else field.contents()
+    sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+    writer.add_key_value(field.name, value, field.types[0], sub_type=sub)
+keep = [t for t in reader.tensors if not (m := re.match(r"blk\.(\d+)\.", t.name)) or int(m.group(1)) < n]
+for t in keep:
+    writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+writer.write_header_to_file()
+writer.write_kv_data_to_file()
+writer.write_ti_data_to_file()
+for t in keep:
+    writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+writer.close()
+print(f"{dst}: {len(keep)} of {len(reader.tensors)} tensors, {n} layers")
