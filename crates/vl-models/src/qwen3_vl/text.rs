@@ -49,7 +49,11 @@ impl LoadPlan<'_> {
         self.pre.and_then(|p| p.get(&Self::key(vb, name))).cloned()
     }
 
-    fn stored_experts(&self, vb: &VarBuilder, name: &str) -> Option<&[std::sync::Arc<candle_core::quantized::QTensor>]> {
+    fn stored_experts(
+        &self,
+        vb: &VarBuilder,
+        name: &str,
+    ) -> Option<&[std::sync::Arc<candle_core::quantized::QTensor>]> {
         self.experts.and_then(|p| p.get(&Self::key(vb, name))).map(|v| v.as_slice())
     }
 }
