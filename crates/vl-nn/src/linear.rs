@@ -618,6 +618,22 @@ impl QLinear {
         Ok(QLinear::Quant { w: QMatMul::from_arc(w)?, qtype, bias })
     }
 
+    /// `forward`, but a CPU k-quant / legacy-quant weight is multiplied on its compact blocks as
+    /// stored (candle's `k_quants::matmul`), never through candle's repacked tiles: `QMatMul`
+    /// repacks a Q4_K (or Q8_0) weight on its first product and keeps both copies, which for
+    /// routed experts, each touched by some token sooner or later, doubles their memory. Other
+    /// storage takes `forward`.
+    pub fn forward_compact(&self, x: &Tensor) -> Result<Tensor> {
+        if let QLinear::Quant { w: QMatMul::QTensor(t), bias: None, .. } = self {
+            if x.dtype() == DType::F32 && t.device().is_cpu() {
+                if let Some(y) = compact_matmul(t, x)? {
+                    return Ok(y);
+                }
+            }
+        }
+        self.forward(x)
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             QLinear::Dense(l) => Ok(l.forward(x)?),
@@ -664,6 +680,51 @@ impl QLinear {
             }
         }
     }
+}
+
+/// `x` [.., k] times the CPU quantized `t` [n, k] transposed, on `t`'s blocks in place (see
+/// `QLinear::forward_compact`). None for a block type this does not cover.
+fn compact_matmul(t: &candle_core::quantized::QTensor, x: &Tensor) -> Result<Option<Tensor>> {
+    use candle_core::quantized::k_quants::{self as kq, GgmlType};
+    use candle_core::quantized::GgmlDType as G;
+    let (n, k) = t.shape().dims2()?;
+    let mut out_dims = x.dims().to_vec();
+    if out_dims.pop() != Some(k) {
+        return Ok(None);
+    }
+    out_dims.push(n);
+    let m = x.elem_count() / k;
+    let lhs = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+    let bytes = t.data()?;
+    let mut dst = vec![0f32; m * n];
+    fn run<T: GgmlType>(bytes: &[u8], mkn: (usize, usize, usize), lhs: &[f32], dst: &mut [f32]) -> Result<bool> {
+        let size = std::mem::size_of::<T>();
+        if !(bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) || !bytes.len().is_multiple_of(size) {
+            return Ok(false);
+        }
+        // SAFETY: the bytes are a QTensor's CPU storage of this block type (a `Vec<T>` in candle,
+        // or blocks cut from one), aligned and a whole number of blocks (checked above); the
+        // slice borrows them for this call only.
+        let blocks = unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) };
+        candle_core::quantized::k_quants::matmul(mkn, lhs, blocks, dst)?;
+        Ok(true)
+    }
+    let mkn = (m, k, n);
+    let done = match t.dtype() {
+        G::Q4K => run::<kq::BlockQ4K>(&bytes, mkn, &lhs, &mut dst)?,
+        G::Q5K => run::<kq::BlockQ5K>(&bytes, mkn, &lhs, &mut dst)?,
+        G::Q6K => run::<kq::BlockQ6K>(&bytes, mkn, &lhs, &mut dst)?,
+        G::Q8_0 => run::<kq::BlockQ8_0>(&bytes, mkn, &lhs, &mut dst)?,
+        G::Q4_0 => run::<kq::BlockQ4_0>(&bytes, mkn, &lhs, &mut dst)?,
+        G::Q5_0 => run::<kq::BlockQ5_0>(&bytes, mkn, &lhs, &mut dst)?,
+        G::Q2K => run::<kq::BlockQ2K>(&bytes, mkn, &lhs, &mut dst)?,
+        G::Q3K => run::<kq::BlockQ3K>(&bytes, mkn, &lhs, &mut dst)?,
+        _ => false,
+    };
+    if !done {
+        return Ok(None);
+    }
+    Ok(Some(Tensor::from_vec(dst, out_dims, x.device())?))
 }
 
 pub fn dtype_name(d: DType) -> &'static str {

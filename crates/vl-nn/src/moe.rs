@@ -26,6 +26,13 @@ impl SwiGluExpert {
         self.down.forward(&h)
     }
 
+    /// `forward` on the quantized weights' compact blocks as stored
+    /// (`QLinear::forward_compact`): no repacked second copy of the expert.
+    pub fn forward_compact(&self, x: &Tensor) -> Result<Tensor> {
+        let h = (candle_nn::ops::silu(&self.gate.forward_compact(x)?)? * self.up.forward_compact(x)?)?;
+        self.down.forward_compact(&h)
+    }
+
     /// Bytes held by the expert's weights.
     pub fn weight_bytes(&self) -> usize {
         self.gate.weight_bytes() + self.up.weight_bytes() + self.down.weight_bytes()
@@ -38,6 +45,8 @@ pub struct SparseMoe {
     router: Tensor,
     experts: Vec<SwiGluExpert>,
     top_k: usize,
+    /// Experts multiply their compact blocks (`SwiGluExpert::forward_compact`).
+    compact: bool,
 }
 
 /// Each row's experts and their weights, in the order of decreasing probability.
@@ -52,7 +61,13 @@ impl SparseMoe {
                 message: format!("router of {e} experts, {} experts, top_k {top_k}", experts.len()),
             });
         }
-        Ok(Self { router, experts, top_k })
+        Ok(Self { router, experts, top_k, compact: false })
+    }
+
+    /// Whether the experts multiply their compact blocks as stored instead of candle's repacked
+    /// tiles (which candle makes on a quantized weight's first product and keeps beside it).
+    pub fn set_compact(&mut self, compact: bool) {
+        self.compact = compact;
     }
 
     pub fn experts(&self) -> &[SwiGluExpert] {
@@ -94,7 +109,9 @@ impl SparseMoe {
             }
             let n = idx.len();
             let ids = Tensor::from_vec(idx.clone(), n, x.device())?;
-            let y = self.experts[e].forward(&rows.index_select(&ids, 0)?)?;
+            let xs = rows.index_select(&ids, 0)?;
+            let ex = &self.experts[e];
+            let y = if self.compact { ex.forward_compact(&xs)? } else { ex.forward(&xs)? };
             // The weights in the activations' dtype, as transformers casts them.
             let w = Tensor::from_vec(w.clone(), (n, 1), x.device())?.to_dtype(y.dtype())?;
             out = out.index_add(&ids, &y.broadcast_mul(&w)?, 0)?;
@@ -123,6 +140,62 @@ mod tests {
         let r = top_k(&[0.1, 0.4, 0.2, 0.3], 2);
         assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 3]);
         assert!((r[0].1 - 0.4 / 0.7).abs() < 1e-6 && (r[1].1 - 0.3 / 0.7).abs() < 1e-6);
+    }
+
+    /// Quantized experts on their compact blocks: for the k-quants the same rows as through
+    /// candle's repacked tiles (both quantize the activations per 256 values; only the summation
+    /// order differs); for Q8_0 (compact: activations per 32 values, repacked: per 256) both stay
+    /// close to the product of the dequantized weights in f32. Decode (1 row) and prefill (33 rows:
+    /// candle's AMX path where the CPU has it) sizes.
+    #[test]
+    fn compact_experts_match_the_repacked_path() {
+        use crate::QuantType;
+        let dev = Device::Cpu;
+        let (h, i, e) = (256, 256, 4);
+        for q in [QuantType::Q4K, QuantType::Q6K, QuantType::Q8_0] {
+            let lin = |o: usize, n: usize, s: u64| {
+                let w = crate::testing::randn(s, 0.1, (o, n)).unwrap();
+                QLinear::new(candle_nn::Linear::new(w, None), Some(q)).unwrap()
+            };
+            let experts: Vec<SwiGluExpert> = (0..e as u64)
+                .map(|s| SwiGluExpert { gate: lin(i, h, 10 + s), up: lin(i, h, 20 + s), down: lin(h, i, 30 + s) })
+                .collect();
+            // The same experts with their weights dequantized: the definition, in f32.
+            let exact = |l: &QLinear| match l {
+                QLinear::Quant { w: candle_core::quantized::QMatMul::QTensor(t), .. } => {
+                    QLinear::Dense(candle_nn::Linear::new(t.dequantize(&dev).unwrap(), None))
+                }
+                _ => unreachable!("quantized above"),
+            };
+            let dense: Vec<SwiGluExpert> = experts
+                .iter()
+                .map(|x| SwiGluExpert { gate: exact(&x.gate), up: exact(&x.up), down: exact(&x.down) })
+                .collect();
+            let router = crate::testing::randn(7, 1.0, (e, h)).unwrap();
+            let mut moe = SparseMoe::new(router.clone(), experts, 2).unwrap();
+            let reference = SparseMoe::new(router, dense, 2).unwrap();
+            for rows in [1, 33] {
+                let x = crate::testing::randn(8 + rows as u64, 1.0, (rows, h)).unwrap();
+                let run = |m: &SparseMoe| m.forward(&x).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let want = run(&reference);
+                moe.set_compact(false);
+                let repacked = run(&moe);
+                moe.set_compact(true);
+                let compact = run(&moe);
+                let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                let (dc, dr) = (diff(&compact, &want), diff(&repacked, &want));
+                println!("{q:?} {rows} rows: compact {dc:.2e}, repacked {dr:.2e} of {scale:.2}");
+                assert!(
+                    scale > 0.1 && dc <= 0.03 * scale && dr <= 0.03 * scale,
+                    "{q:?}, {rows} rows: {dc} / {dr} of {scale}"
+                );
+                if q != QuantType::Q8_0 {
+                    let d = diff(&compact, &repacked);
+                    assert!(d <= 1e-4 * scale.max(1.0), "{q:?}, {rows} rows: compact vs repacked {d} (scale {scale})");
+                }
+            }
+        }
     }
 
     /// Grouped by expert equals each row through its own experts, weighted (computed directly).

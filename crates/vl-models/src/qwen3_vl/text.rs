@@ -358,6 +358,31 @@ fn experts_as_linears(
     cut.iter().map(|q| Ok(QLinear::from_qtensor(q.clone(), None)?)).collect()
 }
 
+/// Whether the routed experts multiply their compact blocks (`SparseMoe::set_compact`) rather
+/// than candle's repacked tiles, which are made on an expert's first product and kept beside its
+/// blocks: about one more copy of every expert once tokens have touched them all. Decided once the
+/// weights are loaded: repacked (faster prefill) while such a copy, and 1 GiB for the run, fits
+/// the memory still available (`limits::available_memory`), compact otherwise, so a MoE that fits
+/// as stored keeps fitting however long it runs. `VL_MOE_EXPERTS=compact|repacked` overrides.
+fn compact_experts(layers: &[DecoderLayer]) -> bool {
+    let bytes: u64 = layers
+        .iter()
+        .filter_map(|l| match &l.mlp {
+            Ffn::Sparse(m) => Some(m.experts().iter().map(|x| x.weight_bytes() as u64).sum::<u64>()),
+            Ffn::Dense(_) => None,
+        })
+        .sum();
+    if bytes == 0 {
+        return false;
+    }
+    match std::env::var("VL_MOE_EXPERTS").as_deref() {
+        Ok("compact") => return true,
+        Ok("repacked") => return false,
+        _ => {}
+    }
+    crate::limits::available_memory().is_some_and(|available| bytes + (1 << 30) > available)
+}
+
 #[derive(Debug, Clone)]
 struct DecoderLayer {
     input_norm: RmsNorm,
@@ -453,9 +478,15 @@ impl TextModel {
         } else {
             linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"), plan)?
         };
-        let layers = (0..cfg.num_hidden_layers)
+        let mut layers: Vec<DecoderLayer> = (0..cfg.num_hidden_layers)
             .map(|i| DecoderLayer::load(cfg, i, tvb.pp(format!("layers.{i}")), plan))
             .collect::<Result<_>>()?;
+        let compact = compact_experts(&layers);
+        for l in &mut layers {
+            if let Ffn::Sparse(m) = &mut l.mlp {
+                m.set_compact(compact);
+            }
+        }
         let s = &cfg.mrope_section;
         let model = Self {
             cfg: cfg.clone(),
