@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use vl_models::engine::{ChatMessage, Engine, EngineOptions, Finish, Part, Request, ToolCall};
+use vl_models::engine::{ChatMessage, Engine, EngineOptions, Finish, Part, Request};
 use vl_models::qwen3_vl::GenerationOptions;
 
 fn engine(g: &str, reuse: bool) -> Engine {
@@ -92,41 +92,6 @@ fn a_follow_up_turn_prefills_only_its_new_tokens_and_matches_a_fresh_prefill() {
         let f = engine(g, false).generate(&other, &mut |_| true).unwrap();
         assert!(c.cached_tokens < first.prompt_tokens, "{g}: reused across a changed image");
         assert!(max_diff(&c.first_logits, &f.first_logits) <= 1e-4);
-    }
-}
-
-/// The golden case's messages (and tools) as an engine request.
-fn golden_request(case: &str, max: usize) -> Request {
-    let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
-    let messages = meta["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| {
-            let parts = m["content"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|c| match c["type"].as_str().unwrap() {
-                    "text" => Part::Text(c["text"].as_str().unwrap().into()),
-                    _ => image(&format!("{}.png", c["image"].as_str().unwrap())),
-                })
-                .collect();
-            let mut msg = ChatMessage::new(m["role"].as_str().unwrap(), parts);
-            for c in m["tool_calls"].as_array().into_iter().flatten() {
-                msg.tool_calls.push(ToolCall {
-                    name: c["function"]["name"].as_str().unwrap().into(),
-                    arguments: c["function"]["arguments"].as_str().unwrap().into(),
-                });
-            }
-            msg
-        })
-        .collect();
-    Request {
-        messages,
-        options: GenerationOptions { max_new_tokens: max, ..Default::default() },
-        tools: meta["tools"].as_array().cloned().unwrap_or_default(),
-        ..Default::default()
     }
 }
 

@@ -8,8 +8,8 @@ mod common;
 
 use candle_core::DType;
 use common::*;
-use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request};
-use vl_models::qwen3_vl::{GenerationOptions, Qwen3VlModel};
+use vl_models::engine::{Engine, EngineOptions, Request};
+use vl_models::qwen3_vl::Qwen3VlModel;
 
 const LOGIT_TOL: f32 = 1e-3;
 const G: &str = "tiny-moe";
@@ -76,39 +76,10 @@ fn the_hub_expert_layout_loads_to_the_same_model() {
 
 /// The golden case as an engine request, and the reference's greedy ids.
 fn golden_case(case: &str) -> (Request, Vec<u32>, serde_json::Value) {
-    {
-        let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
-        let golden = read_json(&goldens().join(G).join("cases").join(format!("{case}.json")));
-        let ids: Vec<u32> =
-            golden["greedy"]["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        let messages = meta["messages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|m| {
-                let parts = m["content"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|c| match c["type"].as_str().unwrap() {
-                        "text" => Part::Text(c["text"].as_str().unwrap().into()),
-                        _ => {
-                            let name = format!("{}.png", c["image"].as_str().unwrap());
-                            let data = std::fs::read(goldens().join("images").join(&name)).unwrap();
-                            Part::Image { data, name, min_pixels: None, max_pixels: None }
-                        }
-                    })
-                    .collect();
-                ChatMessage::new(m["role"].as_str().unwrap(), parts)
-            })
-            .collect();
-        let req = Request {
-            messages,
-            options: GenerationOptions { max_new_tokens: ids.len(), ..Default::default() },
-            ..Default::default()
-        };
-        (req, ids, golden)
-    }
+    let golden = read_json(&goldens().join(G).join("cases").join(format!("{case}.json")));
+    let ids: Vec<u32> =
+        golden["greedy"]["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    (golden_request(case, ids.len()), ids, golden)
 }
 
 const ENGINE_CASES: [&str; 3] = ["text_only", "one_image", "two_images"];
@@ -169,17 +140,10 @@ fn llama_cpp_moe_gguf_matches_the_reference() {
     assert_eq!(pair.config.text.moe.as_ref().map(|m| (m.num_experts, m.top_k)), Some((8, 2)));
     let m = pair.load_model(DType::F32, &candle_core::Device::Cpu).unwrap();
     for case in CASES {
-        let want = load(&goldens().join("tiny-moe-gguf/cases").join(format!("{case}.safetensors")));
-        let p = prompt(case);
-        let mut cache = m.new_cache();
-        let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
-        let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
-        let want_ids: Vec<u32> = want["greedy.ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
-        let opts = GenerationOptions { max_new_tokens: want_ids.len(), ..Default::default() };
-        let got = m.generate(&p, &opts, &mut |_| true).unwrap().tokens;
+        let (d, same_greedy) = against_reference(&m, "tiny-moe-gguf", case);
         println!("gguf moe f32 {case}: last logits max|diff| {d:.2e}");
         assert!(d <= LOGIT_TOL, "{case}: {d}");
-        assert_eq!(got, want_ids, "{case}");
+        assert!(same_greedy, "{case}: greedy ids differ");
     }
 }
 
@@ -212,11 +176,7 @@ fn worst_last_logits(pair: &vl_models::qwen3_vl::gguf::GgufModel, what: &str) ->
     let m = pair.load_model(DType::F32, &candle_core::Device::Cpu).unwrap();
     let mut worst = 0f32;
     for case in CASES {
-        let want = load(&goldens().join("tiny-moe-gguf/cases").join(format!("{case}.safetensors")));
-        let p = prompt(case);
-        let mut cache = m.new_cache();
-        let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
-        let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
+        let (d, _) = against_reference(&m, "tiny-moe-gguf", case);
         println!("{what} {case}: last logits max|diff| {d:.3e}");
         worst = worst.max(d);
     }
@@ -225,16 +185,13 @@ fn worst_last_logits(pair: &vl_models::qwen3_vl::gguf::GgufModel, what: &str) ->
 }
 
 /// The all-sparse checkpoint llama.cpp's converter read (goldens/tiny-moe-gguf/checkpoint) matches
-/// its reference cases in f32, as tiny-moe does.
+/// its reference cases in f32 (logits and greedy ids), as tiny-moe does.
 #[test]
 fn the_all_sparse_checkpoint_matches_its_reference() {
     let m = Qwen3VlModel::load(&goldens().join("tiny-moe-gguf/checkpoint"), DType::F32, &device()).unwrap();
     for case in CASES {
-        let want = load(&goldens().join("tiny-moe-gguf/cases").join(format!("{case}.safetensors")));
-        let mut cache = m.new_cache();
-        let state = m.prefill(&prompt(case), &mut cache, &mut |_, _| {}).unwrap();
-        let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
-        assert!(d <= tol(LOGIT_TOL), "{case}: {d}");
+        let (d, same_greedy) = against_reference(&m, "tiny-moe-gguf", case);
+        assert!(d <= tol(LOGIT_TOL) && same_greedy, "{case}: {d}, greedy ids equal: {same_greedy}");
     }
 }
 

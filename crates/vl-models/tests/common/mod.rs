@@ -134,3 +134,57 @@ pub fn golden_messages(meta: &serde_json::Value) -> Vec<vl_models::qwen3_vl::Mes
         })
         .collect()
 }
+
+/// A golden prompt case (goldens/prompts/<case>.json: messages with text and image parts,
+/// assistant tool calls, tools) as an engine request for `max` new tokens.
+pub fn golden_request(case: &str, max: usize) -> vl_models::engine::Request {
+    use vl_models::engine::{ChatMessage, Part, Request, ToolCall};
+    let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
+    let messages = meta["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let parts = m["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| match c["type"].as_str().unwrap() {
+                    "text" => Part::Text(c["text"].as_str().unwrap().into()),
+                    _ => {
+                        let name = format!("{}.png", c["image"].as_str().unwrap());
+                        let data = std::fs::read(goldens().join("images").join(&name)).unwrap();
+                        Part::Image { data, name, min_pixels: None, max_pixels: None }
+                    }
+                })
+                .collect();
+            let mut msg = ChatMessage::new(m["role"].as_str().unwrap(), parts);
+            for c in m["tool_calls"].as_array().into_iter().flatten() {
+                msg.tool_calls.push(ToolCall {
+                    name: c["function"]["name"].as_str().unwrap().into(),
+                    arguments: c["function"]["arguments"].as_str().unwrap().into(),
+                });
+            }
+            msg
+        })
+        .collect();
+    Request {
+        messages,
+        options: vl_models::qwen3_vl::GenerationOptions { max_new_tokens: max, ..Default::default() },
+        tools: meta["tools"].as_array().cloned().unwrap_or_default(),
+        ..Default::default()
+    }
+}
+
+/// The last prompt position's max |logit difference| of `m` against golden geometry `g`'s
+/// reference on `case` (goldens/<g>/cases), and whether the greedy ids equal the reference's.
+pub fn against_reference(m: &vl_models::qwen3_vl::Qwen3VlModel, g: &str, case: &str) -> (f32, bool) {
+    let want = load(&goldens().join(g).join("cases").join(format!("{case}.safetensors")));
+    let p = prompt(case);
+    let mut cache = m.new_cache();
+    let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
+    let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
+    let want_ids: Vec<u32> = want["greedy.ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
+    let opts = vl_models::qwen3_vl::GenerationOptions { max_new_tokens: want_ids.len(), ..Default::default() };
+    (d, m.generate(&p, &opts, &mut |_| true).unwrap().tokens == want_ids)
+}
