@@ -4,6 +4,8 @@
 //! terminal only, and `vl chat` on a pseudo-terminal: Ctrl-C stops the answer and keeps the
 //! conversation, `/save` and `/load` round-trip it, Ctrl-C twice exits.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -323,16 +325,7 @@ fn chat_skips_a_huge_line_and_one_not_utf8_and_goes_on() {
 /// `--hide-reasoning` prints none of it.
 #[test]
 fn chat_prints_reasoning_apart_and_saves_it() {
-    let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(checkpoint("tiny-a")).unwrap() {
-        let p = entry.unwrap().path();
-        if p.file_name().unwrap() != "chat_template.jinja" {
-            std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), dir.path().join(p.file_name().unwrap()))
-                .unwrap();
-        }
-    }
-    let templates = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/hf-reference/templates");
-    std::fs::copy(templates.join("Qwen3-VL-Thinking.jinja"), dir.path().join("chat_template.jinja")).unwrap();
+    let dir = common::tiny_a_with_template(&common::thinking_template());
     let g: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(goldens().join("thinking/thinking.json")).unwrap()).unwrap();
     let g = &g["greedy"];

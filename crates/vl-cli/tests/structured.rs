@@ -538,19 +538,6 @@ fn completions_take_a_raw_prompt() {
 }
 
 /// tiny-a with `template` as its own chat template (the other files linked).
-fn with_template(template: &str) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(goldens().join("tiny-a/checkpoint")).unwrap() {
-        let p = entry.unwrap().path();
-        if p.file_name().unwrap() != "chat_template.jinja" {
-            std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), dir.path().join(p.file_name().unwrap()))
-                .unwrap();
-        }
-    }
-    std::fs::write(dir.path().join("chat_template.jinja"), template).unwrap();
-    dir
-}
-
 fn post_json(base: &str, path: &str, body: &Value) -> (u16, String) {
     let agent = ureq::AgentBuilder::new().timeout(std::time::Duration::from_secs(120)).build();
     match agent.post(&format!("{base}{path}")).send_string(&body.to_string()) {
@@ -576,13 +563,12 @@ fn sse_events(sse: &str) -> Vec<Value> {
 /// lengths equal the reference's renders, goldens/thinking).
 #[test]
 fn thinking_answers_split_reasoning_and_template_kwargs_reach_the_template() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/hf-reference/templates");
-    let thinking = std::fs::read_to_string(root.join("Qwen3-VL-Thinking.jinja")).unwrap();
+    let thinking = common::thinking_template();
     let g: Value =
         serde_json::from_str(&std::fs::read_to_string(goldens().join("thinking/thinking.json")).unwrap()).unwrap();
     let greedy = &g["greedy"];
     let render = |case: &str| g["renders"].as_array().unwrap().iter().find(|r| r["case"] == case).unwrap().clone();
-    let dir = with_template(&thinking);
+    let dir = common::tiny_a_with_template(&thinking);
     let server = common::start_dir(dir.path(), &[]);
     let n = greedy["ids"].as_array().unwrap().len();
     let body = json!({"messages": [{"role": "user", "content": greedy["question"]}], "max_tokens": n});

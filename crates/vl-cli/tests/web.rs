@@ -179,16 +179,7 @@ fn screenshot_dir() -> PathBuf {
 fn the_page_in_a_browser() {
     let server = common::start("tiny-a", &["--api-key", "sekret"]);
     // tiny-a with the Qwen3-VL Thinking template (goldens/thinking): its answers are reasoning.
-    let thinking_dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(common::goldens().join("tiny-a/checkpoint")).unwrap() {
-        let p = entry.unwrap().path();
-        if p.file_name().unwrap() != "chat_template.jinja" {
-            let to = thinking_dir.path().join(p.file_name().unwrap());
-            std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), to).unwrap();
-        }
-    }
-    let templates = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/hf-reference/templates");
-    std::fs::copy(templates.join("Qwen3-VL-Thinking.jinja"), thinking_dir.path().join("chat_template.jinja")).unwrap();
+    let thinking_dir = common::tiny_a_with_template(&common::thinking_template());
     let thinking = common::start_dir(thinking_dir.path(), &[]);
     let driver = chromedriver();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

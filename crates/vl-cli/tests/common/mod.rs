@@ -78,3 +78,24 @@ pub fn fake_hub_cache(home: &Path) {
         std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), snap.join(p.file_name().unwrap())).unwrap();
     }
 }
+
+/// tiny-a's checkpoint with `template` as its chat template: a temporary directory of links to the
+/// golden files and the template written in place.
+pub fn tiny_a_with_template(template: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(goldens().join("tiny-a/checkpoint")).unwrap() {
+        let p = entry.unwrap().path();
+        if p.file_name().unwrap() != "chat_template.jinja" {
+            std::os::unix::fs::symlink(std::fs::canonicalize(&p).unwrap(), dir.path().join(p.file_name().unwrap()))
+                .unwrap();
+        }
+    }
+    std::fs::write(dir.path().join("chat_template.jinja"), template).unwrap();
+    dir
+}
+
+/// The Qwen3-VL Thinking checkpoints' chat template (the pinned fixture; goldens/thinking).
+pub fn thinking_template() -> String {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/hf-reference/templates");
+    std::fs::read_to_string(root.join("Qwen3-VL-Thinking.jinja")).unwrap()
+}
