@@ -78,30 +78,34 @@ fn text_outputs(model: &ModelDir) -> Result<Vec<Output>> {
     }
     let no_name = |key: &str| Error::Input { what: key.into(), message: "no llama.cpp name for this tensor".into() };
     let mut out = Vec::new();
-    for p in &model.plan {
+    // The plan with the experts stacked per matrix, as the file holds them; a checkpoint that
+    // fuses them (transformers, the hub) gives each from its fused tensor.
+    for p in super::plan::split_experts(model.plan.clone()) {
         if p.group == Group::Vision || (p.group == Group::LmHead && cfg.tie_word_embeddings) {
             continue;
         }
-        let experts = p.key.strip_suffix(".experts.gate_up_proj").map(|b| (b, true));
-        let experts = experts.or(p.key.strip_suffix(".experts.down_proj").map(|b| (b, false)));
-        let Some((base, gate_up)) = experts else {
-            let (name, layer) = text_name(&p.key).ok_or_else(|| no_name(&p.key))?;
-            out.push(Output { name, layer, shape: p.shape.clone(), source: Source::Plain(p.key.clone()) });
-            continue;
+        let (name, layer) = text_name(&p.key).ok_or_else(|| no_name(&p.key))?;
+        let source = match model.weights.get(&p.key) {
+            Some(_) => None,
+            None => fused_source(&p.key),
         };
-        // The plan's shape is transformers 5's [E, out, in].
-        let (e, rows, cols) = (p.shape[0], p.shape[1], p.shape[2]);
-        let parts: &[(&str, Option<usize>)] =
-            if gate_up { &[("gate_proj", Some(0)), ("up_proj", Some(1))] } else { &[("down_proj", None)] };
-        for &(part, half) in parts {
-            let split = format!("{base}.experts.{part}.weight");
-            let (name, layer) = text_name(&split).ok_or_else(|| no_name(&split))?;
-            let rows = if half.is_some() { rows / 2 } else { rows };
-            let source = Source::Experts { key: p.key.clone(), rows: half };
-            out.push(Output { name, layer, shape: vec![e, rows, cols], source });
-        }
+        let source = source.unwrap_or_else(|| Source::Plain(p.key.clone()));
+        out.push(Output { name, layer, shape: p.shape, source });
     }
     Ok(out)
+}
+
+/// The fused tensor a stacked expert key (`<base>.experts.<part>.weight`) is cut from: gate and
+/// up are the first and second row halves of `gate_up_proj`, down is all of `down_proj`.
+fn fused_source(key: &str) -> Option<Source> {
+    let (base, part) = key.strip_suffix(".weight")?.rsplit_once(".experts.")?;
+    let (fused, rows) = match part {
+        "gate_proj" => ("gate_up_proj", Some(0)),
+        "up_proj" => ("gate_up_proj", Some(1)),
+        "down_proj" => ("down_proj", None),
+        _ => return None,
+    };
+    Some(Source::Experts { key: format!("{base}.experts.{fused}"), rows })
 }
 
 /// `w` `[.., in]` quantized row by row into `q`, keeping its shape (a 3-D expert tensor is one
