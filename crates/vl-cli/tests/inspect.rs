@@ -168,6 +168,15 @@ fn inspect_shows_a_moe_checkpoint_s_experts() {
     assert_eq!(v["parameters"]["lm_head"], counts["lm_head"]);
     assert_eq!(v["experts"]["experts_per_layer"], 8);
     assert_eq!(v["experts"]["sparse_layers"], serde_json::json!([0, 2]));
+    // The experts' product override takes two values; another is one line naming it.
+    let out = Command::new(env!("CARGO_BIN_EXE_vl"))
+        .args(["run", "--model", dir.to_str().unwrap(), "--prompt", "hi", "--max-new-tokens", "1"])
+        .env("VL_MOE_EXPERTS", "fast")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("VL_MOE_EXPERTS") && err.contains("\"fast\""), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
     // Its dense layer has no place in llama.cpp's qwen3vlmoe file: one line saying so, nothing
     // written.
     let out_dir = tempfile::tempdir().unwrap();

@@ -363,8 +363,9 @@ fn experts_as_linears(
 /// blocks: about one more copy of every expert once tokens have touched them all. Decided once the
 /// weights are loaded: repacked (faster prefill) while such a copy, and 1 GiB for the run, fits
 /// the memory still available (`limits::available_memory`), compact otherwise, so a MoE that fits
-/// as stored keeps fitting however long it runs. `VL_MOE_EXPERTS=compact|repacked` overrides.
-fn compact_experts(layers: &[DecoderLayer]) -> bool {
+/// as stored keeps fitting however long it runs. `VL_MOE_EXPERTS=compact|repacked` overrides
+/// (another value is refused).
+fn compact_experts(layers: &[DecoderLayer]) -> Result<bool> {
     let bytes: u64 = layers
         .iter()
         .filter_map(|l| match &l.mlp {
@@ -373,14 +374,17 @@ fn compact_experts(layers: &[DecoderLayer]) -> bool {
         })
         .sum();
     if bytes == 0 {
-        return false;
+        return Ok(false);
     }
-    match std::env::var("VL_MOE_EXPERTS").as_deref() {
-        Ok("compact") => return true,
-        Ok("repacked") => return false,
-        _ => {}
+    match std::env::var("VL_MOE_EXPERTS") {
+        Ok(v) if v == "compact" => Ok(true),
+        Ok(v) if v == "repacked" => Ok(false),
+        Ok(v) => Err(Error::Input {
+            what: "VL_MOE_EXPERTS".into(),
+            message: format!("{v:?} is neither \"compact\" nor \"repacked\""),
+        }),
+        Err(_) => Ok(crate::limits::available_memory().is_some_and(|available| bytes + (1 << 30) > available)),
     }
-    crate::limits::available_memory().is_some_and(|available| bytes + (1 << 30) > available)
 }
 
 #[derive(Debug, Clone)]
@@ -481,7 +485,7 @@ impl TextModel {
         let mut layers: Vec<DecoderLayer> = (0..cfg.num_hidden_layers)
             .map(|i| DecoderLayer::load(cfg, i, tvb.pp(format!("layers.{i}")), plan))
             .collect::<Result<_>>()?;
-        let compact = compact_experts(&layers);
+        let compact = compact_experts(&layers)?;
         for l in &mut layers {
             if let Ffn::Sparse(m) = &mut l.mlp {
                 m.set_compact(compact);
