@@ -101,27 +101,20 @@ for r in range(rounds):
         print(line, flush=True)
 
 
-def med(name, f):
-    return statistics.median(f(x) for x in runs[name]["decode" if f.__name__.startswith("d") else "image"])
-
-
-def d200(x): return x[200]
-def d2000(x): return x[2000]
-def i_prefill(x): return x["prefill_s"]
-def i_encode(x): return x["encode_s"]
-def i_wall(x): return x["wall_s"]
-def i_rss(x): return x["rss"] / 2**30
-
-
+ROWS = [  # (label, "decode" or "image", value of a run, better when "higher" or "lower")
+    ("decode at 200 positions (tok/s)", "decode", lambda x: x[200], "higher"),
+    ("decode at 2000 positions (tok/s)", "decode", lambda x: x[2000], "higher"),
+    ("image prompt prefill, encode + prompt (s)", "image", lambda x: x["prefill_s"], "lower"),
+    ("of which vision encode (s)", "image", lambda x: x["encode_s"], "lower"),
+    ("image answer wall, cold process (s)", "image", lambda x: x["wall_s"], "lower"),
+    ("image answer peak RSS (GiB)", "image", lambda x: x["rss"] / 2**30, "lower"),
+]
 print(f"\nmedians of {rounds} rounds | vl | llama.cpp | ratio")
 print("|---|---|---|---|")
-for label, f, better in [("decode at 200 positions (tok/s)", d200, "higher"), ("decode at 2000 positions (tok/s)", d2000, "higher"),
-                         ("image prompt prefill, encode + prompt (s)", i_prefill, "lower"),
-                         ("of which vision encode (s)", i_encode, "lower"),
-                         ("image answer wall, cold process (s)", i_wall, "lower"), ("image answer peak RSS (GiB)", i_rss, "lower")]:
-    if decode_only and not f.__name__.startswith("d"):
+for label, kind, value, better in ROWS:
+    if decode_only and kind == "image":
         continue
-    a, b = med("vl", f), med("llama.cpp", f)
+    a, b = (statistics.median(value(x) for x in runs[name][kind]) for name in ("vl", "llama.cpp"))
     ratio = a / b if better == "higher" else b / a
     print(f"| {label} | {a:.2f} | {b:.2f} | {ratio:.2f}x |")
 print("(ratio: vl's speed over llama.cpp's; for times and memory, llama.cpp's over vl's: above 1.0 vl is ahead)")
