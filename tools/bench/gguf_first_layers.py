@@ -5,6 +5,7 @@ engines).
 
     PYTHONPATH=target/llama.cpp/src/gguf-py python gguf_first_layers.py IN.gguf OUT.gguf N
 """
+import os
 import re
 import sys
 
@@ -13,7 +14,8 @@ import gguf
 src, dst, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 reader = gguf.GGUFReader(src)
 arch = reader.get_field("general.architecture").contents()
-writer = gguf.GGUFWriter(dst, arch=arch, endianess=reader.endianess)
+tmp = dst + ".partial"  # renamed once complete: a failed write leaves no half file under dst
+writer = gguf.GGUFWriter(tmp, arch=arch, endianess=reader.endianess)
 for field in reader.fields.values():
     if field.name == "general.architecture" or field.name.startswith("GGUF."):
         continue
@@ -29,4 +31,5 @@ writer.write_ti_data_to_file()
 for t in keep:
     writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
 writer.close()
+os.replace(tmp, dst)
 print(f"{dst}: {len(keep)} of {len(reader.tensors)} tensors, {n} layers")
