@@ -254,10 +254,11 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// One GGUF file, its header read.
+/// One GGUF file, its header read, the file mapped (`tensor` takes quantized blocks in place).
 pub struct GgufFile {
     pub path: PathBuf,
     pub content: Content,
+    map: std::sync::Arc<memmap2::Mmap>,
 }
 
 impl GgufFile {
@@ -265,7 +266,63 @@ impl GgufFile {
         check_header(path)?;
         let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         let content = Content::read(&mut f).map_err(|e| bad(path, format!("unreadable GGUF: {e}")))?;
-        Ok(Self { path: path.to_path_buf(), content })
+        // SAFETY: a read-only map of a file we only read (see `walk_header`); replacing or
+        // truncating the file while a model runs from it is the user's doing, as for llama.cpp.
+        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(path, e))?;
+        Ok(Self { path: path.to_path_buf(), content, map: std::sync::Arc::new(map) })
+    }
+
+    /// Where `name`'s bytes start in the file, and how many there are.
+    fn extent(&self, name: &str) -> Option<(usize, usize)> {
+        let info = self.content.tensor_infos.get(name)?;
+        let bytes = info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
+        Some(((self.content.tensor_data_offset + info.offset) as usize, bytes))
+    }
+
+    /// `name` with its blocks left in the mapped file (CPU, a block type candle multiplies);
+    /// None otherwise.
+    fn mapped(&self, name: &str, dev: &Device) -> Option<QTensor> {
+        let info = self.content.tensor_infos.get(name)?;
+        let (offset, _) = self.extent(name)?;
+        if !dev.is_cpu() {
+            return None;
+        }
+        crate::mapped::qtensor(&self.map, offset, info.ggml_dtype, info.shape.dims())
+    }
+
+    /// The experts of a 3-D `[experts, out, in]` tensor, each `[out, in]`: views of the mapped
+    /// file where `tensor` would map it, cut from a read copy otherwise (the copy dropped after).
+    pub(crate) fn experts(&self, name: &str, dev: &Device) -> Result<Vec<std::sync::Arc<QTensor>>> {
+        let info =
+            self.content.tensor_infos.get(name).ok_or_else(|| bad(&self.path, format!("tensor {name} is missing")))?;
+        let &[e, o, i] = info.shape.dims() else {
+            return Err(bad(
+                &self.path,
+                format!("tensor {name} has shape {:?}, not [experts, out, in]", info.shape.dims()),
+            ));
+        };
+        let (offset, bytes) = self.extent(name).unwrap_or_default();
+        let per = bytes / e.max(1);
+        if self.mapped(name, dev).is_some() {
+            let cut: Option<Vec<_>> = (0..e)
+                .map(|x| {
+                    crate::mapped::qtensor(&self.map, offset + x * per, info.ggml_dtype, &[o, i])
+                        .map(std::sync::Arc::new)
+                })
+                .collect();
+            if let Some(cut) = cut {
+                return Ok(cut);
+            }
+        }
+        cut_experts(&self.tensor(name, dev)?).map_err(|err| bad(&self.path, format!("tensor {name}: {err}")))
+    }
+
+    /// Hands `name`'s mapped pages back (`mapped::release`): for weights whose kernels no longer
+    /// read the stored blocks.
+    pub(crate) fn release(&self, name: &str) {
+        if let Some((offset, bytes)) = self.extent(name) {
+            crate::mapped::release(&self.map, offset, bytes);
+        }
     }
 
     pub(crate) fn get(&self, key: &str) -> Result<&Value> {
@@ -302,10 +359,38 @@ impl GgufFile {
     pub(crate) fn dims(&self, name: &str) -> Option<Vec<usize>> {
         self.content.tensor_infos.get(name).map(|i| i.shape.dims().to_vec())
     }
+    /// `name` as stored: quantized blocks mapped in place on the CPU, otherwise read.
     pub(crate) fn tensor(&self, name: &str, dev: &Device) -> Result<QTensor> {
+        if let Some(t) = self.mapped(name, dev) {
+            return Ok(t);
+        }
         let mut f = std::fs::File::open(&self.path).map_err(|e| Error::io(&self.path, e))?;
         self.content.tensor(&mut f, name, dev).map_err(|e| bad(&self.path, format!("tensor {name}: {e}")))
     }
+}
+
+/// A quantized 3-D expert tensor `[E, out, in]` cut into one `[out, in]` tensor per expert: each
+/// expert's rows are whole blocks, contiguous in the tensor's bytes, so they are copied as stored
+/// (no dequantize). Drop `q` after, so the bytes are held once.
+pub fn cut_experts(q: &QTensor) -> Result<Vec<std::sync::Arc<QTensor>>> {
+    let dims = q.shape().dims().to_vec();
+    let [e, o, i] = dims[..] else {
+        return Err(Error::Input { what: "expert tensor".into(), message: format!("shape {dims:?} is not 3-D") });
+    };
+    let bytes = q.data()?;
+    let per = bytes.len() / e.max(1);
+    let dev = q.device();
+    (0..e)
+        .map(|x| {
+            let part = candle_core::quantized::ggml_file::qtensor_from_ggml(
+                q.dtype(),
+                &bytes[x * per..(x + 1) * per],
+                vec![o, i],
+                &dev,
+            )?;
+            Ok(std::sync::Arc::new(part))
+        })
+        .collect()
 }
 
 /// The GGUF files of `path`: the file itself (with `mmproj`, or an `mmproj*.gguf` beside it), or

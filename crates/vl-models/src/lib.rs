@@ -21,6 +21,7 @@ pub mod grounding;
 pub mod image_file;
 pub mod kv;
 pub mod limits;
+pub mod mapped;
 pub mod media;
 pub mod progress;
 pub mod qwen3_vl;

@@ -203,6 +203,12 @@ fn quantize_q4k_cpu(w: &Tensor, rows: usize, cols: usize, threads: usize) -> Res
 
 /// `QLinear::prepare` for many layers, on every core (each repack is single-threaded).
 pub fn prepare_all(layers: &[&QLinear]) -> Result<()> {
+    prepare_all_then(layers, &|_| {})
+}
+
+/// `prepare_all`, calling `then(i)` as soon as `layers[i]` is prepared (e.g. to hand back the
+/// pages of the blocks it was repacked from).
+pub fn prepare_all_then(layers: &[&QLinear], then: &(dyn Fn(usize) + Sync)) -> Result<()> {
     let threads = candle_core::utils::get_num_threads().clamp(1, layers.len().max(1));
     let next = std::sync::atomic::AtomicUsize::new(0);
     std::thread::scope(|s| {
@@ -211,7 +217,10 @@ pub fn prepare_all(layers: &[&QLinear]) -> Result<()> {
                 s.spawn(|| loop {
                     let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     match layers.get(i) {
-                        Some(l) => l.prepare()?,
+                        Some(l) => {
+                            l.prepare()?;
+                            then(i);
+                        }
                         None => return Ok(()),
                     }
                 })
@@ -637,9 +646,27 @@ impl QLinear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             QLinear::Dense(l) => Ok(l.forward(x)?),
-            QLinear::Quant { w, bias, .. } => {
+            QLinear::Quant { w, bias, qtype } => {
                 let dtype = x.dtype();
-                let y = w.forward(&x.to_dtype(DType::F32)?)?.to_dtype(dtype)?;
+                let x = x.to_dtype(DType::F32)?;
+                let k = x.dim(candle_core::D::Minus1)?;
+                let rows = x.elem_count() / k.max(1);
+                let y = if *qtype == QuantType::Q4K && rows > AMX_ROWS && x.device().is_cpu() && avoid_amx() {
+                    let flat = x.reshape((rows, k))?;
+                    let parts = (0..rows)
+                        .step_by(AMX_ROWS)
+                        .map(|s| w.forward(&flat.narrow(0, s, AMX_ROWS.min(rows - s))?))
+                        .collect::<candle_core::Result<Vec<_>>>()?;
+                    let y = Tensor::cat(&parts, 0)?;
+                    let mut dims = x.dims().to_vec();
+                    if let Some(last) = dims.last_mut() {
+                        *last = y.dim(1)?;
+                    }
+                    y.reshape(dims)?
+                } else {
+                    w.forward(&x)?
+                };
+                let y = y.to_dtype(dtype)?;
                 Ok(match bias {
                     Some(b) => y.broadcast_add(&b.to_dtype(dtype)?)?,
                     None => y,
@@ -680,6 +707,38 @@ impl QLinear {
             }
         }
     }
+}
+
+/// The most rows one candle product of a CPU Q4_K weight gets where AMX is left alone.
+const AMX_ROWS: usize = 31;
+static ALLOW_AMX: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Lets Q4_K products of 32 rows or more take candle's AMX path (process-wide; off by default).
+/// candle 0.11 multiplies such products on AMX tiles where the CPU has AMX: a third copy of the
+/// weight (10 bits a value, besides the stored 4.5 and the VNNI tiles' 6), made single-threaded
+/// at its first such product and kept. For the 2B decoder that is 1.25 GB more and ~1.7 s in the
+/// first prefill, for products 0-30% faster (`examples/qmatmul_time`: 210 rows, 2048->6144
+/// 21.0 vs 21.6 ms, 6144->2048 20.7 vs 26.8 ms, on this repo's 2-core Xeon). Without it,
+/// `QLinear::forward` cuts those products into pieces of 31 rows, which candle runs on the VNNI
+/// tiles that decoding uses anyway.
+pub fn allow_amx(allow: bool) {
+    ALLOW_AMX.store(allow, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether this CPU has AMX (CPUID leaf 7: AMX-TILE and AMX-INT8, what candle checks) and its
+/// use is not allowed.
+fn avoid_amx() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let has = *HAS.get_or_init(|| {
+            let info = std::arch::x86_64::__cpuid_count(7, 0);
+            info.edx & (1 << 24) != 0 && info.edx & (1 << 25) != 0
+        });
+        has && !ALLOW_AMX.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// `x` [.., k] times the CPU quantized `t` [n, k] transposed, on `t`'s blocks in place (see
@@ -836,6 +895,22 @@ mod tests {
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    #[test]
+    fn a_q4k_product_cut_for_amx_equals_its_rows_one_by_one() {
+        // 70 rows: cut into 31 + 31 + 8 where this CPU has AMX, whole elsewhere. Every candle
+        // CPU path multiplies each row on its own (its own Q8_K quantization, its own sums), so
+        // the product equals the rows taken alone, bit for bit, however it is cut.
+        let w = crate::testing::randn(7, 0.05, (48, 512)).unwrap();
+        let x = crate::testing::randn(8, 1.0, (2, 35, 512)).unwrap();
+        let l = QLinear::new(Linear::new(w, None), Some(QuantType::Q4K)).unwrap();
+        let y = l.forward(&x).unwrap();
+        assert_eq!(y.dims(), [2, 35, 48]);
+        let flat = x.reshape((70, 512)).unwrap();
+        let rows: Vec<Tensor> = (0..70).map(|r| l.forward(&flat.narrow(0, r, 1).unwrap()).unwrap()).collect();
+        let alone = Tensor::cat(&rows, 0).unwrap().reshape((2, 35, 48)).unwrap();
+        assert_eq!(max_diff(&y, &alone), 0.0);
     }
 
     #[test]

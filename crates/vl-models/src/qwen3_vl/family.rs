@@ -343,6 +343,7 @@ impl Family for Qwen3Vl {
             *slot = VisionSlot::Absent("the vision tower was released after the images were encoded");
         }
         drop(slot);
+        crate::alloc::give_back();
         self.load_text().map(|_| ())
     }
 

@@ -22,7 +22,7 @@ use super::config::{Qwen3VlConfig, TextConfig, VisionConfig};
 use super::gguf_names::{text_key, text_name, vision_key, vision_name};
 use super::model::Qwen3VlModel;
 use super::processor::{ImageProcessor, PreprocessorConfig};
-use super::text::{cut_experts, LoadPlan, PreExperts, Prequantized, TextModel};
+use super::text::{LoadPlan, PreExperts, Prequantized, TextModel};
 use super::video::{VideoConfig, VideoProcessor};
 use super::vision::VisionTower;
 use crate::error::{Error, Result};
@@ -388,21 +388,38 @@ impl GgufModel {
         let mut floats = HashMap::new();
         let mut pre: Prequantized = HashMap::new();
         let mut experts: PreExperts = HashMap::new();
-        for name in self.text.content.tensor_infos.keys() {
+        for (name, info) in &self.text.content.tensor_infos {
             let Some(hf) = text_key(name) else {
                 return Err(bad(&self.text.path, format!("unexpected tensor {name} in a Qwen3-VL text model")));
             };
+            let float = matches!(info.ggml_dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+            if !float && info.shape.rank() == 3 {
+                // Views of the mapped file on the CPU; elsewhere cut as read, the 3-D bytes
+                // dropped before the next tensor, so the experts are held once at the peak.
+                experts.insert(hf, self.text.experts(name, dev)?);
+                continue;
+            }
             let q = self.text.tensor(name, dev)?;
-            let float = matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
             if float || q.shape().rank() == 1 {
                 floats.insert(hf, q.dequantize(dev)?.to_dtype(dtype)?);
-            } else if q.shape().rank() == 3 {
-                // Cut now: the 3-D bytes are dropped before the next tensor is read, so the
-                // experts are held once, not twice, at the peak of the load.
-                experts.insert(hf, cut_experts(&q)?);
             } else {
                 pre.insert(hf, Arc::new(q));
             }
+        }
+        // The stored weights whose kernels read candle's repacked tiles at every size (Q4_K, and
+        // Q8_0 on AVX-512 VNNI): repacked here, on every core, each one's mapped pages handed back
+        // as soon as its tiles exist, so the load never holds both copies of the decoder. A page
+        // read again later (an AVX2-only CPU's Q8_0 products, an embedding row) comes back from
+        // the file. Q6_K keeps its blocks: candle's one-row products read them.
+        if dev.is_cpu() {
+            let tiled: Vec<(&str, vl_nn::QLinear)> = (self.text.content.tensor_infos.keys())
+                .filter(|n| cfg.tie_word_embeddings || n.as_str() != "token_embd.weight")
+                .filter_map(|n| Some((n.as_str(), pre.get(&text_key(n)?)?)))
+                .filter(|(_, t)| matches!(t.dtype(), GgmlDType::Q4K | GgmlDType::Q8_0))
+                .map(|(n, t)| Ok((n, vl_nn::QLinear::from_qtensor(t.clone(), None)?)))
+                .collect::<Result<_>>()?;
+            let layers: Vec<&vl_nn::QLinear> = tiled.iter().map(|(_, l)| l).collect();
+            vl_nn::linear::prepare_all_then(&layers, &|i| self.text.release(tiled[i].0))?;
         }
         let vb = VarBuilder::from_tensors(floats, dtype, dev);
         let quant = quant.map(|qtype| super::text::QuantLoad { qtype, read_as: dtype });

@@ -24,8 +24,9 @@ pub struct QuantLoad {
 /// Weights already quantized, by checkpoint key (`model.language_model.layers.0.mlp.up_proj.weight`),
 /// used as stored (GGUF files): no dequantize-requantize round trip.
 pub type Prequantized = std::collections::HashMap<String, std::sync::Arc<candle_core::quantized::QTensor>>;
-/// A GGUF file's 3-D expert tensors, each already cut into one `[out, in]` tensor per expert as
-/// it was read (`cut_experts`), so the 3-D bytes are never held beside the experts' own.
+/// A GGUF file's 3-D expert tensors, each as one `[out, in]` tensor per expert: views of the
+/// mapped file, or cut as read (`gguf::cut_experts`), so the 3-D bytes are never held beside the
+/// experts' own.
 pub type PreExperts = std::collections::HashMap<String, Vec<std::sync::Arc<candle_core::quantized::QTensor>>>;
 
 /// How the decoder's weights are built: quantized at load (`quant`) and/or already quantized (`pre`).
@@ -255,7 +256,7 @@ fn sparse_moe(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<SparseMo
                 continue;
             }
             parts.push(match qt.stored(&evb, name) {
-                Some(q) => experts_as_linears(&cut_experts(&q)?, e, (o, i), &key)?,
+                Some(q) => experts_as_linears(&crate::gguf::cut_experts(&q)?, e, (o, i), &key)?,
                 None => {
                     let t = evb.get((e, o, i), name)?;
                     (0..e)
@@ -313,32 +314,6 @@ pub(crate) fn experts_out_in(t: Tensor, (e, out, inp): (usize, usize, usize), ke
     }
 }
 
-/// A quantized 3-D expert tensor `[E, out, in]` cut into one `[out, in]` tensor per expert: each
-/// expert's rows are whole blocks, contiguous in the tensor's bytes, so they are copied as stored
-/// (no dequantize).
-pub fn cut_experts(
-    q: &candle_core::quantized::QTensor,
-) -> Result<Vec<std::sync::Arc<candle_core::quantized::QTensor>>> {
-    let dims = q.shape().dims().to_vec();
-    let [e, o, i] = dims[..] else {
-        return Err(Error::Input { what: "expert tensor".into(), message: format!("shape {dims:?} is not 3-D") });
-    };
-    let bytes = q.data()?;
-    let per = bytes.len() / e.max(1);
-    let dev = q.device();
-    (0..e)
-        .map(|x| {
-            let part = candle_core::quantized::ggml_file::qtensor_from_ggml(
-                q.dtype(),
-                &bytes[x * per..(x + 1) * per],
-                vec![o, i],
-                &dev,
-            )?;
-            Ok(std::sync::Arc::new(part))
-        })
-        .collect()
-}
-
 /// `e` experts' `[out, in]` tensors as linears, their count and shapes checked against `key`'s
 /// plan.
 fn experts_as_linears(
@@ -385,6 +360,23 @@ fn compact_experts(layers: &[DecoderLayer]) -> Result<bool> {
         }),
         Err(_) => Ok(crate::limits::available_memory().is_some_and(|available| bytes + (1 << 30) > available)),
     }
+}
+
+/// `VL_CPU_AMX=on` lets Q4_K prefill products take candle's AMX tiles (`vl_nn::linear::allow_amx`:
+/// faster, at a third copy of those weights); unset or `off`, they stay on the VNNI tiles.
+fn amx_setting() -> Result<()> {
+    match std::env::var("VL_CPU_AMX") {
+        Ok(v) if v == "on" => vl_nn::linear::allow_amx(true),
+        Ok(v) if v == "off" => vl_nn::linear::allow_amx(false),
+        Ok(v) => {
+            return Err(Error::Input {
+                what: "VL_CPU_AMX".into(),
+                message: format!("{v:?} is neither \"on\" nor \"off\""),
+            })
+        }
+        Err(_) => {}
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone)]
@@ -465,6 +457,7 @@ impl TextModel {
 
     /// `load_with`, taking the weights in `plan.pre` as they are stored.
     pub fn load_plan(cfg: &TextConfig, tie_word_embeddings: bool, vb: VarBuilder, plan: LoadPlan) -> Result<Self> {
+        amx_setting()?;
         let tvb = vb.pp("model.language_model");
         let evb = tvb.pp("embed_tokens");
         let embed = match plan.stored(&evb, "weight") {
@@ -507,9 +500,15 @@ impl TextModel {
     }
 
     /// Quantized weights get their kernels' one-time repacking at load, on every core, so the
-    /// first prefill runs at the speed of every later one.
+    /// first prefill runs at the speed of every later one. A Q6_K lm_head (llama.cpp's Q4_K_M
+    /// files) is left as stored: it only meets one-row products (a prefill's last position, one
+    /// sequence's decode), which candle runs on the stored blocks; its tiles (10 bits a weight,
+    /// 389 MB for a 151k x 2048 head) would be made at the first batched decode step instead.
     fn prepare(&self) -> Result<()> {
-        let mut all: Vec<&QLinear> = vec![&self.lm_head];
+        let mut all: Vec<&QLinear> = vec![];
+        if self.lm_head.storage() != vl_nn::QuantType::Q6K.name() {
+            all.push(&self.lm_head);
+        }
         for l in &self.layers {
             let a = &l.attn;
             all.extend([&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj]);

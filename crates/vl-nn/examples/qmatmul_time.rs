@@ -1,0 +1,55 @@
+//! Times a Q4_K `QLinear` product (diagnosis, not a user-path figure):
+//! `cargo run --release -p vl-nn --example qmatmul_time [ROWS] [IN] [OUT] [RUNS]`.
+//! Seeded random rows and weights; prints the best run of the whole-batch product (candle picks
+//! its kernel by row count: AMX tiles from 32 rows where the CPU has AMX) and of the same rows in
+//! pieces of at most 31 (candle's VNNI tiles), and the rate (2 x rows x in x out ops).
+use candle_core::{Device, Tensor};
+use vl_nn::{QLinear, QuantType};
+
+fn main() -> candle_core::Result<()> {
+    let arg = |i: usize, default: usize| std::env::args().nth(i).map_or(default, |a| a.parse().expect("a number"));
+    let (m, k, n, runs) = (arg(1, 210), arg(2, 2048), arg(3, 6144), arg(4, 5));
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    };
+    let x = Tensor::from_vec((0..m * k).map(|_| next()).collect::<Vec<f32>>(), (m, k), &Device::Cpu)?;
+    let w = Tensor::from_vec((0..n * k).map(|_| next() * 0.03).collect::<Vec<f32>>(), (n, k), &Device::Cpu)?;
+    let l = QLinear::new(candle_nn::Linear::new(w, None), Some(QuantType::Q4K)).expect("quantize");
+    let time = |f: &dyn Fn() -> candle_core::Result<Tensor>| -> candle_core::Result<f64> {
+        let mut best = f64::MAX;
+        for _ in 0..runs {
+            let t = std::time::Instant::now();
+            f()?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    };
+    let whole = || Ok(l.forward(&x).expect("forward"));
+    let pieces = || {
+        let parts: Vec<Tensor> = (0..m)
+            .step_by(31)
+            .map(|s| l.forward(&x.narrow(0, s, 31.min(m - s))?).map_err(candle_core::Error::wrap))
+            .collect::<candle_core::Result<_>>()?;
+        Tensor::cat(&parts, 0)
+    };
+    let first = std::time::Instant::now();
+    whole()?;
+    let first_whole = first.elapsed().as_secs_f64();
+    let first = std::time::Instant::now();
+    pieces()?;
+    let first_pieces = first.elapsed().as_secs_f64();
+    let ops = 2.0 * (m * k * n) as f64;
+    for (name, first, best) in [("whole", first_whole, time(&whole)?), ("pieces of 31", first_pieces, time(&pieces)?)] {
+        println!(
+            "{m}x{k}x{n} {name}: first {:.1} ms, best {:.2} ms, {:.1} Gop/s",
+            first * 1e3,
+            best * 1e3,
+            ops / best / 1e9
+        );
+    }
+    Ok(())
+}
