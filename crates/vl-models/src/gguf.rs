@@ -317,6 +317,27 @@ impl GgufFile {
         cut_experts(&self.tensor(name, dev)?).map_err(|err| bad(&self.path, format!("tensor {name}: {err}")))
     }
 
+    /// A float tensor (F32, F16, BF16) as stored, its bytes copied once from the map into a
+    /// tensor of that dtype (candle's `dequantize` would widen every value to f32 and back), the
+    /// mapped pages handed back after.
+    /// None for block types.
+    pub(crate) fn float_tensor(&self, name: &str, dev: &Device) -> Result<Option<candle_core::Tensor>> {
+        let Some(info) = self.content.tensor_infos.get(name) else { return Ok(None) };
+        let dtype = match info.ggml_dtype {
+            GgmlDType::F32 => candle_core::DType::F32,
+            GgmlDType::F16 => candle_core::DType::F16,
+            GgmlDType::BF16 => candle_core::DType::BF16,
+            _ => return Ok(None),
+        };
+        let (offset, bytes) = self.extent(name).ok_or_else(|| bad(&self.path, format!("tensor {name} is missing")))?;
+        let data = self.map.get(offset..offset + bytes).ok_or_else(|| bad(&self.path, format!("tensor {name} lies past the end")))?;
+        let t = candle_core::Tensor::from_raw_buffer(data, dtype, info.shape.dims(), dev)
+            .map_err(|e| bad(&self.path, format!("tensor {name}: {e}")))?;
+        // The tensor owns its copy: the file's pages need not stay in this process as well.
+        crate::mapped::release(&self.map, offset, bytes);
+        Ok(Some(t))
+    }
+
     /// Hands `name`'s mapped pages back (`mapped::release`): for weights whose kernels no longer
     /// read the stored blocks.
     pub(crate) fn release(&self, name: &str) {

@@ -399,6 +399,10 @@ impl GgufModel {
                 experts.insert(hf, self.text.experts(name, dev)?);
                 continue;
             }
+            if let Some(t) = self.text.float_tensor(name, dev)? {
+                floats.insert(hf, t.to_dtype(dtype)?);
+                continue;
+            }
             let q = self.text.tensor(name, dev)?;
             if float || q.shape().rank() == 1 {
                 floats.insert(hf, q.dequantize(dev)?.to_dtype(dtype)?);
@@ -442,11 +446,9 @@ impl GgufModel {
         let mut map = HashMap::new();
         let mut patch = [None, None];
         for name in m.content.tensor_infos.keys() {
-            let q = m.tensor(name, dev)?;
-            let t = if stored == DType::F16 && q.dtype() == GgmlDType::F16 {
-                q.dequantize_f16(dev)?
-            } else {
-                q.dequantize(dev)?.to_dtype(stored)?
+            let t = match m.float_tensor(name, dev)? {
+                Some(t) => t.to_dtype(stored)?,
+                None => m.tensor(name, dev)?.dequantize(dev)?.to_dtype(stored)?,
             };
             match name.as_str() {
                 "v.patch_embd.weight" => patch[0] = Some(t),
