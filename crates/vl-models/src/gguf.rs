@@ -330,7 +330,10 @@ impl GgufFile {
             _ => return Ok(None),
         };
         let (offset, bytes) = self.extent(name).ok_or_else(|| bad(&self.path, format!("tensor {name} is missing")))?;
-        let data = self.map.get(offset..offset + bytes).ok_or_else(|| bad(&self.path, format!("tensor {name} lies past the end")))?;
+        let data = self
+            .map
+            .get(offset..offset + bytes)
+            .ok_or_else(|| bad(&self.path, format!("tensor {name} lies past the end")))?;
         let t = candle_core::Tensor::from_raw_buffer(data, dtype, info.shape.dims(), dev)
             .map_err(|e| bad(&self.path, format!("tensor {name}: {e}")))?;
         // The tensor owns its copy: the file's pages need not stay in this process as well.

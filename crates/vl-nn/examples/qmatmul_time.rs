@@ -42,8 +42,21 @@ fn main() -> candle_core::Result<()> {
     let first = std::time::Instant::now();
     pieces()?;
     let first_pieces = first.elapsed().as_secs_f64();
+    let compact = || Ok(l.forward_compact(&x).expect("forward"));
+    let QLinear::Quant { w: candle_core::quantized::QMatMul::QTensor(t), .. } = &l else { unreachable!() };
+    let bytes = t.data()?;
+    let xs = x.flatten_all()?.to_vec1::<f32>()?;
+    let own = || {
+        let out = vl_nn::q4k::matmul(&[(&bytes, n)], &xs, m, k).expect("rows <= q4k::MAX_ROWS");
+        Tensor::from_vec(out.into_iter().next().unwrap_or_default(), (m, n), &Device::Cpu)
+    };
     let ops = 2.0 * (m * k * n) as f64;
-    for (name, first, best) in [("whole", first_whole, time(&whole)?), ("pieces of 31", first_pieces, time(&pieces)?)] {
+    for (name, first, best) in [
+        ("whole", first_whole, time(&whole)?),
+        ("pieces of 31", first_pieces, time(&pieces)?),
+        ("compact blocks (candle)", 0.0, time(&compact)?),
+        ("compact blocks (vl_nn::q4k)", 0.0, if m <= vl_nn::q4k::MAX_ROWS { time(&own)? } else { f64::NAN }),
+    ] {
         println!(
             "{m}x{k}x{n} {name}: first {:.1} ms, best {:.2} ms, {:.1} Gop/s",
             first * 1e3,

@@ -15,6 +15,7 @@ pub mod linear;
 pub mod merger;
 pub mod moe;
 pub mod panels;
+pub mod q4k;
 pub mod quant;
 pub mod rope;
 #[cfg(test)]

@@ -633,6 +633,9 @@ impl QLinear {
     /// routed experts, each touched by some token sooner or later, doubles their memory. Other
     /// storage takes `forward`.
     pub fn forward_compact(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some([y]) = Self::few_rows(&[self], x)?.and_then(|y| <[Tensor; 1]>::try_from(y).ok()) {
+            return Ok(y);
+        }
         if let QLinear::Quant { w: QMatMul::QTensor(t), bias: None, .. } = self {
             if x.dtype() == DType::F32 && t.device().is_cpu() {
                 if let Some(y) = compact_matmul(t, x)? {
@@ -643,7 +646,78 @@ impl QLinear {
         self.forward(x)
     }
 
+    /// `forward` of each layer on the same `x`. CPU Q4_K weights multiplying a few rows (a
+    /// decode step) run together on their stored blocks (`q4k::matmul`: one parallel region,
+    /// one quantization of `x`); the others take `forward`.
+    pub fn forward_many(layers: &[&QLinear], x: &Tensor) -> Result<Vec<Tensor>> {
+        let fused: Vec<usize> = (0..layers.len()).filter(|&i| layers[i].stored_q4k().is_some()).collect();
+        let mut out: Vec<Option<Tensor>> = vec![None; layers.len()];
+        if fused.len() > 1 {
+            let some: Vec<&QLinear> = fused.iter().map(|&i| layers[i]).collect();
+            if let Some(ys) = Self::few_rows(&some, x)? {
+                for (i, y) in fused.into_iter().zip(ys) {
+                    out[i] = Some(y);
+                }
+            }
+        }
+        layers.iter().zip(out).map(|(l, y)| y.map_or_else(|| l.forward(x), Ok)).collect()
+    }
+
+    /// `forward_many` for a fixed number of layers.
+    pub fn forward_each<const N: usize>(layers: [&QLinear; N], x: &Tensor) -> Result<[Tensor; N]> {
+        let ys = Self::forward_many(&layers, x)?;
+        let got = ys.len();
+        ys.try_into().map_err(|_| Error::Shape { layer: "QLinear", message: format!("{got} products for {N} layers") })
+    }
+
+    /// The weight as stored Q4_K blocks on the CPU, and its output size.
+    fn stored_q4k(&self) -> Option<(&QTensor, usize)> {
+        match self {
+            QLinear::Quant { w: QMatMul::QTensor(t), qtype: QuantType::Q4K, .. } if t.device().is_cpu() => {
+                Some((t, t.shape().dims2().ok()?.0))
+            }
+            _ => None,
+        }
+    }
+
+    /// Every layer's product with `x` through `q4k::matmul`, when all are stored Q4_K and `x`
+    /// has at most `q4k::MAX_ROWS` rows on a CPU that runs it; None otherwise.
+    fn few_rows(layers: &[&QLinear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
+        let k = x.dim(candle_core::D::Minus1)?;
+        let rows = x.elem_count() / k.max(1);
+        if rows == 0 || rows > crate::q4k::MAX_ROWS || !x.device().is_cpu() || !crate::q4k::available() {
+            return Ok(None);
+        }
+        let Some(weights) = layers.iter().map(|l| l.stored_q4k()).collect::<Option<Vec<_>>>() else {
+            return Ok(None);
+        };
+        let dtype = x.dtype();
+        let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let bytes: Vec<Cow<'_, [u8]>> = weights.iter().map(|(t, _)| t.data()).collect::<candle_core::Result<_>>()?;
+        let parts: Vec<(&[u8], usize)> = bytes.iter().zip(&weights).map(|(b, (_, n))| (b.as_ref(), *n)).collect();
+        let Some(ys) = crate::q4k::matmul(&parts, &xs, rows, k) else { return Ok(None) };
+        let outs = ys
+            .into_iter()
+            .zip(layers.iter().zip(&weights))
+            .map(|(y, (l, (_, n)))| {
+                let mut dims = x.dims().to_vec();
+                if let Some(last) = dims.last_mut() {
+                    *last = *n;
+                }
+                let y = Tensor::from_vec(y, dims, x.device())?.to_dtype(dtype)?;
+                Ok(match l {
+                    QLinear::Quant { bias: Some(b), .. } => y.broadcast_add(&b.to_dtype(dtype)?)?,
+                    _ => y,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(outs))
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some([y]) = Self::few_rows(&[self], x)?.and_then(|y| <[Tensor; 1]>::try_from(y).ok()) {
+            return Ok(y);
+        }
         match self {
             QLinear::Dense(l) => Ok(l.forward(x)?),
             QLinear::Quant { w, bias, qtype } => {
@@ -900,7 +974,7 @@ mod tests {
     #[test]
     fn a_q4k_product_cut_for_amx_equals_its_rows_one_by_one() {
         // 70 rows: cut into 31 + 31 + 8 where this CPU has AMX, whole elsewhere. Every candle
-        // CPU path multiplies each row on its own (its own Q8_K quantization, its own sums), so
+        // CPU path below AMX multiplies each row on its own (its own Q8_K quantization, its own sums), so
         // the product equals the rows taken alone, bit for bit, however it is cut.
         let w = crate::testing::randn(7, 0.05, (48, 512)).unwrap();
         let x = crate::testing::randn(8, 1.0, (2, 35, 512)).unwrap();
@@ -908,7 +982,9 @@ mod tests {
         let y = l.forward(&x).unwrap();
         assert_eq!(y.dims(), [2, 35, 48]);
         let flat = x.reshape((70, 512)).unwrap();
-        let rows: Vec<Tensor> = (0..70).map(|r| l.forward(&flat.narrow(0, r, 1).unwrap()).unwrap()).collect();
+        // candle's own product per row (`forward` would take `q4k` for one row).
+        let QLinear::Quant { w, .. } = &l else { panic!("quantized") };
+        let rows: Vec<Tensor> = (0..70).map(|r| w.forward(&flat.narrow(0, r, 1).unwrap()).unwrap()).collect();
         let alone = Tensor::cat(&rows, 0).unwrap().reshape((2, 35, 48)).unwrap();
         assert_eq!(max_diff(&y, &alone), 0.0);
     }

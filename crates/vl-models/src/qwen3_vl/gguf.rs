@@ -410,16 +410,18 @@ impl GgufModel {
                 pre.insert(hf, Arc::new(q));
             }
         }
-        // The stored weights whose kernels read candle's repacked tiles at every size (Q4_K, and
-        // Q8_0 on AVX-512 VNNI): repacked here, on every core, each one's mapped pages handed back
-        // as soon as its tiles exist, so the load never holds both copies of the decoder. A page
-        // read again later (an AVX2-only CPU's Q8_0 products, an embedding row) comes back from
-        // the file. Q6_K keeps its blocks: candle's one-row products read them.
+        // The stored weights whose kernels read only candle's repacked tiles (Q8_0 on AVX-512
+        // VNNI; Q4_K on CPUs without AVX-512 BW): repacked here, on every core, each one's mapped
+        // pages handed back as soon as its tiles exist, so the load never holds both copies. A
+        // page read again later (an AVX2-only CPU's Q8_0 products, an embedding row) comes back
+        // from the file. Q6_K keeps its blocks (candle's one-row products read them), and so does
+        // Q4_K where `vl_nn::q4k` decodes on them.
+        let q4k_stored = vl_nn::q4k::available();
         if dev.is_cpu() {
             let tiled: Vec<(&str, vl_nn::QLinear)> = (self.text.content.tensor_infos.keys())
                 .filter(|n| cfg.tie_word_embeddings || n.as_str() != "token_embd.weight")
                 .filter_map(|n| Some((n.as_str(), pre.get(&text_key(n)?)?)))
-                .filter(|(_, t)| matches!(t.dtype(), GgmlDType::Q4K | GgmlDType::Q8_0))
+                .filter(|(_, t)| t.dtype() == GgmlDType::Q8_0 || (t.dtype() == GgmlDType::Q4K && !q4k_stored))
                 .map(|(n, t)| Ok((n, vl_nn::QLinear::from_qtensor(t.clone(), None)?)))
                 .collect::<Result<_>>()?;
             let layers: Vec<&vl_nn::QLinear> = tiled.iter().map(|(_, l)| l).collect();

@@ -134,9 +134,10 @@ impl Attention {
         let (n, _) = x.dims2()?;
         let hd = self.head_dim;
         // [rows, heads, hd] -> per-head norm -> [1, heads, rows, hd] for rope
-        let q = self.q_norm.forward(&self.q_proj.forward(x)?.reshape((n, self.heads, hd))?)?;
-        let k = self.k_norm.forward(&self.k_proj.forward(x)?.reshape((n, self.kv_heads, hd))?)?;
-        let v = self.v_proj.forward(x)?.reshape((n, self.kv_heads, hd))?.transpose(0, 1)?.contiguous()?;
+        let [q, k, v] = QLinear::forward_each([&self.q_proj, &self.k_proj, &self.v_proj], x)?;
+        let q = self.q_norm.forward(&q.reshape((n, self.heads, hd))?)?;
+        let k = self.k_norm.forward(&k.reshape((n, self.kv_heads, hd))?)?;
+        let v = v.reshape((n, self.kv_heads, hd))?.transpose(0, 1)?.contiguous()?;
         let q = candle_nn::rotary_emb::rope(&q.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?;
         let k = candle_nn::rotary_emb::rope(&k.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?;
         Ok((q, k, v))
@@ -203,7 +204,8 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = (candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?;
+        let [gate, up] = QLinear::forward_each([&self.gate, &self.up], x)?;
+        let h = (candle_nn::ops::silu(&gate)? * up)?;
         Ok(self.down.forward(&h)?)
     }
 }
