@@ -1,9 +1,9 @@
-//! Times a Q4_K `QLinear` product (diagnosis, not a user-path figure):
+//! Times a Q4_K (or Q6_K) `QLinear` product (diagnosis, not a user-path figure):
 //! `cargo run --release -p vl-nn --example qmatmul_time [ROWS] [IN] [OUT] [RUNS]`.
 //! Seeded random rows and weights; prints the best run of the whole-batch product (candle picks
 //! its kernel by row count: AMX tiles from 32 rows where the CPU has AMX) and of the same rows in
 //! pieces of at most 31 (candle's VNNI tiles), and the rate (2 x rows x in x out ops).
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Module, Tensor};
 use vl_nn::{QLinear, QuantType};
 
 fn main() -> candle_core::Result<()> {
@@ -18,7 +18,12 @@ fn main() -> candle_core::Result<()> {
     };
     let x = Tensor::from_vec((0..m * k).map(|_| next()).collect::<Vec<f32>>(), (m, k), &Device::Cpu)?;
     let w = Tensor::from_vec((0..n * k).map(|_| next() * 0.03).collect::<Vec<f32>>(), (n, k), &Device::Cpu)?;
-    let l = QLinear::new(candle_nn::Linear::new(w, None), Some(QuantType::Q4K)).expect("quantize");
+    // VL_QTYPE=q6k times a Q6_K weight instead.
+    let (qtype, blocks) = match std::env::var("VL_QTYPE").as_deref() {
+        Ok("q6k") => (QuantType::Q6K, vl_nn::stored::Blocks::Q6K),
+        _ => (QuantType::Q4K, vl_nn::stored::Blocks::Q4K),
+    };
+    let l = QLinear::new(candle_nn::Linear::new(w, None), Some(qtype)).expect("quantize");
     let time = |f: &dyn Fn() -> candle_core::Result<Tensor>| -> candle_core::Result<f64> {
         let mut best = f64::MAX;
         for _ in 0..runs {
@@ -28,11 +33,13 @@ fn main() -> candle_core::Result<()> {
         }
         Ok(best)
     };
-    let whole = || Ok(l.forward(&x).expect("forward"));
+    let QLinear::Quant { w: candle_w, .. } = &l else { unreachable!() };
+    // candle's own product (`QLinear::forward` takes `stored` for a few rows).
+    let whole = || candle_w.forward(&x);
     let pieces = || {
         let parts: Vec<Tensor> = (0..m)
             .step_by(31)
-            .map(|s| l.forward(&x.narrow(0, s, 31.min(m - s))?).map_err(candle_core::Error::wrap))
+            .map(|s| candle_w.forward(&x.narrow(0, s, 31.min(m - s))?))
             .collect::<candle_core::Result<_>>()?;
         Tensor::cat(&parts, 0)
     };
@@ -47,7 +54,7 @@ fn main() -> candle_core::Result<()> {
     let bytes = t.data()?;
     let xs = x.flatten_all()?.to_vec1::<f32>()?;
     let own = || {
-        let out = vl_nn::q4k::matmul(&[(&bytes, n)], &xs, m, k).expect("rows <= q4k::MAX_ROWS");
+        let out = vl_nn::stored::matmul(&[(blocks, &bytes, n)], &xs, m, k).expect("rows <= stored::MAX_ROWS");
         Tensor::from_vec(out.into_iter().next().unwrap_or_default(), (m, n), &Device::Cpu)
     };
     let ops = 2.0 * (m * k * n) as f64;
@@ -55,7 +62,7 @@ fn main() -> candle_core::Result<()> {
         ("whole", first_whole, time(&whole)?),
         ("pieces of 31", first_pieces, time(&pieces)?),
         ("compact blocks (candle)", 0.0, time(&compact)?),
-        ("compact blocks (vl_nn::q4k)", 0.0, if m <= vl_nn::q4k::MAX_ROWS { time(&own)? } else { f64::NAN }),
+        ("compact blocks (vl_nn::stored)", 0.0, if m <= vl_nn::stored::MAX_ROWS { time(&own)? } else { f64::NAN }),
     ] {
         println!(
             "{m}x{k}x{n} {name}: first {:.1} ms, best {:.2} ms, {:.1} Gop/s",

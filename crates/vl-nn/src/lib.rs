@@ -15,9 +15,9 @@ pub mod linear;
 pub mod merger;
 pub mod moe;
 pub mod panels;
-pub mod q4k;
 pub mod quant;
 pub mod rope;
+pub mod stored;
 #[cfg(test)]
 pub(crate) mod testing;
 

@@ -646,11 +646,11 @@ impl QLinear {
         self.forward(x)
     }
 
-    /// `forward` of each layer on the same `x`. CPU Q4_K weights multiplying a few rows (a
-    /// decode step) run together on their stored blocks (`q4k::matmul`: one parallel region,
-    /// one quantization of `x`); the others take `forward`.
+    /// `forward` of each layer on the same `x`. CPU Q4_K / Q6_K weights multiplying a few rows
+    /// (a decode step) run together on their stored blocks (`stored::matmul`: one parallel
+    /// region, one quantization of `x`); the others take `forward`.
     pub fn forward_many(layers: &[&QLinear], x: &Tensor) -> Result<Vec<Tensor>> {
-        let fused: Vec<usize> = (0..layers.len()).filter(|&i| layers[i].stored_q4k().is_some()).collect();
+        let fused: Vec<usize> = (0..layers.len()).filter(|&i| layers[i].stored_blocks().is_some()).collect();
         let mut out: Vec<Option<Tensor>> = vec![None; layers.len()];
         if fused.len() > 1 {
             let some: Vec<&QLinear> = fused.iter().map(|&i| layers[i]).collect();
@@ -670,36 +670,39 @@ impl QLinear {
         ys.try_into().map_err(|_| Error::Shape { layer: "QLinear", message: format!("{got} products for {N} layers") })
     }
 
-    /// The weight as stored Q4_K blocks on the CPU, and its output size.
-    fn stored_q4k(&self) -> Option<(&QTensor, usize)> {
-        match self {
-            QLinear::Quant { w: QMatMul::QTensor(t), qtype: QuantType::Q4K, .. } if t.device().is_cpu() => {
-                Some((t, t.shape().dims2().ok()?.0))
-            }
-            _ => None,
-        }
+    /// The weight's stored blocks on the CPU where `stored::matmul` takes them, and its output size.
+    fn stored_blocks(&self) -> Option<(crate::stored::Blocks, &QTensor, usize)> {
+        let QLinear::Quant { w: QMatMul::QTensor(t), qtype, .. } = self else { return None };
+        let kind = match qtype {
+            QuantType::Q4K => crate::stored::Blocks::Q4K,
+            QuantType::Q6K => crate::stored::Blocks::Q6K,
+            _ => return None,
+        };
+        t.device().is_cpu().then_some(())?;
+        Some((kind, t, t.shape().dims2().ok()?.0))
     }
 
-    /// Every layer's product with `x` through `q4k::matmul`, when all are stored Q4_K and `x`
-    /// has at most `q4k::MAX_ROWS` rows on a CPU that runs it; None otherwise.
+    /// Every layer's product with `x` through `stored::matmul`, when all are stored Q4_K / Q6_K
+    /// and `x` has at most `stored::MAX_ROWS` rows on a CPU that runs it; None otherwise.
     fn few_rows(layers: &[&QLinear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
         let k = x.dim(candle_core::D::Minus1)?;
         let rows = x.elem_count() / k.max(1);
-        if rows == 0 || rows > crate::q4k::MAX_ROWS || !x.device().is_cpu() || !crate::q4k::available() {
+        if rows == 0 || rows > crate::stored::MAX_ROWS || !x.device().is_cpu() || !crate::stored::available() {
             return Ok(None);
         }
-        let Some(weights) = layers.iter().map(|l| l.stored_q4k()).collect::<Option<Vec<_>>>() else {
+        let Some(weights) = layers.iter().map(|l| l.stored_blocks()).collect::<Option<Vec<_>>>() else {
             return Ok(None);
         };
         let dtype = x.dtype();
         let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let bytes: Vec<Cow<'_, [u8]>> = weights.iter().map(|(t, _)| t.data()).collect::<candle_core::Result<_>>()?;
-        let parts: Vec<(&[u8], usize)> = bytes.iter().zip(&weights).map(|(b, (_, n))| (b.as_ref(), *n)).collect();
-        let Some(ys) = crate::q4k::matmul(&parts, &xs, rows, k) else { return Ok(None) };
+        let bytes: Vec<Cow<'_, [u8]>> = weights.iter().map(|(_, t, _)| t.data()).collect::<candle_core::Result<_>>()?;
+        let parts: Vec<(crate::stored::Blocks, &[u8], usize)> =
+            bytes.iter().zip(&weights).map(|(b, (kind, _, n))| (*kind, b.as_ref(), *n)).collect();
+        let Some(ys) = crate::stored::matmul(&parts, &xs, rows, k) else { return Ok(None) };
         let outs = ys
             .into_iter()
             .zip(layers.iter().zip(&weights))
-            .map(|(y, (l, (_, n)))| {
+            .map(|(y, (l, (_, _, n)))| {
                 let mut dims = x.dims().to_vec();
                 if let Some(last) = dims.last_mut() {
                     *last = *n;

@@ -1,9 +1,10 @@
-"""The MoE side by side (issue 31's table): llama.cpp and vl on the same Q4_K_M GGUF and f16
-mmproj, made by llama.cpp's converter and llama-quantize from the 30B-A3B-width random checkpoint,
-2 threads, alternating rounds (the first engine of a round alternates), medians. Run by
-tools/bench/moe-side-by-side, which builds llama.cpp and converts the checkpoint first.
+"""llama.cpp and vl side by side on the same files: a Q4_K_M GGUF and an f16 mmproj made by
+llama.cpp's converter and llama-quantize from a random checkpoint (the 2B geometry:
+tools/bench/side-by-side; the 30B-A3B width: tools/bench/moe-side-by-side, which build llama.cpp
+and convert the checkpoint first), 2 threads, alternating rounds (the first engine of a round
+alternates), medians.
 
-    python moe_side_by_side.py MODELS_DIR LLAMA_BIN_DIR VL_BIN IMAGE_448 [ROUNDS]
+    python gguf_side_by_side.py MODELS_DIR LLAMA_BIN_DIR VL_BIN IMAGE_448 [ROUNDS]
 
 Per round and engine:
 - decode at 200 and 2000 positions: llama-bench -p 0 -n 32 -d 200,2000 (tg32 after a prompt of
@@ -11,7 +12,9 @@ Per round and engine:
   (decode_tokens_per_s);
 - the image answer (the 448x448 image, "Describe this image.", 32 new tokens): llama-mtmd-cli vs
   `vl run --json`: the image prompt's prefill (vision encode + prompt), wall and peak RSS
-  (/usr/bin/time), both cold processes.
+  (/usr/bin/time), both cold processes; the load: vl's load_s (text model and mmproj), llama.cpp's
+  `load time` of the text model plus its mmproj load (`clip_model_loader` to the first
+  `load_hparams`... reported as `mmproj load`, when its log has it).
 """
 import json
 import os

@@ -1,0 +1,430 @@
+//! Q4_K and Q6_K products of a few rows (decoding) on the weight's stored blocks, AVX-512 BW.
+//!
+//! candle multiplies a Q4_K weight on tiles it repacks the blocks into (6 bits a value against
+//! the stored 4.5), and a Q6_K weight's single rows with its AVX2 dot product. A decode step
+//! reads every weight once and is bound by memory bandwidth, so reading the stored blocks moves
+//! a quarter less for Q4_K. Here each block's quants are unpacked once into registers and
+//! multiplied with up to `MAX_ROWS` activation rows (quantized to Q8_K as candle and ggml do), so
+//! a batch of sequences also reads the weights once. Several weights that share an input (q/k/v,
+//! gate/up) run in one parallel region on candle's worker pool.
+//!
+//! Block layouts (ggml's, `#[repr(C)]` in candle):
+//! - Q4_K (144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of
+//!   32, 128 bytes of nibbles (chunk c of 64 values: the low nibbles of bytes 32c..32c+32 are
+//!   values 64c.., the high nibbles 64c+32..); value = d * scale * q - dmin * min.
+//! - Q6_K (210 bytes): 128 bytes of low nibbles, 64 bytes of high bit pairs, 16 i8 scales (one
+//!   per 16 values), f16 d. Half h (128 values) takes low bytes 64h.. and pair bytes 32h..:
+//!   values 128h + l, +32, +64, +96 (l < 32) are low byte l's low nibble, low byte l + 32's low
+//!   nibble, low byte l's high nibble, low byte l + 32's high nibble, each with pair byte l's
+//!   bits 0-1, 2-3, 4-5, 6-7 above; value = d * scale * (q - 32).
+//! - Q8_K (292 bytes): f32 d, 256 i8, 16 i16 sums of 16 values each.
+
+use candle_core::quantized::k_quants::{BlockQ8K, GgmlType};
+
+use crate::kernels::SendPtr;
+
+/// Input rows one product takes here; more go to candle's tiles (their weight reuse wins).
+pub const MAX_ROWS: usize = 4;
+const QK: usize = 256;
+const Q4K_BYTES: usize = 144;
+const Q6K_BYTES: usize = 210;
+
+/// The block types this module multiplies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Blocks {
+    Q4K,
+    Q6K,
+}
+
+impl Blocks {
+    fn bytes(self) -> usize {
+        match self {
+            Blocks::Q4K => Q4K_BYTES,
+            Blocks::Q6K => Q6K_BYTES,
+        }
+    }
+}
+const Q8K_BYTES: usize = 292;
+/// Output rows per work item.
+const ITEM_ROWS: usize = 16;
+
+/// Whether this CPU runs the kernel (AVX-512 F and BW).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// `x` ([m, k] row-major, m <= MAX_ROWS) times each weight transposed: `weights[i]` is
+/// `(kind, bytes, n)`, the stored blocks of an `[n, k]` matrix. Returns each product `[m, n]`
+/// row-major, or None where the kernel does not apply (CPU features, m, k, byte counts).
+pub fn matmul(weights: &[(Blocks, &[u8], usize)], x: &[f32], m: usize, k: usize) -> Option<Vec<Vec<f32>>> {
+    if !available() || m == 0 || m > MAX_ROWS || k == 0 || !k.is_multiple_of(QK) || x.len() != m * k {
+        return None;
+    }
+    let kb = k / QK;
+    if weights.iter().any(|(kind, b, n)| b.len() != n * kb * kind.bytes()) {
+        return None;
+    }
+    let mut q8 = vec![BlockQ8K::zeros(); m * kb];
+    for (row, blocks) in x.chunks_exact(k).zip(q8.chunks_exact_mut(kb)) {
+        BlockQ8K::from_float(row, blocks);
+    }
+    // SAFETY: BlockQ8K is `#[repr(C)]` of exactly Q8K_BYTES (candle asserts its size); its bytes
+    // are read as the layout above.
+    let q8_bytes = unsafe { std::slice::from_raw_parts(q8.as_ptr() as *const u8, q8.len() * Q8K_BYTES) };
+    // Each Q8_K block's sums of its 8 sub-blocks of 32 (the mins' term): at most 32 x 128, an i16.
+    let pairs: Vec<i16> = q8_bytes
+        .chunks_exact(Q8K_BYTES)
+        .flat_map(|blk| {
+            let sums: Vec<i16> = blk[4 + QK..].chunks_exact(2).map(|b| i16::from_le_bytes([b[0], b[1]])).collect();
+            (0..8).map(move |s| sums[2 * s] + sums[2 * s + 1])
+        })
+        .collect();
+    // Each Q8_K block's values in the order Q4_K stores its nibbles (see `row_dots`): of each
+    // 128, values 0-31, 64-95, 32-63, 96-127.
+    let reordered: Vec<i8> = q8
+        .iter()
+        .flat_map(|_| 0..QK)
+        .zip((0..m * kb).flat_map(|i| std::iter::repeat_n(i, QK)))
+        .map(|(j, i)| {
+            let (half, at) = (j / 128, j % 128);
+            let from = half * 128 + [0, 64, 32, 96][at / 32] + at % 32;
+            q8_bytes[i * Q8K_BYTES + 4 + from] as i8
+        })
+        .collect();
+    let mut outs: Vec<Vec<f32>> = weights.iter().map(|(_, _, n)| vec![0f32; m * n]).collect();
+    let ptrs: Vec<SendPtr<f32>> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
+    // Work items: ITEM_ROWS output rows of one weight; `starts[i]` is weight i's first item.
+    let mut starts = Vec::with_capacity(weights.len() + 1);
+    let mut total = 0;
+    for (_, _, n) in weights {
+        starts.push(total);
+        total += n.div_ceil(ITEM_ROWS);
+    }
+    starts.push(total);
+    candle_core::utils::barrier_pool().execute_chunked(total, |items| {
+        for item in items {
+            let w = starts.partition_point(|&s| s <= item) - 1;
+            let (kind, blocks, n) = weights[w];
+            let first = (item - starts[w]) * ITEM_ROWS;
+            let out = ptrs[w];
+            for row in first..(first + ITEM_ROWS).min(n) {
+                let mut dots = [0f32; MAX_ROWS];
+                // SAFETY: AVX-512 F/BW (and so AVX2, FMA, F16C) checked by `available`; the
+                // row's blocks lie in `blocks` (length checked above), q8 and pairs hold m rows
+                // of kb blocks.
+                unsafe {
+                    let w = blocks.as_ptr().add(row * kb * kind.bytes());
+                    match kind {
+                        Blocks::Q4K => {
+                            row_dots_m(w, kb, (q8_bytes.as_ptr(), reordered.as_ptr(), pairs.as_ptr()), m, &mut dots)
+                        }
+                        Blocks::Q6K => q6k_dots_m(w, kb, q8_bytes.as_ptr(), m, &mut dots),
+                    }
+                };
+                for (r, d) in dots.iter().take(m).enumerate() {
+                    // SAFETY: each (r, row) is written by this item alone, inside the m x n output.
+                    unsafe { *out.get().add(r * n + row) = *d };
+                }
+            }
+        }
+    });
+    Some(outs)
+}
+
+/// The 6-bit scales (low u64) and mins (high u64) of a Q4_K block's 8 sub-blocks, one byte
+/// each, from its 12 scale bytes read as three little-endian u32 (ggml's packing: bytes 0-3 hold
+/// scales 0-3 and bytes 4-7 mins 0-3 in their low 6 bits, their top 2 bits the high bits of
+/// scales / mins 4-7, whose low 4 bits are the nibbles of bytes 8-11).
+#[inline(always)]
+fn scales_mins(a: [u32; 3]) -> (u64, u64) {
+    const SIX: u32 = 0x3f3f_3f3f;
+    const FOUR: u32 = 0x0f0f_0f0f;
+    const TWO: u32 = 0x0303_0303;
+    let sc_lo = a[0] & SIX;
+    let mn_lo = a[1] & SIX;
+    let sc_hi = (a[2] & FOUR) | (((a[0] >> 6) & TWO) << 4);
+    let mn_hi = ((a[2] >> 4) & FOUR) | (((a[1] >> 6) & TWO) << 4);
+    (sc_lo as u64 | (sc_hi as u64) << 32, mn_lo as u64 | (mn_hi as u64) << 32)
+}
+
+/// One weight row (kb Q4_K blocks at `w`) dotted with M Q8_K rows (M * kb blocks at `q8`, their
+/// values again at `re` in the order of the stored nibbles; `pairs` holds each block's 8
+/// sub-block sums, the pairs of its 16-value sums).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn row_dots<const M: usize>(
+    w: *const u8,
+    kb: usize,
+    q8: *const u8,
+    re: *const i8,
+    pairs: *const i16,
+    dots: &mut [f32; MAX_ROWS],
+) {
+    use std::arch::x86_64::*;
+    let low = _mm512_set1_epi8(0x0f);
+    // 64 stored bytes hold the low nibbles of sub-blocks 4p and 4p + 2 and the high nibbles of
+    // 4p + 1 and 4p + 3 (p = 0, 1): `re` has each Q8_K block's values in that order, so a load
+    // of stored bytes meets its activations without shuffling the weight. Scales: lanes 0-15 of
+    // a product take the first sub-block's, lanes 16-31 the second's.
+    let pick = |a: i16, b: i16| _mm512_mask_blend_epi16(0xffff_0000, _mm512_set1_epi16(a), _mm512_set1_epi16(b));
+    let picks = [pick(0, 2), pick(1, 3), pick(4, 6), pick(5, 7)];
+    let mut acc = [_mm512_setzero_ps(); M];
+    let mut mins = [_mm_setzero_ps(); M];
+    for b in 0..kb {
+        let blk = w.add(b * Q4K_BYTES);
+        // d and dmin, two f16, widened together.
+        let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(blk as *const i32)));
+        let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1)));
+        let a = std::ptr::read_unaligned(blk.add(4) as *const [u32; 3]);
+        let (sc, mn) = scales_mins([u32::from_le(a[0]), u32::from_le(a[1]), u32::from_le(a[2])]);
+        let sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
+        let mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64));
+        let mut q4 = [_mm512_setzero_si512(); 4];
+        for p in 0..2 {
+            let bytes = _mm512_loadu_si512(blk.add(16 + 64 * p) as *const __m512i);
+            q4[2 * p] = _mm512_and_si512(bytes, low);
+            q4[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+        }
+        let scale = [
+            _mm512_permutexvar_epi16(picks[0], sc16),
+            _mm512_permutexvar_epi16(picks[1], sc16),
+            _mm512_permutexvar_epi16(picks[2], sc16),
+            _mm512_permutexvar_epi16(picks[3], sc16),
+        ];
+        for r in 0..M {
+            let i = r * kb + b;
+            let yd = std::ptr::read_unaligned(q8.add(i * Q8K_BYTES) as *const f32);
+            let yq = re.add(i * QK);
+            let mut sum = _mm512_setzero_si512();
+            for c in 0..4 {
+                let prod = _mm512_maddubs_epi16(q4[c], _mm512_loadu_si512(yq.add(64 * c) as *const __m512i));
+                sum = _mm512_add_epi32(sum, _mm512_madd_epi16(prod, scale[c]));
+            }
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * yd), acc[r]);
+            let p = _mm_loadu_si128(pairs.add(i * 8) as *const __m128i);
+            let m = _mm_cvtepi32_ps(_mm_madd_epi16(mn16, p));
+            mins[r] = _mm_fmadd_ps(m, _mm_set1_ps(dmin * yd), mins[r]);
+        }
+    }
+    for r in 0..M {
+        let m = _mm_add_ps(mins[r], _mm_movehl_ps(mins[r], mins[r]));
+        let m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+        dots[r] = _mm512_reduce_add_ps(acc[r]) - _mm_cvtss_f32(m);
+    }
+}
+
+/// `row_dots` for m rows.
+#[cfg(target_arch = "x86_64")]
+unsafe fn row_dots_m(
+    w: *const u8,
+    kb: usize,
+    (q8, re, pairs): (*const u8, *const i8, *const i16),
+    m: usize,
+    dots: &mut [f32; MAX_ROWS],
+) {
+    match m {
+        1 => row_dots::<1>(w, kb, q8, re, pairs, dots),
+        2 => row_dots::<2>(w, kb, q8, re, pairs, dots),
+        3 => row_dots::<3>(w, kb, q8, re, pairs, dots),
+        _ => row_dots::<4>(w, kb, q8, re, pairs, dots),
+    }
+}
+
+/// One Q6_K weight row (kb blocks at `w`) dotted with M Q8_K rows (M * kb blocks at `q8`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn q6k_dots<const M: usize>(w: *const u8, kb: usize, q8: *const u8, dots: &mut [f32; MAX_ROWS]) {
+    use std::arch::x86_64::*;
+    let low = _mm256_set1_epi8(0x0f);
+    let pair = _mm256_set1_epi8(0x03);
+    // Vector v (values 64v..64v+64) takes scales 4v..4v+4, one per 8 i16 lanes of its products.
+    let pick = |v: i16| {
+        _mm512_set_epi16(
+            4 * v + 3,
+            4 * v + 3,
+            4 * v + 3,
+            4 * v + 3,
+            4 * v + 3,
+            4 * v + 3,
+            4 * v + 3,
+            4 * v + 3,
+            4 * v + 2,
+            4 * v + 2,
+            4 * v + 2,
+            4 * v + 2,
+            4 * v + 2,
+            4 * v + 2,
+            4 * v + 2,
+            4 * v + 2,
+            4 * v + 1,
+            4 * v + 1,
+            4 * v + 1,
+            4 * v + 1,
+            4 * v + 1,
+            4 * v + 1,
+            4 * v + 1,
+            4 * v + 1,
+            4 * v,
+            4 * v,
+            4 * v,
+            4 * v,
+            4 * v,
+            4 * v,
+            4 * v,
+            4 * v,
+        )
+    };
+    let picks = [pick(0), pick(1), pick(2), pick(3)];
+    let mut acc = [_mm512_setzero_ps(); M];
+    let mut offs = [_mm256_setzero_ps(); M];
+    for b in 0..kb {
+        let blk = w.add(b * Q6K_BYTES);
+        let (ql, qh, scales) = (blk, blk.add(128), blk.add(192));
+        let d =
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(blk.add(208) as *const u16) as i32)));
+        let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(scales as *const __m128i));
+        let sc512 = _mm512_castsi256_si512(sc16);
+        let mut q6 = [_mm512_setzero_si512(); 4];
+        let mut scale = [_mm512_setzero_si512(); 4];
+        for h in 0..2 {
+            let l0 = _mm256_loadu_si256(ql.add(64 * h) as *const __m256i);
+            let l1 = _mm256_loadu_si256(ql.add(64 * h + 32) as *const __m256i);
+            let hb = _mm256_loadu_si256(qh.add(32 * h) as *const __m256i);
+            let bits = |shift: i32| match shift {
+                0 => _mm256_slli_epi16(_mm256_and_si256(hb, pair), 4),
+                2 => _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), pair), 4),
+                4 => _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), pair), 4),
+                _ => _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), pair), 4),
+            };
+            let a = _mm256_or_si256(_mm256_and_si256(l0, low), bits(0));
+            let bq = _mm256_or_si256(_mm256_and_si256(l1, low), bits(2));
+            let c = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), bits(4));
+            let dq = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), bits(6));
+            q6[2 * h] = _mm512_inserti64x4(_mm512_castsi256_si512(a), bq, 1);
+            q6[2 * h + 1] = _mm512_inserti64x4(_mm512_castsi256_si512(c), dq, 1);
+        }
+        for v in 0..4 {
+            scale[v] = _mm512_permutexvar_epi16(picks[v], sc512);
+        }
+        for r in 0..M {
+            let y = q8.add((r * kb + b) * Q8K_BYTES);
+            let yd = std::ptr::read_unaligned(y as *const f32);
+            let yq = y.add(4);
+            let mut sum = _mm512_setzero_si512();
+            for v in 0..4 {
+                let prod = _mm512_maddubs_epi16(q6[v], _mm512_loadu_si512(yq.add(64 * v) as *const __m512i));
+                sum = _mm512_add_epi32(sum, _mm512_madd_epi16(prod, scale[v]));
+            }
+            let dyd = d * yd;
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dyd), acc[r]);
+            // The quants' offset of 32: minus 32 x scale x the 16-value sums.
+            let bsums = _mm256_loadu_si256(y.add(4 + QK) as *const __m256i);
+            let off = _mm256_cvtepi32_ps(_mm256_madd_epi16(sc16, bsums));
+            offs[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(-32.0 * dyd), offs[r]);
+        }
+    }
+    for r in 0..M {
+        let o = _mm_add_ps(_mm256_castps256_ps128(offs[r]), _mm256_extractf128_ps(offs[r], 1));
+        let o = _mm_add_ps(o, _mm_movehl_ps(o, o));
+        let o = _mm_add_ss(o, _mm_shuffle_ps(o, o, 1));
+        dots[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(o);
+    }
+}
+
+/// `q6k_dots` for m rows.
+#[cfg(target_arch = "x86_64")]
+unsafe fn q6k_dots_m(w: *const u8, kb: usize, q8: *const u8, m: usize, dots: &mut [f32; MAX_ROWS]) {
+    match m {
+        1 => q6k_dots::<1>(w, kb, q8, dots),
+        2 => q6k_dots::<2>(w, kb, q8, dots),
+        3 => q6k_dots::<3>(w, kb, q8, dots),
+        _ => q6k_dots::<4>(w, kb, q8, dots),
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn q6k_dots_m(_w: *const u8, _kb: usize, _q8: *const u8, _m: usize, _dots: &mut [f32; MAX_ROWS]) {
+    unreachable!("`available` is false off x86-64")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn row_dots_m(
+    _w: *const u8,
+    _kb: usize,
+    _q8: (*const u8, *const i8, *const i16),
+    _m: usize,
+    _dots: &mut [f32; MAX_ROWS],
+) {
+    unreachable!("`available` is false off x86-64")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+
+    /// candle's product of `x` [m, k] with the stored blocks of `q` (its Q8_K rows, its
+    /// vec_dot), on the compact blocks.
+    fn candles(q: &QTensor, xs: &[f32], (m, k, n): (usize, usize, usize)) -> Vec<f32> {
+        use candle_core::quantized::k_quants::{matmul, BlockQ4K, BlockQ6K};
+        let bytes = q.data().unwrap();
+        let mut want = vec![0f32; m * n];
+        // SAFETY: the bytes are a Vec of the tensor's blocks (QTensor::quantize), whole blocks.
+        unsafe {
+            match q.dtype() {
+                GgmlDType::Q4K => {
+                    let b = std::slice::from_raw_parts(bytes.as_ptr() as *const BlockQ4K, bytes.len() / Q4K_BYTES);
+                    matmul((m, k, n), xs, b, &mut want).unwrap()
+                }
+                _ => {
+                    let b = std::slice::from_raw_parts(bytes.as_ptr() as *const BlockQ6K, bytes.len() / Q6K_BYTES);
+                    matmul((m, k, n), xs, b, &mut want).unwrap()
+                }
+            }
+        }
+        want
+    }
+
+    #[test]
+    fn products_match_candles_on_the_same_blocks() {
+        if !available() {
+            eprintln!("no AVX-512 BW here: the kernel is not used, nothing to compare");
+            return;
+        }
+        for (kind, dtype) in [(Blocks::Q4K, GgmlDType::Q4K), (Blocks::Q6K, GgmlDType::Q6K)] {
+            for (m, n, k) in [(1, 40, 512), (3, 16, 256), (4, 33, 768), (2, 1, 1024)] {
+                let w = crate::testing::randn(11 + n as u64, 0.05, (n, k)).unwrap();
+                let x = crate::testing::randn(12 + m as u64, 1.0, (m, k)).unwrap();
+                let q = QTensor::quantize(&w, dtype).unwrap();
+                let bytes = q.data().unwrap();
+                let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let got = matmul(&[(kind, &bytes, n), (kind, &bytes, n)], &xs, m, k).unwrap();
+                assert_eq!(got[0], got[1]);
+                let want = candles(&q, &xs, (m, k, n));
+                let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+                for (i, (g, w)) in got[0].iter().zip(&want).enumerate() {
+                    assert!((g - w).abs() <= 1e-5 * scale.max(1.0), "{kind:?} ({m},{n},{k}) [{i}]: {g} vs {w}");
+                }
+                // And close to the f32 product of the dequantized weight (the Q8_K rounding of x).
+                let deq = q.dequantize(&Device::Cpu).unwrap();
+                let exact = x.matmul(&deq.t().unwrap()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let err = got[0].iter().zip(&exact).fold(0f32, |a, (g, e)| a.max((g - e).abs()));
+                assert!(err <= 0.02 * scale.max(1.0), "{kind:?} ({m},{n},{k}) off the f32 product by {err}");
+            }
+        }
+        let t = Tensor::zeros((5, 256), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let xs = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(matmul(&[(Blocks::Q4K, &[0u8; 144], 1)], &xs, 5, 256).is_none(), "more rows than MAX_ROWS");
+        assert!(matmul(&[(Blocks::Q6K, &[0u8; 144], 1)], &xs[..256], 1, 256).is_none(), "bytes are not whole blocks");
+    }
+}
