@@ -73,9 +73,11 @@ def llama_image():
     enc = sum(float(x) for x in re.findall(r"mtmd batch encoding done in (\d+) ms", err))
     dec = sum(float(x) for x in re.findall(r"image decoded \(batch \d+/\d+\) in (\d+) ms", err))
     pe = float(re.search(r"prompt eval time =\s+([\d.]+) ms", err).group(1))
+    load = re.search(r"load time =\s+([\d.]+) ms", err)
     # llama_perf's prompt eval spans the whole image prompt: the vision encode, the image
     # embeddings' decode and the text tokens around them (it is their sum plus the text).
     return {"prefill_s": pe / 1000, "encode_s": enc / 1000, "wall_s": wall, "rss": rss,
+            "load_s": float(load.group(1)) / 1000 if load else float("nan"),
             "detail": f"encode {enc:.0f} ms, image decode {dec:.0f} ms, prompt eval {pe:.0f} ms"}
 
 
@@ -85,6 +87,7 @@ def vl_image():
                                "--temperature", "0", "--json"])
     t = json.loads(out)["timings"]
     return {"prefill_s": t["vision_s"] + t["prefill_s"], "encode_s": t["vision_s"], "wall_s": wall, "rss": rss,
+            "load_s": t["load_s"],
             "detail": f"vision {t['vision_s'] * 1000:.0f} ms, prefill {t['prefill_s'] * 1000:.0f} ms, load {t['load_s']:.1f} s"}
 
 
@@ -110,6 +113,7 @@ ROWS = [  # (label, "decode" or "image", value of a run, better when "higher" or
     ("image prompt prefill, encode + prompt (s)", "image", lambda x: x["prefill_s"], "lower"),
     ("of which vision encode (s)", "image", lambda x: x["encode_s"], "lower"),
     ("image answer wall, cold process (s)", "image", lambda x: x["wall_s"], "lower"),
+    ("load (vl: text + mmproj; llama.cpp: llama_perf's load time, text only) (s)", "image", lambda x: x["load_s"], "lower"),
     ("image answer peak RSS (GiB)", "image", lambda x: x["rss"] / 2**30, "lower"),
 ]
 print(f"\nmedians of {rounds} rounds | vl | llama.cpp | ratio")

@@ -192,8 +192,12 @@ impl Qwen3Vl {
         let (text, mm) = gguf::find_files(model, mmproj)?;
         let g = Arc::new(GgufModel::open(&text, mm.as_deref())?);
         let floats = opts.quant.map_or_else(|| format!("{:?}", opts.dtype).to_lowercase(), |q| q.name().to_string());
-        let how = format!("as stored, float tensors in {floats}");
-        fits_memory(&text, g.resident_bytes(opts.dtype, opts.quant), &how, None, opts)?;
+        let how = if opts.device.is_cpu() {
+            format!("with quantized blocks mapped from the file (their repacked tiles counted), float tensors in {floats}")
+        } else {
+            format!("as stored, float tensors in {floats}")
+        };
+        fits_memory(&text, g.resident_bytes(opts.dtype, opts.quant, opts.device.is_cpu()), &how, None, opts)?;
         let mut processor = g.processor()?;
         let checkpoint = apply_image_options(&mut processor, opts)?;
         let (dtype, device, quant) = (opts.dtype, opts.device.clone(), opts.quant);

@@ -340,10 +340,15 @@ impl GgufModel {
         })
     }
 
-    /// Bytes the weights hold once loaded as `load_text_quantized(dtype, _, quant)` and
-    /// `load_vision` do: quantized tensors as stored, float text tensors in `dtype` (or `quant`
-    /// where a 2-D one's rows fill its blocks), the projector in its stored float type.
-    pub fn resident_bytes(&self, dtype: DType, quant: Option<vl_nn::QuantType>) -> u64 {
+    /// Bytes of process memory the weights take once loaded as `load_text_quantized(dtype, _,
+    /// quant)` and `load_vision` do: float text tensors in `dtype` (or `quant` where a 2-D one's
+    /// rows fill its blocks), the projector in its stored float type, and quantized tensors as
+    /// stored, unless `mapped` (the CPU): then their blocks are pages of the file, which the
+    /// kernel can drop and read again, and only candle's repacked tiles of the 2-D ones count
+    /// (Q4_K 6 bits a value for the stored 4.5, Q6_K 10 for 6.56, Q8_0 the same size; other
+    /// types are not repacked). The routed experts stay mapped: a MoE larger than the memory
+    /// left loads, and runs from the file's pages.
+    pub fn resident_bytes(&self, dtype: DType, quant: Option<vl_nn::QuantType>, mapped: bool) -> u64 {
         let bytes = |f: &GgufFile, vision: bool| -> f64 {
             f.content
                 .tensor_infos
@@ -353,7 +358,19 @@ impl GgufModel {
                     let elems = dims.iter().product::<usize>() as f64;
                     let t = i.ggml_dtype;
                     let float = matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
-                    let per = if !float {
+                    let tiles = match t {
+                        GgmlDType::Q4K => 6.0 / 4.5,
+                        GgmlDType::Q6K => 10.0 / 6.5625,
+                        GgmlDType::Q8_0 => 1.0,
+                        _ => 0.0,
+                    };
+                    let per = if !float && mapped {
+                        if dims.len() == 2 {
+                            tiles * t.type_size() as f64 / t.block_size() as f64
+                        } else {
+                            0.0
+                        }
+                    } else if !float {
                         t.type_size() as f64 / t.block_size() as f64
                     } else if vision {
                         t.type_size() as f64
