@@ -503,9 +503,10 @@ impl TextModel {
 
     /// Quantized weights get their kernels' one-time repacking at load, on every core, so the
     /// first prefill runs at the speed of every later one. A Q6_K lm_head (llama.cpp's Q4_K_M
-    /// files) is left as stored: it only meets one-row products (a prefill's last position, one
-    /// sequence's decode), which candle runs on the stored blocks; its tiles (10 bits a weight,
-    /// 389 MB for a 151k x 2048 head) would be made at the first batched decode step instead.
+    /// files) is left as stored: it meets products of a few rows (a prefill's last position, a
+    /// decode step of up to `vl_nn::stored::MAX_ROWS` sequences), which run on the stored
+    /// blocks; its tiles (10 bits a weight, 389 MB for a 151k x 2048 head) are made only if a
+    /// step batches more sequences than that.
     fn prepare(&self) -> Result<()> {
         let mut all: Vec<&QLinear> = vec![];
         if self.lm_head.storage() != vl_nn::QuantType::Q6K.name() {
