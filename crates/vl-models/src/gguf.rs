@@ -275,8 +275,11 @@ impl GgufFile {
     /// Where `name`'s bytes start in the file, and how many there are.
     fn extent(&self, name: &str) -> Option<(usize, usize)> {
         let info = self.content.tensor_infos.get(name)?;
-        let bytes = info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
-        Some(((self.content.tensor_data_offset + info.offset) as usize, bytes))
+        let bytes =
+            (info.shape.elem_count() / info.ggml_dtype.block_size()).checked_mul(info.ggml_dtype.type_size())?;
+        let offset = usize::try_from(self.content.tensor_data_offset.checked_add(info.offset)?).ok()?;
+        offset.checked_add(bytes)?;
+        Some((offset, bytes))
     }
 
     /// `name` with its blocks left in the mapped file (CPU, a block type candle multiplies);

@@ -137,8 +137,8 @@ pub fn qtensor(map: &Arc<Mmap>, offset: usize, dtype: GgmlDType, shape: &[usize]
 #[cfg(unix)]
 pub fn release(map: &Mmap, offset: usize, len: usize) {
     let page = page_size();
-    let start = offset.next_multiple_of(page);
-    let end = (offset + len).min(map.len()) / page * page;
+    let Some(start) = offset.checked_next_multiple_of(page) else { return };
+    let end = offset.saturating_add(len).min(map.len()) / page * page;
     if end > start {
         // SAFETY: the map is read-only and file-backed: MADV_DONTNEED drops the pages, and a later
         // access reads the file's unchanged bytes again, so no reader sees different data.

@@ -364,7 +364,8 @@ impl GgufModel {
                         GgmlDType::Q8_0 => 1.0,
                         _ => 0.0,
                     };
-                    let per = if !float && mapped {
+                    // The projector's quantized tensors, if any, are dequantized at load.
+                    let per = if !float && mapped && !vision {
                         if dims.len() == 2 {
                             tiles * t.type_size() as f64 / t.block_size() as f64
                         } else {
