@@ -306,7 +306,7 @@ impl GgufFile {
         };
         let (offset, bytes) = self.extent(name).unwrap_or_default();
         let per = bytes / e.max(1);
-        if self.mapped(name, dev).is_some() {
+        if dev.is_cpu() {
             let cut: Option<Vec<_>> = (0..e)
                 .map(|x| {
                     crate::mapped::qtensor(&self.map, offset + x * per, info.ggml_dtype, &[o, i])

@@ -1,6 +1,7 @@
 //! Times a Q4_K (or Q6_K) `QLinear` product (diagnosis, not a user-path figure):
 //! `cargo run --release -p vl-nn --example qmatmul_time [ROWS] [IN] [OUT] [RUNS]`.
-//! Seeded random rows and weights; prints the best run of the whole-batch product (candle picks
+//! Seeded random rows and weights (`vl_nn::testing::randn`); prints the best run of the
+//! whole-batch product (candle picks
 //! its kernel by row count: AMX tiles from 32 rows where the CPU has AMX) and of the same rows in
 //! pieces of at most 31 (candle's VNNI tiles), and the rate (2 x rows x in x out ops).
 use candle_core::{Device, Module, Tensor};
@@ -9,19 +10,13 @@ use vl_nn::{QLinear, QuantType};
 fn main() -> candle_core::Result<()> {
     let arg = |i: usize, default: usize| std::env::args().nth(i).map_or(default, |a| a.parse().expect("a number"));
     let (m, k, n, runs) = (arg(1, 210), arg(2, 2048), arg(3, 6144), arg(4, 5));
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    };
-    let x = Tensor::from_vec((0..m * k).map(|_| next()).collect::<Vec<f32>>(), (m, k), &Device::Cpu)?;
-    let w = Tensor::from_vec((0..n * k).map(|_| next() * 0.03).collect::<Vec<f32>>(), (n, k), &Device::Cpu)?;
+    let x = vl_nn::testing::randn(1, 1.0, (m, k))?;
+    let w = vl_nn::testing::randn(2, 0.03, (n, k))?;
     // VL_QTYPE=q6k times a Q6_K weight instead.
     let (qtype, blocks) = match std::env::var("VL_QTYPE").as_deref() {
         Ok("q6k") => (QuantType::Q6K, vl_nn::stored::Blocks::Q6K),
-        _ => (QuantType::Q4K, vl_nn::stored::Blocks::Q4K),
+        Ok("q4k") | Err(_) => (QuantType::Q4K, vl_nn::stored::Blocks::Q4K),
+        Ok(other) => candle_core::bail!("VL_QTYPE={other}: q4k or q6k"),
     };
     let l = QLinear::new(candle_nn::Linear::new(w, None), Some(qtype)).expect("quantize");
     let time = |f: &dyn Fn() -> candle_core::Result<Tensor>| -> candle_core::Result<f64> {

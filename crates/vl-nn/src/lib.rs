@@ -18,8 +18,7 @@ pub mod panels;
 pub mod quant;
 pub mod rope;
 pub mod stored;
-#[cfg(test)]
-pub(crate) mod testing;
+pub mod testing;
 
 /// Whether this CPU has AVX-512F and this build may use it: the AVX2 stand-in build
 /// (`--cfg vl_avx2_proxy`, from `tools/bench/vision-side-by-side` with `VL_VISION_ISA=avx2`)

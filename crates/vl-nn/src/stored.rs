@@ -80,26 +80,23 @@ pub fn matmul(weights: &[(Blocks, &[u8], usize)], x: &[f32], m: usize, k: usize)
     // SAFETY: BlockQ8K is `#[repr(C)]` of exactly Q8K_BYTES (candle asserts its size); its bytes
     // are read as the layout above.
     let q8_bytes = unsafe { std::slice::from_raw_parts(q8.as_ptr() as *const u8, q8.len() * Q8K_BYTES) };
-    // Each Q8_K block's sums of its 8 sub-blocks of 32 (the mins' term): at most 32 x 128, an i16.
-    let pairs: Vec<i16> = q8_bytes
-        .chunks_exact(Q8K_BYTES)
-        .flat_map(|blk| {
-            let sums: Vec<i16> = blk[4 + QK..].chunks_exact(2).map(|b| i16::from_le_bytes([b[0], b[1]])).collect();
-            (0..8).map(move |s| sums[2 * s] + sums[2 * s + 1])
-        })
-        .collect();
-    // Each Q8_K block's values in the order Q4_K stores its nibbles (see `row_dots`): of each
-    // 128, values 0-31, 64-95, 32-63, 96-127.
-    let reordered: Vec<i8> = q8
-        .iter()
-        .flat_map(|_| 0..QK)
-        .zip((0..m * kb).flat_map(|i| std::iter::repeat_n(i, QK)))
-        .map(|(j, i)| {
-            let (half, at) = (j / 128, j % 128);
-            let from = half * 128 + [0, 64, 32, 96][at / 32] + at % 32;
-            q8_bytes[i * Q8K_BYTES + 4 + from] as i8
-        })
-        .collect();
+    // For Q4_K only: each Q8_K block's sums of its 8 sub-blocks of 32 (the mins' term; at most
+    // 32 x 128, an i16), and its values in the order Q4_K stores its nibbles (see `row_dots`):
+    // of each 128, values 0-31, 64-95, 32-63, 96-127.
+    let q4k = weights.iter().any(|(kind, _, _)| *kind == Blocks::Q4K);
+    let blocks = if q4k { m * kb } else { 0 };
+    let mut pairs = Vec::with_capacity(blocks * 8);
+    let mut reordered = Vec::with_capacity(blocks * QK);
+    for blk in q8_bytes.chunks_exact(Q8K_BYTES).take(blocks) {
+        let sum = |i: usize| i16::from_le_bytes([blk[4 + QK + 2 * i], blk[4 + QK + 2 * i + 1]]);
+        pairs.extend((0..8).map(|s| sum(2 * s) + sum(2 * s + 1)));
+        for half in 0..2 {
+            for from in [0, 64, 32, 96] {
+                let at = 4 + half * 128 + from;
+                reordered.extend(blk[at..at + 32].iter().map(|&v| v as i8));
+            }
+        }
+    }
     let mut outs: Vec<Vec<f32>> = weights.iter().map(|(_, _, n)| vec![0f32; m * n]).collect();
     let ptrs: Vec<SendPtr<f32>> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
     // Work items: ITEM_ROWS output rows of one weight; `starts[i]` is weight i's first item.

@@ -1,4 +1,5 @@
-//! Seeded random tensors for unit tests (candle's `Tensor::randn` on CPU cannot be seeded).
+//! Seeded random tensors for unit tests and the timing examples (candle's `Tensor::randn` on
+//! CPU cannot be seeded).
 
 use candle_core::{Device, Shape, Tensor};
 

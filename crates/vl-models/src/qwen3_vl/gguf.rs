@@ -410,19 +410,18 @@ impl GgufModel {
             let Some(hf) = text_key(name) else {
                 return Err(bad(&self.text.path, format!("unexpected tensor {name} in a Qwen3-VL text model")));
             };
-            let float = matches!(info.ggml_dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
-            if !float && info.shape.rank() == 3 {
+            if let Some(t) = self.text.float_tensor(name, dev)? {
+                floats.insert(hf, t.to_dtype(dtype)?);
+                continue;
+            }
+            if info.shape.rank() == 3 {
                 // Views of the mapped file on the CPU; elsewhere cut as read, the 3-D bytes
                 // dropped before the next tensor, so the experts are held once at the peak.
                 experts.insert(hf, self.text.experts(name, dev)?);
                 continue;
             }
-            if let Some(t) = self.text.float_tensor(name, dev)? {
-                floats.insert(hf, t.to_dtype(dtype)?);
-                continue;
-            }
             let q = self.text.tensor(name, dev)?;
-            if float || q.shape().rank() == 1 {
+            if q.shape().rank() == 1 {
                 floats.insert(hf, q.dequantize(dev)?.to_dtype(dtype)?);
             } else {
                 pre.insert(hf, Arc::new(q));
