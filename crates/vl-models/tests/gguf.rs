@@ -66,6 +66,27 @@ fn tokenizer_and_template_from_the_gguf_give_the_reference_ids() {
 }
 
 #[test]
+fn the_gguf_tokenizer_is_the_checkpoints_tokenizer_json() {
+    // The GGUF's vocabulary, merges and added tokens (written by llama.cpp's converter from the
+    // checkpoint) against the checkpoint's own tokenizer.json, loaded by the tokenizers crate.
+    let g = pair().processor().unwrap().tokenizer;
+    let hf = tokenizers::Tokenizer::from_file(goldens().join("tiny-a/checkpoint/tokenizer.json")).unwrap();
+    assert_eq!(g.get_vocab_size(true), hf.get_vocab_size(true));
+    for id in 0..hf.get_vocab_size(true) as u32 {
+        assert_eq!(g.id_to_token(id), hf.id_to_token(id), "token {id}");
+    }
+    let text = "Hello, world! 你好，世界。 Ça va? 1234567 tabs\tand\nnewlines  <|im_start|>user\n\
+                <think>x</think> <|vision_start|><|image_pad|><|vision_end|> émojis 🙂👍 it's we'll";
+    for special in [false, true] {
+        let want = hf.encode(text, special).unwrap();
+        let got = g.encode(text, special).unwrap();
+        assert_eq!(got.get_ids(), want.get_ids(), "add_special_tokens {special}");
+        assert_eq!(g.decode(got.get_ids(), false).unwrap(), hf.decode(want.get_ids(), false).unwrap());
+        assert_eq!(g.decode(got.get_ids(), true).unwrap(), hf.decode(want.get_ids(), true).unwrap());
+    }
+}
+
+#[test]
 fn f32_gguf_logits_and_greedy_ids_match_the_reference() {
     let m = pair().load_model(DType::F32, &Device::Cpu).unwrap();
     for case in CASES {
