@@ -266,10 +266,9 @@ impl GgufFile {
         check_header(path)?;
         let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         // Buffered: candle's reader takes the metadata a few bytes at a time (a tokenizer's
-        // 151k strings were ~600k read calls, ~0.3 s of a load).
+        // 151k strings were 762,617 read calls on the 2B Q4_K_M, ~0.2-0.4 s of a load).
         let mut r = std::io::BufReader::with_capacity(1 << 20, &f);
         let content = Content::read(&mut r).map_err(|e| bad(path, format!("unreadable GGUF: {e}")))?;
-        drop(r);
         // SAFETY: a read-only map of a file we only read (see `walk_header`); replacing or
         // truncating the file while a model runs from it is the user's doing, as for llama.cpp.
         let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(path, e))?;

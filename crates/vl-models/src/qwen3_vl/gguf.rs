@@ -573,9 +573,6 @@ fn tokenizer(t: &GgufFile) -> Result<Tokenizer> {
         .vocab_and_merges(vocab, merges)
         .continuing_subword_prefix(String::new())
         .end_of_word_suffix(String::new())
-        .fuse_unk(false)
-        .byte_fallback(false)
-        .ignore_merges(false)
         .build()
         .map_err(fail)?;
     let byte_level =
