@@ -682,6 +682,18 @@ impl QLinear {
         Some((kind, t, t.shape().dims2().ok()?.0))
     }
 
+    /// A bias-free CPU Q4_K / Q6_K weight's stored blocks, as `stored::matmul_each` takes them:
+    /// the block type, the bytes and the output size. None for any other weight.
+    pub fn stored_bytes(&self) -> Result<Option<(crate::stored::Blocks, Cow<'_, [u8]>, usize)>> {
+        if let QLinear::Quant { bias: Some(_), .. } = self {
+            return Ok(None);
+        }
+        match self.stored_blocks() {
+            Some((kind, t, n)) => Ok(Some((kind, t.data()?, n))),
+            None => Ok(None),
+        }
+    }
+
     /// Every layer's product with `x` through `stored::matmul`, when all are stored Q4_K / Q6_K
     /// and `x` has at most `stored::MAX_ROWS` rows on a CPU that runs it; None otherwise.
     fn few_rows(layers: &[&QLinear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {

@@ -102,6 +102,12 @@ impl SparseMoe {
                 by_expert[e].1.push(w);
             }
         }
+        // A few rows take the stored blocks either way (`QLinear::forward` too): all experts at once.
+        if rows.dtype() == DType::F32 && rows.device().is_cpu() {
+            if let Some(out) = self.forward_stored(&rows, &by_expert)? {
+                return Ok(Tensor::from_vec(out, shape, x.device())?);
+            }
+        }
         let mut out = rows.zeros_like()?;
         for (e, (idx, w)) in by_expert.iter().enumerate() {
             if idx.is_empty() {
@@ -117,6 +123,82 @@ impl SparseMoe {
             out = out.index_add(&ids, &y.broadcast_mul(&w)?, 0)?;
         }
         Ok(out.reshape(shape)?)
+    }
+}
+
+impl SparseMoe {
+    /// `forward` of a few rows (a decode step) on the experts' stored Q4_K / Q6_K blocks in two
+    /// parallel regions for the whole layer (`stored::matmul_each`): every active expert's gate
+    /// and up products, then every down product, each expert on its own rows. The same
+    /// arithmetic as the compact per-expert path (each row quantized alike, the same kernels,
+    /// the experts' outputs added in the same order), without a region and a dozen tensor ops
+    /// per expert. None where it does not apply (more rows, other block types, no kernel).
+    fn forward_stored(&self, rows: &Tensor, by_expert: &[(Vec<u32>, Vec<f32>)]) -> Result<Option<Vec<f32>>> {
+        let (n_rows, hidden) = rows.dims2()?;
+        if n_rows > crate::stored::MAX_ROWS || !crate::stored::available() {
+            return Ok(None);
+        }
+        let active: Vec<usize> = (0..by_expert.len()).filter(|&e| !by_expert[e].0.is_empty()).collect();
+        let mut gate_up = Vec::with_capacity(2 * active.len());
+        let mut downs = Vec::with_capacity(active.len());
+        for &e in &active {
+            let ex = &self.experts[e];
+            let (Some(g), Some(u), Some(d)) = (ex.gate.stored_bytes()?, ex.up.stored_bytes()?, ex.down.stored_bytes()?)
+            else {
+                return Ok(None);
+            };
+            gate_up.push((g, u));
+            downs.push(d);
+        }
+        let inter = match gate_up.first() {
+            Some(((_, _, n), _)) => *n,
+            None => return Ok(Some(vec![0f32; n_rows * hidden])),
+        };
+        if gate_up.iter().any(|((_, _, g), (_, _, u))| *g != inter || *u != inter)
+            || downs.iter().any(|(_, _, n)| *n != hidden)
+        {
+            return Ok(None);
+        }
+        let xs = rows.flatten_all()?.to_vec1::<f32>()?;
+        // Each active expert's rows, gathered.
+        let gathered: Vec<Vec<f32>> = active
+            .iter()
+            .map(|&e| {
+                by_expert[e]
+                    .0
+                    .iter()
+                    .flat_map(|&r| &xs[r as usize * hidden..(r as usize + 1) * hidden])
+                    .copied()
+                    .collect()
+            })
+            .collect();
+        let inputs: Vec<(&[f32], usize)> =
+            active.iter().zip(&gathered).map(|(&e, x)| (x.as_slice(), by_expert[e].0.len())).collect();
+        let weights: Vec<_> = gate_up
+            .iter()
+            .enumerate()
+            .flat_map(|(i, ((gk, gb, gn), (uk, ub, un)))| [(*gk, gb.as_ref(), *gn, i), (*uk, ub.as_ref(), *un, i)])
+            .collect();
+        let Some(products) = crate::stored::matmul_each(&weights, &inputs, hidden) else { return Ok(None) };
+        // silu(gate) * up, as candle's silu computes it.
+        let hs: Vec<Vec<f32>> = products
+            .chunks_exact(2)
+            .map(|p| p[0].iter().zip(&p[1]).map(|(&g, &u)| g / ((-g).exp() + 1.0) * u).collect())
+            .collect();
+        let inputs: Vec<(&[f32], usize)> = hs.iter().zip(&inputs).map(|(h, &(_, m))| (h.as_slice(), m)).collect();
+        let weights: Vec<_> = downs.iter().enumerate().map(|(i, (k, b, n))| (*k, b.as_ref(), *n, i)).collect();
+        let Some(ys) = crate::stored::matmul_each(&weights, &inputs, inter) else { return Ok(None) };
+        let mut out = vec![0f32; n_rows * hidden];
+        for (&e, y) in active.iter().zip(&ys) {
+            let (idx, w) = &by_expert[e];
+            for (j, (&r, &w)) in idx.iter().zip(w).enumerate() {
+                let dst = &mut out[r as usize * hidden..(r as usize + 1) * hidden];
+                for (o, v) in dst.iter_mut().zip(&y[j * hidden..(j + 1) * hidden]) {
+                    *o += v * w;
+                }
+            }
+        }
+        Ok(Some(out))
     }
 }
 
@@ -194,6 +276,71 @@ mod tests {
                     let d = diff(&compact, &repacked);
                     assert!(d <= 1e-4 * scale.max(1.0), "{q:?}, {rows} rows: compact vs repacked {d} (scale {scale})");
                 }
+            }
+        }
+    }
+
+    /// A decode step's few rows through the fused stored-block path (two parallel regions a
+    /// layer) give what each row gets through its own experts one by one on the same blocks
+    /// (`SwiGluExpert::forward_compact`), weighted and summed: Q4_K gate/up with Q6_K or Q4_K
+    /// down, as llama.cpp's Q4_K_M stores experts, for 1 to 4 rows (rows sharing experts).
+    #[test]
+    fn fused_decode_experts_equal_each_expert_alone() {
+        use crate::QuantType;
+        if !crate::stored::available() {
+            eprintln!("no AVX-512 BW here: the fused path is not taken, nothing to compare");
+            return;
+        }
+        let (h, i, e) = (512, 256, 8);
+        for down_q in [QuantType::Q6K, QuantType::Q4K] {
+            let lin = |o: usize, n: usize, s: u64, q| {
+                let w = crate::testing::randn(s, 0.1, (o, n)).unwrap();
+                QLinear::new(candle_nn::Linear::new(w, None), Some(q)).unwrap()
+            };
+            let experts: Vec<SwiGluExpert> = (0..e as u64)
+                .map(|s| SwiGluExpert {
+                    gate: lin(i, h, 40 + s, QuantType::Q4K),
+                    up: lin(i, h, 50 + s, QuantType::Q4K),
+                    down: lin(h, i, 60 + s, down_q),
+                })
+                .collect();
+            let router = crate::testing::randn(9, 1.0, (e, h)).unwrap();
+            let mut moe = SparseMoe::new(router, experts.clone(), 3).unwrap();
+            moe.set_compact(true);
+            for rows in 1..=crate::stored::MAX_ROWS {
+                let x = crate::testing::randn(70 + rows as u64, 1.0, (rows, h)).unwrap();
+                let routes = moe.route(&x).unwrap();
+                let mut by_expert: Vec<(Vec<u32>, Vec<f32>)> = vec![(vec![], vec![]); e];
+                for (r, route) in routes.iter().enumerate() {
+                    for &(ex, w) in route {
+                        by_expert[ex].0.push(r as u32);
+                        by_expert[ex].1.push(w);
+                    }
+                }
+                let fused = moe.forward_stored(&x, &by_expert).unwrap().expect("the fused path applies");
+                assert_eq!(moe.forward(&x).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), fused);
+                let mut max = 0f32;
+                for (r, route) in routes.iter().enumerate() {
+                    let row = x.narrow(0, r, 1).unwrap();
+                    let mut want = vec![0f32; h];
+                    let mut sorted = route.clone();
+                    sorted.sort_by_key(|&(ex, _)| ex);
+                    for (ex, w) in sorted {
+                        let y =
+                            experts[ex].forward_compact(&row).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                        for (a, b) in want.iter_mut().zip(&y) {
+                            *a += b * w;
+                        }
+                    }
+                    for (a, b) in fused[r * h..(r + 1) * h].iter().zip(&want) {
+                        max = max.max(b.abs());
+                        assert!(
+                            (a - b).abs() <= 1e-6 * b.abs().max(1.0),
+                            "{down_q:?}, {rows} rows, row {r}: {a} vs {b}"
+                        );
+                    }
+                }
+                assert!(max > 0.1, "outputs too small to compare: {max}");
             }
         }
     }

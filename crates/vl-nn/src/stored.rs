@@ -66,43 +66,86 @@ pub fn available() -> bool {
 /// `(kind, bytes, n)`, the stored blocks of an `[n, k]` matrix. Returns each product `[m, n]`
 /// row-major, or None where the kernel does not apply (CPU features, m, k, byte counts).
 pub fn matmul(weights: &[(Blocks, &[u8], usize)], x: &[f32], m: usize, k: usize) -> Option<Vec<Vec<f32>>> {
-    if !available() || m == 0 || m > MAX_ROWS || k == 0 || !k.is_multiple_of(QK) || x.len() != m * k {
+    let each: Vec<(Blocks, &[u8], usize, usize)> = weights.iter().map(|&(kind, b, n)| (kind, b, n, 0)).collect();
+    matmul_each(&each, &[(x, m)], k)
+}
+
+/// One activation matrix quantized once for every weight it multiplies: its Q8_K blocks and,
+/// for Q4_K weights, its values reordered and sub-block sums (see `row_dots`).
+struct Input {
+    m: usize,
+    q8: Vec<BlockQ8K>,
+    reordered: Vec<i8>,
+    pairs: Vec<i16>,
+}
+
+impl Input {
+    fn new(x: &[f32], m: usize, k: usize, q4k: bool) -> Self {
+        let kb = k / QK;
+        let mut q8 = vec![BlockQ8K::zeros(); m * kb];
+        for (row, blocks) in x.chunks_exact(k).zip(q8.chunks_exact_mut(kb)) {
+            BlockQ8K::from_float(row, blocks);
+        }
+        // For Q4_K only: each Q8_K block's sums of its 8 sub-blocks of 32 (the mins' term; at
+        // most 32 x 128, an i16), and its values in the order Q4_K stores its nibbles (see
+        // `row_dots`): of each 128, values 0-31, 64-95, 32-63, 96-127.
+        let blocks = if q4k { m * kb } else { 0 };
+        let mut pairs = Vec::with_capacity(blocks * 8);
+        let mut reordered = Vec::with_capacity(blocks * QK);
+        let mut input = Input { m, q8, reordered: vec![], pairs: vec![] };
+        for blk in input.q8_bytes().chunks_exact(Q8K_BYTES).take(blocks) {
+            let sum = |i: usize| i16::from_le_bytes([blk[4 + QK + 2 * i], blk[4 + QK + 2 * i + 1]]);
+            pairs.extend((0..8).map(|s| sum(2 * s) + sum(2 * s + 1)));
+            for half in 0..2 {
+                for from in [0, 64, 32, 96] {
+                    let at = 4 + half * 128 + from;
+                    reordered.extend(blk[at..at + 32].iter().map(|&v| v as i8));
+                }
+            }
+        }
+        input.reordered = reordered;
+        input.pairs = pairs;
+        input
+    }
+
+    fn q8_bytes(&self) -> &[u8] {
+        // SAFETY: BlockQ8K is `#[repr(C)]` of exactly Q8K_BYTES (candle asserts its size); its
+        // bytes are read as the layout above.
+        unsafe { std::slice::from_raw_parts(self.q8.as_ptr() as *const u8, self.q8.len() * Q8K_BYTES) }
+    }
+}
+
+/// `matmul` with several inputs of the same width k, in one parallel region: `weights[i]` is
+/// `(kind, bytes, n, input)`, an `[n, k]` matrix multiplying `inputs[input]`, `(x, m)`: m rows of
+/// k (m <= MAX_ROWS). Each input is quantized once, however many weights it meets (e.g. the
+/// gate and up products of every expert a decode step routes to, each on its own rows).
+/// Returns each product `[m, n]` row-major, or None where the kernel does not apply.
+pub fn matmul_each(
+    weights: &[(Blocks, &[u8], usize, usize)],
+    inputs: &[(&[f32], usize)],
+    k: usize,
+) -> Option<Vec<Vec<f32>>> {
+    if !available() || k == 0 || !k.is_multiple_of(QK) {
+        return None;
+    }
+    if inputs.iter().any(|&(x, m)| m == 0 || m > MAX_ROWS || x.len() != m * k) {
         return None;
     }
     let kb = k / QK;
-    if weights.iter().any(|(kind, b, n)| b.len() != n * kb * kind.bytes()) {
+    if weights.iter().any(|&(kind, b, n, i)| b.len() != n * kb * kind.bytes() || i >= inputs.len()) {
         return None;
     }
-    let mut q8 = vec![BlockQ8K::zeros(); m * kb];
-    for (row, blocks) in x.chunks_exact(k).zip(q8.chunks_exact_mut(kb)) {
-        BlockQ8K::from_float(row, blocks);
-    }
-    // SAFETY: BlockQ8K is `#[repr(C)]` of exactly Q8K_BYTES (candle asserts its size); its bytes
-    // are read as the layout above.
-    let q8_bytes = unsafe { std::slice::from_raw_parts(q8.as_ptr() as *const u8, q8.len() * Q8K_BYTES) };
-    // For Q4_K only: each Q8_K block's sums of its 8 sub-blocks of 32 (the mins' term; at most
-    // 32 x 128, an i16), and its values in the order Q4_K stores its nibbles (see `row_dots`):
-    // of each 128, values 0-31, 64-95, 32-63, 96-127.
-    let q4k = weights.iter().any(|(kind, _, _)| *kind == Blocks::Q4K);
-    let blocks = if q4k { m * kb } else { 0 };
-    let mut pairs = Vec::with_capacity(blocks * 8);
-    let mut reordered = Vec::with_capacity(blocks * QK);
-    for blk in q8_bytes.chunks_exact(Q8K_BYTES).take(blocks) {
-        let sum = |i: usize| i16::from_le_bytes([blk[4 + QK + 2 * i], blk[4 + QK + 2 * i + 1]]);
-        pairs.extend((0..8).map(|s| sum(2 * s) + sum(2 * s + 1)));
-        for half in 0..2 {
-            for from in [0, 64, 32, 96] {
-                let at = 4 + half * 128 + from;
-                reordered.extend(blk[at..at + 32].iter().map(|&v| v as i8));
-            }
-        }
-    }
-    let mut outs: Vec<Vec<f32>> = weights.iter().map(|(_, _, n)| vec![0f32; m * n]).collect();
+    let quantized: Vec<Input> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, &(x, m))| Input::new(x, m, k, weights.iter().any(|w| w.3 == i && w.0 == Blocks::Q4K)))
+        .collect();
+    let mut outs: Vec<Vec<f32>> = weights.iter().map(|&(_, _, n, i)| vec![0f32; quantized[i].m * n]).collect();
     let ptrs: Vec<SendPtr<f32>> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
     // Work items: ITEM_ROWS output rows of one weight; `starts[i]` is weight i's first item.
     let mut starts = Vec::with_capacity(weights.len() + 1);
     let mut total = 0;
-    for (_, _, n) in weights {
+    for (_, _, n, _) in weights {
         starts.push(total);
         total += n.div_ceil(ITEM_ROWS);
     }
@@ -110,21 +153,23 @@ pub fn matmul(weights: &[(Blocks, &[u8], usize)], x: &[f32], m: usize, k: usize)
     candle_core::utils::barrier_pool().execute_chunked(total, |items| {
         for item in items {
             let w = starts.partition_point(|&s| s <= item) - 1;
-            let (kind, blocks, n) = weights[w];
+            let (kind, blocks, n, input) = weights[w];
+            let x = &quantized[input];
+            let (m, q8) = (x.m, x.q8_bytes());
             let first = (item - starts[w]) * ITEM_ROWS;
             let out = ptrs[w];
             for row in first..(first + ITEM_ROWS).min(n) {
                 let mut dots = [0f32; MAX_ROWS];
                 // SAFETY: AVX-512 F/BW (and so AVX2, FMA, F16C) checked by `available`; the
-                // row's blocks lie in `blocks` (length checked above), q8 and pairs hold m rows
-                // of kb blocks.
+                // row's blocks lie in `blocks` (length checked above), the input's q8, reordered
+                // values and pairs hold m rows of kb blocks (the latter two for Q4_K weights).
                 unsafe {
                     let w = blocks.as_ptr().add(row * kb * kind.bytes());
                     match kind {
                         Blocks::Q4K => {
-                            row_dots_m(w, kb, (q8_bytes.as_ptr(), reordered.as_ptr(), pairs.as_ptr()), m, &mut dots)
+                            row_dots_m(w, kb, (q8.as_ptr(), x.reordered.as_ptr(), x.pairs.as_ptr()), m, &mut dots)
                         }
-                        Blocks::Q6K => q6k_dots_m(w, kb, q8_bytes.as_ptr(), m, &mut dots),
+                        Blocks::Q6K => q6k_dots_m(w, kb, q8.as_ptr(), m, &mut dots),
                     }
                 };
                 for (r, d) in dots.iter().take(m).enumerate() {
