@@ -1,0 +1,29 @@
+//! Times one-row products through many distinct Q4_K weights in turn, past the L3 (the way a
+//! decode step streams a model's layers), against one large weight of the same total bytes.
+//! `cargo run --release -p vl-nn --example stream_time [ROWS] [IN] [OUT] [COUNT] [RUNS]`.
+fn main() {
+    let arg = |i: usize, default: usize| std::env::args().nth(i).map_or(default, |a| a.parse().expect("a number"));
+    let (m, k, n, count, runs) = (arg(1, 1), arg(2, 2048), arg(3, 6144), arg(4, 40), arg(5, 5));
+    let x = vl_nn::testing::randn(1, 1.0, (m, k)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let weights: Vec<Vec<u8>> = (0..count)
+        .map(|i| {
+            let w = vl_nn::testing::randn(2 + i as u64, 0.03, (n, k)).unwrap();
+            let q = candle_core::quantized::QTensor::quantize(&w, candle_core::quantized::GgmlDType::Q4K).unwrap();
+            q.data().unwrap().to_vec()
+        })
+        .collect();
+    let bytes: usize = weights.iter().map(|w| w.len()).sum();
+    for _ in 0..runs {
+        let t = std::time::Instant::now();
+        for w in &weights {
+            vl_nn::stored::matmul(&[(vl_nn::stored::Blocks::Q4K, w, n)], &x, m, k).unwrap();
+        }
+        let s = t.elapsed().as_secs_f64();
+        println!(
+            "{count} x {m}x{k}x{n}: {:.2} ms, {:.3} ms a product, {:.1} GB/s",
+            s * 1e3,
+            s * 1e3 / count as f64,
+            bytes as f64 / s / 1e9
+        );
+    }
+}
