@@ -162,8 +162,10 @@ fn main() -> Result<()> {
     let short_args: Vec<String> = vec!["--prompt".into(), "Write a short story about the sea.".into()];
     let long_text: String = (0..LONG_WORDS).map(|i| format!("w{} ", i % 97)).collect();
     let long_args: Vec<String> = vec!["--prompt".into(), format!("Summarize: {long_text}")];
+    // The concurrency bench gives each client --tokens; the per-mode runs NEW_TOKENS.
+    let new_tokens = if a.concurrency.is_empty() { NEW_TOKENS.to_string() } else { a.tokens.to_string() };
     println!(
-        "CPU: {} ({} threads); model {}; image {}x{IMAGE_SIDE}; {NEW_TOKENS} new tokens; median of {}",
+        "CPU: {} ({} threads); model {}; image {}x{IMAGE_SIDE}; {new_tokens} new tokens; median of {}",
         cpu_model(),
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         a.model.display(),
