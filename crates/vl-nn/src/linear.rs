@@ -201,6 +201,10 @@ fn quantize_q4k_cpu(w: &Tensor, rows: usize, cols: usize, threads: usize) -> Res
     Ok(QTensor::new(storage, (rows, cols))?)
 }
 
+/// A weight's stored blocks as `stored::matmul_each` takes them: the block type, the bytes, the
+/// output size (`QLinear::stored_bytes`).
+pub type StoredWeight<'a> = (crate::stored::Blocks, Cow<'a, [u8]>, usize);
+
 /// `QLinear::prepare` for many layers, on every core (each repack is single-threaded).
 pub fn prepare_all(layers: &[&QLinear]) -> Result<()> {
     prepare_all_then(layers, &|_| {})
@@ -684,7 +688,7 @@ impl QLinear {
 
     /// A bias-free CPU Q4_K / Q6_K weight's stored blocks, as `stored::matmul_each` takes them:
     /// the block type, the bytes and the output size. None for any other weight.
-    pub fn stored_bytes(&self) -> Result<Option<(crate::stored::Blocks, Cow<'_, [u8]>, usize)>> {
+    pub fn stored_bytes(&self) -> Result<Option<StoredWeight<'_>>> {
         if let QLinear::Quant { bias: Some(_), .. } = self {
             return Ok(None);
         }
