@@ -42,20 +42,22 @@ const LANES: usize = QK_K / 32;
 /// float operations on its own sub-block (the sums stay sequential within a lane, so the result
 /// is bit-identical); running eight independent chains side by side is what makes it fast. A
 /// lane that stops searching (no change, as candle's early `break`) keeps its values.
+/// `L` lanes: the sub-blocks of `L / 8` super-blocks (`xs`), lane `8b + j` sub-block j of `xs[b]`.
 #[inline(always)]
-fn make_qkx1_quants_x8(nmax: i32, ntry: usize, x: &[f32; QK_K]) -> ([f32; LANES], [f32; LANES]) {
+fn make_qkx1_quants_lanes<const L: usize>(nmax: i32, ntry: usize, xs: &[&[f32; QK_K]]) -> ([f32; L], [f32; L]) {
     const N: usize = 32;
+    debug_assert_eq!(xs.len() * LANES, L);
     // xt[i][lane] = value i of sub-block `lane`.
-    let mut xt = [[0f32; LANES]; N];
-    for lane in 0..LANES {
+    let mut xt = [[0f32; L]; N];
+    for lane in 0..L {
         for i in 0..N {
-            xt[i][lane] = x[lane * N + i];
+            xt[i][lane] = xs[lane / LANES][(lane % LANES) * N + i];
         }
     }
-    let mut active = [true; LANES];
-    let mut min = [0f32; LANES];
-    let mut iscale = [0f32; LANES];
-    let mut scale = [0f32; LANES];
+    let mut active = [true; L];
+    let mut min = [0f32; L];
+    let mut iscale = [0f32; L];
+    let mut scale = [0f32; L];
     // candle takes min/max by `total_cmp`; without NaNs that differs from a float min/max only
     // in the sign of a zero, which no later step can see (`hi == lo` and `hi - min` treat the
     // two zeros alike). Rows with NaNs quantize to other (equally meaningless) bytes than
@@ -63,12 +65,12 @@ fn make_qkx1_quants_x8(nmax: i32, ntry: usize, x: &[f32; QK_K]) -> ([f32; LANES]
     let mut lo = xt[0];
     let mut hi = xt[0];
     for row in &xt[1..] {
-        for lane in 0..LANES {
+        for lane in 0..L {
             lo[lane] = if row[lane] < lo[lane] { row[lane] } else { lo[lane] };
             hi[lane] = if row[lane] > hi[lane] { row[lane] } else { hi[lane] };
         }
     }
-    for lane in 0..LANES {
+    for lane in 0..L {
         let (lo, hi) = (lo[lane], hi[lane]);
         if hi == lo {
             active[lane] = false; // candle returns (0, 0)
@@ -77,16 +79,16 @@ fn make_qkx1_quants_x8(nmax: i32, ntry: usize, x: &[f32; QK_K]) -> ([f32; LANES]
         min[lane] = lo.min(0.);
         iscale[lane] = nmax as f32 / (hi - min[lane]);
     }
-    let mut l = [[0i32; LANES]; N];
+    let mut l = [[0i32; L]; N];
     for _ in 0..ntry {
         if !active.iter().any(|&a| a) {
             break;
         }
-        let mut sumlx = [0f32; LANES];
-        let mut suml2 = [0i32; LANES];
-        let mut changed = [0i32; LANES];
+        let mut sumlx = [0f32; L];
+        let mut suml2 = [0i32; L];
+        let mut changed = [0i32; L];
         for i in 0..N {
-            for lane in 0..LANES {
+            for lane in 0..L {
                 let v = xt[i][lane];
                 let li = round_clamp(iscale[lane] * (v - min[lane]), nmax);
                 changed[lane] |= (li != l[i][lane]) as i32;
@@ -95,17 +97,17 @@ fn make_qkx1_quants_x8(nmax: i32, ntry: usize, x: &[f32; QK_K]) -> ([f32; LANES]
                 suml2[lane] += li * li;
             }
         }
-        let mut new_scale = [0f32; LANES];
-        for lane in 0..LANES {
+        let mut new_scale = [0f32; L];
+        for lane in 0..L {
             new_scale[lane] = sumlx[lane] / suml2[lane] as f32;
         }
-        let mut sum = [0f32; LANES];
+        let mut sum = [0f32; L];
         for i in 0..N {
-            for lane in 0..LANES {
+            for lane in 0..L {
                 sum[lane] += xt[i][lane] - new_scale[lane] * l[i][lane] as f32;
             }
         }
-        for lane in 0..LANES {
+        for lane in 0..L {
             if active[lane] {
                 scale[lane] = new_scale[lane];
                 let mut m = sum[lane] / N as f32;
@@ -120,8 +122,8 @@ fn make_qkx1_quants_x8(nmax: i32, ntry: usize, x: &[f32; QK_K]) -> ([f32; LANES]
             }
         }
     }
-    let mut neg_min = [0f32; LANES];
-    for lane in 0..LANES {
+    let mut neg_min = [0f32; L];
+    for lane in 0..L {
         neg_min[lane] = if scale[lane] == 0.0 && min[lane] == 0.0 { 0.0 } else { -min[lane] };
     }
     (scale, neg_min)
@@ -155,7 +157,24 @@ unsafe fn q4k_block_avx2(x: &[f32; QK_K], out: &mut [u8; Q4K_BLOCK_BYTES]) {
 
 #[inline(always)]
 fn q4k_block_generic(x: &[f32; QK_K], out: &mut [u8; Q4K_BLOCK_BYTES]) {
-    let (scales, mins) = make_qkx1_quants_x8(15, 5, x);
+    let (scales, mins) = make_qkx1_quants_lanes::<LANES>(15, 5, &[x]);
+    pack_block(x, &scales, &mins, out)
+}
+
+/// Two super-blocks at once: their sixteen sub-blocks' searches side by side (one AVX-512
+/// register a step), each lane's operations unchanged.
+#[inline(always)]
+fn q4k_pair_generic(x: [&[f32; QK_K]; 2], out: [&mut [u8; Q4K_BLOCK_BYTES]; 2]) {
+    let (scales, mins) = make_qkx1_quants_lanes::<{ 2 * LANES }>(15, 5, &x);
+    let [o0, o1] = out;
+    let pick = |v: &[f32; 2 * LANES], b: usize| -> [f32; LANES] { std::array::from_fn(|j| v[b * LANES + j]) };
+    pack_block(x[0], &pick(&scales, 0), &pick(&mins, 0), o0);
+    pack_block(x[1], &pick(&scales, 1), &pick(&mins, 1), o1);
+}
+
+/// A super-block's bytes from its sub-blocks' (scale, -min).
+#[inline(always)]
+fn pack_block(x: &[f32; QK_K], scales: &[f32; LANES], mins: &[f32; LANES], out: &mut [u8; Q4K_BLOCK_BYTES]) {
     let max_scale = scales.iter().fold(0.0f32, |max, &v| v.max(max));
     let max_min = mins.iter().fold(0.0f32, |max, &v| v.max(max));
     let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
@@ -243,10 +262,36 @@ pub fn q4k_row(row: Row<'_>, out: &mut [u8]) {
     assert_eq!(row.len() % QK_K, 0, "q4k_row: row length {} is not a multiple of {QK_K}", row.len());
     let blocks = row.len() / QK_K;
     assert_eq!(out.len(), blocks * Q4K_BLOCK_BYTES, "q4k_row: output size");
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512 F (checked above); the function is plain Rust otherwise.
+        unsafe { q4k_row_avx512(row, out) };
+        return;
+    }
     let mut buf = [0f32; QK_K];
     for (b, dst) in out.chunks_exact_mut(Q4K_BLOCK_BYTES).enumerate() {
         row.block(b, &mut buf);
         q4k_block(&buf, dst.try_into().expect("144 bytes"));
+    }
+}
+
+/// `q4k_row` two super-blocks at a time (16 lanes: one AVX-512 register), the odd last alone.
+/// No FMA contraction (Rust makes none), so the bytes are the same as on every other path.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2")]
+unsafe fn q4k_row_avx512(row: Row<'_>, out: &mut [u8]) {
+    let (mut a, mut b) = ([0f32; QK_K], [0f32; QK_K]);
+    let mut pairs = out.chunks_exact_mut(2 * Q4K_BLOCK_BYTES);
+    for (p, dst) in (&mut pairs).enumerate() {
+        row.block(2 * p, &mut a);
+        row.block(2 * p + 1, &mut b);
+        let (d0, d1) = dst.split_at_mut(Q4K_BLOCK_BYTES);
+        q4k_pair_generic([&a, &b], [d0.try_into().expect("144 bytes"), d1.try_into().expect("144 bytes")]);
+    }
+    let rest = pairs.into_remainder();
+    if !rest.is_empty() {
+        row.block(row.len() / QK_K - 1, &mut a);
+        q4k_block_generic(&a, rest.try_into().expect("144 bytes"));
     }
 }
 
@@ -261,9 +306,11 @@ mod tests {
         QTensor::quantize(&t, GgmlDType::Q4K).unwrap().data().unwrap().into_owned()
     }
 
-    fn ours(x: &[f32]) -> Vec<u8> {
+    /// `x` quantized as rows of `blocks` super-blocks (rows of 3 take the AVX-512 pairs and the
+    /// odd last one alone; rows of 1 the single-block path).
+    fn ours(x: &[f32], blocks: usize) -> Vec<u8> {
         let mut out = vec![0u8; x.len() / QK_K * Q4K_BLOCK_BYTES];
-        for (r, o) in x.chunks(QK_K).zip(out.chunks_mut(Q4K_BLOCK_BYTES)) {
+        for (r, o) in x.chunks(blocks * QK_K).zip(out.chunks_mut(blocks * Q4K_BLOCK_BYTES)) {
             q4k_row(Row::F32(r), o);
         }
         out
@@ -340,7 +387,10 @@ mod tests {
             *v = (i as f32 * 0.37).sin() * 1e4;
         }
         x.extend(edge);
-        assert_eq!(ours(&x), candle_bytes(&x));
+        assert_eq!(x.len() % (3 * QK_K), 0);
+        let want = candle_bytes(&x);
+        assert_eq!(ours(&x, 1), want, "one super-block a row");
+        assert_eq!(ours(&x, 3), want, "three super-blocks a row");
     }
 
     #[test]
