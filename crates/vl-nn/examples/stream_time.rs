@@ -1,5 +1,5 @@
-//! Times one-row products through many distinct Q4_K weights in turn, past the L3 (the way a
-//! decode step streams a model's layers), against one large weight of the same total bytes.
+//! Times products of a few rows through many distinct Q4_K weights in turn, past the L3 (the
+//! way a decode step streams a model's layers), on `vl_nn::stored`; prints each run's rate.
 //! `cargo run --release -p vl-nn --example stream_time [ROWS] [IN] [OUT] [COUNT] [RUNS]`.
 fn main() {
     let arg = |i: usize, default: usize| std::env::args().nth(i).map_or(default, |a| a.parse().expect("a number"));

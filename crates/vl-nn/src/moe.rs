@@ -124,9 +124,7 @@ impl SparseMoe {
         }
         Ok(out.reshape(shape)?)
     }
-}
 
-impl SparseMoe {
     /// `forward` of a few rows (a decode step) on the experts' stored Q4_K / Q6_K blocks in two
     /// parallel regions for the whole layer (`stored::matmul_each`): every active expert's gate
     /// and up products, then every down product, each expert on its own rows. The same

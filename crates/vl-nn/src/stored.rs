@@ -99,8 +99,7 @@ impl Input {
         let blocks = if q4k { m * kb } else { 0 };
         let mut pairs = Vec::with_capacity(blocks * 8);
         let mut reordered = Vec::with_capacity(blocks * QK);
-        let mut input = Input { m, q8, reordered: vec![], pairs: vec![] };
-        for blk in input.q8_bytes().chunks_exact(Q8K_BYTES).take(blocks) {
+        for blk in q8_bytes(&q8).chunks_exact(Q8K_BYTES).take(blocks) {
             let sum = |i: usize| i16::from_le_bytes([blk[4 + QK + 2 * i], blk[4 + QK + 2 * i + 1]]);
             pairs.extend((0..8).map(|s| sum(2 * s) + sum(2 * s + 1)));
             for half in 0..2 {
@@ -110,16 +109,15 @@ impl Input {
                 }
             }
         }
-        input.reordered = reordered;
-        input.pairs = pairs;
-        input
+        Input { m, q8, reordered, pairs }
     }
+}
 
-    fn q8_bytes(&self) -> &[u8] {
-        // SAFETY: BlockQ8K is `#[repr(C)]` of exactly Q8K_BYTES (candle asserts its size); its
-        // bytes are read as the layout above.
-        unsafe { std::slice::from_raw_parts(self.q8.as_ptr() as *const u8, self.q8.len() * Q8K_BYTES) }
-    }
+/// The bytes of Q8_K blocks.
+fn q8_bytes(q8: &[BlockQ8K]) -> &[u8] {
+    // SAFETY: BlockQ8K is `#[repr(C)]` of exactly Q8K_BYTES (candle asserts its size); its bytes
+    // are read as the layout at the top of this file.
+    unsafe { std::slice::from_raw_parts(q8.as_ptr() as *const u8, q8.len() * Q8K_BYTES) }
 }
 
 /// `matmul` with several inputs of the same width k, in one parallel region: `weights[i]` is
@@ -162,7 +160,7 @@ pub fn matmul_each(
             let w = starts.partition_point(|&s| s <= item) - 1;
             let (kind, blocks, n, input) = weights[w];
             let x = &quantized[input];
-            let (m, q8) = (x.m, x.q8_bytes());
+            let (m, q8) = (x.m, q8_bytes(&x.q8));
             let first = (item - starts[w]) * ITEM_ROWS;
             let out = ptrs[w];
             for row in first..(first + ITEM_ROWS).min(n) {
