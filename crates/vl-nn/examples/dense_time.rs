@@ -1,7 +1,8 @@
 //! Times `Dense` (the CPU f32 linear layer) on one shape (diagnosis, not a user-path figure):
 //! `cargo run --release -p vl-nn --example dense_time [ROWS] [IN] [OUT] [RUNS]`.
 //! Random rows and weights (seeded), candle's pool (RAYON_NUM_THREADS); prints the best run and
-//! its rate (2 x rows x in x out flops). `VL_DENSE_LAYOUT=panels|wt` forces the weight layout.
+//! its rate (2 x rows x in x out flops). `VL_DENSE_LAYOUT=panels|wt|bf16` forces the weight layout
+//! (bf16: the reduced-precision products, `Dense::to_bf16`).
 use candle_core::{Device, Tensor};
 use vl_nn::linear::Dense;
 
@@ -18,16 +19,24 @@ fn main() -> candle_core::Result<()> {
     let x = Tensor::from_vec((0..m * k).map(|_| next()).collect::<Vec<f32>>(), (m, k), &Device::Cpu)?;
     let w = Tensor::from_vec((0..n * k).map(|_| next() * 0.03).collect::<Vec<f32>>(), (n, k), &Device::Cpu)?;
     let b = Tensor::from_vec((0..n).map(|_| next()).collect::<Vec<f32>>(), n, &Device::Cpu)?;
-    // VL_DENSE_LAYOUT=panels|wt forces a weight layout (default: the one this CPU prefers).
+    // VL_DENSE_LAYOUT=panels|wt|bf16 forces a weight layout (default: the one this CPU prefers).
     let l = candle_nn::Linear::new(w, Some(b));
     let dense = match std::env::var("VL_DENSE_LAYOUT").as_deref() {
         Ok("panels") => Dense::from_linear_as(&l, true),
         Ok("wt") => Dense::from_linear_as(&l, false),
-        Ok(other) => panic!("VL_DENSE_LAYOUT={other}: panels or wt"),
+        Ok("bf16") => Dense::from_linear_as(&l, false).and_then(|d| d.to_bf16()),
+        Ok(other) => panic!("VL_DENSE_LAYOUT={other}: panels, wt or bf16"),
         Err(_) => Dense::from_linear(&l),
     }
     .expect("dense");
-    println!("layout: {}", if dense.is_panels() { "panels" } else { "W^T (gemm)" });
+    let layout = if dense.is_bf16() {
+        "bf16 pairs"
+    } else if dense.is_panels() {
+        "panels"
+    } else {
+        "W^T (gemm)"
+    };
+    println!("layout: {layout}");
     let mut best = f64::INFINITY;
     let mut sum = 0f64;
     for _ in 0..runs {

@@ -6,6 +6,7 @@ pub mod attention;
 pub(crate) mod avx2;
 #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
 pub(crate) mod avx512;
+pub mod bf16;
 pub mod dispatch;
 pub mod error;
 pub mod grid;

@@ -261,12 +261,17 @@ pub enum Then<'a> {
 ///   starting from the bias rows (other devices and dtypes run candle's matmul and add);
 /// - on CPUs whose widest vectors are AVX2 (`panels::preferred`), 16-column panels
 ///   (`vl_nn::panels`), read by an AVX2 micro-kernel against the activations packed per call
-///   in chunks of rows (`panels::pack_rows`).
+///   in chunks of rows (`panels::pack_rows`);
+/// - asked for with `to_bf16` (reduced precision, CPUs with AVX512-BF16): bf16 pairs in 32-column
+///   panels (`vl_nn::bf16`), the activations rounded to bf16 as they are packed per call, f32
+///   sums.
 #[derive(Debug, Clone)]
 pub struct Dense {
-    /// `W^T` [in, out], or the panels [ceil(out / 16), in, 16].
+    /// `W^T` [in, out], the panels [ceil(out / 16), in, 16], or the bf16 pairs (u32)
+    /// [ceil(out / 32), ceil(in / 2), 32].
     w: Tensor,
     panels: bool,
+    bf16: bool,
     bias: Option<Tensor>,
     /// (in, out) features.
     dims: (usize, usize),
@@ -291,7 +296,40 @@ impl Dense {
             Some(w) => w,
             None => crate::kernels::transpose(l.weight())?,
         };
-        Ok(Self { w, panels, bias: l.bias().cloned(), dims: (k, n) })
+        Ok(Self { w, panels, bf16: false, bias: l.bias().cloned(), dims: (k, n) })
+    }
+
+    /// The same layer computing with bf16 operands (`vl_nn::bf16`): the weights rounded to bf16
+    /// once, here, the activations at each call, sums in f32; the bias stays f32. For CPU f32
+    /// compute on CPUs where `bf16::available()`; elsewhere an error naming what is missing.
+    pub fn to_bf16(&self) -> Result<Self> {
+        if self.bf16 {
+            return Ok(self.clone());
+        }
+        let unsupported = |why: &str| Error::Unsupported(format!("bf16 products: {why}"));
+        if !crate::bf16::available() {
+            return Err(unsupported("this CPU lacks AVX-512 with AVX512-BF16 (vdpbf16ps)"));
+        }
+        if !self.w.device().is_cpu() {
+            return Err(unsupported("they run on the CPU only"));
+        }
+        let (k, n) = self.dims;
+        // [out, in] as f32 values (exact widening of bf16 / f16 weights).
+        let w = self.w_t()?.t()?.to_dtype(DType::F32)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let packed = crate::bf16::pack_weights(&w, n, k);
+        let shape = (n.div_ceil(crate::bf16::NR), k.div_ceil(2), crate::bf16::NR);
+        Ok(Self {
+            w: Tensor::from_vec(packed, shape, self.w.device())?,
+            panels: false,
+            bf16: true,
+            bias: self.bias.as_ref().map(|b| b.to_dtype(DType::F32)).transpose()?,
+            dims: self.dims,
+        })
+    }
+
+    /// Whether the layer computes with bf16 operands (`to_bf16`).
+    pub fn is_bf16(&self) -> bool {
+        self.bf16
     }
 
     /// Whether the weights are in panels.
@@ -299,8 +337,12 @@ impl Dense {
         self.panels
     }
 
-    /// The same layer with its parameters in `dtype` (layout kept).
+    /// The same layer with its parameters in `dtype` (layout kept; bf16 products keep their
+    /// packed weights and f32 bias: they take f32 activations whatever `dtype` says).
     pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        if self.bf16 {
+            return Ok(self.clone());
+        }
         Ok(Self {
             w: self.w.to_dtype(dtype)?,
             bias: self.bias.as_ref().map(|b| b.to_dtype(dtype)).transpose()?,
@@ -315,10 +357,25 @@ impl Dense {
 
     /// `W^T` [in, out] (a copy when the weights are in panels).
     fn w_t(&self) -> Result<Tensor> {
+        let (k, n) = self.dims;
+        if self.bf16 {
+            // f32 values of the rounded weights, for inputs the kernel does not take.
+            let (s, l) = self.w.storage_and_layout();
+            let candle_core::Storage::Cpu(cpu) = &*s else {
+                return Err(Error::Unsupported("bf16 products on a non-CPU tensor".into()));
+            };
+            let p = &cpu.as_slice::<u32>()?[l.start_offset()..];
+            let mut v = vec![0f32; k * n];
+            for i in 0..k {
+                for c in 0..n {
+                    v[i * n + c] = crate::bf16::weight_at(p, k, c, i);
+                }
+            }
+            return Ok(Tensor::from_vec(v, (k, n), self.w.device())?);
+        }
         if !self.panels {
             return Ok(self.w.clone());
         }
-        let (k, n) = self.dims;
         let p = n.div_ceil(crate::panels::WIDTH);
         Ok(self
             .w
@@ -375,10 +432,15 @@ impl Dense {
             Then::Add(r) => Some(r),
             _ => None,
         };
-        let tensors: Vec<&Tensor> =
-            [Some(x), Some(&self.w), self.bias.as_ref(), residual].into_iter().flatten().collect();
+        // (The bf16 layout's packed weights are u32; its activations and bias are f32.)
+        let w = if self.bf16 { None } else { Some(&self.w) };
+        let tensors: Vec<&Tensor> = [Some(x), w, self.bias.as_ref(), residual].into_iter().flatten().collect();
         let all_f32 = own_kernel_for(Op::DenseLinear, &tensors);
-        if !all_f32 || x.rank() == 0 || (self.panels && !crate::panels::available()) {
+        if !all_f32
+            || x.rank() == 0
+            || (self.panels && !crate::panels::available())
+            || (self.bf16 && !crate::bf16::available())
+        {
             return Ok(None);
         }
         let (k, n) = self.dims;
@@ -412,10 +474,64 @@ impl Dense {
         let bias = self.bias.as_ref().map(|b| b.contiguous()).transpose()?;
         let (xs, xl) = x.storage_and_layout();
         let (ws, wl) = w.storage_and_layout();
-        let (Some(xs), Some(ws)) = (cpu_f32(&xs), cpu_f32(&ws)) else {
+        let Some(xs) = cpu_f32(&xs) else {
             return Ok(None);
         };
         let xs = &xs[xl.start_offset()..xl.start_offset() + m * k];
+        if self.bf16 {
+            #[cfg(target_arch = "x86_64")]
+            {
+                let candle_core::Storage::Cpu(cpu) = &*ws else {
+                    return Ok(None);
+                };
+                let wp = &cpu.as_slice::<u32>()?[wl.start_offset()..];
+                let bias_row = match &bias {
+                    Some(b) => {
+                        let (bs, bl) = b.storage_and_layout();
+                        let Some(bs) = cpu_f32(&bs) else {
+                            return Ok(None);
+                        };
+                        Some(bs[bl.start_offset()..bl.start_offset() + n].to_vec())
+                    }
+                    None => None,
+                };
+                let mut out: Vec<f32> = Vec::with_capacity(m * n);
+                let out_ptr = SendPtr(out.as_mut_ptr());
+                let mut packed = Vec::new();
+                crate::bf16::pack_rows(xs, m, k, &mut packed);
+                let threads = candle_core::utils::get_num_threads().max(1);
+                for_each_tile(m, n, bf16_tiles(m, n, threads), |(r0, r1), (c0, c1)| {
+                    // SAFETY: `bf16::available()` checked above; this item owns rows r0..r1
+                    // (r0 a multiple of the group), columns c0..c1 (c0 of the panel) of the
+                    // m x n output; the packed rows and panels cover m rows and n columns.
+                    unsafe {
+                        crate::bf16::tile(&packed, k, wp, n, bias_row.as_deref(), out_ptr.get(), (r0, r1), (c0, c1))
+                    };
+                    if let Some(tail) = &tail {
+                        for r in r0..r1 {
+                            // SAFETY: this item's rows and columns, written just above.
+                            let row = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(r * n + c0), c1 - c0) };
+                            match tail {
+                                Tail::Gelu => crate::kernels::gelu_slice(row),
+                                Tail::Add(res) => {
+                                    for (y, a) in row.iter_mut().zip(&res[r * n + c0..r * n + c1]) {
+                                        *y += *a;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                });
+                // SAFETY: the tiles cover the m x n output, each element written by its tile.
+                unsafe { out.set_len(m * n) };
+                return Ok(Some(Tensor::from_vec(out, shape, x.device())?));
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            return Ok(None);
+        }
+        let Some(ws) = cpu_f32(&ws) else {
+            return Ok(None);
+        };
         let w_len = if self.panels { n.div_ceil(crate::panels::WIDTH) * k * crate::panels::WIDTH } else { k * n };
         let ws = &ws[wl.start_offset()..wl.start_offset() + w_len];
         let bias_row = match &bias {
@@ -551,6 +667,19 @@ fn panel_tiles(m: usize, n: usize, k: usize, threads: usize) -> (usize, usize) {
         cols = (cols / 2).next_multiple_of(W);
     }
     (rows, cols.min(n))
+}
+
+/// The bf16 products' output tile for `m` rows, `n` columns (both > 0) on `threads` threads:
+/// (rows, columns). Rows in blocks of at most ~768 (a pass's slice of their pairs, 128 pairs x 4
+/// B a row, stays in L2), columns in whole panels, narrowed until there are about four tiles a
+/// thread.
+fn bf16_tiles(m: usize, n: usize, threads: usize) -> (usize, usize) {
+    use crate::bf16::{MR, NR};
+    let rows = m.div_ceil(m.div_ceil(768)).next_multiple_of(MR);
+    let row_blocks = m.div_ceil(rows);
+    let panels = n.div_ceil(NR);
+    let col_blocks = (4 * threads).div_ceil(row_blocks).clamp(1, panels);
+    (rows, panels.div_ceil(col_blocks) * NR)
 }
 
 /// A linear layer's weight [out, in] packed in `panels` layout (None: not a CPU float tensor).

@@ -1,0 +1,394 @@
+//! Dense products with bf16 operands and f32 sums on AMX tiles (x86_64 CPUs with AMX-BF16:
+//! Intel Xeon since Sapphire Rapids), for the reduced-precision path (`--vision-precision bf16`).
+//!
+//! The weights are rounded to bf16 once, at load, and each call's activations as they are packed
+//! (both round to nearest even, as torch's `.to(torch.bfloat16)`); the tiles multiply the bf16
+//! values exactly and sum in f32. The error is bf16's rounding of the operands (2^-9 of a value,
+//! relative), not the sums'.
+//!
+//! Why AMX and not AVX512-BF16: on this project's Xeon, `vdpbf16ps` (32 bf16 products a vector)
+//! issues once every two cycles against two f32 FMAs a cycle, so it is no faster than f32; one
+//! thread's `tdpbf16ps` tiles ran 784 x 1024 by 1024 x 3072 at ~570 GFLOP/s against ~200 for
+//! `gemm`'s f32 kernels (docs/performance.md has the measurements).
+//!
+//! Layouts (a "pair" is two bf16 of consecutive input features in one u32, the even feature in
+//! the low half: the VNNI layout `tdpbf16ps` reads its second operand in):
+//! - weights `W` [out, in] as panels `[ceil(out / 32)][kp][32]` pairs, `kp` = in rounded up to
+//!   `KSTEP`, halved: panel p holds output columns 32p..32p+32 (zero-padded);
+//! - activations, per call, as bf16 rows `[rows rounded up to 32][in rounded up to KSTEP]`
+//!   (zero-padded).
+//!
+//! A block of 32 rows x 32 columns keeps its f32 sums in four 16 x 16 tiles; each step of 32 input
+//! features loads two 16-row tiles of activations and two 16-column tiles of the panel and issues
+//! four tile products. A tile's rows are taken `ROW_BLOCK` at a time, so their bf16 rows stay in
+//! L2 while every panel of the tile passes over them.
+
+/// Output columns per panel: two 16-column tiles.
+pub const NR: usize = 32;
+/// Rows per block: two 16-row tiles.
+pub const MR: usize = 32;
+/// Input features per tile step (64 bytes of bf16, a tile row).
+pub const KSTEP: usize = 32;
+/// Rows of a tile swept by each panel before the next rows (128 rows of 4096 features: 1 MiB).
+#[cfg(target_arch = "x86_64")]
+const ROW_BLOCK: usize = 128;
+
+/// Whether this CPU and OS run the tiles: x86_64 with AMX-TILE, AMX-BF16, AVX-512F and
+/// AVX512-BF16 (the activations' rounding), and on Linux the tile state granted to this process
+/// (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once). False in the AVX2 stand-in build.
+pub fn available() -> bool {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    {
+        static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *OK.get_or_init(|| {
+            if !crate::has_avx512() || !std::arch::is_x86_feature_detected!("avx512bf16") {
+                return false;
+            }
+            // CPUID.(7,0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE (`is_x86_feature_detected!`
+            // does not take the AMX names on stable Rust).
+            let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
+            if edx & (1 << 22) == 0 || edx & (1 << 24) == 0 {
+                return false;
+            }
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // SAFETY: a plain system call with integer arguments; it fails cleanly (non-zero)
+            // where the kernel does not grant the tile state.
+            unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+        })
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+    {
+        false
+    }
+}
+
+/// bf16 bits of `v`, rounded to nearest even (NaN stays NaN).
+pub fn round(v: f32) -> u16 {
+    half::bf16::from_f32(v).to_bits()
+}
+
+/// Pairs per panel row for `k` input features.
+fn pairs(k: usize) -> usize {
+    k.next_multiple_of(KSTEP) / 2
+}
+
+/// `u32`s of the panels of an `n` x `k` weight.
+pub fn packed_weight_len(n: usize, k: usize) -> usize {
+    n.div_ceil(NR) * pairs(k) * NR
+}
+
+/// `w` [n, k] row-major (a linear layer's weight) as panels of pairs (layout above), rounded to
+/// bf16. Parallel over panels on candle's pool.
+pub fn pack_weights(w: &[f32], n: usize, k: usize) -> Vec<u32> {
+    assert!(w.len() >= n * k, "pack_weights: {} floats for {n} x {k}", w.len());
+    let kp = pairs(k);
+    let mut dst = vec![0u32; packed_weight_len(n, k)];
+    let ptr = crate::kernels::SendPtr(dst.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(NR), |range| {
+        for p in range {
+            for c in 0..NR.min(n - p * NR) {
+                let row = &w[(p * NR + c) * k..][..k];
+                for (i, pair) in row.chunks(2).enumerate() {
+                    let hi = pair.get(1).map_or(0, |&v| round(v));
+                    let v = round(pair[0]) as u32 | (hi as u32) << 16;
+                    // SAFETY: panel p's pairs belong to this work item, inside `dst`.
+                    unsafe { ptr.get().add((p * kp + i) * NR + c).write(v) };
+                }
+            }
+        }
+    });
+    dst
+}
+
+/// Element (`out` column `c`, input feature `i`) of packed panels, as f32 (for unpacking).
+pub fn weight_at(panels: &[u32], k: usize, c: usize, i: usize) -> f32 {
+    let v = panels[((c / NR) * pairs(k) + i / 2) * NR + c % NR];
+    half::bf16::from_bits((v >> (16 * (i % 2))) as u16).to_f32()
+}
+
+/// `x`: `rows` rows of `k` features into `dst` (refilled) as bf16 rows (layout above), rounded
+/// to nearest even. Parallel over blocks of rows on candle's pool.
+pub fn pack_rows(x: &[f32], rows: usize, k: usize, dst: &mut Vec<u16>) {
+    assert!(x.len() >= rows * k, "pack_rows: {} floats for {rows} rows of {k}", x.len());
+    let kpad = k.next_multiple_of(KSTEP);
+    let padded = rows.next_multiple_of(MR);
+    dst.clear();
+    dst.resize(padded * kpad, 0);
+    let ptr = crate::kernels::SendPtr(dst.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(rows.div_ceil(MR), |range| {
+        for b in range {
+            for r in b * MR..rows.min((b + 1) * MR) {
+                // SAFETY: row r of `dst` (kpad values, its first k written) belongs to this item.
+                let out = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(r * kpad), k) };
+                round_row(&x[r * k..][..k], out);
+            }
+        }
+    });
+}
+
+/// `src` rounded to bf16 bits into `dst` (same length).
+fn round_row(src: &[f32], dst: &mut [u16]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::has_avx512() && std::arch::is_x86_feature_detected!("avx512bf16") {
+        // SAFETY: AVX-512F and AVX512-BF16 checked just above.
+        return unsafe { x86::round_row(src, dst) };
+    }
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = round(s);
+    }
+}
+
+/// Rows r0..r1 (r0 a multiple of `MR`), columns c0..c1 (c0 a multiple of `NR`) of `y = x W^T +
+/// b`: `rows` packed by `pack_rows`, `panels` by `pack_weights` (`k` input features), `y` with
+/// row stride `n`, `bias` (n values) added to the sums.
+///
+/// # Safety
+/// `available()` must be true; `y` must have room for r1 rows of `n` and this tile must be
+/// written by no one else meanwhile; `rows` must hold r1's block of rows, `panels` c1's panel.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn tile(
+    rows: &[u16],
+    k: usize,
+    panels: &[u32],
+    n: usize,
+    bias: Option<&[f32]>,
+    y: *mut f32,
+    (r0, r1): (usize, usize),
+    (c0, c1): (usize, usize),
+) {
+    let (kpad, kp) = (k.next_multiple_of(KSTEP), pairs(k));
+    assert!(r0 % MR == 0 && c0 % NR == 0 && r1 > r0 && c1 > c0 && c1 <= n, "bf16::tile {r0}..{r1} x {c0}..{c1}");
+    assert!(rows.len() >= r1.next_multiple_of(MR) * kpad && panels.len() >= c1.div_ceil(NR) * kp * NR);
+    x86::configure();
+    let mut sums = x86::Sums([0.0; 4 * 256]);
+    for b0 in (r0..r1).step_by(ROW_BLOCK) {
+        let b1 = r1.min(b0 + ROW_BLOCK);
+        for c in (c0..c1).step_by(NR) {
+            let w = panels.as_ptr().add(c / NR * kp * NR);
+            for r in (b0..b1).step_by(MR) {
+                x86::block(rows.as_ptr().add(r * kpad), kpad, w, &mut sums);
+                x86::write(&sums, bias.map(|b| b.as_ptr().add(c)), y.add(r * n + c), n, MR.min(b1 - r), NR.min(c1 - c));
+            }
+        }
+    }
+    x86::release();
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::asm;
+    use std::arch::x86_64::*;
+
+    /// Four 16 x 16 tiles of f32 sums (rows 0-15 x columns 0-15, 0-15 x 16-31, 16-31 x 0-15,
+    /// 16-31 x 16-31), 64-byte aligned.
+    #[repr(C, align(64))]
+    pub(super) struct Sums(pub(super) [f32; 4 * 256]);
+
+    /// The tile configuration (palette 1): tmm0-3 sums, tmm4-5 activations, tmm6-7 weights,
+    /// each 16 rows of 64 bytes.
+    #[repr(C, align(64))]
+    struct Config {
+        palette: u8,
+        start_row: u8,
+        reserved: [u8; 14],
+        bytes_per_row: [u16; 16],
+        rows: [u8; 16],
+    }
+
+    /// Loads the tile configuration on this thread (each call: other code on the thread, e.g.
+    /// candle's AMX kernels, may have loaded its own).
+    pub(super) fn configure() {
+        let mut c = Config { palette: 1, start_row: 0, reserved: [0; 14], bytes_per_row: [0; 16], rows: [0; 16] };
+        for t in 0..8 {
+            c.bytes_per_row[t] = 64;
+            c.rows[t] = 16;
+        }
+        // SAFETY: only called where `available()` holds; a valid palette-1 configuration.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) &c, options(nostack, readonly)) };
+    }
+
+    /// Returns the tile state to its initial one (nothing to save on a context switch).
+    pub(super) fn release() {
+        // SAFETY: AMX present (as for `configure`).
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+
+    /// The sums of 32 activation rows at `a` (`kpad` bf16 each) against a panel at `w` (`kpad /
+    /// 2` rows of 32 pairs), into `sums`.
+    ///
+    /// # Safety
+    /// The tiles configured on this thread (`configure`); `a` and `w` readable for those sizes.
+    pub(super) unsafe fn block(a: *const u16, kpad: usize, w: *const u32, sums: &mut Sums) {
+        asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+        let a_stride = kpad * 2;
+        let mut k = 0;
+        while k < kpad {
+            asm!(
+                "tileloadd tmm4, [{a0} + {sa}*1]",
+                "tileloadd tmm6, [{w} + {sw}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tileloadd tmm7, [{w} + {sw}*1 + 64]",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tileloadd tmm5, [{a1} + {sa}*1]",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                a0 = in(reg) a.add(k),
+                a1 = in(reg) a.add(16 * kpad + k),
+                w = in(reg) w.add(k / 2 * super::NR),
+                sa = in(reg) a_stride,
+                sw = in(reg) super::NR * 4,
+                options(nostack, readonly),
+            );
+            k += super::KSTEP;
+        }
+        asm!(
+            "tilestored [{s} + {st}*1], tmm0",
+            "tilestored [{s} + {st}*1 + 1024], tmm1",
+            "tilestored [{s} + {st}*1 + 2048], tmm2",
+            "tilestored [{s} + {st}*1 + 3072], tmm3",
+            s = in(reg) sums.0.as_mut_ptr(),
+            st = in(reg) 64usize,
+            options(nostack),
+        );
+    }
+
+    /// `rows` x `cols` of `sums` (plus the bias at the block's first column) into `y` (row
+    /// stride `ldy`).
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn write(
+        sums: &Sums,
+        bias: Option<*const f32>,
+        y: *mut f32,
+        ldy: usize,
+        rows: usize,
+        cols: usize,
+    ) {
+        let lo: __mmask16 = if cols >= 16 { 0xffff } else { (1u16 << cols) - 1 };
+        let hi: __mmask16 = if cols >= 32 {
+            0xffff
+        } else if cols > 16 {
+            (1u16 << (cols - 16)) - 1
+        } else {
+            0
+        };
+        let (b0, b1) = match bias {
+            Some(b) => (_mm512_maskz_loadu_ps(lo, b), _mm512_maskz_loadu_ps(hi, b.add(16))),
+            None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
+        };
+        for r in 0..rows {
+            let t = (r / 16) * 2;
+            let s = sums.0.as_ptr().add(t * 256 + (r % 16) * 16);
+            let out = y.add(r * ldy);
+            _mm512_mask_storeu_ps(out, lo, _mm512_add_ps(_mm512_load_ps(s), b0));
+            if hi != 0 {
+                _mm512_mask_storeu_ps(out.add(16), hi, _mm512_add_ps(_mm512_load_ps(s.add(256)), b1));
+            }
+        }
+    }
+
+    /// `src` to bf16 bits, 16 at a time (`vcvtneps2bf16`, round to nearest even).
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn round_row(src: &[f32], dst: &mut [u16]) {
+        let n = src.len().min(dst.len());
+        let mut i = 0;
+        while i < n {
+            let m: __mmask16 = if n - i >= 16 { 0xffff } else { (1u16 << (n - i)) - 1 };
+            let v = _mm512_maskz_loadu_ps(m, src.as_ptr().add(i));
+            let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
+            _mm256_mask_storeu_epi16(dst.as_mut_ptr().add(i) as *mut i16, m, h);
+            i += 16;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rand(seed: u64, std: f32, len: usize) -> Vec<f32> {
+        crate::testing::randn(seed, std, len).unwrap().to_vec1().unwrap()
+    }
+
+    /// The product of the bf16-rounded operands in f64, as the kernel's exact target.
+    fn reference(x: &[f32], w: &[f32], bias: Option<&[f32]>, m: usize, n: usize, k: usize) -> Vec<f64> {
+        let r = |v: f32| half::bf16::from_f32(v).to_f64();
+        let mut y = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let s: f64 = (0..k).map(|t| r(x[i * k + t]) * r(w[j * k + t])).sum();
+                y[i * n + j] = s + bias.map_or(0.0, |b| b[j] as f64);
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn rounding_is_to_nearest_even_in_the_scalar_and_vector_paths() {
+        // 1 + 2^-8 is halfway between two bf16 values: ties go to the even one (1.0); a hair
+        // above goes up; NaN stays NaN.
+        let src = [1.0 + 2f32.powi(-8), 1.0 + 2f32.powi(-8) + 2f32.powi(-20), -3.0, f32::NAN];
+        let want = [0x3f80u16, 0x3f81, 0xc040];
+        let mut got = [0u16; 4];
+        round_row(&src, &mut got);
+        assert_eq!(&got[..3], &want);
+        assert!(half::bf16::from_bits(got[3]).is_nan());
+        for (s, w) in src.iter().zip(want) {
+            assert_eq!(round(*s), w);
+        }
+    }
+
+    #[test]
+    fn packed_weights_unpack_to_the_rounded_values() {
+        let (n, k) = (37, 7);
+        let w = rand(3, 1.0, n * k);
+        let p = pack_weights(&w, n, k);
+        for c in 0..n {
+            for i in 0..k {
+                assert_eq!(weight_at(&p, k, c, i), half::bf16::from_f32(w[c * k + i]).to_f32());
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn tiles_equal_the_rounded_operands_product() {
+        if !available() {
+            // No tiles here: the layer refuses the path (tested in linear.rs); the packing and
+            // rounding are tested above.
+            return;
+        }
+        // Ragged in every direction: rows not a multiple of 32 and more than one row block,
+        // columns not of 32, features odd; tiles split mid-matrix.
+        for &(m, n, k) in &[(1, 1, 1), (13, 33, 5), (45, 70, 301), (300, 64, 67)] {
+            let x = rand(11, 1.0, m * k);
+            let w = rand(12, 0.5, n * k);
+            let bias = rand(13, 1.0, n);
+            let panels = pack_weights(&w, n, k);
+            let mut rows: Vec<u16> = Vec::new();
+            pack_rows(&x, m, k, &mut rows);
+            for bias in [None, Some(&bias[..])] {
+                let want = reference(&x, &w, bias, m, n, k);
+                let mut y = vec![f32::NAN; m * n];
+                let rm = (m.div_ceil(2)).next_multiple_of(MR).min(m);
+                let cm = (n.div_ceil(2)).next_multiple_of(NR).min(n);
+                for (rr, cc) in [((0, rm), (0, cm)), ((0, rm), (cm, n)), ((rm, m), (0, cm)), ((rm, m), (cm, n))] {
+                    if rr.0 < rr.1 && cc.0 < cc.1 {
+                        // SAFETY: available() checked; disjoint tiles of an m x n output.
+                        unsafe { tile(&rows, k, &panels, n, bias, y.as_mut_ptr(), rr, cc) };
+                    }
+                }
+                for (i, (&g, &e)) in y.iter().zip(&want).enumerate() {
+                    // f32 sums of exact products: relative to the sum of magnitudes.
+                    let scale: f64 = 1.0 + (k as f64).sqrt();
+                    assert!(
+                        (g as f64 - e).abs() <= 1e-5 * scale,
+                        "{m}x{n}x{k} bias {} at {i}: {g} vs {e}",
+                        bias.is_some()
+                    );
+                }
+            }
+        }
+    }
+}
