@@ -151,6 +151,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         dtype,
         device: dev,
         quant: quant_of(args.load.quantize, &dir)?,
+        vision_bf16: args.load.vision_bf16(),
         min_pixels: args.load.min_pixels,
         max_pixels: args.load.max_pixels,
         max_image_tokens: args.load.max_image_tokens(),

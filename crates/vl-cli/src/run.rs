@@ -35,6 +35,16 @@ pub enum DtypeArg {
     F16,
 }
 
+/// Precision of the vision tower's linear layers on the CPU.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum VisionPrecisionArg {
+    /// f32 products: the reference's numbers (vision features within 1e-4 of the goldens).
+    F32,
+    /// bf16 products with f32 sums on AMX tiles (Intel Xeon since Sapphire Rapids, Linux):
+    /// ~2.5x faster products, features within the bound in docs/parity.md. Refused elsewhere.
+    Bf16,
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
 pub enum QuantArg {
     /// Keep the stored weights (MLX-quantized checkpoints are requantized to the nearest k-quant).
@@ -64,6 +74,10 @@ pub struct LoadArgs {
     pub dtype: Option<DtypeArg>,
     #[arg(long, value_enum, default_value = "cpu")]
     pub device: DeviceArg,
+    /// Precision of the vision tower's linears (CPU, f32 compute): f32, or bf16 on AMX tiles
+    /// (faster images, reduced precision; docs/parity.md has its bound).
+    #[arg(long, value_enum, default_value = "f32")]
+    pub vision_precision: VisionPrecisionArg,
     /// Quantize the text decoder's linears, embeddings and lm_head at load (CPU decoding speed).
     #[arg(long, value_enum, default_value = "none")]
     pub quantize: QuantArg,
@@ -101,6 +115,11 @@ pub struct LoadArgs {
 }
 
 impl LoadArgs {
+    /// Whether `--vision-precision bf16` was asked for.
+    pub fn vision_bf16(&self) -> bool {
+        self.vision_precision == VisionPrecisionArg::Bf16
+    }
+
     pub fn image_limits(&self) -> ImageLimits {
         ImageLimits { max_file_bytes: self.max_image_bytes, max_pixels: self.max_image_pixels }
     }
@@ -496,6 +515,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         dtype,
         device: dev,
         quant,
+        vision_bf16: args.load.vision_bf16(),
         min_pixels: args.load.min_pixels,
         max_pixels: args.load.max_pixels,
         max_image_tokens: args.load.max_image_tokens(),
@@ -741,6 +761,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
             "generated_tokens": c.token_ids.len(),
             "stop_reason": stop,
             "dtype": format!("{dtype:?}").to_lowercase(),
+            "vision_precision": if args.load.vision_bf16() { "bf16" } else { "f32" },
             "device": format!("{:?}", args.load.device).to_lowercase(),
             // What was asked for, and what each tensor group got (a layer whose input dimension
             // is not a multiple of the quant block stays dense).

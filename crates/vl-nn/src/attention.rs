@@ -46,6 +46,12 @@ impl SegmentRotaryAttention {
         Ok(Self { qkv: self.qkv.to_dtype(dtype)?, proj: self.proj.to_dtype(dtype)?, ..self.clone() })
     }
 
+    /// The same attention with both projections on bf16 products (`Dense::to_bf16`); the
+    /// attention core stays f32.
+    pub fn to_bf16(&self) -> Result<Self> {
+        Ok(Self { qkv: self.qkv.to_bf16()?, proj: self.proj.to_bf16()?, ..self.clone() })
+    }
+
     /// Rows of queries processed at once (the memory/speed trade-off), at least 1; the fused CPU
     /// kernel uses at most `kernels::QUERY_TILE` of them per tile.
     pub fn with_query_block(mut self, rows: usize) -> Self {

@@ -101,6 +101,31 @@ pub fn pack_weights(w: &[f32], n: usize, k: usize) -> Vec<u32> {
     dst
 }
 
+/// As `pack_weights`, from `W^T` ([k, n] row-major, how `Dense` keeps its weights): each pair row
+/// of a panel is two contiguous runs of `W^T`. Parallel over panels on candle's pool.
+pub fn pack_weights_t(wt: &[f32], n: usize, k: usize) -> Vec<u32> {
+    assert!(wt.len() >= n * k, "pack_weights_t: {} floats for {k} x {n}", wt.len());
+    let kp = pairs(k);
+    let mut dst = vec![0u32; packed_weight_len(n, k)];
+    let ptr = crate::kernels::SendPtr(dst.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(NR), |range| {
+        for p in range {
+            let (c0, cols) = (p * NR, NR.min(n - p * NR));
+            for i in 0..k.div_ceil(2) {
+                let even = &wt[2 * i * n + c0..][..cols];
+                let odd = (2 * i + 1 < k).then(|| &wt[(2 * i + 1) * n + c0..][..cols]);
+                // SAFETY: panel p's pairs belong to this work item, inside `dst`.
+                let out = unsafe { std::slice::from_raw_parts_mut(ptr.get().add((p * kp + i) * NR), cols) };
+                for (c, o) in out.iter_mut().enumerate() {
+                    let hi = odd.map_or(0, |r| round(r[c]));
+                    *o = round(even[c]) as u32 | (hi as u32) << 16;
+                }
+            }
+        }
+    });
+    dst
+}
+
 /// Element (`out` column `c`, input feature `i`) of packed panels, as f32 (for unpacking).
 pub fn weight_at(panels: &[u32], k: usize, c: usize, i: usize) -> f32 {
     let v = panels[((c / NR) * pairs(k) + i / 2) * NR + c % NR];
@@ -344,6 +369,8 @@ mod tests {
         let (n, k) = (37, 7);
         let w = rand(3, 1.0, n * k);
         let p = pack_weights(&w, n, k);
+        let wt: Vec<f32> = (0..k * n).map(|j| w[(j % n) * k + j / n]).collect();
+        assert_eq!(pack_weights_t(&wt, n, k), p);
         for c in 0..n {
             for i in 0..k {
                 assert_eq!(weight_at(&p, k, c, i), half::bf16::from_f32(w[c * k + i]).to_f32());

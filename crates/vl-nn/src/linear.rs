@@ -262,7 +262,7 @@ pub enum Then<'a> {
 /// - on CPUs whose widest vectors are AVX2 (`panels::preferred`), 16-column panels
 ///   (`vl_nn::panels`), read by an AVX2 micro-kernel against the activations packed per call
 ///   in chunks of rows (`panels::pack_rows`);
-/// - asked for with `to_bf16` (reduced precision, CPUs with AVX512-BF16): bf16 pairs in 32-column
+/// - asked for with `to_bf16` (reduced precision, CPUs with AMX-BF16): bf16 pairs in 32-column
 ///   panels (`vl_nn::bf16`), the activations rounded to bf16 as they are packed per call, f32
 ///   sums.
 #[derive(Debug, Clone)]
@@ -301,22 +301,28 @@ impl Dense {
 
     /// The same layer computing with bf16 operands (`vl_nn::bf16`): the weights rounded to bf16
     /// once, here, the activations at each call, sums in f32; the bias stays f32. For CPU f32
-    /// compute on CPUs where `bf16::available()`; elsewhere an error naming what is missing.
+    /// compute on CPUs where `bf16::available()` (AMX); elsewhere an error naming what is missing.
     pub fn to_bf16(&self) -> Result<Self> {
         if self.bf16 {
             return Ok(self.clone());
         }
         let unsupported = |why: &str| Error::Unsupported(format!("bf16 products: {why}"));
         if !crate::bf16::available() {
-            return Err(unsupported("this CPU lacks AVX-512 with AVX512-BF16 (vdpbf16ps)"));
+            return Err(unsupported(
+                "they need AMX-BF16 tiles granted by Linux on x86_64 (Intel Xeon since Sapphire Rapids); this CPU or OS has none",
+            ));
         }
         if !self.w.device().is_cpu() {
             return Err(unsupported("they run on the CPU only"));
         }
         let (k, n) = self.dims;
-        // [out, in] as f32 values (exact widening of bf16 / f16 weights).
-        let w = self.w_t()?.t()?.to_dtype(DType::F32)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-        let packed = crate::bf16::pack_weights(&w, n, k);
+        // W^T [in, out] as f32 values (exact widening of bf16 / f16 weights).
+        let wt = self.w_t()?.to_dtype(DType::F32)?.contiguous()?;
+        let (s, l) = wt.storage_and_layout();
+        let Some(wt) = cpu_f32(&s) else {
+            return Err(unsupported("the weights are not CPU floats"));
+        };
+        let packed = crate::bf16::pack_weights_t(&wt[l.start_offset()..][..k * n], n, k);
         let shape = (n.div_ceil(crate::bf16::NR), k.div_ceil(2), crate::bf16::NR);
         Ok(Self {
             w: Tensor::from_vec(packed, shape, self.w.device())?,

@@ -33,6 +33,16 @@ impl PatchMerger {
         })
     }
 
+    /// The same merger with its norm in f32 and both linears on bf16 products (`Dense::to_bf16`).
+    pub fn to_bf16(&self) -> crate::Result<Self> {
+        Ok(Self {
+            norm: crate::linear::cast_layer_norm(&self.norm, candle_core::DType::F32)?,
+            fc1: self.fc1.to_bf16()?,
+            fc2: self.fc2.to_bf16()?,
+            ..self.clone()
+        })
+    }
+
     /// `x`: [rows, hidden] with rows a multiple of `unit`; returns [rows / unit, out].
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (rows, hidden) = x.dims2()?;

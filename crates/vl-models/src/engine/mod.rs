@@ -81,6 +81,9 @@ pub struct EngineOptions {
     pub dtype: DType,
     pub device: Device,
     pub quant: Option<QuantType>,
+    /// Run the vision tower's linears on bf16 products (AMX tiles; reduced precision, bound in
+    /// docs/parity.md) instead of f32. CPU, f32 compute, AMX-BF16 only: refused elsewhere.
+    pub vision_bf16: bool,
     /// Server-wide image budget (defaults from preprocessor_config.json); a request may ask for
     /// less, never more.
     pub min_pixels: Option<usize>,
@@ -121,6 +124,7 @@ impl Default for EngineOptions {
             dtype: DType::F32,
             device: Device::Cpu,
             quant: None,
+            vision_bf16: false,
             min_pixels: None,
             max_pixels: None,
             max_image_tokens: Some(DEFAULT_MAX_IMAGE_TOKENS),

@@ -152,12 +152,22 @@ impl Qwen3Vl {
         progress: Option<crate::checkpoint::LoadProgress>,
     ) -> Result<Self> {
         let ModelDir { config, weights, mut processor, generation, .. } = dir;
+        check_vision_precision(opts)?;
         check_memory(&config, &weights, opts)?;
         let checkpoint = apply_image_options(&mut processor, opts)?;
         let tensors = weights.entries().len();
         let (dtype, device) = (opts.dtype, opts.device.clone());
-        let quant = opts.quant;
-        let vision: VisionSlot = if staged {
+        let (quant, bf16) = (opts.quant, opts.vision_bf16);
+        let vision: VisionSlot = if staged && bf16 {
+            // Read in the checkpoint's float dtype (no f32 copy), then rounded to bf16 panels.
+            let (w, cfg, p) = (weights.clone(), config.vision.clone(), progress.clone());
+            let dev = device.clone();
+            VisionSlot::Pending(Box::new(move || {
+                let stored = w.vision_float_dtype();
+                VisionTower::load_stored(&cfg, w.var_builder(stored, &dev, p).pp(VISION_PREFIX), dtype)?
+                    .into_bf16_products()
+            }))
+        } else if staged {
             let (w, cfg, p) = (weights.clone(), config.vision.clone(), progress.clone());
             let dev = device.clone();
             VisionSlot::Pending(Box::new(move || {
@@ -172,6 +182,7 @@ impl Qwen3Vl {
                 weights.var_builder(stored, &device, None).pp(VISION_PREFIX),
                 dtype,
             )?;
+            let tower = if bf16 { tower.into_bf16_products()? } else { tower };
             VisionSlot::Ready(Arc::new(tower))
         };
         let (w, cfg, dev) = (weights, config.clone(), device.clone());
@@ -189,6 +200,7 @@ impl Qwen3Vl {
     /// (`mmproj`, or the `mmproj*.gguf` beside it; without one the model answers text only).
     /// Quantized tensors are used in their stored block type; `opts.quant` quantizes the float ones.
     pub fn open_gguf(model: &Path, mmproj: Option<&Path>, opts: &EngineOptions, staged: bool) -> Result<Self> {
+        check_vision_precision(opts)?;
         let (text, mm) = gguf::find_files(model, mmproj)?;
         let g = Arc::new(GgufModel::open(&text, mm.as_deref())?);
         let floats = opts.quant.map_or_else(|| format!("{:?}", opts.dtype).to_lowercase(), |q| q.name().to_string());
@@ -207,7 +219,15 @@ impl Qwen3Vl {
         let config = g.config.clone();
         let vision = if g.mmproj.is_some() {
             let (gv, dev) = (g.clone(), device.clone());
-            VisionSlot::Pending(Box::new(move || gv.load_vision(dtype, &dev)))
+            let bf16 = opts.vision_bf16;
+            VisionSlot::Pending(Box::new(move || {
+                let tower = gv.load_vision(dtype, &dev)?;
+                if bf16 {
+                    tower.into_bf16_products()
+                } else {
+                    Ok(tower)
+                }
+            }))
         } else {
             VisionSlot::Absent(
                 "this GGUF model has no vision projector: images and videos need one (--mmproj FILE.gguf)",
@@ -902,4 +922,22 @@ fn prepare(
         })
         .collect();
     Ok(Prepared { options: opts, ids, ident, media, image_tokens, video_tokens, videos: reports, images })
+}
+
+/// `opts.vision_bf16` refused up front (before any weight is read) where it cannot run.
+fn check_vision_precision(opts: &EngineOptions) -> Result<()> {
+    if !opts.vision_bf16 {
+        return Ok(());
+    }
+    let refuse = |message: String| Err(Error::Input { what: "vision precision bf16".into(), message });
+    if !opts.device.is_cpu() || opts.dtype != DType::F32 {
+        return refuse(format!("needs f32 compute on the CPU (asked: {:?} on {:?})", opts.dtype, opts.device));
+    }
+    if !vl_nn::bf16::available() {
+        return refuse(
+            "needs AMX-BF16 tiles granted by Linux on x86_64 (Intel Xeon since Sapphire Rapids); this CPU or OS has none"
+                .into(),
+        );
+    }
+    Ok(())
 }

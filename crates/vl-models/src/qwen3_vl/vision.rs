@@ -76,6 +76,18 @@ impl VisionBlock {
         })
     }
 
+    /// Norms in f32, every linear on bf16 products.
+    fn to_bf16(&self) -> Result<Self> {
+        use vl_nn::linear::cast_layer_norm;
+        Ok(Self {
+            norm1: cast_layer_norm(&self.norm1, DType::F32)?,
+            norm2: cast_layer_norm(&self.norm2, DType::F32)?,
+            attn: self.attn.to_bf16()?,
+            fc1: self.fc1.to_bf16()?,
+            fc2: self.fc2.to_bf16()?,
+        })
+    }
+
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cu: &[usize]) -> Result<Tensor> {
         // The GELU and both residual sums are taken by the linears as they write their output
         // tiles (`Then`), not in passes of their own.
@@ -135,6 +147,39 @@ impl VisionTower {
             stored: vb.dtype(),
             device: vb.device().clone(),
         })
+    }
+
+    /// The tower with every linear (patch embedding, blocks, mergers) on bf16 products:
+    /// `vl_nn::bf16`, AMX tiles, weights rounded to bf16 here, activations at each product, f32
+    /// sums; norms, attention core, GELU and residuals stay f32. For f32 compute on a CPU whose
+    /// `vl_nn::bf16::available()`; an error saying what is missing otherwise. Converted block by
+    /// block, each original dropped as its copy is made (the transient is one block).
+    pub fn into_bf16_products(self) -> Result<Self> {
+        if self.dtype != DType::F32 || !self.device.is_cpu() {
+            return Err(Error::Input {
+                what: "vision precision bf16".into(),
+                message: format!("needs f32 compute on the CPU (here {:?} on {:?})", self.dtype, self.device),
+            });
+        }
+        let Self { cfg, patch_embed, pos_embed, rope, blocks, merger, deepstack, dtype, device, .. } = self;
+        let blocks = blocks.into_iter().map(|b| b.to_bf16()).collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            cfg,
+            patch_embed: patch_embed.to_bf16()?,
+            pos_embed,
+            rope,
+            blocks,
+            merger: merger.to_bf16()?,
+            deepstack: deepstack.iter().map(|m| m.to_bf16()).collect::<std::result::Result<_, _>>()?,
+            dtype,
+            stored: dtype,
+            device,
+        })
+    }
+
+    /// Whether the linears run on bf16 products (`into_bf16_products`).
+    pub fn is_bf16_products(&self) -> bool {
+        self.patch_embed.is_bf16()
     }
 
     fn merger_in_compute<'a>(&self, m: &'a PatchMerger) -> Result<std::borrow::Cow<'a, PatchMerger>> {
