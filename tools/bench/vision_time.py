@@ -4,6 +4,9 @@ with the same input rows as crates/vl-models/examples/vision_time.rs, and prints
 size with the per-block breakdown (forward hooks). Run by tools/bench/vision-side-by-side.
 
     python vision_time.py CHECKPOINT_DIR THREADS SIZE [SIZE...]
+
+VL_TORCH_DTYPE=bf16 runs the whole tower in torch's bfloat16 instead (weights and activations;
+oneDNN's bf16 kernels, AMX where the CPU has it): the peer figure for `--vision-precision bf16`.
 """
 import json
 import math
@@ -32,7 +35,8 @@ def main():
                 if k.startswith("model.visual."):
                     state[k[len("model.visual."):]] = st.get_tensor(k).float()
     model.load_state_dict(state, strict=True)
-    model = model.float()
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[os.environ.get("VL_TORCH_DTYPE", "f32")]
+    model = model.to(dtype)
 
     marks = []
     for blk in model.blocks:
@@ -44,7 +48,7 @@ def main():
         side -= side % cfg.spatial_merge_size
         n = side * side
         i = torch.arange(n * row, dtype=torch.float64)
-        pixels = torch.sin(torch.remainder(i, 9973) * 0.0007).float().reshape(n, row)
+        pixels = torch.sin(torch.remainder(i, 9973) * 0.0007).float().reshape(n, row).to(dtype)
         grid = torch.tensor([[1, side, side]])
         best = None
         with torch.inference_mode():
@@ -57,7 +61,7 @@ def main():
                     blocks = [b - a for a, b in zip([t0] + marks[:-1], marks)]
                     best = (total, blocks)
         total, blocks = best
-        print(json.dumps({"impl": "torch", "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        print(json.dumps({"impl": "torch", "dtype": str(dtype), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                           "size": size, "patches": n, "seconds": total,
                           "block_mean_s": sum(blocks[1:]) / max(1, len(blocks) - 1), "blocks_s": blocks}), flush=True)
 

@@ -6,7 +6,9 @@
 //! Env: VL_VISION_RUNS (runs per size, default 2; the fastest is reported); VL_VISION_STORED=1
 //! times the resident engine's path instead (`vl serve`/`vl chat`: blocks kept in the
 //! checkpoint's bf16 and upcast per block for each forward: half the memory, ~0.2 s more per
-//! 448 image on the 2B).
+//! 448 image on the 2B). VL_VISION_PRECISION=bf16 times `--vision-precision bf16` (the linears
+//! on AMX bf16 tiles; read in the checkpoint's float dtype and packed, as the engine does) and
+//! reports its largest difference from the f32 path's features on the same input.
 
 use std::path::Path;
 use std::time::Instant;
@@ -26,12 +28,20 @@ fn main() -> vl_models::Result<()> {
     let dev = Device::Cpu;
     let load = Instant::now();
     let ModelDir { config, weights, .. } = ModelDir::open(Path::new(&args[1]))?;
-    let stored = if std::env::var_os("VL_VISION_STORED").is_some() { weights.vision_float_dtype() } else { DType::F32 };
+    let bf16 = match std::env::var("VL_VISION_PRECISION").as_deref() {
+        Ok("bf16") => true,
+        Ok("f32") | Err(_) => false,
+        Ok(other) => panic!("VL_VISION_PRECISION={other}: f32 or bf16"),
+    };
+    let stored =
+        if bf16 || std::env::var_os("VL_VISION_STORED").is_some() { weights.vision_float_dtype() } else { DType::F32 };
     let tower = VisionTower::load_stored(
         &config.vision,
         weights.var_builder(stored, &dev, None).pp(VISION_PREFIX),
         DType::F32,
     )?;
+    // The f32 tower kept beside the bf16 one, for the difference (not part of the load time).
+    let (tower, f32_tower) = if bf16 { (tower.clone().into_bf16_products()?, Some(tower)) } else { (tower, None) };
     drop(weights);
     let load_s = load.elapsed().as_secs_f64();
     let runs: usize = std::env::var("VL_VISION_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(2).max(1);
@@ -70,8 +80,21 @@ fn main() -> vl_models::Result<()> {
             }
         }
         let (total, stem, mergers, blocks) = best.unwrap();
+        // Largest |bf16 - f32| of the merged features, and relative to their largest value.
+        let diff = match &f32_tower {
+            Some(f) => {
+                let a = Tensor::cat(&f.forward(&pixels, &grids)?.merged, 0)?;
+                let b = Tensor::cat(&tower.forward(&pixels, &grids)?.merged, 0)?;
+                let d = (a.clone() - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                let scale = a.abs()?.max_all()?.to_scalar::<f32>()?;
+                Some((d, d / scale))
+            }
+            None => None,
+        };
         let line = serde_json::json!({
-            "impl": "vl", "weights": format!("{stored:?}").to_lowercase(), "size": size, "patches": rows, "seconds": total, "load_s": load_s, "stem_s": stem, "mergers_s": mergers,
+            "impl": "vl", "precision": if bf16 { "bf16" } else { "f32" },
+            "merged_max_abs_diff_vs_f32": diff.map(|d| d.0), "merged_rel_diff_vs_f32": diff.map(|d| d.1),
+            "weights": format!("{stored:?}").to_lowercase(), "size": size, "patches": rows, "seconds": total, "load_s": load_s, "stem_s": stem, "mergers_s": mergers,
             "block_mean_s": blocks.iter().sum::<f64>() / blocks.len() as f64,
             "blocks_s": blocks,
         });

@@ -220,3 +220,48 @@ fn bf16_stored_weights_upcast_per_block_equal_the_f32_load_exactly() {
     // tiny-a is stored in f32: nothing to keep smaller.
     assert_eq!(checkpoint("tiny-a").1.vision_float_dtype(), DType::F32);
 }
+
+/// `--vision-precision bf16`: every linear on bf16 products (AMX tiles). Its bound against the
+/// reference's f32 intermediates, measured on these goldens (docs/parity.md): the largest
+/// difference over all probes and intermediates, relative to the intermediate's largest value.
+/// Without AMX the conversion is refused with a message that says so.
+#[test]
+fn bf16_products_stay_within_their_bound_of_the_f32_reference() {
+    const BOUND: f32 = 2e-2;
+    for g in GEOMETRIES {
+        let bf16 = tower(g, DType::F32).into_bf16_products();
+        if !vl_nn::bf16::available() {
+            let e = bf16.expect_err("no AMX here: refused").to_string();
+            assert!(e.contains("AMX-BF16"), "{e}");
+            continue;
+        }
+        let bf16 = bf16.unwrap();
+        assert!(bf16.is_bf16_products());
+        let mut worst: f32 = 0.0;
+        for probe in PROBES {
+            let p = load(&goldens().join("processor").join(format!("{probe}.safetensors")));
+            let want = load(&goldens().join(g).join("vision").join(format!("{probe}.safetensors")));
+            let mut got = BTreeMap::new();
+            bf16.forward_traced(&p["pixel_values"], &grids(&p["image_grid_thw"]), &mut |name, t| {
+                got.insert(name.to_string(), t.clone());
+            })
+            .unwrap();
+            let mut line = Vec::new();
+            for (name, w) in &want {
+                if ["logits", "greedy", "hidden"].iter().any(|x| name.starts_with(x)) {
+                    continue;
+                }
+                let key = name.trim_start_matches("vision.");
+                let t = got.get(key).unwrap_or_else(|| panic!("{g}/{probe}: no intermediate {key}"));
+                let scale = w.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1e-6);
+                let rel = max_abs_diff(t, w) / scale;
+                line.push(format!("{key} {rel:.2e}"));
+                assert!(rel <= BOUND, "{g}/{probe}: {key} differs by {rel:e} of its largest value (> {BOUND:e})");
+                worst = worst.max(rel);
+            }
+            assert!(line.len() >= 5, "{g}/{probe}: {} intermediates compared", line.len());
+            println!("{g}/{probe}: {}", line.join(", "));
+        }
+        println!("{g}: worst relative max|diff| {worst:.2e}");
+    }
+}

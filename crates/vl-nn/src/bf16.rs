@@ -78,6 +78,11 @@ pub fn packed_weight_len(n: usize, k: usize) -> usize {
     n.div_ceil(NR) * pairs(k) * NR
 }
 
+/// The panels' shape (panels, pair rows, columns) for an `n` x `k` weight.
+pub fn packed_weight_shape(n: usize, k: usize) -> (usize, usize, usize) {
+    (n.div_ceil(NR), pairs(k), NR)
+}
+
 /// `w` [n, k] row-major (a linear layer's weight) as panels of pairs (layout above), rounded to
 /// bf16. Parallel over panels on candle's pool.
 pub fn pack_weights(w: &[f32], n: usize, k: usize) -> Vec<u32> {

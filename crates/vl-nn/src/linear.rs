@@ -323,7 +323,7 @@ impl Dense {
             return Err(unsupported("the weights are not CPU floats"));
         };
         let packed = crate::bf16::pack_weights_t(&wt[l.start_offset()..][..k * n], n, k);
-        let shape = (n.div_ceil(crate::bf16::NR), k.div_ceil(2), crate::bf16::NR);
+        let shape = crate::bf16::packed_weight_shape(n, k);
         Ok(Self {
             w: Tensor::from_vec(packed, shape, self.w.device())?,
             panels: false,
@@ -364,21 +364,6 @@ impl Dense {
     /// `W^T` [in, out] (a copy when the weights are in panels).
     fn w_t(&self) -> Result<Tensor> {
         let (k, n) = self.dims;
-        if self.bf16 {
-            // f32 values of the rounded weights, for inputs the kernel does not take.
-            let (s, l) = self.w.storage_and_layout();
-            let candle_core::Storage::Cpu(cpu) = &*s else {
-                return Err(Error::Unsupported("bf16 products on a non-CPU tensor".into()));
-            };
-            let p = &cpu.as_slice::<u32>()?[l.start_offset()..];
-            let mut v = vec![0f32; k * n];
-            for i in 0..k {
-                for c in 0..n {
-                    v[i * n + c] = crate::bf16::weight_at(p, k, c, i);
-                }
-            }
-            return Ok(Tensor::from_vec(v, (k, n), self.w.device())?);
-        }
         if !self.panels {
             return Ok(self.w.clone());
         }
@@ -419,6 +404,13 @@ impl Dense {
         }
         if let Some(y) = self.forward_cpu_f32(x, then)? {
             return Ok(y);
+        }
+        if self.bf16 {
+            return Err(Error::Unsupported(format!(
+                "bf16 products take f32 activations on the CPU (got {:?} on {:?})",
+                x.dtype(),
+                x.device()
+            )));
         }
         let w_t = self.w_t()?;
         let y = if x.rank() == 2 { x.matmul(&w_t)? } else { x.broadcast_matmul(&w_t)? };
@@ -1307,6 +1299,43 @@ mod tests {
         assert_eq!(got.dtype(), DType::BF16);
         let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
         assert_eq!(max_diff(&f32(&got), &f32(&want)), 0.0);
+    }
+
+    #[test]
+    fn bf16_products_equal_candles_product_of_the_rounded_operands() {
+        // Without AMX the layer is refused with a message naming it; with AMX, `x W^T + b` over
+        // row blocks (2100 rows) and ragged panels (300 outputs, 70 features), the GELU and the
+        // residual taken per tile, against candle's f32 matmul of the bf16-rounded operands.
+        let (k, n) = (70, 300);
+        let w = crate::testing::randn(131, 0.1, (n, k)).unwrap();
+        let b = crate::testing::randn(132, 1.0, n).unwrap();
+        let dense = Dense::from_linear(&Linear::new(w.clone(), Some(b.clone()))).unwrap().to_bf16();
+        if !crate::bf16::available() {
+            let e = dense.unwrap_err().to_string();
+            assert!(e.contains("AMX-BF16"), "{e}");
+            return;
+        }
+        let dense = dense.unwrap();
+        assert!(dense.is_bf16() && dense.to_bf16().unwrap().is_bf16());
+        let round = |t: &Tensor| t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+        for rows in [1, 37, 2100] {
+            let x = crate::testing::randn(133, 1.0, (rows, k)).unwrap();
+            let r = crate::testing::randn(134, 1.0, (rows, n)).unwrap();
+            let want = round(&x).matmul(&round(&w).t().unwrap()).unwrap().broadcast_add(&b).unwrap();
+            let y = dense.forward(&x).unwrap();
+            assert!(max_diff(&y, &want) <= 1e-5, "{rows} rows: {}", max_diff(&y, &want));
+            let gelu = crate::kernels::gelu_tanh_tensor(y.copy().unwrap()).unwrap();
+            assert_eq!(max_diff(&dense.forward_then(&x, Then::GeluTanh).unwrap(), &gelu), 0.0);
+            assert_eq!(max_diff(&dense.forward_then(&x, Then::Add(&r)).unwrap(), &(&r + &y).unwrap()), 0.0);
+            // Rank 3 input: the same rows.
+            let y3 = dense.forward(&x.unsqueeze(0).unwrap()).unwrap();
+            assert_eq!(y3.dims(), &[1, rows, n]);
+            assert_eq!(max_diff(&y3.squeeze(0).unwrap(), &y), 0.0);
+        }
+        // Activations the tiles do not take are refused, named.
+        let x = crate::testing::randn(135, 1.0, (3, k)).unwrap().to_dtype(DType::BF16).unwrap();
+        let e = dense.forward(&x).unwrap_err().to_string();
+        assert!(e.contains("f32 activations") && e.contains("BF16"), "{e}");
     }
 
     #[test]
