@@ -340,8 +340,17 @@ impl GgufFile {
             .map
             .get(offset..offset + bytes)
             .ok_or_else(|| bad(&self.path, format!("tensor {name} lies past the end")))?;
-        let t = candle_core::Tensor::from_raw_buffer(data, dtype, info.shape.dims(), dev)
-            .map_err(|e| bad(&self.path, format!("tensor {name}: {e}")))?;
+        let shape = info.shape.dims();
+        let t = if dev.is_cpu() {
+            match dtype {
+                candle_core::DType::F32 => candle_core::Tensor::from_vec(copy_out::<f32>(data), shape, dev),
+                candle_core::DType::F16 => candle_core::Tensor::from_vec(copy_out::<half::f16>(data), shape, dev),
+                _ => candle_core::Tensor::from_vec(copy_out::<half::bf16>(data), shape, dev),
+            }
+        } else {
+            candle_core::Tensor::from_raw_buffer(data, dtype, shape, dev)
+        }
+        .map_err(|e| bad(&self.path, format!("tensor {name}: {e}")))?;
         // The tensor owns its copy: the file's pages need not stay in this process as well.
         crate::mapped::release(&self.map, offset, bytes);
         Ok(Some(t))
@@ -572,5 +581,39 @@ impl Recipe {
             return vl_nn::QuantType::Q4K;
         };
         q
+    }
+}
+
+/// `data` (whole values of `T`, any alignment) copied into a new vector on candle's pool: the
+/// copy's new pages are faulted in by both threads and never zeroed first (a single-threaded
+/// zeroed copy of a 0.8 GB mmproj cost ~0.4 s of the load).
+fn copy_out<T: Copy + Send + Sync>(data: &[u8]) -> Vec<T> {
+    let size = std::mem::size_of::<T>();
+    let n = data.len() / size;
+    let mut out: Vec<T> = Vec::with_capacity(n);
+    const CHUNK: usize = 1 << 20;
+    let dst = SendBytes(out.as_mut_ptr() as *mut u8);
+    candle_core::utils::barrier_pool().execute_chunked((n * size).div_ceil(CHUNK), |range| {
+        for c in range {
+            let (a, b) = (c * CHUNK, ((c + 1) * CHUNK).min(n * size));
+            // SAFETY: bytes a..b of the reserved capacity (n values) belong to this work item;
+            // `data` holds at least n * size bytes.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr().add(a), dst.get().add(a), b - a) };
+        }
+    });
+    // SAFETY: every byte of the n values was copied above (T is plain data: f32, f16, bf16).
+    unsafe { out.set_len(n) };
+    out
+}
+
+/// A raw destination pointer shared with the pool's threads (each writes its own range).
+#[derive(Clone, Copy)]
+struct SendBytes(*mut u8);
+// SAFETY: only used for disjoint writes by the pool's work items.
+unsafe impl Send for SendBytes {}
+unsafe impl Sync for SendBytes {}
+impl SendBytes {
+    fn get(self) -> *mut u8 {
+        self.0
     }
 }

@@ -217,7 +217,9 @@ pub fn transpose(t: &Tensor) -> candle_core::Result<Tensor> {
 
 fn transpose_slice<T: Copy + Default + Send + Sync>(src: &[T], rows: usize, cols: usize) -> Vec<T> {
     const TILE: usize = 64;
-    let mut dst = vec![T::default(); rows * cols];
+    // Not zeroed first: every element is written once below, so the new pages are touched (and
+    // faulted in) only by the threads that fill them, in parallel.
+    let mut dst: Vec<T> = Vec::with_capacity(rows * cols);
     let ptr = SendPtr(dst.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(cols.div_ceil(TILE), |range| {
         for tc in range {
@@ -225,15 +227,17 @@ fn transpose_slice<T: Copy + Default + Send + Sync>(src: &[T], rows: usize, cols
             for r0 in (0..rows).step_by(TILE) {
                 let r1 = (r0 + TILE).min(rows);
                 for c in c0..c1 {
-                    // SAFETY: destination rows c0..c1 belong to this work item.
-                    let out = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(c * rows + r0), r1 - r0) };
-                    for (y, r) in out.iter_mut().zip(r0..r1) {
-                        *y = src[r * cols + c];
+                    for r in r0..r1 {
+                        // SAFETY: destination rows c0..c1 belong to this work item, inside the
+                        // reserved capacity (written, never read, before `set_len`).
+                        unsafe { ptr.get().add(c * rows + r).write(src[r * cols + c]) };
                     }
                 }
             }
         }
     });
+    // SAFETY: the work items cover columns 0..cols, each writing its rows 0..rows: every element.
+    unsafe { dst.set_len(rows * cols) };
     dst
 }
 
