@@ -63,6 +63,29 @@ pub fn available() -> bool {
     }
 }
 
+/// The float types weights arrive in (exact widening to f32).
+pub trait Float: Copy + Send + Sync {
+    /// `src` widened into `dst` (same length).
+    fn widen(src: &[Self], dst: &mut [f32]);
+}
+impl Float for f32 {
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+impl Float for half::f16 {
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(dst);
+    }
+}
+impl Float for half::bf16 {
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(dst);
+    }
+}
+
 /// bf16 bits of `v`, rounded to nearest even (NaN stays NaN).
 pub fn round(v: f32) -> u16 {
     half::bf16::from_f32(v).to_bits()
@@ -108,26 +131,41 @@ pub fn pack_weights(w: &[f32], n: usize, k: usize) -> Vec<u32> {
 
 /// As `pack_weights`, from `W^T` ([k, n] row-major, how `Dense` keeps its weights): each pair row
 /// of a panel is two contiguous runs of `W^T`. Parallel over panels on candle's pool.
-pub fn pack_weights_t(wt: &[f32], n: usize, k: usize) -> Vec<u32> {
+pub fn pack_weights_t<T: Float>(wt: &[T], n: usize, k: usize) -> Vec<u32> {
     assert!(wt.len() >= n * k, "pack_weights_t: {} floats for {k} x {n}", wt.len());
     let kp = pairs(k);
-    let mut dst = vec![0u32; packed_weight_len(n, k)];
+    let len = packed_weight_len(n, k);
+    // Not zeroed first: every u32 (padding included) is written once below, by the thread that
+    // owns its panel, so the new pages are faulted in by every thread.
+    let mut dst: Vec<u32> = Vec::with_capacity(len);
     let ptr = crate::kernels::SendPtr(dst.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(NR), |range| {
         for p in range {
             let (c0, cols) = (p * NR, NR.min(n - p * NR));
-            for i in 0..k.div_ceil(2) {
-                let even = &wt[2 * i * n + c0..][..cols];
-                let odd = (2 * i + 1 < k).then(|| &wt[(2 * i + 1) * n + c0..][..cols]);
-                // SAFETY: panel p's pairs belong to this work item, inside `dst`.
-                let out = unsafe { std::slice::from_raw_parts_mut(ptr.get().add((p * kp + i) * NR), cols) };
-                for (c, o) in out.iter_mut().enumerate() {
-                    let hi = odd.map_or(0, |r| round(r[c]));
-                    *o = round(even[c]) as u32 | (hi as u32) << 16;
+            let (mut wide, mut bits) = ([0f32; 2 * NR], [0u16; 2 * NR]);
+            for i in 0..kp {
+                let mut row = [0u32; NR];
+                if 2 * i < k {
+                    // The pair row's even and odd features side by side, widened, then rounded
+                    // (vectors where the CPU has them), then interleaved into pairs.
+                    T::widen(&wt[2 * i * n + c0..][..cols], &mut wide[..cols]);
+                    if 2 * i + 1 < k {
+                        T::widen(&wt[(2 * i + 1) * n + c0..][..cols], &mut wide[NR..NR + cols]);
+                    } else {
+                        wide[NR..].fill(0.0);
+                    }
+                    round_row(&wide, &mut bits);
+                    for (c, o) in row[..cols].iter_mut().enumerate() {
+                        *o = bits[c] as u32 | (bits[NR + c] as u32) << 16;
+                    }
                 }
+                // SAFETY: panel p's pair rows belong to this work item, inside the capacity.
+                unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), ptr.get().add((p * kp + i) * NR), NR) };
             }
         }
     });
+    // SAFETY: the panels cover all `len` values, each written once above.
+    unsafe { dst.set_len(len) };
     dst
 }
 

@@ -316,13 +316,19 @@ impl Dense {
             return Err(unsupported("they run on the CPU only"));
         }
         let (k, n) = self.dims;
-        // W^T [in, out] as f32 values (exact widening of bf16 / f16 weights).
-        let wt = self.w_t()?.to_dtype(DType::F32)?.contiguous()?;
+        // W^T [in, out], read in its own float dtype (widened exactly as it is packed).
+        let wt = self.w_t()?.contiguous()?;
         let (s, l) = wt.storage_and_layout();
-        let Some(wt) = cpu_f32(&s) else {
-            return Err(unsupported("the weights are not CPU floats"));
+        let candle_core::Storage::Cpu(cpu) = &*s else {
+            return Err(unsupported("the weights are not on the CPU"));
         };
-        let packed = crate::bf16::pack_weights_t(&wt[l.start_offset()..][..k * n], n, k);
+        let o = l.start_offset();
+        let packed = match wt.dtype() {
+            DType::F32 => crate::bf16::pack_weights_t(&cpu.as_slice::<f32>()?[o..][..k * n], n, k),
+            DType::F16 => crate::bf16::pack_weights_t(&cpu.as_slice::<half::f16>()?[o..][..k * n], n, k),
+            DType::BF16 => crate::bf16::pack_weights_t(&cpu.as_slice::<half::bf16>()?[o..][..k * n], n, k),
+            d => return Err(unsupported(&format!("weights in {d:?}"))),
+        };
         let shape = crate::bf16::packed_weight_shape(n, k);
         Ok(Self {
             w: Tensor::from_vec(packed, shape, self.w.device())?,
