@@ -446,3 +446,28 @@ fn n_choices_fork_one_prefill_or_wait_for_a_slot() {
     assert_eq!(ids(&one_slot), ids(&all));
     assert!(narrow.generate_n(&req, 9, &mut |_, _, _| true).is_err());
 }
+
+/// The resident engine (what `vl serve --vision-precision bf16` loads): the tower converted to
+/// bf16 products at load answers the golden image prompt with the reference's greedy ids (as
+/// `vl run` does, crates/vl-cli/tests/run.rs); without AMX-BF16 it is refused before loading.
+#[test]
+fn a_resident_bf16_vision_tower_answers_or_is_refused() {
+    let opts = EngineOptions {
+        vision_bf16: true,
+        prefix_cache: false,
+        image_cache_bytes: 0,
+        device: device(),
+        ..Default::default()
+    };
+    let e = Engine::load(&goldens().join("tiny-b").join("checkpoint"), "tiny-b", opts);
+    if !vl_nn::bf16::available() {
+        let err = e.err().expect("refused without AMX").to_string();
+        assert!(err.contains("AMX-BF16"), "{err}");
+        return;
+    }
+    let e = e.unwrap();
+    let (want, ids, _) = greedy("tiny-b", "one_image");
+    let c = e.generate(&one_image_request(ids.len()), &mut |_| true).unwrap();
+    assert_eq!(c.token_ids, ids);
+    assert_eq!(c.text, want);
+}
