@@ -15,8 +15,11 @@
 //! the low half: the VNNI layout `tdpbf16ps` reads its second operand in):
 //! - weights `W` [out, in] as panels `[ceil(out / 32)][kp][32]` pairs, `kp` = in rounded up to
 //!   `KSTEP`, halved: panel p holds output columns 32p..32p+32 (zero-padded);
-//! - activations, per call, as bf16 rows `[rows rounded up to 32][in rounded up to KSTEP]`
-//!   (zero-padded).
+//! - activations, per call, rounded to bf16 in tile order: groups of 16 rows, each group's
+//!   32-feature steps one after another, each step 16 rows x 64 contiguous bytes (`[rows / 16]
+//!   [in / 32][16][32]`, zero-padded to 32 rows and KSTEP features). A tile loaded from
+//!   row-major rows (a 2-8 KiB stride) took 16 lines of two L1 sets; contiguous, the linears ran
+//!   10-20% faster.
 //!
 //! A block of 32 rows x 32 columns keeps its f32 sums in four 16 x 16 tiles; each step of 32 input
 //! features loads two 16-row tiles of activations and two 16-column tiles of the panel and issues
@@ -175,25 +178,41 @@ pub fn weight_at(panels: &[u32], k: usize, c: usize, i: usize) -> f32 {
     half::bf16::from_bits((v >> (16 * (i % 2))) as u16).to_f32()
 }
 
-/// `x`: `rows` rows of `k` features into `dst` (refilled) as bf16 rows (layout above), rounded
+/// `x`: `rows` rows of `k` features into `dst` (refilled) as bf16 tiles (layout above), rounded
 /// to nearest even. Parallel over blocks of rows on candle's pool.
 pub fn pack_rows(x: &[f32], rows: usize, k: usize, dst: &mut Vec<u16>) {
     assert!(x.len() >= rows * k, "pack_rows: {} floats for {rows} rows of {k}", x.len());
     let kpad = k.next_multiple_of(KSTEP);
     let padded = rows.next_multiple_of(MR);
+    let steps = kpad / KSTEP;
     dst.clear();
     dst.resize(padded * kpad, 0);
     let ptr = crate::kernels::SendPtr(dst.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(rows.div_ceil(MR), |range| {
+        let mut bits = vec![0u16; kpad];
         for b in range {
             for r in b * MR..rows.min((b + 1) * MR) {
-                // SAFETY: row r of `dst` (kpad values, its first k written) belongs to this item.
-                let out = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(r * kpad), k) };
-                round_row(&x[r * k..][..k], out);
+                round_row(&x[r * k..][..k], &mut bits[..k]);
+                // Row r's 32-feature steps go to its row of each of its 16-row group's tiles.
+                let base = (r / TILE_ROWS) * steps * TILE_ROWS * KSTEP + (r % TILE_ROWS) * KSTEP;
+                for (st, chunk) in bits.chunks_exact(KSTEP).enumerate() {
+                    // SAFETY: row r's slots of its group's tiles belong to this item (its block
+                    // of 32 rows), inside `dst` (padded rows x kpad).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            chunk.as_ptr(),
+                            ptr.get().add(base + st * TILE_ROWS * KSTEP),
+                            KSTEP,
+                        )
+                    };
+                }
             }
         }
     });
 }
+
+/// Rows of an activation (and output) tile.
+const TILE_ROWS: usize = 16;
 
 /// `src` rounded to bf16 bits into `dst` (same length).
 fn round_row(src: &[f32], dst: &mut [u16]) {
@@ -237,6 +256,7 @@ pub unsafe fn tile(
             let w = panels.as_ptr().add(c / NR * kp * NR);
             for r in (b0..b1).step_by(MR) {
                 x86::block(rows.as_ptr().add(r * kpad), kpad, w, &mut sums);
+                // (Rows r..r+32 are groups r/16 and r/16 + 1: contiguous, 16 x kpad each.)
                 x86::write(&sums, bias.map(|b| b.as_ptr().add(c)), y.add(r * n + c), n, MR.min(b1 - r), NR.min(c1 - c));
             }
         }
@@ -290,7 +310,9 @@ mod x86 {
     /// The tiles configured on this thread (`configure`); `a` and `w` readable for those sizes.
     pub(super) unsafe fn block(a: *const u16, kpad: usize, w: *const u32, sums: &mut Sums) {
         asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
-        let a_stride = kpad * 2;
+        // Group 0 (rows 0-15) at `a`, group 1 at `a + 16 kpad`; each 32-feature step's tile is
+        // 16 rows of 64 contiguous bytes.
+        let a_stride = super::KSTEP * 2;
         let mut k = 0;
         while k < kpad {
             asm!(
@@ -302,8 +324,8 @@ mod x86 {
                 "tileloadd tmm5, [{a1} + {sa}*1]",
                 "tdpbf16ps tmm2, tmm5, tmm6",
                 "tdpbf16ps tmm3, tmm5, tmm7",
-                a0 = in(reg) a.add(k),
-                a1 = in(reg) a.add(16 * kpad + k),
+                a0 = in(reg) a.add(k * 16),
+                a1 = in(reg) a.add(16 * kpad + k * 16),
                 w = in(reg) w.add(k / 2 * super::NR),
                 sa = in(reg) a_stride,
                 sw = in(reg) super::NR * 4,
