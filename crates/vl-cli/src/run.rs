@@ -787,10 +787,11 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         writeln!(stdout, "{out}").and_then(|_| stdout.flush()).context("writing to stdout")?;
     } else {
         note!(
-            "[load {:.2}s | media {:.2}s | vision {:.2}s ({} images, {} videos, {} tokens) | prefill {} tokens {:.2}s, {:.1} tok/s | decode {} tokens, {:.1} tok/s | stop: {stop} | peak RSS {}]",
+            "[load {:.2}s | media {:.2}s | vision {:.2}s{} ({} images, {} videos, {} tokens) | prefill {} tokens {:.2}s, {:.1} tok/s | decode {} tokens, {:.1} tok/s | stop: {stop} | peak RSS {}]",
             (before_load + shot.load_time).as_secs_f64(),
             shot.media_time.as_secs_f64(),
             shot.vision_time.as_secs_f64(),
+            if args.load.vision_bf16() { " bf16" } else { "" },
             args.images.len(),
             args.videos.len(),
             c.image_tokens + c.video_tokens,
