@@ -26,6 +26,8 @@ pub struct SegmentRotaryAttention {
     head_dim: usize,
     query_block: usize,
     key_block: usize,
+    /// The CPU core's tile products on AMX bf16 tiles (`to_bf16`).
+    bf16: bool,
 }
 
 impl SegmentRotaryAttention {
@@ -38,6 +40,7 @@ impl SegmentRotaryAttention {
             head_dim,
             query_block: DEFAULT_QUERY_BLOCK,
             key_block: crate::kernels::KEY_TILE,
+            bf16: false,
         })
     }
 
@@ -46,10 +49,11 @@ impl SegmentRotaryAttention {
         Ok(Self { qkv: self.qkv.to_dtype(dtype)?, proj: self.proj.to_dtype(dtype)?, ..self.clone() })
     }
 
-    /// The same attention with both projections on bf16 products (`Dense::to_bf16`); the
-    /// attention core stays f32.
+    /// The same attention with both projections on bf16 products (`Dense::to_bf16`) and, for a
+    /// head dimension of 64, the CPU core's two products on AMX bf16 tiles too
+    /// (`kernels::TileKernel::AmxBf16`; its softmax stays f32).
     pub fn to_bf16(&self) -> Result<Self> {
-        Ok(Self { qkv: self.qkv.to_bf16()?, proj: self.proj.to_bf16()?, ..self.clone() })
+        Ok(Self { qkv: self.qkv.to_bf16()?, proj: self.proj.to_bf16()?, bf16: true, ..self.clone() })
     }
 
     /// Rows of queries processed at once (the memory/speed trade-off), at least 1; the fused CPU
@@ -185,7 +189,8 @@ impl SegmentRotaryAttention {
             key_tile: self.key_block,
         };
         let mut out = vec![0f32; seq * h * d];
-        crate::kernels::segment_attention(qkv_rows, cos_rows, sin_rows, cu, shape, &mut out);
+        let kernel = if self.bf16 { crate::kernels::TileKernel::AmxBf16 } else { crate::kernels::TileKernel::best() };
+        crate::kernels::segment_attention_with(kernel, qkv_rows, cos_rows, sin_rows, cu, shape, &mut out);
         Ok(Some(Tensor::from_vec(out, (seq, h * d), qkv.device())?))
     }
 }

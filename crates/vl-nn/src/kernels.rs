@@ -351,6 +351,10 @@ pub enum TileKernel {
     Avx2Strips,
     /// The same strips 48 query rows wide in three AVX-512 registers (x86_64 with AVX-512F).
     Avx512Strips,
+    /// Reduced precision (`--vision-precision bf16`): both products on AMX tiles with bf16
+    /// operands and f32 sums, the softmax in f32 (`bf16::attention`; head dimension 64 only,
+    /// `Gemm` otherwise). Never chosen by `best`.
+    AmxBf16,
 }
 
 impl TileKernel {
@@ -378,13 +382,14 @@ impl TileKernel {
     }
 
     fn is_strips(self) -> bool {
-        self != TileKernel::Gemm
+        matches!(self, TileKernel::Avx2Strips | TileKernel::Avx512Strips)
     }
 
     /// Whether this CPU can run the kernel.
     pub fn available(self) -> bool {
         match self {
             TileKernel::Gemm => true,
+            TileKernel::AmxBf16 => crate::bf16::attention::available(crate::bf16::ATTENTION_HEAD_DIM),
             #[cfg(target_arch = "x86_64")]
             TileKernel::Avx2Strips => {
                 std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
@@ -424,8 +429,9 @@ pub fn segment_attention_with(
     shape: SegmentAttentionShape,
     out: &mut [f32],
 ) {
-    let kernel = if kernel.available() { kernel } else { TileKernel::Gemm };
     let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
+    let usable = kernel.available() && (kernel != TileKernel::AmxBf16 || crate::bf16::attention::available(d));
+    let kernel = if usable { kernel } else { TileKernel::Gemm };
     let hidden = heads * d;
     assert!(qkv.len() >= seq * 3 * hidden && out.len() >= seq * hidden && d % 2 == 0);
     assert!(cos.len() >= seq * d / 2 && sin.len() >= seq * d / 2);
@@ -462,6 +468,13 @@ pub fn segment_attention_with(
     }
     tiles.sort_by_key(|&(s0, s1, _, _)| std::cmp::Reverse(s1 - s0));
     let out_ptr = SendPtr(out.as_mut_ptr());
+    // The tile attention's keys and values, bf16 pairs, once for every head.
+    let (kb, vb) = if kernel == TileKernel::AmxBf16 {
+        use crate::bf16::attention::{pack_keys, pack_values};
+        (pack_keys(&k, heads, seq), pack_values(&qkv[2 * hidden..], 3 * hidden, heads, seq))
+    } else {
+        (Vec::new(), Vec::new())
+    };
     let (q, k, vh) = (&q[..], &k[..], &v[..]);
     for_each_item(
         tiles.len() * heads,
@@ -473,6 +486,28 @@ pub fn segment_attention_with(
             // SAFETY: each (tile, head) item writes its own rows x d block of `out`.
             match kernel {
                 TileKernel::Gemm => unsafe { attend_tile(&tile, shape, scratch, out_ptr) },
+                #[cfg(target_arch = "x86_64")]
+                TileKernel::AmxBf16 => {
+                    let t = crate::bf16::attention::Tile {
+                        q,
+                        ldq,
+                        keys: &kb,
+                        values: &vb,
+                        seq,
+                        h,
+                        s0,
+                        s1,
+                        q0,
+                        rows,
+                        key_tile: shape.key_tile,
+                    };
+                    let amx = scratch.amx.as_mut().expect("made for AmxBf16");
+                    // SAFETY: `available` checked AMX and d; this item owns rows q0..q0+rows,
+                    // columns h*d..h*d+d of `out`; the scratch is made for the shape's tiles.
+                    unsafe { crate::bf16::attention::attend(&t, amx, out_ptr.get().add(q0 * hidden + h * d), hidden) }
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                TileKernel::AmxBf16 => unreachable!("not available off x86_64"),
                 // SAFETY: as above, and `available()` checked AVX2 and FMA.
                 #[cfg(target_arch = "x86_64")]
                 TileKernel::Avx2Strips => unsafe { strips::attend_tile(&tile, shape, scratch, out_ptr) },
@@ -630,16 +665,29 @@ struct Scratch {
     sum: Vec<f32>,
     /// The strips' queries, each strip's `d` x 16 block contiguous (strips only).
     q: Vec<f32>,
+    /// The tile attention's own buffers (`TileKernel::AmxBf16` only).
+    amx: Option<crate::bf16::attention::Scratch>,
 }
 
 impl Scratch {
     fn new(shape: SegmentAttentionShape, kernel: TileKernel) -> Self {
         let (qt, kt) = (shape.query_tile.max(1), shape.key_tile.max(1));
+        if kernel == TileKernel::AmxBf16 {
+            let amx = Some(crate::bf16::attention::Scratch::new(qt, kt));
+            return Self { s: Vec::new(), o: Vec::new(), max: Vec::new(), sum: Vec::new(), q: Vec::new(), amx };
+        }
         // The strips keep one strip's scores, and a tile's rows rounded up to whole strips.
         let (sq, qt) =
             if kernel.is_strips() { (kernel.strip(), qt.next_multiple_of(kernel.strip())) } else { (qt, qt) };
         let q = vec![0.0; if kernel.is_strips() { qt * shape.head_dim } else { 0 }];
-        Self { s: vec![0.0; sq * kt], o: vec![0.0; qt * shape.head_dim], max: vec![0.0; qt], sum: vec![0.0; qt], q }
+        Self {
+            s: vec![0.0; sq * kt],
+            o: vec![0.0; qt * shape.head_dim],
+            max: vec![0.0; qt],
+            sum: vec![0.0; qt],
+            q,
+            amx: None,
+        }
     }
 }
 
@@ -1244,6 +1292,38 @@ mod tests {
                 assert!(out.iter().all(|v| v.is_finite()), "{what}: a row was not written");
                 let worst = out.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
                 assert!(worst < 2e-5, "{what}: worst {worst:e}");
+            }
+        }
+    }
+
+    #[test]
+    fn amx_bf16_attention_stays_within_its_bound_of_the_definition() {
+        // The reduced-precision tile kernel: d = 64 only (other head sizes take `Gemm`, exactly
+        // as the f32 path). Segments that start and end off the 32-key steps, empty ones, ragged
+        // query tiles; its error against the f64 definition relative to the output's largest
+        // value, bound 2e-2 (bf16 operands, f32 sums). Without AMX the kernel reports itself
+        // unavailable and the call runs `Gemm` (same bits as asking for it).
+        let (heads, d) = (2, 64);
+        let cu = [0usize, 1, 6, 70, 203, 203, 300];
+        let seq = *cu.last().unwrap();
+        let qkv = crate::testing::randn(17, 1.5, (seq, 3 * heads * d)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let ang = crate::testing::randn(18, 3.0, (seq, d / 2)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (cos, sin): (Vec<f32>, Vec<f32>) = ang.iter().map(|a| (a.cos(), a.sin())).unzip();
+        let want = naive(&qkv, &cos, &sin, &cu, heads, d);
+        let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        for (query_tile, key_tile) in [(QUERY_TILE, KEY_TILE), (48, 64), (16, 32), (100, 40)] {
+            let shape = SegmentAttentionShape { seq, heads, head_dim: d, query_tile, key_tile };
+            let mut out = vec![f32::NAN; seq * heads * d];
+            segment_attention_with(TileKernel::AmxBf16, &qkv, &cos, &sin, &cu, shape, &mut out);
+            assert!(out.iter().all(|v| v.is_finite()), "tiles {query_tile}x{key_tile}: a row was not written");
+            let worst = out.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max) / scale;
+            if TileKernel::AmxBf16.available() {
+                println!("AMX bf16 attention, tiles {query_tile}x{key_tile}: worst {worst:.2e} of the largest");
+                assert!(worst > 0.0 && worst < 2e-2, "tiles {query_tile}x{key_tile}: worst {worst:e}");
+            } else {
+                let mut gemm = vec![f32::NAN; seq * heads * d];
+                segment_attention_with(TileKernel::Gemm, &qkv, &cos, &sin, &cu, shape, &mut gemm);
+                assert_eq!(out, gemm);
             }
         }
     }
