@@ -201,7 +201,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         Engine::open(&dir, args.load.mmproj.as_deref(), &id, opts)
             .with_context(|| format!("model {}", dir.display()))?,
     );
-    let precision = if args.load.vision_bf16() { ", vision linears on bf16 AMX tiles" } else { "" };
+    let precision = if args.load.vision_bf16() { ", vision products on bf16 AMX tiles" } else { "" };
     note!("loaded {} in {:.1}s{precision}", dir.display(), t.elapsed().as_secs_f64());
     let config = ServerConfig {
         id,

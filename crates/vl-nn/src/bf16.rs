@@ -474,7 +474,12 @@ pub mod attention {
             // O += P V.
             let vbase = t.values.as_ptr().add((t.h * sp / KEYS + k0 / KEYS) * (D / 16) * 256);
             for r in (0..m).step_by(16) {
-                x86::values(sc.p.as_ptr().add((r / 16) * (n / KEYS) * 512), n / KEYS, vbase, sc.o.as_mut_ptr().add(r * D));
+                x86::values(
+                    sc.p.as_ptr().add((r / 16) * (n / KEYS) * 512),
+                    n / KEYS,
+                    vbase,
+                    sc.o.as_mut_ptr().add(r * D),
+                );
             }
             k0 += n;
         }

@@ -1306,8 +1306,14 @@ mod tests {
         let (heads, d) = (2, 64);
         let cu = [0usize, 1, 6, 70, 203, 203, 300];
         let seq = *cu.last().unwrap();
-        let qkv = crate::testing::randn(17, 1.5, (seq, 3 * heads * d)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let ang = crate::testing::randn(18, 3.0, (seq, d / 2)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let qkv = crate::testing::randn(17, 1.5, (seq, 3 * heads * d))
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let ang =
+            crate::testing::randn(18, 3.0, (seq, d / 2)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let (cos, sin): (Vec<f32>, Vec<f32>) = ang.iter().map(|a| (a.cos(), a.sin())).unzip();
         let want = naive(&qkv, &cos, &sin, &cu, heads, d);
         let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));

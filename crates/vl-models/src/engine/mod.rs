@@ -81,7 +81,8 @@ pub struct EngineOptions {
     pub dtype: DType,
     pub device: Device,
     pub quant: Option<QuantType>,
-    /// Run the vision tower's linears on bf16 products (AMX tiles; reduced precision, bound in
+    /// Run the vision tower's linears (and, at head dimension 64, its attention products) on bf16
+    /// operands with f32 sums (AMX tiles; reduced precision, bound in
     /// docs/parity.md) instead of f32. CPU, f32 compute, AMX-BF16 only: refused elsewhere.
     pub vision_bf16: bool,
     /// Server-wide image budget (defaults from preprocessor_config.json); a request may ask for
