@@ -799,9 +799,22 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn tiles_equal_the_rounded_operands_product() {
+        // The activations' tile layout, on every CPU: row r's feature i at its group's step tile.
+        let (m, k) = (45, 70);
+        let x = rand(10, 1.0, m * k);
+        let mut rows: Vec<u16> = Vec::new();
+        pack_rows(&x, m, k, &mut rows);
+        let kpad = k.next_multiple_of(KSTEP);
+        assert_eq!(rows.len(), m.next_multiple_of(MR) * kpad);
+        for r in 0..m.next_multiple_of(MR) {
+            for i in 0..kpad {
+                let want = if r < m && i < k { round(x[r * k + i]) } else { 0 };
+                let at = ((r / 16) * (kpad / KSTEP) + i / KSTEP) * 16 * KSTEP + (r % 16) * KSTEP + i % KSTEP;
+                assert_eq!(rows[at], want, "row {r} feature {i}");
+            }
+        }
         if !available() {
-            // No tiles here: the layer refuses the path (tested in linear.rs); the packing and
-            // rounding are tested above.
+            // No tiles here: the layer refuses the path (tested in linear.rs).
             return;
         }
         // Ragged in every direction: rows not a multiple of 32 and more than one row block,
