@@ -36,7 +36,7 @@ pub const KSTEP: usize = 32;
 #[cfg(target_arch = "x86_64")]
 const ROW_BLOCK: usize = 128;
 
-/// Whether this CPU and OS run the tiles: x86_64 with AMX-TILE, AMX-BF16, AVX-512F and
+/// Whether this CPU and OS run the tiles: x86_64 with AMX-TILE, AMX-BF16, AVX-512 F/BW/VL and
 /// AVX512-BF16 (the activations' rounding), and on Linux the tile state granted to this process
 /// (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once). False in the AVX2 stand-in build.
 pub fn available() -> bool {
@@ -44,7 +44,11 @@ pub fn available() -> bool {
     {
         static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *OK.get_or_init(|| {
-            if !crate::has_avx512() || !std::arch::is_x86_feature_detected!("avx512bf16") {
+            if !crate::has_avx512()
+                || !std::arch::is_x86_feature_detected!("avx512bw")
+                || !std::arch::is_x86_feature_detected!("avx512vl")
+                || !std::arch::is_x86_feature_detected!("avx512bf16")
+            {
                 return false;
             }
             // CPUID.(7,0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE (`is_x86_feature_detected!`
@@ -217,8 +221,12 @@ const TILE_ROWS: usize = 16;
 /// `src` rounded to bf16 bits into `dst` (same length).
 fn round_row(src: &[f32], dst: &mut [u16]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::has_avx512() && std::arch::is_x86_feature_detected!("avx512bf16") {
-        // SAFETY: AVX-512F and AVX512-BF16 checked just above.
+    if crate::has_avx512()
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+        && std::arch::is_x86_feature_detected!("avx512bf16")
+    {
+        // SAFETY: AVX-512 F/BW/VL and AVX512-BF16 checked just above.
         return unsafe { x86::round_row(src, dst) };
     }
     for (d, &s) in dst.iter_mut().zip(src) {
@@ -660,6 +668,7 @@ mod x86 {
     /// segment's, the others get probability 0. Returns the new running max (at least `max`)
     /// and the sum of the new probabilities; writes them, rounded to bf16, where `p_at(j)` says
     /// (32 consecutive keys contiguous).
+    #[cfg(not(vl_avx2_proxy))]
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub(super) unsafe fn softmax_row(
         row: &[f32],
@@ -697,6 +706,19 @@ mod x86 {
         (new_max, _mm512_reduce_add_ps(acc))
     }
 
+    /// The AVX2 stand-in build has no AVX-512 code (`available()` is false there).
+    #[cfg(vl_avx2_proxy)]
+    pub(super) unsafe fn softmax_row(
+        _row: &[f32],
+        _lo: usize,
+        _hi: usize,
+        _max: f32,
+        _p: &mut [u16],
+        _p_at: &dyn Fn(usize) -> usize,
+    ) -> (f32, f32) {
+        unreachable!("no tile attention in the AVX2 stand-in build")
+    }
+
     /// `rows` x `cols` of `sums` (plus the bias at the block's first column) into `y` (row
     /// stride `ldy`).
     #[target_feature(enable = "avx512f")]
@@ -732,7 +754,7 @@ mod x86 {
     }
 
     /// `src` to bf16 bits, 16 at a time (`vcvtneps2bf16`, round to nearest even).
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     pub(super) unsafe fn round_row(src: &[f32], dst: &mut [u16]) {
         let n = src.len().min(dst.len());
         let mut i = 0;

@@ -215,7 +215,7 @@ pub fn transpose(t: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-fn transpose_slice<T: Copy + Default + Send + Sync>(src: &[T], rows: usize, cols: usize) -> Vec<T> {
+fn transpose_slice<T: Copy + Send + Sync>(src: &[T], rows: usize, cols: usize) -> Vec<T> {
     const TILE: usize = 64;
     // Not zeroed first: every element is written once below, so the new pages are touched (and
     // faulted in) only by the threads that fill them, in parallel.
@@ -435,6 +435,10 @@ pub fn segment_attention_with(
     let hidden = heads * d;
     assert!(qkv.len() >= seq * 3 * hidden && out.len() >= seq * hidden && d % 2 == 0);
     assert!(cos.len() >= seq * d / 2 && sin.len() >= seq * d / 2);
+    assert!(
+        cu.first() == Some(&0) && cu.last() == Some(&seq) && cu.windows(2).all(|w| w[0] <= w[1]),
+        "segment boundaries {cu:?} for {seq} rows"
+    );
     // Rotary q (scaled by log2(e) / sqrt(d): scores in base 2 for the softmax's `exp2`) and k,
     // rotated once (each key tile is read by every query tile of its segment). k head-major
     // [heads, seq, d]; q transposed per head, [heads, d, ldq]: a query tile is then
