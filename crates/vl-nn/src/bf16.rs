@@ -113,31 +113,8 @@ pub fn packed_weight_shape(n: usize, k: usize) -> (usize, usize, usize) {
     (n.div_ceil(NR), pairs(k), NR)
 }
 
-/// `w` [n, k] row-major (a linear layer's weight) as panels of pairs (layout above), rounded to
-/// bf16. Parallel over panels on candle's pool.
-pub fn pack_weights(w: &[f32], n: usize, k: usize) -> Vec<u32> {
-    assert!(w.len() >= n * k, "pack_weights: {} floats for {n} x {k}", w.len());
-    let kp = pairs(k);
-    let mut dst = vec![0u32; packed_weight_len(n, k)];
-    let ptr = crate::kernels::SendPtr(dst.as_mut_ptr());
-    candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(NR), |range| {
-        for p in range {
-            for c in 0..NR.min(n - p * NR) {
-                let row = &w[(p * NR + c) * k..][..k];
-                for (i, pair) in row.chunks(2).enumerate() {
-                    let hi = pair.get(1).map_or(0, |&v| round(v));
-                    let v = round(pair[0]) as u32 | (hi as u32) << 16;
-                    // SAFETY: panel p's pairs belong to this work item, inside `dst`.
-                    unsafe { ptr.get().add((p * kp + i) * NR + c).write(v) };
-                }
-            }
-        }
-    });
-    dst
-}
-
-/// As `pack_weights`, from `W^T` ([k, n] row-major, how `Dense` keeps its weights): each pair row
-/// of a panel is two contiguous runs of `W^T`. Parallel over panels on candle's pool.
+/// `W^T` ([k, n] row-major, how `Dense` keeps its weights) as panels of pairs (layout above),
+/// rounded to bf16: each pair row of a panel is two contiguous runs of `W^T`. Parallel over panels on candle's pool.
 pub fn pack_weights_t<T: Float>(wt: &[T], n: usize, k: usize) -> Vec<u32> {
     assert!(wt.len() >= n * k, "pack_weights_t: {} floats for {k} x {n}", wt.len());
     let kp = pairs(k);
@@ -174,12 +151,6 @@ pub fn pack_weights_t<T: Float>(wt: &[T], n: usize, k: usize) -> Vec<u32> {
     // SAFETY: the panels cover all `len` values, each written once above.
     unsafe { dst.set_len(len) };
     dst
-}
-
-/// Element (`out` column `c`, input feature `i`) of packed panels, as f32 (for unpacking).
-pub fn weight_at(panels: &[u32], k: usize, c: usize, i: usize) -> f32 {
-    let v = panels[((c / NR) * pairs(k) + i / 2) * NR + c % NR];
-    half::bf16::from_bits((v >> (16 * (i % 2))) as u16).to_f32()
 }
 
 /// `x`: `rows` rows of `k` features into `dst` (refilled) as bf16 tiles (layout above), rounded
@@ -235,7 +206,7 @@ fn round_row(src: &[f32], dst: &mut [u16]) {
 }
 
 /// Rows r0..r1 (r0 a multiple of `MR`), columns c0..c1 (c0 a multiple of `NR`) of `y = x W^T +
-/// b`: `rows` packed by `pack_rows`, `panels` by `pack_weights` (`k` input features), `y` with
+/// b`: `rows` packed by `pack_rows`, `panels` by `pack_weights_t` (`k` input features), `y` with
 /// row stride `n`, `bias` (n values) added to the sums.
 ///
 /// # Safety
@@ -771,6 +742,35 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The panels from `W` [n, k] row-major, scattered value by value: the reference layout
+    /// `pack_weights_t` must produce.
+    fn pack_weights(w: &[f32], n: usize, k: usize) -> Vec<u32> {
+        assert!(w.len() >= n * k, "pack_weights: {} floats for {n} x {k}", w.len());
+        let kp = pairs(k);
+        let mut dst = vec![0u32; packed_weight_len(n, k)];
+        let ptr = crate::kernels::SendPtr(dst.as_mut_ptr());
+        candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(NR), |range| {
+            for p in range {
+                for c in 0..NR.min(n - p * NR) {
+                    let row = &w[(p * NR + c) * k..][..k];
+                    for (i, pair) in row.chunks(2).enumerate() {
+                        let hi = pair.get(1).map_or(0, |&v| round(v));
+                        let v = round(pair[0]) as u32 | (hi as u32) << 16;
+                        // SAFETY: panel p's pairs belong to this work item, inside `dst`.
+                        unsafe { ptr.get().add((p * kp + i) * NR + c).write(v) };
+                    }
+                }
+            }
+        });
+        dst
+    }
+
+    /// Element (`out` column `c`, input feature `i`) of packed panels, as f32 (for unpacking).
+    fn weight_at(panels: &[u32], k: usize, c: usize, i: usize) -> f32 {
+        let v = panels[((c / NR) * pairs(k) + i / 2) * NR + c % NR];
+        half::bf16::from_bits((v >> (16 * (i % 2))) as u16).to_f32()
+    }
 
     fn rand(seed: u64, std: f32, len: usize) -> Vec<f32> {
         crate::testing::randn(seed, std, len).unwrap().to_vec1().unwrap()

@@ -1268,18 +1268,21 @@ mod tests {
         }
     }
 
+    /// Seeded projection rows [seq, 3 x heads x d] (`seed`) and rotary cos / sin [seq, d / 2]
+    /// (`seed + 1`).
+    fn attention_inputs(seed: u64, seq: usize, heads: usize, d: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let qkv = flat(crate::testing::randn(seed, 1.5, (seq, 3 * heads * d)).unwrap());
+        let ang = flat(crate::testing::randn(seed + 1, 3.0, (seq, d / 2)).unwrap());
+        let (cos, sin) = ang.iter().map(|a| (a.cos(), a.sin())).unzip();
+        (qkv, cos, sin)
+    }
+
     fn attention_case(heads: usize, d: usize) {
         // Segments shorter than, equal to and longer than the tiles, with ragged last tiles.
         let cu = [0usize, 1, 6, 70, 203, 203, 260];
         let seq = *cu.last().unwrap();
-        let qkv = crate::testing::randn(7, 1.5, (seq, 3 * heads * d))
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let ang = crate::testing::randn(8, 3.0, (seq, d / 2)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let (cos, sin): (Vec<f32>, Vec<f32>) = ang.iter().map(|a| (a.cos(), a.sin())).unzip();
+        let (qkv, cos, sin) = attention_inputs(7, seq, heads, d);
         let want = naive(&qkv, &cos, &sin, &cu, heads, d);
         // Every kernel this CPU runs (CI also runs these tests under qemu as an AVX2-only and a
         // baseline x86_64 CPU), with tiles that leave ragged strips and odd key counts.
@@ -1310,15 +1313,7 @@ mod tests {
         let (heads, d) = (2, 64);
         let cu = [0usize, 1, 6, 70, 203, 203, 300];
         let seq = *cu.last().unwrap();
-        let qkv = crate::testing::randn(17, 1.5, (seq, 3 * heads * d))
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let ang =
-            crate::testing::randn(18, 3.0, (seq, d / 2)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let (cos, sin): (Vec<f32>, Vec<f32>) = ang.iter().map(|a| (a.cos(), a.sin())).unzip();
+        let (qkv, cos, sin) = attention_inputs(17, seq, heads, d);
         let want = naive(&qkv, &cos, &sin, &cu, heads, d);
         let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
         for (query_tile, key_tile) in [(QUERY_TILE, KEY_TILE), (48, 64), (16, 32), (100, 40)] {

@@ -482,62 +482,6 @@ impl Dense {
             return Ok(None);
         };
         let xs = &xs[xl.start_offset()..xl.start_offset() + m * k];
-        if self.bf16 {
-            #[cfg(target_arch = "x86_64")]
-            {
-                let candle_core::Storage::Cpu(cpu) = &*ws else {
-                    return Ok(None);
-                };
-                let wp = &cpu.as_slice::<u32>()?[wl.start_offset()..];
-                let bias_row = match &bias {
-                    Some(b) => {
-                        let (bs, bl) = b.storage_and_layout();
-                        let Some(bs) = cpu_f32(&bs) else {
-                            return Ok(None);
-                        };
-                        Some(bs[bl.start_offset()..bl.start_offset() + n].to_vec())
-                    }
-                    None => None,
-                };
-                let mut out: Vec<f32> = Vec::with_capacity(m * n);
-                let out_ptr = SendPtr(out.as_mut_ptr());
-                let mut packed = Vec::new();
-                crate::bf16::pack_rows(xs, m, k, &mut packed);
-                let threads = candle_core::utils::get_num_threads().max(1);
-                for_each_tile(m, n, bf16_tiles(m, n, threads), |(r0, r1), (c0, c1)| {
-                    // SAFETY: `bf16::available()` checked above; this item owns rows r0..r1
-                    // (r0 a multiple of the group), columns c0..c1 (c0 of the panel) of the
-                    // m x n output; the packed rows and panels cover m rows and n columns.
-                    unsafe {
-                        crate::bf16::tile(&packed, k, wp, n, bias_row.as_deref(), out_ptr.get(), (r0, r1), (c0, c1))
-                    };
-                    if let Some(tail) = &tail {
-                        for r in r0..r1 {
-                            // SAFETY: this item's rows and columns, written just above.
-                            let row = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(r * n + c0), c1 - c0) };
-                            match tail {
-                                Tail::Gelu => crate::kernels::gelu_slice(row),
-                                Tail::Add(res) => {
-                                    for (y, a) in row.iter_mut().zip(&res[r * n + c0..r * n + c1]) {
-                                        *y += *a;
-                                    }
-                                }
-                            }
-                        }
-                    }
-                });
-                // SAFETY: the tiles cover the m x n output, each element written by its tile.
-                unsafe { out.set_len(m * n) };
-                return Ok(Some(Tensor::from_vec(out, shape, x.device())?));
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            return Ok(None);
-        }
-        let Some(ws) = cpu_f32(&ws) else {
-            return Ok(None);
-        };
-        let w_len = if self.panels { n.div_ceil(crate::panels::WIDTH) * k * crate::panels::WIDTH } else { k * n };
-        let ws = &ws[wl.start_offset()..wl.start_offset() + w_len];
         let bias_row = match &bias {
             Some(b) => {
                 let (bs, bl) = b.storage_and_layout();
@@ -547,6 +491,16 @@ impl Dense {
                 Some(bs[bl.start_offset()..bl.start_offset() + n].to_vec())
             }
             None => None,
+        };
+        // The f32 weights (panels or W^T); the bf16 layout's u32 pairs are read in its branch.
+        let wf: &[f32] = if self.bf16 {
+            &[]
+        } else {
+            let Some(all) = cpu_f32(&ws) else {
+                return Ok(None);
+            };
+            let w_len = if self.panels { n.div_ceil(crate::panels::WIDTH) * k * crate::panels::WIDTH } else { k * n };
+            &all[wl.start_offset()..wl.start_offset() + w_len]
         };
         let mut out: Vec<f32> = Vec::with_capacity(m * n);
         let out_ptr = SendPtr(out.as_mut_ptr());
@@ -567,7 +521,29 @@ impl Dense {
             }
         };
         let threads = candle_core::utils::get_num_threads().max(1);
-        if self.panels {
+        if self.bf16 {
+            // The activations rounded into bf16 tiles once, then the output's tiles on the pool.
+            #[cfg(target_arch = "x86_64")]
+            {
+                let candle_core::Storage::Cpu(cpu) = &*ws else {
+                    return Ok(None);
+                };
+                let wp = &cpu.as_slice::<u32>()?[wl.start_offset()..];
+                let mut packed = Vec::new();
+                crate::bf16::pack_rows(xs, m, k, &mut packed);
+                for_each_tile(m, n, bf16_tiles(m, n, threads), |(r0, r1), (c0, c1)| {
+                    // SAFETY: `bf16::available()` checked above; this item owns rows r0..r1
+                    // (r0 a multiple of the group), columns c0..c1 (c0 of the panel) of the
+                    // m x n output; the packed rows and panels cover m rows and n columns.
+                    unsafe {
+                        crate::bf16::tile(&packed, k, wp, n, bias_row.as_deref(), out_ptr.get(), (r0, r1), (c0, c1))
+                    };
+                    finish((r0, r1), (c0, c1));
+                });
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            return Ok(None);
+        } else if self.panels {
             // Chunks of rows packed for the micro-kernel (at most 8 MiB at a time, shared by
             // every tile of the chunk), then the chunk's tiles on candle's pool.
             #[cfg(target_arch = "x86_64")]
@@ -587,7 +563,7 @@ impl Dense {
                         // output, which has room for m rows of n; `forward_cpu_f32` checked
                         // `panels::available()`; r0 is a multiple of the group.
                         unsafe {
-                            panels::tile(packed, rows, k, ws, n, bias_row.as_deref(), y.get(), (r0, r1), (c0, c1))
+                            panels::tile(packed, rows, k, wf, n, bias_row.as_deref(), y.get(), (r0, r1), (c0, c1))
                         };
                         finish((c_row + r0, c_row + r1), (c0, c1));
                     });
@@ -623,7 +599,7 @@ impl Dense {
                         xs.as_ptr().add(r0 * k),
                         1,
                         k as isize,
-                        ws.as_ptr().add(c0),
+                        wf.as_ptr().add(c0),
                         1,
                         n as isize,
                         1.0,
@@ -637,8 +613,8 @@ impl Dense {
                 finish((r0, r1), (c0, c1));
             });
         }
-        // SAFETY: every tile was written above (the panels' blocks, a bias copy then gemm, or
-        // gemm with read_dst false, which writes its whole destination).
+        // SAFETY: every tile was written above (the bf16 tiles' or the panels' blocks, a bias copy
+        // then gemm, or gemm with read_dst false, which writes its whole destination).
         unsafe { out.set_len(m * n) };
         Ok(Some(Tensor::from_vec(out, shape, x.device())?))
     }
