@@ -350,6 +350,12 @@ struct DecodeGroup<'a> {
 }
 
 fn decode_group(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
+    #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
+    if g.d.is_multiple_of(16) && crate::has_avx512() {
+        // SAFETY: the CPU has AVX-512F (checked above) and d is a multiple of 16.
+        unsafe { decode_group_avx512(g, scores, out) };
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has AVX2 and FMA (checked above).
@@ -363,6 +369,149 @@ fn decode_group(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn decode_group_avx2(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
     decode_group_generic(g, scores, out)
+}
+
+/// `decode_group` on AVX-512F, head size `d` a multiple of 16. The generic loop is latency-bound
+/// (one dot product at a time into one vector of sums, then a scalar `exp` per score); here each
+/// key row meets up to four query rows at once (four independent chains of sums sharing the
+/// key's loads), the softmax runs 16 scores at a time in base 2 (`avx512::exp2`'s polynomial,
+/// the scores scaled by `log2 e`), and each value row is read once for up to four query rows
+/// and 64 of their output lanes held in registers. The normalization is applied to the output
+/// rows at the end.
+#[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
+#[target_feature(enable = "avx512f")]
+unsafe fn decode_group_avx512(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
+    use crate::avx512::{exp2, LANES};
+    use std::arch::x86_64::*;
+    let &DecodeGroup { q, k, k_row, v, v_row, total, d, rep, scale } = g;
+    assert!(d.is_multiple_of(LANES) && q.len() >= rep * d && scores.len() >= rep * total && out.len() >= rep * d);
+    assert!(total == 0 || (k.len() >= (total - 1) * k_row + d && v.len() >= (total - 1) * v_row + d));
+    let scale2 = scale * std::f32::consts::LOG2_E;
+    let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
+    // Scores, in base 2: row r's key j at sp[r * total + j].
+    for j in 0..total {
+        let kj = k.as_ptr().add(j * k_row);
+        let mut r = 0;
+        while r < rep {
+            let n = (rep - r).min(4);
+            let (qr, s) = (qp.add(r * d), sp.add(r * total + j));
+            match n {
+                4 => qk_rows::<4>(qr, d, kj, s, total, scale2),
+                3 => qk_rows::<3>(qr, d, kj, s, total, scale2),
+                2 => qk_rows::<2>(qr, d, kj, s, total, scale2),
+                _ => qk_rows::<1>(qr, d, kj, s, total, scale2),
+            }
+            r += n;
+        }
+    }
+    // Softmax numerators in place; their sums kept for the end.
+    let mut sums = vec![0f32; rep];
+    for (r, sum) in sums.iter_mut().enumerate() {
+        let row = sp.add(r * total);
+        let tail = |j: usize| -> __mmask16 {
+            if total - j >= LANES {
+                0xffff
+            } else {
+                (1u16 << (total - j)) - 1
+            }
+        };
+        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+        for j in (0..total).step_by(LANES) {
+            m = _mm512_mask_max_ps(m, tail(j), m, _mm512_maskz_loadu_ps(tail(j), row.add(j)));
+        }
+        let m = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        let mut acc = _mm512_setzero_ps();
+        for j in (0..total).step_by(LANES) {
+            let e = exp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail(j), row.add(j)), m));
+            _mm512_mask_storeu_ps(row.add(j), tail(j), e);
+            acc = _mm512_mask_add_ps(acc, tail(j), acc, e);
+        }
+        *sum = _mm512_reduce_add_ps(acc);
+    }
+    // Weighted sums of the value rows, 64 lanes (or 16 where d is not a multiple of 64) of up to
+    // four rows at a time.
+    let op = out.as_mut_ptr();
+    let wide = d.is_multiple_of(4 * LANES);
+    let step = if wide { 4 * LANES } else { LANES };
+    let mut r = 0;
+    while r < rep {
+        let n = (rep - r).min(4);
+        for c in (0..d).step_by(step) {
+            let (p, vc, o) = (sp.add(r * total), v.as_ptr().add(c), op.add(r * d + c));
+            match (n, wide) {
+                (4, true) => pv_rows::<4, 4>(p, total, vc, v_row, o, d),
+                (3, true) => pv_rows::<3, 4>(p, total, vc, v_row, o, d),
+                (2, true) => pv_rows::<2, 4>(p, total, vc, v_row, o, d),
+                (_, true) => pv_rows::<1, 4>(p, total, vc, v_row, o, d),
+                (4, false) => pv_rows::<4, 1>(p, total, vc, v_row, o, d),
+                (3, false) => pv_rows::<3, 1>(p, total, vc, v_row, o, d),
+                (2, false) => pv_rows::<2, 1>(p, total, vc, v_row, o, d),
+                (_, false) => pv_rows::<1, 1>(p, total, vc, v_row, o, d),
+            }
+        }
+        r += n;
+    }
+    for (r, sum) in sums.iter().enumerate() {
+        let inv = _mm512_set1_ps(1.0 / sum);
+        for c in (0..d).step_by(LANES) {
+            let o = op.add(r * d + c);
+            _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), inv));
+        }
+    }
+}
+
+/// N query rows (`d` apart from `q`) dotted with one key row, scaled, written `stride` apart
+/// from `s`.
+#[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn qk_rows<const N: usize>(q: *const f32, d: usize, kj: *const f32, s: *mut f32, stride: usize, scale: f32) {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_ps(); N];
+    for c in (0..d).step_by(16) {
+        let kv = _mm512_loadu_ps(kj.add(c));
+        for (i, a) in acc.iter_mut().enumerate() {
+            *a = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(i * d + c)), kv, *a);
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        *s.add(i * stride) = _mm512_reduce_add_ps(*a) * scale;
+    }
+}
+
+/// `out[i][0..16 W] = sum_j p[i][j] v[j][0..16 W]` for N rows of weights (`total` apart from `p`)
+/// and of output (`d` apart from `o`), value rows `v_row` apart from `v`.
+#[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn pv_rows<const N: usize, const W: usize>(
+    p: *const f32,
+    total: usize,
+    v: *const f32,
+    v_row: usize,
+    o: *mut f32,
+    d: usize,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); W]; N];
+    for j in 0..total {
+        let vj = v.add(j * v_row);
+        let mut vs = [_mm512_setzero_ps(); W];
+        for (w, x) in vs.iter_mut().enumerate() {
+            *x = _mm512_loadu_ps(vj.add(16 * w));
+        }
+        for (i, row) in acc.iter_mut().enumerate() {
+            let pi = _mm512_set1_ps(*p.add(i * total + j));
+            for (a, x) in row.iter_mut().zip(vs) {
+                *a = _mm512_fmadd_ps(pi, x, *a);
+            }
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        for (w, a) in row.iter().enumerate() {
+            _mm512_storeu_ps(o.add(i * d + 16 * w), *a);
+        }
+    }
 }
 
 /// Dot product with eight independent partial sums (vectorizes; the order is fixed).
@@ -615,9 +764,13 @@ mod causal_tests {
 
     #[test]
     fn decode_reads_cache_views_in_place_and_matches_the_plain_formula() {
-        // Head dims 128 (the real one: full 8-wide chunks) and 12 (a remainder), GQA 2 and 3,
-        // keys and values as views of a cache with spare capacity (strided rows of heads).
-        for (heads, kv, d, total) in [(16, 8, 128, 300), (6, 2, 12, 37), (4, 4, 8, 1)] {
+        // Head dims 128 (the real one: full 8-wide chunks), 48 and 64 (AVX-512: 16-lane steps
+        // of the value rows, blocks of 4 query rows and their remainders) and 12 and 8 (not 16
+        // wide: the generic loop), GQA 1, 2, 3, 5 and 8 (the MoE's 32 over 4), keys and values as
+        // views of a cache with spare capacity (strided rows of heads).
+        for (heads, kv, d, total) in
+            [(16, 8, 128, 300), (32, 4, 128, 700), (12, 4, 48, 45), (5, 1, 64, 17), (6, 2, 12, 37), (4, 4, 8, 1)]
+        {
             let mut cache = crate::KvCache::new();
             let k_all = crate::testing::randn(210 + d as u64, 1., (kv, total, d)).unwrap();
             let v_all = crate::testing::randn(220 + d as u64, 1., (kv, total, d)).unwrap();
