@@ -364,6 +364,19 @@ fn compact_experts(layers: &[DecoderLayer]) -> Result<bool> {
     }
 }
 
+/// Rows per expert up to which the routed experts multiply their stored blocks
+/// (`vl_nn::moe::DEFAULT_STORED_ROWS`); `VL_MOE_STORED_ROWS=N` overrides, for measuring (0: every
+/// expert of a prompt through candle's products, as before; not a number is refused).
+fn stored_expert_rows() -> Result<usize> {
+    match std::env::var("VL_MOE_STORED_ROWS") {
+        Ok(v) => v.parse().map_err(|_| Error::Input {
+            what: "VL_MOE_STORED_ROWS".into(),
+            message: format!("{v:?} is not a number of rows"),
+        }),
+        Err(_) => Ok(vl_nn::moe::DEFAULT_STORED_ROWS),
+    }
+}
+
 /// `VL_CPU_AMX=on` lets Q4_K prefill products take candle's AMX tiles (`vl_nn::linear::allow_amx`:
 /// faster, at a third copy of those weights); unset or `off`, they stay on the VNNI tiles.
 fn amx_setting() -> Result<()> {
@@ -481,9 +494,11 @@ impl TextModel {
             .map(|i| DecoderLayer::load(cfg, i, tvb.pp(format!("layers.{i}")), plan))
             .collect::<Result<_>>()?;
         let compact = compact_experts(&layers)?;
+        let stored_rows = stored_expert_rows()?;
         for l in &mut layers {
             if let Ffn::Sparse(m) = &mut l.mlp {
                 m.set_compact(compact);
+                m.set_stored_rows(stored_rows);
             }
         }
         let s = &cfg.mrope_section;
