@@ -57,7 +57,7 @@ pub struct SparseMoe {
 /// candle would first repack each one it meets (a second copy, made in the cold process that
 /// answers once). The hot experts above this still take candle's tiles. Measured on llama.cpp's
 /// 8-layer 30B-A3B-width Q4_K_M (docs/moe.md): 200-token prompt, cold, 2.9-7.4 s of prefill at
-/// 4 (decode-sized only) against 1.1 s at 64, peak RSS 2.85 -> 1.99 GB; 2000 tokens 11.6 s at
+/// 4 (decode-sized only) against 1.1 s at 64, peak RSS 2.72 -> 1.90 GiB; 2000 tokens 11.6 s at
 /// 4, 9.3-9.6 at 32 to 128, 11.4 with every expert stored.
 pub const DEFAULT_STORED_ROWS: usize = 64;
 
