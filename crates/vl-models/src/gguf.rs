@@ -356,6 +356,49 @@ impl GgufFile {
         Ok(Some(t))
     }
 
+    /// A 2-D float tensor `[rows, cols]` as the transposed view of a new contiguous `[cols, rows]`
+    /// buffer written straight from the mapped file (one pass, on candle's pool): what a linear
+    /// layer keeps (`vl_nn::linear::Dense` holds `W^T`; its `kernels::transpose` then takes the
+    /// buffer as it is). `float_tensor` and a transpose would write every value twice, into fresh
+    /// pages each time. On the CPU only; None where `float_tensor` applies instead (another
+    /// device, rank, block type, or data not aligned for its type).
+    pub(crate) fn float_tensor_transposed(&self, name: &str, dev: &Device) -> Result<Option<candle_core::Tensor>> {
+        let Some(info) = self.content.tensor_infos.get(name) else { return Ok(None) };
+        let &[rows, cols] = info.shape.dims() else { return Ok(None) };
+        if !dev.is_cpu() {
+            return Ok(None);
+        }
+        let (offset, bytes) = self.extent(name).ok_or_else(|| bad(&self.path, format!("tensor {name} is missing")))?;
+        let data = self
+            .map
+            .get(offset..offset + bytes)
+            .ok_or_else(|| bad(&self.path, format!("tensor {name} lies past the end")))?;
+        fn view<T: Copy + Send + Sync>(data: &[u8], n: usize) -> Option<&[T]> {
+            let fits = data.len() >= n * std::mem::size_of::<T>()
+                && (data.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>());
+            // SAFETY: aligned for T and long enough (checked above); f32 / f16 / bf16 are plain
+            // data valid for any bits; the map outlives the borrow.
+            fits.then(|| unsafe { std::slice::from_raw_parts(data.as_ptr() as *const T, n) })
+        }
+        let n = rows * cols;
+        let t = match info.ggml_dtype {
+            GgmlDType::F32 => view::<f32>(data, n).map(|v| {
+                candle_core::Tensor::from_vec(vl_nn::kernels::transpose_slice(v, rows, cols), (cols, rows), dev)
+            }),
+            GgmlDType::F16 => view::<half::f16>(data, n).map(|v| {
+                candle_core::Tensor::from_vec(vl_nn::kernels::transpose_slice(v, rows, cols), (cols, rows), dev)
+            }),
+            GgmlDType::BF16 => view::<half::bf16>(data, n).map(|v| {
+                candle_core::Tensor::from_vec(vl_nn::kernels::transpose_slice(v, rows, cols), (cols, rows), dev)
+            }),
+            _ => None,
+        };
+        let Some(t) = t else { return Ok(None) };
+        let t = t.and_then(|t| t.t()).map_err(|e| bad(&self.path, format!("tensor {name}: {e}")))?;
+        crate::mapped::release(&self.map, offset, bytes);
+        Ok(Some(t))
+    }
+
     /// Hands `name`'s mapped pages back (`mapped::release`): for weights whose kernels no longer
     /// read the stored blocks.
     pub(crate) fn release(&self, name: &str) {

@@ -191,6 +191,11 @@ impl candle_core::InplaceOp1 for GeluInPlace {
 /// the same dtype: 64 x 64 tiles on candle's worker pool (candle's strided copy walks the source
 /// element by element). CPU tensors only; others take candle's `t().contiguous()`.
 pub fn transpose(t: &Tensor) -> candle_core::Result<Tensor> {
+    if t.rank() == 2 && !t.is_contiguous() && t.t()?.is_contiguous() {
+        // Already a transposed view of a contiguous [cols, rows] buffer (a loader that wrote
+        // it so): that buffer is the result, shared, nothing copied.
+        return t.t();
+    }
     if !own_kernel(Op::Transpose, DeviceKind::of(t.device()), t.dtype()) || t.rank() != 2 {
         return t.t()?.contiguous();
     }
@@ -215,7 +220,11 @@ pub fn transpose(t: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-fn transpose_slice<T: Copy + Send + Sync>(src: &[T], rows: usize, cols: usize) -> Vec<T> {
+/// `src` ([rows, cols] row-major) transposed into a new [cols, rows] row-major buffer, 64 x 64
+/// tiles on candle's pool, each new page written (and faulted in) once, by the thread that fills
+/// it. Panics if `src` is shorter than `rows * cols`.
+pub fn transpose_slice<T: Copy + Send + Sync>(src: &[T], rows: usize, cols: usize) -> Vec<T> {
+    let src = &src[..rows * cols];
     const TILE: usize = 64;
     // Not zeroed first: every element is written once below, so the new pages are touched (and
     // faulted in) only by the threads that fill them, in parallel.
@@ -1427,6 +1436,19 @@ mod tests {
             assert_eq!(got.dtype(), dtype);
             let diff = (got.to_dtype(DType::F32).unwrap() - &want).unwrap().abs().unwrap().max_all().unwrap();
             assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0, "{dtype:?}");
+        }
+        {
+            // A transposed view of a contiguous buffer (as the GGUF loader writes a linear's
+            // weight): the buffer itself, contiguous, the same values; its own rows transposed
+            // by `transpose_slice` give that buffer.
+            let rows: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+            let buffer = Tensor::from_vec(transpose_slice(&rows, 67, 130), (130, 67), t.device()).unwrap();
+            let view = buffer.t().unwrap();
+            assert!(!view.is_contiguous());
+            assert_eq!(view.to_vec2::<f32>().unwrap(), t.to_vec2::<f32>().unwrap());
+            let got = transpose(&view).unwrap();
+            assert!(got.is_contiguous());
+            assert_eq!(got.to_vec2::<f32>().unwrap(), buffer.to_vec2::<f32>().unwrap());
         }
     }
 }

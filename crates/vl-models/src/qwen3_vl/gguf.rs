@@ -464,10 +464,24 @@ impl GgufModel {
         };
         let mut map = HashMap::new();
         let mut patch = [None, None];
+        // The linears' 2-D weights arrive as views of their transposes, written once from the
+        // map (what `Dense` keeps), where their stored dtype is the one they are kept in and
+        // `Dense` keeps W^T (not on AVX2-only CPUs, where it packs panels from W).
+        let transposed = !vl_nn::panels::preferred();
         for name in m.content.tensor_infos.keys() {
-            let t = match m.float_tensor(name, dev)? {
-                Some(t) => t.to_dtype(stored)?,
-                None => m.tensor(name, dev)?.dequantize(dev)?.to_dtype(stored)?,
+            let kept = match m.content.tensor_infos[name].ggml_dtype {
+                GgmlDType::F32 => stored == DType::F32,
+                GgmlDType::F16 => stored == DType::F16,
+                GgmlDType::BF16 => stored == DType::BF16,
+                _ => false,
+            };
+            let linear = transposed && kept && name.as_str() != "v.position_embd.weight";
+            let t = match if linear { m.float_tensor_transposed(name, dev)? } else { None } {
+                Some(t) => t,
+                None => match m.float_tensor(name, dev)? {
+                    Some(t) => t.to_dtype(stored)?,
+                    None => m.tensor(name, dev)?.dequantize(dev)?.to_dtype(stored)?,
+                },
             };
             match name.as_str() {
                 "v.patch_embd.weight" => patch[0] = Some(t),
