@@ -384,8 +384,13 @@ unsafe fn decode_group_avx512(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut
     use crate::avx512::{exp2, LANES};
     use std::arch::x86_64::*;
     let &DecodeGroup { q, k, k_row, v, v_row, total, d, rep, scale } = g;
+    if total == 0 {
+        // No key: zeros, as the generic loop gives (not a softmax over nothing).
+        out[..rep * d].fill(0.0);
+        return;
+    }
     assert!(d.is_multiple_of(LANES) && q.len() >= rep * d && scores.len() >= rep * total && out.len() >= rep * d);
-    assert!(total == 0 || (k.len() >= (total - 1) * k_row + d && v.len() >= (total - 1) * v_row + d));
+    assert!(k.len() >= (total - 1) * k_row + d && v.len() >= (total - 1) * v_row + d);
     let scale2 = scale * std::f32::consts::LOG2_E;
     let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
     // Scores, in base 2: row r's key j at sp[r * total + j].
