@@ -329,17 +329,8 @@ impl GgufFile {
     /// None for block types.
     pub(crate) fn float_tensor(&self, name: &str, dev: &Device) -> Result<Option<candle_core::Tensor>> {
         let Some(info) = self.content.tensor_infos.get(name) else { return Ok(None) };
-        let dtype = match info.ggml_dtype {
-            GgmlDType::F32 => candle_core::DType::F32,
-            GgmlDType::F16 => candle_core::DType::F16,
-            GgmlDType::BF16 => candle_core::DType::BF16,
-            _ => return Ok(None),
-        };
-        let (offset, bytes) = self.extent(name).ok_or_else(|| bad(&self.path, format!("tensor {name} is missing")))?;
-        let data = self
-            .map
-            .get(offset..offset + bytes)
-            .ok_or_else(|| bad(&self.path, format!("tensor {name} lies past the end")))?;
+        let Some(dtype) = float_dtype(info.ggml_dtype) else { return Ok(None) };
+        let (offset, bytes, data) = self.data(name)?;
         let shape = info.shape.dims();
         let t = if dev.is_cpu() {
             match dtype {
@@ -356,6 +347,16 @@ impl GgufFile {
         Ok(Some(t))
     }
 
+    /// `name`'s offset, length and bytes in the mapped file.
+    fn data(&self, name: &str) -> Result<(usize, usize, &[u8])> {
+        let (offset, bytes) = self.extent(name).ok_or_else(|| bad(&self.path, format!("tensor {name} is missing")))?;
+        let data = self
+            .map
+            .get(offset..offset + bytes)
+            .ok_or_else(|| bad(&self.path, format!("tensor {name} lies past the end")))?;
+        Ok((offset, bytes, data))
+    }
+
     /// A 2-D float tensor `[rows, cols]` as the transposed view of a new contiguous `[cols, rows]`
     /// buffer written straight from the mapped file (one pass, on candle's pool): what a linear
     /// layer keeps (`vl_nn::linear::Dense` holds `W^T`; its `kernels::transpose` then takes the
@@ -368,11 +369,7 @@ impl GgufFile {
         if !dev.is_cpu() {
             return Ok(None);
         }
-        let (offset, bytes) = self.extent(name).ok_or_else(|| bad(&self.path, format!("tensor {name} is missing")))?;
-        let data = self
-            .map
-            .get(offset..offset + bytes)
-            .ok_or_else(|| bad(&self.path, format!("tensor {name} lies past the end")))?;
+        let (offset, bytes, data) = self.data(name)?;
         fn view<T: Copy + Send + Sync>(data: &[u8], n: usize) -> Option<&[T]> {
             let fits = data.len() >= n * std::mem::size_of::<T>()
                 && (data.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>());
@@ -630,6 +627,16 @@ impl Recipe {
 /// `data` (whole values of `T`, any alignment) copied into a new vector on candle's pool: the
 /// copy's new pages are faulted in by both threads and never zeroed first (a single-threaded
 /// zeroed copy of a 0.8 GB mmproj cost ~0.4 s of the load).
+/// The candle dtype of a GGUF float type (None for block types).
+pub(crate) fn float_dtype(t: GgmlDType) -> Option<candle_core::DType> {
+    match t {
+        GgmlDType::F32 => Some(candle_core::DType::F32),
+        GgmlDType::F16 => Some(candle_core::DType::F16),
+        GgmlDType::BF16 => Some(candle_core::DType::BF16),
+        _ => None,
+    }
+}
+
 fn copy_out<T: Copy + Send + Sync>(data: &[u8]) -> Vec<T> {
     let size = std::mem::size_of::<T>();
     let n = data.len() / size;

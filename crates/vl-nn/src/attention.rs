@@ -314,7 +314,8 @@ fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>
     let mut out = vec![0f32; heads * d];
     let out_ptr = SendPtr(out.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(kv, |range| {
-        let mut scores = vec![0f32; rep * total];
+        // Each query row's scores, then (AVX-512 kernel) each row's softmax sum.
+        let mut scores = vec![0f32; rep * (total + 1)];
         for g in range {
             let group = DecodeGroup {
                 q: &qs[qo + g * rep * d..qo + (g + 1) * rep * d],
@@ -349,6 +350,7 @@ struct DecodeGroup<'a> {
     scale: f32,
 }
 
+/// `scores`: scratch of at least `rep * (total + 1)` floats.
 fn decode_group(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
     #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
     if g.d.is_multiple_of(16) && crate::has_avx512() {
@@ -389,9 +391,11 @@ unsafe fn decode_group_avx512(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut
         out[..rep * d].fill(0.0);
         return;
     }
-    assert!(d.is_multiple_of(LANES) && q.len() >= rep * d && scores.len() >= rep * total && out.len() >= rep * d);
+    assert!(d.is_multiple_of(LANES) && q.len() >= rep * d && scores.len() >= rep * (total + 1) && out.len() >= rep * d);
     assert!(k.len() >= (total - 1) * k_row + d && v.len() >= (total - 1) * v_row + d);
     let scale2 = scale * std::f32::consts::LOG2_E;
+    // The scores, then each row's softmax sum (the caller's scratch holds both).
+    let (scores, sums) = scores.split_at_mut(rep * total);
     let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
     // Scores, in base 2: row r's key j at sp[r * total + j].
     for j in 0..total {
@@ -410,8 +414,7 @@ unsafe fn decode_group_avx512(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut
         }
     }
     // Softmax numerators in place; their sums kept for the end.
-    let mut sums = vec![0f32; rep];
-    for (r, sum) in sums.iter_mut().enumerate() {
+    for (r, sum) in sums[..rep].iter_mut().enumerate() {
         let row = sp.add(r * total);
         let tail = |j: usize| -> __mmask16 {
             if total - j >= LANES {
@@ -456,7 +459,7 @@ unsafe fn decode_group_avx512(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut
         }
         r += n;
     }
-    for (r, sum) in sums.iter().enumerate() {
+    for (r, sum) in sums[..rep].iter().enumerate() {
         let inv = _mm512_set1_ps(1.0 / sum);
         for c in (0..d).step_by(LANES) {
             let o = op.add(r * d + c);

@@ -123,27 +123,25 @@ impl SparseMoe {
                 by_expert[e].1.push(w);
             }
         }
-        // Experts with few rows (every expert of a decode step; most of a prompt's) take the
+        // Experts with few rows (every expert of a decode step, most of a prompt's) take the
         // stored blocks, all in two parallel regions, never repacked; the rest candle's tiles.
-        let mut pick = Vec::new();
-        if rows.dtype() == DType::F32 && rows.device().is_cpu() && crate::stored::available() {
-            // A decode step's few rows always (`QLinear::forward` takes them there too).
-            let most = match rows.dim(0)? <= crate::stored::MAX_ROWS {
-                true => usize::MAX,
-                false => self.stored_rows,
-            };
-            pick = (0..by_expert.len()).filter(|&e| (1..=most).contains(&by_expert[e].0.len())).collect();
-        }
         let n_rows = rows.dim(0)?;
+        let stored_path = rows.dtype() == DType::F32 && rows.device().is_cpu() && crate::stored::available();
+        let mut most = match (stored_path, n_rows <= crate::stored::MAX_ROWS) {
+            (false, _) => 0,
+            // A decode step's few rows always (`QLinear::forward` takes them there too).
+            (true, true) => usize::MAX,
+            (true, false) => self.stored_rows,
+        };
+        let pick: Vec<usize> = (0..by_expert.len()).filter(|&e| (1..=most).contains(&by_expert[e].0.len())).collect();
         let stored = match pick.is_empty() {
             true => None,
             false => self.forward_stored(&rows, &by_expert, &pick)?,
         };
         if stored.is_none() {
-            pick.clear();
+            most = 0;
         }
-        let rest: Vec<usize> =
-            (0..by_expert.len()).filter(|e| !by_expert[*e].0.is_empty() && !pick.contains(e)).collect();
+        let rest: Vec<usize> = (0..by_expert.len()).filter(|&e| by_expert[e].0.len() > most).collect();
         let mut out = match stored {
             Some(out) if rest.is_empty() => return Ok(Tensor::from_vec(out, shape, x.device())?),
             Some(out) => Tensor::from_vec(out, (n_rows, hidden), x.device())?,

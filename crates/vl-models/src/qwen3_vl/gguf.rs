@@ -469,12 +469,7 @@ impl GgufModel {
         // `Dense` keeps W^T (not on AVX2-only CPUs, where it packs panels from W).
         let transposed = !vl_nn::panels::preferred();
         for name in m.content.tensor_infos.keys() {
-            let kept = match m.content.tensor_infos[name].ggml_dtype {
-                GgmlDType::F32 => stored == DType::F32,
-                GgmlDType::F16 => stored == DType::F16,
-                GgmlDType::BF16 => stored == DType::BF16,
-                _ => false,
-            };
+            let kept = crate::gguf::float_dtype(m.content.tensor_infos[name].ggml_dtype) == Some(stored);
             let linear = transposed && kept && name.as_str() != "v.position_embd.weight";
             let t = match if linear { m.float_tensor_transposed(name, dev)? } else { None } {
                 Some(t) => t,
