@@ -3,7 +3,8 @@
 //! Seeded random rows and weights (`vl_nn::testing::randn`); prints the best run of the
 //! whole-batch product (candle picks
 //! its kernel by row count: AMX tiles from 32 rows where the CPU has AMX) and of the same rows in
-//! pieces of at most 31 (candle's VNNI tiles), and the rate (2 x rows x in x out ops).
+//! pieces of at most 31 (candle's VNNI tiles), of `stored_tiles` (the stored blocks, tiles built
+//! per call), and the rate (2 x rows x in x out ops).
 use candle_core::{Device, Module, Tensor};
 use vl_nn::{QLinear, QuantType};
 
@@ -52,12 +53,17 @@ fn main() -> candle_core::Result<()> {
         let out = vl_nn::stored::matmul(&[(blocks, &bytes, n)], &xs, m, k).expect("rows <= stored::MAX_ROWS");
         Tensor::from_vec(out.into_iter().next().unwrap_or_default(), (m, n), &Device::Cpu)
     };
+    let tiles = || {
+        let out = vl_nn::stored_tiles::matmul(blocks, &bytes, n, &xs, m, k).expect("AVX-512 VNNI");
+        Tensor::from_vec(out, (m, n), &Device::Cpu)
+    };
     let ops = 2.0 * (m * k * n) as f64;
     for (name, first, best) in [
         ("whole", first_whole, time(&whole)?),
         ("pieces of 31", first_pieces, time(&pieces)?),
         ("compact blocks (candle)", 0.0, time(&compact)?),
         ("compact blocks (vl_nn::stored)", 0.0, if m <= vl_nn::stored::MAX_ROWS { time(&own)? } else { f64::NAN }),
+        ("stored blocks, tiles per call (vl_nn::stored_tiles)", 0.0, time(&tiles)?),
     ] {
         println!(
             "{m}x{k}x{n} {name}: first {:.1} ms, best {:.2} ms, {:.1} Gop/s",

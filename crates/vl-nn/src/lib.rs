@@ -19,6 +19,7 @@ pub mod panels;
 pub mod quant;
 pub mod rope;
 pub mod stored;
+pub mod stored_tiles;
 pub mod testing;
 
 /// Whether this CPU has AVX-512F and this build may use it: the AVX2 stand-in build

@@ -749,6 +749,9 @@ impl QLinear {
         if let Some([y]) = Self::few_rows(&[self], x)?.and_then(|y| <[Tensor; 1]>::try_from(y).ok()) {
             return Ok(y);
         }
+        if let Some([y]) = Self::many_rows(&[self], x)?.and_then(|y| <[Tensor; 1]>::try_from(y).ok()) {
+            return Ok(y);
+        }
         if let QLinear::Quant { w: QMatMul::QTensor(t), bias: None, .. } = self {
             if x.dtype() == DType::F32 && t.device().is_cpu() {
                 if let Some(y) = compact_matmul(t, x)? {
@@ -759,15 +762,16 @@ impl QLinear {
         self.forward(x)
     }
 
-    /// `forward` of each layer on the same `x`. CPU Q4_K / Q6_K weights multiplying a few rows
-    /// (a decode step) run together on their stored blocks (`stored::matmul`: one parallel
-    /// region, one quantization of `x`); the others take `forward`.
+    /// `forward` of each layer on the same `x`. CPU Q4_K / Q6_K weights run together on their
+    /// stored blocks (one parallel region, one quantization of `x`): `stored::matmul` for a few
+    /// rows (a decode step), `stored_tiles::matmul_each` for more (a prefill); the others take
+    /// `forward`.
     pub fn forward_many(layers: &[&QLinear], x: &Tensor) -> Result<Vec<Tensor>> {
         let fused: Vec<usize> = (0..layers.len()).filter(|&i| layers[i].stored_blocks().is_some()).collect();
         let mut out: Vec<Option<Tensor>> = vec![None; layers.len()];
         if fused.len() > 1 {
             let some: Vec<&QLinear> = fused.iter().map(|&i| layers[i]).collect();
-            if let Some(ys) = Self::few_rows(&some, x)? {
+            if let Some(ys) = Self::few_rows(&some, x)?.map_or_else(|| Self::many_rows(&some, x), |y| Ok(Some(y)))? {
                 for (i, y) in fused.into_iter().zip(ys) {
                     out[i] = Some(y);
                 }
@@ -818,15 +822,50 @@ impl QLinear {
         let Some(weights) = layers.iter().map(|l| l.stored_blocks()).collect::<Option<Vec<_>>>() else {
             return Ok(None);
         };
-        let dtype = x.dtype();
         let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let bytes: Vec<Cow<'_, [u8]>> = weights.iter().map(|(_, t, _)| t.data()).collect::<candle_core::Result<_>>()?;
         let parts: Vec<(crate::stored::Blocks, &[u8], usize)> =
             bytes.iter().zip(&weights).map(|(b, (kind, _, n))| (*kind, b.as_ref(), *n)).collect();
         let Some(ys) = crate::stored::matmul(&parts, &xs, rows, k) else { return Ok(None) };
-        let outs = ys
-            .into_iter()
-            .zip(layers.iter().zip(&weights))
+        Self::stored_outputs(layers, &weights, ys, x).map(Some)
+    }
+
+    /// Every layer's product with `x` through `stored_tiles::matmul_each` (the stored blocks,
+    /// no repacked copy), when all are stored Q4_K / Q6_K, `x` has more than `stored::MAX_ROWS`
+    /// rows (fewer take `few_rows`) on a CPU that runs it, and candle's AMX path was not asked
+    /// for (`allow_amx`); None otherwise.
+    fn many_rows(layers: &[&QLinear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
+        let k = x.dim(candle_core::D::Minus1)?;
+        let rows = x.elem_count() / k.max(1);
+        if rows <= crate::stored::MAX_ROWS
+            || !x.device().is_cpu()
+            || !crate::stored_tiles::available()
+            || ALLOW_AMX.load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return Ok(None);
+        }
+        let Some(weights) = layers.iter().map(|l| l.stored_blocks()).collect::<Option<Vec<_>>>() else {
+            return Ok(None);
+        };
+        let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let bytes: Vec<Cow<'_, [u8]>> = weights.iter().map(|(_, t, _)| t.data()).collect::<candle_core::Result<_>>()?;
+        let parts: Vec<(crate::stored::Blocks, &[u8], usize)> =
+            bytes.iter().zip(&weights).map(|(b, (kind, _, n))| (*kind, b.as_ref(), *n)).collect();
+        let Some(ys) = crate::stored_tiles::matmul_each(&parts, &xs, rows, k) else { return Ok(None) };
+        Self::stored_outputs(layers, &weights, ys, x).map(Some)
+    }
+
+    /// The stored kernels' products as tensors shaped and typed like `x` (last dimension each
+    /// layer's output size), each layer's bias added.
+    fn stored_outputs(
+        layers: &[&QLinear],
+        weights: &[(crate::stored::Blocks, &QTensor, usize)],
+        ys: Vec<Vec<f32>>,
+        x: &Tensor,
+    ) -> Result<Vec<Tensor>> {
+        let dtype = x.dtype();
+        ys.into_iter()
+            .zip(layers.iter().zip(weights))
             .map(|(y, (l, (_, _, n)))| {
                 let mut dims = x.dims().to_vec();
                 if let Some(last) = dims.last_mut() {
@@ -838,12 +877,14 @@ impl QLinear {
                     _ => y,
                 })
             })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Some(outs))
+            .collect()
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if let Some([y]) = Self::few_rows(&[self], x)?.and_then(|y| <[Tensor; 1]>::try_from(y).ok()) {
+            return Ok(y);
+        }
+        if let Some([y]) = Self::many_rows(&[self], x)?.and_then(|y| <[Tensor; 1]>::try_from(y).ok()) {
             return Ok(y);
         }
         match self {
@@ -887,10 +928,19 @@ impl QLinear {
 
     /// Pays the kernels' one-time weight preparation now rather than in the first forward:
     /// candle repacks CPU k-quant weights into its tile layout on first use (a product with a
-    /// two-row input triggers what both prefill and decode use). A no-op for dense weights.
+    /// two-row input triggers what both prefill and decode use). A no-op for dense weights, and
+    /// for Q4_K / Q6_K weights where `stored_tiles` runs (AVX-512 VNNI): their products of any
+    /// row count read the stored blocks.
     pub fn prepare(&self) -> Result<()> {
         if let QLinear::Quant { w: w @ QMatMul::QTensor(t), .. } = self {
             let dev = t.device();
+            if self.stored_blocks().is_some()
+                && crate::stored_tiles::available()
+                && !ALLOW_AMX.load(std::sync::atomic::Ordering::Relaxed)
+            {
+                // Every product runs on the stored blocks (`few_rows`, `many_rows`): no tiles.
+                return Ok(());
+            }
             if own_kernel(Op::KQuantRepack, DeviceKind::of(&dev), DType::F32) {
                 let (_, k) = t.shape().dims2()?;
                 w.forward(&Tensor::zeros((2, k), DType::F32, &dev)?)?;
@@ -1100,21 +1150,38 @@ mod tests {
     }
 
     #[test]
-    fn a_q4k_product_cut_for_amx_equals_its_rows_one_by_one() {
-        // 70 rows: cut into 31 + 31 + 8 where this CPU has AMX, whole elsewhere. Every candle
-        // CPU path below AMX multiplies each row on its own (its own Q8_K quantization, its own sums), so
-        // the product equals the rows taken alone, bit for bit, however it is cut.
+    fn a_q4k_product_of_many_rows_equals_its_rows_one_by_one() {
+        // 70 rows. Where the CPU has AVX-512 VNNI they run on the stored blocks
+        // (`stored_tiles`), each row quantized and summed on its own, so the product equals that
+        // kernel's rows taken alone bit for bit; elsewhere candle's paths do the same (cut into
+        // 31 + 31 + 8 where the CPU has AMX). Either way within float rounding of candle's own
+        // product of each row.
         let w = crate::testing::randn(7, 0.05, (48, 512)).unwrap();
         let x = crate::testing::randn(8, 1.0, (2, 35, 512)).unwrap();
         let l = QLinear::new(Linear::new(w, None), Some(QuantType::Q4K)).unwrap();
         let y = l.forward(&x).unwrap();
         assert_eq!(y.dims(), [2, 35, 48]);
         let flat = x.reshape((70, 512)).unwrap();
-        // candle's own product per row (`forward` would take `q4k` for one row).
-        let QLinear::Quant { w, .. } = &l else { panic!("quantized") };
-        let rows: Vec<Tensor> = (0..70).map(|r| w.forward(&flat.narrow(0, r, 1).unwrap()).unwrap()).collect();
+        // candle's own product per row (`forward` would take `stored` for one row).
+        let QLinear::Quant { w: QMatMul::QTensor(t), .. } = &l else { panic!("quantized") };
+        let candle = QMatMul::from_arc(t.clone()).unwrap();
+        let rows: Vec<Tensor> = (0..70).map(|r| candle.forward(&flat.narrow(0, r, 1).unwrap()).unwrap()).collect();
         let alone = Tensor::cat(&rows, 0).unwrap().reshape((2, 35, 48)).unwrap();
-        assert_eq!(max_diff(&y, &alone), 0.0);
+        if crate::stored_tiles::available() {
+            let bytes = t.data().unwrap();
+            let rows: Vec<f32> = (0..70)
+                .flat_map(|r| {
+                    let row = flat.narrow(0, r, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    crate::stored_tiles::matmul(crate::stored::Blocks::Q4K, &bytes, 48, &row, 1, 512).unwrap()
+                })
+                .collect();
+            let ours = Tensor::from_vec(rows, (2, 35, 48), &Device::Cpu).unwrap();
+            assert_eq!(max_diff(&y, &ours), 0.0);
+            let scale = alone.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+            assert!(max_diff(&y, &alone) <= 1e-5 * scale, "{} of {scale}", max_diff(&y, &alone));
+        } else {
+            assert_eq!(max_diff(&y, &alone), 0.0);
+        }
     }
 
     #[test]

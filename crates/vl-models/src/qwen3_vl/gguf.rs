@@ -432,7 +432,8 @@ impl GgufModel {
         // pages handed back as soon as its tiles exist, so the load never holds both copies. A
         // page read again later (an AVX2-only CPU's Q8_0 products, an embedding row) comes back
         // from the file. Q6_K keeps its blocks (candle's one-row products read them), and so does
-        // Q4_K where `vl_nn::stored` decodes on them.
+        // Q4_K where `vl_nn::stored` decodes on them (and, with AVX-512 VNNI, `stored_tiles`
+        // multiplies prompts on them: no tiles at all).
         let q4k_stored = vl_nn::stored::available();
         if dev.is_cpu() {
             let tiled: Vec<(&str, vl_nn::QLinear)> = (self.text.content.tensor_infos.keys())

@@ -517,11 +517,13 @@ impl TextModel {
     }
 
     /// Quantized weights get their kernels' one-time repacking at load, on every core, so the
-    /// first prefill runs at the speed of every later one. A Q6_K lm_head (llama.cpp's Q4_K_M
-    /// files) is left as stored: it meets products of a few rows (a prefill's last position, a
-    /// decode step of up to `vl_nn::stored::MAX_ROWS` sequences), which run on the stored
-    /// blocks; its tiles (10 bits a weight, 389 MB for a 151k x 2048 head) are made only if a
-    /// step batches more sequences than that.
+    /// first prefill runs at the speed of every later one. Where the CPU has AVX-512 VNNI, Q4_K
+    /// and Q6_K weights have none to pay (`QLinear::prepare` is a no-op: `vl_nn::stored` and
+    /// `vl_nn::stored_tiles` multiply every row count on the stored blocks). A Q6_K lm_head
+    /// (llama.cpp's Q4_K_M files) is left as stored elsewhere too: it meets products of a few
+    /// rows (a prefill's last position, a decode step of up to `vl_nn::stored::MAX_ROWS`
+    /// sequences); its tiles (10 bits a weight, 389 MB for a 151k x 2048 head) are made only if
+    /// a step batches more sequences than that.
     fn prepare(&self) -> Result<()> {
         let mut all: Vec<&QLinear> = vec![];
         if self.lm_head.storage() != vl_nn::QuantType::Q6K.name() {
