@@ -51,15 +51,31 @@ pub struct SparseMoe {
     stored_rows: usize,
 }
 
-/// Rows an expert may have in one call for its products to run on the stored blocks
-/// (`SparseMoe::set_stored_rows`). A prompt's chunk of 256 rows routes ~16 to an expert on
-/// average (top 8 of 128): such experts read their weights once per 4 rows from cache, where
-/// candle would first repack each one it meets (a second copy, made in the cold process that
-/// answers once). The hot experts above this still take candle's tiles. Measured on llama.cpp's
-/// 8-layer 30B-A3B-width Q4_K_M (docs/moe.md): 200-token prompt, cold, 2.9-7.4 s of prefill at
-/// 4 (decode-sized only) against 1.1 s at 64, peak RSS 2.72 -> 1.90 GiB; 2000 tokens 11.6 s at
-/// 4, 9.3-9.6 at 32 to 128, 11.4 with every expert stored.
+/// Rows an expert may have in one call for its products to run on the stored blocks in pieces
+/// of 4 (`SparseMoe::set_stored_rows`), where the CPU lacks AVX-512 VNNI. A prompt's chunk of 256
+/// rows routes ~16 to an expert on average (top 8 of 128): such experts read their weights once
+/// per 4 rows from cache, where candle would first repack each one it meets (a second copy, made
+/// in the cold process that answers once). The hot experts above this still take candle's
+/// tiles. Measured on llama.cpp's 8-layer 30B-A3B-width Q4_K_M (docs/moe.md): 200-token prompt,
+/// cold, 2.9-7.4 s of prefill at 4 (decode-sized only) against 1.1 s at 64, peak RSS 2.72 ->
+/// 1.90 GiB; 2000 tokens 11.6 s at 4, 9.3-9.6 at 32 to 128, 11.4 with every expert stored.
 pub const DEFAULT_STORED_ROWS: usize = 64;
+
+/// `DEFAULT_STORED_ROWS` where the CPU has AVX-512 VNNI: experts above it multiply their stored
+/// blocks too (`stored_tiles`, weights read once for all their rows), so the pieces of 4 pay
+/// only for the coolest. Same file, old/new alternating, 2 rounds, prefill (s): 200 tokens
+/// 1.00 / 1.02 at 64, 0.91 / 0.91 at 16, 0.92 / 0.97 at 4; 2000 tokens 9.57 / 9.34, 9.11 / 9.06,
+/// 9.06 / 9.11.
+pub const DEFAULT_STORED_ROWS_VNNI: usize = 16;
+
+/// The stored-rows limit for this CPU: `DEFAULT_STORED_ROWS_VNNI` or `DEFAULT_STORED_ROWS`.
+pub fn default_stored_rows() -> usize {
+    if crate::stored_tiles::available() {
+        DEFAULT_STORED_ROWS_VNNI
+    } else {
+        DEFAULT_STORED_ROWS
+    }
+}
 
 /// Each row's experts and their weights, in the order of decreasing probability.
 pub type Routes = Vec<Vec<(usize, f32)>>;
@@ -73,7 +89,7 @@ impl SparseMoe {
                 message: format!("router of {e} experts, {} experts, top_k {top_k}", experts.len()),
             });
         }
-        Ok(Self { router, experts, top_k, compact: false, stored_rows: DEFAULT_STORED_ROWS })
+        Ok(Self { router, experts, top_k, compact: false, stored_rows: default_stored_rows() })
     }
 
     /// Whether the experts multiply their compact blocks as stored instead of candle's repacked
@@ -86,7 +102,7 @@ impl SparseMoe {
     /// repacking (where `stored::available()` and the blocks are Q4_K / Q6_K); 0 sends every
     /// expert of a prompt to candle's products. A decode step's few rows (up to
     /// `stored::MAX_ROWS` in all) take the stored blocks whatever this says.
-    /// `DEFAULT_STORED_ROWS` by default.
+    /// `default_stored_rows()` by default.
     pub fn set_stored_rows(&mut self, rows: usize) {
         self.stored_rows = rows;
     }

@@ -365,15 +365,15 @@ fn compact_experts(layers: &[DecoderLayer]) -> Result<bool> {
 }
 
 /// Rows per expert up to which the routed experts multiply their stored blocks
-/// (`vl_nn::moe::DEFAULT_STORED_ROWS`); `VL_MOE_STORED_ROWS=N` overrides, for measuring (0: every
-/// expert of a prompt through candle's products, as before; not a number is refused).
+/// (`vl_nn::moe::default_stored_rows`); `VL_MOE_STORED_ROWS=N` overrides, for measuring (0: every
+/// expert of a prompt through `QLinear::forward`: `stored_tiles` or candle; not a number is refused).
 fn stored_expert_rows() -> Result<usize> {
     match std::env::var("VL_MOE_STORED_ROWS") {
         Ok(v) => v.parse().map_err(|_| Error::Input {
             what: "VL_MOE_STORED_ROWS".into(),
             message: format!("{v:?} is not a number of rows"),
         }),
-        Err(_) => Ok(vl_nn::moe::DEFAULT_STORED_ROWS),
+        Err(_) => Ok(vl_nn::moe::default_stored_rows()),
     }
 }
 
