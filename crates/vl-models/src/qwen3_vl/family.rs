@@ -206,7 +206,7 @@ impl Qwen3Vl {
         let floats = opts.quant.map_or_else(|| format!("{:?}", opts.dtype).to_lowercase(), |q| q.name().to_string());
         let how = if opts.device.is_cpu() {
             format!(
-                "with quantized blocks mapped from the file (their repacked tiles counted), float tensors in {floats}"
+                "with quantized blocks mapped from the file (their repacked tiles, if any, counted), float tensors in {floats}"
             )
         } else {
             format!("as stored, float tensors in {floats}")

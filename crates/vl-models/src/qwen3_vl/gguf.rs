@@ -346,9 +346,11 @@ impl GgufModel {
     /// stored, unless `mapped` (the CPU): then their blocks are pages of the file, which the
     /// kernel can drop and read again, and only candle's repacked tiles of the 2-D ones count
     /// (Q4_K 6 bits a value for the stored 4.5, Q6_K 10 for 6.56, Q8_0 the same size; other
-    /// types are not repacked). The routed experts stay mapped: a MoE larger than the memory
-    /// left loads, and runs from the file's pages.
+    /// types are not repacked; Q4_K and Q6_K none where the CPU has AVX-512 VNNI, whose kernels
+    /// read the stored blocks, `vl_nn::stored_tiles`). The routed experts stay mapped: a MoE
+    /// larger than the memory left loads, and runs from the file's pages.
     pub fn resident_bytes(&self, dtype: DType, quant: Option<vl_nn::QuantType>, mapped: bool) -> u64 {
+        let stored = vl_nn::stored_tiles::available();
         let bytes = |f: &GgufFile, vision: bool| -> f64 {
             f.content
                 .tensor_infos
@@ -359,6 +361,7 @@ impl GgufModel {
                     let t = i.ggml_dtype;
                     let float = matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
                     let tiles = match t {
+                        GgmlDType::Q4K | GgmlDType::Q6K if stored => 0.0,
                         GgmlDType::Q4K => 6.0 / 4.5,
                         GgmlDType::Q6K => 10.0 / 6.5625,
                         GgmlDType::Q8_0 => 1.0,
