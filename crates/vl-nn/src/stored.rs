@@ -62,11 +62,12 @@ const FAR: usize = 8192;
 /// Output rows per work item.
 const ITEM_ROWS: usize = 16;
 
-/// Whether this CPU runs the kernel (AVX-512 F and BW).
+/// Whether this CPU runs the kernel (AVX-512 F and BW), and this build may use it (not the AVX2
+/// stand-in build, `crate::has_avx512`).
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx512f")
+        crate::has_avx512()
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")

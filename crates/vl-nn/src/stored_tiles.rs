@@ -27,13 +27,14 @@ const LANES: usize = 16;
 /// The most bytes of quantized input rows one work item meets (see `matmul`).
 const CHUNK_BYTES: usize = 384 * 1024;
 
-/// Whether this CPU runs the kernel (AVX-512 F, BW, VNNI; FMA and F16C).
+/// Whether this CPU runs the kernel (AVX-512 F, BW, VNNI; FMA and F16C), and this build may use
+/// it (not the AVX2 stand-in build, `crate::has_avx512`).
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *HAS.get_or_init(|| {
-            is_x86_feature_detected!("avx512f")
+            crate::has_avx512()
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vnni")
                 && is_x86_feature_detected!("avx2")
@@ -45,6 +46,7 @@ pub fn available() -> bool {
     false
 }
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 /// The input rows quantized once, for every weight they meet: Q8_K blocks and each block's 16
 /// sums of 16 values as f32, row-major by (row, block).
 struct Input {
@@ -89,6 +91,7 @@ impl Input {
 ///
 /// # Safety
 /// i < q8.len().
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 unsafe fn block(q8: &[BlockQ8K], i: usize) -> *const u8 {
     const _: () = assert!(std::mem::size_of::<BlockQ8K>() == Q8K_BYTES);
     (q8.as_ptr() as *const u8).add(i * Q8K_BYTES)
@@ -148,6 +151,8 @@ pub fn matmul_each(weights: &[(Blocks, &[u8], usize)], x: &[f32], m: usize, k: u
                 let at = w.as_ptr().add(t * LANES * kb * bytes(kind));
                 #[cfg(target_arch = "x86_64")]
                 x86::tile(kind, at, outputs, kb, (&input, first, count), &mut acc);
+                #[cfg(not(target_arch = "x86_64"))]
+                let _ = (at, &input, first); // `available` is false: never reached
                 for r in 0..count {
                     let to = ptrs[i].get().add((first + r) * n + t * LANES);
                     std::ptr::copy_nonoverlapping(acc.as_ptr().add(r * LANES), to, outputs);
