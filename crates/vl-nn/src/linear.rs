@@ -837,16 +837,17 @@ impl QLinear {
     fn many_rows(layers: &[&QLinear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
         let k = x.dim(candle_core::D::Minus1)?;
         let rows = x.elem_count() / k.max(1);
-        if rows <= crate::stored::MAX_ROWS
-            || !x.device().is_cpu()
-            || !crate::stored_tiles::available()
-            || ALLOW_AMX.load(std::sync::atomic::Ordering::Relaxed)
-        {
+        if rows <= crate::stored::MAX_ROWS || !x.device().is_cpu() || !crate::stored_tiles::available() {
             return Ok(None);
         }
         let Some(weights) = layers.iter().map(|l| l.stored_blocks()).collect::<Option<Vec<_>>>() else {
             return Ok(None);
         };
+        // Asked for candle's AMX path (`allow_amx`, Q4_K only): Q4_K weights take candle's.
+        let amx = ALLOW_AMX.load(std::sync::atomic::Ordering::Relaxed);
+        if amx && weights.iter().any(|(kind, _, _)| *kind == crate::stored::Blocks::Q4K) {
+            return Ok(None);
+        }
         let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let bytes: Vec<Cow<'_, [u8]>> = weights.iter().map(|(_, t, _)| t.data()).collect::<candle_core::Result<_>>()?;
         let parts: Vec<(crate::stored::Blocks, &[u8], usize)> =
@@ -934,9 +935,9 @@ impl QLinear {
     pub fn prepare(&self) -> Result<()> {
         if let QLinear::Quant { w: w @ QMatMul::QTensor(t), .. } = self {
             let dev = t.device();
-            if self.stored_blocks().is_some()
-                && crate::stored_tiles::available()
-                && !ALLOW_AMX.load(std::sync::atomic::Ordering::Relaxed)
+            if self.stored_blocks().is_some_and(|(kind, _, _)| {
+                kind == crate::stored::Blocks::Q6K || !ALLOW_AMX.load(std::sync::atomic::Ordering::Relaxed)
+            }) && crate::stored_tiles::available()
             {
                 // Every product runs on the stored blocks (`few_rows`, `many_rows`): no tiles.
                 return Ok(());

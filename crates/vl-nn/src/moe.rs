@@ -100,7 +100,9 @@ impl SparseMoe {
 
     /// Experts with at most `rows` rows in a call multiply their stored blocks without
     /// repacking (where `stored::available()` and the blocks are Q4_K / Q6_K); 0 sends every
-    /// expert of a prompt to candle's products. A decode step's few rows (up to
+    /// expert of a prompt through `SwiGluExpert::forward` / `forward_compact` (candle's
+    /// products; on AVX-512 VNNI CPUs `stored_tiles`, so there the compact and repacked settings
+    /// multiply alike and the test comparing them compares one kernel with itself). A decode step's few rows (up to
     /// `stored::MAX_ROWS` in all) take the stored blocks whatever this says.
     /// `default_stored_rows()` by default.
     pub fn set_stored_rows(&mut self, rows: usize) {
