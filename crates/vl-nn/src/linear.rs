@@ -746,10 +746,7 @@ impl QLinear {
     /// routed experts, each touched by some token sooner or later, doubles their memory. Other
     /// storage takes `forward`.
     pub fn forward_compact(&self, x: &Tensor) -> Result<Tensor> {
-        if let Some([y]) = Self::few_rows(&[self], x)?.and_then(|y| <[Tensor; 1]>::try_from(y).ok()) {
-            return Ok(y);
-        }
-        if let Some([y]) = Self::many_rows(&[self], x)?.and_then(|y| <[Tensor; 1]>::try_from(y).ok()) {
+        if let Some([y]) = Self::stored_products(&[self], x)?.and_then(|y| <[Tensor; 1]>::try_from(y).ok()) {
             return Ok(y);
         }
         if let QLinear::Quant { w: QMatMul::QTensor(t), bias: None, .. } = self {
@@ -771,7 +768,7 @@ impl QLinear {
         let mut out: Vec<Option<Tensor>> = vec![None; layers.len()];
         if fused.len() > 1 {
             let some: Vec<&QLinear> = fused.iter().map(|&i| layers[i]).collect();
-            if let Some(ys) = Self::few_rows(&some, x)?.map_or_else(|| Self::many_rows(&some, x), |y| Ok(Some(y)))? {
+            if let Some(ys) = Self::stored_products(&some, x)? {
                 for (i, y) in fused.into_iter().zip(ys) {
                     out[i] = Some(y);
                 }
@@ -811,48 +808,35 @@ impl QLinear {
         }
     }
 
-    /// Every layer's product with `x` through `stored::matmul`, when all are stored Q4_K / Q6_K
-    /// and `x` has at most `stored::MAX_ROWS` rows on a CPU that runs it; None otherwise.
-    fn few_rows(layers: &[&QLinear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
+    /// Every layer's product with `x` on the stored blocks, when all are stored Q4_K / Q6_K on a
+    /// CPU that runs the kernel for x's row count: `stored::matmul` for up to `stored::MAX_ROWS`
+    /// rows (a decode step), `stored_tiles::matmul_each` for more (no repacked copy; Q4_K only
+    /// while candle's AMX path was not asked for, `allow_amx`); None otherwise.
+    fn stored_products(layers: &[&QLinear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
         let k = x.dim(candle_core::D::Minus1)?;
         let rows = x.elem_count() / k.max(1);
-        if rows == 0 || rows > crate::stored::MAX_ROWS || !x.device().is_cpu() || !crate::stored::available() {
+        let few = rows <= crate::stored::MAX_ROWS;
+        let runs = if few { crate::stored::available() } else { crate::stored_tiles::available() };
+        if rows == 0 || !x.device().is_cpu() || !runs {
             return Ok(None);
         }
         let Some(weights) = layers.iter().map(|l| l.stored_blocks()).collect::<Option<Vec<_>>>() else {
             return Ok(None);
         };
-        let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let bytes: Vec<Cow<'_, [u8]>> = weights.iter().map(|(_, t, _)| t.data()).collect::<candle_core::Result<_>>()?;
-        let parts: Vec<(crate::stored::Blocks, &[u8], usize)> =
-            bytes.iter().zip(&weights).map(|(b, (kind, _, n))| (*kind, b.as_ref(), *n)).collect();
-        let Some(ys) = crate::stored::matmul(&parts, &xs, rows, k) else { return Ok(None) };
-        Self::stored_outputs(layers, &weights, ys, x).map(Some)
-    }
-
-    /// Every layer's product with `x` through `stored_tiles::matmul_each` (the stored blocks,
-    /// no repacked copy), when all are stored Q4_K / Q6_K, `x` has more than `stored::MAX_ROWS`
-    /// rows (fewer take `few_rows`) on a CPU that runs it, and candle's AMX path was not asked
-    /// for (`allow_amx`); None otherwise.
-    fn many_rows(layers: &[&QLinear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
-        let k = x.dim(candle_core::D::Minus1)?;
-        let rows = x.elem_count() / k.max(1);
-        if rows <= crate::stored::MAX_ROWS || !x.device().is_cpu() || !crate::stored_tiles::available() {
-            return Ok(None);
-        }
-        let Some(weights) = layers.iter().map(|l| l.stored_blocks()).collect::<Option<Vec<_>>>() else {
-            return Ok(None);
-        };
-        // Asked for candle's AMX path (`allow_amx`, Q4_K only): Q4_K weights take candle's.
         let amx = ALLOW_AMX.load(std::sync::atomic::Ordering::Relaxed);
-        if amx && weights.iter().any(|(kind, _, _)| *kind == crate::stored::Blocks::Q4K) {
+        if !few && amx && weights.iter().any(|(kind, _, _)| *kind == crate::stored::Blocks::Q4K) {
             return Ok(None);
         }
         let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let bytes: Vec<Cow<'_, [u8]>> = weights.iter().map(|(_, t, _)| t.data()).collect::<candle_core::Result<_>>()?;
         let parts: Vec<(crate::stored::Blocks, &[u8], usize)> =
             bytes.iter().zip(&weights).map(|(b, (kind, _, n))| (*kind, b.as_ref(), *n)).collect();
-        let Some(ys) = crate::stored_tiles::matmul_each(&parts, &xs, rows, k) else { return Ok(None) };
+        let ys = if few {
+            crate::stored::matmul(&parts, &xs, rows, k)
+        } else {
+            crate::stored_tiles::matmul_each(&parts, &xs, rows, k)
+        };
+        let Some(ys) = ys else { return Ok(None) };
         Self::stored_outputs(layers, &weights, ys, x).map(Some)
     }
 
@@ -882,10 +866,7 @@ impl QLinear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if let Some([y]) = Self::few_rows(&[self], x)?.and_then(|y| <[Tensor; 1]>::try_from(y).ok()) {
-            return Ok(y);
-        }
-        if let Some([y]) = Self::many_rows(&[self], x)?.and_then(|y| <[Tensor; 1]>::try_from(y).ok()) {
+        if let Some([y]) = Self::stored_products(&[self], x)?.and_then(|y| <[Tensor; 1]>::try_from(y).ok()) {
             return Ok(y);
         }
         match self {
@@ -939,7 +920,7 @@ impl QLinear {
                 kind == crate::stored::Blocks::Q6K || !ALLOW_AMX.load(std::sync::atomic::Ordering::Relaxed)
             }) && crate::stored_tiles::available()
             {
-                // Every product runs on the stored blocks (`few_rows`, `many_rows`): no tiles.
+                // Every product runs on the stored blocks (`stored_products`): no tiles.
                 return Ok(());
             }
             if own_kernel(Op::KQuantRepack, DeviceKind::of(&dev), DType::F32) {
