@@ -72,7 +72,7 @@ fn run_e2e(name: &str, quant: Option<QuantType>) {
     let mut ids: Vec<u32> = vec![151644, 872, 198, cfg.vision_start_token_id];
     ids.extend(std::iter::repeat_n(cfg.image_token_id, 196));
     ids.extend([cfg.vision_end_token_id, 74785, 419, 2168, 13, 151645, 198, 151644, 77091, 198]);
-    let prompt = Prompt { input_ids: ids, images: None, videos: None };
+    let prompt = Prompt { input_ids: ids, images: None, videos: None, generated_from: None };
     let opts = GenerationOptions { max_new_tokens: 16, ..Default::default() };
     let g = model.generate_encoded(&prompt, Some(&vout), None, &opts, &mut |_| true).unwrap();
     println!(

@@ -10,11 +10,12 @@
 //!   the model picks an end-of-sequence token where the grammar may end.
 //! - A schema the library cannot compile is an `Error::Input` naming the failing part.
 
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
-use llguidance::{Matcher, ParserFactory};
+use llguidance::{CancellationHandle, Matcher, ParserFactory};
 use serde_json::{json, Value};
 use tokenizers::Tokenizer;
 
@@ -26,6 +27,10 @@ const WHITESPACE: &str = r"(?:\x20|\x0A[\x20\x09]{0,20})";
 /// Largest schema accepted, in bytes of its JSON text (compiling is bounded by llguidance's
 /// own fuel; this bounds what is parsed and kept).
 pub const MAX_SCHEMA_BYTES: usize = 256 << 10;
+
+/// The longest one token mask may take before it is cancelled and the answer refused (the first
+/// mask, at admission) or ended with an error (a later one).
+pub const MASK_TIME_LIMIT: Duration = Duration::from_secs(2);
 
 /// What an answer must be.
 #[derive(Debug, Clone, PartialEq)]
@@ -129,48 +134,243 @@ impl Compiler {
         Ok(Self { factory })
     }
 
-    /// A fresh matcher for one answer; `what` names the request field in errors.
-    pub fn matcher(&self, c: &Constraint, what: &str) -> Result<Guide> {
+    /// `n` matchers for the answers of one request, each holding its first token mask: the
+    /// grammar compiled once, its first mask computed once in this thread (within
+    /// `MASK_TIME_LIMIT`), then copied. `what` names the request field in errors; a grammar that
+    /// cannot be compiled, that admits no answer, or whose mask is too costly is refused here,
+    /// naming `what` and the failing part.
+    pub fn guides(&self, c: &Constraint, what: &str, n: usize) -> Result<Vec<Guide>> {
         let grammar = c.grammar()?;
         let parser = self.factory.create_parser(grammar).map_err(|e| Error::Input {
             what: what.into(),
-            message: format!("cannot be compiled: {}", first_line(&e.to_string())),
+            message: format!("cannot be compiled: {}", describe(c, &e.to_string())),
         })?;
-        let m = Matcher::new(Ok(parser));
+        let m = Matcher::new(Ok(parser)).into_cancellable();
         if let Some(e) = m.get_error() {
-            return Err(Error::Input { what: what.into(), message: format!("cannot be compiled: {}", first_line(&e)) });
+            return Err(Error::Input {
+                what: what.into(),
+                message: format!("cannot be compiled: {}", describe(c, &e)),
+            });
         }
-        Ok(Guide { m })
+        let mut first = Guide { m, what: what.to_string(), ready: None };
+        first.prime(c)?;
+        let mut all = Vec::with_capacity(n);
+        for _ in 1..n {
+            all.push(Guide { m: first.m.deep_clone(), what: first.what.clone(), ready: first.ready.clone() });
+        }
+        all.insert(0, first);
+        Ok(all)
     }
+}
+
+/// Runs `f` on `m`, cancelling it past `limit` (a watchdog thread sets the matcher's cancellation
+/// flag, which llguidance checks as it works). Returns `f`'s result and whether it ran over.
+fn within<T>(m: &mut Matcher, limit: Duration, f: impl FnOnce(&mut Matcher) -> T) -> (T, bool) {
+    let Some(handle) = m.cancellation_handle() else { return (f(m), false) };
+    let (done, wait) = mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        if wait.recv_timeout(limit) == Err(mpsc::RecvTimeoutError::Timeout) {
+            handle.cancel();
+            return true;
+        }
+        false
+    });
+    let out = f(m);
+    drop(done);
+    let over = watchdog.join().unwrap_or(false);
+    (out, over)
+}
+
+/// llguidance's error as one line a client can act on, naming the failing part of `c` where the
+/// library's reason allows.
+fn describe(c: &Constraint, e: &str) -> String {
+    let line = first_line(e);
+    if line.contains("NoExtensionBias") || line.contains("no extension") {
+        return "no token can begin a valid answer: the schema has no finite instance (a `$ref` cycle with no way out, or alternatives that all require themselves)".into();
+    }
+    if line.to_ascii_lowercase().contains("lexer") || line.contains("fuel") || line.contains("too many") {
+        return format!("too costly to match{}: {line}", costly(c));
+    }
+    line
+}
+
+/// " (patterns at ...)" naming the schema's patterns, the usual cause of a costly grammar.
+fn costly(c: &Constraint) -> String {
+    let patterns = patterns_of(c);
+    if patterns.is_empty() {
+        String::new()
+    } else {
+        format!(" (patterns at {})", patterns.join(", "))
+    }
+}
+
+/// JSON pointers of the first few `pattern` keywords in a schema constraint.
+fn patterns_of(c: &Constraint) -> Vec<String> {
+    fn walk(v: &Value, at: &str, out: &mut Vec<String>) {
+        if out.len() >= 3 {
+            return;
+        }
+        match v {
+            Value::Object(o) => {
+                for (k, v) in o {
+                    let here = format!("{at}/{}", k.replace('~', "~0").replace('/', "~1"));
+                    if k == "pattern" && v.is_string() && out.len() < 3 {
+                        out.push(here);
+                    } else {
+                        walk(v, &here, out);
+                    }
+                }
+            }
+            Value::Array(a) => a.iter().enumerate().for_each(|(i, v)| walk(v, &format!("{at}/{i}"), out)),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    match c {
+        Constraint::JsonSchema(s) => walk(s, "#", &mut out),
+        Constraint::ToolCalls { functions, .. } => {
+            for (name, params) in functions {
+                walk(params, &format!("{name}#"), &mut out);
+            }
+        }
+        Constraint::JsonObject => {}
+    }
+    out
 }
 
 fn first_line(s: &str) -> String {
     s.lines().next().unwrap_or(s).to_string()
 }
 
-/// One answer's constraint state.
+/// One answer's constraint state: the matcher and, when computed ahead, the mask of the next
+/// token.
 pub struct Guide {
     m: Matcher,
+    /// The request field named in errors (`response_format`, `tool_choice`).
+    what: String,
+    ready: Option<SimpleVob>,
 }
 
 impl Guide {
+    /// Computes the first mask within `MASK_TIME_LIMIT`, keeping it for the first pick.
+    fn prime(&mut self, c: &Constraint) -> Result<()> {
+        let (r, over) = within(&mut self.m, MASK_TIME_LIMIT, Matcher::compute_mask);
+        if over {
+            return Err(Error::Input {
+                what: self.what.clone(),
+                message: format!(
+                    "too costly to match{}: the first token mask took longer than {} s",
+                    costly(c),
+                    MASK_TIME_LIMIT.as_secs_f64()
+                ),
+            });
+        }
+        match r {
+            Ok(mask) => {
+                self.ready = Some(mask);
+                Ok(())
+            }
+            Err(e) => Err(Error::Input { what: self.what.clone(), message: describe(c, &e.to_string()) }),
+        }
+    }
+
     /// The tokens allowed next (a bit set over the vocabulary: token t is bit t % 32 of word
-    /// t / 32).
+    /// t / 32): the one computed ahead, else computed now.
     pub fn mask(&mut self) -> Result<SimpleVob> {
-        self.m.compute_mask().map_err(|e| internal(&e.to_string()))
+        if let Some(m) = self.ready.take() {
+            return Ok(m);
+        }
+        let what = self.what.clone();
+        self.m.compute_mask().map_err(|e| failed(&what, &e.to_string()))
     }
 
     /// Takes the picked token.
     pub fn consume(&mut self, token: u32) -> Result<()> {
-        self.m.consume_token(token).map(|_| ()).map_err(|e| internal(&e.to_string()))
+        self.ready = None;
+        let what = self.what.clone();
+        self.m.consume_token(token).map(|_| ()).map_err(|e| failed(&what, &e.to_string()))
     }
 
     /// The grammar can go no further: the answer is complete.
     pub fn is_done(&self) -> bool {
         self.m.is_stopped()
     }
+
+    /// Computes the next mask on a thread of its own (beside the forward pass); the guide comes
+    /// back with it.
+    pub fn next_mask(mut self) -> MaskTask {
+        let cancel = self.m.cancellation_handle();
+        let (tx, rx) = mpsc::channel();
+        let spawned = std::thread::Builder::new().name("vl-mask".into()).spawn(move || {
+            let r = self.mask();
+            if let Ok(m) = &r {
+                self.ready = Some(m.clone());
+            }
+            let _ = tx.send((self, r.map(|_| ())));
+        });
+        let error = spawned.err().map(|e| e.to_string());
+        MaskTask { rx, result: None, cancel, started: Instant::now(), error }
+    }
 }
 
-fn internal(message: &str) -> Error {
-    Error::Input { what: "constrained decoding".into(), message: first_line(message) }
+/// A mask being computed beside the forward pass.
+pub struct MaskTask {
+    rx: mpsc::Receiver<(Guide, Result<()>)>,
+    result: Option<(Guide, Result<()>)>,
+    cancel: Option<CancellationHandle>,
+    started: Instant,
+    /// The thread could not be started.
+    error: Option<String>,
+}
+
+impl MaskTask {
+    /// Whether the mask is computed (or the computation failed, or ran past `MASK_TIME_LIMIT`).
+    pub fn ready(&mut self) -> bool {
+        if self.result.is_none() {
+            if let Ok(r) = self.rx.try_recv() {
+                self.result = Some(r);
+            }
+        }
+        self.result.is_some() || self.error.is_some() || self.started.elapsed() > MASK_TIME_LIMIT
+    }
+
+    /// The guide, its next mask computed; an error naming the field when the computation failed
+    /// or ran past `MASK_TIME_LIMIT` (then it is cancelled).
+    pub fn finish(mut self, what: &str) -> Result<Guide> {
+        if let Some(e) = self.error.take() {
+            return Err(failed(what, &format!("cannot start a mask thread: {e}")));
+        }
+        self.ready();
+        let result = self.result.take();
+        if result.is_some() {
+            // Done: dropping the task must not cancel the guide it hands back.
+            self.cancel = None;
+        }
+        match result {
+            Some((guide, Ok(()))) => Ok(guide),
+            Some((_, Err(e))) => Err(e),
+            None => Err(Error::Input {
+                what: what.into(),
+                message: format!(
+                    "a token mask took longer than {} s: too costly to match",
+                    MASK_TIME_LIMIT.as_secs_f64()
+                ),
+            }),
+        }
+    }
+}
+
+impl Drop for MaskTask {
+    fn drop(&mut self) {
+        // Abandoned before its result came: the computation stops at llguidance's next check.
+        if self.result.is_none() {
+            if let Some(c) = &self.cancel {
+                c.cancel();
+            }
+        }
+    }
+}
+
+fn failed(what: &str, message: &str) -> Error {
+    Error::Input { what: what.into(), message: format!("constrained decoding failed: {}", first_line(message)) }
 }

@@ -95,11 +95,13 @@ pub trait Family: Send + Sync {
         Ok(())
     }
     /// Prefills `ids[cache.len()..end]` into `cache`; `features[i]` are `media[i]`'s (the
-    /// prompt's media in order). Returns the f32 logits [vocab] of position `end - 1` when
-    /// `end == ids.len()`.
+    /// prompt's media in order). `ids[prompt_len..]` are generated tokens (a preempted sequence
+    /// prefilled again): text whatever their value, never media placeholders. Returns the f32
+    /// logits [vocab] of position `end - 1` when `end == ids.len()`.
     fn prefill(
         &self,
         ids: &[u32],
+        prompt_len: usize,
         media: &[Media],
         features: &[VisionOutput],
         cache: &mut SeqCache,

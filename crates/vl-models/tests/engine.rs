@@ -471,3 +471,52 @@ fn a_resident_bf16_vision_tower_answers_or_is_refused() {
     assert_eq!(c.token_ids, ids);
     assert_eq!(c.text, want);
 }
+
+#[test]
+fn a_preempted_answer_of_media_placeholder_ids_is_recomputed_as_text() {
+    // Answers made of `<|image_pad|>` / `<|video_pad|>` ids (a logit_bias of +100 on one of them,
+    // or on both at once, image and text prompts) under a KV budget that forces preemptions: the
+    // recompute reads the generated ids as text, never as media placeholders, and each answer is
+    // the one it gets alone.
+    let g = "tiny-a";
+    let probe = engine_with(g, cold(1));
+    let tok = probe.family().tokenizer();
+    let pad = |t: &str| tok.token_to_id(t).unwrap_or_else(|| panic!("{t} is not in the vocabulary"));
+    let (image_pad, video_pad) = (pad("<|image_pad|>"), pad("<|video_pad|>"));
+    let per_position = probe.family().kv_bytes_per_position();
+    let block = vl_nn::kv_cache::BLOCK;
+    let max = 40;
+    let cases: Vec<(Request, Vec<(u32, f32)>)> = [
+        ("one_image", vec![(image_pad, 100.0)]),
+        ("text_only", vec![(video_pad, 100.0)]),
+        ("one_image", vec![(image_pad, 30.0), (video_pad, 30.0)]),
+        ("text_only", vec![(image_pad, 100.0)]),
+    ]
+    .into_iter()
+    .map(|(case, bias)| {
+        let mut r = golden_request(case, max);
+        r.options.logit_bias = bias.clone();
+        (r, bias)
+    })
+    .collect();
+    let alone: Vec<_> = cases.iter().map(|(r, _)| probe.generate(r, &mut |_| true).unwrap()).collect();
+    for (c, (_, bias)) in alone.iter().zip(&cases) {
+        assert_eq!(c.token_ids.len(), max);
+        let pads = c.token_ids.iter().filter(|t| bias.iter().any(|b| b.0 == **t)).count();
+        assert!(pads >= max / 2, "{pads} placeholder ids of {max}: {:?}", c.token_ids);
+    }
+    let longest = alone.iter().map(|c| c.prompt_tokens).max().unwrap();
+    let one = vl_nn::kv_cache::blocks_for(longest + max + 1) * per_position;
+    let tight = engine_with(g, EngineOptions { kv_cache_bytes: one + per_position * block / 2, ..cold(4) });
+    let together: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = cases.iter().map(|(r, _)| s.spawn(|| tight.generate(r, &mut |_| true))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (c, a)) in together.iter().zip(&alone).enumerate() {
+        let c = c.as_ref().unwrap_or_else(|e| panic!("case {i} lost under load: {e}"));
+        assert_eq!((&c.token_ids, c.finish), (&a.token_ids, a.finish), "case {i}");
+    }
+    let st = tight.stats();
+    assert!(st.preemptions > 0, "the budget forced no preemption: {st:?}");
+    assert_eq!((st.running, st.waiting), (0, 0));
+}

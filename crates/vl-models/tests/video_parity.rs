@@ -506,3 +506,64 @@ fn the_decode_time_bound_is_the_request_s_for_all_its_videos() {
     assert!(e.contains("longer than the") && e.contains("limit of"), "{e}");
     assert!(t.elapsed() < std::time::Duration::from_secs(3), "{:?}: {e}", t.elapsed());
 }
+
+/// A clip copied over a cached one keeping its size and modification time (`cp -p`, `rsync -a`,
+/// `tar x`), in place or renamed into place, is decoded again: the cache key holds what a copy
+/// cannot keep (inode and status-change time).
+#[test]
+fn a_same_size_clip_copied_in_with_the_old_mtime_is_decoded_again() {
+    use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
+    let dir = tempfile::tempdir().unwrap();
+    // Two raw-video clips of the same geometry and length: the same size, other pixels.
+    let make = |color: &str| {
+        let out = dir.path().join(format!("{color}.avi"));
+        let src = format!("color=c={color}:s=64x64:d=1:r=4");
+        let ok = std::process::Command::new("ffmpeg")
+            .args(["-v", "error", "-y", "-f", "lavfi", "-i", &src, "-c:v", "rawvideo", "-pix_fmt", "bgr24"])
+            .arg(&out)
+            .status()
+            .expect("ffmpeg");
+        assert!(ok.success());
+        out
+    };
+    let colors = ["red", "blue", "green", "white"];
+    let clips: Vec<_> = colors.iter().map(|c| make(c)).collect();
+    let size = std::fs::metadata(&clips[0]).unwrap().len();
+    assert!(clips.iter().all(|c| std::fs::metadata(c).unwrap().len() == size), "raw clips differ in size");
+    let ask = |engine: &Engine, path: &std::path::Path| {
+        let part =
+            Part::Video { source: VideoData::Path(path.into()), name: "clip".into(), options: Default::default() };
+        let messages = vec![ChatMessage::new("user", vec![part, Part::Text("What color is it?".into())])];
+        let opts = GenerationOptions { max_new_tokens: 1, ..Default::default() };
+        engine.generate(&Request { messages, options: opts, ..Default::default() }, &mut |_| true).unwrap()
+    };
+    let engine = Engine::load(&tiny_a(), "tiny-a", EngineOptions::default()).unwrap();
+    let target = dir.path().join("clip.avi");
+    std::fs::copy(&clips[0], &target).unwrap();
+    let mtime = std::fs::metadata(&target).unwrap().modified().unwrap();
+    let first = ask(&engine, &target);
+    let again = ask(&engine, &target);
+    assert_eq!((first.videos[0].from_cache, again.videos[0].from_cache), (false, true));
+    let mut previous = first;
+    for (i, clip) in clips.iter().enumerate().skip(1) {
+        // Odd rounds copy over the file in place (same inode), even ones rename a copy into place.
+        if i % 2 == 1 {
+            std::fs::copy(clip, &target).unwrap();
+        } else {
+            let tmp = dir.path().join("incoming.avi");
+            std::fs::copy(clip, &tmp).unwrap();
+            std::fs::rename(&tmp, &target).unwrap();
+        }
+        std::fs::File::options().write(true).open(&target).unwrap().set_modified(mtime).unwrap();
+        let meta = std::fs::metadata(&target).unwrap();
+        assert_eq!((meta.len(), meta.modified().unwrap()), (size, mtime), "the copy keeps size and mtime");
+        let now = ask(&engine, &target);
+        assert!(!now.videos[0].from_cache, "round {i} ({}): answered from the old clip", colors[i]);
+        let fresh = Engine::load(&tiny_a(), "tiny-a", EngineOptions::default()).unwrap();
+        let want = ask(&fresh, clip);
+        let d = now.first_logits.iter().zip(&want.first_logits).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(d <= 1e-4, "round {i}: logits differ from a fresh engine's on the new clip by {d}");
+        assert_ne!(now.first_logits, previous.first_logits, "round {i}: the clips should differ");
+        previous = now;
+    }
+}

@@ -465,16 +465,13 @@ impl Engine {
         // Cheap checks first: text that cannot fit costs no tokenizing.
         check_text_fits(&*self.shared.family, &self.shared.longest_token, req)?;
         // The constraint compiles first: a bad schema costs no media decoding.
-        let guides = (0..n).map(|_| self.guide(req)).collect::<Result<Vec<_>>>()?;
+        // Compiled once, its first token mask computed here (bounded), copied per choice.
+        let guides = guides(&*self.shared.family, &self.shared.compiler, req, n)?;
         let prepared = self.shared.family.prepare(req)?;
         check_fits(&*self.shared.family, self.shared.opts.kv_cache_bytes, &prepared)?;
         let s = &self.shared;
         let encoded = encode(&*s.family, &prepared, &s.features, &s.vision)?;
         self.run(prepared, encoded, guides, req, on, t0)
-    }
-
-    fn guide(&self, req: &Request) -> Result<Option<Guide>> {
-        guide(&*self.shared.family, &self.shared.compiler, req)
     }
 
     /// Hands a prepared request to the scheduler and relays its stream.
@@ -489,6 +486,7 @@ impl Engine {
     ) -> Result<Vec<Completion>> {
         let (events, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
+        let unread = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let n = guides.len();
         let seed = prepared.options.seed;
         let mut guides = guides.into_iter();
@@ -508,6 +506,7 @@ impl Engine {
             // A raw prompt's answer is text as written.
             reasoning: req.prompt.is_none(),
             events,
+            unread: unread.clone(),
             cancel: cancel.clone(),
             t0,
         };
@@ -517,6 +516,7 @@ impl Engine {
         while left > 0 {
             match rx.recv() {
                 Ok(Event::Text { choice, text, reasoning, logprobs }) => {
+                    unread.fetch_sub(1, Ordering::Relaxed);
                     let d = Delta { choice, text: &text, reasoning, logprobs: &logprobs };
                     if !cancel.load(Ordering::Relaxed) && !on(&d) {
                         cancel.store(true, Ordering::Relaxed);
@@ -547,7 +547,7 @@ impl Engine {
     ) -> Result<OneShot> {
         check_text_fits(&*family, &std::sync::OnceLock::new(), req)?;
         // The constraint compiles first (a bad schema costs nothing else).
-        let guide = guide(&*family, &CompilerCell::new(), req)?;
+        let guide = guides(&*family, &CompilerCell::new(), req, 1)?.remove(0);
         let t0 = Instant::now();
         let media = req.messages.iter().flat_map(|m| &m.parts).filter(|p| !matches!(p, Part::Text(_))).count();
         if media > 0 {
@@ -625,10 +625,11 @@ fn check_text_fits(family: &dyn Family, longest: &std::sync::OnceLock<usize>, re
 
 type CompilerCell = std::sync::OnceLock<std::result::Result<Arc<Compiler>, String>>;
 
-/// `req`'s constraint compiled for `family` (the error names the field: `tool_choice` for tool
-/// calls, `response_format` otherwise), with the compiler in `cell` (built once).
-fn guide(family: &dyn Family, cell: &CompilerCell, req: &Request) -> Result<Option<Guide>> {
-    let Some(c) = &req.constraint else { return Ok(None) };
+/// `req`'s constraint compiled for `family`, one guide per answer (`n`; all None without a
+/// constraint), each holding its first token mask; the error names the field (`tool_choice` for
+/// tool calls, `response_format` otherwise). The compiler is in `cell` (built once).
+fn guides(family: &dyn Family, cell: &CompilerCell, req: &Request, n: usize) -> Result<Vec<Option<Guide>>> {
+    let Some(c) = &req.constraint else { return Ok((0..n).map(|_| None).collect()) };
     let compiler = cell
         .get_or_init(|| {
             Compiler::new(family.tokenizer(), family.vocab_size(), family.eos_token_ids())
@@ -641,7 +642,7 @@ fn guide(family: &dyn Family, cell: &CompilerCell, req: &Request) -> Result<Opti
         Constraint::ToolCalls { .. } => "tool_choice",
         _ => "response_format",
     };
-    Ok(Some(compiler.matcher(c, what)?))
+    Ok(compiler.guides(c, what, n)?.into_iter().map(Some).collect())
 }
 
 /// Refuses a prompt whose KV cache alone exceeds `budget` bytes (it could never run).

@@ -8,9 +8,18 @@
 //! and it waits at the head of the queue, to be prefilled again with the tokens it generated
 //! (the same positions, so the same answer). A sequence alone that cannot grow ends with
 //! `Finish::ContextFull`.
+//!
+//! No sequence holds up the others:
+//! - a constrained answer's next token mask is computed on a thread of its own while the batched
+//!   forward pass runs; a sequence whose mask is not ready keeps its logits and waits, out of the
+//!   next steps, while the others decode (`Seq::held`);
+//! - a sequence whose caller has not taken `MAX_UNREAD` of its pieces is paused (left out of the
+//!   decode steps) until the caller catches up: a reader that stops reading costs a slot and its
+//!   KV, never memory without bound (the caller decides how long it waits: the server's stall
+//!   timeout cancels it).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -19,7 +28,7 @@ use vl_nn::kv_cache::{blocks_for, BLOCK};
 use super::prefix::PrefixStore;
 use super::stop::StopFilter;
 use super::{lock, Completion, Encoded, EngineStats, Finish, Shared};
-use crate::constraint::Guide;
+use crate::constraint::{Guide, MaskTask};
 use crate::error::Result;
 use crate::family::{Family, Identity, Prepared};
 use crate::kv::SeqCache;
@@ -27,6 +36,9 @@ use crate::reasoning::Split;
 use crate::sampling::{TokenLogprob, TokenPicker};
 use crate::stream::StreamDecoder;
 use crate::tools::{split_tool_calls, CallHold};
+
+/// Pieces a request's caller may leave unread before its sequences are paused.
+pub(crate) const MAX_UNREAD: usize = 16;
 
 pub(crate) enum Command {
     Submit(Box<Job>),
@@ -69,6 +81,8 @@ pub(crate) struct Job {
     /// The answer's reasoning block is split off (`Family::reasoning`).
     pub reasoning: bool,
     pub events: mpsc::Sender<Event>,
+    /// Pieces sent and not yet taken by the caller (its choices together).
+    pub unread: Arc<AtomicUsize>,
     pub cancel: Arc<AtomicBool>,
     /// When the caller began (time to first token counts from here).
     pub t0: Instant,
@@ -96,6 +110,11 @@ struct Seq<'f> {
     picker: TokenPicker,
     /// Picked, not yet fed.
     pending: Option<u32>,
+    /// The constraint's next mask, being computed beside the forward pass (the guide is with
+    /// it meanwhile).
+    mask_task: Option<MaskTask>,
+    /// Logits of its next position, waiting for that mask.
+    held: Option<Vec<f32>>,
     stream: StreamDecoder<'f>,
     out: StopFilter,
     /// Each picked token's log-probabilities (with `logprobs` on), and how many were sent.
@@ -137,6 +156,8 @@ impl<'f> Seq<'f> {
             phase: Phase::Waiting,
             picker,
             pending: None,
+            mask_task: None,
+            held: None,
             stream: StreamDecoder::new(family.tokenizer()),
             out,
             logprobs: Vec::new(),
@@ -159,11 +180,32 @@ impl<'f> Seq<'f> {
         self.job.cancel.load(Ordering::Relaxed)
     }
 
+    /// Its caller has `MAX_UNREAD` pieces or more not taken: it is left out of decode steps.
+    fn paused(&self) -> bool {
+        self.job.unread.load(Ordering::Relaxed) >= MAX_UNREAD
+    }
+
+    /// Whether it waits for its next mask with its logits, and the mask is now ready.
+    fn mask_arrived(&mut self) -> bool {
+        self.held.is_some() && self.mask_task.as_mut().is_none_or(MaskTask::ready)
+    }
+
     /// Takes the logits of its next position: picks a token and streams its text. Returns the
     /// finish when the answer ends here.
     fn accept(&mut self, logits: Vec<f32>) -> Result<Option<Finish>> {
         let step = self.picker.generated().len();
         let constrained = self.thinking_until.is_none();
+        if constrained {
+            if let Some(mut task) = self.mask_task.take() {
+                if !task.ready() {
+                    // Not computed yet: wait out of the decode steps, the others go on.
+                    self.mask_task = Some(task);
+                    self.held = Some(logits);
+                    return Ok(None);
+                }
+                self.job.guide = Some(task.finish(&self.what())?);
+            }
+        }
         let next = match self.job.guide.as_mut().filter(|_| constrained) {
             Some(g) => {
                 let mask = g.mask()?;
@@ -211,8 +253,19 @@ impl<'f> Seq<'f> {
             let full = self.budget < self.picker.options().max_new_tokens;
             return Ok(Some(if full { Finish::ContextFull } else { Finish::Length }));
         }
+        // The next mask is computed while the next forward pass runs.
+        if constrained {
+            if let Some(g) = self.job.guide.take() {
+                self.mask_task = Some(g.next_mask());
+            }
+        }
         self.pending = Some(next);
         Ok(None)
+    }
+
+    /// The request field its constraint stands for, in errors.
+    fn what(&self) -> String {
+        if self.job.tools { "tool_choice" } else { "response_format" }.to_string()
     }
 
     /// Sends a piece (nothing when empty); false when the caller has gone.
@@ -221,6 +274,7 @@ impl<'f> Seq<'f> {
             return true;
         }
         let logprobs = self.unsent_logprobs();
+        self.job.unread.fetch_add(1, Ordering::Relaxed);
         self.job.events.send(Event::Text { choice: self.job.choice, text, reasoning, logprobs }).is_ok()
     }
 
@@ -342,9 +396,20 @@ pub(crate) fn run(shared: &Shared, rx: mpsc::Receiver<Command>) {
         }
         s.drop_cancelled();
         s.admit();
-        s.prefill_one_chunk();
-        s.decode_step();
+        let mut busy = s.take_masks();
+        busy |= s.prefill_one_chunk();
+        busy |= s.decode_step();
         s.publish();
+        if !busy {
+            // Every running sequence waits (for its mask, or for its caller to read): wait for
+            // a new request or a moment, then look again.
+            match rx.recv_timeout(Duration::from_millis(2)) {
+                Ok(Command::Submit(job)) => s.waiting.push_back(Seq::new(job, family)),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) if s.running.is_empty() && s.waiting.is_empty() => return,
+                Err(mpsc::RecvTimeoutError::Disconnected) => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
     }
 }
 
@@ -447,7 +512,9 @@ impl<'f> Scheduler<'f> {
             let more = need.saturating_sub(seq.cache.bytes());
             self.make_room(more);
             seq.cache.reserve(seq.ids.len() + 1);
-            let resume = seq.pending.is_some();
+            // Its next token known (or its logits held for a mask): only the fed ids are
+            // prefilled again.
+            let resume = seq.pending.is_some() || seq.held.is_some();
             seq.phase = Phase::Prefill { resume };
             self.admissions += 1;
             seq.admitted = self.admissions;
@@ -455,9 +522,36 @@ impl<'f> Scheduler<'f> {
         }
     }
 
-    /// One chunk of the earliest admitted prompt still prefilling.
-    fn prefill_one_chunk(&mut self) {
-        let Some(i) = self.running.iter().position(|s| matches!(s.phase, Phase::Prefill { .. })) else { return };
+    /// Sequences whose next mask has arrived pick their token from the logits they held.
+    /// Returns whether any did.
+    fn take_masks(&mut self) -> bool {
+        let mut any = false;
+        let mut done = Vec::new();
+        for (i, seq) in self.running.iter_mut().enumerate() {
+            if !seq.mask_arrived() {
+                continue;
+            }
+            any = true;
+            let logits = seq.held.take().expect("held");
+            match seq.accept(logits) {
+                Ok(None) => {}
+                Ok(Some(f)) => done.push((i, Ok(f))),
+                Err(e) => done.push((i, Err(e))),
+            }
+        }
+        for (i, outcome) in done.into_iter().rev() {
+            let seq = self.running.remove(i);
+            match outcome {
+                Ok(f) => self.finish(seq, f),
+                Err(e) => self.fail(seq, e),
+            }
+        }
+        any
+    }
+
+    /// One chunk of the earliest admitted prompt still prefilling; false when none is.
+    fn prefill_one_chunk(&mut self) -> bool {
+        let Some(i) = self.running.iter().position(|s| matches!(s.phase, Phase::Prefill { .. })) else { return false };
         let chunk = self.shared.opts.prefill_chunk;
         let mut pending_forks = None;
         let seq = &mut self.running[i];
@@ -465,7 +559,8 @@ impl<'f> Scheduler<'f> {
         let t = Instant::now();
         let p = &seq.job.prepared;
         crate::progress::report("prefill", "tokens", seq.cache.len(), seq.ids.len());
-        let result = self.family.prefill(&seq.ids, &p.media, &seq.job.encoded.features, &mut seq.cache, end);
+        let result =
+            self.family.prefill(&seq.ids, seq.prompt_len, &p.media, &seq.job.encoded.features, &mut seq.cache, end);
         crate::progress::report("prefill", "tokens", end, seq.ids.len());
         seq.prefill_time += t.elapsed();
         let outcome = match result {
@@ -503,6 +598,7 @@ impl<'f> Scheduler<'f> {
                 self.fail(seq, e);
             }
         }
+        true
     }
 
     /// Starts `forks` from the prefilled sequence at `i`: each gets a copy of its cache and picks
@@ -524,6 +620,7 @@ impl<'f> Scheduler<'f> {
                     tools: parent.job.tools,
                     reasoning: parent.job.reasoning,
                     events: parent.job.events.clone(),
+                    unread: parent.job.unread.clone(),
                     cancel: parent.job.cancel.clone(),
                     t0: parent.job.t0,
                 };
@@ -594,14 +691,18 @@ impl<'f> Scheduler<'f> {
         }
     }
 
-    /// One token for every decoding sequence, in one batched call.
-    fn decode_step(&mut self) {
+    /// One token for every decoding sequence (not paused), in one batched call; false when there
+    /// was none.
+    fn decode_step(&mut self) -> bool {
         self.grow_caches();
         let rows: Vec<usize> = (0..self.running.len())
-            .filter(|&i| self.running[i].phase == Phase::Decode && self.running[i].pending.is_some())
+            .filter(|&i| {
+                let s = &self.running[i];
+                s.phase == Phase::Decode && s.pending.is_some() && !s.paused()
+            })
             .collect();
         if rows.is_empty() {
-            return;
+            return false;
         }
         let tokens: Vec<u32> = rows.iter().map(|&i| self.running[i].pending.expect("filtered")).collect();
         let mut caches: Vec<&mut SeqCache> =
@@ -620,7 +721,7 @@ impl<'f> Scheduler<'f> {
                     let err = crate::Error::Input { what: "decode".into(), message: msg.clone() };
                     self.fail(seq, err);
                 }
-                return;
+                return true;
             }
         };
         let mut done = Vec::new();
@@ -641,6 +742,7 @@ impl<'f> Scheduler<'f> {
                 Err(e) => self.fail(seq, e),
             }
         }
+        true
     }
 
     fn publish(&self) {

@@ -126,7 +126,7 @@ impl Processor {
         let input_ids = self.prompt_ids(messages, tools, &serde_json::Map::new(), images, videos)?;
         let images = (!images.is_empty()).then(|| self.images.batch(images, device)).transpose()?;
         let videos = (!videos.is_empty()).then(|| self.videos.batch(videos, device)).transpose()?;
-        Ok(Prompt { input_ids, images, videos })
+        Ok(Prompt { input_ids, images, videos, generated_from: None })
     }
 
     /// The prompt's token ids (`prepare_media` without the pixel tensors).

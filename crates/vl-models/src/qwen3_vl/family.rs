@@ -376,6 +376,7 @@ impl Family for Qwen3Vl {
     fn prefill(
         &self,
         ids: &[u32],
+        prompt_len: usize,
         media: &[Media],
         features: &[VisionOutput],
         cache: &mut SeqCache,
@@ -389,7 +390,7 @@ impl Family for Qwen3Vl {
         };
         let (images, videos) = (of(MediaKind::Image), of(MediaKind::Video));
         let model = super::model::TextSide { cfg: &self.config, text };
-        let prompt = Prompt { input_ids: ids.to_vec(), images: None, videos: None };
+        let prompt = Prompt { input_ids: ids.to_vec(), images: None, videos: None, generated_from: Some(prompt_len) };
         let out = model.prefill_until(&prompt, images.as_ref(), videos.as_ref(), cache, end, &mut |_, _| {})?;
         if end < ids.len() {
             return Ok(None);
@@ -545,9 +546,13 @@ fn lock_clips(c: &Mutex<ClipCache>) -> std::sync::MutexGuard<'_, ClipCache> {
     c.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// What identifies a video's sampled frames: a regular file's canonical path, size and
-/// modification time, or the bytes' SHA-256; and the processor's settings. None for frame
-/// directories (a frame can change without the directory's time changing) and unreadable files.
+/// What identifies a video's sampled frames: a regular file's canonical path, device, inode,
+/// size, modification time and status-change time, or the bytes' SHA-256; and the processor's
+/// settings. The status-change time (`ctime`) is what a copy cannot keep: `cp -p`, `rsync -a` and
+/// `tar x` set the old modification time on a new file, but every write, rename into place or
+/// metadata change sets `ctime` to now, and no call sets it back. None for frame directories (a
+/// frame can change without the directory's times changing), unreadable files and systems
+/// without `ctime` (no cache there rather than a stale one).
 fn clip_key(source: &VideoData, proc: &VideoProcessor) -> Option<[u8; 32]> {
     let mut h = Sha256::new();
     match source {
@@ -558,6 +563,7 @@ fn clip_key(source: &VideoData, proc: &VideoProcessor) -> Option<[u8; 32]> {
             h.update(std::fs::canonicalize(p).ok()?.as_os_str().as_encoded_bytes());
             h.update(meta.len().to_le_bytes());
             h.update(since.as_nanos().to_le_bytes());
+            h.update(file_identity(&meta)?);
         }
         VideoData::Bytes(b) => {
             h.update(b"bytes\0");
@@ -566,6 +572,23 @@ fn clip_key(source: &VideoData, proc: &VideoProcessor) -> Option<[u8; 32]> {
     }
     h.update(format!("{:?}", proc.config).as_bytes());
     Some(h.finalize().into())
+}
+
+/// A file's device, inode and status-change time (seconds and nanoseconds), as bytes.
+#[cfg(unix)]
+fn file_identity(meta: &std::fs::Metadata) -> Option<Vec<u8>> {
+    use std::os::unix::fs::MetadataExt;
+    Some(
+        [meta.dev(), meta.ino(), meta.ctime() as u64, meta.ctime_nsec() as u64]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+    )
+}
+
+#[cfg(not(unix))]
+fn file_identity(_: &std::fs::Metadata) -> Option<Vec<u8>> {
+    None
 }
 
 /// The engine's pixel budgets, video settings and input limits on the checkpoint's processors.

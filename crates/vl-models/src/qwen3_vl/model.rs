@@ -25,6 +25,10 @@ pub struct Prompt {
     pub input_ids: Vec<u32>,
     pub images: Option<VisionInput>,
     pub videos: Option<VisionInput>,
+    /// Where the ids the model generated begin (a preempted sequence prefilled again with its
+    /// answer so far): those are text whatever their value, never media placeholders. `None`:
+    /// every id is the prompt's.
+    pub generated_from: Option<usize>,
 }
 
 /// The state a prompt leaves for decoding.
@@ -228,7 +232,9 @@ impl TextSide<'_> {
                 message: format!("{} tokens exceed the model's context of {max}", ids.len()),
             });
         }
-        let types = token_types(ids, self.cfg.image_token_id, self.cfg.video_token_id);
+        let media_end = prompt.generated_from.map_or(ids.len(), |g| g.min(ids.len()));
+        let mut types = token_types(&ids[..media_end], self.cfg.image_token_id, self.cfg.video_token_id);
+        types.resize(ids.len(), TokenType::Text);
         // Grids from the encoded features when given, else from the prompt's inputs.
         let grids = |enc: Option<&VisionOutput>, inp: &Option<VisionInput>| {
             enc.map(|o| o.grids.clone()).or_else(|| inp.as_ref().map(|v| v.grids.clone())).unwrap_or_default()

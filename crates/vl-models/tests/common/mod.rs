@@ -104,7 +104,7 @@ pub fn prompt(case: &str) -> Prompt {
             .collect();
         VisionInput { pixels: Tensor::cat(&px, 0).unwrap(), grids: grids(&t["image_grid_thw"]) }
     });
-    Prompt { input_ids: ids, images, videos: None }
+    Prompt { input_ids: ids, images, videos: None, generated_from: None }
 }
 
 /// A golden prompt's messages (prompts/<case>.json) as the chat template takes them.
