@@ -1,11 +1,13 @@
 //! `vl chat`: a multi-turn conversation in the terminal on the resident engine. The history is
 //! kept; prefix reuse makes each turn prefill only its new tokens. `/image PATH` (`/video PATH`)
 //! attaches an image (a video) to the next message, `/save FILE` and `/load FILE` write and read
-//! the conversation (OpenAI's message list as JSON), `/reset` starts over, `/exit` (or end of
-//! input) quits. On a terminal the line is edited with rustyline, Ctrl-C stops the answer being
-//! written (the conversation keeps what was written), and Ctrl-C twice at the prompt or Ctrl-D
-//! exits; piped input is read one message per line.
+//! the conversation (OpenAI's message list as JSON; a loaded one carries media as data URLs,
+//! and reads no local file the user did not attach in this session: `load`), `/reset` starts
+//! over, `/exit` (or end of input) quits. On a terminal the line is edited with rustyline,
+//! Ctrl-C stops the answer being written (the conversation keeps what was written), and Ctrl-C
+//! twice at the prompt or Ctrl-D exits; piped input is read one message per line.
 
+use std::collections::HashSet;
 use std::io::{BufRead, IsTerminal, Read as _, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,7 +19,7 @@ use base64::Engine as _;
 use clap::Args;
 use serde_json::{json, Value};
 use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
-use vl_models::limits::LimitKind;
+use vl_models::limits::{ImageLimits, LimitKind};
 use vl_models::sampling::GenerationOptions;
 
 use crate::note;
@@ -189,6 +191,8 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let start = || args.system.iter().map(|s| ChatMessage::text("system", s)).collect::<Vec<_>>();
     let mut history = start();
     let mut pending: Vec<Part> = Vec::new();
+    // The media files attached in this session (canonical): the only local files `/load` reads.
+    let mut attached: HashSet<PathBuf> = HashSet::new();
     let out_is_terminal = std::io::stdout().is_terminal();
     let mut out = std::io::stdout().lock();
     let mut interrupted_at_prompt = false;
@@ -224,11 +228,13 @@ pub fn chat(args: ChatArgs) -> Result<()> {
                 "image" if !arg.is_empty() => {
                     let path = PathBuf::from(arg);
                     let read = check_media("image", &path).and_then(|_| {
-                        vl_models::limits::read_bytes(&path, limits.max_file_bytes, LimitKind::ImageBytes)
-                            .map_err(anyhow::Error::new)
+                        let data = vl_models::limits::read_bytes(&path, limits.max_file_bytes, LimitKind::ImageBytes)?;
+                        // Refused here, not by every later turn.
+                        check_image(data, arg, &limits)
                     });
                     match read {
                         Ok(data) => {
+                            attached.extend(std::fs::canonicalize(&path));
                             pending.push(Part::Image {
                                 data,
                                 name: arg.to_string(),
@@ -244,6 +250,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
                     let path = PathBuf::from(arg);
                     match check_media("video", &path) {
                         Ok(()) => {
+                            attached.extend(std::fs::canonicalize(&path));
                             pending.push(Part::Video {
                                 source: VideoData::Path(path),
                                 name: arg.to_string(),
@@ -258,7 +265,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
                     Ok(()) => note!("(saved {} messages to {arg})", history.len()),
                     Err(e) => note!("error: /save {arg}: {e:#}"),
                 },
-                "load" if !arg.is_empty() => match load(Path::new(arg), limits.max_file_bytes) {
+                "load" if !arg.is_empty() => match load(Path::new(arg), &limits, &attached) {
                     Ok(messages) => {
                         note!("(loaded {} messages from {arg})", messages.len());
                         history = messages;
@@ -362,7 +369,13 @@ fn save(path: &Path, history: &[ChatMessage]) -> Result<()> {
                         json!({"type": "video_url", "video_url": {"url": format!("file://{}", abs.display())}})
                     }
                     Part::Video { source: VideoData::Bytes(b), .. } => {
-                        json!({"type": "video_url", "video_url": {"url": format!("data:video/mp4;base64,{}", b64(b))}})
+                        // An animated image keeps its own type; anything else goes as video/mp4.
+                        use image::ImageFormat::{Gif, Png, WebP};
+                        let mime = match image::guess_format(b) {
+                            Ok(f @ (Gif | Png | WebP)) => f.to_mime_type(),
+                            _ => "video/mp4",
+                        };
+                        json!({"type": "video_url", "video_url": {"url": format!("data:{mime};base64,{}", b64(b))}})
                     }
                 });
             }
@@ -378,8 +391,10 @@ fn save(path: &Path, history: &[ChatMessage]) -> Result<()> {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    let mut tmp =
-        tempfile::NamedTempFile::new_in(dir).with_context(|| format!("creating a file in {}", dir.display()))?;
+    // tempfile's errors name the temporary file: only the kind is said.
+    let mut tmp = tempfile::Builder::new().prefix(".vl-chat-").tempfile_in(dir).map_err(|e| {
+        anyhow::anyhow!("cannot create a file in {}: {}", dir.display(), std::io::Error::from(e.kind()))
+    })?;
     let mut w = std::io::BufWriter::new(tmp.as_file_mut());
     serde_json::to_writer_pretty(&mut w, &Value::Array(messages))?;
     w.flush()?;
@@ -390,9 +405,16 @@ fn save(path: &Path, history: &[ChatMessage]) -> Result<()> {
 }
 
 /// A conversation `save` wrote, or any OpenAI message list (`[...]` or `{"messages": [...]}`):
-/// roles system, user and assistant; text, `image_url` and `video_url` parts whose URLs are
-/// data URLs, file URLs or paths.
-fn load(path: &Path, max_media_bytes: u64) -> Result<Vec<ChatMessage>> {
+/// roles system, user and assistant; text, `image_url` and `video_url` parts.
+///
+/// The media rule (the server's, with no `--allowed-media-dir`): a loaded conversation carries
+/// media as data URLs, what `save` writes: `image_url` as `data:image/*` whose bytes decode as an
+/// image within `limits`, `video_url` as `data:video/*` (or `data:image/*`, an animated image).
+/// Nothing is read that the user did not name in this session: a path or `file://` URL is
+/// taken only when it is a file attached with `/image` or `/video` in this chat (`attached`,
+/// canonical paths); any other path, `file:`, `http(s):` or other URL is refused, naming the
+/// message and the scheme. On any refusal nothing of the file is kept.
+fn load(path: &Path, limits: &ImageLimits, attached: &HashSet<PathBuf>) -> Result<Vec<ChatMessage>> {
     check_media("file", path)?;
     let text = vl_models::limits::read_bytes(path, MAX_CONVERSATION_BYTES, LimitKind::Fixed)?;
     let v: Value = serde_json::from_slice(&text).context("not JSON")?;
@@ -416,7 +438,7 @@ fn load(path: &Path, max_media_bytes: u64) -> Result<Vec<ChatMessage>> {
             Value::Array(items) => items
                 .iter()
                 .enumerate()
-                .map(|(j, p)| part(p, &format!("{at}.content[{j}]"), max_media_bytes))
+                .map(|(j, p)| part(p, &format!("{at}.content[{j}]"), limits, attached))
                 .collect::<Result<_>>()?,
             Value::Null => vec![],
             _ => bail!("{at}.content: expected a string or a list of parts"),
@@ -432,7 +454,7 @@ fn load(path: &Path, max_media_bytes: u64) -> Result<Vec<ChatMessage>> {
     Ok(out)
 }
 
-fn part(p: &Value, at: &str, max_media_bytes: u64) -> Result<Part> {
+fn part(p: &Value, at: &str, limits: &ImageLimits, attached: &HashSet<PathBuf>) -> Result<Part> {
     let kind = p["type"].as_str().with_context(|| format!("{at}.type is missing"))?;
     let url = |key: &str| -> Result<String> {
         let u = &p[key];
@@ -441,26 +463,25 @@ fn part(p: &Value, at: &str, max_media_bytes: u64) -> Result<Part> {
     match kind {
         "text" => Ok(Part::Text(p["text"].as_str().with_context(|| format!("{at}.text is missing"))?.to_string())),
         "image_url" => {
-            let url = url("image_url")?;
-            let data = match media_url(&url, at)? {
-                Media::Bytes(b) => b,
+            let (data, name) = match media_url(&url("image_url")?, at, "image", limits.max_file_bytes, attached)? {
+                Media::Bytes(b) => (b, "data".to_string()),
                 Media::Path(path) => {
-                    check_media("image", &path)?;
-                    vl_models::limits::read_bytes(&path, max_media_bytes, LimitKind::ImageBytes)?
+                    let data = vl_models::limits::read_regular(&path, limits.max_file_bytes, LimitKind::ImageBytes)
+                        .with_context(|| at.to_string())?;
+                    (data, path.display().to_string())
                 }
             };
-            if data.len() as u64 > max_media_bytes {
-                bail!("{at}: image of {} bytes exceeds the limit of {max_media_bytes} bytes", data.len());
-            }
-            Ok(Part::Image { data, name: at.to_string(), min_pixels: None, max_pixels: None })
+            Ok(Part::Image {
+                data: check_image(data, &name, limits).with_context(|| at.to_string())?,
+                name: at.to_string(),
+                min_pixels: None,
+                max_pixels: None,
+            })
         }
         "video_url" => {
-            let source = match media_url(&url("video_url")?, at)? {
+            let source = match media_url(&url("video_url")?, at, "video", MAX_CONVERSATION_BYTES, attached)? {
                 Media::Bytes(b) => VideoData::Bytes(b),
-                Media::Path(path) => {
-                    check_media("video", &path)?;
-                    VideoData::Path(path)
-                }
+                Media::Path(path) => VideoData::Path(path),
             };
             Ok(Part::Video { source, name: at.to_string(), options: Default::default() })
         }
@@ -468,21 +489,282 @@ fn part(p: &Value, at: &str, max_media_bytes: u64) -> Result<Part> {
     }
 }
 
+/// `data` as an image the engine will take: a known format whose header is within `limits` and
+/// whose pixels decode. `name` stands for it in the error.
+fn check_image(data: Vec<u8>, name: &str, limits: &ImageLimits) -> Result<Vec<u8>> {
+    vl_models::image_file::ImageFile::from_bytes(data.clone(), Path::new(name), limits)?.decode()?;
+    Ok(data)
+}
+
 enum Media {
     Bytes(Vec<u8>),
+    /// A file this session attached (canonical).
     Path(PathBuf),
 }
 
-fn media_url(url: &str, at: &str) -> Result<Media> {
-    if let Some(rest) = url.strip_prefix("data:") {
-        let (_, b64) = rest.split_once(";base64,").with_context(|| format!("{at}: a data URL without ;base64,"))?;
+/// The scheme of `url` (`http` of `http://...`), if it has one: letters first, then letters,
+/// digits, `+`, `-` or `.`, before a colon.
+fn scheme(url: &str) -> Option<&str> {
+    let (s, _) = url.split_once(':')?;
+    let mut chars = s.chars();
+    (chars.next()?.is_ascii_alphabetic() && chars.all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))).then_some(s)
+}
+
+/// A media URL of a loaded conversation under `load`'s rule; `what` is "image" or "video".
+fn media_url(url: &str, at: &str, what: &str, max_bytes: u64, attached: &HashSet<PathBuf>) -> Result<Media> {
+    let rule = "a loaded conversation carries media as data URLs (what /save writes)";
+    if let Some(rest) = url.get(..5).filter(|p| p.eq_ignore_ascii_case("data:")).map(|_| &url[5..]) {
+        let (meta, payload) = rest.split_once(',').with_context(|| format!("{at}: a data: URL without a comma"))?;
+        let Some(mime) = meta.strip_suffix(";base64") else {
+            bail!("{at}: a data: URL that is not base64 (only `data:TYPE;base64,...` is read)");
+        };
+        let mime = mime.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+        let fits = match what {
+            "image" => mime.starts_with("image/"),
+            _ => mime.starts_with("video/") || mime.starts_with("image/"),
+        };
+        if !fits {
+            let want = if what == "image" {
+                "an image_url carries image/* data"
+            } else {
+                "a video_url carries video/* or image/* data"
+            };
+            bail!("{at}: a data: URL of type {:?} refused: {want}", truncate(&mime, 64));
+        }
+        if payload.len() as u64 / 4 * 3 > max_bytes + 3 {
+            bail!(
+                "{at}: the {what} is about {} bytes, over the limit of {max_bytes} bytes",
+                payload.len() as u64 / 4 * 3
+            );
+        }
         let bytes = base64::engine::general_purpose::STANDARD
-            .decode(b64.trim())
-            .with_context(|| format!("{at}: invalid base64 in the data URL"))?;
+            .decode(payload.trim())
+            .with_context(|| format!("{at}: invalid base64 in the data: URL"))?;
+        if bytes.is_empty() {
+            bail!("{at}: an empty data: URL");
+        }
         return Ok(Media::Bytes(bytes));
     }
-    if url.starts_with("http://") || url.starts_with("https://") {
-        bail!("{at}: {url}: vl chat reads local files and data URLs, not the network");
+    let (local, how) = match scheme(url) {
+        Some(s) if s.eq_ignore_ascii_case("file") => {
+            match url.get(7..).filter(|_| url[..7].eq_ignore_ascii_case("file://")) {
+                Some(p) => (p, "a file: URL"),
+                None => bail!("{at}: a malformed file: URL refused: {rule}"),
+            }
+        }
+        Some(s) if s.eq_ignore_ascii_case("http") || s.eq_ignore_ascii_case("https") => {
+            bail!("{at}: an {}: URL refused: {rule}; vl chat reads nothing from the network", s.to_ascii_lowercase())
+        }
+        Some(s) => bail!("{at}: a {}: URL refused: {rule}", truncate(&s.to_ascii_lowercase(), 32)),
+        None => (url, "a local path (no URL scheme)"),
+    };
+    // Only a file the user attached in this session: compared after resolving links, and the
+    // same answer whether or not the path exists.
+    match std::fs::canonicalize(local) {
+        Ok(real) if !local.is_empty() && attached.contains(&real) => Ok(Media::Path(real)),
+        _ => bail!(
+            "{at}: {how} refused: {rule}; a local {what} is read only when attached in this chat with /{what} PATH ({:?})",
+            truncate(local, 200)
+        ),
     }
-    Ok(Media::Path(PathBuf::from(url.strip_prefix("file://").unwrap_or(url))))
+}
+
+/// `s` cut to at most `n` characters (for echoing untrusted text in one line).
+fn truncate(s: &str, n: usize) -> String {
+    match s.char_indices().nth(n) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn golden_image(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../goldens/images").join(name)
+    }
+
+    fn b64(data: &[u8]) -> String {
+        base64::engine::general_purpose::STANDARD.encode(data)
+    }
+
+    /// A conversation of one user message: a `kind` part (`image_url`, `video_url`) with `url`,
+    /// then text; loaded as `/load` loads it.
+    fn load_one(kind: &str, url: &str, attached: &HashSet<PathBuf>) -> Result<Vec<ChatMessage>> {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("conv.json");
+        let conv = json!([
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": kind, kind: {"url": url}}, {"type": "text", "text": "hi"}]},
+        ]);
+        std::fs::write(&file, conv.to_string()).unwrap();
+        load(&file, &ImageLimits::default(), attached)
+    }
+
+    /// The error as the chat prints it: one line.
+    fn refusal(kind: &str, url: &str, attached: &HashSet<PathBuf>) -> String {
+        let e = match load_one(kind, url, attached) {
+            Ok(m) => panic!("{kind} {:?} was accepted: {} messages", truncate(url, 80), m.len()),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(!e.contains('\n'), "{e:?}");
+        assert!(e.starts_with("messages[1].content[0]"), "{e}");
+        e
+    }
+
+    /// Bytes from a fixed-seed generator (xorshift), for garbage images.
+    fn noise(seed: u64, n: usize) -> Vec<u8> {
+        let mut x = seed.max(1);
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    #[test]
+    fn load_refuses_local_files_and_urls_it_was_not_given() {
+        let dir = tempfile::tempdir().unwrap();
+        let secret = dir.path().join("secret.png");
+        std::fs::copy(golden_image("square.png"), &secret).unwrap();
+        let s = secret.display().to_string();
+        // Nothing attached in this session.
+        let none = HashSet::new();
+        let cases = [
+            ("file:///etc/passwd".to_string(), "a file: URL refused"),
+            (format!("file://{s}"), "a file: URL refused"),
+            ("FILE:///etc/passwd".to_string(), "a file: URL refused"),
+            ("file:/etc/passwd".to_string(), "a malformed file: URL refused"),
+            ("/etc/passwd".to_string(), "a local path (no URL scheme) refused"),
+            (s.clone(), "a local path (no URL scheme) refused"),
+            ("secret.png".to_string(), "a local path (no URL scheme) refused"),
+            ("../../goldens/images/square.png".to_string(), "a local path (no URL scheme) refused"),
+            ("/no/such/file.png".to_string(), "a local path (no URL scheme) refused"),
+            ("http://127.0.0.1:9/x.png".to_string(), "an http: URL refused"),
+            ("https://example.invalid/x.png".to_string(), "an https: URL refused"),
+            ("ftp://example.invalid/x.png".to_string(), "a ftp: URL refused"),
+        ];
+        for kind in ["image_url", "video_url"] {
+            for (url, want) in &cases {
+                let e = refusal(kind, url, &none);
+                assert!(e.contains(want), "{kind} {url}: {e}");
+                assert!(e.contains("data URLs"), "{kind} {url}: {e}");
+            }
+        }
+        // The same path attached as another file is still refused: only the attached file counts.
+        let other = dir.path().join("other.png");
+        std::fs::copy(golden_image("square.png"), &other).unwrap();
+        let attached: HashSet<PathBuf> = [std::fs::canonicalize(&other).unwrap()].into();
+        assert!(refusal("image_url", &format!("file://{s}"), &attached).contains("a file: URL refused"));
+    }
+
+    #[test]
+    fn load_refuses_data_urls_that_are_not_media_that_decode() {
+        let none = HashSet::new();
+        let png = std::fs::read(golden_image("square.png")).unwrap();
+        let mut cases: Vec<(String, &str, &str)> = vec![
+            (format!("data:text/plain;base64,{}", b64(b"hello")), "image_url", "of type \"text/plain\" refused"),
+            (format!("data:text/plain;base64,{}", b64(b"hello")), "video_url", "of type \"text/plain\" refused"),
+            (
+                format!("data:application/json;base64,{}", b64(b"{}")),
+                "image_url",
+                "refused: an image_url carries image/*",
+            ),
+            (format!("data:;base64,{}", b64(&png)), "image_url", "of type \"\" refused"),
+            (format!("data:video/mp4;base64,{}", b64(&png)), "image_url", "of type \"video/mp4\" refused"),
+            ("data:image/png,not-base64".into(), "image_url", "not base64"),
+            ("data:image/png;base64".into(), "image_url", "without a comma"),
+            ("data:image/png;base64,!!!!".into(), "image_url", "invalid base64"),
+            ("data:image/png;base64,".into(), "image_url", "empty data: URL"),
+            ("data:video/mp4;base64,".into(), "video_url", "empty data: URL"),
+        ];
+        // Garbage under an image type: seeded noise, noise after a PNG signature, and a real PNG
+        // cut short at a few lengths.
+        let mut garbage: Vec<Vec<u8>> = (1..=4u64).map(|seed| noise(seed, 64 << seed)).collect();
+        for seed in 5..=7u64 {
+            let mut b = png[..8].to_vec();
+            b.extend(noise(seed, 512));
+            garbage.push(b);
+        }
+        for cut in [16, 33, png.len() / 2, png.len() - 13] {
+            garbage.push(png[..cut].to_vec());
+        }
+        let urls: Vec<String> = garbage.iter().map(|g| format!("data:image/png;base64,{}", b64(g))).collect();
+        for url in &urls {
+            cases.push((url.clone(), "image_url", "messages[1].content[0]: image data: "));
+        }
+        for (url, kind, want) in &cases {
+            let e = refusal(kind, url, &none);
+            assert!(e.contains(want), "{kind} {}: {e}", truncate(url, 60));
+        }
+    }
+
+    #[test]
+    fn load_takes_data_urls_and_the_files_attached_in_this_session() {
+        let none = HashSet::new();
+        let png = std::fs::read(golden_image("square.png")).unwrap();
+        let gif = std::fs::read(golden_image("anim.gif")).unwrap();
+        let m = load_one("image_url", &format!("data:image/png;base64,{}", b64(&png)), &none).unwrap();
+        assert!(matches!(&m[1].parts[0], Part::Image { data, .. } if *data == png));
+        // The type names an image; the bytes decide which (as the engine decodes them).
+        let m = load_one("image_url", &format!("data:image/jpeg;base64,{}", b64(&png)), &none).unwrap();
+        assert!(matches!(&m[1].parts[0], Part::Image { .. }));
+        let m = load_one("video_url", &format!("data:video/mp4;base64,{}", b64(b"\0\0\0\x18ftypmp42")), &none).unwrap();
+        assert!(matches!(&m[1].parts[0], Part::Video { source: VideoData::Bytes(_), .. }));
+        let m = load_one("video_url", &format!("data:image/gif;base64,{}", b64(&gif)), &none).unwrap();
+        assert!(matches!(&m[1].parts[0], Part::Video { source: VideoData::Bytes(b), .. } if *b == gif));
+        // A file attached with /image (or /video) in this session: by path, file URL or a link.
+        let dir = tempfile::tempdir().unwrap();
+        let pic = dir.path().join("pic.png");
+        std::fs::write(&pic, &png).unwrap();
+        std::os::unix::fs::symlink(&pic, dir.path().join("link.png")).unwrap();
+        let attached: HashSet<PathBuf> = [std::fs::canonicalize(&pic).unwrap()].into();
+        for url in [
+            pic.display().to_string(),
+            format!("file://{}", pic.display()),
+            dir.path().join("link.png").display().to_string(),
+        ] {
+            let m = load_one("image_url", &url, &attached).unwrap();
+            assert!(matches!(&m[1].parts[0], Part::Image { data, .. } if *data == png), "{url}");
+            let m = load_one("video_url", &url, &attached).unwrap();
+            assert!(matches!(&m[1].parts[0], Part::Video { source: VideoData::Path(_), .. }), "{url}");
+        }
+    }
+
+    #[test]
+    fn save_writes_what_load_takes_back() {
+        let png = std::fs::read(golden_image("square.png")).unwrap();
+        let gif = std::fs::read(golden_image("anim.gif")).unwrap();
+        let history = vec![
+            ChatMessage::new(
+                "user",
+                vec![
+                    Part::Image { data: png.clone(), name: "x".into(), min_pixels: None, max_pixels: None },
+                    Part::Video {
+                        source: VideoData::Bytes(gif.clone()),
+                        name: "y".into(),
+                        options: Default::default(),
+                    },
+                    Part::Text("hi".into()),
+                ],
+            ),
+            ChatMessage::text("assistant", "hello"),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("conv.json");
+        save(&file, &history).unwrap();
+        // Only the file: no temporary one left beside it.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        let back = load(&file, &ImageLimits::default(), &HashSet::new()).unwrap();
+        assert_eq!(back.len(), 2);
+        assert!(matches!(&back[0].parts[0], Part::Image { data, .. } if *data == png));
+        assert!(matches!(&back[0].parts[1], Part::Video { source: VideoData::Bytes(b), .. } if *b == gif));
+        // Into a missing directory: one line, no temporary file's name in it.
+        let e = format!("{:#}", save(&dir.path().join("none/conv.json"), &history).unwrap_err());
+        assert!(e.starts_with("cannot create a file in") && !e.contains(".vl-chat-") && !e.contains('\n'), "{e}");
+    }
 }

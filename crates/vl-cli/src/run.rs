@@ -237,9 +237,15 @@ pub struct RunArgs {
     #[arg(long, value_enum, default_value = "auto")]
     grounding: Grounding,
     /// Draw the answer's boxes and points (with labels, in distinct colours) on the first image,
-    /// at the image's own size, into this PNG file; stderr says how many were drawn.
+    /// at the image's own size, into this PNG file; stderr says how many were drawn. Checked
+    /// before any work: never an input file, a directory or in a missing directory; an existing
+    /// file only with --force.
     #[arg(long, value_name = "OUT.png")]
     draw_boxes: Option<PathBuf>,
+    /// Replace an existing --draw-boxes file (without it, an existing file is refused before the
+    /// model is loaded). An input file is never replaced.
+    #[arg(long)]
+    force: bool,
     #[command(flatten)]
     reasoning: crate::reasoning::ReasoningArgs,
 }
@@ -251,28 +257,93 @@ pub enum Grounding {
     Off,
 }
 
-/// The PNG `--draw-boxes` names: a temporary file beside it, created before any work (an
-/// unwritable place fails first), renamed over it once drawn (never a half-written image).
+/// The PNG `--draw-boxes` names, checked before any work (`check_output`); written at the end
+/// to a temporary file beside it, then renamed over it (never a half-written image; the
+/// temporary file is removed on any error, and no message names it).
 struct BoxesOut {
     path: PathBuf,
-    tmp: tempfile::NamedTempFile,
+    force: bool,
+}
+
+/// The directory a file `path` goes in.
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    }
+}
+
+/// An io error without the path tempfile adds to it (the temporary file's name).
+fn plain(e: std::io::Error) -> std::io::Error {
+    std::io::Error::from(e.kind())
+}
+
+/// Whether `a` and `b` are one file: the same canonical path, or the same device and inode (a
+/// hard link, or a symbolic link to it).
+fn same_file(a: &Path, b: &Path) -> bool {
+    if let (Ok(x), Ok(y)) = (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        if x == y {
+            return true;
+        }
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {
+            return x.dev() == y.dev() && x.ino() == y.ino();
+        }
+    }
+    false
+}
+
+/// Refuses (one line naming `flag` and `path`) an output file that is one of `inputs` (what,
+/// path): an existing `path` that is the same file as an input.
+fn check_not_input(flag: &str, path: &Path, inputs: &[(&str, &Path)]) -> Result<()> {
+    // A link (even a dangling one) counts as there.
+    if std::fs::symlink_metadata(path).is_ok() {
+        if let Some((what, p)) = inputs.iter().find(|(_, p)| same_file(path, p)) {
+            bail!(
+                "{flag} {}: is the input {what} {}; name another file (an input is never replaced)",
+                path.display(),
+                p.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Checks the file an output flag names before any work, each refusal one line naming `flag`
+/// and `path`: not a directory, in an existing directory, not one of `inputs` (what, path),
+/// unless `force` not an existing file, and a file can be created beside it (a probe, removed).
+fn check_output(flag: &str, path: &Path, inputs: &[(&str, &Path)], force: bool) -> Result<()> {
+    let shown = path.display();
+    if path.is_dir() {
+        bail!("{flag} {shown}: is a directory; name a file");
+    }
+    let dir = parent_dir(path);
+    if !dir.is_dir() {
+        let why = if dir.exists() { "is not a directory" } else { "does not exist" };
+        bail!("{flag} {shown}: cannot create it: the directory {} {why}", dir.display());
+    }
+    check_not_input(flag, path, inputs)?;
+    if !force && std::fs::symlink_metadata(path).is_ok() {
+        bail!("{flag} {shown}: exists; pass --force to replace it");
+    }
+    tempfile::Builder::new()
+        .prefix(".vl-out-")
+        .tempfile_in(dir)
+        .map_err(|e| anyhow::anyhow!("{flag} {shown}: cannot create a file in {}: {}", dir.display(), plain(e)))?;
+    Ok(())
 }
 
 impl BoxesOut {
-    fn create(path: &Path) -> Result<Self> {
+    fn create(path: &Path, inputs: &[(&str, &Path)], force: bool) -> Result<Self> {
+        check_output("--draw-boxes", path, inputs, force)?;
         let ext = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
         if ext.as_deref() != Some("png") {
             bail!("--draw-boxes {}: the drawing is written as PNG; name a .png file", path.display());
         }
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d,
-            _ => Path::new("."),
-        };
-        let tmp =
-            tempfile::Builder::new().prefix(".vl-boxes-").suffix(".png").tempfile_in(dir).with_context(|| {
-                format!("--draw-boxes {}: cannot create a file in {}", path.display(), dir.display())
-            })?;
-        Ok(Self { path: path.to_path_buf(), tmp })
+        Ok(Self { path: path.to_path_buf(), force })
     }
 
     /// Draws `text`'s shapes on the image `data` (decoded as the engine decodes it) and writes
@@ -295,16 +366,27 @@ impl BoxesOut {
         }
         let shapes = to_pixels(&parsed.shapes, g.coords, img.width() as usize, img.height() as usize, resized);
         draw(&mut img, &shapes);
-        let mut w = std::io::BufWriter::new(self.tmp.as_file());
+        let shown = self.path.display();
+        let dir = parent_dir(&self.path);
+        // Dropped (and so removed) on every error below.
+        let tmp = tempfile::Builder::new().prefix(".vl-boxes-").suffix(".png").tempfile_in(dir).map_err(|e| {
+            anyhow::anyhow!("--draw-boxes {shown}: cannot create a file in {}: {}", dir.display(), plain(e))
+        })?;
+        let mut w = std::io::BufWriter::new(tmp.as_file());
         img.write_to(&mut w, image::ImageFormat::Png)
-            .map_err(|e| anyhow::anyhow!("--draw-boxes {}: cannot write: {e}", self.path.display()))?;
+            .map_err(|e| anyhow::anyhow!("--draw-boxes {shown}: cannot write: {e}"))?;
         w.flush()
-            .and_then(|_| self.tmp.as_file().sync_all())
-            .with_context(|| format!("--draw-boxes {}", self.path.display()))?;
+            .and_then(|_| tmp.as_file().sync_all())
+            .map_err(|e| anyhow::anyhow!("--draw-boxes {shown}: cannot write: {}", plain(e)))?;
         drop(w);
-        self.tmp
-            .persist(&self.path)
-            .map_err(|e| anyhow::anyhow!("--draw-boxes {}: {}", self.path.display(), e.error))?;
+        // Without --force, a file that appeared meanwhile is not replaced either.
+        let persisted = if self.force { tmp.persist(&self.path) } else { tmp.persist_noclobber(&self.path) };
+        persisted.map_err(|e| match e.error.kind() {
+            std::io::ErrorKind::AlreadyExists if !self.force => {
+                anyhow::anyhow!("--draw-boxes {shown}: exists; pass --force to replace it")
+            }
+            _ => anyhow::anyhow!("--draw-boxes {shown}: cannot write: {}", plain(e.error)),
+        })?;
         Ok(shapes.len())
     }
 }
@@ -498,14 +580,29 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     for p in &args.videos {
         check_media("video", p)?;
     }
+    // Output files before the model is resolved (or downloaded) and loaded: never an input.
+    let mut inputs: Vec<(&str, &Path)> = args.images.iter().map(|p| ("--image", p.as_path())).collect();
+    inputs.extend(args.videos.iter().map(|p| ("--video", p.as_path())));
+    inputs.extend(args.json_schema.iter().map(|p| ("--json-schema", p.as_path())));
+    inputs.extend(args.load.mmproj.iter().map(|p| ("--mmproj", p.as_path())));
+    inputs.push(("--model", Path::new(&args.load.model)));
+    if let Some(p) = &args.logits_out {
+        // Created (truncated) before the run: never over an input. An existing file is replaced.
+        check_not_input("--logits-out", p, &inputs)?;
+    }
+    if args.draw_boxes.is_some() && args.images.is_empty() {
+        bail!("--draw-boxes draws on the first --image; give one");
+    }
+    if let (Some(b), Some(l)) = (&args.draw_boxes, &args.logits_out) {
+        if same_file(b, l) || b == l {
+            bail!("--draw-boxes {}: is the --logits-out file too; name another file", b.display());
+        }
+    }
+    let boxes_out = args.draw_boxes.as_deref().map(|p| BoxesOut::create(p, &inputs, args.force)).transpose()?;
     let dev = device(args.load.device)?;
     let dtype = dtype(args.load.dtype, &dev);
     let dir = crate::hub::resolve(&args.load.model)?;
     let logits_out = args.logits_out.as_deref().map(LogitsOut::create).transpose()?;
-    if args.draw_boxes.is_some() && args.images.is_empty() {
-        bail!("--draw-boxes draws on the first --image; give one");
-    }
-    let boxes_out = args.draw_boxes.as_deref().map(BoxesOut::create).transpose()?;
     let limits = args.load.image_limits();
     let gguf = vl_models::gguf::is_gguf(&dir);
     if !gguf && args.load.mmproj.is_some() {
