@@ -74,11 +74,12 @@ pub struct ServeArgs {
     #[arg(long, default_value = "greedy")]
     sampling: String,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (401 otherwise). Also
-    /// read from the VL_API_KEY environment variable.
+    /// read from the VL_API_KEY environment variable. Visible ASCII only (what a header carries).
     #[arg(long, env = "VL_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    /// Origins a browser page may call the API from (comma-separated, or `*`): preflight
-    /// requests are answered and responses carry Access-Control-Allow-Origin. None by default.
+    /// Origins a browser page may call the API from (comma-separated, each `*` or
+    /// scheme://host[:port]; blanks around an entry are dropped): preflight requests are answered
+    /// and responses carry Access-Control-Allow-Origin. None by default.
     #[arg(long, value_delimiter = ',')]
     cors_origins: Vec<String>,
     /// Do not serve the web chat at `/` (the API only).
@@ -147,14 +148,16 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     if args.kv_cache_mib == Some(0) {
         anyhow::bail!("--kv-cache-mib 0: the KV cache needs at least one block");
     }
-    if args.api_key.as_deref() == Some("") {
-        anyhow::bail!("--api-key: the key is empty");
+    if let Some(key) = &args.api_key {
+        vl_server::check_api_key(key).map_err(|e| anyhow::anyhow!("--api-key (or VL_API_KEY): {e}"))?;
     }
     let connections = connection_limits(&args)?;
     let dev = device(args.load.device)?;
     let dtype = dtype(args.load.dtype, &dev);
     let dir = crate::hub::resolve(&args.load.model)?;
     let defaults = match args.sampling.as_str() {
+    let cors_origins =
+        vl_server::cors_origins(&args.cors_origins).map_err(|e| anyhow::anyhow!("--cors-origins: {e}"))?;
         "greedy" => GenerationOptions::default(),
         "model" => model_sampling(&dir)?,
         other => anyhow::bail!("--sampling {other}: expected `greedy` or `model`"),
@@ -212,7 +215,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         max_body_bytes: args.max_body_bytes,
         queue: args.queue as usize,
         api_key: args.api_key.clone(),
-        cors_origins: args.cors_origins.clone(),
+        cors_origins,
         ui: !args.no_ui,
         connections,
     };

@@ -1118,3 +1118,673 @@ fn shutdown_waits_at_most_its_bound() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// One request written as raw bytes on a fresh connection (`Connection: close` and the body's
+/// length added): the status, the headers (names lowercased) and the body. Lets a test send what
+/// an HTTP client would refuse to (raw UTF-8 in a path, blanks in a header).
+fn raw_request(
+    s: &Server,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, Vec<(String, String)>, String) {
+    let addr = s.base.trim_start_matches("http://");
+    let mut sock = std::net::TcpStream::connect(addr).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    sock.write_all(req.as_bytes()).unwrap();
+    let mut resp = Vec::new();
+    let _ = sock.read_to_end(&mut resp);
+    let resp = String::from_utf8_lossy(&resp).to_string();
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap_or_else(|| panic!("{resp:?}"));
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("{resp:?}"));
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    (status, headers, body.to_string())
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+}
+
+/// `vl serve ARGS` (with `env`) that must exit before loading anything: its stderr, within a minute.
+fn refused_at_startup(args: &[&str], env: &[(&str, &str)]) -> String {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_vl"))
+        .args(["serve", "--model", goldens().join("tiny-a/checkpoint").to_str().unwrap(), "--port", "0"])
+        .args(args)
+        .envs(env.iter().copied())
+        .env("HF_HUB_OFFLINE", "1")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{args:?} {env:?}: still running after 60 s, not refused");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert_eq!(status.code(), Some(1), "{args:?} {env:?}: {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err:?}");
+    assert!(err.starts_with("error: ") && !err.contains("panicked"), "{err}");
+    err
+}
+
+/// The status, error message and `param` of a refusal, checked.
+fn assert_refused(status: u16, body: &Value, needle: &str, param: Option<&str>) {
+    assert_error(status, body, 400, needle);
+    if let Some(p) = param {
+        assert_eq!(body["error"]["param"], p, "{body}");
+    }
+}
+
+#[test]
+fn cors_preflight_echoes_requested_header_names_for_allowed_origins_only() {
+    let s = start("tiny-a", &["--api-key", "sekret", "--cors-origins", " http://a.example ,HTTP://B.example:8080"]);
+    let preflight = |origin: &str, asked: Option<&str>| {
+        let mut h = vec![("Origin", origin), ("Access-Control-Request-Method", "POST")];
+        if let Some(a) = asked {
+            h.push(("Access-Control-Request-Headers", a));
+        }
+        let (st, headers, _) = raw_request(&s, "OPTIONS", "/v1/chat/completions", &h, "");
+        assert_eq!(st, 204, "{origin} {asked:?}");
+        (
+            header(&headers, "access-control-allow-origin").map(String::from),
+            header(&headers, "access-control-allow-headers").map(String::from),
+        )
+    };
+    // Lists a browser sends for the openai SDK, under several spellings and separators.
+    let pool = [
+        "x-stainless-os",
+        "X-Stainless-Lang",
+        "x-stainless-package-version",
+        "x-stainless-runtime",
+        "x-stainless-runtime-version",
+        "x-stainless-arch",
+        "x-stainless-retry-count",
+        "x-stainless-timeout",
+        "authorization",
+        "Content-Type",
+        "openai-organization",
+        "OpenAI-Project",
+        "x-a!#$%&'*+-.^_`|~1",
+    ];
+    let seps = [",", ", ", " ,\t", "\t,  "];
+    for seed in 0..16usize {
+        let names: Vec<&str> = (0..1 + seed % pool.len()).map(|i| pool[(seed * 7 + i * 3) % pool.len()]).collect();
+        let sent = names.join(seps[seed % seps.len()]);
+        let want = names.iter().map(|n| n.to_ascii_lowercase()).collect::<Vec<_>>().join(", ");
+        for origin in ["http://a.example", "http://b.example:8080"] {
+            let (allow, headers) = preflight(origin, Some(&sent));
+            assert_eq!(allow.as_deref(), Some(origin), "{sent:?}");
+            assert_eq!(headers.as_deref(), Some(want.as_str()), "{origin} {sent:?}");
+        }
+        // Never for an origin not on the list.
+        for origin in
+            ["http://evil.example", "http://a.example.evil", "https://a.example", "http://a.example:81", "null"]
+        {
+            assert_eq!(preflight(origin, Some(&sent)), (None, None), "{origin} {sent:?}");
+        }
+    }
+    // A list that is not header names, or too long: the usual two, nothing echoed.
+    let many = (0..65).map(|i| format!("x-h{i}")).collect::<Vec<_>>().join(",");
+    let long = format!("x-{}", "a".repeat(4100));
+    for bad in [
+        "x-ok, x bad",
+        "x-ok,,x-two",
+        "x-ok, ",
+        ",x-ok",
+        "x(y)",
+        "x-ok, x:y",
+        "x\"q",
+        "x/y",
+        "x-é",
+        many.as_str(),
+        long.as_str(),
+    ] {
+        let (allow, headers) = preflight("http://a.example", Some(bad));
+        assert_eq!(allow.as_deref(), Some("http://a.example"));
+        assert_eq!(headers.as_deref(), Some("authorization, content-type"), "{bad:?}");
+    }
+    assert_eq!(preflight("http://a.example", None).1.as_deref(), Some("authorization, content-type"));
+    // 64 names are echoed.
+    let most = (0..64).map(|i| format!("x-h{i}")).collect::<Vec<_>>().join(",");
+    assert_eq!(preflight("http://a.example", Some(&most)).1, Some(most.replace(',', ", ")));
+
+    // The list's spacing does not matter: every entry is trimmed.
+    for list in [
+        "http://a.example, http://b.example",
+        " http://a.example ,http://b.example ",
+        "http://a.example,\thttp://b.example\t",
+    ] {
+        let s = start("tiny-a", &["--cors-origins", list]);
+        for origin in ["http://a.example", "http://b.example"] {
+            let (st, headers, _) = raw_request(&s, "GET", "/v1/models", &[("Origin", origin)], "");
+            assert_eq!((st, header(&headers, "access-control-allow-origin")), (200, Some(origin)), "{list:?}");
+        }
+    }
+}
+
+#[test]
+fn cors_origins_and_api_keys_no_request_could_match_are_refused_at_startup() {
+    for list in [
+        "http://a.example,,http://b.example",
+        "http://a.example,",
+        ",http://a.example",
+        " ",
+        "http://a.example/",
+        "http://a.example/app",
+        "a.example",
+        "http://",
+        "http://a.example:99999",
+        "http://a.example:x",
+        "http://user@a.example",
+        "http://a example",
+        "*.example.com",
+        "http://a.example?x=1",
+        "http://[zz]",
+    ] {
+        let err = refused_at_startup(&["--cors-origins", list], &[]);
+        assert!(err.contains("--cors-origins"), "{list:?}: {err}");
+        let bad =
+            list.split(',').map(str::trim).find(|e| *e != "http://a.example" && *e != "http://b.example").unwrap();
+        let named = if bad.is_empty() { "empty entry".to_string() } else { format!("{bad:?}") };
+        assert!(err.contains(&named), "{list:?}: {err}");
+    }
+    for key in ["sekrét", "key with space", "tab\tkey", "ключ", "k\u{7f}", "\u{202e}key", "trailing "] {
+        for from_env in [false, true] {
+            let err = if from_env {
+                refused_at_startup(&[], &[("VL_API_KEY", key)])
+            } else {
+                refused_at_startup(&["--api-key", key], &[])
+            };
+            assert!(err.contains("--api-key") && err.contains("VL_API_KEY") && err.contains("visible ASCII"), "{err}");
+            assert!(!err.contains(key), "the key itself is not printed: {err}");
+        }
+    }
+    let err = refused_at_startup(&["--api-key", ""], &[]);
+    assert!(err.contains("--api-key") && err.contains("empty"), "{err}");
+}
+
+#[test]
+fn the_bearer_scheme_is_read_in_any_case_with_blanks_around() {
+    let key = "s3kr3t-K3y_~!";
+    let s = start("tiny-a", &["--api-key", key]);
+    let models = |auth: &str| raw_request(&s, "GET", "/v1/models", &[("Authorization", auth)], "").0;
+    for scheme in ["Bearer", "bearer", "BEARER", "bEaReR"] {
+        for gap in [" ", "  ", "\t", " \t "] {
+            for (lead, trail) in [("", ""), (" ", " "), ("", "\t"), ("\t", "  ")] {
+                let auth = format!("{lead}{scheme}{gap}{key}{trail}");
+                assert_eq!(models(&auth), 200, "{auth:?}");
+            }
+        }
+    }
+    let upper = format!("Bearer {}", key.to_ascii_uppercase());
+    let refused = [
+        "Bearer".to_string(),
+        format!("Bearer{key}"),
+        format!("Basic {key}"),
+        format!("Bear {key}"),
+        format!("Token {key}"),
+        format!("Bearer {}", &key[..key.len() - 1]),
+        format!("Bearer {key}x"),
+        format!("Bearer {key} x"),
+        format!("Bearer x{key}"),
+        upper,
+    ];
+    for auth in &refused {
+        let (st, _, body) = raw_request(&s, "GET", "/v1/models", &[("Authorization", auth)], "");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_error(st, &v, 401, "API key");
+        assert_eq!(v["error"]["code"], "invalid_api_key", "{auth:?}");
+    }
+}
+
+#[test]
+fn logit_bias_keys_are_canonical_token_ids() {
+    let g = "tiny-a";
+    let s = start(g, &[]);
+    let ask = |bias: Value| {
+        let body =
+            json!({"model": g, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "logit_bias": bias});
+        post(&s, "/v1/chat/completions", &body.to_string())
+    };
+    for key in [
+        "+7",
+        "0007",
+        "07",
+        "00",
+        " 7",
+        "7 ",
+        "0x7",
+        "-0",
+        "-7",
+        "",
+        "99999999999",
+        "4294967296",
+        "7.0",
+        "1e1",
+        "٧",
+        "７",
+        "7\u{202e}",
+    ] {
+        let (st, b) = ask(json!({ key: 5 }));
+        assert_refused(st, &b, &format!("the key {key:?} is not a token id"), Some("logit_bias"));
+        // Beside its canonical spelling it does not stack either.
+        let (st, b) = ask(json!({"7": 60, key: 60}));
+        assert_refused(st, &b, "logit_bias", Some("logit_bias"));
+    }
+    // Within the vocabulary only.
+    let (st, b) = ask(json!({"4294967295": 1}));
+    assert_refused(st, &b, "below the vocabulary", Some("logit_bias"));
+    for value in [json!(100.5), json!(-101), json!("5"), json!(null), json!([1]), json!(1e300)] {
+        let (st, b) = ask(json!({ "7": value }));
+        assert_refused(st, &b, "`logit_bias.7`", Some("logit_bias.7"));
+    }
+    for ok in [json!({"0": 100}), json!({"7": -100, "10": 0.5}), json!({})] {
+        let (st, v) = ask(ok.clone());
+        assert_eq!(st, 200, "{ok}: {v}");
+    }
+}
+
+#[test]
+fn control_and_format_characters_in_a_path_are_escaped_in_the_log() {
+    let s = start("tiny-a", &[]);
+    let chars = [
+        '\u{85}',
+        '\u{9b}',
+        '\u{7f}',
+        '\u{ad}',
+        '\u{600}',
+        '\u{61c}',
+        '\u{200b}',
+        '\u{200e}',
+        '\u{202a}',
+        '\u{202e}',
+        '\u{2028}',
+        '\u{2029}',
+        '\u{2060}',
+        '\u{2066}',
+        '\u{2069}',
+        '\u{feff}',
+        '\u{fff9}',
+        '\u{e0041}',
+        '\\',
+    ];
+    for (i, c) in chars.iter().enumerate() {
+        // Raw UTF-8 in the request target (percent-encoding would already be safe).
+        let path = if *c == '\u{7f}' { format!("/v1/x%7Fy-{i}") } else { format!("/v1/x{c}y-{i}.exe{c}") };
+        let (st, _, body) = raw_request(&s, "GET", &path, &[], "");
+        assert_eq!(st, 404, "{c:?}: {body}");
+    }
+    // A forged second line: a separator then what a line of the log looks like.
+    let forged = "/v1/evil\u{2028}GET\u{a0}/v1/models\u{a0}200";
+    assert_eq!(raw_request(&s, "GET", forged, &[], "").0, 404);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let log = loop {
+        let log = s.log.lock().unwrap().clone();
+        if log.iter().filter(|l| l.contains(" 404 ")).count() > chars.len() || Instant::now() > deadline {
+            break log;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    for (i, c) in chars.iter().enumerate() {
+        let want = if *c == '\u{7f}' {
+            format!("GET /v1/x%7Fy-{i} 404 ")
+        } else {
+            let e = format!("\\u{{{:04X}}}", *c as u32);
+            format!("GET /v1/x{e}y-{i}.exe{e} 404 ")
+        };
+        assert_eq!(log.iter().filter(|l| l.starts_with(&want)).count(), 1, "{want:?} in {log:?}");
+        if *c != '\\' {
+            assert!(log.iter().all(|l| !l.contains(*c)), "{c:?} raw in {log:?}");
+        }
+    }
+    assert!(log.iter().any(|l| l.starts_with("GET /v1/evil\\u{2028}GET\u{a0}/v1/models\u{a0}200 404 ")), "{log:?}");
+}
+
+#[test]
+fn unknown_nested_fields_and_wrong_types_are_refused_by_path() {
+    let g = "tiny-a";
+    let s = start(g, &[]);
+    let img = data_url("square.png");
+    let c = "/v1/chat/completions";
+    let chat = |parts: Value, extra: Value| {
+        let mut b = json!({"model": g, "messages": [{"role": "user", "content": parts}], "max_tokens": 1});
+        for (k, x) in extra.as_object().unwrap() {
+            b[k] = x.clone();
+        }
+        post(&s, c, &b.to_string())
+    };
+    let text = json!({"type": "text", "text": "Hi"});
+    let image = |inner: Value| json!({"type": "image_url", "image_url": inner});
+    // Unknown keys anywhere in a part: refused with the field's path.
+    for (part, path) in [
+        (json!({"type": "text", "text": "Hi", "foo": 1}), "messages[0].content[0].foo"),
+        (json!({"type": "text", "text": "Hi", "detail": "low"}), "messages[0].content[0].detail"),
+        (image(json!({"url": img, "foo": true})), "messages[0].content[0].image_url.foo"),
+        (
+            image(json!({"url": img, "cache_control": {"type": "ephemeral"}})),
+            "messages[0].content[0].image_url.cache_control",
+        ),
+        (json!({"type": "image_url", "image_url": {"url": img}, "detail": "low"}), "messages[0].content[0].detail"),
+        (json!({"type": "image", "image": img, "url": img}), "messages[0].content[0].url"),
+        (json!({"type": "video_url", "video_url": {"url": "v.mp4", "bar": 1}}), "messages[0].content[0].video_url.bar"),
+        (
+            json!({"type": "input_video", "input_video": {"data": "AA==", "format": "mp4"}}),
+            "messages[0].content[0].input_video.format",
+        ),
+        (json!({"type": "video_url", "video_url": {"url": "v.mp4"}, "video": 1}), "messages[0].content[0].video"),
+        (
+            json!({"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral", "foo": 1}}),
+            "messages[0].content[0].cache_control.foo",
+        ),
+    ] {
+        let (st, b) = chat(json!([part]), json!({}));
+        assert_refused(st, &b, &format!("`{path}` is not a known field"), Some(path));
+    }
+    // Wrongly typed (or valued) fields of parts: refused naming the field.
+    for (part, path) in [
+        (json!({"type": "text", "text": 5}), "messages[0].content[0].text"),
+        (image(json!({"url": 5})), "messages[0].content[0].image_url.url"),
+        (image(json!({"url": img, "detail": "ultra"})), "messages[0].content[0].image_url.detail"),
+        (image(json!({"url": img, "detail": "LOW"})), "messages[0].content[0].image_url.detail"),
+        (image(json!({"url": img, "detail": 1})), "messages[0].content[0].image_url.detail"),
+        (image(json!({"url": img, "max_pixels": 0})), "messages[0].content[0].image_url.max_pixels"),
+        (image(json!({"url": img, "min_pixels": "5"})), "messages[0].content[0].image_url.min_pixels"),
+        (
+            json!({"type": "image_url", "image_url": {"url": img}, "max_pixels": -1}),
+            "messages[0].content[0].max_pixels",
+        ),
+        (json!({"type": "video_url", "video_url": {"url": 7}}), "messages[0].content[0].video_url.url"),
+        (
+            json!({"type": "video_url", "video_url": {"url": "v.mp4", "fps": "2"}}),
+            "messages[0].content[0].video_url.fps",
+        ),
+        (
+            json!({"type": "video_url", "video_url": {"url": "v.mp4"}, "max_frames": 0}),
+            "messages[0].content[0].max_frames",
+        ),
+        (json!({"type": "text", "text": "Hi", "cache_control": "ephemeral"}), "messages[0].content[0].cache_control"),
+        (
+            json!({"type": "text", "text": "Hi", "cache_control": {"type": "persistent"}}),
+            "messages[0].content[0].cache_control",
+        ),
+        (
+            json!({"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral", "ttl": 300}}),
+            "messages[0].content[0].cache_control.ttl",
+        ),
+    ] {
+        let (st, b) = chat(json!([part]), json!({}));
+        assert_refused(st, &b, &format!("`{path}`"), Some(path));
+    }
+    // Accepted: `detail` low, high and auto, and `cache_control` (the prefix cache reuses
+    // prompts without being asked; docs/serving.md).
+    for part in [
+        image(json!({"url": img, "detail": "low"})),
+        image(json!({"url": img, "detail": "high"})),
+        image(json!({"url": img, "detail": "auto"})),
+        image(json!({"url": img, "detail": null})),
+        json!({"type": "image_url", "image_url": {"url": img}, "cache_control": {"type": "ephemeral"}}),
+        json!({"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral", "ttl": "5m"}}),
+    ] {
+        let (st, v) = chat(json!([part.clone(), text.clone()]), json!({}));
+        assert_eq!(st, 200, "{part}: {v}");
+    }
+    // Top-level fields accepted because they cannot change the answer are typed all the same.
+    for (extra, path) in [
+        (json!({"user": 5}), "user"),
+        (json!({"metadata": "x"}), "metadata"),
+        (json!({"metadata": {"a": 1}}), "metadata.a"),
+        (json!({"store": "yes"}), "store"),
+        (json!({"parallel_tool_calls": "true"}), "parallel_tool_calls"),
+        (json!({"service_tier": 1}), "service_tier"),
+        (json!({"stream_options": {"include_obfuscation": "no"}}), "stream_options.include_obfuscation"),
+    ] {
+        let (st, b) = chat(json!([text]), extra.clone());
+        assert_refused(st, &b, &format!("`{path}`"), Some(path));
+    }
+    for extra in [
+        json!({"user": "u1", "metadata": {"a": "b"}, "store": true, "parallel_tool_calls": false, "service_tier": "auto"}),
+        json!({"store": false, "stream_options": {"include_obfuscation": false}}),
+    ] {
+        let (st, v) = chat(json!([text]), extra.clone());
+        assert_eq!(st, 200, "{extra}: {v}");
+    }
+    // Nested objects of messages and tools.
+    let call = |c: Value| {
+        json!({"model": g, "max_tokens": 1, "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": null, "tool_calls": [c]},
+            {"role": "tool", "content": "ok", "tool_call_id": "c1"},
+        ]})
+    };
+    let f = json!({"name": "f", "arguments": "{}"});
+    for (body, needle) in [
+        (call(json!({"id": "c1", "type": "function", "function": f, "foo": 1})), "foo"),
+        (call(json!({"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}", "bar": 1}})), "bar"),
+        (call(json!({"id": "c1", "type": "custom", "function": f})), "messages[1].tool_calls[0].type"),
+        (call(json!({"id": 1, "type": "function", "function": f})), "messages[1].tool_calls[0].id"),
+    ] {
+        let (st, b) = post(&s, c, &body.to_string());
+        assert_error(st, &b, 400, needle);
+    }
+    let (st, v) = post(&s, c, &call(json!({"id": "c1", "type": "function", "function": f})).to_string());
+    assert_eq!(st, 200, "{v}");
+    let tool = json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}});
+    for (tools, choice, path) in [
+        (json!([{"type": "function", "function": {"name": "f"}, "foo": 1}]), json!("auto"), "tools[0].foo"),
+        (
+            json!([{"type": "function", "function": {"name": "f", "extra": 1}}]),
+            json!("auto"),
+            "tools[0].function.extra",
+        ),
+        (
+            json!([{"type": "function", "function": {"name": "f", "description": 5}}]),
+            json!("auto"),
+            "tools[0].function.description",
+        ),
+        (
+            json!([{"type": "function", "function": {"name": "f", "strict": "yes"}}]),
+            json!("auto"),
+            "tools[0].function.strict",
+        ),
+        (json!([tool]), json!({"type": "function", "function": {"name": "f"}, "x": 1}), "tool_choice.x"),
+        (json!([tool]), json!({"type": "function", "function": {"name": "f", "x": 1}}), "tool_choice.function.x"),
+    ] {
+        let (st, b) = chat(json!([text]), json!({"tools": tools, "tool_choice": choice}));
+        assert_refused(st, &b, &format!("`{path}`"), Some(path));
+    }
+    // What a client echoes back from an answer: accepted when empty, refused otherwise.
+    let echoed = |field: &str, x: Value| {
+        let mut m = json!({"role": "assistant", "content": "Hello"});
+        m[field] = x;
+        let body = json!({"model": g, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}, m,
+                                                                    {"role": "user", "content": "Again"}]});
+        post(&s, c, &body.to_string())
+    };
+    for (field, empty, full) in [
+        ("refusal", json!(""), json!("no")),
+        ("annotations", json!([]), json!([{"type": "url_citation"}])),
+        ("audio", json!(null), json!({"id": "a"})),
+    ] {
+        let (st, v) = echoed(field, empty);
+        assert_eq!(st, 200, "{field}: {v}");
+        let (st, b) = echoed(field, full);
+        let path = format!("messages[1].{field}");
+        assert_refused(st, &b, &format!("`{path}`"), Some(&path));
+    }
+}
+
+#[test]
+fn responses_fields_are_type_checked_and_background_refused() {
+    let g = "tiny-a";
+    let s = start(g, &[]);
+    let img = data_url("square.png");
+    let r = "/v1/responses";
+    let ask = |extra: Value| {
+        let mut b = json!({"model": g, "input": "Hi", "max_output_tokens": 1});
+        for (k, x) in extra.as_object().unwrap() {
+            b[k] = x.clone();
+        }
+        post(&s, r, &b.to_string())
+    };
+    for (extra, path, needle) in [
+        (json!({"store": "yes"}), "store", "`store` must be a boolean"),
+        (json!({"store": 1}), "store", "`store` must be a boolean"),
+        (json!({"store": true}), "store", "keeps no responses"),
+        (json!({"background": "true"}), "background", "`background` must be a boolean"),
+        (json!({"background": true}), "background", "`background` responses are not supported"),
+        (json!({"prompt_cache_key": 5}), "prompt_cache_key", "must be a string"),
+        (json!({"safety_identifier": []}), "safety_identifier", "must be a string"),
+        (json!({"stream_options": {"foo": 1}}), "stream_options.foo", "is not a known field"),
+        (json!({"stream_options": {"include_obfuscation": "no"}}), "stream_options.include_obfuscation", "boolean"),
+        (json!({"stream_options": 1}), "stream_options", "must be an object"),
+        (json!({"truncation": 5}), "truncation", "must be a string"),
+        (json!({"truncation": "auto"}), "truncation", "only \"disabled\""),
+        (json!({"include": "x"}), "include", "must be a list"),
+        (json!({"top_logprobs": "1"}), "top_logprobs", "must be an integer"),
+        (json!({"user": 5}), "user", "`user`"),
+        (json!({"metadata": {"a": 1}}), "metadata.a", "`metadata.a`"),
+        (json!({"parallel_tool_calls": "no"}), "parallel_tool_calls", "`parallel_tool_calls`"),
+        (json!({"frobnicate": 1}), "frobnicate", "unknown field `frobnicate`"),
+        (json!({"tools": [{"type": "function", "name": "f", "foo": 1}]}), "tools[0].foo", "is not a known field"),
+        (json!({"tools": [{"type": "function", "name": "f", "strict": "yes"}]}), "tools[0].strict", "boolean"),
+        (json!({"tool_choice": {"type": "function", "name": "f", "x": 1}}), "tool_choice.x", "is not a known field"),
+        (
+            json!({"text": {"format": {"type": "json_schema", "name": "n", "schema": {}, "extra": 1}}}),
+            "text.format.extra",
+            "is not a known field",
+        ),
+    ] {
+        let (st, b) = ask(extra.clone());
+        assert_refused(st, &b, needle, Some(path));
+    }
+    let item = |content: Value| json!({"input": [{"role": "user", "content": content}]});
+    let text = json!({"type": "input_text", "text": "Hi"});
+    for (extra, path, needle) in [
+        (
+            item(json!([{"type": "input_text", "text": "Hi", "foo": 1}])),
+            "input[0].content[0].foo",
+            "is not a known field",
+        ),
+        (
+            item(json!([{"type": "input_text", "text": "Hi", "cache_control": {"type": "ephemeral"}}])),
+            "input[0].content[0].cache_control",
+            "is not a known field",
+        ),
+        (
+            item(json!([{"type": "input_image", "image_url": img, "detail": "ultra"}, text])),
+            "input[0].content[0].detail",
+            "expected \"low\"",
+        ),
+        (
+            item(json!([{"type": "input_image", "image_url": img, "detail": 2}, text])),
+            "input[0].content[0].detail",
+            "expected \"low\"",
+        ),
+        (
+            item(json!([{"type": "input_image", "image_url": img, "url": img}, text])),
+            "input[0].content[0].url",
+            "is not a known field",
+        ),
+        (json!({"input": [{"role": "user", "content": "Hi", "foo": 1}]}), "input[0].foo", "is not a known field"),
+        (json!({"input": [{"role": 5, "content": "Hi"}]}), "input[0].role", "must be a string"),
+        (
+            json!({"input": [{"role": "user", "content": "Hi"}, {"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}),
+            "input[1].arguments",
+            "must be a string",
+        ),
+        (
+            json!({"input": [{"role": "user", "content": "Hi"}, {"type": "function_call_output", "call_id": "c", "output": "x", "extra": 1}]}),
+            "input[1].extra",
+            "is not a known field",
+        ),
+        (
+            json!({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}, {"role": "user", "content": "Hi"}]}),
+            "input[0].encrypted_content",
+            "encrypted",
+        ),
+        (
+            json!({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "t", "x": 1}]}, {"role": "user", "content": "Hi"}]}),
+            "input[0].summary[0].x",
+            "is not a known field",
+        ),
+    ] {
+        let (st, b) = ask(extra.clone());
+        assert_refused(st, &b, &format!("`{path}`"), Some(path));
+        assert!(b["error"]["message"].as_str().unwrap().contains(needle), "{b}");
+    }
+    for extra in [
+        json!({"store": false, "background": false, "truncation": "disabled", "include": [], "top_logprobs": 0}),
+        json!({"prompt_cache_key": "k", "safety_identifier": "s", "stream_options": {"include_obfuscation": false}}),
+        json!({"user": "u", "metadata": {"a": "b"}, "parallel_tool_calls": true, "service_tier": "auto"}),
+        item(json!([{"type": "input_image", "image_url": img, "detail": "low"}, text])),
+        item(json!([{"type": "input_image", "image_url": img, "detail": "auto", "file_id": null}, text])),
+        json!({"input": [{"type": "message", "id": "msg_1", "status": "completed", "role": "user", "content": [text]}]}),
+    ] {
+        let (st, v) = ask(extra.clone());
+        assert_eq!(st, 200, "{extra}: {v}");
+    }
+}
+
+/// `detail: "low"` sizes an image to at most 512x512 pixels' worth (OpenAI's low detail);
+/// `high` and `auto` keep the server's budget.
+#[test]
+fn image_detail_low_narrows_the_pixel_budget() {
+    let g = "tiny-a";
+    // tiny-a's own budget is under 512x512: raise it, so that low detail has something to narrow.
+    let s = start(g, &["--max-pixels", "1048576"]);
+    let large = {
+        let bytes = std::fs::read(goldens().join("images/large.png")).unwrap();
+        format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes))
+    };
+    let tokens = |detail: Option<&str>| {
+        let mut iu = json!({"url": large});
+        if let Some(d) = detail {
+            iu["detail"] = json!(d);
+        }
+        let body = json!({"model": g, "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": iu}, {"type": "text", "text": "Describe."}]}]});
+        let (st, v) = post(&s, "/v1/chat/completions", &body.to_string());
+        assert_eq!(st, 200, "{v}");
+        v["usage"]["prompt_tokens_details"]["image_tokens"].as_u64().unwrap()
+    };
+    let full = tokens(None);
+    // 640x480 at 32x32 pixels a token.
+    assert_eq!(full, 300);
+    assert_eq!(tokens(Some("high")), full);
+    assert_eq!(tokens(Some("auto")), full);
+    let low = tokens(Some("low"));
+    assert!(low > 0 && low <= 256, "{low}");
+    // The Responses API's `input_image.detail` too.
+    let input = |detail: &str| {
+        let body = json!({"model": g, "max_output_tokens": 1, "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": large, "detail": detail}, {"type": "input_text", "text": "Describe."}]}]});
+        let (st, v) = post(&s, "/v1/responses", &body.to_string());
+        assert_eq!(st, 200, "{v}");
+        v["usage"]["input_tokens"].as_u64().unwrap()
+    };
+    assert_eq!(input("high") - input("low"), full - low);
+}

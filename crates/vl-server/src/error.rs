@@ -12,22 +12,40 @@ pub(crate) struct ApiError {
     kind: &'static str,
     code: Option<&'static str>,
     message: String,
+    /// The request field the error is about (OpenAI's `param`), when one is.
+    param: Option<String>,
 }
 
 impl ApiError {
     pub(crate) fn bad(message: impl Into<String>) -> Self {
-        Self { status: StatusCode::BAD_REQUEST, kind: "invalid_request_error", code: None, message: message.into() }
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            code: None,
+            message: message.into(),
+            param: None,
+        }
     }
     pub(crate) fn with(status: StatusCode, kind: &'static str, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, kind, code: Some(code), message: message.into() }
+        Self { status, kind, code: Some(code), message: message.into(), param: None }
     }
-    /// The same error with its message rewritten.
-    pub(crate) fn map_message(mut self, f: impl FnOnce(&str) -> String) -> Self {
+    /// A 400 about the field `param` (a path such as `messages[0].content[1].detail`).
+    pub(crate) fn bad_at(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::bad(message).at(param)
+    }
+    /// The same error about the field `param`.
+    pub(crate) fn at(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
+    }
+    /// The same error with its message (and its `param`) rewritten.
+    pub(crate) fn map_message(mut self, f: impl Fn(&str) -> String) -> Self {
         self.message = f(&self.message);
+        self.param = self.param.map(|p| f(&p));
         self
     }
     pub(crate) fn body(&self) -> Value {
-        json!({"error": {"message": self.message, "type": self.kind, "code": self.code, "param": Value::Null}})
+        json!({"error": {"message": self.message, "type": self.kind, "code": self.code, "param": self.param}})
     }
     pub(crate) fn from_engine(e: &vl_models::Error) -> Self {
         let message = e.to_string().split_whitespace().collect::<Vec<_>>().join(" ");

@@ -51,9 +51,9 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Requests that may wait beyond the engine's running ones; more get 503.
     pub queue: usize,
-    /// Bearer key every endpoint but /health requires.
+    /// Bearer key every endpoint but /health requires (visible ASCII: `check_api_key`).
     pub api_key: Option<String>,
-    /// Origins a browser page may call from (`*` for any).
+    /// Origins a browser page may call from (`*` for any), as `cors_origins` makes them.
     pub cors_origins: Vec<String>,
     /// Serve the web chat at `/` (its assets under `/ui/`).
     pub ui: bool,
@@ -78,6 +78,87 @@ impl MediaDir {
         }
         Ok(Self { written: media::lexical(path), real })
     }
+}
+
+/// `--cors-origins` entries as the server compares them: each trimmed, and each `*` or an
+/// origin `scheme://host[:port]` (no path, no slash after it) as a browser sends it: lowercased,
+/// the scheme's default port dropped. An empty or malformed entry is an error naming it.
+pub fn cors_origins(entries: &[String]) -> Result<Vec<String>, ServerError> {
+    entries.iter().map(|e| origin(e.trim()).ok_or_else(|| ServerError::Config(origin_error(e)))).collect()
+}
+
+fn origin_error(entry: &str) -> String {
+    if entry.trim().is_empty() {
+        "an empty entry (two commas in a row, or one at an end)".into()
+    } else {
+        format!("{entry:?} is not an origin: expected `*` or scheme://host[:port], without a path")
+    }
+}
+
+/// `e` as an origin, or None when it is not `*` or `scheme://host[:port]`.
+fn origin(e: &str) -> Option<String> {
+    if e == "*" {
+        return Some(e.into());
+    }
+    let (scheme, authority) = e.split_once("://")?;
+    let scheme_ok = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+        && scheme.chars().all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c));
+    let (host, port) = match authority.strip_prefix('[') {
+        // An IPv6 literal.
+        Some(rest) => {
+            let (ip, after) = rest.split_once(']')?;
+            if ip.is_empty() || !ip.chars().all(|c| c.is_ascii_hexdigit() || c == ':' || c == '.') {
+                return None;
+            }
+            let port = if after.is_empty() { None } else { Some(after.strip_prefix(':')?) };
+            (format!("[{ip}]"), port)
+        }
+        None => {
+            let (h, port) = match authority.split_once(':') {
+                Some((h, p)) => (h, Some(p)),
+                None => (authority, None),
+            };
+            if h.is_empty() || !h.chars().all(|c| c.is_ascii_alphanumeric() || "-._~".contains(c)) {
+                return None;
+            }
+            (h.to_string(), port)
+        }
+    };
+    let port = match port {
+        None => None,
+        Some(p) if (1..=5).contains(&p.len()) && p.bytes().all(|b| b.is_ascii_digit()) => Some(p.parse::<u16>().ok()?),
+        Some(_) => return None,
+    };
+    if !scheme_ok {
+        return None;
+    }
+    let scheme = scheme.to_ascii_lowercase();
+    let default = match scheme.as_str() {
+        "http" => Some(80),
+        "https" => Some(443),
+        _ => None,
+    };
+    let host = host.to_ascii_lowercase();
+    Some(match port.filter(|&p| Some(p) != default) {
+        Some(p) => format!("{scheme}://{host}:{p}"),
+        None => format!("{scheme}://{host}"),
+    })
+}
+
+/// Refuses an API key no request could send: empty, or with a character outside visible ASCII
+/// (bytes 0x21-0x7E; an HTTP header value carries nothing else, and blanks around a key are not
+/// part of it).
+pub fn check_api_key(key: &str) -> Result<(), ServerError> {
+    if key.is_empty() {
+        return Err(ServerError::Config("the key is empty".into()));
+    }
+    if let Some(i) = key.chars().position(|c| !c.is_ascii_graphic()) {
+        return Err(ServerError::Config(format!(
+            "the key's character {} is not visible ASCII (0x21-0x7E): no HTTP Authorization header could carry it",
+            i + 1
+        )));
+    }
+    Ok(())
 }
 
 #[derive(Debug, thiserror::Error)]

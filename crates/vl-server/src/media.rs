@@ -8,55 +8,123 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use base64::Engine as _;
-use serde_json::Value;
+use serde_json::{Map, Value};
 use vl_models::engine::{Part, VideoData};
 use vl_models::limits::LimitKind;
 
 use crate::error::ApiError;
+use crate::request::{known_keys, opt_str, typed_field};
 use crate::router::App;
 
-fn field<'a>(v: &'a Value, name: &str) -> Option<&'a Value> {
-    v.get(name).filter(|x| !x.is_null())
+/// Pixels of an image sent with `detail: "low"`: OpenAI's low detail is a 512x512 image.
+pub(crate) const LOW_DETAIL_PIXELS: usize = 512 * 512;
+
+/// The fields a part of each type may carry beside `type` (and `cache_control`), and inside its
+/// media object. Anything else is refused, named with its path.
+const TEXT_KEYS: [&str; 3] = ["type", "text", "cache_control"];
+const IMAGE_KEYS: [&str; 6] = ["type", "image_url", "image", "min_pixels", "max_pixels", "cache_control"];
+const IMAGE_URL_KEYS: [&str; 4] = ["url", "detail", "min_pixels", "max_pixels"];
+const VIDEO_KEYS: [&str; 5] = ["type", "fps", "max_frames", "max_pixels", "cache_control"];
+const VIDEO_URL_KEYS: [&str; 5] = ["url", "data", "fps", "max_frames", "max_pixels"];
+
+/// `cache_control`, Anthropic's prompt-caching hint (`{"type": "ephemeral", "ttl": ...}`), as
+/// LiteLLM- and OpenRouter-style clients put it on a part: accepted and ignored, because the
+/// prefix cache reuses every prompt's longest cached prefix without being asked (docs/serving.md);
+/// checked for its shape all the same.
+fn cache_control(o: &Map<String, Value>, at: &str) -> std::result::Result<(), ApiError> {
+    let Some(c) = o.get("cache_control").filter(|c| !c.is_null()) else { return Ok(()) };
+    let at = format!("{at}.cache_control");
+    let bad =
+        || ApiError::bad_at(at.clone(), format!("`{at}` must be {{\"type\": \"ephemeral\"}} (with an optional `ttl`)"));
+    let co = c.as_object().ok_or_else(bad)?;
+    known_keys(co, &["type", "ttl"], &at)?;
+    if co.get("type").and_then(Value::as_str) != Some("ephemeral") {
+        return Err(bad());
+    }
+    opt_str(co, "ttl", &at)?;
+    Ok(())
+}
+
+/// A count `name` of `o` (at `at`), pixels or frames, when set: a positive integer.
+fn positive(o: &Map<String, Value>, name: &str, at: &str) -> std::result::Result<Option<usize>, ApiError> {
+    typed_field(o, name, at, "a positive integer", |x| x.as_u64().filter(|&n| n > 0).map(|n| n as usize))
+}
+
+/// The pixel budget of an image sent with `detail: "low"`: `LOW_DETAIL_PIXELS` (at least the
+/// server's `--min-pixels`), or None when the server's own budget is no larger already.
+fn low_detail_budget(app: &App) -> Option<usize> {
+    let low = LOW_DETAIL_PIXELS.max(app.engine.options().min_pixels.unwrap_or(0));
+    // The server's largest image: a very large square sized under its budget.
+    let most = app.engine.family().image_sizing(1 << 14, 1 << 14).ok().map(|s| s.ours.resized.0 * s.ours.resized.1)?;
+    (low < most).then_some(low)
 }
 
 pub(crate) fn part(app: &App, p: &Value, at: &str) -> std::result::Result<Part, ApiError> {
-    let kind =
-        p.get("type").and_then(Value::as_str).ok_or_else(|| ApiError::bad(format!("`{at}.type` must be a string")))?;
+    let Some(o) = p.as_object() else {
+        return Err(ApiError::bad_at(at, format!("`{at}` must be an object with a `type`")));
+    };
+    let kind = o
+        .get("type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::bad_at(format!("{at}.type"), format!("`{at}.type` must be a string")))?;
     match kind {
-        "text" => Ok(Part::Text(
-            p.get("text")
+        "text" => {
+            known_keys(o, &TEXT_KEYS, at)?;
+            cache_control(o, at)?;
+            let text = o
+                .get("text")
                 .and_then(Value::as_str)
-                .ok_or_else(|| ApiError::bad(format!("`{at}.text` must be a string")))?
-                .into(),
-        )),
+                .ok_or_else(|| ApiError::bad_at(format!("{at}.text"), format!("`{at}.text` must be a string")))?;
+            Ok(Part::Text(text.into()))
+        }
         "image_url" | "image" => {
-            let iu = p.get("image_url").or_else(|| p.get("image"));
-            let url = match iu {
-                Some(Value::String(s)) => s.as_str(),
-                Some(o @ Value::Object(_)) => o
-                    .get("url")
-                    .and_then(Value::as_str)
-                    .ok_or_else(|| ApiError::bad(format!("`{at}.image_url.url` must be a string")))?,
-                _ => return Err(ApiError::bad(format!("`{at}.image_url` must be an object with a `url`"))),
-            };
-            let budget = |name: &str| -> std::result::Result<Option<usize>, ApiError> {
-                let from = [Some(p), iu].into_iter().flatten().find_map(|o| field(o, name));
-                match from {
-                    None => Ok(None),
-                    Some(x) => x
-                        .as_u64()
-                        .map(|n| Some(n as usize))
-                        .ok_or_else(|| ApiError::bad(format!("`{at}.{name}` must be a positive integer"))),
+            known_keys(o, &IMAGE_KEYS, at)?;
+            cache_control(o, at)?;
+            if o.contains_key("image_url") && o.contains_key("image") {
+                return Err(ApiError::bad_at(at, format!("`{at}`: send one of `image_url` and `image`, not both")));
+            }
+            let key = if o.contains_key("image") { "image" } else { "image_url" };
+            let inner = format!("{at}.{key}");
+            let (url, io) = match o.get(key) {
+                Some(Value::String(s)) => (s.as_str(), None),
+                Some(Value::Object(io)) => {
+                    known_keys(io, &IMAGE_URL_KEYS, &inner)?;
+                    let url = opt_str(io, "url", &inner)?.ok_or_else(|| {
+                        ApiError::bad_at(format!("{inner}.url"), format!("`{inner}.url` must be a string"))
+                    })?;
+                    (url, Some(io))
                 }
+                _ => return Err(ApiError::bad_at(inner.clone(), format!("`{inner}` must be an object with a `url`"))),
             };
-            let (min_pixels, max_pixels) = (budget("min_pixels")?, budget("max_pixels")?);
+            // A budget beside the object wins over one inside it; both are checked.
+            let budget = |name: &str| -> std::result::Result<Option<usize>, ApiError> {
+                let inside = io.map(|io| positive(io, name, &inner)).transpose()?.flatten();
+                Ok(positive(o, name, at)?.or(inside))
+            };
+            let (min_pixels, mut max_pixels) = (budget("min_pixels")?, budget("max_pixels")?);
+            match io.and_then(|io| io.get("detail")).filter(|d| !d.is_null()) {
+                None => {}
+                Some(Value::String(d)) if d == "high" || d == "auto" => {}
+                Some(Value::String(d)) if d == "low" => {
+                    if let Some(low) = low_detail_budget(app) {
+                        max_pixels = Some(max_pixels.map_or(low, |m| m.min(low)));
+                    }
+                }
+                Some(d) => {
+                    return Err(ApiError::bad_at(
+                        format!("{inner}.detail"),
+                        format!("`{inner}.detail` = {d}: expected \"low\", \"high\" or \"auto\""),
+                    ))
+                }
+            }
             let (data, name) = media_bytes(app, url, at, "image")?;
             Ok(Part::Image { data, name, min_pixels, max_pixels })
         }
-        "video_url" | "video" | "input_video" => video_part(app, p, kind, at),
-        other => Err(ApiError::bad(format!(
-            "`{at}.type` = {other:?}: expected `text`, `image_url`, `video_url` or `input_video`"
-        ))),
+        "video_url" | "video" | "input_video" => video_part(app, o, kind, at),
+        other => Err(ApiError::bad_at(
+            format!("{at}.type"),
+            format!("`{at}.type` = {other:?}: expected `text`, `image_url`, `video_url` or `input_video`"),
+        )),
     }
 }
 
@@ -64,26 +132,35 @@ pub(crate) fn part(app: &App, p: &Value, at: &str) -> std::result::Result<Part, 
 /// --allow-remote-media, or a path under --allowed-media-dir: a file or a directory of frames)
 /// or `{"type": "input_video", "input_video": {"data": BASE64}}` (or `{"url": ...}`), with
 /// optional `fps`, `max_frames`, `max_pixels` beside or inside the object.
-fn video_part(app: &App, p: &Value, kind: &str, at: &str) -> std::result::Result<Part, ApiError> {
-    let inner = p.get(kind);
-    let (url, data) = match inner {
-        Some(Value::String(s)) => (Some(s.as_str()), None),
-        Some(o @ Value::Object(_)) => (o.get("url").and_then(Value::as_str), o.get("data").and_then(Value::as_str)),
-        _ => return Err(ApiError::bad(format!("`{at}.{kind}` must be an object with a `url` (or `data`)"))),
+fn video_part(app: &App, p: &Map<String, Value>, kind: &str, at: &str) -> std::result::Result<Part, ApiError> {
+    let mut keys = VIDEO_KEYS.to_vec();
+    keys.push(kind);
+    known_keys(p, &keys, at)?;
+    cache_control(p, at)?;
+    let inner_at = format!("{at}.{kind}");
+    let (url, data, inner) = match p.get(kind) {
+        Some(Value::String(s)) => (Some(s.as_str()), None, None),
+        Some(Value::Object(io)) => {
+            known_keys(io, &VIDEO_URL_KEYS, &inner_at)?;
+            (opt_str(io, "url", &inner_at)?, opt_str(io, "data", &inner_at)?, Some(io))
+        }
+        _ => {
+            return Err(ApiError::bad_at(
+                inner_at.clone(),
+                format!("`{at}.{kind}` must be an object with a `url` (or `data`)"),
+            ))
+        }
     };
-    let from = |name: &str| [Some(p), inner].into_iter().flatten().find_map(|o| field(o, name));
+    // A setting beside the object wins over one inside it; both are checked.
     let count = |name: &str| -> std::result::Result<Option<usize>, ApiError> {
-        from(name)
-            .map(|x| {
-                x.as_u64()
-                    .map(|n| n as usize)
-                    .ok_or_else(|| ApiError::bad(format!("`{at}.{name}` must be a positive integer")))
-            })
-            .transpose()
+        let inside = inner.map(|io| positive(io, name, &inner_at)).transpose()?.flatten();
+        Ok(positive(p, name, at)?.or(inside))
     };
-    let fps = from("fps")
-        .map(|x| x.as_f64().ok_or_else(|| ApiError::bad(format!("`{at}.fps` must be a number"))))
-        .transpose()?;
+    let fps = {
+        let number = |o: &Map<String, Value>, at: &str| typed_field(o, "fps", at, "a number", Value::as_f64);
+        let inside = inner.map(|io| number(io, &inner_at)).transpose()?.flatten();
+        number(p, at)?.or(inside)
+    };
     let options = vl_models::video::VideoOptions {
         fps,
         max_frames: count("max_frames")?,

@@ -1,8 +1,9 @@
 //! OpenAI's chat completions request, typed. Every top-level field is declared: a field this
 //! server implements is used, one it accepts but cannot honour in a way that changes the answer
-//! (`user`, `metadata`, `store`, `parallel_tool_calls`, `service_tier`) is read and ignored (listed
-//! in docs/serving.md), one it does not implement (`modalities`, `audio`, ...) is refused by `check_supported`, and an unknown field is refused by serde with
-//! its name.
+//! (`user`, `metadata`, `store`, `parallel_tool_calls`, `service_tier`) is read, type-checked and
+//! ignored (listed in docs/serving.md), one it does not implement (`modalities`, `audio`, ...) is
+//! refused by `check_supported`, and an unknown field is refused by serde with its name. Message
+//! parts are JSON values walked by `media::part` under the same rule.
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -53,12 +54,16 @@ pub struct ChatCompletionRequest {
     pub prediction: Option<Value>,
     pub reasoning_effort: Option<Value>,
     pub web_search_options: Option<Value>,
-    // Accepted and ignored: they cannot change the answer.
-    pub user: Option<Value>,
-    pub metadata: Option<Value>,
-    pub store: Option<Value>,
-    pub parallel_tool_calls: Option<Value>,
-    pub service_tier: Option<Value>,
+    // Accepted and ignored: they cannot change the answer. Typed as OpenAI types them, so a
+    // wrong type is a 400 naming the field.
+    pub user: Option<String>,
+    /// String keys to string values.
+    pub metadata: Option<std::collections::BTreeMap<String, String>>,
+    /// OpenAI keeps a stored completion for its dashboard; this server keeps nothing, which
+    /// changes no answer.
+    pub store: Option<bool>,
+    pub parallel_tool_calls: Option<bool>,
+    pub service_tier: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -66,7 +71,7 @@ pub struct ChatCompletionRequest {
 pub struct StreamOptions {
     pub include_usage: Option<bool>,
     /// Accepted and ignored (usage is sent once, at the end).
-    pub include_obfuscation: Option<Value>,
+    pub include_obfuscation: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -131,13 +136,19 @@ pub enum Content {
     Parts(Vec<Value>),
 }
 
-/// An assistant message's call, `{"type": "function", "function": {"name", "arguments"}}`.
+/// An assistant message's call, `{"id", "type": "function", "function": {"name", "arguments"}}`
+/// (`id` and `type` accepted and ignored: the template renders calls by name).
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ToolCallIn {
+    pub id: Option<String>,
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
     pub function: Option<FunctionIn>,
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct FunctionIn {
     pub name: Option<String>,
     /// JSON text, or an object.

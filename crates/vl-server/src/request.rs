@@ -74,7 +74,7 @@ pub(crate) fn typed(body: &[u8]) -> Result<ChatCompletionRequest, ApiError> {
         if path == "." {
             ApiError::bad(format!("the body: {inner}"))
         } else {
-            ApiError::bad(format!("`{path}`: {inner}"))
+            ApiError::bad_at(path.clone(), format!("`{path}`: {inner}"))
         }
     })
 }
@@ -101,10 +101,12 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
         if t.get("type").and_then(Value::as_str) != Some("function")
             || t.get("function").and_then(|f| f.get("name")).and_then(Value::as_str).is_none()
         {
-            return Err(ApiError::bad(format!(
-                "`tools[{i}]` must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
-            )));
+            return Err(ApiError::bad_at(
+                format!("tools[{i}]"),
+                format!("`tools[{i}]` must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"),
+            ));
         }
+        tool_fields(t, &format!("tools[{i}]"))?;
     }
     let mut constraint = response_format(v.response_format.as_ref())?;
     let format = v.response_format.clone();
@@ -206,9 +208,24 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
             "developer" => "system",
             other => return Err(ApiError::bad(format!("`messages[{i}].role` = {other:?} is not a known role"))),
         };
-        for (name, x) in [("refusal", &m.refusal), ("audio", &m.audio), ("function_call", &m.function_call)] {
-            if x.as_ref().is_some_and(|x| !x.is_null()) {
-                return Err(ApiError::bad(format!("`messages[{i}].{name}` is not supported")));
+        // What a client echoes back from a response: accepted when empty.
+        for (name, x) in [
+            ("refusal", &m.refusal),
+            ("annotations", &m.annotations),
+            ("audio", &m.audio),
+            ("function_call", &m.function_call),
+        ] {
+            let empty = |x: &Value| match x {
+                Value::Null => true,
+                Value::String(s) => s.is_empty(),
+                Value::Array(a) => a.is_empty(),
+                _ => false,
+            };
+            if x.as_ref().is_some_and(|x| !empty(x)) {
+                return Err(ApiError::bad_at(
+                    format!("messages[{i}].{name}"),
+                    format!("`messages[{i}].{name}` is not supported (only an empty one, as a client echoes back)"),
+                ));
             }
         }
         let tool_calls = match m.tool_calls {
@@ -330,6 +347,59 @@ fn schema_within_limit(schema: &Value, what: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Refuses a key of the object `o` at `at` that is not in `known`, naming its path.
+pub(crate) fn known_keys(o: &serde_json::Map<String, Value>, known: &[&str], at: &str) -> Result<(), ApiError> {
+    match o.keys().find(|k| !known.contains(&k.as_str())) {
+        Some(k) => {
+            let path = if at.is_empty() { k.clone() } else { format!("{at}.{k}") };
+            Err(ApiError::bad_at(path.clone(), format!("`{path}` is not a known field")))
+        }
+        None => Ok(()),
+    }
+}
+
+/// The field `name` of `o` when present and not null: a string, or a 400 naming `at.name`.
+pub(crate) fn opt_str<'a>(
+    o: &'a serde_json::Map<String, Value>,
+    name: &str,
+    at: &str,
+) -> Result<Option<&'a str>, ApiError> {
+    typed_field(o, name, at, "a string", Value::as_str)
+}
+
+/// The field `name` of `o` when present and not null, read by `read`; a 400 naming `at.name` as
+/// not being `what` otherwise.
+pub(crate) fn typed_field<'a, T>(
+    o: &'a serde_json::Map<String, Value>,
+    name: &str,
+    at: &str,
+    what: &str,
+    read: impl Fn(&'a Value) -> Option<T>,
+) -> Result<Option<T>, ApiError> {
+    match o.get(name).filter(|x| !x.is_null()) {
+        None => Ok(None),
+        Some(x) => read(x).map(Some).ok_or_else(|| {
+            let path = if at.is_empty() { name.to_string() } else { format!("{at}.{name}") };
+            ApiError::bad_at(path.clone(), format!("`{path}` must be {what}"))
+        }),
+    }
+}
+
+/// A function tool's fields: `type`, `function` (`name`, `description`, `parameters`, `strict`)
+/// and nothing else; `description` a string, `strict` a boolean.
+fn tool_fields(t: &Value, at: &str) -> Result<(), ApiError> {
+    let o = t.as_object().expect("checked: has a type");
+    known_keys(o, &["type", "function"], at)?;
+    let Some(f) = o.get("function").and_then(Value::as_object) else {
+        return Err(ApiError::bad_at(format!("{at}.function"), format!("`{at}.function` must be an object")));
+    };
+    let at = format!("{at}.function");
+    known_keys(f, &["name", "description", "parameters", "strict"], &at)?;
+    opt_str(f, "description", &at)?;
+    typed_field(f, "strict", &at, "a boolean", Value::as_bool)?;
+    Ok(())
+}
+
 /// A `tool_choice` that requires a call: `"required"` (one or more calls of the listed
 /// functions) or `{"type": "function", "function": {"name"}}` (one call of that function).
 fn tool_choice(c: &Value, tools: &[Value]) -> Result<Constraint, ApiError> {
@@ -358,8 +428,12 @@ fn tool_choice(c: &Value, tools: &[Value]) -> Result<Constraint, ApiError> {
             Ok(Constraint::ToolCalls { functions: tools.iter().map(function).collect::<Result<_, _>>()?, one: false })
         }
         Value::Object(o) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            known_keys(o, &["type", "function"], "tool_choice")?;
+            if let Some(f) = o.get("function").and_then(Value::as_object) {
+                known_keys(f, &["name"], "tool_choice.function")?;
+            }
             let Some(name) = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str) else {
-                return Err(ApiError::bad("`tool_choice.function.name` must be a string"));
+                return Err(ApiError::bad_at("tool_choice.function.name", "`tool_choice.function.name` must be a string"));
             };
             let Some(t) = tools.iter().find(|t| t["function"]["name"].as_str() == Some(name)) else {
                 return Err(ApiError::bad(format!("`tool_choice` names the function {name:?}, which `tools` does not list")));
@@ -393,31 +467,58 @@ fn template_kwargs(k: Option<&Value>) -> Result<serde_json::Map<String, Value>, 
     Ok(o.clone())
 }
 
-/// `logit_bias`: token ids (as strings) to a bias in [-100, 100].
+/// `logit_bias`: token ids to a bias in [-100, 100]. A key is a token id written canonically
+/// (`0` or `[1-9][0-9]*`, below the vocabulary's size): `"+7"`, `"07"` or `" 7"` are refused
+/// rather than read as 7, so no two keys can name one token and stack past the bound.
 fn logit_bias(b: Option<&Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
     let Some(b) = b.filter(|b| !b.is_null()) else { return Ok(vec![]) };
     let Some(o) = b.as_object() else {
-        return Err(ApiError::bad("`logit_bias` must be an object of token ids to numbers"));
+        return Err(ApiError::bad_at("logit_bias", "`logit_bias` must be an object of token ids to numbers"));
     };
     if o.len() > MAX_LOGIT_BIAS {
-        return Err(ApiError::bad(format!("`logit_bias`: {} entries, at most {MAX_LOGIT_BIAS}", o.len())));
+        return Err(ApiError::bad_at(
+            "logit_bias",
+            format!("`logit_bias`: {} entries, at most {MAX_LOGIT_BIAS}", o.len()),
+        ));
     }
     o.iter()
         .map(|(k, v)| {
-            let t = k.parse::<u32>().ok().filter(|&t| (t as usize) < vocab).ok_or_else(|| {
-                ApiError::bad(format!("`logit_bias`: {k:?} is not a token id below the vocabulary's {vocab}"))
+            let t = token_id(k).filter(|&t| (t as usize) < vocab).ok_or_else(|| {
+                ApiError::bad_at(
+                    "logit_bias",
+                    format!(
+                        "`logit_bias`: the key {k:?} is not a token id: a decimal integer without sign, spaces or \
+                         leading zeros, below the vocabulary's {vocab}"
+                    ),
+                )
             })?;
-            let x = v
-                .as_f64()
-                .filter(|x| (-100.0..=100.0).contains(x))
-                .ok_or_else(|| ApiError::bad(format!("`logit_bias.{k}` = {v} must be a number in [-100, 100]")))?;
+            let x = v.as_f64().filter(|x| (-100.0..=100.0).contains(x)).ok_or_else(|| {
+                ApiError::bad_at(
+                    format!("logit_bias.{k}"),
+                    format!("`logit_bias.{k}` = {v} must be a number in [-100, 100]"),
+                )
+            })?;
             Ok((t, x as f32))
         })
         .collect()
 }
 
+/// A token id written canonically: `0`, or a nonzero digit then digits, within u32.
+fn token_id(k: &str) -> Option<u32> {
+    let b = k.as_bytes();
+    let canonical = !b.is_empty() && b.iter().all(u8::is_ascii_digit) && (b[0] != b'0' || b.len() == 1);
+    if canonical {
+        k.parse().ok()
+    } else {
+        None
+    }
+}
+
 /// An assistant message's call (arguments as JSON text, or an object).
 fn tool_call(c: &ToolCallIn, at: &str) -> Result<ToolCall, ApiError> {
+    if let Some(k) = c.kind.as_deref().filter(|k| *k != "function") {
+        return Err(ApiError::bad_at(format!("{at}.type"), format!("`{at}.type` = {k:?}: only \"function\"")));
+    }
     let f = c.function.as_ref().ok_or_else(|| ApiError::bad(format!("`{at}.function` is required")))?;
     let name = f.name.as_ref().ok_or_else(|| ApiError::bad(format!("`{at}.function.name` must be a string")))?;
     let arguments = match &f.arguments {

@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use vl_models::engine::{Completion, Finish};
 
 use crate::error::ApiError;
-use crate::request::{parse, typed, Parsed};
+use crate::request::{known_keys, opt_str, parse, typed, typed_field, Parsed};
 use crate::router::{App, Msg};
 
 /// Top-level fields passed on to the chat request under the same name (sampling extensions
@@ -65,32 +65,44 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<(Parsed, Echo), 
             k if PASSED.contains(&k) => {
                 chat.insert(k.into(), x.clone());
             }
-            // Accepted and ignored: they cannot change the answer.
-            "prompt_cache_key" | "safety_identifier" | "stream_options" => {}
-            "store" if x.as_bool() == Some(true) => {
-                return Err(ApiError::bad("`store`: this server keeps no responses; send `store: false`"))
+            // Accepted and ignored: they cannot change the answer (typed all the same).
+            "prompt_cache_key" | "safety_identifier" => {
+                opt_str(o, k, "")?;
+            }
+            "stream_options" => {
+                if let Some(so) = typed_field(o, k, "", "an object", Value::as_object)? {
+                    known_keys(so, &["include_obfuscation"], k)?;
+                    typed_field(so, "include_obfuscation", k, "a boolean", Value::as_bool)?;
+                }
+            }
+            "store" if typed_field(o, k, "", "a boolean", Value::as_bool)? == Some(true) => {
+                return Err(ApiError::bad_at("store", "`store`: this server keeps no responses; send `store: false`"))
             }
             "store" => {}
-            "background" if x.as_bool() == Some(true) => {
-                return Err(ApiError::bad("`background` responses are not supported"))
+            "background" if typed_field(o, k, "", "a boolean", Value::as_bool)? == Some(true) => {
+                return Err(ApiError::bad_at("background", "`background` responses are not supported"))
             }
             "background" => {}
-            "truncation" if set && x.as_str() != Some("disabled") => {
-                return Err(ApiError::bad(format!(
-                    "`truncation` = {x}: only \"disabled\" (a prompt over the context is refused)"
-                )))
-            }
-            "truncation" => {}
+            "truncation" => match opt_str(o, k, "")? {
+                None | Some("disabled") => {}
+                Some(t) => {
+                    return Err(ApiError::bad_at(
+                        "truncation",
+                        format!("`truncation` = {t:?}: only \"disabled\" (a prompt over the context is refused)"),
+                    ))
+                }
+            },
             "previous_response_id" | "conversation" if set => {
                 return Err(ApiError::bad(format!(
                     "`{k}`: this server keeps no state; send the whole conversation as `input`"
                 )))
             }
-            "include" if x.as_array().is_some_and(|a| !a.is_empty()) => {
-                return Err(ApiError::bad(format!("`include` = {x} is not supported")))
+            "include" if typed_field(o, k, "", "a list", Value::as_array)?.is_some_and(|a| !a.is_empty()) => {
+                return Err(ApiError::bad_at("include", format!("`include` = {x} is not supported")))
             }
-            "top_logprobs" if x.as_u64().is_some_and(|n| n > 0) => {
-                return Err(ApiError::bad(
+            "top_logprobs" if typed_field(o, k, "", "an integer in 0..=20", Value::as_u64)?.is_some_and(|n| n > 0) => {
+                return Err(ApiError::bad_at(
+                    "top_logprobs",
                     "`top_logprobs` is not supported on /v1/responses (use /v1/chat/completions)",
                 ))
             }
@@ -99,7 +111,7 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<(Parsed, Echo), 
                 return Err(ApiError::bad(format!("`{k}` is not supported by this server")))
             }
             "reasoning" | "max_tool_calls" | "prompt" | "prompt_cache_retention" | "context_management" => {}
-            other => return Err(ApiError::bad(format!("unknown field `{other}`"))),
+            other => return Err(ApiError::bad_at(other, format!("unknown field `{other}`"))),
         }
         if set && !matches!(k.as_str(), "input" | "stream" | "stream_options" | "store") {
             fields.insert(k.clone(), x.clone());
@@ -156,6 +168,7 @@ fn text_format(t: &Value) -> Result<Option<Value>, ApiError> {
             Ok(Some(f.clone()))
         }
         Some("json_schema") => {
+            known_keys(fo, &["type", "name", "schema", "strict", "description"], "text.format")?;
             let mut js = fo.clone();
             js.remove("type");
             Ok(Some(json!({"type": "json_schema", "json_schema": js})))
@@ -175,9 +188,10 @@ fn tool(i: usize, t: &Value) -> Result<Value, ApiError> {
         )));
     }
     let o = t.as_object().expect("has a type");
-    if let Some(k) = o.keys().find(|k| !["type", "name", "description", "parameters", "strict"].contains(&k.as_str())) {
-        return Err(ApiError::bad(format!("`tools[{i}].{k}` is not a known field")));
-    }
+    let at = format!("tools[{i}]");
+    known_keys(o, &["type", "name", "description", "parameters", "strict"], &at)?;
+    opt_str(o, "description", &at)?;
+    typed_field(o, "strict", &at, "a boolean", Value::as_bool)?;
     let mut f = o.clone();
     f.remove("type");
     f.remove("strict");
@@ -188,6 +202,7 @@ fn tool_choice(c: &Value) -> Result<Value, ApiError> {
     match c {
         Value::String(_) => Ok(c.clone()),
         Value::Object(o) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            known_keys(o, &["type", "name"], "tool_choice")?;
             let name = o
                 .get("name")
                 .and_then(Value::as_str)
@@ -230,7 +245,9 @@ fn messages(instructions: Option<&Value>, input: Option<&Value>) -> Result<(Vec<
         let kind = o.get("type").and_then(Value::as_str).unwrap_or("message");
         match kind {
             "message" => {
-                let role = o.get("role").and_then(Value::as_str).unwrap_or_default();
+                known_keys(o, &["type", "role", "content", "id", "status"], &at)?;
+                item_strings(o, &["id", "status"], &at)?;
+                let role = opt_str(o, "role", &at)?.unwrap_or_default();
                 let content = match o.get("content") {
                     Some(Value::String(s)) => json!(s),
                     Some(Value::Array(parts)) => Value::Array(
@@ -252,6 +269,8 @@ fn messages(instructions: Option<&Value>, input: Option<&Value>) -> Result<(Vec<
                 paths.push(at);
             }
             "function_call" => {
+                known_keys(o, &["type", "id", "call_id", "name", "arguments", "status"], &at)?;
+                item_strings(o, &["id", "call_id", "arguments", "status"], &at)?;
                 let name = o
                     .get("name")
                     .and_then(Value::as_str)
@@ -276,6 +295,8 @@ fn messages(instructions: Option<&Value>, input: Option<&Value>) -> Result<(Vec<
                 }
             }
             "function_call_output" => {
+                known_keys(o, &["type", "id", "call_id", "output", "status"], &at)?;
+                item_strings(o, &["id", "call_id", "status"], &at)?;
                 let output = match o.get("output") {
                     Some(Value::String(s)) => s.clone(),
                     Some(Value::Array(parts)) => {
@@ -288,6 +309,25 @@ fn messages(instructions: Option<&Value>, input: Option<&Value>) -> Result<(Vec<
                 paths.push(at);
             }
             "reasoning" => {
+                known_keys(o, &["type", "id", "summary", "content", "encrypted_content", "status"], &at)?;
+                item_strings(o, &["id", "status"], &at)?;
+                if o.get("encrypted_content").is_some_and(|e| !e.is_null()) {
+                    return Err(ApiError::bad_at(
+                        format!("{at}.encrypted_content"),
+                        format!("`{at}.encrypted_content`: this server cannot read encrypted reasoning; send its text"),
+                    ));
+                }
+                for list in ["summary", "content"] {
+                    let Some(parts) = typed_field(o, list, &at, "a list", Value::as_array)? else { continue };
+                    for (j, p) in parts.iter().enumerate() {
+                        let pat = format!("{at}.{list}[{j}]");
+                        let po = p
+                            .as_object()
+                            .ok_or_else(|| ApiError::bad_at(pat.clone(), format!("`{pat}` must be an object")))?;
+                        known_keys(po, &["type", "text"], &pat)?;
+                        item_strings(po, &["type", "text"], &pat)?;
+                    }
+                }
                 let text: String = o
                     .get("content")
                     .and_then(Value::as_array)
@@ -312,9 +352,28 @@ fn messages(instructions: Option<&Value>, input: Option<&Value>) -> Result<(Vec<
     Ok((out, paths))
 }
 
+/// Refuses a field of `names` present in `o` (at `at`) that is not a string.
+fn item_strings(o: &Map<String, Value>, names: &[&str], at: &str) -> Result<(), ApiError> {
+    for name in names {
+        opt_str(o, name, at)?;
+    }
+    Ok(())
+}
+
 /// An input content part as a chat part: `input_text` / `output_text` as text, `input_image`
-/// (`image_url`: a data URL, an http(s) URL or an allowed path) as an image.
+/// (`image_url`: a data URL, an http(s) URL or an allowed path; `detail`) as an image. Unknown
+/// fields are refused with their path.
 fn content_part(p: &Value, at: &str) -> Result<Value, ApiError> {
+    let Some(o) = p.as_object() else { return Err(ApiError::bad_at(at, format!("`{at}` must be an object"))) };
+    let known: &[&str] = match o.get("type").and_then(Value::as_str) {
+        Some("input_text") => &["type", "text"],
+        Some("output_text") => &["type", "text", "annotations", "logprobs"],
+        Some("input_image") => &["type", "image_url", "file_id", "detail"],
+        _ => &[],
+    };
+    if !known.is_empty() {
+        known_keys(o, known, at)?;
+    }
     match p.get("type").and_then(Value::as_str) {
         Some("input_text") | Some("output_text") => {
             let t = p
@@ -332,8 +391,15 @@ fn content_part(p: &Value, at: &str) -> Result<Value, ApiError> {
                 .and_then(Value::as_str)
                 .ok_or_else(|| ApiError::bad(format!("`{at}.image_url` must be a string")))?;
             let mut image = json!({"url": url});
-            if let Some(d) = p.get("detail").filter(|d| !d.is_null()) {
-                image["detail"] = d.clone();
+            match o.get("detail").filter(|d| !d.is_null()) {
+                None => {}
+                Some(d) if ["low", "high", "auto"].iter().any(|x| d == x) => image["detail"] = d.clone(),
+                Some(d) => {
+                    return Err(ApiError::bad_at(
+                        format!("{at}.detail"),
+                        format!("`{at}.detail` = {d}: expected \"low\", \"high\" or \"auto\""),
+                    ))
+                }
             }
             Ok(json!({"type": "image_url", "image_url": image}))
         }

@@ -269,15 +269,16 @@ async fn guard(State(app): State<Arc<App>>, req: axum::extract::Request, next: a
     let t = Instant::now();
     let (method, path) = (req.method().clone(), req.uri().path().to_string());
     let origin = req.headers().get(header::ORIGIN).and_then(|o| o.to_str().ok()).map(String::from);
-    let allowed = origin.filter(|o| app.config.cors_origins.iter().any(|a| a == "*" || a == o));
-    let mut resp = if method == axum::http::Method::OPTIONS {
+    let allowed = origin.filter(|o| app.config.cors_origins.iter().any(|a| a == "*" || a.eq_ignore_ascii_case(o)));
+    let preflight = method == axum::http::Method::OPTIONS;
+    let mut resp = if preflight {
         let mut r = StatusCode::NO_CONTENT.into_response();
         if allowed.is_some() {
             let h = r.headers_mut();
             h.insert(header::ACCESS_CONTROL_ALLOW_METHODS, header::HeaderValue::from_static("GET, POST, OPTIONS"));
             h.insert(
                 header::ACCESS_CONTROL_ALLOW_HEADERS,
-                header::HeaderValue::from_static("authorization, content-type"),
+                asked.unwrap_or(header::HeaderValue::from_static("authorization, content-type")),
             );
             h.insert(header::ACCESS_CONTROL_MAX_AGE, header::HeaderValue::from_static("600"));
         }
@@ -297,8 +298,13 @@ async fn guard(State(app): State<Arc<App>>, req: axum::extract::Request, next: a
         next.run(req).await
     };
     if let Some(o) = allowed.and_then(|o| header::HeaderValue::from_str(&o).ok()) {
+            // The headers the page asks to send (the openai SDK's `x-stainless-*` ones, ...),
+            // echoed when each is a header name; the usual two otherwise.
+            let asked = req.headers().get(header::ACCESS_CONTROL_REQUEST_HEADERS).and_then(requested_headers);
         resp.headers_mut().insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, o);
-        resp.headers_mut().insert(header::VARY, header::HeaderValue::from_static("origin"));
+        let vary =
+            if preflight { "origin, access-control-request-method, access-control-request-headers" } else { "origin" };
+        resp.headers_mut().insert(header::VARY, header::HeaderValue::from_static(vary));
     }
     let status = resp.status();
     // An answered completion logs its own line, with its token counts, when its answer ends.
@@ -309,10 +315,15 @@ async fn guard(State(app): State<Arc<App>>, req: axum::extract::Request, next: a
     resp
 }
 
-/// Whether the request carries the server's key (always, when it has none).
+/// Whether the request carries the server's key (always, when it has none): `Authorization:
+/// Bearer KEY`, the scheme in any case and the blanks around it and the key free (RFC 7235).
 fn authorized(app: &App, headers: &axum::http::HeaderMap) -> bool {
     let Some(key) = &app.config.api_key else { return true };
-    let sent = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    let blank = [' ', '\t'];
+    let sent = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| {
+        let (scheme, credentials) = v.trim_matches(blank).split_once(blank)?;
+        scheme.eq_ignore_ascii_case("bearer").then(|| credentials.trim_matches(blank))
+    });
     // Compared in full whatever the first difference, so the time taken says nothing of the key.
     sent.is_some_and(|s| s.len() == key.len() && s.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0)
 }
@@ -328,6 +339,8 @@ pub(crate) fn log_answer(path: &str, all: &[Completion], started: Instant) {
         c.time_to_first_token.as_secs_f64(),
         started.elapsed().as_secs_f64()
     );
+        // The method and path are the client's: escaped, so they cannot forge or hide log text.
+        let (method, path) = (escape_log(method.as_str()), escape_log(&path));
 }
 
 async fn models(State(app): State<Arc<App>>) -> Response {
@@ -341,6 +354,52 @@ async fn models(State(app): State<Arc<App>>) -> Response {
 
 async fn chat_completions(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
     endpoint(app, req, Kind::Chat).await
+/// Most header names a preflight's `Access-Control-Request-Headers` may list, and its length, for
+/// the list to be echoed.
+const MAX_REQUESTED_HEADERS: usize = 64;
+const MAX_REQUESTED_HEADERS_BYTES: usize = 4096;
+
+/// A preflight's `Access-Control-Request-Headers` as the `Access-Control-Allow-Headers` to
+/// answer: the names lowercased, when every one is an HTTP token (RFC 9110 `tchar`s) and there
+/// are at most `MAX_REQUESTED_HEADERS` in `MAX_REQUESTED_HEADERS_BYTES`; None otherwise.
+fn requested_headers(v: &header::HeaderValue) -> Option<header::HeaderValue> {
+    let v = v.to_str().ok().filter(|v| v.len() <= MAX_REQUESTED_HEADERS_BYTES)?;
+    let tchar = |c: u8| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c);
+    let names: Vec<&str> = v.split(',').map(|n| n.trim_matches([' ', '\t'])).collect();
+    let ok = names.len() <= MAX_REQUESTED_HEADERS && names.iter().all(|n| !n.is_empty() && n.bytes().all(tchar));
+    if !ok {
+        return None;
+    }
+    header::HeaderValue::from_str(&names.join(", ").to_ascii_lowercase()).ok()
+}
+
+/// Client-controlled text as it goes into a log line: every control and format character
+/// (Unicode categories Cc, Cf, Zl, Zp: C0 and C1 controls, bidi overrides and isolates, zero-width
+/// characters, line and paragraph separators) and the backslash written as `\u{XXXX}`, so a request
+/// can neither break a line nor make one read otherwise than it is.
+pub(crate) fn escape_log(s: &str) -> std::borrow::Cow<'_, str> {
+    fn format_char(c: char) -> bool {
+        matches!(c as u32,
+            0xAD | 0x600..=0x605 | 0x61C | 0x6DD | 0x70F | 0x890..=0x891 | 0x8E2 | 0x180E
+            | 0x200B..=0x200F | 0x2028..=0x202E | 0x2060..=0x2064 | 0x2066..=0x206F | 0xFEFF
+            | 0xFFF9..=0xFFFB | 0x110BD | 0x110CD | 0x13430..=0x1343F | 0x1BCA0..=0x1BCA3
+            | 0x1D173..=0x1D17A | 0xE0001 | 0xE0020..=0xE007F)
+    }
+    let escaped = |c: char| c.is_control() || c == '\\' || format_char(c);
+    if !s.chars().any(escaped) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 16);
+    for c in s.chars() {
+        if escaped(c) {
+            out.push_str(&format!("\\u{{{:04X}}}", c as u32));
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 }
 
 /// `POST /v1/completions`: a raw prompt, no chat template.
