@@ -1669,6 +1669,7 @@ fn responses_fields_are_type_checked_and_background_refused() {
         (json!({"metadata": {"a": 1}}), "metadata.a", "`metadata.a`"),
         (json!({"parallel_tool_calls": "no"}), "parallel_tool_calls", "`parallel_tool_calls`"),
         (json!({"frobnicate": 1}), "frobnicate", "unknown field `frobnicate`"),
+        (json!({"max_output_tokens": "x"}), "max_output_tokens", "`max_output_tokens`"),
         (json!({"tools": [{"type": "function", "name": "f", "foo": 1}]}), "tools[0].foo", "is not a known field"),
         (json!({"tools": [{"type": "function", "name": "f", "strict": "yes"}]}), "tools[0].strict", "boolean"),
         (json!({"tool_choice": {"type": "function", "name": "f", "x": 1}}), "tool_choice.x", "is not a known field"),

@@ -41,7 +41,8 @@ impl ApiError {
     /// The same error with its message (and its `param`) rewritten.
     pub(crate) fn map_message(mut self, f: impl Fn(&str) -> String) -> Self {
         self.message = f(&self.message);
-        self.param = self.param.map(|p| f(&p));
+        // Quoted as messages quote a field, so a rewrite of `name` applies to it too.
+        self.param = self.param.map(|p| f(&format!("`{p}`")).trim_matches('`').to_string());
         self
     }
     pub(crate) fn body(&self) -> Value {
