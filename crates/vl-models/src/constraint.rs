@@ -28,6 +28,11 @@ const WHITESPACE: &str = r"(?:\x20|\x0A[\x20\x09]{0,20})";
 /// own fuel; this bounds what is parsed and kept).
 pub const MAX_SCHEMA_BYTES: usize = 256 << 10;
 
+/// Most characters a schema's `pattern` may spell out through its counted repetitions
+/// (`(a{300}){300}` spells 90,000): llguidance builds a pattern's lexer states as the answer
+/// reaches it, at a cost that grows with this, so a pattern past it is refused at admission.
+pub const MAX_PATTERN_EXPANSION: u64 = 10_000;
+
 /// The longest one token mask may take before it is cancelled and the answer refused (the first
 /// mask, at admission) or ended with an error (a later one).
 pub const MASK_TIME_LIMIT: Duration = Duration::from_secs(2);
@@ -140,6 +145,7 @@ impl Compiler {
     /// cannot be compiled, that admits no answer, or whose mask is too costly is refused here,
     /// naming `what` and the failing part.
     pub fn guides(&self, c: &Constraint, what: &str, n: usize) -> Result<Vec<Guide>> {
+        check_patterns(c, what)?;
         let grammar = c.grammar()?;
         let parser = self.factory.create_parser(grammar).map_err(|e| Error::Input {
             what: what.into(),
@@ -152,11 +158,16 @@ impl Compiler {
                 message: format!("cannot be compiled: {}", describe(c, &e)),
             });
         }
-        let mut first = Guide { m, what: what.to_string(), ready: None };
+        let mut first = Guide { m, what: what.to_string(), ready: None, hint: costly(c) };
         first.prime(c)?;
         let mut all = Vec::with_capacity(n);
         for _ in 1..n {
-            all.push(Guide { m: first.m.deep_clone(), what: first.what.clone(), ready: first.ready.clone() });
+            all.push(Guide {
+                m: first.m.deep_clone(),
+                what: first.what.clone(),
+                ready: first.ready.clone(),
+                hint: first.hint.clone(),
+            });
         }
         all.insert(0, first);
         Ok(all)
@@ -204,20 +215,26 @@ fn costly(c: &Constraint) -> String {
     }
 }
 
-/// JSON pointers of the first few `pattern` keywords in a schema constraint.
-fn patterns_of(c: &Constraint) -> Vec<String> {
-    fn walk(v: &Value, at: &str, out: &mut Vec<String>) {
-        if out.len() >= 3 {
-            return;
-        }
+/// Every regular expression of a schema constraint (`pattern` values and `patternProperties`
+/// keys), with its JSON pointer (a tool's prefixed by its name).
+fn all_patterns(c: &Constraint) -> Vec<(String, String)> {
+    fn pointer(at: &str, k: &str) -> String {
+        format!("{at}/{}", k.replace('~', "~0").replace('/', "~1"))
+    }
+    fn walk(v: &Value, at: &str, out: &mut Vec<(String, String)>) {
         match v {
             Value::Object(o) => {
                 for (k, v) in o {
-                    let here = format!("{at}/{}", k.replace('~', "~0").replace('/', "~1"));
-                    if k == "pattern" && v.is_string() && out.len() < 3 {
-                        out.push(here);
-                    } else {
-                        walk(v, &here, out);
+                    let here = pointer(at, k);
+                    match (k.as_str(), v) {
+                        ("pattern", Value::String(p)) => out.push((here, p.clone())),
+                        ("patternProperties", Value::Object(props)) => {
+                            for (p, sub) in props {
+                                out.push((pointer(&here, p), p.clone()));
+                                walk(sub, &pointer(&here, p), out);
+                            }
+                        }
+                        _ => walk(v, &here, out),
                     }
                 }
             }
@@ -238,6 +255,46 @@ fn patterns_of(c: &Constraint) -> Vec<String> {
     out
 }
 
+/// JSON pointers of the first few patterns of a schema constraint.
+fn patterns_of(c: &Constraint) -> Vec<String> {
+    all_patterns(c).into_iter().take(3).map(|(at, _)| at).collect()
+}
+
+/// Refuses a pattern that spells out more than `MAX_PATTERN_EXPANSION` characters, naming it.
+/// A pattern this parser cannot read is left to llguidance (its error names it).
+fn check_patterns(c: &Constraint, what: &str) -> Result<()> {
+    for (at, p) in all_patterns(c) {
+        let Ok(hir) = regex_syntax::ParserBuilder::new().nest_limit(256).build().parse(&p) else { continue };
+        let n = expansion(&hir);
+        if n > MAX_PATTERN_EXPANSION {
+            return Err(Error::Input {
+                what: what.into(),
+                message: format!(
+                    "the pattern at {at} spells out up to {n} characters through its counted repetitions, more than {MAX_PATTERN_EXPANSION}: too costly to match"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Characters a regular expression spells out at most, counting a counted repetition's
+/// maximum (its minimum when unbounded: a loop costs one pass), saturating.
+fn expansion(h: &regex_syntax::hir::Hir) -> u64 {
+    use regex_syntax::hir::HirKind;
+    match h.kind() {
+        HirKind::Empty | HirKind::Look(_) => 0,
+        HirKind::Literal(l) => l.0.len() as u64,
+        HirKind::Class(_) => 1,
+        HirKind::Repetition(r) => {
+            let times = r.max.unwrap_or(r.min).max(1) as u64;
+            expansion(&r.sub).max(1).saturating_mul(times)
+        }
+        HirKind::Capture(c) => expansion(&c.sub),
+        HirKind::Concat(v) | HirKind::Alternation(v) => v.iter().fold(0u64, |a, h| a.saturating_add(expansion(h))),
+    }
+}
+
 fn first_line(s: &str) -> String {
     s.lines().next().unwrap_or(s).to_string()
 }
@@ -249,6 +306,8 @@ pub struct Guide {
     /// The request field named in errors (`response_format`, `tool_choice`).
     what: String,
     ready: Option<SimpleVob>,
+    /// " (patterns at ...)" for errors of a costly grammar.
+    hint: String,
 }
 
 impl Guide {
@@ -280,8 +339,8 @@ impl Guide {
         if let Some(m) = self.ready.take() {
             return Ok(m);
         }
-        let what = self.what.clone();
-        self.m.compute_mask().map_err(|e| failed(&what, &e.to_string()))
+        let (what, hint) = (self.what.clone(), self.hint.clone());
+        self.m.compute_mask().map_err(|e| failed(&what, &format!("{}{hint}", first_line(&e.to_string()))))
     }
 
     /// Takes the picked token.

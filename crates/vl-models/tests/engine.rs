@@ -520,3 +520,103 @@ fn a_preempted_answer_of_media_placeholder_ids_is_recomputed_as_text() {
     assert!(st.preemptions > 0, "the budget forced no preemption: {st:?}");
     assert_eq!((st.running, st.waiting), (0, 0));
 }
+
+/// Grammars that fail or cost too much are refused when the request is admitted, naming the field
+/// and the failing part, and never hold up another client's stream: patterns of growing cost
+/// with several choices, self-referencing schemas, and a tool whose parameters are such a schema.
+#[test]
+fn costly_or_empty_grammars_are_refused_at_admission_and_stall_no_other_stream() {
+    use serde_json::json;
+    use std::time::{Duration, Instant};
+    use vl_models::engine::Constraint;
+    let g = "tiny-a";
+    let e = engine_with(g, cold(4));
+    let string_with =
+        |p: &str| json!({"type": "object", "properties": {"s": {"type": "string", "pattern": p}}, "required": ["s"]});
+    // (constraint, n, what the message names)
+    let bad: Vec<(Constraint, usize, &str)> = vec![
+        (Constraint::JsonSchema(string_with("^(a{1000}){1000}$")), 7, "/properties/s/pattern"),
+        (Constraint::JsonSchema(string_with("^(a{300}){300}$")), 6, "/properties/s/pattern"),
+        (Constraint::JsonSchema(json!({"type": "string", "pattern": "^(b{500}){800}$"})), 3, "#/pattern"),
+        (Constraint::JsonSchema(json!({"$ref": "#"})), 2, "no finite instance"),
+        (
+            Constraint::JsonSchema(
+                json!({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
+            ),
+            2,
+            "no finite instance",
+        ),
+    ];
+    // Another client streams a plain answer the whole time; its pieces' largest gap is measured.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    std::thread::scope(|s| {
+        let _stop = Stop(&stop);
+        let other = s.spawn(|| {
+            let mut gaps = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut last = Instant::now();
+                let mut largest = Duration::ZERO;
+                e.generate(&golden_request("text_only", 60), &mut |_| {
+                    largest = largest.max(last.elapsed());
+                    last = Instant::now();
+                    true
+                })
+                .unwrap();
+                gaps.push(largest);
+            }
+            gaps
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        for (i, (c, n, names)) in bad.iter().enumerate() {
+            let mut req = golden_request("text_only", 20);
+            req.constraint = Some(c.clone());
+            let t = Instant::now();
+            let r = e.generate_n(&req, *n, &mut |_, _, _| true);
+            let took = t.elapsed();
+            let Err(err) = r else { panic!("case {i}: a grammar that cannot be matched was answered") };
+            let msg = err.to_string();
+            println!("case {i}: refused in {took:.2?}: {msg}");
+            assert!(
+                matches!(&err, vl_models::Error::Input { what, .. } if what == "response_format"),
+                "case {i}: {err:?}"
+            );
+            assert!(msg.contains(names), "case {i}: {msg:?} does not name {names:?}");
+            assert!(took < Duration::from_secs(4), "case {i}: refused after {took:?}");
+        }
+        // Patterns just under the bound, several choices: answered (each valid) or refused naming
+        // the field; either way the other stream goes on.
+        for p in ["^(a{99}){100}$", "^([a-c]{50}x){150}$", "^(a|b){9000}$"] {
+            let mut req = golden_request("text_only", 24);
+            req.constraint = Some(Constraint::JsonSchema(string_with(p)));
+            let t = Instant::now();
+            match e.generate_n(&req, 4, &mut |_, _, _| true) {
+                Ok(all) => println!("{p}: answered in {:.2?}: {:?}", t.elapsed(), all[0].text),
+                Err(err) => {
+                    println!("{p}: refused in {:.2?}: {err}", t.elapsed());
+                    assert!(
+                        matches!(&err, vl_models::Error::Input { what, .. } if what == "response_format"),
+                        "{err:?}"
+                    );
+                }
+            }
+        }
+        // A tool whose parameters are a reference cycle: refused naming tool_choice.
+        let mut req = golden_request("text_only", 20);
+        let params = json!({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"});
+        req.constraint = Some(Constraint::ToolCalls { functions: vec![("f".into(), params)], one: true });
+        let err = e.generate(&req, &mut |_| true).unwrap_err();
+        assert!(matches!(&err, vl_models::Error::Input { what, .. } if what == "tool_choice"), "{err:?}");
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let gaps = other.join().unwrap();
+        let largest = gaps.iter().max().copied().unwrap_or_default();
+        println!("the other stream: {} answers, largest gap between pieces {largest:.2?}", gaps.len());
+        assert!(!gaps.is_empty());
+        assert!(largest < Duration::from_millis(1500), "another client's stream stalled for {largest:?}");
+    });
+}
