@@ -620,3 +620,54 @@ fn costly_or_empty_grammars_are_refused_at_admission_and_stall_no_other_stream()
         assert!(largest < Duration::from_millis(1500), "another client's stream stalled for {largest:?}");
     });
 }
+
+/// A caller that stops taking its pieces pauses its own sequence (a bounded number of pieces
+/// wait for it, never its whole answer), while another caller's stream goes on.
+#[test]
+fn a_caller_that_stops_reading_pauses_its_sequence_and_no_other() {
+    use std::time::{Duration, Instant};
+    let g = "tiny-a";
+    let e = engine_with(g, cold(4));
+    // How far a caller that reads runs in the time the stalled one waits.
+    let t = Instant::now();
+    let free = e.generate(&golden_request("text_only", 300), &mut |_| true).unwrap();
+    let free_time = t.elapsed();
+    assert_eq!(free.token_ids.len(), 300);
+    for stall in [free_time * 2, free_time * 4] {
+        let (stalled, gaps) = std::thread::scope(|s| {
+            let stalled = s.spawn(|| {
+                let mut first = true;
+                e.generate(&golden_request("text_only", 300), &mut |_| {
+                    if first {
+                        first = false;
+                        // Stops reading, then gives up.
+                        std::thread::sleep(stall);
+                        return false;
+                    }
+                    true
+                })
+                .unwrap()
+            });
+            std::thread::sleep(Duration::from_millis(20));
+            let mut last = Instant::now();
+            let mut largest = Duration::ZERO;
+            let other = e
+                .generate(&golden_request("text_only", 200), &mut |_| {
+                    largest = largest.max(last.elapsed());
+                    last = Instant::now();
+                    true
+                })
+                .unwrap();
+            assert_eq!(other.token_ids.len(), 200);
+            (stalled.join().unwrap(), largest)
+        });
+        println!(
+            "stalled {stall:.2?}: {} tokens generated for it (300 free in {free_time:.2?}); the other's largest gap {gaps:.2?}",
+            stalled.token_ids.len()
+        );
+        assert_eq!(stalled.finish, Finish::Cancelled);
+        // 16 pieces may wait unread (a piece is one token or a few for a split character).
+        assert!(stalled.token_ids.len() <= 40, "{} tokens decoded for a caller that read none", stalled.token_ids.len());
+        assert!(gaps < Duration::from_millis(500), "the other stream stalled for {gaps:?}");
+    }
+}
