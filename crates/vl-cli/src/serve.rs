@@ -100,6 +100,10 @@ pub struct ServeArgs {
     /// exits anyway.
     #[arg(long, default_value_t = 60.0)]
     shutdown_timeout: f64,
+    /// Seconds a streamed answer waits for a client that stopped reading before it is cancelled
+    /// and its slot freed (its sequences pause meanwhile; memory stays bounded).
+    #[arg(long, default_value_t = 30.0)]
+    stall_timeout: f64,
 }
 
 /// `--NAME S` as a duration: a number of seconds above 0, at most a day.
@@ -131,6 +135,7 @@ fn connection_limits(args: &ServeArgs) -> Result<vl_server::ConnectionLimits> {
         header_timeout: seconds("header-timeout", args.header_timeout)?,
         body_timeout: seconds("body-timeout", args.body_timeout)?,
         shutdown_timeout: seconds("shutdown-timeout", args.shutdown_timeout)?,
+        stall_timeout: seconds("stall-timeout", args.stall_timeout)?,
     })
 }
 
@@ -151,13 +156,13 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     if let Some(key) = &args.api_key {
         vl_server::check_api_key(key).map_err(|e| anyhow::anyhow!("--api-key (or VL_API_KEY): {e}"))?;
     }
+    let cors_origins =
+        vl_server::cors_origins(&args.cors_origins).map_err(|e| anyhow::anyhow!("--cors-origins: {e}"))?;
     let connections = connection_limits(&args)?;
     let dev = device(args.load.device)?;
     let dtype = dtype(args.load.dtype, &dev);
     let dir = crate::hub::resolve(&args.load.model)?;
     let defaults = match args.sampling.as_str() {
-    let cors_origins =
-        vl_server::cors_origins(&args.cors_origins).map_err(|e| anyhow::anyhow!("--cors-origins: {e}"))?;
         "greedy" => GenerationOptions::default(),
         "model" => model_sampling(&dir)?,
         other => anyhow::bail!("--sampling {other}: expected `greedy` or `model`"),

@@ -1789,3 +1789,133 @@ fn image_detail_low_narrows_the_pixel_budget() {
     };
     assert_eq!(input("high") - input("low"), full - low);
 }
+
+/// Streaming clients that stop reading (with no, some and many log-probabilities per token) hold
+/// a bounded number of pieces: their sequences pause, are cancelled after `--stall-timeout`, and
+/// free their slots; the server's memory stays put and another client's stream flows meanwhile.
+#[test]
+fn clients_that_stop_reading_pause_then_lose_their_slot_and_stall_no_one() {
+    fn metric(s: &Server, name: &str) -> f64 {
+        let (_, m) = get(s, "/metrics");
+        m.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).and_then(|v| v.trim().parse().ok()).unwrap_or(0.0)
+    }
+    fn rss_kib(pid: u32) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    }
+    // Room for every stalled choice and the other client: what is measured is the pause, not a
+    // queue.
+    let s = common::start("tiny-a", &["--parallel", "20", "--stall-timeout", "2"]);
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let max = 1500;
+    // A warm-up answer, so that what is measured below is the stalled clients' cost alone.
+    let _ = stream(
+        &s,
+        &json!({"model": "tiny-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": true}),
+    );
+    let before = rss_kib(s.child.id());
+    // A client socket with a 4 KiB receive buffer: the server's writes stop soon after the
+    // client stops reading.
+    fn small_window(addr: &str) -> std::net::TcpStream {
+        use std::os::fd::FromRawFd;
+        let sa: std::net::SocketAddrV4 = addr.parse().unwrap();
+        // SAFETY: a fresh socket, options and address passed with their sizes; the descriptor is
+        // owned by the TcpStream made from it.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+            assert!(fd >= 0);
+            let size: libc::c_int = 4096;
+            let p = &size as *const libc::c_int as *const libc::c_void;
+            assert_eq!(libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, p, 4), 0);
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: sa.port().to_be(),
+                sin_addr: libc::in_addr { s_addr: u32::from(*sa.ip()).to_be() },
+                sin_zero: [0; 8],
+            };
+            let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            assert_eq!(libc::connect(fd, &sin as *const libc::sockaddr_in as *const libc::sockaddr, len), 0);
+            std::net::TcpStream::from_raw_fd(fd)
+        }
+    }
+    // Clients that read nothing, or the headers and a few chunks, then stop.
+    // Eight choices of 20 log-probabilities a token: ~12 MB of stream each, past what the
+    // kernel's socket buffers hold.
+    let n = 8;
+    let clients = [(20u32, 0usize), (20, 3)];
+    let stalled: Vec<std::net::TcpStream> = clients
+        .iter()
+        .map(|&(top, read)| {
+            let body = json!({"model": "tiny-a", "messages": [{"role": "user", "content": "Count to a thousand."}],
+                              "max_tokens": max, "stream": true, "logprobs": true, "top_logprobs": top,
+                              "temperature": 1, "seed": 7, "n": n});
+            let body = body.to_string();
+            let mut sock = small_window(&addr);
+            write!(
+                sock,
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .unwrap();
+            let mut buf = vec![0u8; 4096];
+            for _ in 0..read {
+                sock.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                assert!(sock.read(&mut buf).unwrap() > 0);
+            }
+            sock
+        })
+        .collect();
+    // Another client streams meanwhile: its largest gap between chunks.
+    std::thread::sleep(Duration::from_millis(300));
+    let resp = agent()
+        .post(&format!("{}/v1/chat/completions", s.base))
+        .set("Content-Type", "application/json")
+        .send_string(
+            &json!({"model": "tiny-a", "messages": [{"role": "user", "content": "Tell a story."}],
+                              "max_tokens": 300, "stream": true, "temperature": 0})
+            .to_string(),
+        )
+        .unwrap();
+    let (mut last, mut largest, mut chunks) = (Instant::now(), Duration::ZERO, 0);
+    for line in BufReader::new(resp.into_reader()).lines() {
+        let line = line.unwrap();
+        if line.starts_with("data: ") {
+            largest = largest.max(last.elapsed());
+            last = Instant::now();
+            chunks += 1;
+        }
+    }
+    let during = rss_kib(s.child.id());
+    // Past the stall timeout the stalled requests are cancelled: no request runs, their slots
+    // are free, and each generated a bounded number of tokens.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while metric(&s, "vl_requests_running") > 0.0 {
+        assert!(Instant::now() < deadline, "stalled requests still running after the stall timeout");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let tokens = metric(&s, "vl_completion_tokens_total") - 8.0 - 300.0;
+    let all = (clients.len() * n * max) as f64;
+    println!(
+        "other stream: {chunks} chunks, largest gap {largest:.2?}; RSS {before} -> {during} KiB; {tokens} of {all} tokens for the stalled clients"
+    );
+    assert!(chunks >= 300, "{chunks}");
+    assert!(largest < Duration::from_secs(1), "another client's stream stalled for {largest:?}");
+    assert!(tokens < all / 2.0, "{tokens} of {all} tokens generated for clients that stopped reading");
+    assert!(during < before + 64 * 1024, "RSS grew from {before} to {during} KiB");
+    // The slots are usable again.
+    let (status, v) = post(
+        &s,
+        "/v1/chat/completions",
+        &json!({"model": "tiny-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).to_string(),
+    );
+    assert_eq!(status, 200, "{v}");
+    drop(stalled);
+}

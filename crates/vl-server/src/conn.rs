@@ -23,6 +23,9 @@ pub struct ConnectionLimits {
     /// After SIGINT/SIGTERM, the longest the server waits for running requests and open
     /// connections before it exits anyway.
     pub shutdown_timeout: Duration,
+    /// The longest a streamed answer waits for a client that stopped reading (its relay full):
+    /// past it the request is cancelled and its slot freed.
+    pub stall_timeout: Duration,
 }
 
 /// Descriptors kept free of connections: model files, ffmpeg's pipes, temporary video files,

@@ -534,7 +534,7 @@ pub(crate) async fn answer(
     echo: Echo,
     stream: bool,
     first: Msg,
-    mut rx: mpsc::UnboundedReceiver<Msg>,
+    mut rx: mpsc::Receiver<Msg>,
     started: Instant,
     n: u64,
 ) -> Result<Response, ApiError> {

@@ -27,8 +27,32 @@ struct Job {
     req: Request,
     /// Answers asked for (`n`).
     n: usize,
-    tx: mpsc::UnboundedSender<Msg>,
+    tx: mpsc::Sender<Msg>,
     queued: Instant,
+}
+
+/// Messages a request's relay may hold unread: past them the worker waits for the client (and
+/// the engine pauses the request's sequences once their own pieces pile up).
+const RELAY_MESSAGES: usize = 32;
+
+/// Hands `msg` to the request's relay, waiting while the relay is full (a client that stopped
+/// reading) at most `limit`; false when the client is gone or stalled past `limit` (the request
+/// is then cancelled and its slot freed).
+fn relay(tx: &mpsc::Sender<Msg>, mut msg: Msg, limit: Duration) -> bool {
+    let started = Instant::now();
+    loop {
+        match tx.try_send(msg) {
+            Ok(()) => return true,
+            Err(mpsc::error::TrySendError::Closed(_)) => return false,
+            Err(mpsc::error::TrySendError::Full(m)) => {
+                if started.elapsed() >= limit {
+                    return false;
+                }
+                msg = m;
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
 }
 
 /// One `Done` per request, after its texts: its size is no concern.
@@ -58,9 +82,13 @@ pub(crate) struct App {
 /// Serves the OpenAI API for `engine` on `listener` until SIGINT or SIGTERM; then stops
 /// accepting, lets running requests finish, and returns.
 pub fn serve(engine: Arc<Engine>, listener: std::net::TcpListener, config: ServerConfig) -> Result<(), ServerError> {
-    if config.api_key.as_deref() == Some("") {
-        return Err(ServerError::Config("the API key is empty".into()));
+    // A library caller gets the same checks as `vl serve`: a key some request can send, origins
+    // as browsers write them.
+    if let Some(key) = config.api_key.as_deref() {
+        crate::check_api_key(key)?;
     }
+    let mut config = config;
+    config.cors_origins = crate::cors_origins(&config.cors_origins)?;
     listener.set_nonblocking(true)?;
     let local = listener.local_addr()?;
     if !local.ip().is_loopback() && config.api_key.is_none() {
@@ -236,7 +264,11 @@ fn work(app: &App, rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
                     app.metrics.ttft.observe(job.queued.elapsed().as_secs_f64());
                 }
                 let lp = if want { logprobs_json(app, d.logprobs) } else { Value::Null };
-                job.tx.send(Msg::Text(d.choice, d.text.to_string(), d.reasoning, lp)).is_ok()
+                relay(
+                    &job.tx,
+                    Msg::Text(d.choice, d.text.to_string(), d.reasoning, lp),
+                    app.config.connections.stall_timeout,
+                )
             })
         }));
         app.metrics.running.dec();
@@ -258,7 +290,7 @@ fn work(app: &App, rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
                 "internal error while generating (a bug; see the server log)",
             )),
         };
-        let _ = job.tx.send(Msg::Done(done));
+        relay(&job.tx, Msg::Done(done), app.config.connections.stall_timeout);
     }
 }
 
@@ -274,6 +306,9 @@ async fn guard(State(app): State<Arc<App>>, req: axum::extract::Request, next: a
     let mut resp = if preflight {
         let mut r = StatusCode::NO_CONTENT.into_response();
         if allowed.is_some() {
+            // The headers the page asks to send (the openai SDK's `x-stainless-*` ones, ...),
+            // echoed when each is a header name; the usual two otherwise.
+            let asked = req.headers().get(header::ACCESS_CONTROL_REQUEST_HEADERS).and_then(requested_headers);
             let h = r.headers_mut();
             h.insert(header::ACCESS_CONTROL_ALLOW_METHODS, header::HeaderValue::from_static("GET, POST, OPTIONS"));
             h.insert(
@@ -298,9 +333,6 @@ async fn guard(State(app): State<Arc<App>>, req: axum::extract::Request, next: a
         next.run(req).await
     };
     if let Some(o) = allowed.and_then(|o| header::HeaderValue::from_str(&o).ok()) {
-            // The headers the page asks to send (the openai SDK's `x-stainless-*` ones, ...),
-            // echoed when each is a header name; the usual two otherwise.
-            let asked = req.headers().get(header::ACCESS_CONTROL_REQUEST_HEADERS).and_then(requested_headers);
         resp.headers_mut().insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, o);
         let vary =
             if preflight { "origin, access-control-request-method, access-control-request-headers" } else { "origin" };
@@ -310,6 +342,8 @@ async fn guard(State(app): State<Arc<App>>, req: axum::extract::Request, next: a
     // An answered completion logs its own line, with its token counts, when its answer ends.
     let answers = ["/v1/chat/completions", "/v1/completions", "/v1/responses"];
     if !(answers.contains(&path.as_str()) && status == StatusCode::OK) {
+        // The method and path are the client's: escaped, so they cannot forge or hide log text.
+        let (method, path) = (escape_log(method.as_str()), escape_log(&path));
         note!("{method} {path} {} total={:.3}s", status.as_u16(), t.elapsed().as_secs_f64());
     }
     resp
@@ -328,32 +362,6 @@ fn authorized(app: &App, headers: &axum::http::HeaderMap) -> bool {
     sent.is_some_and(|s| s.len() == key.len() && s.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0)
 }
 
-/// The log line of an answered request to `path`.
-pub(crate) fn log_answer(path: &str, all: &[Completion], started: Instant) {
-    let c = &all[0];
-    note!(
-        "POST {path} 200 prompt={} cached={} completion={} ttft={:.3}s total={:.3}s",
-        c.prompt_tokens,
-        c.cached_tokens,
-        all.iter().map(|c| c.token_ids.len()).sum::<usize>(),
-        c.time_to_first_token.as_secs_f64(),
-        started.elapsed().as_secs_f64()
-    );
-        // The method and path are the client's: escaped, so they cannot forge or hide log text.
-        let (method, path) = (escape_log(method.as_str()), escape_log(&path));
-}
-
-async fn models(State(app): State<Arc<App>>) -> Response {
-    axum::Json(json!({
-        "object": "list",
-        "data": [{"id": app.config.id, "object": "model", "created": app.created, "owned_by": "vl",
-                  "context_length": app.context}],
-    }))
-    .into_response()
-}
-
-async fn chat_completions(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
-    endpoint(app, req, Kind::Chat).await
 /// Most header names a preflight's `Access-Control-Request-Headers` may list, and its length, for
 /// the list to be echoed.
 const MAX_REQUESTED_HEADERS: usize = 64;
@@ -400,6 +408,30 @@ pub(crate) fn escape_log(s: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
+/// The log line of an answered request to `path`.
+pub(crate) fn log_answer(path: &str, all: &[Completion], started: Instant) {
+    let c = &all[0];
+    note!(
+        "POST {path} 200 prompt={} cached={} completion={} ttft={:.3}s total={:.3}s",
+        c.prompt_tokens,
+        c.cached_tokens,
+        all.iter().map(|c| c.token_ids.len()).sum::<usize>(),
+        c.time_to_first_token.as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
+}
+
+async fn models(State(app): State<Arc<App>>) -> Response {
+    axum::Json(json!({
+        "object": "list",
+        "data": [{"id": app.config.id, "object": "model", "created": app.created, "owned_by": "vl",
+                  "context_length": app.context}],
+    }))
+    .into_response()
+}
+
+async fn chat_completions(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
+    endpoint(app, req, Kind::Chat).await
 }
 
 /// `POST /v1/completions`: a raw prompt, no chat template.
@@ -494,7 +526,7 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
     })?;
     let stream = parsed.stream;
     let want_logprobs = parsed.req.options.logprobs.is_some();
-    let (tx, mut rx) = mpsc::unbounded_channel::<Msg>();
+    let (tx, mut rx) = mpsc::channel::<Msg>(RELAY_MESSAGES);
     let job = Job { req: parsed.req, n: parsed.n, tx, queued: Instant::now() };
     app.metrics.queue_depth.inc();
     // A place among the requests in flight (the engine's parallel sequences and the queue);
