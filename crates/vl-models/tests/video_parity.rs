@@ -567,3 +567,53 @@ fn a_same_size_clip_copied_in_with_the_old_mtime_is_decoded_again() {
         previous = now;
     }
 }
+
+/// Thirty frame-directory videos of thousands of frames each, named by a client (the server's
+/// confined mode: frames must resolve inside their directory), cost a listing each: the request
+/// is answered in well under a second of probing, and a frame linked from outside is still
+/// refused by name.
+#[test]
+fn many_large_frame_directories_are_listed_cheaply_and_still_confined() {
+    use std::time::{Duration, Instant};
+    use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
+    use vl_models::video::VideoOptions;
+    let dir = tempfile::tempdir().unwrap();
+    let frames = dir.path().join("frames");
+    std::fs::create_dir(&frames).unwrap();
+    let first = frames.join("f00000.png");
+    image::RgbImage::from_fn(64, 64, |x, y| image::Rgb([(x * 4) as u8, (y * 4) as u8, 90])).save(&first).unwrap();
+    for i in 1..5000 {
+        std::fs::hard_link(&first, frames.join(format!("f{i:05}.png"))).unwrap();
+    }
+    let opts = EngineOptions {
+        video_limits: VideoLimits { confined: true, ..Default::default() },
+        prefix_cache: false,
+        ..Default::default()
+    };
+    let engine = Engine::load(&tiny_a(), "tiny-a", opts).unwrap();
+    let small = VideoOptions { max_frames: Some(4), max_pixels: Some(20_000), ..Default::default() };
+    let ask = |dirs: &[std::path::PathBuf]| {
+        let mut parts: Vec<Part> = dirs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| Part::Video { source: VideoData::Path(d.clone()), name: format!("v{i}"), options: small })
+            .collect();
+        parts.push(Part::Text("What happens?".into()));
+        let messages = vec![ChatMessage::new("user", parts)];
+        let opts = GenerationOptions { max_new_tokens: 1, ..Default::default() };
+        engine.generate(&Request { messages, options: opts, ..Default::default() }, &mut |_| true)
+    };
+    let t = Instant::now();
+    let c = ask(&vec![frames.clone(); 30]).unwrap();
+    let took = t.elapsed();
+    println!("30 directories of 5000 frames: answered in {took:.2?} (media {:.2?})", c.vision_time);
+    assert_eq!(c.videos.len(), 30);
+    assert!(c.videos.iter().all(|v| v.info.frames == 5000));
+    assert!(took < Duration::from_secs(3), "30 frame directories took {took:?}");
+    // A frame that is a link to a file outside the directory: refused, naming the directory.
+    let outside = dir.path().join("outside.png");
+    std::fs::copy(&first, &outside).unwrap();
+    std::os::unix::fs::symlink(&outside, frames.join("f99999.png")).unwrap();
+    let err = ask(&[frames.clone()]).unwrap_err().to_string();
+    assert!(err.contains("link to a file outside the directory") && err.contains("f99999.png"), "{err}");
+}
