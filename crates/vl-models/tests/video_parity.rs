@@ -614,6 +614,6 @@ fn many_large_frame_directories_are_listed_cheaply_and_still_confined() {
     let outside = dir.path().join("outside.png");
     std::fs::copy(&first, &outside).unwrap();
     std::os::unix::fs::symlink(&outside, frames.join("f99999.png")).unwrap();
-    let err = ask(&[frames.clone()]).unwrap_err().to_string();
+    let err = ask(std::slice::from_ref(&frames)).unwrap_err().to_string();
     assert!(err.contains("link to a file outside the directory") && err.contains("f99999.png"), "{err}");
 }
