@@ -667,7 +667,11 @@ fn a_caller_that_stops_reading_pauses_its_sequence_and_no_other() {
         );
         assert_eq!(stalled.finish, Finish::Cancelled);
         // 16 pieces may wait unread (a piece is one token or a few for a split character).
-        assert!(stalled.token_ids.len() <= 40, "{} tokens decoded for a caller that read none", stalled.token_ids.len());
+        assert!(
+            stalled.token_ids.len() <= 40,
+            "{} tokens decoded for a caller that read none",
+            stalled.token_ids.len()
+        );
         assert!(gaps < Duration::from_millis(500), "the other stream stalled for {gaps:?}");
     }
 }
