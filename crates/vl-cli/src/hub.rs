@@ -24,11 +24,101 @@ fn cache() -> hf_hub::Cache {
     }
 }
 
+/// The cache's root directory.
+pub fn cache_root() -> PathBuf {
+    cache().path().clone()
+}
+
+/// A hub repository's directory in the cache (`models--OWNER--NAME`).
+pub fn repo_dir(model: &str) -> PathBuf {
+    cache_root().join(format!("models--{}", model.replace('/', "--")))
+}
+
+/// The snapshot `refs/main` points at in a repository's cache directory.
+pub fn snapshot_dir(repo: &Path) -> Option<PathBuf> {
+    let rev = std::fs::read_to_string(repo.join("refs").join("main")).ok()?;
+    let rev = rev.trim();
+    if rev.is_empty() || rev.contains(['/', '\\']) || rev.starts_with('.') {
+        return None;
+    }
+    let dir = repo.join("snapshots").join(rev);
+    dir.is_dir().then_some(dir)
+}
+
+/// Whether every file a checkpoint needs is cached.
+pub fn is_cached(model: &str) -> bool {
+    cached(model).is_some()
+}
+
+/// `OWNER/NAME:QUANT` split, when `spec` has that form (QUANT letters, digits and `_`).
+pub fn split_quant(spec: &str) -> Option<(&str, &str)> {
+    let (repo, quant) = spec.rsplit_once(':')?;
+    let ok = !quant.is_empty() && quant.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    (ok && looks_like_hub_id(repo)).then_some((repo, quant))
+}
+
+/// The GGUF text model of `quant` in a cached repository (its projector beside it), when both
+/// are there.
+fn cached_gguf(repo: &str, quant: &str) -> Result<Option<PathBuf>> {
+    let Some(snapshot) = snapshot_dir(&repo_dir(repo)) else { return Ok(None) };
+    let files: Vec<String> = std::fs::read_dir(&snapshot)
+        .map(|it| it.flatten().map(|f| f.file_name().to_string_lossy().to_string()).collect())
+        .unwrap_or_default();
+    match crate::models::pick(repo, &files, quant) {
+        Ok((text, _)) => Ok(Some(snapshot.join(text))),
+        // Files of another quantization, or none yet: a pull may bring them.
+        Err(_) => Ok(None),
+    }
+}
+
+/// Downloads `spec` into the cache (a hub id's checkpoint files, or `REPO:QUANT`'s GGUF pair)
+/// and returns where it is; one line when offline or unreachable.
+pub fn pull(spec: &str) -> Result<PathBuf> {
+    let quant = split_quant(spec);
+    if quant.is_none() && !looks_like_hub_id(spec) {
+        bail!("{spec}: not a hub id (OWNER/NAME) or OWNER/NAME:QUANT");
+    }
+    if offline() {
+        bail!("{spec}: HF_HUB_OFFLINE is set, nothing can be downloaded (cache: {})", cache().path().display());
+    }
+    let fetched = match quant {
+        Some((repo, q)) => download_gguf(repo, q),
+        None => download(spec),
+    };
+    fetched.map_err(|e| {
+        anyhow::anyhow!(
+            "cannot download {spec}: {}",
+            e.root_cause().to_string().lines().next().unwrap_or("unknown error")
+        )
+    })
+}
+
+fn api() -> Result<hf_hub::api::sync::Api> {
+    let mut b = hf_hub::api::sync::ApiBuilder::from_cache(cache())
+        .with_progress(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    // A mirror (hf-mirror.com and the like), as the Python hub client reads it.
+    if let Ok(endpoint) = std::env::var("HF_ENDPOINT") {
+        if !endpoint.is_empty() {
+            b = b.with_endpoint(endpoint);
+        }
+    }
+    Ok(b.build()?)
+}
+
+/// The GGUF text model of `quant` and its projector from `repo`, chosen from its file list.
+fn download_gguf(repo: &str, quant: &str) -> Result<PathBuf> {
+    let r = api()?.model(repo.to_string());
+    let files: Vec<String> = r.info()?.siblings.into_iter().map(|s| s.rfilename).collect();
+    let (text, mmproj) = crate::models::pick(repo, &files, quant)?;
+    r.get(&mmproj).with_context(|| mmproj.clone())?;
+    r.get(&text).with_context(|| text.clone())
+}
+
 fn offline() -> bool {
     std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !v.is_empty() && v != "0")
 }
 
-fn looks_like_hub_id(s: &str) -> bool {
+pub fn looks_like_hub_id(s: &str) -> bool {
     let parts: Vec<&str> = s.split('/').collect();
     parts.len() == 2 && parts.iter().all(|p| !p.is_empty() && !p.starts_with('.')) && !s.contains('\\')
 }
@@ -37,6 +127,11 @@ fn looks_like_hub_id(s: &str) -> bool {
 /// `model` without downloading (`vl inspect`): a directory, a .gguf file, or a hub id already in
 /// the local cache.
 pub fn resolve_cached(model: &str) -> Result<PathBuf> {
+    if let Some((repo, quant)) = split_quant(model).filter(|_| !Path::new(model).exists()) {
+        if let Some(file) = cached_gguf(repo, quant)? {
+            return Ok(file);
+        }
+    }
     if let Some(local) = local(model)? {
         return Ok(local);
     }
@@ -71,6 +166,15 @@ pub fn resolve(model: &str) -> Result<PathBuf> {
     }
     if path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
         return Ok(path.to_path_buf());
+    }
+    if let Some((repo, quant)) = split_quant(model).filter(|_| !path.exists()) {
+        if let Some(file) = cached_gguf(repo, quant)? {
+            return Ok(file);
+        }
+        if offline() {
+            bail!("{model} is not in the local Hugging Face cache ({}) and HF_HUB_OFFLINE is set; `vl models pull {model}` when online, or pass --model FILE.gguf", cache().path().display());
+        }
+        return pull(model);
     }
     if let Some(local) = local(model)? {
         return Ok(local);
@@ -110,10 +214,7 @@ fn cached(model: &str) -> Option<PathBuf> {
 }
 
 fn download(model: &str) -> Result<PathBuf> {
-    let api = hf_hub::api::sync::ApiBuilder::from_cache(cache())
-        .with_progress(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .build()?;
-    let repo = api.model(model.to_string());
+    let repo = api()?.model(model.to_string());
     let config = repo.get("config.json").context("config.json")?;
     for f in REQUIRED {
         repo.get(f).with_context(|| f.to_string())?;

@@ -2,6 +2,7 @@
 
 mod chat;
 mod hub;
+mod models;
 mod reasoning;
 mod run;
 mod serve;
@@ -51,6 +52,12 @@ enum Command {
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
+    },
+    /// The models in the local Hugging Face cache: list them, pull one ahead of time (a hub id,
+    /// or REPO:QUANT from a GGUF repository), remove one.
+    Models {
+        #[command(subcommand)]
+        command: models::ModelsCommand,
     },
     /// Quantize a checkpoint once and write it as the GGUF pair llama.cpp uses (text model +
     /// mmproj), so later runs start without re-quantizing.
@@ -122,6 +129,7 @@ fn main() -> ExitCode {
         Command::Inspect { model, mmproj, json } => {
             hub::resolve_cached(&model).and_then(|dir| inspect(&dir, mmproj.as_deref(), json))
         }
+        Command::Models { command } => models::run(command),
         Command::Quantize { model, quantize, out, force } => quantize_cmd(&model, &quantize, &out, force),
     };
     match result {

@@ -27,6 +27,13 @@ pub struct ServeArgs {
     /// The model id clients send and `/v1/models` lists (default: the --model value).
     #[arg(long)]
     served_model_name: Option<String>,
+    /// Another name clients may send for the model (repeatable); `/v1/models` lists each.
+    #[arg(long = "alias", value_name = "NAME")]
+    aliases: Vec<String>,
+    /// Refuse (404) a request whose `model` is neither the served name nor an alias. Without it
+    /// any name is answered by the one model served, as llama-server and Ollama do.
+    #[arg(long)]
+    strict_model_name: bool,
     /// Largest request body in bytes (base64 images included).
     #[arg(long, default_value_t = 64 << 20)]
     max_body_bytes: usize,
@@ -158,6 +165,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     }
     let cors_origins =
         vl_server::cors_origins(&args.cors_origins).map_err(|e| anyhow::anyhow!("--cors-origins: {e}"))?;
+    if let Some(a) = args.aliases.iter().find(|a| a.is_empty() || a.len() > 256 || a.chars().any(char::is_control)) {
+        anyhow::bail!("--alias {a:?}: a model name is 1-256 characters without control characters");
+    }
     let connections = connection_limits(&args)?;
     let dev = device(args.load.device)?;
     let dtype = dtype(args.load.dtype, &dev);
@@ -223,6 +233,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         cors_origins,
         ui: !args.no_ui,
         connections,
+        aliases: args.aliases.clone(),
+        strict_model_name: args.strict_model_name,
     };
     vl_server::serve(engine, listener, config)?;
     Ok(())

@@ -41,7 +41,7 @@ fn the_openai_client_gets_the_reference_answer() {
     let want = meta["greedy"]["text"].as_str().unwrap().to_string();
     let n = meta["greedy"]["ids"].as_array().unwrap().len();
     let prompt = meta["num_tokens"].as_u64().unwrap() as u32;
-    let server = start(g, &[]);
+    let server = start(g, &["--strict-model-name"]);
     let base = server.base.clone();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {

@@ -59,6 +59,19 @@ pub struct ServerConfig {
     pub ui: bool,
     /// Connection count, header and body timeouts, shutdown bound.
     pub connections: ConnectionLimits,
+    /// Other names clients may send for the model; `/v1/models` lists them after `id`.
+    pub aliases: Vec<String>,
+    /// Refuse (404 `model_not_found`) a `model` that is neither `id` nor an alias. Without it,
+    /// any name is answered by the one model served (clients with a hard-coded model name work,
+    /// as with llama-server and Ollama).
+    pub strict_model_name: bool,
+}
+
+impl ServerConfig {
+    /// Whether `name` is the served model's id or one of its aliases.
+    pub fn names(&self, name: &str) -> bool {
+        name == self.id || self.aliases.iter().any(|a| a == name)
+    }
 }
 
 /// The directory local media paths must lie under: as written (absolute, `.` and `..`

@@ -81,12 +81,16 @@ pub(crate) fn typed(body: &[u8]) -> Result<ChatCompletionRequest, ApiError> {
 
 pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiError> {
     if let Some(m) = &v.model {
-        if *m != app.config.id {
+        if app.config.strict_model_name && !app.config.names(m) {
             return Err(ApiError::with(
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
                 "model_not_found",
-                format!("the model `{m}` does not exist; this server serves `{}`", app.config.id),
+                format!(
+                    "the model `{}` does not exist; this server serves `{}` (--strict-model-name)",
+                    crate::router::escape_log(m),
+                    app.config.id
+                ),
             ));
         }
     }

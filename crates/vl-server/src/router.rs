@@ -130,6 +130,7 @@ pub fn serve(engine: Arc<Engine>, listener: std::net::TcpListener, config: Serve
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(responses))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*name}", get(model))
         .route("/health", get(|| async { axum::Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics))
         .fallback(|| async {
@@ -421,12 +422,30 @@ pub(crate) fn log_answer(path: &str, all: &[Completion], started: Instant) {
     );
 }
 
+/// The served model under `name` (its id or an alias), as OpenAI's model object.
+fn model_object(app: &App, name: &str) -> Value {
+    json!({"id": name, "object": "model", "created": app.created, "owned_by": "vl", "context_length": app.context})
+}
+
+/// `GET /v1/models`: the served model's id, then its aliases.
 async fn models(State(app): State<Arc<App>>) -> Response {
-    axum::Json(json!({
-        "object": "list",
-        "data": [{"id": app.config.id, "object": "model", "created": app.created, "owned_by": "vl",
-                  "context_length": app.context}],
-    }))
+    let names = std::iter::once(&app.config.id).chain(&app.config.aliases);
+    axum::Json(json!({"object": "list", "data": names.map(|n| model_object(&app, n)).collect::<Vec<_>>()}))
+        .into_response()
+}
+
+/// `GET /v1/models/{id}` (openai's `models.retrieve`): the model under that name, 404 for a name
+/// the server does not list.
+async fn model(State(app): State<Arc<App>>, axum::extract::Path(name): axum::extract::Path<String>) -> Response {
+    if app.config.names(&name) {
+        return axum::Json(model_object(&app, &name)).into_response();
+    }
+    ApiError::with(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "model_not_found",
+        format!("the model `{}` does not exist; this server serves `{}`", escape_log(&name), app.config.id),
+    )
     .into_response()
 }
 
