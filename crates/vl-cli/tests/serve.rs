@@ -1919,3 +1919,50 @@ fn clients_that_stop_reading_pause_then_lose_their_slot_and_stall_no_one() {
     assert_eq!(status, 200, "{v}");
     drop(stalled);
 }
+
+/// Any model name is answered by the one model served unless `--strict-model-name`; aliases are
+/// listed by `/v1/models` and retrievable by `/v1/models/{id}`.
+#[test]
+fn model_names_any_by_default_aliases_listed_strict_on_request() {
+    let ask = |s: &Server, model: &str| {
+        post(s, "/v1/chat/completions", &json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string())
+    };
+    let names = ["tiny-a", "gpt-4o", "Qwen/Qwen3-VL-2B-Instruct", "llava:latest", "qwen"];
+    let lenient = common::start("tiny-a", &["--alias", "qwen", "--alias", "Qwen/Qwen3-VL-2B-Instruct"]);
+    for m in names {
+        let (status, v) = ask(&lenient, m);
+        assert_eq!(status, 200, "{m}: {v}");
+        assert_eq!(v["model"], "tiny-a", "{m}: the answer names the served model");
+    }
+    let (_, listed) = get(&lenient, "/v1/models");
+    let listed: Value = serde_json::from_str(&listed).unwrap();
+    let ids: Vec<&str> = listed["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["tiny-a", "qwen", "Qwen/Qwen3-VL-2B-Instruct"]);
+    for (path, want) in [("tiny-a", 200), ("qwen", 200), ("Qwen/Qwen3-VL-2B-Instruct", 200), ("gpt-4o", 404)] {
+        let (status, body) = get(&lenient, &format!("/v1/models/{path}"));
+        assert_eq!(status, want, "{path}: {body}");
+        if want == 200 {
+            let v: Value = serde_json::from_str(&body).unwrap();
+            assert_eq!((v["id"].as_str(), v["object"].as_str()), (Some(path), Some("model")), "{body}");
+        }
+    }
+    let strict = common::start("tiny-a", &["--alias", "qwen", "--strict-model-name"]);
+    for m in names {
+        let (status, v) = ask(&strict, m);
+        if ["tiny-a", "qwen"].contains(&m) {
+            assert_eq!(status, 200, "{m}: {v}");
+        } else {
+            assert_error(status, &v, 404, m);
+            assert_eq!(v["error"]["code"], "model_not_found", "{v}");
+        }
+    }
+    // A name no client could send is refused at startup.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_vl"))
+        .args(["serve", "--model", "goldens/tiny-a/checkpoint", "--port", "0", "--alias", ""])
+        .current_dir(env!("CARGO_MANIFEST_DIR").to_string() + "/../..")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--alias") && err.lines().count() == 1, "{err}");
+}
