@@ -59,7 +59,8 @@ fn list(as_json: bool) -> Result<()> {
     let root = hub::cache_root();
     let mut entries = Vec::new();
     if root.is_dir() {
-        let dirs = std::fs::read_dir(&root).map_err(|e| anyhow::anyhow!("cannot list the cache {}: {e}", root.display()))?;
+        let dirs =
+            std::fs::read_dir(&root).map_err(|e| anyhow::anyhow!("cannot list the cache {}: {e}", root.display()))?;
         for d in dirs.flatten() {
             let name = d.file_name().to_string_lossy().to_string();
             let Some(id) = name.strip_prefix("models--").map(|s| s.replacen("--", "/", 1)) else { continue };
@@ -118,7 +119,9 @@ fn describe(id: &str, dir: &Path) -> Entry {
     }
     let config: Option<Value> = snapshot
         .as_ref()
-        .and_then(|s| vl_models::limits::read_text(&s.join("config.json"), vl_models::limits::MAX_METADATA_FILE_BYTES).ok())
+        .and_then(|s| {
+            vl_models::limits::read_text(&s.join("config.json"), vl_models::limits::MAX_METADATA_FILE_BYTES).ok()
+        })
         .and_then(|t| serde_json::from_str(&t).ok());
     let complete = hub::is_cached(id);
     let Some(config) = config else {
@@ -194,7 +197,8 @@ fn rm(model: &str) -> Result<()> {
         bail!("vl models rm {model}: not in the cache {}", hub::cache_root().display());
     }
     let bytes = describe(model, &dir).bytes;
-    std::fs::remove_dir_all(&dir).map_err(|e| anyhow::anyhow!("vl models rm {model}: cannot remove {}: {e}", dir.display()))?;
+    std::fs::remove_dir_all(&dir)
+        .map_err(|e| anyhow::anyhow!("vl models rm {model}: cannot remove {}: {e}", dir.display()))?;
     crate::note!("removed {model} ({}) from {}", size(bytes), hub::cache_root().display());
     Ok(())
 }
@@ -216,7 +220,10 @@ mod tests {
         .map(String::from)
         .to_vec();
         let (t, m) = pick("r", &files, "q4_k_m").unwrap();
-        assert_eq!((t.as_str(), m.as_str()), ("Qwen3-VL-2B-Instruct-Q4_K_M.gguf", "mmproj-Qwen3-VL-2B-Instruct-f16.gguf"));
+        assert_eq!(
+            (t.as_str(), m.as_str()),
+            ("Qwen3-VL-2B-Instruct-Q4_K_M.gguf", "mmproj-Qwen3-VL-2B-Instruct-f16.gguf")
+        );
         // Q4_K is not Q4_K_M or Q4_K_S: the whole part must match.
         let e = pick("r", &files, "Q4_K").unwrap_err().to_string();
         assert_eq!(e, "r: no Q4_K GGUF; it has Q4_K_M, Q4_K_S, Q8_0");

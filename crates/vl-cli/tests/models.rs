@@ -78,9 +78,15 @@ fn models_are_listed_resolved_by_quant_refused_offline_and_removed() {
     let row = |id: &str| rows.iter().find(|r| r["model"] == id).unwrap_or_else(|| panic!("{id} not listed: {out}"));
     let dir_bytes: u64 = ck_files.iter().map(|(_, p)| std::fs::metadata(p).unwrap().len()).sum();
     let st = row("test-org/tiny-vl");
-    assert_eq!((st["format"].as_str(), st["complete"].as_bool(), st["bytes"].as_u64()), (Some("safetensors"), Some(true), Some(dir_bytes)));
+    assert_eq!(
+        (st["format"].as_str(), st["complete"].as_bool(), st["bytes"].as_u64()),
+        (Some("safetensors"), Some(true), Some(dir_bytes))
+    );
     let g = row("test-org/tiny-vl-GGUF");
-    assert_eq!((g["format"].as_str(), g["quant"].as_str(), g["complete"].as_bool()), (Some("gguf"), Some("F32"), Some(true)));
+    assert_eq!(
+        (g["format"].as_str(), g["quant"].as_str(), g["complete"].as_bool()),
+        (Some("gguf"), Some("F32"), Some(true))
+    );
     assert_eq!(row("test-org/partial")["complete"], false);
     assert_eq!(rows.len(), 3);
 
@@ -92,7 +98,10 @@ fn models_are_listed_resolved_by_quant_refused_offline_and_removed() {
     }
     // What is not cached, offline: one line each, naming what to do.
     for (args, needle) in [
-        (vec!["run", "--model", "test-org/tiny-vl-GGUF:Q4_K_M", "--prompt", "Hi"], "vl models pull test-org/tiny-vl-GGUF:Q4_K_M"),
+        (
+            vec!["run", "--model", "test-org/tiny-vl-GGUF:Q4_K_M", "--prompt", "Hi"],
+            "vl models pull test-org/tiny-vl-GGUF:Q4_K_M",
+        ),
         (vec!["models", "pull", "test-org/other"], "HF_HUB_OFFLINE is set"),
         (vec!["models", "pull", "test-org/tiny-vl-GGUF:Q8_0"], "HF_HUB_OFFLINE is set"),
         (vec!["models", "pull", "not-a-hub-id"], "not a hub id"),

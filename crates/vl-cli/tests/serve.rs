@@ -1925,7 +1925,11 @@ fn clients_that_stop_reading_pause_then_lose_their_slot_and_stall_no_one() {
 #[test]
 fn model_names_any_by_default_aliases_listed_strict_on_request() {
     let ask = |s: &Server, model: &str| {
-        post(s, "/v1/chat/completions", &json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string())
+        post(
+            s,
+            "/v1/chat/completions",
+            &json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string(),
+        )
     };
     let names = ["tiny-a", "gpt-4o", "Qwen/Qwen3-VL-2B-Instruct", "llava:latest", "qwen"];
     let lenient = common::start("tiny-a", &["--alias", "qwen", "--alias", "Qwen/Qwen3-VL-2B-Instruct"]);
