@@ -492,6 +492,23 @@ fn draw_boxes_marks_the_answers_boxes_and_nothing_else() {
     assert!(err.contains(&format!("drew {} shape(s)", answer.len())), "{err}");
     // Each box in pixels: 0..1000 of the original width and height.
     let mut allowed = vec![false; (w * h) as usize];
+    // Where the labels go (their layout is checked in `draw_boxes_scales_lines_and_keeps_labels_apart`)
+    // and what a zero-width box's marker covers.
+    let shapes = {
+        use vl_models::grounding::{parse, to_pixels, Coords};
+        let c = Coords::Relative(1000.0);
+        to_pixels(&parse(text, c).shapes, c, w as usize, h as usize, (h as usize, w as usize))
+    };
+    let labels = vl_models::grounding::label_rects(&shapes, w, h);
+    for (s, r) in shapes.iter().zip(&labels) {
+        for r in [Some(vl_models::grounding::extent(&s.geometry, w, h)), *r].into_iter().flatten() {
+            for y in r.y..r.y + r.h {
+                for x in r.x..r.x + r.w {
+                    allowed[(y * w + x) as usize] = true;
+                }
+            }
+        }
+    }
     let changed = |x: u32, y: u32| {
         let i = ((y * w + x) * 3) as usize;
         before[i..i + 3] != after[i..i + 3]
@@ -507,13 +524,11 @@ fn draw_boxes_marks_the_answers_boxes_and_nothing_else() {
         }
         let (x0, y0) = ((x1.floor() as u32).min(w - 1), (y1.floor() as u32).min(h - 1));
         let (xe, ye) = ((x2.ceil() as u32).clamp(x0 + 1, w), (y2.ceil() as u32).clamp(y0 + 1, h));
-        // The box's span may change (its outline, and later shapes' labels over it); its label
-        // band sits just above it (or just inside its top), 10 px tall, 8 px a character + 2.
-        let label_w = (label.chars().count() as u32 * 8 + 2).min(w);
-        for y in y0.saturating_sub(10)..(y0 + 10).min(h) {
-            for x in x0..(x0 + label_w).min(w) {
-                allowed[(y * w + x) as usize] = true;
-            }
+        // The box's span may change (its outline, and labels over it); its label band is 18 px
+        // tall (Unifont's 16 and a margin), 8 px a narrow character, 16 a wide one, + 2.
+        if let Some(r) = labels[i] {
+            assert_eq!(r.h, 18.min(h), "box {i}'s label");
+            assert!(r.w >= (label.chars().count() as u32 * 8 + 2).min(w), "box {i}'s label {r:?}");
         }
         for y in y0..ye {
             for x in x0..xe {
@@ -567,6 +582,127 @@ fn draw_boxes_without_boxes_writes_the_image_unchanged() {
         &["run", "--model", &checkpoint("tiny-a"), "--image", &img, "--draw-boxes", "/no/such/dir/x.png"],
         &["--draw-boxes /no/such/dir/x.png", "cannot create"],
     );
+}
+
+/// `--draw-boxes` on a 1600x1200 image, the answer fixed by a `const` schema: lines
+/// `max(2, round(min(w, h) / 300))` = 4 px wide, counted across each edge; label bands 36 px
+/// tall (Unifont at scale 2), the first just above its box; labels of identical boxes and of
+/// boxes along the top edge apart, none drawn over another; CJK labels in the font crate's own
+/// glyphs; a zero-width and a zero-size box drawn as a cross.
+#[test]
+fn draw_boxes_scales_lines_and_keeps_labels_apart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let img = tmp.path().join("photo.png");
+    let (w, h) = (1600u32, 1200u32);
+    write_png(&img, w, h);
+    let out = tmp.path().join("boxes.png");
+    let answer = serde_json::json!([
+        {"bbox_2d": [100, 250, 600, 700], "label": "红色的猫 cat"},
+        {"bbox_2d": [100, 250, 600, 700], "label": "猫"},
+        {"bbox_2d": [100, 250, 600, 700], "label": "cat"},
+        {"bbox_2d": [0, 0, 300, 200], "label": "top-left"},
+        {"bbox_2d": [250, 0, 700, 150], "label": "交通信号灯"},
+        {"bbox_2d": [200, 0, 650, 100], "label": "sign"},
+        {"bbox_2d": [800, 300, 800, 900], "label": "zero width"},
+        {"bbox_2d": [950, 950, 950, 950], "label": "零"},
+        {"point_2d": [900, 100], "label": "点"}
+    ]);
+    let schema = tmp.path().join("const.json");
+    std::fs::write(&schema, serde_json::json!({"const": answer}).to_string()).unwrap();
+    let (code, stdout, err) = vl(&[
+        "run",
+        "--model",
+        &checkpoint("tiny-a"),
+        "--image",
+        img.to_str().unwrap(),
+        "--prompt",
+        "Locate every object and report bbox_2d coordinates as JSON.",
+        "--json-schema",
+        schema.to_str().unwrap(),
+        "--max-new-tokens",
+        "600",
+        "--json",
+        "--draw-boxes",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let text = v["text"].as_str().unwrap();
+    assert_eq!(serde_json::from_str::<serde_json::Value>(text).unwrap(), answer);
+    assert!(err.contains("drew 9 shape(s)"), "{err}");
+    let (_, _, before) = read_png(&img);
+    let (ow, oh, after) = read_png(&out);
+    assert_eq!((ow, oh), (w, h));
+    let px = |buf: &[u8], x: u32, y: u32| {
+        let i = ((y * w + x) * 3) as usize;
+        [buf[i], buf[i + 1], buf[i + 2]]
+    };
+    let changed = |x: u32, y: u32| px(&before, x, y) != px(&after, x, y);
+    let t = 4; // max(2, round(1200 / 300))
+               // The third of the identical boxes: x 160..960, y 300..840 (drawn last of the three). Across
+               // each edge, at its middle, exactly t pixels changed.
+    let count_row = |y: u32, xs: std::ops::Range<u32>| xs.filter(|&x| changed(x, y)).count();
+    let count_col = |x: u32, ys: std::ops::Range<u32>| ys.filter(|&y| changed(x, y)).count();
+    assert_eq!(count_row(570, 140..180), t, "left edge");
+    assert_eq!(count_row(570, 940..980), t, "right edge");
+    assert_eq!(count_col(560, 820..860), t, "bottom edge");
+    assert!((160..164).all(|x| changed(x, 570)) && !changed(164, 570) && !changed(159, 570));
+    // The labels, where the layout puts them: none overlaps another, each band is intact (its
+    // colour or its ink: nothing drew over it), the first sits just above its box.
+    let shapes = {
+        use vl_models::grounding::{parse, to_pixels, Coords};
+        let c = Coords::Relative(1000.0);
+        to_pixels(&parse(text, c).shapes, c, w as usize, h as usize, (h as usize, w as usize))
+    };
+    let rects = vl_models::grounding::label_rects(&shapes, w, h);
+    let rects: Vec<_> = rects.iter().map(|r| r.expect("every label placed")).collect();
+    let s = 2; // glyph scale: round(1200 / 720)
+    for (i, a) in rects.iter().enumerate() {
+        assert_eq!(a.h, 18 * s, "label {i}");
+        for b in &rects[i + 1..] {
+            assert!(!a.overlaps(b), "label {a:?} overlaps {b:?}");
+        }
+        let band = vl_models::grounding::PALETTE[i % 8];
+        let ink = vl_models::grounding::label_ink(image::Rgb(band)).0;
+        for y in a.y..a.y + a.h {
+            for x in a.x..a.x + a.w {
+                let p = px(&after, x, y);
+                assert!(p == band || p == ink, "label {i} {a:?}: pixel ({x}, {y}) is {p:?}");
+            }
+        }
+    }
+    assert_eq!((rects[0].x, rects[0].y + rects[0].h), (160, 300), "the first label just above its box");
+    assert!(changed(160, 300 - 18 * s) && changed(160, 299));
+    // Boxes along the top edge: their labels are not in one strip.
+    assert!(rects[3].y != rects[4].y || rects[3].x + rects[3].w <= rects[4].x, "{:?}", &rects[3..6]);
+    // Each CJK label, glyph by glyph, against Unifont's own bits at scale 2 (one sample per
+    // font pixel, the centre of its 2x2 square).
+    for (i, label) in [(0, "红色的猫 cat"), (1, "猫"), (4, "交通信号灯"), (7, "零"), (8, "点")] {
+        let (r, band) = (rects[i], vl_models::grounding::PALETTE[i % 8]);
+        let ink = vl_models::grounding::label_ink(image::Rgb(band)).0;
+        let mut pen = 0;
+        for ch in label.chars() {
+            let g = unifont::get_glyph(ch).unwrap();
+            for gy in 0..16 {
+                for gx in 0..g.get_width() {
+                    let want = if g.get_pixel(gx, gy) { ink } else { band };
+                    let (x, y) = (r.x + s + (pen + gx as u32) * s + 1, r.y + s + gy as u32 * s + 1);
+                    assert_eq!(px(&after, x, y), want, "label {i} {ch:?} font pixel ({gx}, {gy})");
+                }
+            }
+            pen += g.get_width() as u32;
+        }
+    }
+    // The zero-width box (x 1280, y 360..1080): its segment and a cross on (1280, 720), arms 3t.
+    for (x, y) in [(1280, 400), (1280, 1000), (1280 - 12, 720), (1280 + 12, 720), (1280, 720 - 12), (1280, 720 + 12)] {
+        assert!(changed(x, y), "zero-width box: ({x}, {y})");
+    }
+    assert!(!changed(1280 - 14, 720) && !changed(1280 - 8, 500));
+    // The zero-size box at (1520, 1140): a cross, no single pixel.
+    for (x, y) in [(1520 - 12, 1140), (1520 + 12, 1140), (1520, 1140 - 12), (1520, 1140 + 12)] {
+        assert!(changed(x, y), "zero-size box: ({x}, {y})");
+    }
+    assert!(!changed(1520 - 12, 1140 - 12));
 }
 
 #[test]
