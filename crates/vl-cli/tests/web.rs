@@ -40,7 +40,7 @@ fn the_page_and_its_assets_are_served_without_the_key() {
     assert!(header(&h, "content-type").starts_with("text/html"), "{h:?}");
     let csp = header(&h, "content-security-policy");
     assert!(csp.contains("default-src 'none'") && csp.contains("script-src 'self'"), "{csp}");
-    for id in ["attach", "prompt", "send", "stop", "new-chat"] {
+    for id in ["attach", "prompt", "send", "stop", "new-chat", "empty-state", "empty-model", "example"] {
         assert!(body.contains(&format!("data-testid=\"{id}\"")), "the page lacks {id}");
     }
     // Every asset the page names is on this server.
@@ -218,6 +218,41 @@ async fn drive(base: &str, thinking: &str, driver: &str) {
     )
     .await;
 
+    // The empty state: the served model's id and context, what can be attached, examples that
+    // fill the prompt when clicked.
+    let (_, models, _) = get(&format!("{base}/v1/models"), Some("sekret"));
+    let models: Value = serde_json::from_str(&models).unwrap();
+    let (id, context) =
+        (models["data"][0]["id"].as_str().unwrap(), models["data"][0]["context_length"].as_u64().unwrap());
+    let shown = wait_for(
+        &c,
+        &format!("const m = document.querySelector('[data-testid=empty-model]').textContent; return m === {} && [!document.querySelector('[data-testid=empty-state]').hidden, document.querySelector('[data-testid=empty-context]').textContent, document.querySelector('[data-testid=empty-attach]').textContent]", json!(id)),
+        20,
+    )
+    .await;
+    assert_eq!(shown[0], json!(true), "the empty state is shown");
+    let ctx = shown[1].as_str().unwrap().replace(',', "");
+    assert!(ctx.contains(&format!("{context} tokens")), "{ctx}");
+    let attach_text = shown[2].as_str().unwrap();
+    assert!(["PNG", "JPEG", "WebP", "MP4", "video"].iter().all(|t| attach_text.contains(t)), "{attach_text}");
+    let examples =
+        js(&c, "return [...document.querySelectorAll('[data-testid=example]')].map(e => e.textContent)").await;
+    let examples: Vec<String> = serde_json::from_value(examples).unwrap();
+    assert!(examples.len() >= 2, "{examples:?}");
+    for (i, want) in examples.iter().enumerate() {
+        js(&c, &format!("document.querySelectorAll('[data-testid=example]')[{i}].click(); return 1")).await;
+        let v = js(&c, "const p = document.querySelector('[data-testid=prompt]'); return [p.value, document.activeElement === p, p.value.slice(p.selectionStart, p.selectionEnd)]").await;
+        assert_eq!((v[0].as_str().unwrap(), &v[1]), (want.as_str(), &json!(true)), "example {i}");
+        if want.contains("<thing>") {
+            assert_eq!(v[2], "<thing>", "the placeholder is selected, to type over");
+        }
+    }
+    std::fs::write(screenshot_dir().join("web-empty.png"), c.screenshot().await.unwrap()).unwrap();
+    // A real click (through the driver) on the first example fills the prompt too.
+    c.find(Locator::Css("[data-testid=example]")).await.unwrap().click().await.unwrap();
+    assert_eq!(js(&c, "return document.querySelector('[data-testid=prompt]').value").await, json!(examples[0]));
+    set(&c, "prompt", "").await;
+
     // Attach an image, ask: the answer streams in (its text grows over several renders).
     set(&c, "max-tokens", "200").await;
     set(&c, "temperature", "0.8").await;
@@ -229,6 +264,7 @@ async fn drive(base: &str, thinking: &str, driver: &str) {
     let lens = js(&c, "return [...new Set(window.__lens)].filter(n => n > 0).length").await;
     assert!(lens.as_u64().unwrap() >= 3, "the answer streamed in: {lens} distinct lengths seen");
     assert_eq!(js(&c, "return document.querySelectorAll('.msg.user img').length").await, json!(1));
+    assert_eq!(js(&c, "return document.querySelector('[data-testid=empty-state]').hidden").await, json!(true));
 
     // A second turn reuses the first's prompt from the server's cache.
     ask(&c, "And the colours?").await;
@@ -257,6 +293,8 @@ async fn drive(base: &str, thinking: &str, driver: &str) {
     // New chat: the conversation is gone.
     click(&c, "new-chat").await;
     assert_eq!(js(&c, &format!("return {ANSWERS}.length")).await, json!(0));
+    let v = js(&c, "const e = document.querySelector('[data-testid=empty-state]'); return [e.hidden, e.querySelector('[data-testid=empty-model]').textContent]").await;
+    assert_eq!(v, json!([false, id]), "the empty state is back");
 
     // Markup in an answer is text: an answer constrained to a fixed string of HTML.
     let payload = "<img src=x onerror='window.__pwned=1'><script>window.__pwned=2</script><b>bold</b>";

@@ -33,6 +33,10 @@ const GROUNDING_SCHEMA = {
   },
 };
 const GROUNDING_HINT = "Report the bounding boxes (bbox_2d, 0..1000) and labels as JSON.";
+// What the server decodes: these image formats; videos of any type ffmpeg reads (sampled into
+// frames on the server).
+const IMAGE_TYPES = { "image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WebP", "image/gif": "GIF", "image/bmp": "BMP" };
+const VIDEO_NOTE = "MP4, WebM, MKV, MOV and the rest of what ffmpeg reads";
 
 let history = [];      // the conversation as OpenAI messages (user parts include data URLs)
 let pending = [];      // attachments for the next message: {kind, url, name}
@@ -104,8 +108,11 @@ function renderMarkdown(target, text) {
 // --- Attachments ----------------------------------------------------------------------------
 function addFiles(files) {
   for (const f of files) {
-    const kind = f.type.startsWith("video/") ? "video" : f.type.startsWith("image/") ? "image" : null;
-    if (!kind) { showError(f.name + ": not an image or a video"); continue; }
+    const kind = f.type.startsWith("video/") ? "video" : f.type in IMAGE_TYPES ? "image" : null;
+    if (!kind) {
+      showError(f.name + ": not an image (" + Object.values(IMAGE_TYPES).join(", ") + ") or a video");
+      continue;
+    }
     const r = new FileReader();
     r.onload = () => { pending.push({ kind, url: r.result, name: f.name }); drawPending(); };
     r.onerror = () => showError(f.name + ": cannot read the file");
@@ -130,6 +137,7 @@ function drawPending() {
 
 // --- The conversation -----------------------------------------------------------------------
 function userBubble(text, media) {
+  $("empty").hidden = true;
   const m = el("div", "msg user");
   m.appendChild(el("div", "who", "You"));
   const body = el("div", "body");
@@ -372,8 +380,20 @@ function newChat() {
   pending = [];
   drawPending();
   showError("");
-  $("log").replaceChildren();
+  const empty = $("empty");
+  $("log").replaceChildren(empty);
+  empty.hidden = false;
   $("prompt").focus();
+}
+
+// An example prompt into the box; a `<placeholder>` in it selected, to type over.
+function useExample(text) {
+  const p = $("prompt");
+  p.value = text;
+  p.focus();
+  const m = /<[^>]+>/.exec(text);
+  if (m) p.setSelectionRange(m.index, m.index + m[0].length);
+  else p.setSelectionRange(text.length, text.length);
 }
 
 function askKey() {
@@ -388,7 +408,12 @@ async function loadModel() {
     if (!r.ok) { showError("/v1/models: " + r.status); return; }
     const m = await r.json();
     const d = m.data && m.data[0];
-    if (d) $("model").textContent = d.id + " \u00b7 context " + d.context_length;
+    if (d) {
+      $("model").textContent = d.id + " \u00b7 context " + d.context_length;
+      $("empty-model").textContent = d.id;
+      $("empty-context").textContent = "Context: " + d.context_length.toLocaleString("en") +
+        " tokens for the whole conversation (text, images, videos and answers).";
+    }
     $("key-needed").hidden = true;
   } catch (e) {
     showError("the server does not answer: " + e.message);
@@ -405,6 +430,9 @@ function init() {
   $("settings-toggle").onclick = () => { $("settings").hidden = !$("settings").hidden; };
   $("format").onchange = () => { $("schema-box").hidden = $("format").value !== "schema"; };
   $("attach").onchange = (e) => { addFiles(e.target.files); e.target.value = ""; };
+  $("image-types").textContent = Object.values(IMAGE_TYPES).join(", ");
+  $("video-types").textContent = VIDEO_NOTE;
+  for (const b of document.querySelectorAll("#examples .example")) b.onclick = () => useExample(b.textContent);
   $("api-key").value = key();
   $("api-key").onchange = () => { localStorage.setItem("vl-api-key", $("api-key").value); loadModel(); };
   $("key-save").onclick = () => {
