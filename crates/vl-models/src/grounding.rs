@@ -798,7 +798,7 @@ mod tests {
             let (w, h) = [(640, 480), (200, 120), (1920, 1080), (64, 40), (3000, 700)][seed as usize % 5];
             let (wf, hf) = (w as f64, h as f64);
             let mut shapes = Vec::new();
-            let mut label = |rng: &mut rand::rngs::StdRng| words[rng.random_range(0..words.len())].to_string();
+            let label = |rng: &mut rand::rngs::StdRng| words[rng.random_range(0..words.len())].to_string();
             // Many random boxes.
             for _ in 0..rng.random_range(20..150) {
                 let (x1, y1) = (rng.random_range(0.0..wf), rng.random_range(0.0..hf));
