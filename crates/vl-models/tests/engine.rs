@@ -675,3 +675,42 @@ fn a_caller_that_stops_reading_pauses_its_sequence_and_no_other() {
         assert!(gaps < Duration::from_millis(500), "the other stream stalled for {gaps:?}");
     }
 }
+
+/// Under a KV budget that ends every answer at the same position, a constrained answer (whose
+/// next mask may or may not be ready when its logits are) always has the same tokens; and a
+/// caller that panics in its callback frees its slot.
+#[test]
+fn mask_timing_changes_no_answer_and_a_panicking_caller_frees_its_slot() {
+    use vl_models::engine::Constraint;
+    let g = "tiny-a";
+    let probe = engine_with(g, cold(1));
+    let req = {
+        let mut r = golden_request("text_only", 400);
+        r.constraint = Some(Constraint::JsonSchema(serde_json::json!({"type": "string"})));
+        r
+    };
+    let alone = probe.generate(&golden_request("text_only", 1), &mut |_| true).unwrap();
+    let per_position = probe.family().kv_bytes_per_position();
+    let budget = vl_nn::kv_cache::blocks_for(alone.prompt_tokens + 1) * per_position;
+    let e = engine_with(g, EngineOptions { kv_cache_bytes: budget, ..cold(1) });
+    let answers: Vec<_> = (0..6).map(|_| e.generate(&req, &mut |_| true).unwrap()).collect();
+    for (i, c) in answers.iter().enumerate() {
+        assert_eq!(c.finish, Finish::ContextFull, "{i}");
+        assert_eq!(c.token_ids, answers[0].token_ids, "run {i} differs from run 0");
+    }
+    // A callback that panics on its third piece: the engine answers the next request.
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut n = 0;
+        let _ = e.generate(&golden_request("text_only", 300), &mut |_| {
+            n += 1;
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            assert!(n < 3, "the caller fails");
+            true
+        });
+    }));
+    assert!(r.is_err());
+    let t = std::time::Instant::now();
+    let next = e.generate(&golden_request("text_only", 4), &mut |_| true).unwrap();
+    assert_eq!(next.token_ids.len(), 4);
+    assert!(t.elapsed() < std::time::Duration::from_secs(5), "the next request waited {:?}", t.elapsed());
+}

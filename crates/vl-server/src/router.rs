@@ -257,6 +257,9 @@ fn work(app: &App, rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
         app.metrics.queue_wait.observe(job.queued.elapsed().as_secs_f64());
         app.metrics.running.inc();
         let mut first = true;
+        // The client stopped reading past the stall timeout (or left): the answer's end is not
+        // waited for again.
+        let mut gone = false;
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let want = job.req.options.logprobs.is_some();
             app.engine.stream(&job.req, job.n, &mut |d| {
@@ -265,11 +268,13 @@ fn work(app: &App, rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
                     app.metrics.ttft.observe(job.queued.elapsed().as_secs_f64());
                 }
                 let lp = if want { logprobs_json(app, d.logprobs) } else { Value::Null };
-                relay(
+                let sent = relay(
                     &job.tx,
                     Msg::Text(d.choice, d.text.to_string(), d.reasoning, lp),
                     app.config.connections.stall_timeout,
-                )
+                );
+                gone |= !sent;
+                sent
             })
         }));
         app.metrics.running.dec();
@@ -291,7 +296,8 @@ fn work(app: &App, rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
                 "internal error while generating (a bug; see the server log)",
             )),
         };
-        relay(&job.tx, Msg::Done(done), app.config.connections.stall_timeout);
+        let wait = if gone { Duration::ZERO } else { app.config.connections.stall_timeout };
+        relay(&job.tx, Msg::Done(done), wait);
     }
 }
 

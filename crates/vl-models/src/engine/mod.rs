@@ -511,6 +511,15 @@ impl Engine {
             t0,
         };
         self.tx.as_ref().ok_or_else(stopped)?.send(Command::Submit(Box::new(job))).map_err(|_| stopped())?;
+        // A caller that unwinds out of `on` (a panic) cancels its request: a paused sequence
+        // sends nothing more, so it would never see that nobody reads it.
+        struct CancelOnDrop(Arc<AtomicBool>);
+        impl Drop for CancelOnDrop {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let _cancel_on_drop = CancelOnDrop(cancel.clone());
         let mut done: Vec<Option<Result<Completion>>> = (0..n).map(|_| None).collect();
         let mut left = n;
         while left > 0 {

@@ -655,7 +655,9 @@ impl<'f> Scheduler<'f> {
         let mut i = 0;
         while i < self.running.len() {
             let s = &self.running[i];
-            if s.phase != Phase::Decode || s.cache.len() < s.cache.capacity() {
+            // Only a sequence fed this step needs room: one waiting for its mask or its caller
+            // grows (or preempts another) when it has a token to feed.
+            if s.phase != Phase::Decode || s.pending.is_none() || s.paused() || s.cache.len() < s.cache.capacity() {
                 i += 1;
                 continue;
             }
