@@ -533,12 +533,17 @@ impl<'f> Scheduler<'f> {
             }
             any = true;
             let logits = seq.held.take().expect("held");
-            match seq.accept(logits) {
-                Ok(None) => {}
-                Ok(Some(f)) => done.push((i, Ok(f))),
-                Err(e) => done.push((i, Err(e))),
+            if let Some(outcome) = seq.accept(logits).transpose() {
+                done.push((i, outcome));
             }
         }
+        self.settle(done);
+        any
+    }
+
+    /// Ends the running sequences at the given indices (ascending), each with its finish or
+    /// error.
+    fn settle(&mut self, done: Vec<(usize, Result<Finish>)>) {
         for (i, outcome) in done.into_iter().rev() {
             let seq = self.running.remove(i);
             match outcome {
@@ -546,7 +551,6 @@ impl<'f> Scheduler<'f> {
                 Err(e) => self.fail(seq, e),
             }
         }
-        any
     }
 
     /// One chunk of the earliest admitted prompt still prefilling; false when none is.
@@ -731,19 +735,11 @@ impl<'f> Scheduler<'f> {
             let seq = &mut self.running[i];
             let fed = seq.pending.take().expect("filtered");
             seq.ids.push(fed);
-            match seq.accept(row) {
-                Ok(None) => {}
-                Ok(Some(f)) => done.push((i, Ok(f))),
-                Err(e) => done.push((i, Err(e))),
+            if let Some(outcome) = seq.accept(row).transpose() {
+                done.push((i, outcome));
             }
         }
-        for (i, outcome) in done.into_iter().rev() {
-            let seq = self.running.remove(i);
-            match outcome {
-                Ok(f) => self.finish(seq, f),
-                Err(e) => self.fail(seq, e),
-            }
-        }
+        self.settle(done);
         true
     }
 
