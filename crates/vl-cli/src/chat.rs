@@ -37,13 +37,16 @@ pub struct ChatArgs {
     /// An optional system message.
     #[arg(long)]
     system: Option<String>,
+    /// Tokens generated at most per answer (it stops earlier at an end-of-turn token).
     #[arg(long, default_value_t = 1024)]
     max_new_tokens: usize,
     /// Sampling temperature; 0 (the default) is greedy decoding.
     #[arg(long, default_value_t = 0.0)]
     temperature: f64,
+    /// Keep the k most likely tokens (0 = off).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
+    /// Nucleus sampling mass (1 = off).
     #[arg(long, default_value_t = 1.0)]
     top_p: f64,
     /// Drop tokens below min_p times the top probability (0 = off).
@@ -52,6 +55,8 @@ pub struct ChatArgs {
     /// Penalize tokens already seen (1 = off).
     #[arg(long, default_value_t = 1.0)]
     repetition_penalty: f64,
+    /// Seed of the sampler's random numbers (with --temperature above 0): the same seed, the
+    /// same answers.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     #[command(flatten)]
@@ -152,7 +157,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let opts = EngineOptions {
         dtype,
         device: dev,
-        quant: quant_of(args.load.quantize, &dir)?,
+        quant: quant_of(&args.load, &dir, dtype)?,
         vision_bf16: args.load.vision_bf16(),
         min_pixels: args.load.min_pixels,
         max_pixels: args.load.max_pixels,

@@ -1,6 +1,7 @@
 //! `vl`: run and inspect Qwen3-VL checkpoints.
 
 mod chat;
+mod help;
 mod hub;
 mod models;
 mod reasoning;
@@ -33,10 +34,11 @@ struct Cli {
 enum Command {
     /// Generate a reply to a prompt about zero or more images and videos, streamed to stdout.
     Run(run::RunArgs),
-    /// A multi-turn chat in the terminal (history kept; /image PATH, /video PATH, /reset, /exit).
+    /// A multi-turn chat in the terminal (history kept; /image PATH, /video PATH, /save FILE and
+    /// /load FILE keep a conversation, /reset, /exit).
     Chat(chat::ChatArgs),
-    /// Serve the OpenAI API (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`,
-    /// `/metrics`) from one resident model.
+    /// Serve the OpenAI API (`/v1/chat/completions`, `/v1/responses`, `/v1/completions`,
+    /// `/v1/models`, `/health`, `/metrics`) and a web chat at `/`, from one resident model.
     Serve(serve::ServeArgs),
     /// Check a model directory as `run` would (config, weights, tokenizer, template, processor)
     /// without loading weights, and summarize it.
@@ -65,8 +67,10 @@ enum Command {
         /// A local model directory or a Hugging Face hub id.
         #[arg(long)]
         model: String,
-        /// q4k, q5k, q6k, q8 (Q8_0), or q4k_m (llama.cpp's Q4_K_M mix).
-        #[arg(long)]
+        /// The text model's block type (the vision projector stays in floats). A matrix whose rows
+        /// fill no block of it falls back per tensor, as llama.cpp's quantize does (q4k to Q5_0,
+        /// q5k to Q5_1, q6k to Q8_0, then floats); the file keeps the requested type's name.
+        #[arg(long, value_parser = quantize_values())]
         quantize: String,
         /// The output directory (created when missing).
         #[arg(long)]
@@ -102,7 +106,8 @@ fn main() -> ExitCode {
         note!("error: internal error (a bug; please report it): {}{at}", msg.replace('\n', " "));
     }));
     use clap::{CommandFactory, FromArgMatches};
-    let parsed = Cli::command().try_get_matches().and_then(|m| Ok((Cli::from_arg_matches(&m)?, m)));
+    let command = help::command(Cli::command());
+    let parsed = command.clone().try_get_matches().and_then(|m| Ok((Cli::from_arg_matches(&m)?, m)));
     let (cli, matches) = match parsed {
         Ok(parsed) => parsed,
         Err(e) => {
@@ -115,10 +120,10 @@ fn main() -> ExitCode {
             ) {
                 e.exit();
             }
-            // Usage errors in one line too (clap adds a usage block and a hint).
-            let text = e.render().to_string();
-            let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("error: invalid arguments");
-            note!("{first} (see vl --help)");
+            // clap's whole message: the error, its tip (a similar flag or subcommand, the allowed
+            // values), the usage, and the subcommand's --help.
+            let argv: Vec<String> = std::env::args().collect();
+            note!("{}", help::usage_error(&e, &command, &argv));
             return ExitCode::from(2);
         }
     };
@@ -149,6 +154,10 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
 
 /// One line: each cause once, outermost first.
 fn one_line(e: &anyhow::Error) -> String {
+    // A directory without a config.json is what --model named.
+    if let Some(m @ vl_models::Error::NotAModelDir { .. }) = e.chain().find_map(|c| c.downcast_ref()) {
+        return format!("--model {m}");
+    }
     let mut parts: Vec<String> = Vec::new();
     for cause in e.chain() {
         let s = cause.to_string().split_whitespace().collect::<Vec<_>>().join(" ");
@@ -204,13 +213,30 @@ fn quantize_cmd(model: &str, quantize: &str, out: &std::path::Path, force: bool)
         out.display()
     );
     if w.fell_back > 0 {
+        let to: Vec<String> = w.fell_back_to.iter().map(|(t, n)| format!("{n} to {t}")).collect();
         note!(
-            "note: {} of the text model's {} matrices have rows that do not fill {quantize}'s blocks; they are stored in the types above instead, as llama.cpp does",
+            "note: {} of the text model's {} matrices fell back from {} ({}): their rows do not fill its blocks; {} is named by the type asked for, as llama.cpp's quantize names its files",
             w.fell_back,
-            w.stored.values().sum::<usize>()
+            w.stored.values().sum::<usize>(),
+            recipe.file_tag(),
+            to.join(", "),
+            w.text.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned())
         );
     }
     Ok(())
+}
+
+/// `vl quantize --quantize`'s values, each explained in --help.
+fn quantize_values() -> clap::builder::PossibleValuesParser {
+    use clap::builder::PossibleValue;
+    clap::builder::PossibleValuesParser::new([
+        PossibleValue::new("q4k").help("Q4_K for every matrix (4.5 bits a weight)"),
+        PossibleValue::new("q5k").help("Q5_K for every matrix (5.5 bits a weight)"),
+        PossibleValue::new("q6k").help("Q6_K for every matrix (6.6 bits a weight)"),
+        PossibleValue::new("q8").alias("q8_0").help("Q8_0 for every matrix (8.5 bits a weight)"),
+        PossibleValue::new("q4k_m")
+            .help("llama.cpp's Q4_K_M mix: mostly Q4_K; Q6_K for the output and some layers' attn_v, ffn_down"),
+    ])
 }
 
 fn inspect(model: &std::path::Path, mmproj: Option<&std::path::Path>, json: bool) -> anyhow::Result<()> {

@@ -23,15 +23,21 @@ use crate::note;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum DeviceArg {
+    /// The CPU (every build; its own kernels for x86-64 AVX2 / AVX-512 and Arm).
     Cpu,
+    /// Apple's GPU (a build with `--features metal`).
     Metal,
+    /// An NVIDIA GPU, the first one (a build with `--features cuda`).
     Cuda,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum DtypeArg {
+    /// 32-bit floats (the CPU default; the reference's numbers).
     F32,
+    /// bfloat16 (the GPU default; slow on most CPUs).
     Bf16,
+    /// IEEE half precision.
     F16,
 }
 
@@ -48,14 +54,19 @@ pub enum VisionPrecisionArg {
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
 pub enum QuantArg {
-    /// Keep the stored weights (MLX-quantized checkpoints are requantized to the nearest k-quant).
+    /// Keep the stored weights: a float checkpoint stays in floats (MLX-quantized checkpoints are
+    /// requantized to the nearest k-quant; GGUF blocks stay as stored).
     None,
+    /// 4.5 bits a weight (Q4_K blocks of 256): the fastest, the CPU default.
     Q4k,
+    /// 5.5 bits a weight (Q5_K blocks of 256).
     Q5k,
+    /// 6.6 bits a weight (Q6_K blocks of 256): closest to full precision of the k-quants.
     Q6k,
-    /// 8-bit (Q8_0 blocks of 32).
+    /// 8.5 bits a weight (Q8_0 blocks of 32).
     Q8,
-    /// Dequantize everything to the compute dtype (no quantized matmuls).
+    /// Full precision: everything in the compute dtype, MLX weights dequantized exactly (no
+    /// quantized matmuls; what the parity tests run).
     Off,
 }
 
@@ -73,6 +84,7 @@ pub struct LoadArgs {
     /// Compute dtype (default: f32 on CPU, bf16 on GPUs).
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeArg>,
+    /// Where to compute: cpu, or a GPU (metal, cuda: a build with that cargo feature).
     #[arg(long, value_enum, default_value = "cpu")]
     pub device: DeviceArg,
     /// Precision of the vision tower's products (CPU, f32 compute): f32, or bf16 on AMX tiles
@@ -80,8 +92,10 @@ pub struct LoadArgs {
     #[arg(long, value_enum, default_value = "f32")]
     pub vision_precision: VisionPrecisionArg,
     /// Quantize the text decoder's linears, embeddings and lm_head at load (CPU decoding speed).
-    #[arg(long, value_enum, default_value = "none")]
-    pub quantize: QuantArg,
+    /// Default on CPU: q4k for a float checkpoint, the stored quantization for GGUF and MLX ones;
+    /// on GPUs: none. `off` for full precision.
+    #[arg(long, value_enum)]
+    pub quantize: Option<QuantArg>,
     /// Lower bound of the per-image pixel budget (default from preprocessor_config.json).
     #[arg(long)]
     pub min_pixels: Option<usize>,
@@ -198,6 +212,7 @@ pub struct RunArgs {
     /// An optional system message.
     #[arg(long)]
     system: Option<String>,
+    /// Tokens generated at most (the answer stops earlier at an end-of-turn token).
     #[arg(long, default_value_t = 256)]
     max_new_tokens: usize,
     /// Sampling temperature; 0 (the default) is greedy decoding.
@@ -215,6 +230,8 @@ pub struct RunArgs {
     /// Penalize tokens already seen (1 = off).
     #[arg(long, default_value_t = 1.0)]
     repetition_penalty: f64,
+    /// Seed of the sampler's random numbers (with --temperature above 0): the same seed, the
+    /// same answer.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Print one JSON object (text, token ids, counts, timings) instead of streaming.
@@ -252,8 +269,11 @@ pub struct RunArgs {
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
 pub enum Grounding {
+    /// When the prompt or schema asks for boxes or points, or --draw-boxes is given.
     Auto,
+    /// Always a grounding request.
     On,
+    /// Never (images at the plain budget, no shapes reported).
     Off,
 }
 
@@ -415,19 +435,72 @@ pub(crate) fn dtype(arg: Option<DtypeArg>, dev: &Device) -> DType {
     }
 }
 
-/// The k-quant to use: the one asked for, or for an MLX-quantized checkpoint the k-quant of
-/// the same width (requantized at load: k-quant matmuls are the fast CPU kernels).
-/// `--quantize` for the model at `path`: for GGUF weights only an explicit choice (it applies to
-/// the float tensors; quantized ones stay as stored).
-pub(crate) fn quant_of(arg: QuantArg, path: &Path) -> Result<Option<QuantType>> {
-    Ok(match arg {
-        QuantArg::Q4k => Some(QuantType::Q4K),
-        QuantArg::Q5k => Some(QuantType::Q5K),
-        QuantArg::Q6k => Some(QuantType::Q6K),
-        QuantArg::Q8 => Some(QuantType::Q8_0),
-        QuantArg::Off => None,
-        QuantArg::None => vl_models::family::default_quant(path)?,
-    })
+/// How the text decoder's quantization was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum QuantSource {
+    /// `--quantize` was given.
+    Flag,
+    /// Not given: the checkpoint's own (an MLX-quantized one's nearest k-quant; GGUF blocks as
+    /// stored), or none on a GPU.
+    Checkpoint,
+    /// Not given, on the CPU, for a float checkpoint: the fast default, q4k.
+    CpuDefault,
+}
+
+/// The text decoder's quantization for the model at `path`, and how it was chosen.
+/// `--quantize` given: that one (`none`: the checkpoint's own, for an MLX-quantized checkpoint
+/// its nearest k-quant; `off`: none). Not given: on the CPU in f32, q4k unless the checkpoint is
+/// already quantized (GGUF, MLX); elsewhere the checkpoint's own.
+pub(crate) fn quant_choice(load: &LoadArgs, path: &Path, dtype: DType) -> Result<(Option<QuantType>, QuantSource)> {
+    let explicit = match load.quantize {
+        Some(QuantArg::Q4k) => Some(QuantType::Q4K),
+        Some(QuantArg::Q5k) => Some(QuantType::Q5K),
+        Some(QuantArg::Q6k) => Some(QuantType::Q6K),
+        Some(QuantArg::Q8) => Some(QuantType::Q8_0),
+        Some(QuantArg::Off) => None,
+        Some(QuantArg::None) => vl_models::family::default_quant(path)?,
+        None => {
+            let stored = vl_models::family::default_quant(path)?;
+            let cpu = matches!(load.device, DeviceArg::Cpu) && dtype == DType::F32;
+            if stored.is_none() && cpu && !vl_models::gguf::is_gguf(path) {
+                return Ok((Some(QuantType::Q4K), QuantSource::CpuDefault));
+            }
+            return Ok((stored, QuantSource::Checkpoint));
+        }
+    };
+    Ok((explicit, QuantSource::Flag))
+}
+
+/// What the text decoder ran in, as the stats line and `--json`'s `quantized` say it: `applied`
+/// the quantization some tensor got, `quant` the one chosen (`source`), `off` for `--quantize off`.
+pub(crate) fn quantized_report(
+    applied: Option<QuantType>,
+    quant: Option<QuantType>,
+    source: QuantSource,
+    off: bool,
+) -> String {
+    match (applied, quant, source) {
+        (Some(q), _, QuantSource::CpuDefault) => format!("{} (default; --quantize off for full precision)", q.name()),
+        (None, Some(q), QuantSource::CpuDefault) => {
+            format!(
+                "none (the default {} fits no tensor: input dimensions are not multiples of {})",
+                q.name(),
+                q.block()
+            )
+        }
+        (Some(q), _, _) => q.name().to_string(),
+        (None, _, _) if off => "off".to_string(),
+        (None, _, _) => "none".to_string(),
+    }
+}
+
+/// `quant_choice` for `vl serve` and `vl chat`, the CPU default said on stderr.
+pub(crate) fn quant_of(load: &LoadArgs, path: &Path, dtype: DType) -> Result<Option<QuantType>> {
+    let (quant, source) = quant_choice(load, path, dtype)?;
+    if source == QuantSource::CpuDefault {
+        note!("quantized: q4k (the CPU default; --quantize off for full precision)");
+    }
+    Ok(quant)
 }
 
 /// The JSON schema in `path` (within `MAX_SCHEMA_BYTES`).
@@ -608,7 +681,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     if !gguf && args.load.mmproj.is_some() {
         anyhow::bail!("--mmproj goes with a GGUF text model; {} is a checkpoint directory", dir.display());
     }
-    let quant = quant_of(args.load.quantize, &dir)?;
+    let (quant, quant_source) = quant_choice(&args.load, &dir, dtype)?;
     let opts = EngineOptions {
         dtype,
         device: dev,
@@ -789,8 +862,12 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         return Err(e).context("writing to stdout");
     }
     let c = &shot.completion;
-    if let Some(q) = quant {
-        if shot.storage.iter().all(|(_, s, _)| s != q.name()) {
+    let applied = quant.filter(|q| shot.storage.iter().any(|(_, s, _)| s == q.name()));
+    // What the stats line and --json say the text decoder ran in.
+    let off = args.load.quantize == Some(QuantArg::Off);
+    let quantized = quantized_report(applied, quant, quant_source, off);
+    if let Some(q) = quant.filter(|_| quant_source != QuantSource::CpuDefault) {
+        if applied.is_none() {
             note!(
                 "note: --quantize {} applied to no tensor: every input dimension must be a multiple of {}; the weights stay {}",
                 q.name(),
@@ -864,6 +941,13 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
             // What was asked for, and what each tensor group got (a layer whose input dimension
             // is not a multiple of the quant block stays dense).
             "quantization": quant.map(|q| q.name()),
+            // How it was chosen ("flag", "checkpoint", "default": q4k on the CPU) and what ran.
+            "quantization_source": match quant_source {
+                QuantSource::Flag => "flag",
+                QuantSource::Checkpoint => "checkpoint",
+                QuantSource::CpuDefault => "default",
+            },
+            "quantized": quantized,
             "weights": shot
                 .storage
                 .iter()
@@ -885,7 +969,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         writeln!(stdout, "{out}").and_then(|_| stdout.flush()).context("writing to stdout")?;
     } else {
         note!(
-            "[load {:.2}s | media {:.2}s | vision {:.2}s{} ({} images, {} videos, {} tokens) | prefill {} tokens {:.2}s, {:.1} tok/s | decode {} tokens, {:.1} tok/s | stop: {stop} | peak RSS {}]",
+            "[load {:.2}s | media {:.2}s | vision {:.2}s{} ({} images, {} videos, {} tokens) | prefill {} tokens {:.2}s, {:.1} tok/s | decode {} tokens, {:.1} tok/s | stop: {stop} | quantized: {quantized} | peak RSS {}]",
             (before_load + shot.load_time).as_secs_f64(),
             shot.media_time.as_secs_f64(),
             shot.vision_time.as_secs_f64(),
@@ -999,4 +1083,26 @@ fn image_size_report(
         "tokens": tokens,
         "scaled_below_checkpoint_budget": scaled,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CPU default is said as such, with the way back to full precision.
+    #[test]
+    fn the_default_quantization_is_said_with_its_way_out() {
+        let q4 = Some(QuantType::Q4K);
+        assert_eq!(
+            quantized_report(q4, q4, QuantSource::CpuDefault, false),
+            "q4k (default; --quantize off for full precision)"
+        );
+        assert_eq!(
+            quantized_report(None, q4, QuantSource::CpuDefault, false),
+            "none (the default q4k fits no tensor: input dimensions are not multiples of 256)"
+        );
+        assert_eq!(quantized_report(q4, q4, QuantSource::Flag, false), "q4k");
+        assert_eq!(quantized_report(None, None, QuantSource::Flag, true), "off");
+        assert_eq!(quantized_report(None, None, QuantSource::Checkpoint, false), "none");
+    }
 }

@@ -190,7 +190,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let opts = EngineOptions {
         dtype,
         device: dev,
-        quant: quant_of(args.load.quantize, &dir)?,
+        quant: quant_of(&args.load, &dir, dtype)?,
         vision_bf16: args.load.vision_bf16(),
         min_pixels: args.load.min_pixels,
         max_pixels: args.load.max_pixels,

@@ -72,7 +72,8 @@ fn greedy_run_prints_the_reference_text() {
             let want = meta["greedy"]["text"].as_str().unwrap();
             let n = meta["greedy"]["ids"].as_array().unwrap().len().to_string();
             let ck = checkpoint(g);
-            let mut args = vec!["run", "--model", &ck, "--max-new-tokens", &n];
+            // Full precision: the reference's numbers (the CPU default would quantize to q4k).
+            let mut args = vec!["run", "--model", &ck, "--max-new-tokens", &n, "--quantize", "off"];
             args.extend(extra.iter().map(String::as_str));
             let (code, out, err) = vl(&args);
             assert_eq!(code, 0, "{g}/{case}: {err}");
@@ -99,6 +100,8 @@ fn json_output_and_logits_out() {
         "--max-new-tokens",
         "16",
         "--json",
+        "--quantize",
+        "off",
         "--logits-out",
         logits.to_str().unwrap(),
     ]);
@@ -142,6 +145,8 @@ fn vision_precision_bf16_runs_within_its_bound_or_is_refused() {
         "--json",
         "--vision-precision",
         "bf16",
+        "--quantize",
+        "off",
         "--logits-out",
         logits.to_str().unwrap(),
     ];
@@ -176,8 +181,10 @@ fn a_hub_id_resolves_through_the_local_cache() {
     let home = tempfile::tempdir().unwrap();
     common::fake_hub_cache(home.path());
     let img = image("square.png");
-    let (code, out, err) =
-        vl_env(&["run", "--model", "tiny/qwen3-vl-a", "--image", &img, "--max-new-tokens", "4", "--json"], home.path());
+    let (code, out, err) = vl_env(
+        &["run", "--model", "tiny/qwen3-vl-a", "--image", &img, "--max-new-tokens", "4", "--json", "--quantize", "off"],
+        home.path(),
+    );
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     let meta = read_json(&goldens().join("tiny-a/cases/one_image.json"));
@@ -746,7 +753,7 @@ fn thinking_reasoning_is_printed_apart_or_hidden() {
     let n = g["ids"].as_array().unwrap().len().to_string();
     let q = g["question"].as_str().unwrap();
     let reasoning = g["reasoning"].as_str().unwrap();
-    let base = ["run", "--model", &ck, "--prompt", q, "--max-new-tokens", &n];
+    let base = ["run", "--model", &ck, "--prompt", q, "--max-new-tokens", &n, "--quantize", "off"];
     let (code, out, err) = vl(&base);
     assert_eq!(code, 0, "{err}");
     assert_eq!(out, format!("{}\n", g["content"].as_str().unwrap()), "stdout is the answer alone");
@@ -798,7 +805,8 @@ fn weights_that_cannot_fit_the_memory_are_refused_before_loading() {
             .unwrap();
         (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
     };
-    let (code, err) = run(&[]);
+    // Full precision (on the CPU the default is q4k, which fits no tensor of tiny-a).
+    let (code, err) = run(&["--quantize", "off"]);
     assert_ne!(code, 0);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains(&ck) && err.contains("loaded as f32") && err.contains("9.5 MiB of memory available"), "{err}");

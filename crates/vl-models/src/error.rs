@@ -26,8 +26,16 @@ pub enum Error {
         #[source]
         source: serde_json::Error,
     },
-    #[error("{path}: not a model directory (no config.json)")]
-    NotAModelDir { path: PathBuf },
+    #[error(
+        "{path}: not a model directory (no config.json){}",
+        inside.as_ref().map_or(String::new(), |d| format!("; its subdirectory {0} holds one: pass --model {0}", d.display()))
+    )]
+    NotAModelDir {
+        path: PathBuf,
+        /// The one subdirectory holding a config.json, when exactly one does (a checkpoint
+        /// downloaded or unpacked one level down).
+        inside: Option<PathBuf>,
+    },
     #[error(
         "{path}: unsupported architecture {} (model_type {}); this build supports {supported}",
         if found.is_empty() { "(none listed)".to_string() } else { found.join(", ") },
@@ -58,6 +66,25 @@ pub enum Error {
     Candle(#[from] candle_core::Error),
     #[error(transparent)]
     Nn(#[from] vl_nn::Error),
+}
+
+impl Error {
+    /// `dir` has no config.json: `NotAModelDir`, naming the subdirectory that holds one when
+    /// exactly one does (among its first 4096 entries).
+    pub fn not_a_model_dir(dir: &std::path::Path) -> Self {
+        let mut found = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .take(4096)
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.is_dir() && p.join("config.json").is_file());
+        let inside = match (found.next(), found.next()) {
+            (Some(one), None) => Some(one),
+            _ => None,
+        };
+        Error::NotAModelDir { path: dir.to_path_buf(), inside }
+    }
 }
 
 fn describe_mismatch(missing: &[String], unexpected: &[String], wrong: &[ShapeMismatch]) -> String {

@@ -230,6 +230,11 @@ pub fn architecture(path: &Path) -> Result<Architecture> {
         return Ok(Architecture::Gguf(crate::gguf::architecture(&file)?));
     }
     let config = path.join("config.json");
+    // A directory without one (a broken link counts as one: its read names it) is no model; the
+    // weights are not looked for (`run` and `inspect` say the same).
+    if path.is_dir() && config.symlink_metadata().is_err() {
+        return Err(Error::not_a_model_dir(path));
+    }
     let v: serde_json::Value = crate::limits::read_text(&config, crate::limits::MAX_METADATA_FILE_BYTES)
         .ok()
         .and_then(|text| serde_json::from_str(&text).ok())

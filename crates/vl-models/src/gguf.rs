@@ -504,6 +504,16 @@ pub fn find_files(path: &Path, mmproj: Option<&Path>) -> Result<(PathBuf, Option
         path.to_path_buf()
     };
     let mm = match mmproj {
+        Some(m) if m.is_dir() => {
+            return Err(Error::Input {
+                what: format!("--mmproj {}", m.display()),
+                message: "is a directory; name the projector's .gguf file".into(),
+            })
+        }
+        Some(m) if !m.is_file() => {
+            let why = if m.symlink_metadata().is_ok() { "broken symbolic link or not a file" } else { "no such file" };
+            return Err(Error::Input { what: format!("--mmproj {}", m.display()), message: why.into() });
+        }
         Some(m) => Some(m.to_path_buf()),
         None => {
             let found: Vec<&PathBuf> = listed.iter().filter(|p| is_mmproj(p)).collect();
@@ -551,6 +561,8 @@ pub struct Written {
     pub stored: std::collections::BTreeMap<String, usize>,
     /// 2-D weights whose rows do not fill the recipe's blocks, stored in a fallback type.
     pub fell_back: usize,
+    /// Those weights by the type they fell back to (llama.cpp's names: Q5_0, Q8_0, F32...).
+    pub fell_back_to: std::collections::BTreeMap<String, usize>,
 }
 
 /// What `vl quantize` writes for the text model's 2-D weights.

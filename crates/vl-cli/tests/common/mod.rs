@@ -37,6 +37,9 @@ pub fn start_dir(dir: &Path, extra: &[&str]) -> Server {
 fn serve_model(ck: &Path, g: &str, extra: &[&str]) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_vl"))
         .args(["serve", "--model", ck.to_str().unwrap(), "--served-model-name", g, "--port", "0"])
+        // Full precision: answers are compared with the reference's (on the CPU the default
+        // would quantize the text decoder to q4k).
+        .args(["--quantize", "off"])
         .args(extra)
         .env("HF_HUB_OFFLINE", "1")
         .stdin(Stdio::null())

@@ -294,7 +294,7 @@ impl Qwen3VlConfig {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
         if !path.is_file() {
-            return Err(Error::NotAModelDir { path: dir.to_path_buf() });
+            return Err(Error::not_a_model_dir(dir));
         }
         let text = crate::limits::read_text(&path, crate::limits::MAX_METADATA_FILE_BYTES)?;
         Self::from_json_str(&text, &path)

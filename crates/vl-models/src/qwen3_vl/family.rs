@@ -105,7 +105,8 @@ type TextLoader = Box<dyn FnOnce() -> Result<TextModel> + Send>;
 enum VisionSlot {
     Ready(Arc<VisionTower>),
     Pending(VisionLoader),
-    Absent(&'static str),
+    /// Why there is none: (what is at fault, the message).
+    Absent(String, String),
 }
 
 /// A sampled, preprocessed video kept for a repeated request.
@@ -229,8 +230,11 @@ impl Qwen3Vl {
                 }
             }))
         } else {
+            let name =
+                text.file_name().map_or_else(|| text.display().to_string(), |n| n.to_string_lossy().into_owned());
             VisionSlot::Absent(
-                "this GGUF model has no vision projector: images and videos need one (--mmproj FILE.gguf)",
+                name,
+                "a GGUF text model without its vision projector (no mmproj*.gguf beside it); images and videos need one: pass --mmproj FILE.gguf".into(),
             )
         };
         let dev = device.clone();
@@ -283,12 +287,13 @@ impl Qwen3Vl {
 
     fn vision_tower(&self) -> Result<Arc<VisionTower>> {
         let mut slot = self.vision.lock().unwrap_or_else(|p| p.into_inner());
-        let tower = match std::mem::replace(&mut *slot, VisionSlot::Absent("the vision tower failed to load")) {
+        let failed = VisionSlot::Absent("model".into(), "the vision tower failed to load".into());
+        let tower = match std::mem::replace(&mut *slot, failed) {
             VisionSlot::Ready(t) => t,
             VisionSlot::Pending(load) => Arc::new(load()?),
-            VisionSlot::Absent(why) => {
-                *slot = VisionSlot::Absent(why);
-                return Err(Error::Input { what: "model".into(), message: why.into() });
+            VisionSlot::Absent(what, message) => {
+                *slot = VisionSlot::Absent(what.clone(), message.clone());
+                return Err(Error::Input { what, message });
             }
         };
         *slot = VisionSlot::Ready(tower.clone());
@@ -366,7 +371,10 @@ impl Family for Qwen3Vl {
     fn finish_loading(&self) -> Result<()> {
         let mut slot = self.vision.lock().unwrap_or_else(|p| p.into_inner());
         if matches!(*slot, VisionSlot::Ready(_) | VisionSlot::Pending(_)) {
-            *slot = VisionSlot::Absent("the vision tower was released after the images were encoded");
+            *slot = VisionSlot::Absent(
+                "model".into(),
+                "the vision tower was released after the images were encoded".into(),
+            );
         }
         drop(slot);
         crate::alloc::give_back();

@@ -228,6 +228,7 @@ pub fn save(
     // every matrix in floats is refused (the file would be named by a type it does not hold).
     let mut stored = std::collections::BTreeMap::<String, usize>::new();
     let mut fell_back = 0;
+    let mut fell_back_to = std::collections::BTreeMap::<String, usize>::new();
     let (mut left_float, mut narrow_rows) = (0, std::collections::BTreeSet::new());
     let experts = cfg.text.moe.as_ref().map_or(1, |m| m.num_experts);
     for o in &outputs {
@@ -245,6 +246,9 @@ pub fn save(
             narrow_rows.insert(cols);
         }
         let tag = got.map(|q| ggml_name(q).to_string()).unwrap_or_else(|| float_name(model.weights.text_float_dtype()));
+        if got != Some(want) {
+            *fell_back_to.entry(tag.clone()).or_default() += 1;
+        }
         *stored.entry(tag).or_default() += 1;
     }
     if left_float > 0 && left_float == stored.values().sum::<usize>() {
@@ -423,7 +427,7 @@ pub fn save(
     }
     partials.0.clear();
     let tensors = text_count + tensors.len();
-    Ok(Written { text: text_path, mmproj: mmproj_path, tensors, stored, fell_back })
+    Ok(Written { text: text_path, mmproj: mmproj_path, tensors, stored, fell_back, fell_back_to })
 }
 
 /// llama.cpp's name of a block type.
