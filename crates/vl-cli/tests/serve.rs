@@ -188,7 +188,7 @@ fn answers_stream_and_report_usage_like_the_reference() {
 #[test]
 fn every_bad_request_gets_its_status_and_an_openai_error() {
     let g = "tiny-a";
-    let s = start(g, &["--max-body-bytes", "100000"]);
+    let s = start(g, &["--max-body-bytes", "100000", "--strict-model-name"]);
     let c = "/v1/chat/completions";
     let ok = |extra: Value| one_image(g, 2, extra).to_string();
     let (st, b) = post(&s, c, "{\"messages\": [");
