@@ -1970,3 +1970,60 @@ fn model_names_any_by_default_aliases_listed_strict_on_request() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--alias") && err.lines().count() == 1, "{err}");
 }
+
+/// The fields current OpenAI SDKs send on chat completions: accepted with their types where they
+/// cannot change the answer, refused by name where they would; llama-server's `json_object` with
+/// a `schema` holds the answer to it.
+#[test]
+fn current_sdk_fields_are_typed_and_json_object_takes_a_schema() {
+    let s = start("tiny-a", &[]);
+    let ask = |extra: Value| {
+        let mut body = json!({"model": "tiny-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        post(&s, "/v1/chat/completions", &body.to_string())
+    };
+    for ok in [
+        json!({"prompt_cache_key": "user-42"}),
+        json!({"prompt_cache_retention": "24h"}),
+        json!({"safety_identifier": "hash-1"}),
+        json!({"verbosity": "medium"}),
+        json!({"modalities": ["text"]}),
+        json!({"prediction": {"type": "content", "content": "hello"}}),
+        json!({"prediction": {"type": "content", "content": [{"type": "text", "text": "hello"}]}}),
+        json!({"prompt_cache_key": "k", "safety_identifier": "s", "verbosity": "medium", "modalities": ["text"]}),
+    ] {
+        let (status, v) = ask(ok.clone());
+        assert_eq!(status, 200, "{ok}: {v}");
+    }
+    for (bad, needle) in [
+        (json!({"prompt_cache_key": 7}), "prompt_cache_key"),
+        (json!({"safety_identifier": ["x"]}), "safety_identifier"),
+        (json!({"prompt_cache_retention": true}), "prompt_cache_retention"),
+        (json!({"verbosity": "high"}), "verbosity"),
+        (json!({"verbosity": 1}), "verbosity"),
+        (json!({"modalities": ["text", "audio"]}), "modalities"),
+        (json!({"modalities": []}), "modalities"),
+        (json!({"prediction": {"type": "content"}}), "prediction"),
+        (json!({"prediction": "hello"}), "prediction"),
+        (json!({"response_format": {"type": "json_object", "schema": 3}}), "response_format"),
+        (json!({"response_format": {"type": "text", "schema": {}}}), "response_format"),
+    ] {
+        let (status, v) = ask(bad.clone());
+        assert_error(status, &v, 400, needle);
+    }
+    // `json_object` with a schema: the answer validates against it (temperature 1, three seeds).
+    let schema = json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                        "required": ["n"], "additionalProperties": false});
+    for seed in [1, 2, 3] {
+        let (status, v) = ask(json!({"max_tokens": 40, "temperature": 1, "seed": seed,
+                                      "response_format": {"type": "json_object", "schema": schema}}));
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+        let answer: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        let n = answer["n"].as_u64().unwrap_or_else(|| panic!("{answer}"));
+        assert!(n <= 9 && answer.as_object().unwrap().len() == 1, "{answer}");
+    }
+}

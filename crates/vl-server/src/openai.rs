@@ -1,6 +1,8 @@
 //! OpenAI's chat completions request, typed. Every top-level field is declared: a field this
 //! server implements is used, one it accepts but cannot honour in a way that changes the answer
-//! (`user`, `metadata`, `store`, `parallel_tool_calls`, `service_tier`) is read, type-checked and
+//! (`user`, `metadata`, `store`, `parallel_tool_calls`, `service_tier`, `prompt_cache_key`,
+//! `prompt_cache_retention`, `safety_identifier`, `verbosity: medium`, `modalities: ["text"]`,
+//! `prediction`) is read, type-checked and
 //! ignored (listed in docs/serving.md), one it does not implement (`modalities`, `audio`, ...) is
 //! refused by `check_supported`, and an unknown field is refused by serde with its name. Message
 //! parts are JSON values walked by `media::part` under the same rule.
@@ -64,6 +66,16 @@ pub struct ChatCompletionRequest {
     pub store: Option<bool>,
     pub parallel_tool_calls: Option<bool>,
     pub service_tier: Option<String>,
+    /// A routing and caching hint (the prefix cache reuses prompts by their tokens anyway).
+    pub prompt_cache_key: Option<String>,
+    /// How long OpenAI keeps a cached prefix (`in_memory`, `24h`); the prefix cache here keeps
+    /// what fits its budget, least recently used out first.
+    pub prompt_cache_retention: Option<String>,
+    /// An end user's stable id for abuse monitoring.
+    pub safety_identifier: Option<String>,
+    /// OpenAI's length hint: only `medium` (the default, no change) is accepted; `low` / `high`
+    /// would change the answer and are refused in `check_supported`.
+    pub verbosity: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -162,10 +174,29 @@ impl ChatCompletionRequest {
         if present(&self.functions) || present(&self.function_call) {
             return Some("`functions` / `function_call` (deprecated) are not supported: use `tools`".into());
         }
+        // Text is the one output modality: `["text"]` asks for what is given.
+        if let Some(m) = self.modalities.as_ref().filter(|v| !v.is_null()) {
+            let text_only = m.as_array().is_some_and(|a| !a.is_empty() && a.iter().all(|x| x == "text"));
+            if !text_only {
+                return Some(format!(
+                    "`modalities` {m} is not supported: this server answers in text only (`[\"text\"]`)"
+                ));
+            }
+        }
+        // A predicted output speeds up an answer, never changes it: accepted when well formed.
+        if let Some(p) = self.prediction.as_ref().filter(|v| !v.is_null()) {
+            let ok = p.get("type").and_then(Value::as_str) == Some("content")
+                && p.get("content").is_some_and(|c| c.is_string() || c.is_array())
+                && p.as_object().is_some_and(|o| o.keys().all(|k| k == "type" || k == "content"));
+            if !ok {
+                return Some("`prediction` must be {\"type\": \"content\", \"content\": text or parts}".into());
+            }
+        }
+        if let Some(v) = self.verbosity.as_deref().filter(|v| *v != "medium") {
+            return Some(format!("`verbosity` {v:?} is not supported: only \"medium\" (the default) is"));
+        }
         for (name, v) in [
-            ("modalities", &self.modalities),
             ("audio", &self.audio),
-            ("prediction", &self.prediction),
             ("reasoning_effort", &self.reasoning_effort),
             ("web_search_options", &self.web_search_options),
         ] {

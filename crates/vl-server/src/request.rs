@@ -310,12 +310,27 @@ fn response_format(f: Option<&Value>) -> Result<Option<Constraint>, ApiError> {
     let Some(f) = f.filter(|f| !f.is_null()) else { return Ok(None) };
     let bad = |m: String| Err(ApiError::bad(format!("`response_format`{m}")));
     let Some(o) = f.as_object() else { return bad(" must be an object with a `type`".into()) };
-    if let Some(k) = o.keys().find(|k| !["type", "json_schema"].contains(&k.as_str())) {
+    if let Some(k) = o.keys().find(|k| !["type", "json_schema", "schema"].contains(&k.as_str())) {
         return bad(format!(": unknown field `{k}`"));
     }
-    match o.get("type").and_then(Value::as_str) {
+    let kind = o.get("type").and_then(Value::as_str);
+    if o.contains_key("schema") && kind != Some("json_object") {
+        return bad(
+            ": `schema` goes with type \"json_object\" (llama-server's shape); json_schema takes `json_schema.schema`"
+                .into(),
+        );
+    }
+    match kind {
         Some("text") => Ok(None),
-        Some("json_object") => Ok(Some(Constraint::JsonObject)),
+        // llama-server's shape (and older instructor's): a JSON object held to `schema`.
+        Some("json_object") => match o.get("schema").filter(|s| !s.is_null()) {
+            None => Ok(Some(Constraint::JsonObject)),
+            Some(schema) if schema.is_object() || schema.is_boolean() => {
+                schema_within_limit(schema, "`response_format.schema`")?;
+                Ok(Some(Constraint::JsonSchema(schema.clone())))
+            }
+            Some(_) => bad(".schema must be a JSON schema (an object)".into()),
+        },
         Some("json_schema") => {
             let Some(js) = o.get("json_schema").and_then(Value::as_object) else {
                 return bad(".json_schema must be an object with `name` and `schema`".into());
