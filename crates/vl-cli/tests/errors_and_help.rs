@@ -3,12 +3,11 @@
 //! described, the uneven errors made one line naming the flag and the file, and the CPU's
 //! default quantization said in the stats line and `--json`.
 
-use std::path::{Path, PathBuf};
+mod common;
+
 use std::process::Command;
 
-fn goldens() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../goldens")
-}
+use common::{error_lines, goldens};
 
 fn checkpoint(g: &str) -> String {
     goldens().join(g).join("checkpoint").display().to_string()
@@ -25,15 +24,7 @@ fn vl(args: &[&str]) -> (i32, String, String) {
         .stdin(std::process::Stdio::null())
         .output()
         .expect("run vl");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn error_lines(stderr: &str) -> Vec<&str> {
-    stderr.lines().filter(|l| l.starts_with("error:")).collect()
+    common::outcome(out)
 }
 
 #[test]

@@ -5,13 +5,13 @@
 //! named; never a directory or a missing directory; an existing file only with `--force`) and
 //! leaves no temporary file behind.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-fn goldens() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../goldens")
-}
+use common::{error_lines, goldens};
 
 fn checkpoint() -> String {
     goldens().join("tiny-a/checkpoint").display().to_string()
@@ -35,15 +35,7 @@ fn vl_in(cwd: &Path, args: &[&str], stdin: &str) -> (i32, String, String) {
         .expect("run vl");
     child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn error_lines(err: &str) -> Vec<&str> {
-    err.lines().filter(|l| l.starts_with("error")).collect()
+    common::outcome(out)
 }
 
 fn listing(dir: &Path) -> BTreeSet<String> {

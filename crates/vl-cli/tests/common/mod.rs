@@ -102,3 +102,17 @@ pub fn thinking_template() -> String {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/hf-reference/templates");
     std::fs::read_to_string(root.join("Qwen3-VL-Thinking.jinja")).unwrap()
 }
+
+/// A finished `vl`'s exit code (-1 when killed by a signal), stdout and stderr.
+pub fn outcome(out: std::process::Output) -> (i32, String, String) {
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The `error:` lines of a stderr.
+pub fn error_lines(stderr: &str) -> Vec<&str> {
+    stderr.lines().filter(|l| l.starts_with("error:")).collect()
+}
