@@ -667,3 +667,200 @@ fn thinking_answers_split_reasoning_and_template_kwargs_reach_the_template() {
         assert!(t.contains(needle), "{t}");
     }
 }
+
+/// A schema without `additionalProperties` (as a plain Pydantic model sends it) holds the answer
+/// to exactly its declared keys, at every level: objects are closed unless the schema opens them.
+/// A free-form `{"type": "object"}` inside stays open (any object validates).
+#[test]
+fn schemas_without_additional_properties_get_exactly_the_declared_keys() {
+    let g = "tiny-a";
+    let server = start(g, &[]);
+    let schema = json!({
+        "title": "Pet",
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 30},
+            "owner": {"$ref": "#/$defs/Owner"},
+            "toys": {"type": "array", "items": {"type": "object", "properties": {"kind": {"enum": ["ball", "rope"]}},
+                                                "required": ["kind"]}, "maxItems": 2},
+        },
+        "required": ["name", "age", "owner", "toys"],
+        "$defs": {"Owner": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}},
+                            "required": ["id"]}},
+    });
+    let keys = |v: &Value| -> Vec<String> {
+        let mut k: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+        k.sort();
+        k
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let c = client(&server.base);
+        for seed in 1..=5 {
+            for format in [
+                json!({"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}}),
+                json!({"type": "json_schema", "json_schema": {"name": "pet", "schema": schema, "strict": false}}),
+            ] {
+                let body = json!({
+                    "model": g,
+                    "messages": [{"role": "user", "content": "A pet as JSON."}],
+                    "temperature": 1.0,
+                    "seed": seed,
+                    "max_completion_tokens": 400,
+                    "response_format": format,
+                });
+                let a = ask(&c, &body).await;
+                assert_eq!(a.finish, "stop", "seed {seed}: {:?}", a.content);
+                let doc = assert_valid(&schema, &a.content, &format!("seed {seed}"));
+                assert_eq!(keys(&doc), ["age", "name", "owner", "toys"], "seed {seed}: {doc}");
+                assert_eq!(keys(&doc["owner"]), ["id"], "seed {seed}: {doc}");
+                for t in doc["toys"].as_array().unwrap() {
+                    assert_eq!(keys(t), ["kind"], "seed {seed}: {doc}");
+                }
+            }
+        }
+    });
+    // llama-server's `json_object` with a `schema` (older instructor; async-openai's type has no
+    // place for it, so sent as JSON) is held to it the same way.
+    for seed in [7, 8] {
+        let body = json!({
+            "model": g,
+            "messages": [{"role": "user", "content": "A pet as JSON."}],
+            "temperature": 1.0,
+            "seed": seed,
+            "max_completion_tokens": 400,
+            "response_format": {"type": "json_object", "schema": schema},
+        });
+        let (st, text) = post_json(&server.base, "/v1/chat/completions", &body);
+        assert_eq!(st, 200, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        let doc = assert_valid(&schema, v["choices"][0]["message"]["content"].as_str().unwrap(), "json_object");
+        assert_eq!(keys(&doc), ["age", "name", "owner", "toys"], "seed {seed}: {doc}");
+    }
+}
+
+/// `parallel_tool_calls: false` means at most one call: with `tool_choice: "required"` the
+/// constraint admits exactly one (the same seeds make several without it), streamed or not.
+#[test]
+fn parallel_tool_calls_false_makes_exactly_one_call() {
+    let g = "tiny-b";
+    let server = start(g, &[]);
+    let weather = json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+                         "required": ["city"], "additionalProperties": false});
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+        {"type": "function", "function": {"name": "ping"}},
+    ]);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let c = client(&server.base);
+        let body = |seed: u64, parallel: Option<bool>, choice: Value| {
+            let mut b = json!({
+                "model": g,
+                "messages": [{"role": "user", "content": "Weather in Bern?"}],
+                "temperature": 1.0,
+                "seed": seed,
+                "max_completion_tokens": 300,
+                "tools": tools,
+                "tool_choice": choice,
+            });
+            if let Some(p) = parallel {
+                b["parallel_tool_calls"] = json!(p);
+            }
+            b
+        };
+        let mut several = 0;
+        for seed in 1..=6 {
+            let free = ask(&c, &body(seed, None, json!("required"))).await;
+            let also = ask(&c, &body(seed, Some(true), json!("required"))).await;
+            assert_eq!(free.calls, also.calls, "seed {seed}: `true` is the default");
+            several += (free.calls.len() > 1) as usize;
+            for choice in [json!("required"), json!({"type": "function", "function": {"name": "get_weather"}})] {
+                let b = body(seed, Some(false), choice.clone());
+                let a = ask(&c, &b).await;
+                assert_eq!(a.finish, "tool_calls", "{choice} seed {seed}: {:?}", a.content);
+                assert_eq!(a.calls.len(), 1, "{choice} seed {seed}: {:?}", a.calls);
+                let (name, args) = &a.calls[0];
+                let schema =
+                    if name == "ping" { json!({"type": "object", "maxProperties": 0}) } else { weather.clone() };
+                assert_valid(&schema, args, &format!("{choice} seed {seed}"));
+                let s = ask_streamed(&c, &b).await;
+                assert_eq!((s.calls, s.finish), (a.calls, a.finish), "{choice} seed {seed}: streamed");
+                // The answer itself is one call (the constraint admits no second), not several
+                // cut to one: its tokens spell one block.
+                let mut raw = b.clone();
+                raw["logprobs"] = json!(true);
+                let (st, text) = post_json(&server.base, "/v1/chat/completions", &raw);
+                assert_eq!(st, 200, "{text}");
+                let v: Value = serde_json::from_str(&text).unwrap();
+                let tokens: String = v["choices"][0]["logprobs"]["content"]
+                    .as_array()
+                    .unwrap_or_else(|| panic!("{v}"))
+                    .iter()
+                    .map(|t| t["token"].as_str().unwrap())
+                    .collect();
+                assert_eq!(tokens.matches("<tool_call>").count(), 1, "{choice} seed {seed}: {tokens:?}");
+            }
+        }
+        assert!(several > 0, "no seed made several calls without `parallel_tool_calls: false`");
+    });
+}
+
+/// A tool call that is required wins over a JSON `response_format` / `text.format` (instructor's
+/// tools modes send both; OpenAI answers with the call): the answer is the call.
+#[test]
+fn a_required_tool_call_wins_over_a_json_format() {
+    let g = "tiny-b";
+    let server = start(g, &[]);
+    let weather = json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+                         "required": ["city"]});
+    let answer_schema = json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]});
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let c = client(&server.base);
+        for (choice, format) in [
+            (json!("required"), json!({"type": "json_schema", "json_schema": {"name": "a", "schema": answer_schema}})),
+            (json!({"type": "function", "function": {"name": "get_weather"}}), json!({"type": "json_object"})),
+        ] {
+            let body = json!({
+                "model": g,
+                "messages": [{"role": "user", "content": "Weather in Bern?"}],
+                "temperature": 1.0,
+                "seed": 3,
+                "max_completion_tokens": 300,
+                "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}],
+                "tool_choice": choice,
+                "response_format": format,
+            });
+            let a = ask(&c, &body).await;
+            assert_eq!(a.finish, "tool_calls", "{choice} {format}: {:?}", a.content);
+            assert!(!a.calls.is_empty() && a.calls.iter().all(|(n, _)| n == "get_weather"), "{:?}", a.calls);
+            for (_, args) in &a.calls {
+                let doc = assert_valid(&weather, args, &format!("{choice}"));
+                assert_eq!(doc.as_object().unwrap().len(), 1, "closed: {doc}");
+            }
+        }
+    });
+    // The Responses API, as instructor's RESPONSES_TOOLS mode sends it.
+    let body = json!({
+        "model": g,
+        "input": "Weather in Bern?",
+        "temperature": 1.0,
+        "seed": 3,
+        "max_output_tokens": 300,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": weather, "strict": true}],
+        "tool_choice": "required",
+        "parallel_tool_calls": false,
+        "text": {"format": {"type": "json_schema", "name": "a", "schema": answer_schema, "strict": true}},
+    });
+    let (st, text) = post_json(&server.base, "/v1/responses", &body);
+    assert_eq!(st, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let calls: Vec<&Value> = v["output"].as_array().unwrap().iter().filter(|o| o["type"] == "function_call").collect();
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(calls[0]["name"], "get_weather", "{v}");
+    assert_valid(&weather, calls[0]["arguments"].as_str().unwrap(), "responses");
+    assert_eq!(v["status"], "completed", "{v}");
+}

@@ -45,8 +45,9 @@ pub enum Constraint {
     /// A JSON document valid against this schema.
     JsonSchema(Value),
     /// Function calls in the chat template's form, `<tool_call>\n{"name": ..., "arguments":
-    /// {...}}\n</tool_call>`, the arguments valid against that function's `parameters`: one call
-    /// of the only function listed when `one`, else one or more calls of any listed.
+    /// {...}}\n</tool_call>`, the arguments valid against that function's `parameters`: exactly
+    /// one call of any function listed when `one` (a named function, or `parallel_tool_calls:
+    /// false`), else one or more.
     ToolCalls { functions: Vec<(String, Value)>, one: bool },
 }
 
@@ -55,7 +56,9 @@ impl Constraint {
     fn grammar(&self) -> Result<TopLevelGrammar> {
         Ok(match self {
             Constraint::JsonObject => TopLevelGrammar::from_json_schema(with_whitespace(json!({"type": "object"}))),
-            Constraint::JsonSchema(schema) => TopLevelGrammar::from_json_schema(with_whitespace(schema.clone())),
+            Constraint::JsonSchema(schema) => {
+                TopLevelGrammar::from_json_schema(with_whitespace(closed_objects(schema.clone())))
+            }
             Constraint::ToolCalls { functions, one } => {
                 if functions.is_empty() {
                     return Err(Error::Input { what: "tool_choice".into(), message: "no function to call".into() });
@@ -65,7 +68,7 @@ impl Constraint {
                     .map(|(name, params)| {
                         json!({
                             "type": "object",
-                            "properties": {"name": {"const": name}, "arguments": params},
+                            "properties": {"name": {"const": name}, "arguments": closed_objects(params.clone())},
                             "required": ["name", "arguments"],
                             "additionalProperties": false,
                         })
@@ -83,6 +86,70 @@ impl Constraint {
             }
         })
     }
+}
+
+/// Most nesting levels `closed_objects` walks (deeper schemas stay as they are there; serde_json
+/// parses at most 128 levels anyway).
+const CLOSE_DEPTH: usize = 128;
+
+/// The schema with its objects closed unless it opens them, as llama.cpp's converter and
+/// xgrammar's strict mode do: an object schema that lists `properties` and has none of
+/// `additionalProperties`, `patternProperties`, `unevaluatedProperties` takes
+/// `additionalProperties: false`, so the answer has exactly the keys the schema declares rather
+/// than more until `max_tokens` (plain Pydantic models send such schemas). An object schema
+/// without `properties` (`{"type": "object"}`, a free-form dictionary) stays open; so do object
+/// schemas whose keys other keywords beside `properties` may add (`allOf`, `anyOf`, `oneOf`,
+/// `$ref`, `if` / `then` / `else`, `dependentSchemas`, `dependencies`) and the schemas that
+/// declare part of one object's keys (an `allOf` member, `then`, `else`, a `dependentSchemas`
+/// value): their nested schemas are closed, not they. Nested schemas are walked under
+/// `properties`, `patternProperties`, `additionalProperties`, `items`, `prefixItems`, `anyOf`,
+/// `oneOf`, `allOf`, `$defs`, `definitions`, `then` / `else` and the like, each node once, at
+/// most `CLOSE_DEPTH` deep (the schema is at most `MAX_SCHEMA_BYTES`). A condition (`if`) or a
+/// negation (`not`) is left as written: closing an object there would not narrow what the schema
+/// admits.
+fn closed_objects(mut schema: Value) -> Value {
+    /// `part`: `v` declares part of an object's keys, other schemas the rest.
+    fn close(v: &mut Value, depth: usize, part: bool) {
+        let Some(o) = v.as_object_mut() else { return };
+        if depth > CLOSE_DEPTH {
+            return;
+        }
+        let has = |keys: &[&str]| keys.iter().any(|k| o.contains_key(*k));
+        let opened = has(&["additionalProperties", "patternProperties", "unevaluatedProperties"]);
+        let composed =
+            has(&["allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas", "dependencies"]);
+        if o.contains_key("properties") && !opened && !composed && !part {
+            o.insert("additionalProperties".into(), Value::Bool(false));
+        }
+        for (k, sub) in o.iter_mut() {
+            match k.as_str() {
+                // Maps of names to schemas.
+                "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas" => {
+                    let part = k == "dependentSchemas";
+                    if let Some(m) = sub.as_object_mut() {
+                        m.values_mut().for_each(|s| close(s, depth + 1, part));
+                    }
+                }
+                // A schema, or (`items` of draft 4) a list of them.
+                "items" | "prefixItems" | "anyOf" | "oneOf" | "allOf" => {
+                    let part = k == "allOf";
+                    match sub {
+                        Value::Array(a) => a.iter_mut().for_each(|s| close(s, depth + 1, part)),
+                        s => close(s, depth + 1, false),
+                    }
+                }
+                "then" | "else" => close(sub, depth + 1, true),
+                "additionalProperties"
+                | "unevaluatedProperties"
+                | "additionalItems"
+                | "unevaluatedItems"
+                | "contains" => close(sub, depth + 1, false),
+                _ => {}
+            }
+        }
+    }
+    close(&mut schema, 0, false);
+    schema
 }
 
 /// The schema with bounded whitespace unless it sets its own `x-guidance` options.
@@ -481,6 +548,72 @@ mod tests {
 
     fn with_pattern(p: &str) -> Constraint {
         Constraint::JsonSchema(json!({"type": "object", "properties": {"s": {"type": "string", "pattern": p}}}))
+    }
+
+    #[test]
+    fn objects_are_closed_unless_the_schema_opens_them() {
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+                "free": {"type": "object"},
+                "map": {"type": "object", "additionalProperties": {"type": "object", "properties": {"y": {}}}},
+                "pat": {"type": "object", "properties": {"p": {}}, "patternProperties": {"^q": {}}},
+                "list": {"type": "array", "items": {"properties": {"i": {}}}},
+                "tuple": {"type": "array", "prefixItems": [{"properties": {"t": {}}}]},
+                "either": {"anyOf": [{"$ref": "#/$defs/D"}, {"type": "null"}]},
+                "both": {"allOf": [{"properties": {"b1": {}}}, {"properties": {"b2": {"properties": {"c": {}}}}}]},
+                "properties": {"type": "object", "properties": {"items": {"properties": {"k": {}}}}},
+                "neg": {"not": {"properties": {"n": {}}}},
+                "cond": {"if": {"properties": {"f": {}}}, "then": {"properties": {"g": {"properties": {}}}}},
+            },
+            "$defs": {"D": {"type": "object", "properties": {"d": {}}}},
+            "definitions": {"E": {"properties": {"e": {}}, "unevaluatedProperties": false}},
+        });
+        let c = closed_objects(schema);
+        let closed = |ptr: &str| c.pointer(ptr).unwrap_or_else(|| panic!("{ptr}")).get("additionalProperties").cloned();
+        for ptr in [
+            "",
+            "/properties/a",
+            "/properties/map/additionalProperties",
+            "/properties/list/items",
+            "/properties/tuple/prefixItems/0",
+            "/properties/both/allOf/1/properties/b2",
+            "/properties/properties",
+            "/properties/properties/properties/items",
+            "/properties/cond/then/properties/g",
+            "/$defs/D",
+        ] {
+            assert_eq!(closed(ptr), Some(json!(false)), "{ptr}: {c}");
+        }
+        // Open: free-form, opened by the schema, composed, a part of an object, a condition or a
+        // negation.
+        for ptr in [
+            "/properties/free",
+            "/properties/pat",
+            "/properties/both/allOf/0",
+            "/properties/cond/if",
+            "/properties/cond/then",
+            "/properties/neg/not",
+            "/definitions/E",
+        ] {
+            assert!(closed(ptr).is_none(), "{ptr}: {c}");
+        }
+        assert_eq!(c.pointer("/properties/map/additionalProperties/type"), Some(&json!("object")));
+        // Past the depth bound the schema stays as it is.
+        let mut deep = json!({"properties": {"x": {}}});
+        for _ in 0..200 {
+            deep = json!({"properties": {"x": deep}});
+        }
+        let c = closed_objects(deep);
+        assert_eq!(c["additionalProperties"], json!(false));
+        let mut at = &c;
+        let mut depth = 0;
+        while let Some(next) = at.get("properties").and_then(|p| p.get("x")) {
+            at = next;
+            depth += 1;
+        }
+        assert!(depth >= 200 && at.get("additionalProperties").is_none());
     }
 
     #[test]

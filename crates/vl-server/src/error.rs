@@ -16,18 +16,31 @@ pub(crate) struct ApiError {
     param: Option<String>,
 }
 
+/// The request field a message names first, when it begins with one quoted
+/// (`` `messages[0].content[1]`: ... ``): every error that is about a field says so first.
+fn named_field(message: &str) -> Option<String> {
+    let (name, _) = message.strip_prefix('`')?.split_once('`')?;
+    let path = name.chars().all(|c| c.is_ascii_alphanumeric() || "_.[]-$".contains(c));
+    let starts = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+    (path && starts).then(|| name.to_string())
+}
+
 impl ApiError {
+    /// A 400; its `param` is the field the message begins with, quoted, if it does.
     pub(crate) fn bad(message: impl Into<String>) -> Self {
+        let message = message.into();
         Self {
             status: StatusCode::BAD_REQUEST,
             kind: "invalid_request_error",
             code: None,
-            message: message.into(),
-            param: None,
+            param: named_field(&message),
+            message,
         }
     }
+    /// An error of any status; its `param` as `bad`'s.
     pub(crate) fn with(status: StatusCode, kind: &'static str, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, kind, code: Some(code), message: message.into(), param: None }
+        let message = message.into();
+        Self { status, kind, code: Some(code), param: named_field(&message), message }
     }
     /// A 400 about the field `param` (a path such as `messages[0].content[1].detail`).
     pub(crate) fn bad_at(param: impl Into<String>, message: impl Into<String>) -> Self {
@@ -60,14 +73,77 @@ impl ApiError {
             vl_models::Error::Limit { .. } => {
                 Self::with(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "image_too_large", message)
             }
-            vl_models::Error::Input { .. } => Self::bad(message),
+            vl_models::Error::Input { what, .. } => {
+                let mut e = Self::bad(message);
+                e.param = engine_param(what);
+                e
+            }
             _ => Self::with(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error", message),
         }
+    }
+}
+
+/// The request field an engine's input error names (`Error::Input::what`), when it is one: the
+/// engine names a constraint's field (`response_format`, `tool_choice`), a sampling option, a
+/// message (`messages[2]`) or `n` / `stop`; `max_new_tokens` is the request's `max_tokens`. Other
+/// subjects (a template, an image file, the engine) are no request field.
+fn engine_param(what: &str) -> Option<String> {
+    const FIELDS: [&str; 18] = [
+        "messages",
+        "tools",
+        "tool_choice",
+        "response_format",
+        "logit_bias",
+        "max_tokens",
+        "n",
+        "stop",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "top_logprobs",
+        "chat_template_kwargs",
+    ];
+    match what {
+        "max_new_tokens" => Some("max_tokens".into()),
+        w if FIELDS.contains(&w) => Some(w.into()),
+        w if w.starts_with("messages[") || w.starts_with("tools[") => Some(w.into()),
+        _ => None,
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn param_is_the_field_a_message_begins_with() {
+        for (m, p) in [
+            ("`messages[0].content[1]`: malformed data URL", Some("messages[0].content[1]")),
+            ("`logit_bias.7` = 200 must be a number", Some("logit_bias.7")),
+            ("`n` = 9 must be in 1..=8", Some("n")),
+            ("unknown field `foo`", None),
+            ("`` is empty", None),
+            ("`a b`: not a path", None),
+            ("malformed JSON body: EOF", None),
+        ] {
+            assert_eq!(ApiError::bad(m).param.as_deref(), p, "{m}");
+        }
+        let e = vl_models::Error::Input { what: "response_format".into(), message: "cannot be compiled".into() };
+        assert_eq!(ApiError::from_engine(&e).param.as_deref(), Some("response_format"));
+        let e = vl_models::Error::Input { what: "max_new_tokens".into(), message: "0".into() };
+        assert_eq!(ApiError::from_engine(&e).param.as_deref(), Some("max_tokens"));
+        let e = vl_models::Error::Input { what: "chat template".into(), message: "raised".into() };
+        assert_eq!(ApiError::from_engine(&e).param, None);
     }
 }

@@ -171,15 +171,21 @@ impl ChatCompletionRequest {
     /// The first field asked of this server that it does not implement, as a message naming it.
     pub fn check_supported(&self) -> Option<String> {
         let present = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
-        if present(&self.functions) || present(&self.function_call) {
-            return Some("`functions` / `function_call` (deprecated) are not supported: use `tools`".into());
+        for (name, v) in [("functions", &self.functions), ("function_call", &self.function_call)] {
+            if present(v) {
+                return Some(format!(
+                    "`{name}` (deprecated, as `functions` / `function_call`) is not supported: use `tools`"
+                ));
+            }
         }
         // Text is the one output modality: `["text"]` asks for what is given.
         if let Some(m) = self.modalities.as_ref().filter(|v| !v.is_null()) {
-            let text_only = m.as_array().is_some_and(|a| !a.is_empty() && a.iter().all(|x| x == "text"));
-            if !text_only {
+            let Some(a) = m.as_array().filter(|a| !a.is_empty() && a.iter().all(Value::is_string)) else {
+                return Some(format!("`modalities` = {m} must be a list of output modalities: [\"text\"]"));
+            };
+            if let Some(other) = a.iter().find(|x| *x != "text") {
                 return Some(format!(
-                    "`modalities` {m} is not supported: this server answers in text only (`[\"text\"]`)"
+                    "`modalities`: {other} is not supported: this server answers in text only ([\"text\"])"
                 ));
             }
         }
@@ -193,7 +199,7 @@ impl ChatCompletionRequest {
             }
         }
         if let Some(v) = self.verbosity.as_deref().filter(|v| *v != "medium") {
-            return Some(format!("`verbosity` {v:?} is not supported: only \"medium\" (the default) is"));
+            return Some(format!("`verbosity` = {v:?} is not supported: only \"medium\" (the default) is"));
         }
         for (name, v) in [
             ("audio", &self.audio),

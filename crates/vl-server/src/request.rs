@@ -31,6 +31,16 @@ pub(crate) struct Parsed {
     pub n: usize,
     pub stream: bool,
     pub include_usage: bool,
+    /// `parallel_tool_calls: false`: an answer keeps its first call only (`keep_one_call`).
+    pub one_call: bool,
+}
+
+/// With `parallel_tool_calls: false`, each answer's calls cut to the first (a constrained answer
+/// makes exactly one already; an unconstrained one may have written more).
+pub(crate) fn keep_one_call(all: &mut [vl_models::engine::Completion]) {
+    for c in all {
+        c.tool_calls.truncate(1);
+    }
 }
 
 /// Whether a request asks for boxes or points: `grounding` when the client says, else a guess
@@ -115,20 +125,15 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
     let mut constraint = response_format(v.response_format.as_ref())?;
     let format = v.response_format.clone();
     let grounding = v.grounding;
+    let one_call = v.parallel_tool_calls == Some(false);
     match &v.tool_choice {
         None | Some(Value::Null) => {}
         Some(Value::String(c)) if c == "auto" => {}
         // The model is not told about the functions.
         Some(Value::String(c)) if c == "none" => tools.clear(),
-        Some(c) => {
-            let calls = tool_choice(c, &tools)?;
-            if constraint.is_some() {
-                return Err(ApiError::bad(
-                    "`tool_choice` that requires a call cannot be combined with a JSON `response_format`",
-                ));
-            }
-            constraint = Some(calls);
-        }
+        // A required call wins over a JSON `response_format` (as OpenAI's does; instructor's
+        // tools modes send both): the answer is the call.
+        Some(c) => constraint = Some(tool_choice(c, &tools, one_call)?),
     }
     let logit_bias = logit_bias(v.logit_bias.as_ref(), app.engine.family().vocab_size())?;
     let template_kwargs = template_kwargs(v.chat_template_kwargs.as_ref())?;
@@ -144,7 +149,10 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
     let context = app.context;
     let mut o = app.config.defaults.clone();
     match v.max_completion_tokens.or(v.max_tokens) {
-        Some(0) => return Err(ApiError::bad("`max_tokens` must be at least 1")),
+        Some(0) => {
+            let name = if v.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" };
+            return Err(ApiError::bad(format!("`{name}` must be at least 1")));
+        }
         Some(m) => o.max_new_tokens = m.min(context as u64) as usize,
         // The rest of the context: the engine's KV cache grows with the answer, not with this.
         None => o.max_new_tokens = context,
@@ -190,7 +198,7 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
         (_, Some(n)) if n > 0 => return Err(ApiError::bad("`top_logprobs` needs `logprobs: true`")),
         _ => {}
     }
-    o.validate().map_err(|e| ApiError::bad(e.to_string()))?;
+    o.validate().map_err(|e| ApiError::from_engine(&e))?;
     let stop = v.stop.map(|s| s.into_vec()).unwrap_or_default();
     if stop.len() > MAX_STOPS || stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
         return Err(ApiError::bad(format!(
@@ -301,6 +309,7 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
         n,
         stream,
         include_usage,
+        one_call,
     })
 }
 
@@ -308,16 +317,17 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
 /// "json_schema": {"name", "schema", "strict", "description"}}`.
 fn response_format(f: Option<&Value>) -> Result<Option<Constraint>, ApiError> {
     let Some(f) = f.filter(|f| !f.is_null()) else { return Ok(None) };
-    let bad = |m: String| Err(ApiError::bad(format!("`response_format`{m}")));
-    let Some(o) = f.as_object() else { return bad(" must be an object with a `type`".into()) };
+    // `at` is the path under `response_format` the message begins with.
+    let bad = |at: &str, m: &str| Err(ApiError::bad(format!("`response_format{at}`{m}")));
+    let Some(o) = f.as_object() else { return bad("", " must be an object with a `type`") };
     if let Some(k) = o.keys().find(|k| !["type", "json_schema", "schema"].contains(&k.as_str())) {
-        return bad(format!(": unknown field `{k}`"));
+        return bad(&format!(".{k}"), " is not a known field");
     }
     let kind = o.get("type").and_then(Value::as_str);
     if o.contains_key("schema") && kind != Some("json_object") {
         return bad(
-            ": `schema` goes with type \"json_object\" (llama-server's shape); json_schema takes `json_schema.schema`"
-                .into(),
+            ".schema",
+            " goes with type \"json_object\" (llama-server's shape); json_schema takes `json_schema.schema`",
         );
     }
     match kind {
@@ -329,31 +339,31 @@ fn response_format(f: Option<&Value>) -> Result<Option<Constraint>, ApiError> {
                 schema_within_limit(schema, "`response_format.schema`")?;
                 Ok(Some(Constraint::JsonSchema(schema.clone())))
             }
-            Some(_) => bad(".schema must be a JSON schema (an object)".into()),
+            Some(_) => bad(".schema", " must be a JSON schema (an object)"),
         },
         Some("json_schema") => {
             let Some(js) = o.get("json_schema").and_then(Value::as_object) else {
-                return bad(".json_schema must be an object with `name` and `schema`".into());
+                return bad(".json_schema", " must be an object with `name` and `schema`");
             };
             if let Some(k) = js.keys().find(|k| !["name", "schema", "strict", "description"].contains(&k.as_str())) {
-                return bad(format!(".json_schema: unknown field `{k}`"));
+                return bad(&format!(".json_schema.{k}"), " is not a known field");
             }
             if js.get("name").and_then(Value::as_str).is_none() {
-                return bad(".json_schema.name must be a string".into());
+                return bad(".json_schema.name", " must be a string");
             }
             if js.get("strict").is_some_and(|s| !s.is_boolean() && !s.is_null()) {
-                return bad(".json_schema.strict must be a boolean".into());
+                return bad(".json_schema.strict", " must be a boolean");
             }
             // No schema: any JSON value.
             let schema = js.get("schema").cloned().unwrap_or(Value::Object(Default::default()));
             if !schema.is_object() && !schema.is_boolean() {
-                return bad(".json_schema.schema must be a JSON schema (an object)".into());
+                return bad(".json_schema.schema", " must be a JSON schema (an object)");
             }
             schema_within_limit(&schema, "`response_format.json_schema.schema`")?;
             Ok(Some(Constraint::JsonSchema(schema)))
         }
-        Some(t) => bad(format!(".type {t:?} is not one of \"text\", \"json_object\", \"json_schema\"")),
-        None => bad(".type must be a string".into()),
+        Some(t) => bad(".type", &format!(" = {t:?} is not one of \"text\", \"json_object\", \"json_schema\"")),
+        None => bad(".type", " must be a string"),
     }
 }
 
@@ -420,10 +430,12 @@ fn tool_fields(t: &Value, at: &str) -> Result<(), ApiError> {
 }
 
 /// A `tool_choice` that requires a call: `"required"` (one or more calls of the listed
-/// functions) or `{"type": "function", "function": {"name"}}` (one call of that function).
-fn tool_choice(c: &Value, tools: &[Value]) -> Result<Constraint, ApiError> {
-    let function = |t: &Value| -> Result<(String, Value), ApiError> {
-        let f = &t["function"];
+/// functions; exactly one with `one`, `parallel_tool_calls: false`) or `{"type": "function",
+/// "function": {"name"}}` (one call of that function).
+fn tool_choice(c: &Value, tools: &[Value], one: bool) -> Result<Constraint, ApiError> {
+    let function = |i: usize| -> Result<(String, Value), ApiError> {
+        let f = &tools[i]["function"];
+        let at = format!("tools[{i}].function.parameters");
         let name = f["name"].as_str().unwrap_or_default().to_string();
         let params = match f.get("parameters") {
             // No parameters: a function of none (OpenAI: "omitting parameters defines a
@@ -432,11 +444,9 @@ fn tool_choice(c: &Value, tools: &[Value]) -> Result<Constraint, ApiError> {
                 serde_json::json!({"type": "object", "properties": {}, "additionalProperties": false})
             }
             Some(p @ Value::Object(_)) => p.clone(),
-            Some(_) => {
-                return Err(ApiError::bad(format!("`tools`: function {name:?}'s `parameters` must be a JSON schema")))
-            }
+            Some(_) => return Err(ApiError::bad(format!("`{at}` (function {name:?}) must be a JSON schema"))),
         };
-        schema_within_limit(&params, &format!("`tools`: function {name:?}'s `parameters`"))?;
+        schema_within_limit(&params, &format!("`{at}` (function {name:?})"))?;
         Ok((name, params))
     };
     if tools.is_empty() {
@@ -444,7 +454,7 @@ fn tool_choice(c: &Value, tools: &[Value]) -> Result<Constraint, ApiError> {
     }
     match c {
         Value::String(s) if s == "required" => {
-            Ok(Constraint::ToolCalls { functions: tools.iter().map(function).collect::<Result<_, _>>()?, one: false })
+            Ok(Constraint::ToolCalls { functions: (0..tools.len()).map(function).collect::<Result<_, _>>()?, one })
         }
         Value::Object(o) if o.get("type").and_then(Value::as_str) == Some("function") => {
             known_keys(o, &["type", "function"], "tool_choice")?;
@@ -454,10 +464,12 @@ fn tool_choice(c: &Value, tools: &[Value]) -> Result<Constraint, ApiError> {
             let Some(name) = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str) else {
                 return Err(ApiError::bad_at("tool_choice.function.name", "`tool_choice.function.name` must be a string"));
             };
-            let Some(t) = tools.iter().find(|t| t["function"]["name"].as_str() == Some(name)) else {
-                return Err(ApiError::bad(format!("`tool_choice` names the function {name:?}, which `tools` does not list")));
+            let Some(i) = tools.iter().position(|t| t["function"]["name"].as_str() == Some(name)) else {
+                return Err(ApiError::bad(format!(
+                    "`tool_choice.function.name` names the function {name:?}, which `tools` does not list"
+                )));
             };
-            Ok(Constraint::ToolCalls { functions: vec![function(t)?], one: true })
+            Ok(Constraint::ToolCalls { functions: vec![function(i)?], one: true })
         }
         _ => Err(ApiError::bad(format!(
             "`tool_choice` = {c}: must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
@@ -606,4 +618,44 @@ pub(crate) fn parse_completion(app: &App, body: &[u8]) -> Result<Parsed, ApiErro
     parsed.req.messages.clear();
     parsed.req.prompt = Some(prompt);
     Ok(parsed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use vl_models::engine::{Completion, Finish};
+
+    #[test]
+    fn one_call_keeps_the_first_call_of_each_answer() {
+        let call = |name: &str| ToolCall { name: name.into(), arguments: "{}".into() };
+        let answer = |calls: Vec<ToolCall>| Completion {
+            text: String::new(),
+            reasoning: None,
+            finish: Finish::ToolCalls,
+            tool_calls: calls,
+            token_ids: vec![],
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            image_tokens: 0,
+            video_tokens: 0,
+            videos: vec![],
+            images: vec![],
+            image_cache_hits: 0,
+            video_cache_hits: 0,
+            vision_time: Duration::ZERO,
+            prefill_time: Duration::ZERO,
+            decode_time: Duration::ZERO,
+            time_to_first_token: Duration::ZERO,
+            first_logits: vec![],
+            logprobs: vec![],
+            kv_cache_bytes: 0,
+        };
+        let mut all = vec![answer(vec![call("a"), call("b"), call("c")]), answer(vec![]), answer(vec![call("d")])];
+        keep_one_call(&mut all);
+        let names: Vec<Vec<&str>> =
+            all.iter().map(|c| c.tool_calls.iter().map(|t| t.name.as_str()).collect()).collect();
+        assert_eq!(names, [vec!["a"], vec![], vec!["d"]]);
+        assert!(all.iter().all(|c| c.finish == Finish::ToolCalls));
+    }
 }

@@ -66,7 +66,7 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<(Parsed, Echo), 
                 chat.insert(k.into(), x.clone());
             }
             // Accepted and ignored: they cannot change the answer (typed all the same).
-            "prompt_cache_key" | "safety_identifier" => {
+            "prompt_cache_key" | "safety_identifier" | "prompt_cache_retention" => {
                 opt_str(o, k, "")?;
             }
             "stream_options" => {
@@ -107,10 +107,10 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<(Parsed, Echo), 
                 ))
             }
             "previous_response_id" | "conversation" | "include" | "top_logprobs" => {}
-            "reasoning" | "max_tool_calls" | "prompt" | "prompt_cache_retention" | "context_management" if set => {
+            "reasoning" | "max_tool_calls" | "prompt" | "context_management" if set => {
                 return Err(ApiError::bad(format!("`{k}` is not supported by this server")))
             }
-            "reasoning" | "max_tool_calls" | "prompt" | "prompt_cache_retention" | "context_management" => {}
+            "reasoning" | "max_tool_calls" | "prompt" | "context_management" => {}
             other => return Err(ApiError::bad_at(other, format!("unknown field `{other}`"))),
         }
         if set && !matches!(k.as_str(), "input" | "stream" | "stream_options" | "store") {
@@ -418,7 +418,12 @@ fn rename_paths(m: &str, paths: &[String]) -> String {
             s = s.replace(&format!("messages[{k}]{end}"), &format!("{p}{end}"));
         }
     }
-    s.replace("max_completion_tokens", "max_output_tokens").replace("`max_tokens`", "`max_output_tokens`")
+    s.replace("max_completion_tokens", "max_output_tokens")
+        .replace("`max_tokens`", "`max_output_tokens`")
+        // `text.format`'s schema fields are flat where the chat request nests them.
+        .replace("`response_format.json_schema.", "`text.format.")
+        .replace("`response_format.json_schema`", "`text.format`")
+        .replace("`response_format", "`text.format")
 }
 
 /// Ids of one response's items.

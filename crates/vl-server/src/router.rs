@@ -27,6 +27,8 @@ struct Job {
     req: Request,
     /// Answers asked for (`n`).
     n: usize,
+    /// `parallel_tool_calls: false`: each answer keeps its first call.
+    one_call: bool,
     tx: mpsc::Sender<Msg>,
     queued: Instant,
 }
@@ -279,7 +281,10 @@ fn work(app: &App, rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Job>>) {
         }));
         app.metrics.running.dec();
         let done = match result {
-            Ok(Ok(all)) => {
+            Ok(Ok(mut all)) => {
+                if job.one_call {
+                    crate::request::keep_one_call(&mut all);
+                }
                 let c = &all[0];
                 app.metrics.prompt_tokens.inc_by(c.prompt_tokens as u64);
                 app.metrics.cached_tokens.inc_by(c.cached_tokens as u64);
@@ -552,7 +557,7 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> std::result::Result<
     let stream = parsed.stream;
     let want_logprobs = parsed.req.options.logprobs.is_some();
     let (tx, mut rx) = mpsc::channel::<Msg>(RELAY_MESSAGES);
-    let job = Job { req: parsed.req, n: parsed.n, tx, queued: Instant::now() };
+    let job = Job { req: parsed.req, n: parsed.n, one_call: parsed.one_call, tx, queued: Instant::now() };
     app.metrics.queue_depth.inc();
     // A place among the requests in flight (the engine's parallel sequences and the queue);
     // none left: 503.
