@@ -18,7 +18,7 @@ use anyhow::{bail, Context, Result};
 use base64::Engine as _;
 use clap::Args;
 use serde_json::{json, Value};
-use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
+use vl_models::engine::{ChatMessage, Engine, EngineOptions, ModelOptions, Part, Request, VideoData};
 use vl_models::limits::{ImageLimits, LimitKind};
 use vl_models::sampling::GenerationOptions;
 
@@ -155,16 +155,19 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let limits = args.load.image_limits();
     let (video, video_pixel_cap) = args.load.video_options()?;
     let opts = EngineOptions {
-        dtype,
-        device: dev,
-        quant: quant_of(&args.load, &dir, dtype)?,
-        vision_bf16: args.load.vision_bf16(),
-        min_pixels: args.load.min_pixels,
-        max_pixels: args.load.max_pixels,
-        max_image_tokens: args.load.max_image_tokens(),
-        image_limits: limits,
-        video,
-        video_pixel_cap,
+        model: ModelOptions {
+            dtype,
+            device: dev,
+            quant: quant_of(&args.load, &dir, dtype)?,
+            vision_bf16: args.load.vision_bf16(),
+            min_pixels: args.load.min_pixels,
+            max_pixels: args.load.max_pixels,
+            max_image_tokens: args.load.max_image_tokens(),
+            image_limits: limits,
+            video,
+            video_pixel_cap,
+            ..Default::default()
+        },
         ..Default::default()
     };
     let t = Instant::now();

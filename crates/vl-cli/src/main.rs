@@ -183,7 +183,8 @@ fn limit_hint(e: &anyhow::Error) -> Option<&'static str> {
         LimitKind::ImageBytes => Some("; raise the limit with --max-image-bytes N"),
         LimitKind::ImagePixels => Some("; raise the limit with --max-image-pixels N"),
         LimitKind::KvCache => Some("; raise the budget with --kv-cache-mib N"),
-        LimitKind::Fixed => None,
+        LimitKind::DecodeTime => Some("; raise the limit with --video-decode-timeout S (0: none)"),
+        LimitKind::Fixed | LimitKind::Context => None,
     }
 }
 
@@ -201,7 +202,7 @@ fn quantize_cmd(model: &str, quantize: &str, out: &std::path::Path, force: bool)
     let dir = hub::resolve(model)?;
     let t = std::time::Instant::now();
     let mut n = 0usize;
-    let w = vl_models::family::quantize(&dir, recipe, out, force, &mut |_| n += 1)?;
+    let w = vl_models::registry::quantize(&dir, recipe, out, force, &mut |_| n += 1)?;
     let stored: Vec<String> = w.stored.iter().map(|(k, v)| format!("{v} {k}")).collect();
     note!(
         "wrote {} and {} ({} tensors; the text model's matrices: {}) in {:.1}s; run with: vl run --model {}",
@@ -240,7 +241,7 @@ fn quantize_values() -> clap::builder::PossibleValuesParser {
 }
 
 fn inspect(model: &std::path::Path, mmproj: Option<&std::path::Path>, json: bool) -> anyhow::Result<()> {
-    let text = vl_models::family::inspect(&vl_models::family::Source { model, mmproj, progress: None }, json)?;
+    let text = vl_models::registry::inspect(&vl_models::family::Source { model, mmproj, progress: None }, json)?;
     let mut out = std::io::stdout().lock();
     writeln!(out, "{text}").and_then(|_| out.flush()).map_err(|e| anyhow::Error::new(e).context("writing to stdout"))
 }

@@ -12,7 +12,7 @@ use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use vl_models::checkpoint::LoadProgress;
 use vl_models::checkpoint::{encode_safetensors, RawTensor};
-use vl_models::engine::{ChatMessage, Engine, EngineOptions, Finish, Part, Request, VideoData};
+use vl_models::engine::{ChatMessage, Engine, EngineOptions, Finish, ModelOptions, Part, Request, VideoData};
 use vl_models::family::Family;
 use vl_models::limits::ImageLimits;
 use vl_models::limits::LimitKind;
@@ -458,9 +458,9 @@ pub(crate) fn quant_choice(load: &LoadArgs, path: &Path, dtype: DType) -> Result
         Some(QuantArg::Q6k) => Some(QuantType::Q6K),
         Some(QuantArg::Q8) => Some(QuantType::Q8_0),
         Some(QuantArg::Off) => None,
-        Some(QuantArg::None) => vl_models::family::default_quant(path)?,
+        Some(QuantArg::None) => vl_models::registry::default_quant(path)?,
         None => {
-            let stored = vl_models::family::default_quant(path)?;
+            let stored = vl_models::registry::default_quant(path)?;
             let cpu = matches!(load.device, DeviceArg::Cpu) && dtype == DType::F32;
             if stored.is_none() && cpu && !vl_models::gguf::is_gguf(path) {
                 return Ok((Some(QuantType::Q4K), QuantSource::CpuDefault));
@@ -683,19 +683,21 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     }
     let (quant, quant_source) = quant_choice(&args.load, &dir, dtype)?;
     let opts = EngineOptions {
-        dtype,
-        device: dev,
-        quant,
-        vision_bf16: args.load.vision_bf16(),
-        min_pixels: args.load.min_pixels,
-        max_pixels: args.load.max_pixels,
-        max_image_tokens: args.load.max_image_tokens(),
-        image_limits: limits,
-        video: video.0,
-        video_pixel_cap: video.1,
-        video_limits: Default::default(),
+        model: ModelOptions {
+            dtype,
+            device: dev,
+            quant,
+            vision_bf16: args.load.vision_bf16(),
+            min_pixels: args.load.min_pixels,
+            max_pixels: args.load.max_pixels,
+            max_image_tokens: args.load.max_image_tokens(),
+            image_limits: limits,
+            video: video.0,
+            video_pixel_cap: video.1,
+            video_limits: Default::default(),
+            clip_cache_bytes: 0,
+        },
         image_cache_bytes: usize::MAX,
-        clip_cache_bytes: 0,
         prefix_cache: false,
         parallel: 1,
         kv_cache_bytes: vl_models::engine::default_kv_cache_bytes(),
@@ -716,7 +718,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     // against its preprocessor, before a weight is read.
     let source =
         vl_models::family::Source { model: &dir, mmproj: args.load.mmproj.as_deref(), progress: Some(&progress) };
-    let family = vl_models::family::open_staged(&source, &opts).map_err(|e| match e {
+    let family = vl_models::registry::open_staged(&source, &opts.model).map_err(|e| match e {
         vl_models::Error::Input { ref what, .. }
             if ["min_pixels", "max_pixels", "max_image_tokens"].contains(&what.as_str()) =>
         {
@@ -837,7 +839,11 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         b.bar.finish_and_clear();
     }
     let shot = result.map_err(|e| match e {
-        vl_models::Error::Limit { what, message, .. } if what == "prompt" => {
+        vl_models::Error::Limit {
+            kind: vl_models::limits::LimitKind::Context | vl_models::limits::LimitKind::KvCache,
+            message,
+            ..
+        } => {
             let mut hints = vec![];
             if !args.images.is_empty() {
                 hints.push("lower --max-image-tokens (or --max-pixels)");
@@ -993,7 +999,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
 fn grounding_report(
     text: &str,
     g: vl_models::grounding::Grounding,
-    images: &[vl_models::family::ImageReport],
+    images: &[vl_models::request::ImageReport],
 ) -> serde_json::Value {
     let v = vl_models::grounding::report(text, g.coords, images);
     let first = v["images"][0]["shapes"].as_array().cloned().unwrap_or_default();

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::Value;
-use vl_models::engine::{Engine, EngineOptions};
+use vl_models::engine::{Engine, EngineOptions, ModelOptions};
 use vl_models::sampling::GenerationOptions;
 use vl_server::ServerConfig;
 
@@ -188,24 +188,26 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 
     let (video, video_pixel_cap) = args.load.video_options()?;
     let opts = EngineOptions {
-        dtype,
-        device: dev,
-        quant: quant_of(&args.load, &dir, dtype)?,
-        vision_bf16: args.load.vision_bf16(),
-        min_pixels: args.load.min_pixels,
-        max_pixels: args.load.max_pixels,
-        max_image_tokens: args.load.max_image_tokens(),
-        image_limits: args.load.image_limits(),
-        video,
-        video_pixel_cap,
-        video_limits: vl_models::video::VideoLimits {
-            max_decode_time: (args.video_decode_timeout > 0.0)
-                .then(|| Duration::from_secs_f64(args.video_decode_timeout.min(86_400.0))),
-            confined: true,
-            ..Default::default()
+        model: ModelOptions {
+            dtype,
+            device: dev,
+            quant: quant_of(&args.load, &dir, dtype)?,
+            vision_bf16: args.load.vision_bf16(),
+            min_pixels: args.load.min_pixels,
+            max_pixels: args.load.max_pixels,
+            max_image_tokens: args.load.max_image_tokens(),
+            image_limits: args.load.image_limits(),
+            video,
+            video_pixel_cap,
+            video_limits: vl_models::video::VideoLimits {
+                max_decode_time: (args.video_decode_timeout > 0.0)
+                    .then(|| Duration::from_secs_f64(args.video_decode_timeout.min(86_400.0))),
+                confined: true,
+                ..Default::default()
+            },
+            clip_cache_bytes: args.clip_cache_mib.saturating_mul(1 << 20),
         },
         image_cache_bytes: args.image_cache_mib << 20,
-        clip_cache_bytes: args.clip_cache_mib.saturating_mul(1 << 20),
         prefix_cache: !args.no_prefix_cache,
         parallel: args.parallel,
         kv_cache_bytes: args

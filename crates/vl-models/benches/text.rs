@@ -103,7 +103,7 @@ fn run_one(name: &str) {
     let mut prefill = [0f64; 2];
     let mut next = 0;
     for p in prefill.iter_mut() {
-        cache.reset();
+        cache.release();
         let t0 = Instant::now();
         let x = model.embed(&ids).unwrap();
         let h = model.forward(&x, &positions, &mut cache, None, &mut |_, _| {}).unwrap();

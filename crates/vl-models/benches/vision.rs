@@ -72,7 +72,7 @@ fn bench_case(c: &mut Criterion, dev: &Device, cfg: &Qwen3VlConfig, grid: usize,
         let kept: usize = out
             .merged
             .iter()
-            .chain(out.deepstack.iter().flatten())
+            .chain(out.levels.iter().flatten())
             .map(|t| t.elem_count() * t.dtype().size_in_bytes())
             .sum();
         println!(

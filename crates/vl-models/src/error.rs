@@ -59,6 +59,10 @@ pub enum Error {
     /// An input over a size limit, found before the work it would cost.
     #[error("{what}: {message}")]
     Limit { what: String, message: String, kind: crate::limits::LimitKind },
+    /// A fault inside the engine (a batched step failed, the scheduler stopped): not the
+    /// request's doing.
+    #[error("internal error: {message}")]
+    Internal { message: String },
     /// The model produced NaN or infinite logits: broken weights or config values.
     #[error("{message}")]
     NonFinite { message: String },

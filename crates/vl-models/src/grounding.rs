@@ -256,7 +256,7 @@ pub fn to_pixels(
 /// image of the request (`images[i].shapes`, x right and y down from the top-left corner, to
 /// 0.1 px), and the parser's `notes`. `vl serve` puts this on a choice as `grounding`, `vl run
 /// --json` as `grounding` (docs/serving.md documents the shape).
-pub fn report(text: &str, coords: Coords, images: &[crate::family::ImageReport]) -> Value {
+pub fn report(text: &str, coords: Coords, images: &[crate::request::ImageReport]) -> Value {
     let parsed = parse(text, coords);
     let round = |x: f64| (x * 10.0).round() / 10.0;
     let shape = |geometry: &Geometry, label: &Option<String>, pixels: bool| {

@@ -18,6 +18,10 @@ pub enum LimitKind {
     ImagePixels,
     /// A fixed bound, not configurable.
     Fixed,
+    /// The model's context length: the prompt (or its text, or its videos' tokens) cannot fit.
+    Context,
+    /// The time a request's media may take to decode (`VideoLimits::max_decode_time`).
+    DecodeTime,
     /// The engine's KV cache budget (`EngineOptions::kv_cache_bytes`, `--kv-cache-mib`).
     KvCache,
 }

@@ -19,8 +19,10 @@ pub struct VisionInput {
 pub struct VisionOutput {
     /// Merged rows per input: [t * h * w / merge^2, out_hidden].
     pub merged: Vec<Tensor>,
-    /// DeepStack rows: `deepstack[level][input]`, shaped like `merged`.
-    pub deepstack: Vec<Vec<Tensor>>,
+    /// Rows a family adds deeper in its decoder, `levels[level][input]`, shaped like `merged`
+    /// (Qwen3-VL's DeepStack taps; empty for a tower without them). The engine caches and joins
+    /// them without reading them.
+    pub levels: Vec<Vec<Tensor>>,
     /// The patch grid of each input.
     pub grids: Vec<Grid>,
 }
@@ -28,22 +30,16 @@ pub struct VisionOutput {
 impl VisionOutput {
     /// Bytes the features hold (for caches bounded by bytes).
     pub fn bytes(&self) -> usize {
-        self.merged
-            .iter()
-            .chain(self.deepstack.iter().flatten())
-            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-            .sum()
+        self.merged.iter().chain(self.levels.iter().flatten()).map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
     }
 
     /// Several outputs as one (rows in input order); `None` for none.
     pub fn concat(parts: &[&VisionOutput]) -> Option<VisionOutput> {
         (!parts.is_empty()).then(|| {
-            let levels = parts.iter().map(|p| p.deepstack.len()).min().unwrap_or(0);
+            let levels = parts.iter().map(|p| p.levels.len()).min().unwrap_or(0);
             VisionOutput {
                 merged: parts.iter().flat_map(|p| p.merged.iter().cloned()).collect(),
-                deepstack: (0..levels)
-                    .map(|l| parts.iter().flat_map(|p| p.deepstack[l].iter().cloned()).collect())
-                    .collect(),
+                levels: (0..levels).map(|l| parts.iter().flat_map(|p| p.levels[l].iter().cloned()).collect()).collect(),
                 grids: parts.iter().flat_map(|p| p.grids.iter().copied()).collect(),
             }
         })

@@ -30,7 +30,7 @@ pub static ENTRY: FamilyEntry = FamilyEntry {
 
 fn open_entry(
     source: &Source<'_>,
-    opts: &crate::engine::EngineOptions,
+    opts: &crate::family::ModelOptions,
     staged: bool,
 ) -> Result<Box<dyn crate::family::Family>> {
     (crate::qwen3_vl::family::ENTRY.open)(source, opts, staged)

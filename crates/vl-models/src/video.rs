@@ -556,7 +556,7 @@ impl VideoSource {
                     "decoding took longer than the limit of {} s",
                     self.limits.max_decode_time.unwrap_or_default().as_secs_f64()
                 ),
-                kind: LimitKind::Fixed,
+                kind: LimitKind::DecodeTime,
             });
         }
         result?;
@@ -570,7 +570,7 @@ fn decode_time_check(name: &Path, limits: &VideoLimits, started: std::time::Inst
         Some(limit) if started.elapsed() > limit => Err(Error::Limit {
             what: what(name),
             message: format!("decoding took longer than the limit of {} s", limit.as_secs_f64()),
-            kind: LimitKind::Fixed,
+            kind: LimitKind::DecodeTime,
         }),
         _ => Ok(()),
     }
@@ -715,7 +715,7 @@ fn run_tool(name: &Path, cmd: &mut Command, limit: Option<std::time::Duration>) 
                 "probing it with {tool} took longer than the decode limit of {} s",
                 limit.unwrap_or_default().as_secs_f64()
             ),
-            kind: LimitKind::Fixed,
+            kind: LimitKind::DecodeTime,
         });
     }
     read.map_err(|e| Error::io(name, e))?;

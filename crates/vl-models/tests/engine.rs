@@ -4,14 +4,14 @@
 mod common;
 
 use common::*;
-use vl_models::engine::{ChatMessage, Engine, EngineOptions, Finish, Part, Request};
+use vl_models::engine::{ChatMessage, Engine, EngineOptions, Finish, ModelOptions, Part, Request};
 use vl_models::qwen3_vl::GenerationOptions;
 
 fn engine(g: &str, reuse: bool) -> Engine {
     let opts = EngineOptions {
+        model: ModelOptions { device: device(), ..Default::default() },
         prefix_cache: reuse,
         image_cache_bytes: if reuse { 64 << 20 } else { 0 },
-        device: device(),
         ..Default::default()
     };
     Engine::load(&goldens().join(g).join("checkpoint"), g, opts).unwrap()
@@ -227,7 +227,13 @@ fn engine_with(g: &str, opts: EngineOptions) -> Engine {
 
 /// Fresh prefills only: no kept prefixes, no feature cache.
 fn cold(parallel: usize) -> EngineOptions {
-    EngineOptions { parallel, prefix_cache: false, image_cache_bytes: 0, device: device(), ..Default::default() }
+    EngineOptions {
+        model: ModelOptions { device: device(), ..Default::default() },
+        parallel,
+        prefix_cache: false,
+        image_cache_bytes: 0,
+        ..Default::default()
+    }
 }
 
 #[test]
@@ -453,10 +459,9 @@ fn n_choices_fork_one_prefill_or_wait_for_a_slot() {
 #[test]
 fn a_resident_bf16_vision_tower_answers_or_is_refused() {
     let opts = EngineOptions {
-        vision_bf16: true,
+        model: ModelOptions { vision_bf16: true, device: device(), ..Default::default() },
         prefix_cache: false,
         image_cache_bytes: 0,
-        device: device(),
         ..Default::default()
     };
     let e = Engine::load(&goldens().join("tiny-b").join("checkpoint"), "tiny-b", opts);

@@ -281,7 +281,7 @@ fn one_image() -> vl_models::engine::Request {
 
 #[test]
 fn a_saved_gguf_loads_back_bit_identical_and_answers_the_same() {
-    use vl_models::engine::{Engine, EngineOptions};
+    use vl_models::engine::{Engine, EngineOptions, ModelOptions};
     use vl_models::qwen3_vl::gguf_write::{save, Recipe};
     use vl_models::qwen3_vl::ModelDir;
     use vl_nn::QuantType;
@@ -307,8 +307,12 @@ fn a_saved_gguf_loads_back_bit_identical_and_answers_the_same() {
         assert_eq!(stored.data().unwrap(), fresh.data().unwrap(), "{name}");
     }
     // The same answer as quantizing at load: identical logits, identical ids.
-    let opts =
-        EngineOptions { quant: Some(QuantType::Q8_0), image_cache_bytes: 0, prefix_cache: false, ..Default::default() };
+    let opts = EngineOptions {
+        model: ModelOptions { quant: Some(QuantType::Q8_0), ..Default::default() },
+        image_cache_bytes: 0,
+        prefix_cache: false,
+        ..Default::default()
+    };
     let a = Engine::load(&ck, "st", opts.clone()).unwrap().generate(&one_image(), &mut |_| true).unwrap();
     let opts = EngineOptions { image_cache_bytes: 0, prefix_cache: false, ..Default::default() };
     let b = Engine::open(out.path(), None, "gguf", opts).unwrap().generate(&one_image(), &mut |_| true).unwrap();

@@ -8,7 +8,7 @@ mod common;
 
 use candle_core::DType;
 use common::*;
-use vl_models::engine::{Engine, EngineOptions, Request};
+use vl_models::engine::{Engine, EngineOptions, ModelOptions, Request};
 use vl_models::qwen3_vl::Qwen3VlModel;
 
 const LOGIT_TOL: f32 = 1e-3;
@@ -86,7 +86,7 @@ const ENGINE_CASES: [&str; 3] = ["text_only", "one_image", "two_images"];
 
 #[test]
 fn greedy_answers_through_the_engine_match_the_reference() {
-    let opts = EngineOptions { device: device(), ..Default::default() };
+    let opts = EngineOptions { model: ModelOptions { device: device(), ..Default::default() }, ..Default::default() };
     let engine = Engine::load(&goldens().join(G).join("checkpoint"), G, opts).unwrap();
     assert_eq!(engine.family().name(), "qwen3_vl_moe");
     for case in ENGINE_CASES {
@@ -103,7 +103,12 @@ fn greedy_answers_through_the_engine_match_the_reference() {
 /// overlap: every answer is still the reference's.
 #[test]
 fn batched_decode_routes_each_sequence_as_alone() {
-    let opts = EngineOptions { device: device(), parallel: 3, prefix_cache: false, ..Default::default() };
+    let opts = EngineOptions {
+        model: ModelOptions { device: device(), ..Default::default() },
+        parallel: 3,
+        prefix_cache: false,
+        ..Default::default()
+    };
     let engine = Engine::load(&goldens().join(G).join("checkpoint"), G, opts).unwrap();
     std::thread::scope(|s| {
         let handles: Vec<_> = ENGINE_CASES

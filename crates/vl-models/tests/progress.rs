@@ -37,9 +37,11 @@ fn an_image_answer_reports_media_vision_blocks_and_prefill() {
         ..Default::default()
     };
     let opts = EngineOptions { prefill_chunk: 8, ..Default::default() };
-    let family =
-        vl_models::family::open_staged(&vl_models::family::Source { model: &ck, mmproj: None, progress: None }, &opts)
-            .unwrap();
+    let family = vl_models::registry::open_staged(
+        &vl_models::family::Source { model: &ck, mmproj: None, progress: None },
+        &opts.model,
+    )
+    .unwrap();
     let log = Arc::new(Log(Mutex::new(vec![])));
     let shot = {
         let _g = vl_models::progress::install(log.clone());

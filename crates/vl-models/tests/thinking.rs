@@ -8,7 +8,7 @@ mod common;
 
 use common::*;
 use serde_json::Value;
-use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request};
+use vl_models::engine::{ChatMessage, Engine, EngineOptions, ModelOptions, Part, Request};
 use vl_models::qwen3_vl::GenerationOptions;
 use vl_models::template::{ChatTemplate, Content, Message, TemplateSource, TemplateToolCall};
 
@@ -101,7 +101,7 @@ fn thinking_checkpoint() -> tempfile::TempDir {
 fn a_thinking_answer_is_split_as_the_template_reads_it() {
     let g = golden()["greedy"].clone();
     let dir = thinking_checkpoint();
-    let opts = EngineOptions { device: device(), ..Default::default() };
+    let opts = EngineOptions { model: ModelOptions { device: device(), ..Default::default() }, ..Default::default() };
     let engine = Engine::load(dir.path(), "thinking", opts).unwrap();
     let ids: Vec<u32> = g["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
     let req = Request {
@@ -141,7 +141,7 @@ fn a_thinking_answer_is_split_as_the_template_reads_it() {
 
 #[test]
 fn an_instruct_answer_has_no_reasoning() {
-    let opts = EngineOptions { device: device(), ..Default::default() };
+    let opts = EngineOptions { model: ModelOptions { device: device(), ..Default::default() }, ..Default::default() };
     let engine = Engine::load(&goldens().join("tiny-a/checkpoint"), "tiny-a", opts).unwrap();
     let req = Request {
         messages: vec![ChatMessage::text("user", "Describe the weather.")],
@@ -159,7 +159,7 @@ fn an_instruct_answer_has_no_reasoning() {
 #[test]
 fn a_constraint_applies_after_the_reasoning_block() {
     let dir = thinking_checkpoint();
-    let opts = EngineOptions { device: device(), ..Default::default() };
+    let opts = EngineOptions { model: ModelOptions { device: device(), ..Default::default() }, ..Default::default() };
     let engine = Engine::load(dir.path(), "thinking", opts).unwrap();
     let tok = engine.family().tokenizer();
     let close = tok.token_to_id("</think>").unwrap();

@@ -147,7 +147,7 @@ fn video_prompts_match_the_reference_logits_and_greedy_ids() {
         let merged = Tensor::cat(&out.merged, 0).unwrap();
         let d_vis = max_abs_diff(&merged, &want["video.merged"]);
         let mut d_ds = 0f32;
-        for (i, level) in out.deepstack.iter().enumerate() {
+        for (i, level) in out.levels.iter().enumerate() {
             d_ds = d_ds.max(max_abs_diff(&Tensor::cat(level, 0).unwrap(), &want[&format!("video.deepstack.{i}")]));
         }
         let mut cache = m.new_cache();
@@ -171,10 +171,14 @@ fn video_prompts_match_the_reference_logits_and_greedy_ids() {
 
 #[test]
 fn the_engine_answers_a_video_prompt_with_the_reference_ids() {
-    use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
+    use vl_models::engine::{ChatMessage, Engine, EngineOptions, ModelOptions, Part, Request, VideoData};
     // Our whole path: the clip file decoded, processed, prompt built by the engine.
-    let engine =
-        Engine::load(&tiny_a(), "tiny-a", EngineOptions { video_pixel_cap: None, ..Default::default() }).unwrap();
+    let engine = Engine::load(
+        &tiny_a(),
+        "tiny-a",
+        EngineOptions { model: ModelOptions { video_pixel_cap: None, ..Default::default() }, ..Default::default() },
+    )
+    .unwrap();
     for case in ["video", "video_image"] {
         let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
         let want = load(&goldens().join("tiny-a/cases").join(format!("{case}.safetensors")));
@@ -262,7 +266,7 @@ fn a_follow_up_question_reuses_the_video_prefix_and_answers_as_a_fresh_engine() 
 /// same name is decoded again; bytes are known by their hash.
 #[test]
 fn a_replaced_video_file_is_decoded_again() {
-    use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
+    use vl_models::engine::{ChatMessage, Engine, EngineOptions, ModelOptions, Part, Request, VideoData};
     let dir = tempfile::tempdir().unwrap();
     let clip = dir.path().join("clip.mkv");
     let ask = |engine: &Engine, source: VideoData| {
@@ -283,7 +287,12 @@ fn a_replaced_video_file_is_decoded_again() {
     let bytes = std::fs::read(goldens().join("videos/odd5.mkv")).unwrap();
     assert!(!ask(&engine, VideoData::Bytes(bytes.clone())).videos[0].from_cache);
     assert!(ask(&engine, VideoData::Bytes(bytes.clone())).videos[0].from_cache);
-    let off = Engine::load(&tiny_a(), "tiny-a", EngineOptions { clip_cache_bytes: 0, ..Default::default() }).unwrap();
+    let off = Engine::load(
+        &tiny_a(),
+        "tiny-a",
+        EngineOptions { model: ModelOptions { clip_cache_bytes: 0, ..Default::default() }, ..Default::default() },
+    )
+    .unwrap();
     assert!(!ask(&off, VideoData::Bytes(bytes.clone())).videos[0].from_cache);
     assert!(!ask(&off, VideoData::Bytes(bytes)).videos[0].from_cache);
 }
@@ -481,11 +490,14 @@ fn sparse_animations_on_huge_canvases_are_bounded_in_pixels_and_time() {
 
 #[test]
 fn the_decode_time_bound_is_the_request_s_for_all_its_videos() {
-    use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
+    use vl_models::engine::{ChatMessage, Engine, EngineOptions, ModelOptions, Part, Request, VideoData};
     // 60 video parts of a clip that decodes in well under the bound each: without a request-wide
     // budget they would take 60 times one decode; with it the request stops at the bound.
     let limits = VideoLimits { max_decode_time: Some(std::time::Duration::from_millis(300)), ..Default::default() };
-    let opts = EngineOptions { video_limits: limits, clip_cache_bytes: 0, ..Default::default() };
+    let opts = EngineOptions {
+        model: ModelOptions { video_limits: limits, clip_cache_bytes: 0, ..Default::default() },
+        ..Default::default()
+    };
     let engine = Engine::load(&tiny_a(), "tiny-a", opts).unwrap();
     let clip = goldens().join("videos/long.mkv");
     let mut parts: Vec<Part> = (0..60)
@@ -575,7 +587,7 @@ fn a_same_size_clip_copied_in_with_the_old_mtime_is_decoded_again() {
 #[test]
 fn many_large_frame_directories_are_listed_cheaply_and_still_confined() {
     use std::time::{Duration, Instant};
-    use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
+    use vl_models::engine::{ChatMessage, Engine, EngineOptions, ModelOptions, Part, Request, VideoData};
     use vl_models::video::VideoOptions;
     let dir = tempfile::tempdir().unwrap();
     let frames = dir.path().join("frames");
@@ -586,7 +598,10 @@ fn many_large_frame_directories_are_listed_cheaply_and_still_confined() {
         std::fs::hard_link(&first, frames.join(format!("f{i:05}.png"))).unwrap();
     }
     let opts = EngineOptions {
-        video_limits: VideoLimits { confined: true, ..Default::default() },
+        model: ModelOptions {
+            video_limits: VideoLimits { confined: true, ..Default::default() },
+            ..Default::default()
+        },
         prefix_cache: false,
         ..Default::default()
     };

@@ -189,7 +189,7 @@ fn deepstack_levels_follow_block_order_not_merger_order() {
         })
         .unwrap();
     for (level, merger) in [(0, 1), (1, 2), (2, 0)] {
-        let d = max_abs_diff(&out.deepstack[level][0], &traced[&format!("deepstack.{merger}")]);
+        let d = max_abs_diff(&out.levels[level][0], &traced[&format!("deepstack.{merger}")]);
         assert_eq!(d, 0.0, "level {level} should be merger {merger}'s output");
     }
 }
@@ -213,7 +213,7 @@ fn bf16_stored_weights_upcast_per_block_equal_the_f32_load_exactly() {
         let a = full.forward(&p["pixel_values"], &grids).unwrap();
         let b = stored.forward(&p["pixel_values"], &grids).unwrap();
         assert_eq!(max_abs_diff(&a.merged[0], &b.merged[0]), 0.0, "{probe}: merged");
-        for (x, y) in a.deepstack.iter().zip(&b.deepstack) {
+        for (x, y) in a.levels.iter().zip(&b.levels) {
             assert_eq!(max_abs_diff(&x[0], &y[0]), 0.0, "{probe}: deepstack");
         }
     }

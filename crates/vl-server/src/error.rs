@@ -64,14 +64,31 @@ impl ApiError {
     pub(crate) fn from_engine(e: &vl_models::Error) -> Self {
         let message = e.to_string().split_whitespace().collect::<Vec<_>>().join(" ");
         match e {
-            vl_models::Error::Limit { what, kind, .. } if what == "prompt" && *kind == LimitKind::Fixed => {
-                Self::with(StatusCode::BAD_REQUEST, "invalid_request_error", "context_length_exceeded", message)
-            }
-            vl_models::Error::Limit { kind: LimitKind::KvCache, .. } => {
-                Self::with(StatusCode::SERVICE_UNAVAILABLE, "server_error", "kv_cache_exhausted", message)
-            }
-            vl_models::Error::Limit { .. } => {
-                Self::with(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "image_too_large", message)
+            vl_models::Error::Limit { kind, .. } => match kind {
+                LimitKind::Context => {
+                    Self::with(StatusCode::BAD_REQUEST, "invalid_request_error", "context_length_exceeded", message)
+                }
+                LimitKind::KvCache => {
+                    Self::with(StatusCode::SERVICE_UNAVAILABLE, "server_error", "kv_cache_exhausted", message)
+                }
+                // The client can send less (a shorter clip, fewer frames); the server's bound is
+                // `--video-decode-timeout`.
+                LimitKind::DecodeTime => Self::with(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    "decode_timeout",
+                    format!("{message} (the server's --video-decode-timeout)"),
+                ),
+                LimitKind::ImageBytes | LimitKind::ImagePixels => {
+                    Self::with(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "image_too_large", message)
+                }
+                LimitKind::Fixed => {
+                    Self::with(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "input_too_large", message)
+                }
+            },
+            // One line: the fault, not the request, is named.
+            vl_models::Error::Internal { .. } => {
+                Self::with(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error", message)
             }
             vl_models::Error::Input { what, .. } => {
                 let mut e = Self::bad(message);

@@ -53,7 +53,7 @@ fn positive(o: &Map<String, Value>, name: &str, at: &str) -> std::result::Result
 /// The pixel budget of an image sent with `detail: "low"`: `LOW_DETAIL_PIXELS` (at least the
 /// server's `--min-pixels`), or None when the server's own budget is no larger already.
 fn low_detail_budget(app: &App) -> Option<usize> {
-    let low = LOW_DETAIL_PIXELS.max(app.engine.options().min_pixels.unwrap_or(0));
+    let low = LOW_DETAIL_PIXELS.max(app.engine.options().model.min_pixels.unwrap_or(0));
     // The server's largest image: a very large square sized under its budget.
     let most = app.engine.family().image_sizing(1 << 14, 1 << 14).ok().map(|s| s.ours.resized.0 * s.ours.resized.1)?;
     (low < most).then_some(low)

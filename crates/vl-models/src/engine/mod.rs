@@ -25,20 +25,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device};
-use vl_nn::QuantType;
-
 use crate::cache::ByteLru;
-pub use crate::constraint::Constraint;
 use crate::constraint::{Compiler, Guide};
 use crate::error::{Error, Result};
 use crate::family::{Family, Prepared, Source};
-use crate::limits::{ImageLimits, LimitKind};
+pub use crate::family::{ModelOptions, DEFAULT_MAX_IMAGE_TOKENS, DEFAULT_MAX_VIDEO_PIXELS};
+use crate::limits::LimitKind;
 use crate::media::VisionOutput;
-use crate::sampling::GenerationOptions;
-pub use crate::sampling::TokenLogprob;
-pub use crate::tools::ToolCall;
-use crate::video::VideoLimits;
+pub use crate::request::{
+    ChatMessage, Completion, Constraint, Delta, Finish, ImageReport, Part, Request, TokenLogprob, ToolCall, VideoData,
+    VideoReport,
+};
 use scheduler::{Command, Event, Fork, Job};
 
 /// Sequences decoded together unless told otherwise. On a 2-core CPU decode is bound by reading
@@ -64,47 +61,13 @@ pub fn default_kv_cache_bytes() -> usize {
     total.map_or(4 << 30, |t| t / 4)
 }
 
-/// Visual tokens per image an engine allows unless told otherwise: the Qwen team's suggested
-/// balance (1280 x 32 x 32 pixels for Qwen3-VL). The checkpoints' own budget (16384 tokens, 16.7 M
-/// pixels) turns a 12 MP photo into ~47k patches: hours of vision tower on a CPU.
-pub const DEFAULT_MAX_IMAGE_TOKENS: usize = 1280;
-
-/// A video's pixel budget (frames x height x width over the sampled clip) an engine allows
-/// unless told otherwise: 2560 visual tokens (frame pairs of 32x32-pixel tokens), about a 10 s
-/// clip at 2 frames a second at 512x512. The checkpoints' own (25 M pixels, ~12k tokens) takes
-/// many minutes of vision tower and prefill on a CPU.
-pub const DEFAULT_MAX_VIDEO_PIXELS: usize = 2560 * 2 * 32 * 32;
-
-/// How an engine loads and what it bounds.
+/// How an engine loads its model and schedules its requests.
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
-    pub dtype: DType,
-    pub device: Device,
-    pub quant: Option<QuantType>,
-    /// Run the vision tower's linears (and, at head dimension 64, its attention products) on bf16
-    /// operands with f32 sums (AMX tiles; reduced precision, bound in
-    /// docs/parity.md) instead of f32. CPU, f32 compute, AMX-BF16 only: refused elsewhere.
-    pub vision_bf16: bool,
-    /// Server-wide image budget (defaults from preprocessor_config.json); a request may ask for
-    /// less, never more.
-    pub min_pixels: Option<usize>,
-    pub max_pixels: Option<usize>,
-    /// Cap on visual tokens per image when `max_pixels` is not given (`None`: the checkpoint's
-    /// own budget). Default `DEFAULT_MAX_IMAGE_TOKENS`. See `image_budget`.
-    pub max_image_tokens: Option<usize>,
-    pub image_limits: ImageLimits,
-    /// Server-wide video settings over the checkpoint's video processor (a request may ask for
-    /// fewer frames or pixels, never more). `max_pixels` given here wins over `video_pixel_cap`.
-    pub video: crate::video::VideoOptions,
-    /// Cap on a video's pixel budget when `video.max_pixels` is not given (`None`: the
-    /// checkpoint's own). Default `DEFAULT_MAX_VIDEO_PIXELS`.
-    pub video_pixel_cap: Option<usize>,
-    pub video_limits: VideoLimits,
+    /// What the family sees: how the model loads and the media budget.
+    pub model: ModelOptions,
     /// Bytes of vision features kept for repeated images (0 disables the cache).
     pub image_cache_bytes: usize,
-    /// Bytes of sampled, preprocessed video pixels kept for repeated videos, so that a video
-    /// sent again (`vl chat` resends its history every turn) is not decoded again (0 disables).
-    pub clip_cache_bytes: usize,
     /// Keep finished conversations' KV caches for prefix reuse (many conversations, least
     /// recently used out first, within `kv_cache_bytes`).
     pub prefix_cache: bool,
@@ -122,176 +85,14 @@ pub struct EngineOptions {
 impl Default for EngineOptions {
     fn default() -> Self {
         Self {
-            dtype: DType::F32,
-            device: Device::Cpu,
-            quant: None,
-            vision_bf16: false,
-            min_pixels: None,
-            max_pixels: None,
-            max_image_tokens: Some(DEFAULT_MAX_IMAGE_TOKENS),
-            image_limits: ImageLimits::default(),
-            video: crate::video::VideoOptions::default(),
-            video_pixel_cap: Some(DEFAULT_MAX_VIDEO_PIXELS),
-            video_limits: VideoLimits::default(),
+            model: ModelOptions::default(),
             image_cache_bytes: 256 << 20,
-            clip_cache_bytes: 256 << 20,
             prefix_cache: true,
             parallel: DEFAULT_PARALLEL,
             kv_cache_bytes: default_kv_cache_bytes(),
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
         }
     }
-}
-
-/// One part of a request message.
-#[derive(Debug, Clone)]
-pub enum Part {
-    Text(String),
-    /// Encoded image bytes (PNG, JPEG, WebP, GIF, BMP); `name` stands for it in errors. A
-    /// per-image pixel budget may narrow the engine's.
-    Image {
-        data: Vec<u8>,
-        name: String,
-        min_pixels: Option<usize>,
-        max_pixels: Option<usize>,
-    },
-    /// A video: a file (decoded by ffmpeg; animated GIF/PNG/WebP in-process), a directory of
-    /// frames, or encoded bytes; `name` stands for it in errors. `options` may narrow the
-    /// engine's video settings (fewer frames or pixels, another sampling rate).
-    Video {
-        source: VideoData,
-        name: String,
-        options: crate::video::VideoOptions,
-    },
-}
-
-/// A video as the engine read it.
-#[derive(Debug, Clone)]
-pub struct VideoReport {
-    pub name: String,
-    pub info: crate::video::VideoInfo,
-    pub plan: crate::video::VideoPlan,
-    /// Video pad tokens (without the timestamp text and frame markers).
-    pub tokens: usize,
-    /// The frames came from the engine's clip cache: the same file (path, size, modification
-    /// time) or bytes with the same settings were read before, so nothing was decoded.
-    pub from_cache: bool,
-}
-
-/// Where a video part's data is.
-#[derive(Debug, Clone)]
-pub enum VideoData {
-    /// A file or a directory of frames on this machine.
-    Path(std::path::PathBuf),
-    /// Encoded bytes (e.g. a data URL's).
-    Bytes(Vec<u8>),
-}
-
-#[derive(Debug, Clone)]
-pub struct ChatMessage {
-    pub role: String,
-    pub parts: Vec<Part>,
-    /// An assistant turn's function calls (given back with the tools' answers in `tool`
-    /// messages).
-    pub tool_calls: Vec<ToolCall>,
-    /// An assistant turn's reasoning (`Completion::reasoning`), given back to the template as
-    /// `reasoning_content`.
-    pub reasoning: Option<String>,
-}
-
-impl ChatMessage {
-    pub fn new(role: &str, parts: Vec<Part>) -> Self {
-        Self { role: role.into(), parts, tool_calls: vec![], reasoning: None }
-    }
-    pub fn text(role: &str, text: &str) -> Self {
-        Self::new(role, vec![Part::Text(text.into())])
-    }
-}
-
-#[derive(Debug, Clone, Default)]
-pub struct Request {
-    pub messages: Vec<ChatMessage>,
-    pub options: GenerationOptions,
-    /// Generation stops before any of these strings would be emitted (the string is not part
-    /// of the answer).
-    pub stop: Vec<String>,
-    /// Function definitions the model may call (OpenAI's `tools`: `{"type": "function",
-    /// "function": {"name", "description", "parameters"}}`), rendered by the chat template.
-    /// With tools, an answer's `<tool_call>` blocks become `Completion::tool_calls` and are not
-    /// streamed as text.
-    pub tools: Vec<serde_json::Value>,
-    /// What the answer must be (a JSON schema, any JSON object, tool calls): the sampler picks
-    /// only tokens that keep it valid (`crate::constraint`).
-    pub constraint: Option<Constraint>,
-    /// A raw prompt, tokenized as it is without the chat template (OpenAI's `/v1/completions`);
-    /// `messages` and `tools` must then be empty.
-    pub prompt: Option<String>,
-    /// Extra variables for the chat template (`chat_template_kwargs`, e.g. `enable_thinking`).
-    pub template_kwargs: serde_json::Map<String, serde_json::Value>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Finish {
-    /// An end-of-sequence token or a stop string.
-    Stop,
-    /// `max_new_tokens` reached.
-    Length,
-    /// The model's context is full.
-    ContextFull,
-    /// The callback asked to stop (e.g. the client went away).
-    Cancelled,
-    /// The answer is function calls (`Completion::tool_calls`).
-    ToolCalls,
-}
-
-impl Finish {
-    /// The OpenAI `finish_reason`.
-    pub fn openai(self) -> &'static str {
-        match self {
-            Finish::Stop | Finish::Cancelled => "stop",
-            Finish::Length | Finish::ContextFull => "length",
-            Finish::ToolCalls => "tool_calls",
-        }
-    }
-}
-
-#[derive(Debug, Clone)]
-pub struct Completion {
-    /// The answer's text (with tool calls, the text before the first call; with a reasoning
-    /// block, the text after it).
-    pub text: String,
-    /// The reasoning block's text (`<think>...</think>`, without the markers), when the answer
-    /// has one (a thinking checkpoint; `Family::reasoning`).
-    pub reasoning: Option<String>,
-    /// Function calls the answer made (only when the request offered tools).
-    pub tool_calls: Vec<ToolCall>,
-    /// Generated ids (an eos id included when it ended the answer).
-    pub token_ids: Vec<u32>,
-    pub prompt_tokens: usize,
-    /// Prompt positions whose KV came from an earlier request (not prefilled again).
-    pub cached_tokens: usize,
-    pub image_tokens: usize,
-    pub video_tokens: usize,
-    /// Each video of the request: its source and what sampling and resizing made of it.
-    pub videos: Vec<VideoReport>,
-    /// Each image of the request: its size as displayed and as the model saw it.
-    pub images: Vec<crate::family::ImageReport>,
-    /// Images whose features came from the feature cache.
-    pub image_cache_hits: usize,
-    /// Videos whose features came from the feature cache (keyed by the preprocessed pixels).
-    pub video_cache_hits: usize,
-    pub finish: Finish,
-    pub vision_time: Duration,
-    pub prefill_time: Duration,
-    pub decode_time: Duration,
-    pub time_to_first_token: Duration,
-    /// f32 logits that chose the first generated token.
-    pub first_logits: Vec<f32>,
-    /// Each answer token's log-probabilities, when `GenerationOptions::logprobs` asked (an
-    /// end-of-sequence token that ended the answer is not among them).
-    pub logprobs: Vec<TokenLogprob>,
-    /// KV cache bytes the sequence held at its end.
-    pub kv_cache_bytes: usize,
 }
 
 /// Statistics for `/metrics`-style reports.
@@ -347,7 +148,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 fn stopped() -> Error {
-    Error::Input { what: "engine".into(), message: "the engine stopped".into() }
+    Error::Internal { message: "the engine stopped".into() }
 }
 
 impl Engine {
@@ -360,7 +161,7 @@ impl Engine {
     /// one, and its vision projector: `mmproj`, or the `mmproj*.gguf` beside it), with the family
     /// its files name.
     pub fn open(model: &Path, mmproj: Option<&Path>, id: &str, opts: EngineOptions) -> Result<Self> {
-        let family = crate::family::open(&Source { model, mmproj, progress: None }, &opts)?;
+        let family = crate::registry::open(&Source { model, mmproj, progress: None }, &opts.model)?;
         Self::from_family(family, id, opts)
     }
 
@@ -391,7 +192,7 @@ impl Engine {
         let worker = std::thread::Builder::new()
             .name("vl-scheduler".into())
             .spawn(move || scheduler::run(&s, rx))
-            .map_err(|e| Error::Input { what: "engine".into(), message: format!("cannot start the scheduler: {e}") })?;
+            .map_err(|e| Error::Internal { message: format!("cannot start the scheduler: {e}") })?;
         Ok(Self { shared, tx: Some(tx), worker: Some(worker), id: id.to_string() })
     }
 
@@ -626,7 +427,7 @@ fn check_text_fits(family: &dyn Family, longest: &std::sync::OnceLock<usize>, re
             message: format!(
                 "the request's text is {text} bytes: even at {longest} bytes a token (the vocabulary's longest) it cannot fit the model's context of {context} tokens"
             ),
-            kind: LimitKind::Fixed,
+            kind: LimitKind::Context,
         });
     }
     Ok(())
@@ -727,18 +528,6 @@ pub(crate) struct Encoded {
     pub time: Duration,
     pub image_hits: usize,
     pub video_hits: usize,
-}
-
-/// A piece of a streamed answer.
-#[derive(Debug, Clone, Copy)]
-pub struct Delta<'a> {
-    /// Which answer of the request (`n`).
-    pub choice: usize,
-    pub text: &'a str,
-    /// A piece of the reasoning block (`Completion::reasoning`), not of the answer's text.
-    pub reasoning: bool,
-    /// The log-probabilities of the tokens picked since the last piece (when asked for).
-    pub logprobs: &'a [TokenLogprob],
 }
 
 /// What `Engine::answer_once` did, for reports.

@@ -31,9 +31,9 @@ use super::{lock, Completion, Encoded, EngineStats, Finish, Shared};
 use crate::constraint::{Guide, MaskTask};
 use crate::error::Result;
 use crate::family::{Family, Identity, Prepared};
-use crate::kv::SeqCache;
 use crate::reasoning::Split;
 use crate::sampling::{TokenLogprob, TokenPicker};
+use crate::state::SeqState;
 use crate::stream::StreamDecoder;
 use crate::tools::{split_tool_calls, CallHold};
 
@@ -105,7 +105,7 @@ struct Seq<'f> {
     ids: Vec<u32>,
     ident: Vec<Identity>,
     prompt_len: usize,
-    cache: SeqCache,
+    state: SeqState,
     phase: Phase,
     picker: TokenPicker,
     /// Picked, not yet fed.
@@ -152,7 +152,7 @@ impl<'f> Seq<'f> {
             ids: p.ids.clone(),
             ident: p.ident.clone(),
             prompt_len: n,
-            cache: SeqCache::default(),
+            state: SeqState::default(),
             phase: Phase::Waiting,
             picker,
             pending: None,
@@ -342,7 +342,7 @@ impl<'f> Seq<'f> {
             time_to_first_token: self.ttft.unwrap_or_default(),
             first_logits: std::mem::take(&mut self.first_logits),
             logprobs: std::mem::take(&mut self.logprobs),
-            kv_cache_bytes: self.cache.bytes(),
+            kv_cache_bytes: self.state.bytes(),
         })
     }
 }
@@ -419,7 +419,7 @@ impl<'f> Scheduler<'f> {
     }
 
     fn used(&self) -> usize {
-        self.running.iter().map(|s| s.cache.bytes()).sum::<usize>() + self.store.bytes()
+        self.running.iter().map(|s| s.state.bytes()).sum::<usize>() + self.store.bytes()
     }
 
     /// Frees kept prefixes until `bytes` more fit in the budget; false if they cannot.
@@ -437,10 +437,11 @@ impl<'f> Scheduler<'f> {
         if self.shared.opts.prefix_cache && result.is_ok() {
             // What the cache holds: the prompt, then each generated token fed to it.
             let mut ident = std::mem::take(&mut seq.ident);
-            ident.extend(seq.ids[seq.prompt_len..].iter().map(|&t| (t, 0)));
-            let cache = std::mem::take(&mut seq.cache);
-            if ident.len() == cache.len() {
-                self.store.put(ident, cache);
+            ident.extend(seq.ids[seq.prompt_len..].iter().map(|&t| Identity::text(t)));
+            let mut state = std::mem::take(&mut seq.state);
+            if ident.len() == state.len() {
+                state.mark();
+                self.store.put(ident, state);
             }
             self.make_room(0);
         }
@@ -481,7 +482,7 @@ impl<'f> Scheduler<'f> {
         while self.running.len() < self.shared.opts.parallel {
             let Some(seq) = self.waiting.front() else { return };
             let need = blocks_for(seq.ids.len() + 1) * self.per_position;
-            let running: usize = self.running.iter().map(|s| s.cache.bytes()).sum();
+            let running: usize = self.running.iter().map(|s| s.state.bytes()).sum();
             if running + need > self.budget() {
                 if self.running.is_empty() {
                     // Even alone it cannot fit (a preempted sequence grew past the budget).
@@ -493,25 +494,24 @@ impl<'f> Scheduler<'f> {
             }
             let mut seq = self.waiting.pop_front().expect("front exists");
             let mut ident = seq.ident.clone();
-            ident.extend(seq.ids[seq.prompt_len..].iter().map(|&t| (t, 0)));
+            ident.extend(seq.ids[seq.prompt_len..].iter().map(|&t| Identity::text(t)));
             let reused = if self.shared.opts.prefix_cache { self.store.take(&ident) } else { Ok(None) };
             match reused {
-                Ok(Some((mut cache, common))) => {
-                    cache.truncate(common);
-                    seq.cache = cache;
+                Ok(Some((state, common))) => {
+                    seq.state = state;
                     if seq.admitted == 0 {
                         seq.cached_tokens = common;
                     }
                 }
-                Ok(None) => seq.cache = self.family.new_cache(),
+                Ok(None) => seq.state = self.family.new_state(),
                 Err(e) => {
                     self.fail(seq, e);
                     continue;
                 }
             }
-            let more = need.saturating_sub(seq.cache.bytes());
+            let more = need.saturating_sub(seq.state.bytes());
             self.make_room(more);
-            seq.cache.reserve(seq.ids.len() + 1);
+            seq.state.reserve(seq.ids.len() + 1);
             // Its next token known (or its logits held for a mask): only the fed ids are
             // prefilled again.
             let resume = seq.pending.is_some() || seq.held.is_some();
@@ -559,13 +559,17 @@ impl<'f> Scheduler<'f> {
         let chunk = self.shared.opts.prefill_chunk;
         let mut pending_forks = None;
         let seq = &mut self.running[i];
-        let end = (seq.cache.len() + chunk).min(seq.ids.len());
+        let end = (seq.state.len() + chunk).min(seq.ids.len());
         let t = Instant::now();
         let p = &seq.job.prepared;
-        crate::progress::report("prefill", "tokens", seq.cache.len(), seq.ids.len());
+        crate::progress::report("prefill", "tokens", seq.state.len(), seq.ids.len());
         let result =
-            self.family.prefill(&seq.ids, seq.prompt_len, &p.media, &seq.job.encoded.features, &mut seq.cache, end);
+            self.family.prefill(&seq.ids, seq.prompt_len, &p.media, &seq.job.encoded.features, &mut seq.state, end);
         crate::progress::report("prefill", "tokens", end, seq.ids.len());
+        // A point a later prompt sharing this prefix may restore (recurrent layers' snapshots).
+        if result.is_ok() {
+            seq.state.mark();
+        }
         seq.prefill_time += t.elapsed();
         let outcome = match result {
             Err(e) => Err(e),
@@ -610,7 +614,7 @@ impl<'f> Scheduler<'f> {
     /// waits in the queue and prefills itself later.
     fn fork(&mut self, i: usize, forks: Vec<Fork>, logits: &[f32]) {
         for f in forks {
-            let (mut seq, copy, bytes, offset) = {
+            let (mut seq, copy, bytes) = {
                 let parent = &self.running[i];
                 let mut prepared = parent.job.prepared.clone();
                 prepared.options.seed = f.seed;
@@ -630,14 +634,12 @@ impl<'f> Scheduler<'f> {
                 };
                 let mut seq = Seq::new(Box::new(job), self.family);
                 seq.cached_tokens = parent.cached_tokens;
-                let len = parent.cache.len();
-                let copy = parent.cache.layers.iter().map(|l| l.copy_prefix(len)).collect::<vl_nn::Result<Vec<_>>>();
-                (seq, copy, parent.cache.bytes(), parent.cache.position_offset)
+                (seq, parent.state.fork(), parent.state.bytes())
             };
             let fits = self.running.len() < self.shared.opts.parallel && self.make_room(bytes);
             match copy {
-                Ok(layers) if fits => {
-                    seq.cache = SeqCache { layers, position_offset: offset };
+                Ok(state) if fits => {
+                    seq.state = state;
                     seq.phase = Phase::Decode;
                     self.admissions += 1;
                     seq.admitted = self.admissions;
@@ -648,7 +650,7 @@ impl<'f> Scheduler<'f> {
                     }
                 }
                 Ok(_) => self.waiting.push_front(seq),
-                Err(e) => self.fail(seq, e.into()),
+                Err(e) => self.fail(seq, e),
             }
         }
     }
@@ -661,7 +663,7 @@ impl<'f> Scheduler<'f> {
             let s = &self.running[i];
             // Only a sequence fed this step needs room: one waiting for its mask or its caller
             // grows (or preempts another) when it has a token to feed.
-            if s.phase != Phase::Decode || s.pending.is_none() || s.paused() || s.cache.len() < s.cache.capacity() {
+            if s.phase != Phase::Decode || s.pending.is_none() || s.paused() || s.state.len() < s.state.capacity() {
                 i += 1;
                 continue;
             }
@@ -681,7 +683,7 @@ impl<'f> Scheduler<'f> {
             match victim {
                 Some(j) => {
                     let mut v = self.running.remove(j);
-                    v.cache = SeqCache::default();
+                    v.state = SeqState::default();
                     v.phase = Phase::Waiting;
                     self.waiting.push_front(v);
                     self.preemptions += 1;
@@ -711,10 +713,10 @@ impl<'f> Scheduler<'f> {
             return false;
         }
         let tokens: Vec<u32> = rows.iter().map(|&i| self.running[i].pending.expect("filtered")).collect();
-        let mut caches: Vec<&mut SeqCache> =
-            self.running.iter_mut().enumerate().filter(|(i, _)| rows.contains(i)).map(|(_, s)| &mut s.cache).collect();
-        let logits = self.family.decode(&tokens, &mut caches).and_then(|l| Ok(l.to_vec2::<f32>()?));
-        drop(caches);
+        let mut states: Vec<&mut SeqState> =
+            self.running.iter_mut().enumerate().filter(|(i, _)| rows.contains(i)).map(|(_, s)| &mut s.state).collect();
+        let logits = self.family.decode(&tokens, &mut states).and_then(|l| Ok(l.to_vec2::<f32>()?));
+        drop(states);
         self.decode_steps += 1;
         self.decode_rows += rows.len() as u64;
         let logits = match logits {
@@ -724,7 +726,7 @@ impl<'f> Scheduler<'f> {
                 let msg = e.to_string();
                 for &i in rows.iter().rev() {
                     let seq = self.running.remove(i);
-                    let err = crate::Error::Input { what: "decode".into(), message: msg.clone() };
+                    let err = crate::Error::Internal { message: format!("a batched decode step failed: {msg}") };
                     self.fail(seq, err);
                 }
                 return true;

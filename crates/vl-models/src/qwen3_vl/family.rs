@@ -16,12 +16,12 @@ use super::{
     VisionTower, Weights,
 };
 use crate::cache::ByteLru;
-use crate::engine::{EngineOptions, Part, Request, VideoData, VideoReport};
 use crate::error::{Error, Result};
-use crate::family::{Family, FamilyEntry, Identity, ImageReport, ImageSizing, Prepared, Sizing, Source};
-use crate::kv::SeqCache;
+use crate::family::{Family, FamilyEntry, Identity, ImageSizing, ModelOptions, Prepared, Sizing, Source};
 use crate::media::{Media, MediaKind, VisionOutput};
+use crate::request::{ImageReport, Part, Request, VideoData, VideoReport};
 use crate::sampling::GenerationOptions;
+use crate::state::SeqState;
 use crate::video::VideoSource;
 
 /// The registry's entry for Qwen3-VL.
@@ -83,7 +83,7 @@ fn default_quant_entry(model: &Path) -> Result<Option<vl_nn::QuantType>> {
     Ok(Weights::open(model)?.default_quant())
 }
 
-fn open_entry(source: &Source<'_>, opts: &EngineOptions, staged: bool) -> Result<Box<dyn Family>> {
+fn open_entry(source: &Source<'_>, opts: &ModelOptions, staged: bool) -> Result<Box<dyn Family>> {
     if gguf::is_gguf(source.model) {
         return Ok(Box::new(Qwen3Vl::open_gguf(source.model, source.mmproj, opts, staged)?));
     }
@@ -148,7 +148,7 @@ impl Qwen3Vl {
     /// text decoder at `finish_loading`, after the tower is released.
     pub fn from_dir(
         dir: ModelDir,
-        opts: &EngineOptions,
+        opts: &ModelOptions,
         staged: bool,
         progress: Option<crate::checkpoint::LoadProgress>,
     ) -> Result<Self> {
@@ -200,7 +200,7 @@ impl Qwen3Vl {
     /// From GGUF files (a .gguf file, or a directory holding one) and the vision projector
     /// (`mmproj`, or the `mmproj*.gguf` beside it; without one the model answers text only).
     /// Quantized tensors are used in their stored block type; `opts.quant` quantizes the float ones.
-    pub fn open_gguf(model: &Path, mmproj: Option<&Path>, opts: &EngineOptions, staged: bool) -> Result<Self> {
+    pub fn open_gguf(model: &Path, mmproj: Option<&Path>, opts: &ModelOptions, staged: bool) -> Result<Self> {
         check_vision_precision(opts)?;
         let (text, mm) = gguf::find_files(model, mmproj)?;
         let g = Arc::new(GgufModel::open(&text, mm.as_deref())?);
@@ -247,7 +247,7 @@ impl Qwen3Vl {
         config: Qwen3VlConfig,
         processor: Processor,
         eos: Vec<u32>,
-        opts: &EngineOptions,
+        opts: &ModelOptions,
         vision: VisionSlot,
         text: TextLoader,
         staged: bool,
@@ -325,7 +325,7 @@ impl Qwen3Vl {
 impl Family for Qwen3Vl {
     fn name(&self) -> &'static str {
         match self.config.text.moe {
-            Some(_) => crate::qwen3_vl_moe::ENTRY.name,
+            Some(_) => super::config::MOE_MODEL_TYPE,
             None => ENTRY.name,
         }
     }
@@ -352,8 +352,8 @@ impl Family for Qwen3Vl {
         c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * self.dtype.size_in_bytes()
     }
 
-    fn new_cache(&self) -> SeqCache {
-        SeqCache { layers: vec![Default::default(); self.config.text.num_hidden_layers], position_offset: 0 }
+    fn new_state(&self) -> SeqState {
+        SeqState::kv(self.config.text.num_hidden_layers)
     }
 
     fn prepare(&self, req: &Request) -> Result<Prepared> {
@@ -387,7 +387,7 @@ impl Family for Qwen3Vl {
         prompt_len: usize,
         media: &[Media],
         features: &[VisionOutput],
-        cache: &mut SeqCache,
+        cache: &mut SeqState,
         end: usize,
     ) -> Result<Option<Tensor>> {
         let text = self.text()?;
@@ -406,7 +406,7 @@ impl Family for Qwen3Vl {
         Ok(Some(model.last_logits(&out)?))
     }
 
-    fn decode(&self, tokens: &[u32], caches: &mut [&mut SeqCache]) -> Result<Tensor> {
+    fn decode(&self, tokens: &[u32], caches: &mut [&mut SeqState]) -> Result<Tensor> {
         super::model::TextSide { cfg: &self.config, text: self.text()? }.decode_rows(tokens, caches)
     }
 
@@ -481,7 +481,7 @@ pub fn resident_bytes(
 
 /// Refuses, before any weight is read, a load whose weights cannot fit the memory this process
 /// may still fill (`limits::available_memory`), naming both and what `--quantize q4k` would take.
-fn check_memory(cfg: &Qwen3VlConfig, weights: &super::Weights, opts: &EngineOptions) -> Result<()> {
+fn check_memory(cfg: &Qwen3VlConfig, weights: &super::Weights, opts: &ModelOptions) -> Result<()> {
     let need = resident_bytes(cfg, weights, opts.dtype, opts.quant);
     let q4k = resident_bytes(cfg, weights, opts.dtype, Some(vl_nn::QuantType::Q4K));
     let how = opts.quant.map_or_else(|| format!("{:?}", opts.dtype).to_lowercase(), |q| q.name().to_string());
@@ -490,7 +490,7 @@ fn check_memory(cfg: &Qwen3VlConfig, weights: &super::Weights, opts: &EngineOpti
 
 /// Refuses `need` bytes of weights over the memory available; `q4k`: what `--quantize q4k`
 /// would need instead (said when smaller).
-fn fits_memory(what: &Path, need: u64, how: &str, q4k: Option<u64>, opts: &EngineOptions) -> Result<()> {
+fn fits_memory(what: &Path, need: u64, how: &str, q4k: Option<u64>, opts: &ModelOptions) -> Result<()> {
     let Some(available) = crate::limits::available_memory() else { return Ok(()) };
     if need <= available {
         return Ok(());
@@ -601,7 +601,7 @@ fn file_identity(_: &std::fs::Metadata) -> Option<Vec<u8>> {
 
 /// The engine's pixel budgets, video settings and input limits on the checkpoint's processors.
 /// Returns the checkpoint's processors with its own pixel budgets (and the engine's sampling).
-fn apply_image_options(processor: &mut Processor, opts: &EngineOptions) -> Result<Checkpoint> {
+fn apply_image_options(processor: &mut Processor, opts: &ModelOptions) -> Result<Checkpoint> {
     let checkpoint_videos = VideoOptions { min_pixels: None, max_pixels: None, ..opts.video };
     let checkpoint = Checkpoint {
         images: processor.images.clone(),
@@ -743,10 +743,10 @@ fn raw_prompt(
         return Err(Error::Limit {
             what: "prompt".into(),
             message: format!("the prompt is {} tokens, longer than the model's context of {context} tokens", ids.len()),
-            kind: crate::limits::LimitKind::Fixed,
+            kind: crate::limits::LimitKind::Context,
         });
     }
-    let ident = ids.iter().map(|&t| (t, 0)).collect();
+    let ident = ids.iter().map(|&t| Identity::text(t)).collect();
     Ok(Prepared {
         options,
         ids,
@@ -798,7 +798,7 @@ fn prepare(
                     "the request's videos took longer than the decode limit of {} s in all",
                     budget.as_secs_f64()
                 ),
-                kind: crate::limits::LimitKind::Fixed,
+                kind: crate::limits::LimitKind::DecodeTime,
             });
         }
         Ok(Some(left))
@@ -847,7 +847,7 @@ fn prepare(
                                 "the prompt is at least {video_tokens} tokens from its first {} video(s), longer than the model's context of {context} tokens",
                                 reports.len() + 1
                             ),
-                            kind: crate::limits::LimitKind::Fixed,
+                            kind: crate::limits::LimitKind::Context,
                         });
                     }
                     let from_cache = matches!(clip, Clip::Cached(_));
@@ -882,7 +882,7 @@ fn prepare(
                 tokens.iter().sum::<usize>(),
                 tokens.len()
             ),
-            kind: crate::limits::LimitKind::Fixed,
+            kind: crate::limits::LimitKind::Context,
         });
     }
     let processed: Vec<_> = files.iter().map(|(f, p, _)| p.process_opened(f)).collect::<Result<_>>()?;
@@ -930,7 +930,7 @@ fn prepare(
                 }
             }
         }
-        ident.push((t, key));
+        ident.push(Identity { token: t, media: key });
     }
     let mut media = Vec::with_capacity(processed.len() + videos.len());
     for (img, &key) in processed.iter().zip(&keys) {
@@ -956,7 +956,7 @@ fn prepare(
 }
 
 /// `opts.vision_bf16` refused up front (before any weight is read) where it cannot run.
-fn check_vision_precision(opts: &EngineOptions) -> Result<()> {
+fn check_vision_precision(opts: &ModelOptions) -> Result<()> {
     if !opts.vision_bf16 {
         return Ok(());
     }

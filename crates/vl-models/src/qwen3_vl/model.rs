@@ -286,7 +286,7 @@ impl TextSide<'_> {
             }
         }
         if !ds_parts.is_empty() {
-            let n_levels = ds_parts.iter().map(|(_, o)| o.deepstack.len()).min().unwrap_or(0);
+            let n_levels = ds_parts.iter().map(|(_, o)| o.levels.len()).min().unwrap_or(0);
             // Order the visual rows by sequence position across modalities.
             let mut order: Vec<(u32, usize, usize)> = Vec::new(); // (row, part, index within part)
             for (p, (rows, _)) in ds_parts.iter().enumerate() {
@@ -297,7 +297,7 @@ impl TextSide<'_> {
             for level in 0..n_levels {
                 let per_part: Vec<Tensor> = ds_parts
                     .iter()
-                    .map(|(_, o)| Tensor::cat(&o.deepstack[level], 0))
+                    .map(|(_, o)| Tensor::cat(&o.levels[level], 0))
                     .collect::<candle_core::Result<_>>()?;
                 let level_rows = if per_part.len() == 1 {
                     per_part[0].clone()

@@ -436,7 +436,7 @@ pub struct DeepStack<'a> {
     pub levels: &'a [Tensor],
 }
 
-pub use crate::kv::SeqCache as TextCache;
+pub use crate::state::SeqState as TextCache;
 
 #[derive(Debug, Clone)]
 pub struct TextModel {
@@ -572,7 +572,7 @@ impl TextModel {
     }
 
     pub fn new_cache(&self) -> TextCache {
-        TextCache { layers: vec![KvCache::new(); self.layers.len()], position_offset: 0 }
+        TextCache::kv(self.layers.len())
     }
 
     /// Token embeddings [n, hidden]; ids must be below the vocabulary size.
@@ -605,7 +605,7 @@ impl TextModel {
                 message: format!("{} positions for {n} rows", positions.len()),
             });
         }
-        if cache.layers.len() != self.layers.len() {
+        if cache.num_layers() != self.layers.len() {
             *cache = self.new_cache();
         }
         let (cos, sin) = self.rope.cos_sin(positions, &self.device)?;
@@ -618,8 +618,8 @@ impl TextModel {
         };
         let mut x = x.clone();
         trace(0, &x);
-        for (i, (layer, c)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
-            x = layer.forward(&x, &cos, &sin, c)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(&x, &cos, &sin, cache.kv_mut(i)?)?;
             trace(i + 1, &x);
             if let Some((rows, levels)) = &visual {
                 if let Some(level) = levels.get(i) {
@@ -643,7 +643,7 @@ impl TextModel {
             });
         }
         for c in caches.iter_mut() {
-            if c.layers.len() != self.layers.len() {
+            if c.num_layers() != self.layers.len() {
                 **c = self.new_cache();
             }
         }
@@ -651,7 +651,7 @@ impl TextModel {
         let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
         let mut x = x.clone();
         for (i, layer) in self.layers.iter().enumerate() {
-            let mut layer_caches: Vec<&mut KvCache> = caches.iter_mut().map(|c| &mut c.layers[i]).collect();
+            let mut layer_caches: Vec<&mut KvCache> = caches.iter_mut().map(|c| c.kv_mut(i)).collect::<Result<_>>()?;
             x = layer.forward_rows(&x, &cos, &sin, &mut layer_caches)?;
         }
         Ok(self.norm.forward(&x)?)

@@ -268,7 +268,7 @@ impl VisionTower {
         let sizes: Vec<usize> = grids.iter().map(|g| self.merged_len(g)).collect();
         Ok(VisionOutput {
             merged: split_rows(&merged, &sizes)?,
-            deepstack: deepstack.iter().map(|f| split_rows(f, &sizes)).collect::<Result<_>>()?,
+            levels: deepstack.iter().map(|f| split_rows(f, &sizes)).collect::<Result<_>>()?,
             grids: grids.to_vec(),
         })
     }

@@ -1,0 +1,312 @@
+//! A sequence's state, family-agnostic: what each decoder layer keeps between steps (an
+//! attention layer's KV cache, or a recurrent layer's fixed-size state) and where decoding
+//! continues. The scheduler holds it without looking inside: it grows it by blocks, counts its
+//! bytes against the budget, keeps and restores reusable prefixes (truncation for KV, snapshots
+//! for recurrent state), forks it for `n` and releases it, through the methods here. A family
+//! reads and writes its layers (`kv_mut`, `recurrent_mut`).
+
+use candle_core::Tensor;
+use vl_nn::KvCache;
+
+use crate::error::{Error, Result};
+
+/// Snapshots a recurrent layer keeps at most (the oldest go first): each is a full copy of the
+/// layer's state, so a conversation keeps the points a later prompt is likely to share (the end
+/// of each prefilled chunk and of the prompt), not every position.
+pub const MAX_SNAPSHOTS: usize = 8;
+
+/// A recurrent layer's state: fixed-size tensors after `len` positions (for a gated delta rule,
+/// the state matrix and the short convolution's window), and earlier states kept so that a
+/// shorter prefix can be restored.
+#[derive(Debug, Clone, Default)]
+pub struct Recurrent {
+    /// The state after `len` positions; empty before the first.
+    pub tensors: Vec<Tensor>,
+    len: usize,
+    /// (position, state after it), ascending, at most `MAX_SNAPSHOTS`.
+    snapshots: Vec<(usize, Vec<Tensor>)>,
+}
+
+impl Recurrent {
+    /// Positions the state has consumed.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The state after `len` positions (a family's step sets it).
+    pub fn set(&mut self, tensors: Vec<Tensor>, len: usize) {
+        self.tensors = tensors;
+        self.len = len;
+    }
+    fn bytes(&self) -> usize {
+        let size = |ts: &[Tensor]| ts.iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum::<usize>();
+        size(&self.tensors) + self.snapshots.iter().map(|(_, s)| size(s)).sum::<usize>()
+    }
+    /// Keeps the current state as a point to restore (nothing before the first position).
+    fn snapshot(&mut self) {
+        if self.len == 0 || self.snapshots.last().is_some_and(|(p, _)| *p == self.len) {
+            return;
+        }
+        self.snapshots.retain(|(p, _)| *p < self.len);
+        if self.snapshots.len() == MAX_SNAPSHOTS {
+            self.snapshots.remove(0);
+        }
+        self.snapshots.push((self.len, self.tensors.clone()));
+    }
+    /// Whether the state at `len` can be had: the current one, a snapshot, or the empty start.
+    fn can_restore(&self, len: usize) -> bool {
+        len == 0 || len == self.len || self.snapshots.iter().any(|(p, _)| *p == len)
+    }
+    /// The state at `len` (see `can_restore`); later snapshots are dropped.
+    fn restored(&self, len: usize) -> Option<Recurrent> {
+        let tensors = if len == 0 {
+            vec![]
+        } else if len == self.len {
+            self.tensors.clone()
+        } else {
+            self.snapshots.iter().find(|(p, _)| *p == len)?.1.clone()
+        };
+        let snapshots = self.snapshots.iter().filter(|(p, _)| *p <= len).cloned().collect();
+        Some(Recurrent { tensors, len, snapshots })
+    }
+}
+
+/// What one decoder layer keeps between steps.
+#[derive(Debug, Clone)]
+pub enum LayerState {
+    /// Attention keys and values, one row per position.
+    Kv(KvCache),
+    /// A recurrent layer's fixed-size state.
+    Recurrent(Recurrent),
+}
+
+impl LayerState {
+    fn len(&self) -> usize {
+        match self {
+            LayerState::Kv(c) => c.len(),
+            LayerState::Recurrent(r) => r.len(),
+        }
+    }
+    fn bytes(&self) -> usize {
+        match self {
+            LayerState::Kv(c) => c.bytes(),
+            LayerState::Recurrent(r) => r.bytes(),
+        }
+    }
+}
+
+/// One sequence's state: a `LayerState` per decoder layer, and where decoding continues.
+#[derive(Debug, Clone, Default)]
+pub struct SeqState {
+    layers: Vec<LayerState>,
+    /// Where decoding continues: the next position is `len() + position_offset` (a family with
+    /// multi-axis positions sets it at prefill; Qwen3-VL's M-RoPE `rope_delta`).
+    pub position_offset: i64,
+}
+
+impl SeqState {
+    /// A state of these layers, empty.
+    pub fn new(layers: Vec<LayerState>) -> Self {
+        Self { layers, position_offset: 0 }
+    }
+    /// `n` attention layers, empty.
+    pub fn kv(n: usize) -> Self {
+        Self::new(vec![LayerState::Kv(KvCache::new()); n])
+    }
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+    /// Layer `i`'s KV cache; an error names the layer when it is not an attention layer.
+    pub fn kv_mut(&mut self, i: usize) -> Result<&mut KvCache> {
+        match self.layers.get_mut(i) {
+            Some(LayerState::Kv(c)) => Ok(c),
+            _ => Err(layer_error(i, "an attention layer's KV cache")),
+        }
+    }
+    /// Layer `i`'s recurrent state; an error names the layer when it is not a recurrent layer.
+    pub fn recurrent_mut(&mut self, i: usize) -> Result<&mut Recurrent> {
+        match self.layers.get_mut(i) {
+            Some(LayerState::Recurrent(r)) => Ok(r),
+            _ => Err(layer_error(i, "a recurrent layer's state")),
+        }
+    }
+    /// Positions the state holds (equal across layers).
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, LayerState::len)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Positions it holds without growing: the KV caches' allocation (a multiple of
+    /// `vl_nn::kv_cache::BLOCK`); unbounded for a state of recurrent layers only.
+    pub fn capacity(&self) -> usize {
+        self.layers
+            .iter()
+            .filter_map(|l| match l {
+                LayerState::Kv(c) => Some(c.capacity()),
+                LayerState::Recurrent(_) => None,
+            })
+            .min()
+            .unwrap_or(usize::MAX)
+    }
+    /// Bytes held: KV rows allocated, recurrent states and their snapshots.
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(LayerState::bytes).sum()
+    }
+    /// Grows the KV caches to room for `positions` in all, by whole blocks.
+    pub fn reserve(&mut self, positions: usize) {
+        for l in &mut self.layers {
+            if let LayerState::Kv(c) = l {
+                c.reserve(positions);
+            }
+        }
+    }
+    /// Keeps the current position as one a later prefix may restore: a snapshot of each
+    /// recurrent layer (KV layers can be cut anywhere already).
+    pub fn mark(&mut self) {
+        for l in &mut self.layers {
+            if let LayerState::Recurrent(r) = l {
+                r.snapshot();
+            }
+        }
+    }
+    /// The longest prefix of at most `len` positions this state can be brought back to: `len`
+    /// when every layer is attention; else the latest position every recurrent layer kept
+    /// (`mark`), or 0.
+    pub fn restorable(&self, len: usize) -> usize {
+        let len = len.min(self.len());
+        (0..=len)
+            .rev()
+            .find(|&p| {
+                self.layers.iter().all(|l| match l {
+                    LayerState::Kv(_) => true,
+                    LayerState::Recurrent(r) => r.can_restore(p),
+                })
+            })
+            .unwrap_or(0)
+    }
+    /// A copy of the first `len` positions (`restorable(len) == len`), its KV rows copied into
+    /// fresh blocks; the source is left as it is.
+    pub fn copy_prefix(&self, len: usize) -> Result<SeqState> {
+        let layers = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                Ok(match l {
+                    LayerState::Kv(c) => LayerState::Kv(c.copy_prefix(len)?),
+                    LayerState::Recurrent(r) => LayerState::Recurrent(
+                        r.restored(len).ok_or_else(|| layer_error(i, &format!("a state kept at position {len}")))?,
+                    ),
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(SeqState { layers, position_offset: self.position_offset })
+    }
+    /// A copy of all of it (a choice forked from one prefill).
+    pub fn fork(&self) -> Result<SeqState> {
+        self.copy_prefix(self.len())
+    }
+    /// Cuts it back to its first `len` positions (`restorable(len) == len`).
+    pub fn rewind(&mut self, len: usize) -> Result<()> {
+        if self.restorable(len) != len {
+            return Err(Error::Internal {
+                message: format!("a sequence's state cannot be brought back to position {len}"),
+            });
+        }
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            match l {
+                LayerState::Kv(c) => c.truncate(len),
+                LayerState::Recurrent(r) => {
+                    *r = r.restored(len).ok_or_else(|| layer_error(i, &format!("a state kept at position {len}")))?
+                }
+            }
+        }
+        Ok(())
+    }
+    /// Empties every layer, keeping nothing.
+    pub fn release(&mut self) {
+        for l in &mut self.layers {
+            match l {
+                LayerState::Kv(c) => c.reset(),
+                LayerState::Recurrent(r) => *r = Recurrent::default(),
+            }
+        }
+    }
+}
+
+fn layer_error(i: usize, wanted: &str) -> Error {
+    Error::Internal { message: format!("decoder layer {i} holds no {wanted}") }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor};
+
+    fn value(t: &Tensor) -> f32 {
+        t.to_vec1::<f32>().unwrap()[0]
+    }
+
+    /// A recurrent layer whose state is the running sum of the inputs, beside a KV layer.
+    fn step(s: &mut SeqState, x: f32) {
+        let len = s.len() + 1;
+        let r = s.recurrent_mut(1).unwrap();
+        let sum = r.tensors.first().map_or(0.0, value) + x;
+        r.set(vec![Tensor::new(&[sum], &Device::Cpu).unwrap()], len);
+        let k = Tensor::new(&[[[x]]], &Device::Cpu).unwrap();
+        s.kv_mut(0).unwrap().append(&k, &k).unwrap();
+    }
+
+    #[test]
+    fn recurrent_prefixes_come_back_from_snapshots_and_kv_from_truncation() {
+        let mut s = SeqState::new(vec![LayerState::Kv(KvCache::new()), LayerState::Recurrent(Recurrent::default())]);
+        s.reserve(4);
+        for (i, x) in [1.0, 2.0, 4.0, 8.0].into_iter().enumerate() {
+            step(&mut s, x);
+            if i == 1 {
+                s.mark();
+            }
+        }
+        assert_eq!(s.len(), 4);
+        assert!(s.kv_mut(1).is_err() && s.recurrent_mut(0).is_err());
+        // Position 2 was kept; 3 was not: the longest restorable prefix of 3 is 2.
+        assert_eq!(s.restorable(3), 2);
+        assert_eq!(s.restorable(4), 4);
+        assert_eq!(s.restorable(1), 0);
+        let copy = s.copy_prefix(2).unwrap();
+        assert_eq!(copy.len(), 2);
+        let mut copy = copy;
+        assert_eq!(value(&copy.recurrent_mut(1).unwrap().tensors[0]), 3.0);
+        // The source is unchanged; a fork holds everything.
+        let mut fork = s.fork().unwrap();
+        assert_eq!(value(&fork.recurrent_mut(1).unwrap().tensors[0]), 15.0);
+        assert!(s.copy_prefix(3).is_err());
+        assert!(s.rewind(3).is_err());
+        s.rewind(2).unwrap();
+        assert_eq!(s.len(), 2);
+        assert_eq!(value(&s.recurrent_mut(1).unwrap().tensors[0]), 3.0);
+        step(&mut s, 16.0);
+        assert_eq!(value(&s.recurrent_mut(1).unwrap().tensors[0]), 19.0);
+        assert!(s.bytes() > 0);
+        s.release();
+        assert_eq!((s.len(), s.restorable(5)), (0, 0));
+    }
+
+    #[test]
+    fn snapshots_are_bounded_and_a_kv_state_cuts_anywhere() {
+        let mut r = Recurrent::default();
+        for len in 1..=20 {
+            r.set(vec![Tensor::new(&[len as f32], &Device::Cpu).unwrap()], len);
+            r.snapshot();
+        }
+        assert_eq!(r.snapshots.len(), MAX_SNAPSHOTS);
+        assert_eq!(r.snapshots[0].0, 20 - MAX_SNAPSHOTS + 1);
+        let kv = SeqState::kv(3);
+        assert_eq!((kv.num_layers(), kv.restorable(7), kv.capacity()), (3, 0, 0));
+        let only_recurrent = SeqState::new(vec![LayerState::Recurrent(Recurrent::default())]);
+        assert_eq!(only_recurrent.capacity(), usize::MAX);
+    }
+}
