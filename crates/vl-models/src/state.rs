@@ -20,7 +20,8 @@ pub const MAX_SNAPSHOTS: usize = 8;
 /// shorter prefix can be restored.
 #[derive(Debug, Clone, Default)]
 pub struct Recurrent {
-    /// The state after `len` positions; empty before the first.
+    /// The state after `len` positions; empty before the first. A step replaces these tensors
+    /// (`set`), never writes into them: snapshots and forks share them.
     pub tensors: Vec<Tensor>,
     len: usize,
     /// (position, state after it), ascending, at most `MAX_SNAPSHOTS`.

@@ -457,7 +457,8 @@ fn guides(family: &dyn Family, cell: &CompilerCell, req: &Request, n: usize) -> 
 
 /// Refuses a prompt whose KV cache alone exceeds `budget` bytes (it could never run).
 fn check_fits(family: &dyn Family, budget: usize, p: &Prepared) -> Result<()> {
-    let need = vl_nn::kv_cache::blocks_for(p.ids.len() + 1) * family.kv_bytes_per_position();
+    let need =
+        vl_nn::kv_cache::blocks_for(p.ids.len() + 1) * family.kv_bytes_per_position() + family.fixed_state_bytes();
     if need > budget {
         return Err(Error::Limit {
             what: "prompt".into(),

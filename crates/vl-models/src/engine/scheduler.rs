@@ -134,6 +134,9 @@ struct Seq<'f> {
     ttft: Option<Duration>,
     decode_started: Option<Instant>,
     admitted: u64,
+    /// Bytes its prompt's state was admitted with: counted until the state holds them (it
+    /// allocates at its first prefill), so that two admitted together cannot both count 0.
+    reserved: usize,
 }
 
 impl<'f> Seq<'f> {
@@ -172,8 +175,14 @@ impl<'f> Seq<'f> {
             ttft: None,
             decode_started: None,
             admitted: 0,
+            reserved: 0,
             job,
         }
+    }
+
+    /// Bytes it holds or was admitted to hold, whichever is more.
+    fn held_bytes(&self) -> usize {
+        self.state.bytes().max(self.reserved)
     }
 
     fn cancelled(&self) -> bool {
@@ -363,6 +372,8 @@ struct Scheduler<'f> {
     store: PrefixStore,
     /// KV bytes of one position.
     per_position: usize,
+    /// Bytes a sequence's state takes whatever its length (recurrent layers).
+    fixed: usize,
     admissions: u64,
     decode_steps: u64,
     decode_rows: u64,
@@ -379,6 +390,7 @@ pub(crate) fn run(shared: &Shared, rx: mpsc::Receiver<Command>) {
         running: Vec::new(),
         store: PrefixStore::default(),
         per_position: family.kv_bytes_per_position().max(1),
+        fixed: family.fixed_state_bytes(),
         admissions: 0,
         decode_steps: 0,
         decode_rows: 0,
@@ -419,7 +431,7 @@ impl<'f> Scheduler<'f> {
     }
 
     fn used(&self) -> usize {
-        self.running.iter().map(|s| s.state.bytes()).sum::<usize>() + self.store.bytes()
+        self.running.iter().map(Seq::held_bytes).sum::<usize>() + self.store.bytes()
     }
 
     /// Frees kept prefixes until `bytes` more fit in the budget; false if they cannot.
@@ -481,8 +493,8 @@ impl<'f> Scheduler<'f> {
     fn admit(&mut self) {
         while self.running.len() < self.shared.opts.parallel {
             let Some(seq) = self.waiting.front() else { return };
-            let need = blocks_for(seq.ids.len() + 1) * self.per_position;
-            let running: usize = self.running.iter().map(|s| s.state.bytes()).sum();
+            let need = blocks_for(seq.ids.len() + 1) * self.per_position + self.fixed;
+            let running: usize = self.running.iter().map(Seq::held_bytes).sum();
             if running + need > self.budget() {
                 if self.running.is_empty() {
                     // Even alone it cannot fit (a preempted sequence grew past the budget).
@@ -511,6 +523,7 @@ impl<'f> Scheduler<'f> {
             }
             let more = need.saturating_sub(seq.state.bytes());
             self.make_room(more);
+            seq.reserved = need;
             seq.state.reserve(seq.ids.len() + 1);
             // Its next token known (or its logits held for a mask): only the fed ids are
             // prefilled again.
@@ -684,6 +697,7 @@ impl<'f> Scheduler<'f> {
                 Some(j) => {
                     let mut v = self.running.remove(j);
                     v.state = SeqState::default();
+                    v.reserved = 0;
                     v.phase = Phase::Waiting;
                     self.waiting.push_front(v);
                     self.preemptions += 1;

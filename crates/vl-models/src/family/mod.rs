@@ -144,6 +144,11 @@ pub trait Family: Send + Sync {
     /// KV cache bytes one position of one sequence takes (0 for a family without attention
     /// layers).
     fn kv_bytes_per_position(&self) -> usize;
+    /// Bytes one sequence's state takes whatever its length: its recurrent layers' states (0 for
+    /// a family of attention layers only). Counted with the KV blocks at admission.
+    fn fixed_state_bytes(&self) -> usize {
+        0
+    }
     /// An empty state for one sequence: a `LayerState` per decoder layer.
     fn new_state(&self) -> SeqState;
     /// Checks a request (options, media headers and budgets, the prompt's length against the

@@ -1,0 +1,364 @@
+//! The scheduler on a stub family with no checkpoint: a hybrid "model" of one attention layer
+//! (a KV cache of each position's token) and one recurrent layer (the running sum of the
+//! tokens), implemented outside the crate through the public seam (`vl_models::family`). Its
+//! next token is `(sum of the tokens so far + their count) % VOCAB`, so every answer has a
+//! closed form (`expected`) that the tests compare against, whatever the scheduler did on the
+//! way: preemption, forks, waiting for KV memory, cancellation, chunked prefill, prefix reuse
+//! through recurrent snapshots. Each step also checks that its two layers agree (the KV rows sum
+//! to the recurrent state), so a state cut, copied or restored wrongly fails the answer.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use candle_core::{Device, Tensor};
+use tokenizers::Tokenizer;
+use vl_models::engine::{Engine, EngineOptions, Finish, Request};
+use vl_models::family::{Family, Identity, ImageSizing, Prepared, Sizing};
+use vl_models::media::{Media, VisionOutput};
+use vl_models::request::VideoReport;
+use vl_models::sampling::GenerationOptions;
+use vl_models::state::{LayerState, Recurrent, SeqState};
+use vl_models::{Error, Result};
+
+const VOCAB: usize = 32;
+/// Bytes of KV one position takes: one layer, one head, dimension 1, f32 keys and values.
+const PER_POSITION: usize = 8;
+/// Bytes of a sequence's recurrent state (one f32), whatever its length.
+const FIXED: usize = 4;
+/// Budget room for the recurrent states and their snapshots beside the KV blocks.
+const SLACK: usize = 64;
+
+/// What the stub saw, in order, for the tests to assert on.
+#[derive(Default)]
+struct Log {
+    /// (start, end) of every prefill call.
+    prefills: Vec<(usize, usize)>,
+    /// Rows of every decode step.
+    steps: Vec<usize>,
+    /// Every call: `Some((start, end))` a prefill, `None` a decode step.
+    calls: Vec<Option<(usize, usize)>>,
+}
+
+struct Stub {
+    tokenizer: Tokenizer,
+    log: Arc<Mutex<Log>>,
+    context: usize,
+    /// Slows each decode step, so that requests overlap in time.
+    step_delay: Duration,
+    decode_calls: AtomicUsize,
+}
+
+fn tokenizer() -> Tokenizer {
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        (0..VOCAB).map(|i| (format!("t{i}"), serde_json::json!(i))).collect();
+    let json = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"},
+    });
+    Tokenizer::from_bytes(json.to_string().as_bytes()).unwrap()
+}
+
+impl Stub {
+    fn new(step_delay: Duration) -> (Self, Arc<Mutex<Log>>) {
+        let log = Arc::new(Mutex::new(Log::default()));
+        let stub = Stub { tokenizer: tokenizer(), log: log.clone(), context: 4096, step_delay, decode_calls: 0.into() };
+        (stub, log)
+    }
+
+    /// Feeds `tokens` into one sequence's state; returns the logits after the last.
+    fn feed(&self, state: &mut SeqState, tokens: &[u32]) -> Result<Vec<f32>> {
+        for &t in tokens {
+            let kv = state.kv_mut(0)?;
+            let row = Tensor::new(&[[[t as f32]]], &Device::Cpu)?;
+            let (k, _) = kv.append(&row, &row)?;
+            let kv_sum: f32 = k.flatten_all()?.to_vec1::<f32>()?.iter().sum();
+            let len = kv.len();
+            let r = state.recurrent_mut(1)?;
+            let sum = r.tensors.first().map_or(Ok(0.0), |s| s.to_vec1::<f32>().map(|v| v[0]))? + t as f32;
+            if r.len() + 1 != len || sum != kv_sum {
+                return Err(Error::Internal {
+                    message: format!("layers disagree: recurrent {} at {}, KV {kv_sum} at {len}", sum, r.len() + 1),
+                });
+            }
+            r.set(vec![Tensor::new(&[sum], &Device::Cpu)?], len);
+        }
+        let sum = state.recurrent_mut(1)?.tensors[0].to_vec1::<f32>()?[0] as usize;
+        let mut logits = vec![0f32; VOCAB];
+        logits[(sum + state.len()) % VOCAB] = 10.0;
+        Ok(logits)
+    }
+}
+
+impl Family for Stub {
+    fn name(&self) -> &'static str {
+        "stub"
+    }
+    fn context(&self) -> usize {
+        self.context
+    }
+    fn eos_token_ids(&self) -> &[u32] {
+        &[]
+    }
+    fn vocab_size(&self) -> usize {
+        VOCAB
+    }
+    fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+    fn kv_bytes_per_position(&self) -> usize {
+        PER_POSITION
+    }
+    fn fixed_state_bytes(&self) -> usize {
+        FIXED
+    }
+    fn new_state(&self) -> SeqState {
+        SeqState::new(vec![LayerState::Kv(Default::default()), LayerState::Recurrent(Recurrent::default())])
+    }
+    fn prepare(&self, req: &Request) -> Result<Prepared> {
+        let options = GenerationOptions { eos_token_ids: vec![], ..req.options.clone() };
+        options.validate()?;
+        let text = req.prompt.clone().unwrap_or_default();
+        let ids: Vec<u32> = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| Error::Input { what: "prompt".into(), message: e.to_string() })?
+            .get_ids()
+            .to_vec();
+        Ok(Prepared {
+            options,
+            ident: ids.iter().map(|&t| Identity::text(t)).collect(),
+            ids,
+            media: vec![],
+            image_tokens: 0,
+            video_tokens: 0,
+            videos: vec![],
+            images: vec![],
+        })
+    }
+    fn encode(&self, _: &Media) -> Result<VisionOutput> {
+        Err(Error::Input { what: "media".into(), message: "the stub has no vision tower".into() })
+    }
+    fn prefill(
+        &self,
+        ids: &[u32],
+        _prompt_len: usize,
+        _media: &[Media],
+        _features: &[VisionOutput],
+        state: &mut SeqState,
+        end: usize,
+    ) -> Result<Option<Tensor>> {
+        let start = state.len();
+        let mut log = self.log.lock().unwrap();
+        log.prefills.push((start, end));
+        log.calls.push(Some((start, end)));
+        drop(log);
+        let logits = self.feed(state, &ids[start..end])?;
+        Ok((end == ids.len()).then(|| Tensor::new(logits.as_slice(), &Device::Cpu)).transpose()?)
+    }
+    fn decode(&self, tokens: &[u32], states: &mut [&mut SeqState]) -> Result<Tensor> {
+        self.decode_calls.fetch_add(1, Ordering::Relaxed);
+        let mut log = self.log.lock().unwrap();
+        log.steps.push(tokens.len());
+        log.calls.push(None);
+        drop(log);
+        std::thread::sleep(self.step_delay);
+        let mut rows = Vec::with_capacity(tokens.len() * VOCAB);
+        for (t, s) in tokens.iter().zip(states.iter_mut()) {
+            rows.extend(self.feed(s, &[*t])?);
+        }
+        Ok(Tensor::from_vec(rows, (tokens.len(), VOCAB), &Device::Cpu)?)
+    }
+    fn storage(&self) -> Vec<(String, String, usize)> {
+        vec![]
+    }
+    fn image_sizing(&self, _: usize, _: usize) -> Result<ImageSizing> {
+        let none = Sizing { resized: (0, 0), tokens: 0 };
+        Ok(ImageSizing { ours: none, checkpoint: none })
+    }
+    fn checkpoint_video_sizing(&self, _: &VideoReport) -> Option<Sizing> {
+        None
+    }
+}
+
+/// The stub's answer to `prompt`, `n` tokens: its definition, step by step.
+fn expected(prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut all = prompt.to_vec();
+    for _ in 0..n {
+        let sum: usize = all.iter().map(|&t| t as usize).sum();
+        all.push(((sum + all.len()) % VOCAB) as u32);
+    }
+    all[prompt.len()..].to_vec()
+}
+
+fn text(ids: &[u32]) -> String {
+    ids.iter().map(|t| format!("t{t}")).collect::<Vec<_>>().join(" ")
+}
+
+fn request(prompt: &[u32], max_new_tokens: usize) -> Request {
+    Request {
+        prompt: Some(text(prompt)),
+        options: GenerationOptions { max_new_tokens, ..Default::default() },
+        ..Default::default()
+    }
+}
+
+fn engine(opts: EngineOptions, delay: Duration) -> (Engine, Arc<Mutex<Log>>) {
+    let (stub, log) = Stub::new(delay);
+    (Engine::from_family(Box::new(stub), "stub", opts).unwrap(), log)
+}
+
+fn prompt(len: usize, seed: u32) -> Vec<u32> {
+    (0..len as u32).map(|i| (i * 7 + seed) % VOCAB as u32).collect()
+}
+
+#[test]
+fn answers_match_the_definition_and_prompts_prefill_in_chunks() {
+    let opts = EngineOptions { prefill_chunk: 4, prefix_cache: false, ..Default::default() };
+    let (e, log) = engine(opts, Duration::ZERO);
+    let p = prompt(10, 3);
+    let c = e.generate(&request(&p, 12), &mut |_| true).unwrap();
+    assert_eq!(c.token_ids, expected(&p, 12));
+    assert_eq!(c.finish, Finish::Length);
+    assert_eq!(log.lock().unwrap().prefills, [(0, 4), (4, 8), (8, 10)]);
+}
+
+#[test]
+fn a_long_prompt_prefills_between_the_decode_steps_of_a_running_answer() {
+    let opts = EngineOptions { prefill_chunk: 8, prefix_cache: false, ..Default::default() };
+    let (e, log) = engine(opts, Duration::from_millis(5));
+    let (short, long) = (prompt(4, 1), prompt(64, 2));
+    std::thread::scope(|s| {
+        let a = s.spawn(|| e.generate(&request(&short, 100), &mut |_| true).unwrap());
+        // The long prompt arrives once the short answer streams.
+        while log.lock().unwrap().steps.is_empty() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let b = s.spawn(|| e.generate(&request(&long, 4), &mut |_| true).unwrap());
+        assert_eq!(a.join().unwrap().token_ids, expected(&short, 100));
+        assert_eq!(b.join().unwrap().token_ids, expected(&long, 4));
+    });
+    let log = log.lock().unwrap();
+    let chunks: Vec<usize> =
+        log.calls.iter().enumerate().filter(|(_, c)| c.is_some_and(|(s, e)| e - s == 8)).map(|(i, _)| i).collect();
+    assert_eq!(chunks.len(), 8, "the 64-token prompt in 8 chunks: {:?}", log.prefills);
+    // The running answer decoded between the chunks: no chunk follows another directly.
+    for w in chunks.windows(2) {
+        assert!(log.calls[w[0] + 1..w[1]].iter().any(Option::is_none), "chunks back to back: {:?}", log.calls);
+    }
+}
+
+#[test]
+fn preemption_recomputes_and_every_answer_stays_exact() {
+    // Room for 5 blocks of 64 positions: three sequences growing to 150 positions each cannot
+    // all stay, so the latest admitted are preempted and prefilled again later.
+    let budget = 5 * 64 * PER_POSITION + SLACK;
+    let opts = EngineOptions { kv_cache_bytes: budget, prefix_cache: false, parallel: 3, ..Default::default() };
+    let (e, _) = engine(opts, Duration::from_millis(1));
+    let prompts: Vec<_> = (0..3).map(|i| prompt(20, i)).collect();
+    let answers: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let e = &e;
+                s.spawn(move || e.generate(&request(p, 130), &mut |_| true).unwrap())
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (p, c) in prompts.iter().zip(&answers) {
+        assert_eq!(c.token_ids, expected(p, 130));
+        assert_eq!(c.finish, Finish::Length);
+    }
+    let stats = e.stats();
+    assert!(stats.preemptions > 0, "no preemption happened: {stats:?}");
+}
+
+#[test]
+fn a_prompt_that_can_never_fit_the_kv_budget_is_refused_and_one_that_cannot_fit_now_waits() {
+    let opts = EngineOptions { kv_cache_bytes: 64 * PER_POSITION + SLACK, prefix_cache: false, ..Default::default() };
+    let (e, log) = engine(opts, Duration::from_millis(2));
+    let err = e.generate(&request(&prompt(64, 0), 4), &mut |_| true).unwrap_err();
+    assert!(matches!(err, Error::Limit { kind: vl_models::limits::LimitKind::KvCache, .. }), "{err}");
+    // Two that fit one at a time: both answer, never decoded together.
+    let (a, b) = (prompt(10, 1), prompt(10, 2));
+    std::thread::scope(|s| {
+        let ha = s.spawn(|| e.generate(&request(&a, 20), &mut |_| true).unwrap());
+        let hb = s.spawn(|| e.generate(&request(&b, 20), &mut |_| true).unwrap());
+        let (ca, cb) = (ha.join().unwrap(), hb.join().unwrap());
+        // Each holds up to 31 positions of one 64-position block; two blocks exceed the budget.
+        assert_eq!(ca.token_ids, expected(&a, 20));
+        assert_eq!(cb.token_ids, expected(&b, 20));
+    });
+    assert!(log.lock().unwrap().steps.iter().all(|&rows| rows == 1));
+}
+
+#[test]
+fn n_choices_fork_one_prefill() {
+    let opts = EngineOptions { prefix_cache: false, ..Default::default() };
+    let (e, log) = engine(opts, Duration::ZERO);
+    let p = prompt(12, 5);
+    let all = e.generate_n(&request(&p, 9), 3, &mut |_, _, _| true).unwrap();
+    assert_eq!(all.len(), 3);
+    for c in &all {
+        assert_eq!(c.token_ids, expected(&p, 9));
+    }
+    let prefilled: usize = log.lock().unwrap().prefills.iter().map(|(s, e)| e - s).sum();
+    assert_eq!(prefilled, 12, "the prompt is prefilled once for all three choices");
+}
+
+#[test]
+fn cancelling_one_answer_leaves_the_others_running() {
+    let opts = EngineOptions { prefix_cache: false, ..Default::default() };
+    let (e, _) = engine(opts, Duration::from_millis(2));
+    let (a, b) = (prompt(6, 1), prompt(6, 2));
+    std::thread::scope(|s| {
+        let hb = s.spawn(|| e.generate(&request(&b, 60), &mut |_| true).unwrap());
+        let mut pieces = 0;
+        let ca = e
+            .generate(&request(&a, 60), &mut |_| {
+                pieces += 1;
+                pieces < 5
+            })
+            .unwrap();
+        assert_eq!(ca.finish, Finish::Cancelled);
+        assert!(ca.token_ids.len() < 60);
+        assert_eq!(ca.token_ids, expected(&a, ca.token_ids.len()));
+        let cb = hb.join().unwrap();
+        assert_eq!((cb.finish, cb.token_ids), (Finish::Length, expected(&b, 60)));
+    });
+}
+
+#[test]
+fn a_kept_prefix_comes_back_from_the_last_recurrent_snapshot_it_shares() {
+    let opts = EngineOptions { prefill_chunk: 4, ..Default::default() };
+    let (e, log) = engine(opts, Duration::ZERO);
+    let first = prompt(10, 4);
+    let c = e.generate(&request(&first, 3), &mut |_| true).unwrap();
+    assert_eq!(c.token_ids, expected(&first, 3));
+    // Snapshots were kept at 4, 8 and 10 (chunk ends) and 13 (the end). A prompt sharing the
+    // first 9 tokens restores the state at 8, not 9: a recurrent state cannot be cut.
+    let mut second = first[..9].to_vec();
+    second.extend([1, 2, 3]);
+    log.lock().unwrap().prefills.clear();
+    let c = e.generate(&request(&second, 5), &mut |_| true).unwrap();
+    assert_eq!(c.cached_tokens, 8);
+    assert_eq!(c.token_ids, expected(&second, 5));
+    assert_eq!(log.lock().unwrap().prefills, [(8, 12)]);
+    // The conversation goes on: the whole kept state serves the next turn.
+    let mut third = second.clone();
+    third.extend(&c.token_ids);
+    third.extend([7, 7]);
+    let c = e.generate(&request(&third, 2), &mut |_| true).unwrap();
+    // What the kept state holds: the prompt and the 4 answer tokens fed (the 5th was picked,
+    // never fed).
+    assert_eq!(c.cached_tokens, second.len() + 4);
+    assert_eq!(c.token_ids, expected(&third, 2));
+}
