@@ -300,7 +300,7 @@ fn requests_decoded_together_answer_as_each_would_alone() {
 fn the_kv_budget_refuses_what_cannot_fit_and_queues_what_cannot_fit_yet() {
     let g = "tiny-a";
     let probe = engine_with(g, cold(1));
-    let per_position = probe.family().kv_bytes_per_position();
+    let per_position = probe.generator().unwrap().kv_bytes_per_position();
     let block = vl_nn::kv_cache::BLOCK;
     let req = golden_request("one_image", 40);
     let alone = probe.generate(&req, &mut |_| true).unwrap();
@@ -488,7 +488,7 @@ fn a_preempted_answer_of_media_placeholder_ids_is_recomputed_as_text() {
     let tok = probe.family().tokenizer();
     let pad = |t: &str| tok.token_to_id(t).unwrap_or_else(|| panic!("{t} is not in the vocabulary"));
     let (image_pad, video_pad) = (pad("<|image_pad|>"), pad("<|video_pad|>"));
-    let per_position = probe.family().kv_bytes_per_position();
+    let per_position = probe.generator().unwrap().kv_bytes_per_position();
     let block = vl_nn::kv_cache::BLOCK;
     let max = 40;
     let cases: Vec<(Request, Vec<(u32, f32)>)> = [
@@ -695,7 +695,7 @@ fn mask_timing_changes_no_answer_and_a_panicking_caller_frees_its_slot() {
         r
     };
     let alone = probe.generate(&golden_request("text_only", 1), &mut |_| true).unwrap();
-    let per_position = probe.family().kv_bytes_per_position();
+    let per_position = probe.generator().unwrap().kv_bytes_per_position();
     let budget = vl_nn::kv_cache::blocks_for(alone.prompt_tokens + 1) * per_position;
     let e = engine_with(g, EngineOptions { kv_cache_bytes: budget, ..cold(1) });
     let answers: Vec<_> = (0..6).map(|_| e.generate(&req, &mut |_| true).unwrap()).collect();

@@ -14,7 +14,7 @@ use std::time::Duration;
 use candle_core::{Device, Tensor};
 use tokenizers::Tokenizer;
 use vl_models::engine::{Engine, EngineOptions, Finish, Request};
-use vl_models::family::{Family, Identity, ImageSizing, Prepared, Sizing};
+use vl_models::family::{Family, Generator, Identity, ImageSizing, PoolInput, Pooled, Pooler, Prepared, Sizing, Task};
 use vl_models::media::{Media, VisionOutput};
 use vl_models::request::VideoReport;
 use vl_models::sampling::GenerationOptions;
@@ -98,29 +98,20 @@ impl Stub {
 }
 
 impl Family for Stub {
+    fn task(&self) -> Task<'_> {
+        Task::Generate(self)
+    }
     fn name(&self) -> &'static str {
         "stub"
     }
     fn context(&self) -> usize {
         self.context
     }
-    fn eos_token_ids(&self) -> &[u32] {
-        &[]
-    }
     fn vocab_size(&self) -> usize {
         VOCAB
     }
     fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
-    }
-    fn kv_bytes_per_position(&self) -> usize {
-        PER_POSITION
-    }
-    fn fixed_state_bytes(&self) -> usize {
-        FIXED
-    }
-    fn new_state(&self) -> SeqState {
-        SeqState::new(vec![LayerState::Kv(Default::default()), LayerState::Recurrent(Recurrent::default())])
     }
     fn prepare(&self, req: &Request) -> Result<Prepared> {
         let options = GenerationOptions { eos_token_ids: vec![], ..req.options.clone() };
@@ -145,6 +136,31 @@ impl Family for Stub {
     }
     fn encode(&self, _: &Media) -> Result<VisionOutput> {
         Err(Error::Input { what: "media".into(), message: "the stub has no vision tower".into() })
+    }
+    fn storage(&self) -> Vec<(String, String, usize)> {
+        vec![]
+    }
+    fn image_sizing(&self, _: usize, _: usize) -> Result<ImageSizing> {
+        let none = Sizing { resized: (0, 0), tokens: 0 };
+        Ok(ImageSizing { ours: none, checkpoint: none })
+    }
+    fn checkpoint_video_sizing(&self, _: &VideoReport) -> Option<Sizing> {
+        None
+    }
+}
+
+impl Generator for Stub {
+    fn eos_token_ids(&self) -> &[u32] {
+        &[]
+    }
+    fn kv_bytes_per_position(&self) -> usize {
+        PER_POSITION
+    }
+    fn fixed_state_bytes(&self) -> usize {
+        FIXED
+    }
+    fn new_state(&self) -> SeqState {
+        SeqState::new(vec![LayerState::Kv(Default::default()), LayerState::Recurrent(Recurrent::default())])
     }
     fn prefill(
         &self,
@@ -175,16 +191,6 @@ impl Family for Stub {
             rows.extend(self.feed(s, &[*t])?);
         }
         Ok(Tensor::from_vec(rows, (tokens.len(), VOCAB), &Device::Cpu)?)
-    }
-    fn storage(&self) -> Vec<(String, String, usize)> {
-        vec![]
-    }
-    fn image_sizing(&self, _: usize, _: usize) -> Result<ImageSizing> {
-        let none = Sizing { resized: (0, 0), tokens: 0 };
-        Ok(ImageSizing { ours: none, checkpoint: none })
-    }
-    fn checkpoint_video_sizing(&self, _: &VideoReport) -> Option<Sizing> {
-        None
     }
 }
 
@@ -361,4 +367,115 @@ fn a_kept_prefix_comes_back_from_the_last_recurrent_snapshot_it_shares() {
     // never fed).
     assert_eq!(c.cached_tokens, second.len() + 4);
     assert_eq!(c.token_ids, expected(&third, 2));
+}
+
+/// The same stub as a pooling model: each prompt becomes [sum of its tokens, its length], or (as
+/// a reranker) one score, their ratio. It counts its calls and the rows of each.
+struct StubPooler {
+    inner: Stub,
+    score: bool,
+    batches: Arc<Mutex<Vec<usize>>>,
+}
+
+impl Family for StubPooler {
+    fn name(&self) -> &'static str {
+        "stub-pooler"
+    }
+    fn context(&self) -> usize {
+        self.inner.context
+    }
+    fn vocab_size(&self) -> usize {
+        VOCAB
+    }
+    fn tokenizer(&self) -> &Tokenizer {
+        &self.inner.tokenizer
+    }
+    fn task(&self) -> Task<'_> {
+        Task::Pool(self)
+    }
+    fn prepare(&self, req: &Request) -> Result<Prepared> {
+        self.inner.prepare(req)
+    }
+    fn encode(&self, m: &Media) -> Result<VisionOutput> {
+        self.inner.encode(m)
+    }
+    fn storage(&self) -> Vec<(String, String, usize)> {
+        vec![]
+    }
+    fn image_sizing(&self, w: usize, h: usize) -> Result<ImageSizing> {
+        self.inner.image_sizing(w, h)
+    }
+    fn checkpoint_video_sizing(&self, v: &VideoReport) -> Option<Sizing> {
+        self.inner.checkpoint_video_sizing(v)
+    }
+}
+
+impl Pooler for StubPooler {
+    fn pooled(&self) -> Pooled {
+        if self.score {
+            Pooled::Score
+        } else {
+            Pooled::Embedding { dims: 2 }
+        }
+    }
+    fn pool(&self, inputs: &[PoolInput<'_>]) -> Result<Vec<Vec<f32>>> {
+        self.batches.lock().unwrap().push(inputs.len());
+        // Long enough that callers arriving meanwhile queue up for the next call.
+        std::thread::sleep(Duration::from_millis(100));
+        Ok(inputs
+            .iter()
+            .map(|i| {
+                let sum = i.ids.iter().map(|&t| t as f32).sum::<f32>();
+                let len = i.ids.len() as f32;
+                if self.score {
+                    vec![sum / len]
+                } else {
+                    vec![sum, len]
+                }
+            })
+            .collect())
+    }
+}
+
+fn pooler(score: bool) -> (Engine, Arc<Mutex<Vec<usize>>>) {
+    let batches = Arc::new(Mutex::new(vec![]));
+    let stub = StubPooler { inner: Stub::new(Duration::ZERO).0, score, batches: batches.clone() };
+    (Engine::from_family(Box::new(stub), "stub-pooler", EngineOptions::default()).unwrap(), batches)
+}
+
+#[test]
+fn a_pooling_model_pools_in_batches_and_refuses_to_generate() {
+    let (e, batches) = pooler(false);
+    assert_eq!(e.pooled(), Some(Pooled::Embedding { dims: 2 }));
+    let reqs: Vec<Request> = (0..3).map(|i| request(&prompt(5 + i, i as u32), 1)).collect();
+    let out = e.pool(&reqs).unwrap();
+    for (i, o) in out.iter().enumerate() {
+        let p = prompt(5 + i, i as u32);
+        assert_eq!(o.values, [p.iter().sum::<u32>() as f32, p.len() as f32]);
+        assert_eq!(o.prompt_tokens, p.len());
+    }
+    // Callers at once share calls: 6 callers' prompts in fewer than 6 calls.
+    batches.lock().unwrap().clear();
+    std::thread::scope(|s| {
+        for i in 0..6u32 {
+            let e = &e;
+            s.spawn(move || {
+                let p = prompt(8, i);
+                let out = e.pool(&[request(&p, 1)]).unwrap();
+                assert_eq!(out[0].values[0], p.iter().sum::<u32>() as f32);
+            });
+        }
+    });
+    let calls = batches.lock().unwrap().clone();
+    assert_eq!(calls.iter().sum::<usize>(), 6);
+    assert!(calls.len() < 6, "no two callers were pooled together: {calls:?}");
+    // It writes no text; a generating model pools nothing.
+    let err = e.generate(&request(&[1, 2], 3), &mut |_| true).unwrap_err();
+    assert!(err.to_string().contains("is an embedding model: it pools prompts"), "{err}");
+    let (g, _) = engine(EngineOptions::default(), Duration::ZERO);
+    assert_eq!(g.pooled(), None);
+    let err = g.pool(&[request(&[1], 1)]).unwrap_err();
+    assert!(err.to_string().contains("generates text and does not pool"), "{err}");
+    let (r, _) = pooler(true);
+    assert_eq!(r.pool(&[request(&[2, 4], 1)]).unwrap()[0].values, [3.0]);
 }

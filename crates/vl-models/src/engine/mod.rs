@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use crate::cache::ByteLru;
 use crate::constraint::{Compiler, Guide};
 use crate::error::{Error, Result};
-use crate::family::{Family, Prepared, Source};
+use crate::family::{Family, Generator, Pooled, Prepared, Source, Task};
 pub use crate::family::{ModelOptions, DEFAULT_MAX_IMAGE_TOKENS, DEFAULT_MAX_VIDEO_PIXELS};
 use crate::limits::LimitKind;
 use crate::media::VisionOutput;
@@ -209,8 +209,28 @@ impl Engine {
         self.shared.family.context()
     }
 
+    /// The ids that end an answer (none for a model that pools).
     pub fn eos_token_ids(&self) -> &[u32] {
-        self.shared.family.eos_token_ids()
+        match self.shared.family.task() {
+            Task::Generate(g) => g.eos_token_ids(),
+            Task::Pool(_) => &[],
+        }
+    }
+
+    /// The model's generating half (None for a model that pools).
+    pub fn generator(&self) -> Option<&dyn Generator> {
+        match self.shared.family.task() {
+            Task::Generate(g) => Some(g),
+            Task::Pool(_) => None,
+        }
+    }
+
+    /// What each pooled row is, for a model that pools (None for one that generates).
+    pub fn pooled(&self) -> Option<Pooled> {
+        match self.shared.family.task() {
+            Task::Pool(p) => Some(p.pooled()),
+            Task::Generate(_) => None,
+        }
     }
 
     pub fn options(&self) -> &EngineOptions {
@@ -263,16 +283,52 @@ impl Engine {
             return Err(Error::Input { what: "n".into(), message: format!("{n} is outside 1..={MAX_CHOICES}") });
         }
         let t0 = Instant::now();
+        let generator = generator(&*self.shared.family)?;
         // Cheap checks first: text that cannot fit costs no tokenizing.
         check_text_fits(&*self.shared.family, &self.shared.longest_token, req)?;
         // The constraint compiles first: a bad schema costs no media decoding.
         // Compiled once, its first token mask computed here (bounded), copied per choice.
-        let guides = guides(&*self.shared.family, &self.shared.compiler, req, n)?;
+        let guides = guides(&*self.shared.family, generator, &self.shared.compiler, req, n)?;
         let prepared = self.shared.family.prepare(req)?;
-        check_fits(&*self.shared.family, self.shared.opts.kv_cache_bytes, &prepared)?;
+        check_fits(generator, self.shared.opts.kv_cache_bytes, &prepared)?;
         let s = &self.shared;
         let encoded = encode(&*s.family, &prepared, &s.features, &s.vision)?;
         self.run(prepared, encoded, guides, req, on, t0)
+    }
+
+    /// Pools each request's prompt into one row (an embedding model's vector, a reranker's
+    /// score: `pooled`), in order. The prompts are prepared and their media encoded here (the
+    /// feature cache serves repeats), then pooled by the scheduler in batches with other
+    /// callers' prompts. An error names the request it is about (`inputs[i]`).
+    pub fn pool(&self, reqs: &[Request]) -> Result<Vec<PoolOutput>> {
+        if let Task::Generate(_) = self.shared.family.task() {
+            return Err(Error::Input {
+                what: "model".into(),
+                message: format!(
+                    "{} generates text and does not pool: load an embedding or reranker checkpoint",
+                    self.shared.family.name()
+                ),
+            });
+        }
+        let at = |i: usize| move |e: Error| e.rename_input(|w| format!("inputs[{i}]: {w}"));
+        let mut jobs = Vec::with_capacity(reqs.len());
+        for (i, req) in reqs.iter().enumerate() {
+            check_text_fits(&*self.shared.family, &self.shared.longest_token, req).map_err(at(i))?;
+            if req.constraint.is_some() {
+                return Err(at(i)(Error::Input {
+                    what: "constraint".into(),
+                    message: "a pooling model writes no answer to constrain".into(),
+                }));
+            }
+            let prepared = self.shared.family.prepare(req).map_err(at(i))?;
+            let s = &self.shared;
+            let encoded = encode(&*s.family, &prepared, &s.features, &s.vision).map_err(at(i))?;
+            jobs.push((prepared, encoded));
+        }
+        let (tx, rx) = mpsc::channel();
+        let job = scheduler::PoolJob { inputs: jobs, reply: tx };
+        self.tx.as_ref().ok_or_else(stopped)?.send(Command::Pool(Box::new(job))).map_err(|_| stopped())?;
+        rx.recv().map_err(|_| stopped())?
     }
 
     /// Hands a prepared request to the scheduler and relays its stream.
@@ -355,9 +411,10 @@ impl Engine {
         req: &Request,
         on: &mut dyn FnMut(&Delta<'_>) -> bool,
     ) -> Result<OneShot> {
+        let generator = generator(&*family)?;
         check_text_fits(&*family, &std::sync::OnceLock::new(), req)?;
         // The constraint compiles first (a bad schema costs nothing else).
-        let guide = guides(&*family, &CompilerCell::new(), req, 1)?.remove(0);
+        let guide = guides(&*family, generator, &CompilerCell::new(), req, 1)?.remove(0);
         let t0 = Instant::now();
         let media = req.messages.iter().flat_map(|m| &m.parts).filter(|p| !matches!(p, Part::Text(_))).count();
         if media > 0 {
@@ -369,7 +426,7 @@ impl Engine {
         }
         let media_time = t0.elapsed();
         // Cheap checks first: the prompt's KV cache against the budget, before any weight.
-        check_fits(&*family, opts.kv_cache_bytes, &prepared)?;
+        check_fits(generator, opts.kv_cache_bytes, &prepared)?;
         let mut encoded = Encoded::default();
         if !prepared.media.is_empty() {
             family.load_vision()?;
@@ -438,11 +495,17 @@ type CompilerCell = std::sync::OnceLock<std::result::Result<Arc<Compiler>, Strin
 /// `req`'s constraint compiled for `family`, one guide per answer (`n`; all None without a
 /// constraint), each holding its first token mask; the error names the field (`tool_choice` for
 /// tool calls, `response_format` otherwise). The compiler is in `cell` (built once).
-fn guides(family: &dyn Family, cell: &CompilerCell, req: &Request, n: usize) -> Result<Vec<Option<Guide>>> {
+fn guides(
+    family: &dyn Family,
+    generator: &dyn Generator,
+    cell: &CompilerCell,
+    req: &Request,
+    n: usize,
+) -> Result<Vec<Option<Guide>>> {
     let Some(c) = &req.constraint else { return Ok((0..n).map(|_| None).collect()) };
     let compiler = cell
         .get_or_init(|| {
-            Compiler::new(family.tokenizer(), family.vocab_size(), family.eos_token_ids())
+            Compiler::new(family.tokenizer(), family.vocab_size(), generator.eos_token_ids())
                 .map(Arc::new)
                 .map_err(|e| e.to_string())
         })
@@ -456,7 +519,7 @@ fn guides(family: &dyn Family, cell: &CompilerCell, req: &Request, n: usize) -> 
 }
 
 /// Refuses a prompt whose KV cache alone exceeds `budget` bytes (it could never run).
-fn check_fits(family: &dyn Family, budget: usize, p: &Prepared) -> Result<()> {
+fn check_fits(family: &dyn Generator, budget: usize, p: &Prepared) -> Result<()> {
     let need =
         vl_nn::kv_cache::blocks_for(p.ids.len() + 1) * family.kv_bytes_per_position() + family.fixed_state_bytes();
     if need > budget {
@@ -520,6 +583,34 @@ impl Drop for Engine {
             let _ = w.join();
         }
     }
+}
+
+/// The family's generator, or an error saying that the model pools.
+fn generator(family: &dyn Family) -> Result<&dyn Generator> {
+    match family.task() {
+        Task::Generate(g) => Ok(g),
+        Task::Pool(p) => Err(Error::Input {
+            what: "model".into(),
+            message: format!(
+                "{} is {} model: it pools prompts (Engine::pool) and does not generate text",
+                family.name(),
+                match p.pooled() {
+                    Pooled::Embedding { .. } => "an embedding",
+                    Pooled::Score => "a reranker",
+                }
+            ),
+        }),
+    }
+}
+
+/// One pooled prompt: its row and its token counts.
+#[derive(Debug, Clone)]
+pub struct PoolOutput {
+    /// The embedding (`Pooled::Embedding`) or the one score (`Pooled::Score`).
+    pub values: Vec<f32>,
+    pub prompt_tokens: usize,
+    pub image_tokens: usize,
+    pub video_tokens: usize,
 }
 
 /// A request's media features and what encoding them took.

@@ -30,7 +30,7 @@ use super::stop::StopFilter;
 use super::{lock, Completion, Encoded, EngineStats, Finish, Shared};
 use crate::constraint::{Guide, MaskTask};
 use crate::error::Result;
-use crate::family::{Family, Identity, Prepared};
+use crate::family::{Family, Generator, Identity, PoolInput, Pooler, Prepared, Task};
 use crate::reasoning::Split;
 use crate::sampling::{TokenLogprob, TokenPicker};
 use crate::state::SeqState;
@@ -42,7 +42,18 @@ pub(crate) const MAX_UNREAD: usize = 16;
 
 pub(crate) enum Command {
     Submit(Box<Job>),
+    Pool(Box<PoolJob>),
 }
+
+/// Prompts to pool (a pooling model's request), each prepared and its media encoded; the rows
+/// go back on `reply` in order.
+pub(crate) struct PoolJob {
+    pub inputs: Vec<(Prepared, Encoded)>,
+    pub reply: mpsc::Sender<Result<Vec<super::PoolOutput>>>,
+}
+
+/// Prompt positions pooled in one call at most, jobs together (one job alone may exceed it).
+const POOL_BATCH_TOKENS: usize = 16_384;
 
 /// One `Done` per request, after its texts: its size is no concern.
 #[allow(clippy::large_enum_variant)]
@@ -366,6 +377,7 @@ fn orphan_forks(seq: &mut Seq<'_>, why: &str) {
 
 struct Scheduler<'f> {
     family: &'f dyn Family,
+    generator: &'f dyn Generator,
     shared: &'f Shared,
     waiting: VecDeque<Seq<'f>>,
     running: Vec<Seq<'f>>,
@@ -383,14 +395,19 @@ struct Scheduler<'f> {
 /// The scheduler thread's body: runs until the engine closes the queue and nothing is left.
 pub(crate) fn run(shared: &Shared, rx: mpsc::Receiver<Command>) {
     let family = &*shared.family;
+    let generator = match family.task() {
+        Task::Generate(g) => g,
+        Task::Pool(p) => return run_pooling(p, &rx),
+    };
     let mut s = Scheduler {
         family,
+        generator,
         shared,
         waiting: VecDeque::new(),
         running: Vec::new(),
         store: PrefixStore::default(),
-        per_position: family.kv_bytes_per_position().max(1),
-        fixed: family.fixed_state_bytes(),
+        per_position: generator.kv_bytes_per_position().max(1),
+        fixed: generator.fixed_state_bytes(),
         admissions: 0,
         decode_steps: 0,
         decode_rows: 0,
@@ -399,12 +416,12 @@ pub(crate) fn run(shared: &Shared, rx: mpsc::Receiver<Command>) {
     loop {
         if s.waiting.is_empty() && s.running.is_empty() {
             match rx.recv() {
-                Ok(Command::Submit(job)) => s.waiting.push_back(Seq::new(job, family)),
+                Ok(c) => s.take(c),
                 Err(_) => return,
             }
         }
-        while let Ok(Command::Submit(job)) = rx.try_recv() {
-            s.waiting.push_back(Seq::new(job, family));
+        while let Ok(c) = rx.try_recv() {
+            s.take(c);
         }
         s.drop_cancelled();
         s.admit();
@@ -416,7 +433,7 @@ pub(crate) fn run(shared: &Shared, rx: mpsc::Receiver<Command>) {
             // Every running sequence waits (for its mask, or for its caller to read): wait for
             // a new request or a moment, then look again.
             match rx.recv_timeout(Duration::from_millis(2)) {
-                Ok(Command::Submit(job)) => s.waiting.push_back(Seq::new(job, family)),
+                Ok(c) => s.take(c),
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) if s.running.is_empty() && s.waiting.is_empty() => return,
                 Err(mpsc::RecvTimeoutError::Disconnected) => std::thread::sleep(Duration::from_millis(2)),
@@ -425,7 +442,90 @@ pub(crate) fn run(shared: &Shared, rx: mpsc::Receiver<Command>) {
     }
 }
 
+/// The loop of a pooling model: the prompts waiting when it looks (up to `POOL_BATCH_TOKENS`
+/// positions) go through the model in one call; each job gets its rows.
+fn run_pooling(pooler: &dyn Pooler, rx: &mpsc::Receiver<Command>) {
+    let mut waiting: VecDeque<Box<PoolJob>> = VecDeque::new();
+    loop {
+        if waiting.is_empty() {
+            match rx.recv() {
+                Ok(c) => waiting.push_back(pool_job(c)),
+                Err(_) => return,
+            }
+        }
+        while let Ok(c) = rx.try_recv() {
+            waiting.push_back(pool_job(c));
+        }
+        let mut batch = vec![waiting.pop_front().expect("one waits")];
+        let mut tokens: usize = batch[0].inputs.iter().map(|(p, _)| p.ids.len()).sum();
+        while let Some(next) = waiting.front() {
+            let more: usize = next.inputs.iter().map(|(p, _)| p.ids.len()).sum();
+            if tokens + more > POOL_BATCH_TOKENS {
+                break;
+            }
+            tokens += more;
+            batch.push(waiting.pop_front().expect("front exists"));
+        }
+        let inputs: Vec<PoolInput<'_>> = batch
+            .iter()
+            .flat_map(|j| &j.inputs)
+            .map(|(p, e)| PoolInput { ids: &p.ids, media: &p.media, features: &e.features })
+            .collect();
+        let pooled = pooler.pool(&inputs);
+        drop(inputs);
+        let mut rows = match pooled {
+            Ok(rows) if rows.len() == batch.iter().map(|j| j.inputs.len()).sum::<usize>() => Ok(rows.into_iter()),
+            Ok(rows) => Err(format!("the model pooled {} rows for {} prompts", rows.len(), tokens)),
+            Err(e) => Err(e.to_string()),
+        };
+        for job in batch {
+            let answer = match &mut rows {
+                Ok(rows) => Ok(job
+                    .inputs
+                    .iter()
+                    .zip(rows.by_ref())
+                    .map(|((p, _), values)| super::PoolOutput {
+                        values,
+                        prompt_tokens: p.ids.len(),
+                        image_tokens: p.image_tokens,
+                        video_tokens: p.video_tokens,
+                    })
+                    .collect()),
+                Err(why) => Err(crate::Error::Internal { message: format!("pooling failed: {why}") }),
+            };
+            let _ = job.reply.send(answer);
+        }
+    }
+}
+
+/// A command to a pooling model's loop: a generation request is answered with an error.
+fn pool_job(c: Command) -> Box<PoolJob> {
+    match c {
+        Command::Pool(job) => job,
+        Command::Submit(job) => {
+            let _ = job.events.send(Event::Done(
+                job.choice,
+                Err(crate::Error::Internal { message: "a pooling model got a generation request".into() }),
+            ));
+            Box::new(PoolJob { inputs: vec![], reply: mpsc::channel().0 })
+        }
+    }
+}
+
 impl<'f> Scheduler<'f> {
+    /// Queues a command: a request joins the waiting line; pooling is refused (this model
+    /// generates; the engine refuses it before it gets here).
+    fn take(&mut self, c: Command) {
+        match c {
+            Command::Submit(job) => self.waiting.push_back(Seq::new(job, self.family)),
+            Command::Pool(job) => {
+                let _ = job
+                    .reply
+                    .send(Err(crate::Error::Internal { message: "a generating model got prompts to pool".into() }));
+            }
+        }
+    }
+
     fn budget(&self) -> usize {
         self.shared.opts.kv_cache_bytes
     }
@@ -515,7 +615,7 @@ impl<'f> Scheduler<'f> {
                         seq.cached_tokens = common;
                     }
                 }
-                Ok(None) => seq.state = self.family.new_state(),
+                Ok(None) => seq.state = self.generator.new_state(),
                 Err(e) => {
                     self.fail(seq, e);
                     continue;
@@ -577,7 +677,7 @@ impl<'f> Scheduler<'f> {
         let p = &seq.job.prepared;
         crate::progress::report("prefill", "tokens", seq.state.len(), seq.ids.len());
         let result =
-            self.family.prefill(&seq.ids, seq.prompt_len, &p.media, &seq.job.encoded.features, &mut seq.state, end);
+            self.generator.prefill(&seq.ids, seq.prompt_len, &p.media, &seq.job.encoded.features, &mut seq.state, end);
         crate::progress::report("prefill", "tokens", end, seq.ids.len());
         // A point a later prompt sharing this prefix may restore (recurrent layers' snapshots).
         if result.is_ok() {
@@ -729,7 +829,7 @@ impl<'f> Scheduler<'f> {
         let tokens: Vec<u32> = rows.iter().map(|&i| self.running[i].pending.expect("filtered")).collect();
         let mut states: Vec<&mut SeqState> =
             self.running.iter_mut().enumerate().filter(|(i, _)| rows.contains(i)).map(|(_, s)| &mut s.state).collect();
-        let logits = self.family.decode(&tokens, &mut states).and_then(|l| Ok(l.to_vec2::<f32>()?));
+        let logits = self.generator.decode(&tokens, &mut states).and_then(|l| Ok(l.to_vec2::<f32>()?));
         drop(states);
         self.decode_steps += 1;
         self.decode_rows += rows.len() as u64;

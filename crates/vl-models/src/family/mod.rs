@@ -131,26 +131,20 @@ pub struct ImageSizing {
 }
 
 /// A loaded model of one family, as the engine drives it. Every method takes `&self`: the
-/// engine's scheduler thread owns the sequences' states and calls in turn.
+/// engine's scheduler thread owns the sequences' states and calls in turn. What is common to
+/// every kind of model is here: the request made into a prompt, the media encoded, the
+/// tokenizer; what the model then does with a prompt is its `task`.
 pub trait Family: Send + Sync {
     /// The family's name, as the registry lists it.
     fn name(&self) -> &'static str;
     /// The model's context in tokens.
     fn context(&self) -> usize;
-    fn eos_token_ids(&self) -> &[u32];
     /// Rows of the logits a step returns (at least the tokenizer's vocabulary).
     fn vocab_size(&self) -> usize;
     fn tokenizer(&self) -> &Tokenizer;
-    /// KV cache bytes one position of one sequence takes (0 for a family without attention
-    /// layers).
-    fn kv_bytes_per_position(&self) -> usize;
-    /// Bytes one sequence's state takes whatever its length: its recurrent layers' states (0 for
-    /// a family of attention layers only). Counted with the KV blocks at admission.
-    fn fixed_state_bytes(&self) -> usize {
-        0
-    }
-    /// An empty state for one sequence: a `LayerState` per decoder layer.
-    fn new_state(&self) -> SeqState;
+    /// What the model does with a prepared prompt: generate text, or pool it into a vector or
+    /// a score.
+    fn task(&self) -> Task<'_>;
     /// Checks a request (options, media headers and budgets, the prompt's length against the
     /// context: cheap checks before any pixel is decoded), then reads its media and tokenizes it.
     fn prepare(&self, req: &Request) -> Result<Prepared>;
@@ -166,22 +160,6 @@ pub trait Family: Send + Sync {
     fn finish_loading(&self) -> Result<()> {
         Ok(())
     }
-    /// Prefills `ids[state.len()..end]` into `state`; `features[i]` are `media[i]`'s (the
-    /// prompt's media in order). `ids[prompt_len..]` are generated tokens (a preempted sequence
-    /// prefilled again): text whatever their value, never media placeholders. Returns the f32
-    /// logits [vocab] of position `end - 1` when `end == ids.len()`.
-    fn prefill(
-        &self,
-        ids: &[u32],
-        prompt_len: usize,
-        media: &[Media],
-        features: &[VisionOutput],
-        state: &mut SeqState,
-        end: usize,
-    ) -> Result<Option<Tensor>>;
-    /// One decoding step for several sequences: `tokens[i]` goes into `states[i]`. Returns f32
-    /// logits [rows, vocab]; row `i` equals that sequence's alone.
-    fn decode(&self, tokens: &[u32], states: &mut [&mut SeqState]) -> Result<Tensor>;
     /// (group, storage, bytes) of the text decoder's weights, for reports.
     fn storage(&self) -> Vec<(String, String, usize)>;
     /// How a `width` x `height` image is sized (the header's size; nothing is decoded).
@@ -204,6 +182,72 @@ pub trait Family: Send + Sync {
     fn reasoning(&self) -> Option<&crate::reasoning::Markers> {
         None
     }
+}
+
+/// What a model does with a prepared prompt.
+#[derive(Clone, Copy)]
+pub enum Task<'a> {
+    /// Generates text token by token (a chat model).
+    Generate(&'a dyn Generator),
+    /// Turns the whole prompt into one vector or score (an embedding or reranker model).
+    Pool(&'a dyn Pooler),
+}
+
+/// A model that generates: sequences prefilled in chunks and decoded in batched steps, each
+/// holding a `SeqState`.
+pub trait Generator: Send + Sync {
+    fn eos_token_ids(&self) -> &[u32];
+    /// KV cache bytes one position of one sequence takes (0 for a family without attention
+    /// layers).
+    fn kv_bytes_per_position(&self) -> usize;
+    /// Bytes one sequence's state takes whatever its length: its recurrent layers' states (0 for
+    /// a family of attention layers only). Counted with the KV blocks at admission.
+    fn fixed_state_bytes(&self) -> usize {
+        0
+    }
+    /// An empty state for one sequence: a `LayerState` per decoder layer.
+    fn new_state(&self) -> SeqState;
+    /// Prefills `ids[state.len()..end]` into `state`; `features[i]` are `media[i]`'s (the
+    /// prompt's media in order). `ids[prompt_len..]` are generated tokens (a preempted sequence
+    /// prefilled again): text whatever their value, never media placeholders. Returns the f32
+    /// logits [vocab] of position `end - 1` when `end == ids.len()`.
+    fn prefill(
+        &self,
+        ids: &[u32],
+        prompt_len: usize,
+        media: &[Media],
+        features: &[VisionOutput],
+        state: &mut SeqState,
+        end: usize,
+    ) -> Result<Option<Tensor>>;
+    /// One decoding step for several sequences: `tokens[i]` goes into `states[i]`. Returns f32
+    /// logits [rows, vocab]; row `i` equals that sequence's alone.
+    fn decode(&self, tokens: &[u32], states: &mut [&mut SeqState]) -> Result<Tensor>;
+}
+
+/// What each pooled row is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooled {
+    /// A vector of this many dimensions (an embedding).
+    Embedding { dims: usize },
+    /// One number: how well the prompt's document answers its query (a reranker).
+    Score,
+}
+
+/// One prompt to pool: its tokens and its media with their features.
+#[derive(Clone, Copy)]
+pub struct PoolInput<'a> {
+    pub ids: &'a [u32],
+    pub media: &'a [Media],
+    pub features: &'a [VisionOutput],
+}
+
+/// A model that pools: each prompt becomes one row (a vector or a score) in one forward pass,
+/// no decoding. The engine batches the prompts that wait together.
+pub trait Pooler: Send + Sync {
+    fn pooled(&self) -> Pooled;
+    /// One row per input, in order (`Pooled::Score`: rows of one value).
+    fn pool(&self, inputs: &[PoolInput<'_>]) -> Result<Vec<Vec<f32>>>;
 }
 
 /// `FamilyEntry::quantize`: (checkpoint directory, recipe, output directory, overwrite, progress)

@@ -17,7 +17,9 @@ use super::{
 };
 use crate::cache::ByteLru;
 use crate::error::{Error, Result};
-use crate::family::{Family, FamilyEntry, Identity, ImageSizing, ModelOptions, Prepared, Sizing, Source};
+use crate::family::{
+    Family, FamilyEntry, Generator, Identity, ImageSizing, ModelOptions, Prepared, Sizing, Source, Task,
+};
 use crate::media::{Media, MediaKind, VisionOutput};
 use crate::request::{ImageReport, Part, Request, VideoData, VideoReport};
 use crate::sampling::GenerationOptions;
@@ -323,6 +325,10 @@ impl Qwen3Vl {
 }
 
 impl Family for Qwen3Vl {
+    fn task(&self) -> Task<'_> {
+        Task::Generate(self)
+    }
+
     fn name(&self) -> &'static str {
         match self.config.text.moe {
             Some(_) => super::config::MOE_MODEL_TYPE,
@@ -334,26 +340,12 @@ impl Family for Qwen3Vl {
         self.config.text.max_position_embeddings
     }
 
-    fn eos_token_ids(&self) -> &[u32] {
-        &self.eos
-    }
-
     fn vocab_size(&self) -> usize {
         self.config.text.vocab_size
     }
 
     fn tokenizer(&self) -> &tokenizers::Tokenizer {
         &self.processor.tokenizer
-    }
-
-    fn kv_bytes_per_position(&self) -> usize {
-        // Keys and values per layer, in the compute dtype (known before the decoder loads).
-        let c = &self.config.text;
-        c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * self.dtype.size_in_bytes()
-    }
-
-    fn new_state(&self) -> SeqState {
-        SeqState::kv(self.config.text.num_hidden_layers)
     }
 
     fn prepare(&self, req: &Request) -> Result<Prepared> {
@@ -379,35 +371,6 @@ impl Family for Qwen3Vl {
         drop(slot);
         crate::alloc::give_back();
         self.load_text().map(|_| ())
-    }
-
-    fn prefill(
-        &self,
-        ids: &[u32],
-        prompt_len: usize,
-        media: &[Media],
-        features: &[VisionOutput],
-        cache: &mut SeqState,
-        end: usize,
-    ) -> Result<Option<Tensor>> {
-        let text = self.text()?;
-        let of = |kind: MediaKind| {
-            let parts: Vec<&VisionOutput> =
-                media.iter().zip(features).filter(|(m, _)| m.kind == kind).map(|(_, f)| f).collect();
-            VisionOutput::concat(&parts)
-        };
-        let (images, videos) = (of(MediaKind::Image), of(MediaKind::Video));
-        let model = super::model::TextSide { cfg: &self.config, text };
-        let prompt = Prompt { input_ids: ids.to_vec(), images: None, videos: None, generated_from: Some(prompt_len) };
-        let out = model.prefill_until(&prompt, images.as_ref(), videos.as_ref(), cache, end, &mut |_, _| {})?;
-        if end < ids.len() {
-            return Ok(None);
-        }
-        Ok(Some(model.last_logits(&out)?))
-    }
-
-    fn decode(&self, tokens: &[u32], caches: &mut [&mut SeqState]) -> Result<Tensor> {
-        super::model::TextSide { cfg: &self.config, text: self.text()? }.decode_rows(tokens, caches)
     }
 
     fn storage(&self) -> Vec<(String, String, usize)> {
@@ -446,6 +409,51 @@ impl Family for Qwen3Vl {
     /// checkpoints write them; their template opens the block in the generation prompt).
     fn reasoning(&self) -> Option<&crate::reasoning::Markers> {
         self.think.as_ref()
+    }
+}
+
+impl Generator for Qwen3Vl {
+    fn eos_token_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    fn kv_bytes_per_position(&self) -> usize {
+        // Keys and values per layer, in the compute dtype (known before the decoder loads).
+        let c = &self.config.text;
+        c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * self.dtype.size_in_bytes()
+    }
+
+    fn new_state(&self) -> SeqState {
+        SeqState::kv(self.config.text.num_hidden_layers)
+    }
+
+    fn prefill(
+        &self,
+        ids: &[u32],
+        prompt_len: usize,
+        media: &[Media],
+        features: &[VisionOutput],
+        cache: &mut SeqState,
+        end: usize,
+    ) -> Result<Option<Tensor>> {
+        let text = self.text()?;
+        let of = |kind: MediaKind| {
+            let parts: Vec<&VisionOutput> =
+                media.iter().zip(features).filter(|(m, _)| m.kind == kind).map(|(_, f)| f).collect();
+            VisionOutput::concat(&parts)
+        };
+        let (images, videos) = (of(MediaKind::Image), of(MediaKind::Video));
+        let model = super::model::TextSide { cfg: &self.config, text };
+        let prompt = Prompt { input_ids: ids.to_vec(), images: None, videos: None, generated_from: Some(prompt_len) };
+        let out = model.prefill_until(&prompt, images.as_ref(), videos.as_ref(), cache, end, &mut |_, _| {})?;
+        if end < ids.len() {
+            return Ok(None);
+        }
+        Ok(Some(model.last_logits(&out)?))
+    }
+
+    fn decode(&self, tokens: &[u32], caches: &mut [&mut SeqState]) -> Result<Tensor> {
+        super::model::TextSide { cfg: &self.config, text: self.text()? }.decode_rows(tokens, caches)
     }
 }
 
