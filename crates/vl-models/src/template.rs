@@ -11,6 +11,18 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::limits::{read_text, MAX_METADATA_FILE_BYTES};
 
+thread_local! {
+    /// Templates this thread has rendered (see `renders_in_this_thread`).
+    static RENDERS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// How many chat templates this thread has rendered: a request's preparation runs in its
+/// caller's thread, so a test reads what one request cost.
+#[doc(hidden)]
+pub fn renders_in_this_thread() -> usize {
+    RENDERS.with(|n| n.get())
+}
+
 /// One part of a message.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "type", rename_all = "lowercase")]
@@ -237,6 +249,7 @@ impl ChatTemplate {
                 .map_err(|e| Error::Input { what: "messages".into(), message: e.to_string() })?,
         );
         o.insert("add_generation_prompt".into(), add_generation_prompt.into());
+        RENDERS.with(|n| n.set(n.get() + 1));
         match RENDERER.get() {
             Some(exe) => self.render_in_child(exe, ctx),
             None => self.render_here(&ctx),

@@ -719,3 +719,14 @@ fn mask_timing_changes_no_answer_and_a_panicking_caller_frees_its_slot() {
     assert_eq!(next.token_ids.len(), 4);
     assert!(t.elapsed() < std::time::Duration::from_secs(5), "the next request waited {:?}", t.elapsed());
 }
+
+/// A request renders its chat template once: the prompt's length is checked against the context
+/// and its ids made from the same rendered text.
+#[test]
+fn a_request_renders_its_template_once() {
+    let e = engine("tiny-a", false);
+    let before = vl_models::template::renders_in_this_thread();
+    let c = e.generate(&one_image_request(2), &mut |_| true).unwrap();
+    assert_eq!(c.token_ids.len(), 2);
+    assert_eq!(vl_models::template::renders_in_this_thread() - before, 1);
+}

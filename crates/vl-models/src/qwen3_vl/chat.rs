@@ -90,10 +90,34 @@ impl Processor {
         image_tokens: &[usize],
         videos: &[&VideoPlan],
     ) -> Result<usize> {
-        let text = self.template.render_kw(messages, tools, kwargs, true)?;
+        self.rendered_len(&self.render(messages, tools, kwargs)?, image_tokens, videos)
+    }
+
+    /// The chat template rendered (with the generation prompt): the text `rendered_len` and
+    /// `rendered_ids` take, so that a request renders its template once.
+    pub fn render(
+        &self,
+        messages: &[Message],
+        tools: Option<&[serde_json::Value]>,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        self.template.render_kw(messages, tools, kwargs, true)
+    }
+
+    /// `prompt_len_media` of a rendered prompt.
+    pub fn rendered_len(&self, text: &str, image_tokens: &[usize], videos: &[&VideoPlan]) -> Result<usize> {
         // Each run of pads is one special token in `short`, expanded to its count after encoding.
-        let (short, extra) = self.expand(&text, image_tokens, videos, false)?;
+        let (short, extra) = self.expand(text, image_tokens, videos, false)?;
         Ok(self.encode(&short)?.len().saturating_add(extra))
+    }
+
+    /// `prompt_ids` of a rendered prompt.
+    pub fn rendered_ids(&self, text: &str, images: &[ProcessedImage], videos: &[ProcessedVideo]) -> Result<Vec<u32>> {
+        let merge = self.images.config.merge_size;
+        let tokens: Vec<usize> = images.iter().map(|i| i.num_tokens(merge)).collect();
+        let plans: Vec<&VideoPlan> = videos.iter().map(|v| &v.plan).collect();
+        let (expanded, _) = self.expand(text, &tokens, &plans, true)?;
+        self.encode(&expanded)
     }
 
     /// Renders `messages` (with the generation prompt), expands each `<|image_pad|>` to its
@@ -138,12 +162,7 @@ impl Processor {
         images: &[ProcessedImage],
         videos: &[ProcessedVideo],
     ) -> Result<Vec<u32>> {
-        let text = self.template.render_kw(messages, tools, kwargs, true)?;
-        let merge = self.images.config.merge_size;
-        let tokens: Vec<usize> = images.iter().map(|i| i.num_tokens(merge)).collect();
-        let plans: Vec<&VideoPlan> = videos.iter().map(|v| &v.plan).collect();
-        let (expanded, _) = self.expand(&text, &tokens, &plans, true)?;
-        self.encode(&expanded)
+        self.rendered_ids(&self.render(messages, tools, kwargs)?, images, videos)
     }
 
     /// Replaces the rendered prompt's image and video pads, in one left-to-right pass, by their

@@ -877,7 +877,9 @@ fn prepare(
     let context = config.text.max_position_embeddings;
     let tools = (!req.tools.is_empty()).then_some(req.tools.as_slice());
     let plans: Vec<&VideoPlan> = clips.iter().map(Clip::plan).collect();
-    let prompt_len = processor.prompt_len_media(&messages, tools, &req.template_kwargs, &tokens, &plans)?;
+    // The template renders once (a template runs in a child process, bounded in time).
+    let rendered = processor.render(&messages, tools, &req.template_kwargs)?;
+    let prompt_len = processor.rendered_len(&rendered, &tokens, &plans)?;
     if prompt_len >= context {
         let merge = processor.videos.config.base.merge_size;
         let video_tokens: usize = plans.iter().map(|p| p.num_tokens(merge)).sum();
@@ -911,7 +913,7 @@ fn prepare(
         });
     }
     let video_keys: Vec<u64> = videos.iter().map(video_key).collect();
-    let ids = processor.prompt_ids(&messages, tools, &req.template_kwargs, &processed, &videos)?;
+    let ids = processor.rendered_ids(&rendered, &processed, &videos)?;
     let count = |id: u32| ids.iter().filter(|&&t| t == id).count();
     let (image_tokens, video_tokens) = (count(config.image_token_id), count(config.video_token_id));
     // Identities: which image or video each placeholder belongs to, in prompt order (a video's
