@@ -171,8 +171,8 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         ..Default::default()
     };
     let t = Instant::now();
-    let engine = Engine::open(&dir, args.load.mmproj.as_deref(), &args.load.model, opts)
-        .with_context(|| format!("model {}", dir.display()))?;
+    let engine =
+        Engine::open(&dir, args.load.mmproj.as_deref(), opts).with_context(|| format!("model {}", dir.display()))?;
     let interactive = std::io::stdin().is_terminal();
     // Ctrl-C while an answer is written stops that answer (the terminal is not in raw mode
     // then, so it arrives as SIGINT); at the prompt the line editor reads it as a key.

@@ -834,7 +834,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         }
         true
     };
-    let result = Engine::answer_once(family, &args.load.model, opts, &req, &mut on_text);
+    let result = Engine::answer_once(family, opts, &req, &mut on_text);
     if let Some(b) = &bar {
         b.bar.finish_and_clear();
     }

@@ -218,8 +218,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let id = args.served_model_name.clone().unwrap_or_else(|| args.load.model.clone());
     let t = Instant::now();
     let engine = Arc::new(
-        Engine::open(&dir, args.load.mmproj.as_deref(), &id, opts)
-            .with_context(|| format!("model {}", dir.display()))?,
+        Engine::open(&dir, args.load.mmproj.as_deref(), opts).with_context(|| format!("model {}", dir.display()))?,
     );
     let precision = if args.load.vision_bf16() { ", vision products on bf16 AMX tiles" } else { "" };
     note!("loaded {} in {:.1}s{precision}", dir.display(), t.elapsed().as_secs_f64());

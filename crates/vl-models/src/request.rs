@@ -32,6 +32,32 @@ pub enum Part {
     },
 }
 
+impl Part {
+    /// Text.
+    pub fn text(text: impl Into<String>) -> Self {
+        Part::Text(text.into())
+    }
+    /// An encoded image (PNG, JPEG, WebP, GIF, BMP) under the engine's pixel budget.
+    pub fn image(data: impl Into<Vec<u8>>) -> Self {
+        Part::Image { data: data.into(), name: "image".into(), min_pixels: None, max_pixels: None }
+    }
+    /// An image file, read now (errors name the file); its name stands for it in errors.
+    pub fn image_file(path: impl AsRef<std::path::Path>) -> crate::Result<Self> {
+        let path = path.as_ref();
+        let data = std::fs::read(path).map_err(|e| crate::Error::Io { path: path.to_path_buf(), source: e })?;
+        Ok(Part::Image { data, name: path.display().to_string(), min_pixels: None, max_pixels: None })
+    }
+    /// A video file or a directory of frames on this machine, under the engine's video settings.
+    pub fn video_file(path: impl Into<std::path::PathBuf>) -> Self {
+        let path = path.into();
+        Part::Video {
+            name: path.display().to_string(),
+            source: VideoData::Path(path),
+            options: crate::video::VideoOptions::default(),
+        }
+    }
+}
+
 /// A video as the engine read it.
 #[derive(Debug, Clone)]
 pub struct VideoReport {
@@ -67,6 +93,10 @@ pub struct ChatMessage {
 }
 
 impl ChatMessage {
+    /// A user turn.
+    pub fn user(parts: Vec<Part>) -> Self {
+        Self::new("user", parts)
+    }
     pub fn new(role: &str, parts: Vec<Part>) -> Self {
         Self { role: role.into(), parts, tool_calls: vec![], reasoning: None }
     }
@@ -95,6 +125,18 @@ pub struct Request {
     pub prompt: Option<String>,
     /// Extra variables for the chat template (`chat_template_kwargs`, e.g. `enable_thinking`).
     pub template_kwargs: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Request {
+    /// One user turn of these parts, with default options (greedy, 256 new tokens at most).
+    pub fn user(parts: Vec<Part>) -> Self {
+        Request { messages: vec![ChatMessage::user(parts)], ..Default::default() }
+    }
+    /// The same request with at most `n` new tokens.
+    pub fn max_new_tokens(mut self, n: usize) -> Self {
+        self.options.max_new_tokens = n;
+        self
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

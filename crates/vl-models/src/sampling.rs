@@ -285,7 +285,7 @@ impl TokenPicker {
         Self { opts, rng, seen: prompt.to_vec(), generated: Vec::new(), last: None }
     }
 
-    /// Picks the token after `logits` (f32 [vocab]); an error on NaN or infinite logits.
+    /// Picks the token after `logits` (f32 `[vocab]`); an error on NaN or infinite logits.
     pub fn pick(&mut self, logits: Vec<f32>) -> Result<u32> {
         self.pick_among(logits, None)
     }

@@ -14,7 +14,7 @@ fn engine(g: &str, reuse: bool) -> Engine {
         image_cache_bytes: if reuse { 64 << 20 } else { 0 },
         ..Default::default()
     };
-    Engine::load(&goldens().join(g).join("checkpoint"), g, opts).unwrap()
+    Engine::load(&goldens().join(g).join("checkpoint"), opts).unwrap()
 }
 
 fn image(name: &str) -> Part {
@@ -222,7 +222,7 @@ fn bad_requests_are_errors_naming_the_problem() {
 }
 
 fn engine_with(g: &str, opts: EngineOptions) -> Engine {
-    Engine::load(&goldens().join(g).join("checkpoint"), g, opts).unwrap()
+    Engine::load(&goldens().join(g).join("checkpoint"), opts).unwrap()
 }
 
 /// Fresh prefills only: no kept prefixes, no feature cache.
@@ -464,7 +464,7 @@ fn a_resident_bf16_vision_tower_answers_or_is_refused() {
         image_cache_bytes: 0,
         ..Default::default()
     };
-    let e = Engine::load(&goldens().join("tiny-b").join("checkpoint"), "tiny-b", opts);
+    let e = Engine::load(&goldens().join("tiny-b").join("checkpoint"), opts);
     if !vl_nn::bf16::available() {
         let err = e.err().expect("refused without AMX").to_string();
         assert!(err.contains("AMX-BF16"), "{err}");

@@ -252,7 +252,7 @@ fn images_without_an_mmproj_are_refused() {
     let only = tempfile::tempdir().unwrap();
     let file = only.path().join("tiny-a-f32.gguf");
     std::fs::copy(&text, &file).unwrap();
-    let e = Engine::open(&file, None, "text-only", EngineOptions::default()).unwrap();
+    let e = Engine::open(&file, None, EngineOptions::default()).unwrap();
     let req = Request {
         messages: vec![ChatMessage::text("user", "Hello")],
         options: GenerationOptions { max_new_tokens: 4, ..Default::default() },
@@ -313,9 +313,9 @@ fn a_saved_gguf_loads_back_bit_identical_and_answers_the_same() {
         prefix_cache: false,
         ..Default::default()
     };
-    let a = Engine::load(&ck, "st", opts.clone()).unwrap().generate(&one_image(), &mut |_| true).unwrap();
+    let a = Engine::load(&ck, opts.clone()).unwrap().generate(&one_image(), &mut |_| true).unwrap();
     let opts = EngineOptions { image_cache_bytes: 0, prefix_cache: false, ..Default::default() };
-    let b = Engine::open(out.path(), None, "gguf", opts).unwrap().generate(&one_image(), &mut |_| true).unwrap();
+    let b = Engine::open(out.path(), None, opts).unwrap().generate(&one_image(), &mut |_| true).unwrap();
     assert_eq!(a.token_ids, b.token_ids);
     assert_eq!(a.prompt_tokens, b.prompt_tokens);
     // f32 checkpoint: the mmproj stays f32, so the whole answer is bit-identical.

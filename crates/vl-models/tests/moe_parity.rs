@@ -87,7 +87,7 @@ const ENGINE_CASES: [&str; 3] = ["text_only", "one_image", "two_images"];
 #[test]
 fn greedy_answers_through_the_engine_match_the_reference() {
     let opts = EngineOptions { model: ModelOptions { device: device(), ..Default::default() }, ..Default::default() };
-    let engine = Engine::load(&goldens().join(G).join("checkpoint"), G, opts).unwrap();
+    let engine = Engine::load(&goldens().join(G).join("checkpoint"), opts).unwrap();
     assert_eq!(engine.family().name(), "qwen3_vl_moe");
     for case in ENGINE_CASES {
         let (req, ids, golden) = golden_case(case);
@@ -109,7 +109,7 @@ fn batched_decode_routes_each_sequence_as_alone() {
         prefix_cache: false,
         ..Default::default()
     };
-    let engine = Engine::load(&goldens().join(G).join("checkpoint"), G, opts).unwrap();
+    let engine = Engine::load(&goldens().join(G).join("checkpoint"), opts).unwrap();
     std::thread::scope(|s| {
         let handles: Vec<_> = ENGINE_CASES
             .iter()

@@ -218,7 +218,7 @@ fn request(prompt: &[u32], max_new_tokens: usize) -> Request {
 
 fn engine(opts: EngineOptions, delay: Duration) -> (Engine, Arc<Mutex<Log>>) {
     let (stub, log) = Stub::new(delay);
-    (Engine::from_family(Box::new(stub), "stub", opts).unwrap(), log)
+    (Engine::from_family(Box::new(stub), opts).unwrap(), log)
 }
 
 fn prompt(len: usize, seed: u32) -> Vec<u32> {
@@ -440,7 +440,7 @@ impl Pooler for StubPooler {
 fn pooler(score: bool) -> (Engine, Arc<Mutex<Vec<usize>>>) {
     let batches = Arc::new(Mutex::new(vec![]));
     let stub = StubPooler { inner: Stub::new(Duration::ZERO).0, score, batches: batches.clone() };
-    (Engine::from_family(Box::new(stub), "stub-pooler", EngineOptions::default()).unwrap(), batches)
+    (Engine::from_family(Box::new(stub), EngineOptions::default()).unwrap(), batches)
 }
 
 #[test]

@@ -102,7 +102,7 @@ fn a_thinking_answer_is_split_as_the_template_reads_it() {
     let g = golden()["greedy"].clone();
     let dir = thinking_checkpoint();
     let opts = EngineOptions { model: ModelOptions { device: device(), ..Default::default() }, ..Default::default() };
-    let engine = Engine::load(dir.path(), "thinking", opts).unwrap();
+    let engine = Engine::load(dir.path(), opts).unwrap();
     let ids: Vec<u32> = g["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
     let req = Request {
         messages: vec![ChatMessage::new("user", vec![Part::Text(g["question"].as_str().unwrap().into())])],
@@ -142,7 +142,7 @@ fn a_thinking_answer_is_split_as_the_template_reads_it() {
 #[test]
 fn an_instruct_answer_has_no_reasoning() {
     let opts = EngineOptions { model: ModelOptions { device: device(), ..Default::default() }, ..Default::default() };
-    let engine = Engine::load(&goldens().join("tiny-a/checkpoint"), "tiny-a", opts).unwrap();
+    let engine = Engine::load(&goldens().join("tiny-a/checkpoint"), opts).unwrap();
     let req = Request {
         messages: vec![ChatMessage::text("user", "Describe the weather.")],
         options: GenerationOptions { max_new_tokens: 6, ..Default::default() },
@@ -160,7 +160,7 @@ fn an_instruct_answer_has_no_reasoning() {
 fn a_constraint_applies_after_the_reasoning_block() {
     let dir = thinking_checkpoint();
     let opts = EngineOptions { model: ModelOptions { device: device(), ..Default::default() }, ..Default::default() };
-    let engine = Engine::load(dir.path(), "thinking", opts).unwrap();
+    let engine = Engine::load(dir.path(), opts).unwrap();
     let tok = engine.family().tokenizer();
     let close = tok.token_to_id("</think>").unwrap();
     for seed in 0..3 {

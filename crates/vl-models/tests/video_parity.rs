@@ -175,7 +175,6 @@ fn the_engine_answers_a_video_prompt_with_the_reference_ids() {
     // Our whole path: the clip file decoded, processed, prompt built by the engine.
     let engine = Engine::load(
         &tiny_a(),
-        "tiny-a",
         EngineOptions { model: ModelOptions { video_pixel_cap: None, ..Default::default() }, ..Default::default() },
     )
     .unwrap();
@@ -242,10 +241,10 @@ fn a_follow_up_question_reuses_the_video_prefix_and_answers_as_a_fresh_engine() 
     second.push(ChatMessage::text("user", "And the bar?"));
     let req = |messages: Vec<ChatMessage>| Request { messages, options: opts.clone(), ..Default::default() };
 
-    let warm = Engine::load(&tiny_a(), "tiny-a", EngineOptions::default()).unwrap();
+    let warm = Engine::load(&tiny_a(), EngineOptions::default()).unwrap();
     let a = warm.generate(&req(first), &mut |_| true).unwrap();
     let b = warm.generate(&req(second.clone()), &mut |_| true).unwrap();
-    let cold = Engine::load(&tiny_a(), "tiny-a", EngineOptions::default()).unwrap();
+    let cold = Engine::load(&tiny_a(), EngineOptions::default()).unwrap();
     let fresh = cold.generate(&req(second), &mut |_| true).unwrap();
     println!(
         "follow-up: {} of {} prompt tokens reused, {} video feature cache hit(s)",
@@ -275,7 +274,7 @@ fn a_replaced_video_file_is_decoded_again() {
         let opts = GenerationOptions { max_new_tokens: 1, ..Default::default() };
         engine.generate(&Request { messages, options: opts, ..Default::default() }, &mut |_| true).unwrap()
     };
-    let engine = Engine::load(&tiny_a(), "tiny-a", EngineOptions::default()).unwrap();
+    let engine = Engine::load(&tiny_a(), EngineOptions::default()).unwrap();
     std::fs::copy(goldens().join("videos/fps15.mkv"), &clip).unwrap();
     let first = ask(&engine, VideoData::Path(clip.clone()));
     let again = ask(&engine, VideoData::Path(clip.clone()));
@@ -289,7 +288,6 @@ fn a_replaced_video_file_is_decoded_again() {
     assert!(ask(&engine, VideoData::Bytes(bytes.clone())).videos[0].from_cache);
     let off = Engine::load(
         &tiny_a(),
-        "tiny-a",
         EngineOptions { model: ModelOptions { clip_cache_bytes: 0, ..Default::default() }, ..Default::default() },
     )
     .unwrap();
@@ -498,7 +496,7 @@ fn the_decode_time_bound_is_the_request_s_for_all_its_videos() {
         model: ModelOptions { video_limits: limits, clip_cache_bytes: 0, ..Default::default() },
         ..Default::default()
     };
-    let engine = Engine::load(&tiny_a(), "tiny-a", opts).unwrap();
+    let engine = Engine::load(&tiny_a(), opts).unwrap();
     let clip = goldens().join("videos/long.mkv");
     let mut parts: Vec<Part> = (0..60)
         .map(|_| Part::Video {
@@ -549,7 +547,7 @@ fn a_same_size_clip_copied_in_with_the_old_mtime_is_decoded_again() {
         let opts = GenerationOptions { max_new_tokens: 1, ..Default::default() };
         engine.generate(&Request { messages, options: opts, ..Default::default() }, &mut |_| true).unwrap()
     };
-    let engine = Engine::load(&tiny_a(), "tiny-a", EngineOptions::default()).unwrap();
+    let engine = Engine::load(&tiny_a(), EngineOptions::default()).unwrap();
     let target = dir.path().join("clip.avi");
     std::fs::copy(&clips[0], &target).unwrap();
     let mtime = std::fs::metadata(&target).unwrap().modified().unwrap();
@@ -571,7 +569,7 @@ fn a_same_size_clip_copied_in_with_the_old_mtime_is_decoded_again() {
         assert_eq!((meta.len(), meta.modified().unwrap()), (size, mtime), "the copy keeps size and mtime");
         let now = ask(&engine, &target);
         assert!(!now.videos[0].from_cache, "round {i} ({}): answered from the old clip", colors[i]);
-        let fresh = Engine::load(&tiny_a(), "tiny-a", EngineOptions::default()).unwrap();
+        let fresh = Engine::load(&tiny_a(), EngineOptions::default()).unwrap();
         let want = ask(&fresh, clip);
         let d = now.first_logits.iter().zip(&want.first_logits).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
         assert!(d <= 1e-4, "round {i}: logits differ from a fresh engine's on the new clip by {d}");
@@ -605,7 +603,7 @@ fn many_large_frame_directories_are_listed_cheaply_and_still_confined() {
         prefix_cache: false,
         ..Default::default()
     };
-    let engine = Engine::load(&tiny_a(), "tiny-a", opts).unwrap();
+    let engine = Engine::load(&tiny_a(), opts).unwrap();
     let small = VideoOptions { max_frames: Some(4), max_pixels: Some(20_000), ..Default::default() };
     let ask = |dirs: &[std::path::PathBuf]| {
         let mut parts: Vec<Part> = dirs

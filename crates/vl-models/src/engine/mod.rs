@@ -139,7 +139,6 @@ pub struct Engine {
     shared: Arc<Shared>,
     tx: Option<mpsc::Sender<Command>>,
     worker: Option<std::thread::JoinHandle<()>>,
-    id: String,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -153,25 +152,25 @@ fn stopped() -> Error {
 
 impl Engine {
     /// Loads a checkpoint directory (every file checked first, as `vl run` does), both towers.
-    pub fn load(dir: &Path, id: &str, opts: EngineOptions) -> Result<Self> {
-        Self::open(dir, None, id, opts)
+    pub fn load(dir: &Path, opts: EngineOptions) -> Result<Self> {
+        Self::open(dir, None, opts)
+    }
+
+    /// A builder for the common case: the model, then what to change of the defaults.
+    pub fn builder(model: impl Into<std::path::PathBuf>) -> EngineBuilder {
+        EngineBuilder { model: model.into(), mmproj: None, opts: EngineOptions::default() }
     }
 
     /// Loads `model`: a checkpoint directory or GGUF files (a .gguf file, or a directory holding
     /// one, and its vision projector: `mmproj`, or the `mmproj*.gguf` beside it), with the family
     /// its files name.
-    pub fn open(model: &Path, mmproj: Option<&Path>, id: &str, opts: EngineOptions) -> Result<Self> {
+    pub fn open(model: &Path, mmproj: Option<&Path>, opts: EngineOptions) -> Result<Self> {
         let family = crate::registry::open(&Source { model, mmproj, progress: None }, &opts.model)?;
-        Self::from_family(family, id, opts)
-    }
-
-    /// `open` for GGUF files.
-    pub fn load_gguf(model: &Path, mmproj: Option<&Path>, id: &str, opts: EngineOptions) -> Result<Self> {
-        Self::open(model, mmproj, id, opts)
+        Self::from_family(family, opts)
     }
 
     /// An engine over a loaded model; starts the scheduler thread.
-    pub fn from_family(family: Box<dyn Family>, id: &str, opts: EngineOptions) -> Result<Self> {
+    pub fn from_family(family: Box<dyn Family>, opts: EngineOptions) -> Result<Self> {
         if opts.parallel == 0 || opts.prefill_chunk == 0 {
             return Err(Error::Input {
                 what: "engine options".into(),
@@ -193,11 +192,7 @@ impl Engine {
             .name("vl-scheduler".into())
             .spawn(move || scheduler::run(&s, rx))
             .map_err(|e| Error::Internal { message: format!("cannot start the scheduler: {e}") })?;
-        Ok(Self { shared, tx: Some(tx), worker: Some(worker), id: id.to_string() })
-    }
-
-    pub fn id(&self) -> &str {
-        &self.id
+        Ok(Self { shared, tx: Some(tx), worker: Some(worker) })
     }
 
     pub fn family(&self) -> &dyn Family {
@@ -406,7 +401,6 @@ impl Engine {
     /// peak together); then the answer comes from the engine's own path.
     pub fn answer_once(
         family: Box<dyn Family>,
-        id: &str,
         opts: EngineOptions,
         req: &Request,
         on: &mut dyn FnMut(&Delta<'_>) -> bool,
@@ -438,7 +432,7 @@ impl Engine {
         let load_time = t0.elapsed().saturating_sub(vision_time + media_time);
         let storage = family.storage();
         let opts = EngineOptions { prefix_cache: false, image_cache_bytes: 0, parallel: 1, ..opts };
-        let engine = Self::from_family(family, id, opts)?;
+        let engine = Self::from_family(family, opts)?;
         let generate_started = Instant::now();
         let completion = engine.run(prepared, encoded, vec![guide], req, on, generate_started)?.remove(0);
         let checkpoint_videos = completion.videos.iter().map(|v| engine.family().checkpoint_video_sizing(v)).collect();
@@ -582,6 +576,43 @@ impl Drop for Engine {
         if let Some(w) = self.worker.take() {
             let _ = w.join();
         }
+    }
+}
+
+/// `Engine::builder`: a model path (a checkpoint directory, a GGUF file or a directory holding
+/// one), then what to change of `EngineOptions::default()`.
+pub struct EngineBuilder {
+    model: std::path::PathBuf,
+    mmproj: Option<std::path::PathBuf>,
+    opts: EngineOptions,
+}
+
+impl EngineBuilder {
+    /// The vision projector of a GGUF text model (else the `mmproj*.gguf` beside it).
+    pub fn mmproj(mut self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.mmproj = Some(path.into());
+        self
+    }
+    /// Quantize the text decoder's weights at load (`Q4K` is what `vl` loads on a CPU by default).
+    pub fn quantize(mut self, q: vl_nn::QuantType) -> Self {
+        self.opts.model.quant = Some(q);
+        self
+    }
+    /// Where the model runs (`candle_core::Device::Cpu`, or a CUDA / Metal device in builds with
+    /// those features) and its compute dtype (f32 on a CPU, bf16 on a GPU).
+    pub fn device(mut self, device: candle_core::Device) -> Self {
+        self.opts.model.dtype = vl_nn::dispatch::default_dtype(vl_nn::dispatch::DeviceKind::of(&device));
+        self.opts.model.device = device;
+        self
+    }
+    /// Every option at once (replaces what the other calls set, except the paths).
+    pub fn options(mut self, opts: EngineOptions) -> Self {
+        self.opts = opts;
+        self
+    }
+    /// Loads the model (every file checked first) and starts the engine.
+    pub fn build(self) -> Result<Engine> {
+        Engine::open(&self.model, self.mmproj.as_deref(), self.opts)
     }
 }
 

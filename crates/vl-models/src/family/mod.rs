@@ -210,7 +210,7 @@ pub trait Generator: Send + Sync {
     /// Prefills `ids[state.len()..end]` into `state`; `features[i]` are `media[i]`'s (the
     /// prompt's media in order). `ids[prompt_len..]` are generated tokens (a preempted sequence
     /// prefilled again): text whatever their value, never media placeholders. Returns the f32
-    /// logits [vocab] of position `end - 1` when `end == ids.len()`.
+    /// logits `[vocab]` of position `end - 1` when `end == ids.len()`.
     fn prefill(
         &self,
         ids: &[u32],

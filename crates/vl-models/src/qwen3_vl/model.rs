@@ -166,7 +166,7 @@ impl Qwen3VlModel {
     }
 
     /// Feeds one generated token at decoding step `step` (0 for the first token after the prompt)
-    /// of the sequence `state` prefilled into `cache`; returns the f32 logits [vocab] of the next
+    /// of the sequence `state` prefilled into `cache`; returns the f32 logits `[vocab]` of the next
     /// position.
     pub fn decode_step(&self, token: u32, state: &PrefillOutput, step: usize, cache: &mut TextCache) -> Result<Tensor> {
         if cache.len() != state.prompt_len + step || cache.position_offset != state.rope_delta {
@@ -183,7 +183,7 @@ impl Qwen3VlModel {
         Ok(self.decode_rows(&[token], &mut [cache])?.squeeze(0)?)
     }
 
-    /// f32 logits [vocab] of the last prompt position.
+    /// f32 logits `[vocab]` of the last prompt position.
     pub fn last_logits(&self, state: &PrefillOutput) -> Result<Tensor> {
         self.side().last_logits(state)
     }
@@ -354,7 +354,7 @@ impl TextSide<'_> {
         self.text.logits(&h)
     }
 
-    /// f32 logits [vocab] of the last prompt position.
+    /// f32 logits `[vocab]` of the last prompt position.
     pub fn last_logits(&self, state: &PrefillOutput) -> Result<Tensor> {
         let h = state.hidden.narrow(0, state.hidden.dim(0)? - 1, 1)?;
         Ok(self.text.logits(&h)?.squeeze(0)?)
