@@ -205,9 +205,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 confined: true,
                 ..Default::default()
             },
-            clip_cache_bytes: args.clip_cache_mib.saturating_mul(1 << 20),
         },
         image_cache_bytes: args.image_cache_mib << 20,
+        clip_cache_bytes: args.clip_cache_mib.saturating_mul(1 << 20),
         prefix_cache: !args.no_prefix_cache,
         parallel: args.parallel,
         kv_cache_bytes: args

@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use vl_models::engine::{ChatMessage, Engine, EngineOptions, Finish, ModelOptions, Part, Request};
-use vl_models::qwen3_vl::GenerationOptions;
+use vl_models::GenerationOptions;
 
 fn engine(g: &str, reuse: bool) -> Engine {
     let opts = EngineOptions {

@@ -10,7 +10,8 @@ use std::io::Write;
 use candle_core::{DType, Device};
 use common::*;
 use vl_models::qwen3_vl::gguf::{check_header, find_files, GgufModel};
-use vl_models::qwen3_vl::{GenerationOptions, Qwen3VlConfig};
+use vl_models::qwen3_vl::Qwen3VlConfig;
+use vl_models::GenerationOptions;
 
 fn pair() -> GgufModel {
     let dir = goldens().join("gguf");

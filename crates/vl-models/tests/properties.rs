@@ -9,9 +9,10 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, RngSeed};
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
-use vl_models::qwen3_vl::generate::{check_logits, sample};
 use vl_models::qwen3_vl::processor::{smart_resize, MAX_PIXEL_BUDGET};
-use vl_models::qwen3_vl::{tensor_plan, GenerationOptions, ImageProcessor, PreprocessorConfig, Qwen3VlConfig};
+use vl_models::qwen3_vl::{tensor_plan, ImageProcessor, PreprocessorConfig, Qwen3VlConfig};
+use vl_models::sampling::{check_logits, sample};
+use vl_models::GenerationOptions;
 
 fn seeded(cases: u32) -> Config {
     Config {

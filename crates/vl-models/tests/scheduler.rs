@@ -15,7 +15,7 @@ use candle_core::{Device, Tensor};
 use tokenizers::Tokenizer;
 use vl_models::engine::{Engine, EngineOptions, Finish, Request};
 use vl_models::family::{Family, Generator, Identity, ImageSizing, PoolInput, Pooled, Pooler, Prepared, Sizing, Task};
-use vl_models::media::{Media, VisionOutput};
+use vl_models::media::{Media, MediaContext, VisionOutput};
 use vl_models::request::VideoReport;
 use vl_models::sampling::GenerationOptions;
 use vl_models::state::{LayerState, Recurrent, SeqState};
@@ -113,7 +113,7 @@ impl Family for Stub {
     fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }
-    fn prepare(&self, req: &Request) -> Result<Prepared> {
+    fn prepare(&self, req: &Request, _: &MediaContext<'_>) -> Result<Prepared> {
         let options = GenerationOptions { eos_token_ids: vec![], ..req.options.clone() };
         options.validate()?;
         let text = req.prompt.clone().unwrap_or_default();
@@ -393,8 +393,8 @@ impl Family for StubPooler {
     fn task(&self) -> Task<'_> {
         Task::Pool(self)
     }
-    fn prepare(&self, req: &Request) -> Result<Prepared> {
-        self.inner.prepare(req)
+    fn prepare(&self, req: &Request, ctx: &MediaContext<'_>) -> Result<Prepared> {
+        self.inner.prepare(req, ctx)
     }
     fn encode(&self, m: &Media) -> Result<VisionOutput> {
         self.inner.encode(m)

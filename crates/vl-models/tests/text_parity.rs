@@ -7,7 +7,7 @@ mod common;
 
 use candle_core::DType;
 use common::*;
-use vl_models::qwen3_vl::{GenerationOptions, Qwen3VlModel, StopReason};
+use vl_models::qwen3_vl::Qwen3VlModel;
 
 const LOGIT_TOL: f32 = 1e-3;
 
@@ -86,17 +86,9 @@ fn greedy_generation_matches_the_reference() {
         for case in cases_of(g) {
             let want = load(&goldens().join(g).join("cases").join(format!("{case}.safetensors")));
             let want_ids: Vec<u32> = want["greedy.ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
-            let opts = GenerationOptions { max_new_tokens: want_ids.len(), ..Default::default() };
-            let mut streamed = Vec::new();
-            let gen = m
-                .generate(&prompt(case), &opts, &mut |t| {
-                    streamed.push(t);
-                    true
-                })
-                .unwrap();
-            assert_eq!(gen.tokens, want_ids, "{g}/{case}");
-            assert_eq!(streamed, want_ids);
-            assert_eq!(gen.stop, StopReason::MaxTokens);
+            let (ids, eos) = greedy(&m, &prompt(case), want_ids.len(), &[]).unwrap();
+            assert_eq!(ids, want_ids, "{g}/{case}");
+            assert!(!eos);
         }
         // Each step's logits of the captured case, through the KV cache.
         let want = load(&goldens().join(g).join("cases/one_image.safetensors"));
@@ -128,19 +120,18 @@ fn eos_stops_generation_and_mismatches_are_errors() {
     let m = model("tiny-a");
     let want = load(&goldens().join("tiny-a/cases/text_only.safetensors"));
     let ids: Vec<u32> = want["greedy.ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
-    let opts = GenerationOptions { max_new_tokens: 16, eos_token_ids: vec![ids[2]], ..Default::default() };
-    let gen = m.generate(&prompt("text_only"), &opts, &mut |_| true).unwrap();
-    assert_eq!((gen.tokens.as_slice(), gen.stop), (&ids[..3], StopReason::Eos));
+    let (got, eos) = greedy(&m, &prompt("text_only"), 16, &[ids[2]]).unwrap();
+    assert_eq!((got.as_slice(), eos), (&ids[..3], true));
 
     let mut p = prompt("one_image");
     p.input_ids.retain(|&t| t != 151655);
-    let err = m.generate(&p, &GenerationOptions::default(), &mut |_| true).unwrap_err().to_string();
+    let err = greedy(&m, &p, 4, &[]).unwrap_err().to_string();
     assert!(err.contains("placeholder"), "{err}");
 
     let mut p = prompt("one_image");
     let first = p.input_ids.iter().position(|&t| t == 151655).unwrap();
     p.input_ids.remove(first);
-    let err = m.generate(&p, &GenerationOptions::default(), &mut |_| true).unwrap_err().to_string();
+    let err = greedy(&m, &p, 4, &[]).unwrap_err().to_string();
     assert!(err.contains("15") && err.contains("16"), "{err}");
 }
 

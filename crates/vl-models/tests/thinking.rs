@@ -9,8 +9,8 @@ mod common;
 use common::*;
 use serde_json::Value;
 use vl_models::engine::{ChatMessage, Engine, EngineOptions, ModelOptions, Part, Request};
-use vl_models::qwen3_vl::GenerationOptions;
 use vl_models::template::{ChatTemplate, Content, Message, TemplateSource, TemplateToolCall};
+use vl_models::GenerationOptions;
 
 fn golden() -> Value {
     read_json(&goldens().join("thinking/thinking.json"))

@@ -10,9 +10,10 @@ mod common;
 use candle_core::{DType, Tensor};
 use common::*;
 use vl_models::qwen3_vl::{
-    Content, GenerationOptions, Message, Processor, Prompt, Qwen3VlModel, VideoOptions, VideoProcessor, VisionInput,
+    Content, Message, Processor, Prompt, Qwen3VlModel, VideoOptions, VideoProcessor, VisionInput,
 };
 use vl_models::video::{VideoLimits, VideoSource};
+use vl_models::GenerationOptions;
 
 /// Pixels: torchvision's uint8 antialiased bicubic against our Pillow-order resizer (the image
 /// processor's bound; the largest difference seen is printed).
@@ -156,16 +157,14 @@ fn video_prompts_match_the_reference_logits_and_greedy_ids() {
         let all = m.text().logits(&state.hidden).unwrap().index_select(&sampled, 1).unwrap();
         let d_all = max_abs_diff(&all, &want["logits.sampled"]);
         let want_ids = ids_of(&want["greedy.ids"]);
-        let gen = m
-            .generate(&p, &GenerationOptions { max_new_tokens: want_ids.len(), ..Default::default() }, &mut |_| true)
-            .unwrap();
+        let (gen, _) = greedy(&m, &p, want_ids.len(), &[]).unwrap();
         println!(
             "tiny-a/{case} ({} tokens): video features {d_vis:.2e} (deepstack {d_ds:.2e}), last logits {d_last:.2e}, all positions {d_all:.2e}",
             p.input_ids.len()
         );
         assert!(d_vis <= tol(FEATURE_TOL) && d_ds <= tol(FEATURE_TOL), "{case}: features {d_vis:e} {d_ds:e}");
         assert!(d_last <= tol(LOGIT_TOL) && d_all <= tol(LOGIT_TOL), "{case}: logits {d_last:e} {d_all:e}");
-        assert_eq!(gen.tokens, want_ids, "{case}: greedy ids");
+        assert_eq!(gen, want_ids, "{case}: greedy ids");
     }
 }
 
@@ -265,7 +264,7 @@ fn a_follow_up_question_reuses_the_video_prefix_and_answers_as_a_fresh_engine() 
 /// same name is decoded again; bytes are known by their hash.
 #[test]
 fn a_replaced_video_file_is_decoded_again() {
-    use vl_models::engine::{ChatMessage, Engine, EngineOptions, ModelOptions, Part, Request, VideoData};
+    use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
     let dir = tempfile::tempdir().unwrap();
     let clip = dir.path().join("clip.mkv");
     let ask = |engine: &Engine, source: VideoData| {
@@ -286,11 +285,7 @@ fn a_replaced_video_file_is_decoded_again() {
     let bytes = std::fs::read(goldens().join("videos/odd5.mkv")).unwrap();
     assert!(!ask(&engine, VideoData::Bytes(bytes.clone())).videos[0].from_cache);
     assert!(ask(&engine, VideoData::Bytes(bytes.clone())).videos[0].from_cache);
-    let off = Engine::load(
-        &tiny_a(),
-        EngineOptions { model: ModelOptions { clip_cache_bytes: 0, ..Default::default() }, ..Default::default() },
-    )
-    .unwrap();
+    let off = Engine::load(&tiny_a(), EngineOptions { clip_cache_bytes: 0, ..Default::default() }).unwrap();
     assert!(!ask(&off, VideoData::Bytes(bytes.clone())).videos[0].from_cache);
     assert!(!ask(&off, VideoData::Bytes(bytes)).videos[0].from_cache);
 }
@@ -493,7 +488,8 @@ fn the_decode_time_bound_is_the_request_s_for_all_its_videos() {
     // budget they would take 60 times one decode; with it the request stops at the bound.
     let limits = VideoLimits { max_decode_time: Some(std::time::Duration::from_millis(300)), ..Default::default() };
     let opts = EngineOptions {
-        model: ModelOptions { video_limits: limits, clip_cache_bytes: 0, ..Default::default() },
+        model: ModelOptions { video_limits: limits, ..Default::default() },
+        clip_cache_bytes: 0,
         ..Default::default()
     };
     let engine = Engine::load(&tiny_a(), opts).unwrap();

@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::family::{Family, Generator, Pooled, Prepared, Source, Task};
 pub use crate::family::{ModelOptions, DEFAULT_MAX_IMAGE_TOKENS, DEFAULT_MAX_VIDEO_PIXELS};
 use crate::limits::LimitKind;
-use crate::media::VisionOutput;
+use crate::media::{ClipCache, MediaContext, VisionOutput};
 pub use crate::request::{
     ChatMessage, Completion, Constraint, Delta, Finish, ImageReport, Part, Request, TokenLogprob, ToolCall, VideoData,
     VideoReport,
@@ -68,6 +68,9 @@ pub struct EngineOptions {
     pub model: ModelOptions,
     /// Bytes of vision features kept for repeated images (0 disables the cache).
     pub image_cache_bytes: usize,
+    /// Bytes of sampled, preprocessed video pixels kept for repeated videos, so that a video
+    /// sent again (`vl chat` resends its history every turn) is not decoded again (0 disables).
+    pub clip_cache_bytes: usize,
     /// Keep finished conversations' KV caches for prefix reuse (many conversations, least
     /// recently used out first, within `kv_cache_bytes`).
     pub prefix_cache: bool,
@@ -87,6 +90,7 @@ impl Default for EngineOptions {
         Self {
             model: ModelOptions::default(),
             image_cache_bytes: 256 << 20,
+            clip_cache_bytes: 256 << 20,
             prefix_cache: true,
             parallel: DEFAULT_PARALLEL,
             kv_cache_bytes: default_kv_cache_bytes(),
@@ -126,6 +130,8 @@ pub(crate) struct Shared {
     pub opts: EngineOptions,
     /// Vision features by media key.
     features: Mutex<ByteLru<u64, VisionOutput>>,
+    /// Preprocessed videos by source and settings (`MediaContext::clip_key`).
+    clips: Option<Mutex<ClipCache>>,
     /// One request runs the vision tower at a time.
     vision: Mutex<()>,
     pub stats: Mutex<EngineStats>,
@@ -184,8 +190,9 @@ impl Engine {
         let stats = Mutex::new(EngineStats { kv_budget_bytes: opts.kv_cache_bytes, ..Default::default() });
         let compiler = std::sync::OnceLock::new();
         let longest_token = std::sync::OnceLock::new();
+        let clips = (opts.clip_cache_bytes > 0).then(|| Mutex::new(ClipCache::new(opts.clip_cache_bytes)));
         let shared =
-            Arc::new(Shared { family, opts, features, vision: Mutex::new(()), stats, compiler, longest_token });
+            Arc::new(Shared { family, opts, features, clips, vision: Mutex::new(()), stats, compiler, longest_token });
         let (tx, rx) = mpsc::channel();
         let s = shared.clone();
         let worker = std::thread::Builder::new()
@@ -279,12 +286,13 @@ impl Engine {
         }
         let t0 = Instant::now();
         let generator = generator(&*self.shared.family)?;
+        check_request(req)?;
         // Cheap checks first: text that cannot fit costs no tokenizing.
         check_text_fits(&*self.shared.family, &self.shared.longest_token, req)?;
         // The constraint compiles first: a bad schema costs no media decoding.
         // Compiled once, its first token mask computed here (bounded), copied per choice.
         let guides = guides(&*self.shared.family, generator, &self.shared.compiler, req, n)?;
-        let prepared = self.shared.family.prepare(req)?;
+        let prepared = self.shared.family.prepare(req, &self.media_context())?;
         check_fits(generator, self.shared.opts.kv_cache_bytes, &prepared)?;
         let s = &self.shared;
         let encoded = encode(&*s.family, &prepared, &s.features, &s.vision)?;
@@ -315,7 +323,8 @@ impl Engine {
                     message: "a pooling model writes no answer to constrain".into(),
                 }));
             }
-            let prepared = self.shared.family.prepare(req).map_err(at(i))?;
+            check_request(req).map_err(at(i))?;
+            let prepared = self.shared.family.prepare(req, &self.media_context()).map_err(at(i))?;
             let s = &self.shared;
             let encoded = encode(&*s.family, &prepared, &s.features, &s.vision).map_err(at(i))?;
             jobs.push((prepared, encoded));
@@ -324,6 +333,11 @@ impl Engine {
         let job = scheduler::PoolJob { inputs: jobs, reply: tx };
         self.tx.as_ref().ok_or_else(stopped)?.send(Command::Pool(Box::new(job))).map_err(|_| stopped())?;
         rx.recv().map_err(|_| stopped())?
+    }
+
+    /// A request's media budget: the decode time the engine allows, and its clip cache.
+    fn media_context(&self) -> MediaContext<'_> {
+        MediaContext::new(self.shared.opts.model.video_limits.max_decode_time, self.shared.clips.as_ref())
     }
 
     /// Hands a prepared request to the scheduler and relays its stream.
@@ -414,7 +428,9 @@ impl Engine {
         if media > 0 {
             crate::progress::report("decoding media", "files", 0, media);
         }
-        let prepared = family.prepare(req)?;
+        check_request(req)?;
+        let ctx = MediaContext::new(opts.model.video_limits.max_decode_time, None);
+        let prepared = family.prepare(req, &ctx)?;
         if media > 0 {
             crate::progress::report("decoding media", "files", media, media);
         }
@@ -438,6 +454,19 @@ impl Engine {
         let checkpoint_videos = completion.videos.iter().map(|v| engine.family().checkpoint_video_sizing(v)).collect();
         Ok(OneShot { completion, load_time, media_time, vision_time, storage, generate_started, checkpoint_videos })
     }
+}
+
+/// Checks what is the engine's to check of a request, whatever the family: the sampling options'
+/// ranges, that there is something to answer, the stop strings.
+fn check_request(req: &Request) -> Result<()> {
+    req.options.validate()?;
+    if req.prompt.is_none() && req.messages.is_empty() {
+        return Err(Error::Input { what: "messages".into(), message: "no messages".into() });
+    }
+    if let Some(s) = req.stop.iter().find(|s| s.is_empty()) {
+        return Err(Error::Input { what: "stop".into(), message: format!("{s:?}: stop strings must not be empty") });
+    }
+    Ok(())
 }
 
 /// Bytes a token stands for on average in ordinary text is about 4; past this many per position

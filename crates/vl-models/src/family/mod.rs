@@ -13,7 +13,7 @@ use vl_nn::QuantType;
 use crate::error::Result;
 use crate::gguf::Recipe;
 use crate::limits::ImageLimits;
-use crate::media::{Media, VisionOutput};
+use crate::media::{Media, MediaContext, VisionOutput};
 use crate::request::{ImageReport, Request, VideoReport};
 use crate::sampling::GenerationOptions;
 use crate::state::SeqState;
@@ -74,9 +74,6 @@ pub struct ModelOptions {
     /// checkpoint's own). Default `DEFAULT_MAX_VIDEO_PIXELS`.
     pub video_pixel_cap: Option<usize>,
     pub video_limits: VideoLimits,
-    /// Bytes of sampled, preprocessed video pixels kept for repeated videos, so that a video
-    /// sent again (`vl chat` resends its history every turn) is not decoded again (0 disables).
-    pub clip_cache_bytes: usize,
 }
 
 impl Default for ModelOptions {
@@ -93,7 +90,6 @@ impl Default for ModelOptions {
             video: VideoOptions::default(),
             video_pixel_cap: Some(DEFAULT_MAX_VIDEO_PIXELS),
             video_limits: VideoLimits::default(),
-            clip_cache_bytes: 256 << 20,
         }
     }
 }
@@ -145,9 +141,11 @@ pub trait Family: Send + Sync {
     /// What the model does with a prepared prompt: generate text, or pool it into a vector or
     /// a score.
     fn task(&self) -> Task<'_>;
-    /// Checks a request (options, media headers and budgets, the prompt's length against the
-    /// context: cheap checks before any pixel is decoded), then reads its media and tokenizes it.
-    fn prepare(&self, req: &Request) -> Result<Prepared>;
+    /// Checks a request (media headers and budgets, the prompt's length against the context:
+    /// cheap checks before any pixel is decoded), then reads its media and tokenizes it. The
+    /// engine checked what is not the family's (options, messages, stop strings) first; `ctx`
+    /// holds the request's decode-time budget and the clip cache.
+    fn prepare(&self, req: &Request, ctx: &MediaContext<'_>) -> Result<Prepared>;
     /// Runs the vision tower on one image or video.
     fn encode(&self, media: &Media) -> Result<VisionOutput>;
     /// A model loaded in stages (`open_staged`) loads its vision tower here (so that the load

@@ -15,12 +15,11 @@ use super::{
     Content, ImageFile, Message, ModelDir, Processor, Prompt, QuantLoad, Qwen3VlConfig, TemplateToolCall, TextModel,
     VisionTower, Weights,
 };
-use crate::cache::ByteLru;
 use crate::error::{Error, Result};
 use crate::family::{
     Family, FamilyEntry, Generator, Identity, ImageSizing, ModelOptions, Prepared, Sizing, Source, Task,
 };
-use crate::media::{Media, MediaKind, VisionOutput};
+use crate::media::{image_key, pixels_key, CachedClip, Media, MediaContext, MediaKind, VisionOutput};
 use crate::request::{ImageReport, Part, Request, VideoData, VideoReport};
 use crate::sampling::GenerationOptions;
 use crate::state::SeqState;
@@ -111,13 +110,6 @@ enum VisionSlot {
     Absent(String, String),
 }
 
-/// A sampled, preprocessed video kept for a repeated request.
-#[derive(Clone)]
-struct CachedClip {
-    info: crate::video::VideoInfo,
-    video: ProcessedVideo,
-}
-
 /// A loaded Qwen3-VL model.
 pub struct Qwen3Vl {
     /// The reasoning markers, when the tokenizer has them.
@@ -132,7 +124,6 @@ pub struct Qwen3Vl {
     text: OnceLock<TextModel>,
     text_loader: Mutex<Option<TextLoader>>,
     /// Sampled, preprocessed videos by `clip_key` (None: disabled).
-    clips: Option<Mutex<ByteLru<[u8; 32], CachedClip>>>,
     /// The checkpoint's own pixel budgets (with the engine's sampling settings), for reports.
     checkpoint: Checkpoint,
     /// Tensors the load reads (0 for GGUF, which reports none).
@@ -266,7 +257,6 @@ impl Qwen3Vl {
             vision: Mutex::new(vision),
             text: OnceLock::new(),
             text_loader: Mutex::new(Some(text)),
-            clips: (opts.clip_cache_bytes > 0).then(|| Mutex::new(ByteLru::new(opts.clip_cache_bytes))),
             checkpoint,
             tensors: 0,
         };
@@ -348,8 +338,8 @@ impl Family for Qwen3Vl {
         &self.processor.tokenizer
     }
 
-    fn prepare(&self, req: &Request) -> Result<Prepared> {
-        prepare(&self.processor, &self.config, &self.eos, &self.device, req, self.clips.as_ref())
+    fn prepare(&self, req: &Request, ctx: &MediaContext<'_>) -> Result<Prepared> {
+        prepare(&self.processor, &self.config, &self.eos, &self.device, req, ctx)
     }
 
     fn encode(&self, media: &Media) -> Result<VisionOutput> {
@@ -555,58 +545,6 @@ impl Clip {
     }
 }
 
-type ClipCache = ByteLru<[u8; 32], CachedClip>;
-
-fn lock_clips(c: &Mutex<ClipCache>) -> std::sync::MutexGuard<'_, ClipCache> {
-    // Entries are inserted whole, so a poisoned lock's map is still consistent.
-    c.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// What identifies a video's sampled frames: a regular file's canonical path, device, inode,
-/// size, modification time and status-change time, or the bytes' SHA-256; and the processor's
-/// settings. The status-change time (`ctime`) is what a copy cannot keep: `cp -p`, `rsync -a` and
-/// `tar x` set the old modification time on a new file, but every write, rename into place or
-/// metadata change sets `ctime` to now, and no call sets it back. None for frame directories (a
-/// frame can change without the directory's times changing), unreadable files and systems
-/// without `ctime` (no cache there rather than a stale one).
-fn clip_key(source: &VideoData, proc: &VideoProcessor) -> Option<[u8; 32]> {
-    let mut h = Sha256::new();
-    match source {
-        VideoData::Path(p) => {
-            let meta = std::fs::metadata(p).ok().filter(|m| m.is_file())?;
-            let since = meta.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?;
-            h.update(b"file\0");
-            h.update(std::fs::canonicalize(p).ok()?.as_os_str().as_encoded_bytes());
-            h.update(meta.len().to_le_bytes());
-            h.update(since.as_nanos().to_le_bytes());
-            h.update(file_identity(&meta)?);
-        }
-        VideoData::Bytes(b) => {
-            h.update(b"bytes\0");
-            h.update(b);
-        }
-    }
-    h.update(format!("{:?}", proc.config).as_bytes());
-    Some(h.finalize().into())
-}
-
-/// A file's device, inode and status-change time (seconds and nanoseconds), as bytes.
-#[cfg(unix)]
-fn file_identity(meta: &std::fs::Metadata) -> Option<Vec<u8>> {
-    use std::os::unix::fs::MetadataExt;
-    Some(
-        [meta.dev(), meta.ino(), meta.ctime() as u64, meta.ctime_nsec() as u64]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
-    )
-}
-
-#[cfg(not(unix))]
-fn file_identity(_: &std::fs::Metadata) -> Option<Vec<u8>> {
-    None
-}
-
 /// The engine's pixel budgets, video settings and input limits on the checkpoint's processors.
 /// Returns the checkpoint's processors with its own pixel budgets (and the engine's sampling).
 fn apply_image_options(processor: &mut Processor, opts: &ModelOptions) -> Result<Checkpoint> {
@@ -674,28 +612,6 @@ pub fn image_budget(
     }
     let cap = (tokens * unit).max(min_pixels.unwrap_or(0));
     Ok((min_pixels, (cap < config.max_pixels).then_some(cap)))
-}
-
-/// A preprocessed video's cache key: the hash of its patch rows and grid.
-fn video_key(v: &ProcessedVideo) -> u64 {
-    let mut h = Sha256::new();
-    for chunk in v.pixels.chunks(1 << 14) {
-        h.update(chunk.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>());
-    }
-    for g in v.plan.grid {
-        h.update((g as u64).to_le_bytes());
-    }
-    let digest = h.finalize();
-    let mut k = [0u8; 8];
-    k.copy_from_slice(&digest[..8]);
-    u64::from_le_bytes(k) | 1
-}
-
-/// An image's cache key: its content hash and its resized size.
-fn image_key(hash: &[u8], resized: (usize, usize)) -> u64 {
-    let mut k = [0u8; 8];
-    k.copy_from_slice(&hash[..8]);
-    u64::from_le_bytes(k) ^ ((resized.0 as u64) << 32 | resized.1 as u64).rotate_left(17) | 1
 }
 
 /// The image processor for one image: the engine's, narrowed by the request's budget.
@@ -775,42 +691,19 @@ fn prepare(
     eos: &[u32],
     device: &Device,
     req: &Request,
-    clip_cache: Option<&Mutex<ClipCache>>,
+    ctx: &MediaContext<'_>,
 ) -> Result<Prepared> {
+    // The engine checked the options, the messages and the stop strings (`check_request`).
     let opts = GenerationOptions { eos_token_ids: eos.to_vec(), ..req.options.clone() };
-    opts.validate()?;
     if let Some(text) = &req.prompt {
         return raw_prompt(processor, config, opts, req, text);
-    }
-    if req.messages.is_empty() {
-        return Err(Error::Input { what: "messages".into(), message: "no messages".into() });
-    }
-    if let Some(s) = req.stop.iter().find(|s| s.is_empty()) {
-        return Err(Error::Input { what: "stop".into(), message: format!("{s:?}: stop strings must not be empty") });
     }
     let mut messages = Vec::with_capacity(req.messages.len());
     let mut files = Vec::new();
     let mut clips: Vec<Clip> = Vec::new();
     let mut reports = Vec::new();
     let mut video_tokens = 0usize;
-    // The decode-time bound is the request's, for all its videos together: each probe and
-    // decode gets what is left of it.
-    let decode_started = std::time::Instant::now();
-    let decode_left = || -> Result<Option<std::time::Duration>> {
-        let Some(budget) = processor.videos.limits.max_decode_time else { return Ok(None) };
-        let left = budget.saturating_sub(decode_started.elapsed());
-        if left.is_zero() {
-            return Err(Error::Limit {
-                what: "videos".into(),
-                message: format!(
-                    "the request's videos took longer than the decode limit of {} s in all",
-                    budget.as_secs_f64()
-                ),
-                kind: crate::limits::LimitKind::DecodeTime,
-            });
-        }
-        Ok(Some(left))
-    };
+    let decode_left = || ctx.decode_left();
     for m in &req.messages {
         let mut content = Vec::with_capacity(m.parts.len());
         for p in &m.parts {
@@ -825,10 +718,13 @@ fn prepare(
                 Part::Video { source, name, options } => {
                     let mut proc = video_processor(&processor.videos, options)?;
                     proc.limits.max_decode_time = decode_left()?;
-                    let key = clip_cache.and_then(|_| clip_key(source, &proc));
-                    let cached = key.and_then(|k| clip_cache.and_then(|c| lock_clips(c).get(&k)));
+                    let key = ctx.clip_key(source, &format!("{:?}", proc.config));
+                    let cached = key.and_then(|k| ctx.cached_clip(&k)).and_then(|c| {
+                        let video = c.data.downcast_ref::<ProcessedVideo>()?.clone();
+                        Some((c.info, video))
+                    });
                     let (info, clip) = match cached {
-                        Some(c) => (c.info, Clip::Cached(c.video)),
+                        Some((info, video)) => (info, Clip::Cached(video)),
                         None => {
                             let src = match source {
                                 VideoData::Path(p) => VideoSource::open(p, proc.config.fps, &proc.limits)?,
@@ -904,15 +800,16 @@ fn prepare(
             Clip::Fresh { mut src, proc, plan, key } => {
                 src.set_max_decode_time(decode_left()?);
                 let video = proc.process_planned(&src, plan)?;
-                if let (Some(k), Some(c)) = (key, clip_cache) {
+                if let Some(k) = key {
                     let bytes = video.pixels.len() * std::mem::size_of::<f32>();
-                    lock_clips(c).put(k, CachedClip { info: report.info.clone(), video: video.clone() }, bytes);
+                    let data = Arc::new(video.clone());
+                    ctx.keep_clip(k, CachedClip { info: report.info.clone(), data }, bytes);
                 }
                 video
             }
         });
     }
-    let video_keys: Vec<u64> = videos.iter().map(video_key).collect();
+    let video_keys: Vec<u64> = videos.iter().map(|v| pixels_key(&v.pixels, v.plan.grid)).collect();
     let ids = processor.rendered_ids(&rendered, &processed, &videos)?;
     let count = |id: u32| ids.iter().filter(|&&t| t == id).count();
     let (image_tokens, video_tokens) = (count(config.image_token_id), count(config.video_token_id));

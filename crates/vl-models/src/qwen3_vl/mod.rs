@@ -3,7 +3,6 @@
 pub mod chat;
 pub mod config;
 pub mod family;
-pub mod generate;
 pub mod generation_config;
 pub mod gguf;
 mod gguf_names;
@@ -22,7 +21,6 @@ pub mod weights;
 
 pub use chat::{Content, Message, Processor, StreamDecoder, TemplateToolCall};
 pub use config::{Qwen3VlConfig, TextConfig, VisionConfig};
-pub use generate::{Generation, GenerationOptions, StopReason};
 pub use generation_config::GenerationConfig;
 pub use inspect::{inspect, Summary};
 pub use model::{PrefillOutput, Prompt, Qwen3VlModel, VisionInput};

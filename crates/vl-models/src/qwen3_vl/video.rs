@@ -274,30 +274,6 @@ impl VideoProcessor {
         Ok(ProcessedVideo { pixels: builder.finish(), plan })
     }
 
-    /// Preprocesses a clip already in memory (every frame of it, at `source_fps`), sampled as
-    /// the reference samples an array video with its metadata.
-    pub fn process_frames(&self, frames: &[RgbImage], source_fps: f64) -> Result<ProcessedVideo> {
-        let Some(first) = frames.first() else {
-            return Err(Error::Input { what: "video".into(), message: "no frames".into() });
-        };
-        let plan = self.plan(frames.len(), source_fps, first.height() as usize, first.width() as usize)?;
-        let mut builder = Patches::new(&self.config.base, &plan);
-        for &i in &plan.indices {
-            if frames[i].dimensions() != first.dimensions() {
-                return Err(Error::Input {
-                    what: "video".into(),
-                    message: format!(
-                        "frame {i} is {:?}, frame 0 {:?}: frames differ in size",
-                        frames[i].dimensions(),
-                        first.dimensions()
-                    ),
-                });
-            }
-            builder.push(&frames[i])?;
-        }
-        Ok(ProcessedVideo { pixels: builder.finish(), plan })
-    }
-
     /// Stacks processed videos into one vision input.
     pub fn batch(&self, videos: &[ProcessedVideo], device: &Device) -> Result<VisionInput> {
         let b = &self.config.base;

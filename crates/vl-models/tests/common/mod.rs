@@ -170,7 +170,7 @@ pub fn golden_request(case: &str, max: usize) -> vl_models::engine::Request {
         .collect();
     Request {
         messages,
-        options: vl_models::qwen3_vl::GenerationOptions { max_new_tokens: max, ..Default::default() },
+        options: vl_models::GenerationOptions { max_new_tokens: max, ..Default::default() },
         tools: meta["tools"].as_array().cloned().unwrap_or_default(),
         ..Default::default()
     }
@@ -185,6 +185,32 @@ pub fn against_reference(m: &vl_models::qwen3_vl::Qwen3VlModel, g: &str, case: &
     let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
     let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
     let want_ids: Vec<u32> = want["greedy.ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
-    let opts = vl_models::qwen3_vl::GenerationOptions { max_new_tokens: want_ids.len(), ..Default::default() };
-    (d, m.generate(&p, &opts, &mut |_| true).unwrap().tokens == want_ids)
+    (d, greedy(m, &p, want_ids.len(), &[]).unwrap().0 == want_ids)
+}
+
+/// Greedy ids of `m` on `p`, at most `n`, driving the model directly (prefill, then one decode
+/// step per token; the engine's scheduler is the library's one generation loop): the tokens
+/// (an eos id included when it ended them) and whether an eos id ended them.
+pub fn greedy(
+    m: &vl_models::qwen3_vl::Qwen3VlModel,
+    p: &Prompt,
+    n: usize,
+    eos: &[u32],
+) -> vl_models::Result<(Vec<u32>, bool)> {
+    let mut cache = m.new_cache();
+    let state = m.prefill(p, &mut cache, &mut |_, _| {})?;
+    let mut logits = m.last_logits(&state)?;
+    let mut out = Vec::with_capacity(n);
+    for step in 0..n {
+        let v = logits.to_vec1::<f32>()?;
+        let next = (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b]).then(b.cmp(&a))).unwrap_or(0) as u32;
+        out.push(next);
+        if eos.contains(&next) {
+            return Ok((out, true));
+        }
+        if step + 1 < n {
+            logits = m.decode_step(next, &state, step, &mut cache)?;
+        }
+    }
+    Ok((out, false))
 }
