@@ -12,6 +12,21 @@ pub struct ShapeMismatch {
     pub found: Vec<usize>,
 }
 
+/// Which configurable limit an input exceeded (the CLI names the flag that raises it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitKind {
+    ImageBytes,
+    ImagePixels,
+    /// A fixed bound, not configurable.
+    Fixed,
+    /// The model's context length: the prompt (or its text, or its videos' tokens) cannot fit.
+    Context,
+    /// The time a request's media may take to decode (`VideoLimits::max_decode_time`).
+    DecodeTime,
+    /// The engine's KV cache budget (`EngineOptions::kv_cache_bytes`, `--kv-cache-mib`).
+    KvCache,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("{path}: {source}")]
@@ -58,7 +73,7 @@ pub enum Error {
     Input { what: String, message: String },
     /// An input over a size limit, found before the work it would cost.
     #[error("{what}: {message}")]
-    Limit { what: String, message: String, kind: crate::limits::LimitKind },
+    Limit { what: String, message: String, kind: LimitKind },
     /// A fault inside the engine (a batched step failed, the scheduler stopped): not the
     /// request's doing.
     #[error("internal error: {message}")]

@@ -11,20 +11,7 @@ use crate::error::{Error, Result};
 /// Qwen3-VL's tokenizer.json, the largest of them, is 11 MB.
 pub const MAX_METADATA_FILE_BYTES: u64 = 256 << 20;
 
-/// Which configurable limit an input exceeded (the CLI names the flag that raises it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LimitKind {
-    ImageBytes,
-    ImagePixels,
-    /// A fixed bound, not configurable.
-    Fixed,
-    /// The model's context length: the prompt (or its text, or its videos' tokens) cannot fit.
-    Context,
-    /// The time a request's media may take to decode (`VideoLimits::max_decode_time`).
-    DecodeTime,
-    /// The engine's KV cache budget (`EngineOptions::kv_cache_bytes`, `--kv-cache-mib`).
-    KvCache,
-}
+pub use crate::error::LimitKind;
 
 /// Limits on image files, checked from the file size and the image header before decoding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

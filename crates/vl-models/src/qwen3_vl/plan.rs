@@ -29,8 +29,7 @@ pub struct PlannedTensor {
     pub alt_shape: Option<Vec<usize>>,
 }
 
-pub const VISION_PREFIX: &str = "model.visual";
-pub const TEXT_PREFIX: &str = "model.language_model";
+pub use super::weights::{TEXT_PREFIX, VISION_PREFIX};
 pub const LM_HEAD: &str = "lm_head.weight";
 
 /// All tensors a `Qwen3VLForConditionalGeneration` with this config holds.

@@ -15,6 +15,10 @@ use crate::affine;
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 
+/// Where a checkpoint keeps the vision tower's and the text decoder's tensors.
+pub const VISION_PREFIX: &str = "model.visual";
+pub const TEXT_PREFIX: &str = "model.language_model";
+
 pub use crate::checkpoint::LoadProgress;
 
 /// Stored-to-HF prefix pairs of the MLX-community layout.
@@ -231,7 +235,7 @@ impl Weights {
     /// weight is stored so, plainly), else f32: what weights are read in before quantization,
     /// so that no wider copy is made and no precision is lost.
     pub fn text_float_dtype(&self) -> DType {
-        self.float_dtype_under(super::plan::TEXT_PREFIX)
+        self.float_dtype_under(TEXT_PREFIX)
     }
 
     /// The k-quant `vl run` requantizes an MLX-quantized checkpoint's text decoder to by default:
@@ -258,7 +262,7 @@ impl Weights {
     /// Like `text_float_dtype`, for the vision tower: what its weights can be kept in when they
     /// are computed in f32 (`VisionTower::load_stored`; exact for a bf16 checkpoint).
     pub fn vision_float_dtype(&self) -> DType {
-        self.float_dtype_under(super::plan::VISION_PREFIX)
+        self.float_dtype_under(VISION_PREFIX)
     }
 
     fn float_dtype_under(&self, prefix: &str) -> DType {
