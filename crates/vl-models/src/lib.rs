@@ -37,41 +37,34 @@
 //! ```
 //!
 //! The layout: generic layers live in `vl-nn`; here, `request` (what goes in and comes out),
-//! `engine` (the scheduler, caches and budgets), `family` (the seam a model family implements),
-//! `registry` (the one list of families), `state` (a sequence's KV or recurrent state), the
-//! formats (`checkpoint`, `gguf`, `mapped`, `affine`), media (`image_file`, `video`, `media`),
-//! decoding (`sampling`, `constraint`, `stream`, `reasoning`, `tools`, `template`,
-//! `grounding`), and one folder per family (`qwen3_vl`; `qwen3_vl_moe` registers the MoE
-//! checkpoints on it).
+//! `engine/` (the scheduler, caches and budgets), `family/` (the seam a model family
+//! implements), `registry` (the one list of families), `state` (a sequence's KV or recurrent
+//! state), `formats/` (safetensors, GGUF, MLX), `media/` (images, videos, encoded features),
+//! `decoding/` (sampling, constraints, streaming, reasoning, tool calls, templates, grounding),
+//! and one folder per family (`qwen3_vl/`; `qwen3_vl_moe` registers the MoE checkpoints on it).
+//! The modules of `formats/`, `media/` and `decoding/` are re-exported at the root
+//! (`vl_models::gguf`, `vl_models::video`, `vl_models::sampling`, ...).
 
-pub mod affine;
 pub mod alloc;
 pub mod cache;
-pub mod checkpoint;
-pub mod constraint;
+pub mod decoding;
 pub mod engine;
 pub mod error;
 pub mod family;
-pub mod gguf;
-pub mod grounding;
-pub mod image_file;
+pub mod formats;
 pub mod limits;
-pub mod mapped;
 pub mod media;
 pub mod progress;
 pub mod qwen3_vl;
 pub mod qwen3_vl_moe;
-pub mod reasoning;
 pub mod registry;
 pub mod request;
-pub mod sampling;
 pub mod state;
-pub mod stream;
-pub mod template;
-pub mod tools;
-pub mod video;
 
+pub use decoding::{constraint, grounding, reasoning, sampling, stream, template, tool_calls};
 pub use engine::{Engine, EngineBuilder, EngineOptions, ModelOptions};
 pub use error::{Error, Result};
+pub use formats::{affine, checkpoint, gguf, mapped};
+pub use media::{image_file, video};
 pub use request::{ChatMessage, Completion, Delta, Finish, Part, Request};
 pub use sampling::GenerationOptions;

@@ -8,7 +8,7 @@ use std::time::Duration;
 pub use crate::constraint::Constraint;
 use crate::sampling::GenerationOptions;
 pub use crate::sampling::TokenLogprob;
-pub use crate::tools::ToolCall;
+pub use crate::tool_calls::ToolCall;
 
 /// One part of a request message.
 #[derive(Debug, Clone)]

@@ -13,7 +13,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use vl_models::checkpoint::Checkpoint;
 use vl_models::limits::ImageLimits;
-use vl_models::qwen3_vl::chat::{ChatTemplate, TemplateSource};
+use vl_models::qwen3_vl::processor::{ChatTemplate, TemplateSource};
 use vl_models::qwen3_vl::{
     Content, GenerationConfig, ImageFile, ImageProcessor, Message, PreprocessorConfig, Processor, Qwen3VlConfig,
 };
@@ -210,7 +210,7 @@ fn json_configs() {
                         let _ = GenerationConfig::from_dir(tmp.path(), &[1]);
                     }
                     _ => {
-                        let _ = ChatTemplate::from_dir(tmp.path(), vl_models::qwen3_vl::chat::BUILTIN_TEMPLATE);
+                        let _ = ChatTemplate::from_dir(tmp.path(), vl_models::qwen3_vl::processor::BUILTIN_TEMPLATE);
                     }
                 }
                 std::fs::remove_file(&p).unwrap();

@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, RngSeed};
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
-use vl_models::qwen3_vl::processor::{smart_resize, MAX_PIXEL_BUDGET};
+use vl_models::qwen3_vl::image_processor::{smart_resize, MAX_PIXEL_BUDGET};
 use vl_models::qwen3_vl::{tensor_plan, ImageProcessor, PreprocessorConfig, Qwen3VlConfig};
 use vl_models::sampling::{check_logits, sample};
 use vl_models::GenerationOptions;

@@ -35,7 +35,7 @@ use crate::reasoning::Split;
 use crate::sampling::{TokenLogprob, TokenPicker};
 use crate::state::SeqState;
 use crate::stream::StreamDecoder;
-use crate::tools::{split_tool_calls, CallHold};
+use crate::tool_calls::{split_tool_calls, CallHold};
 
 /// Pieces a request's caller may leave unread before its sequences are paused.
 pub(crate) const MAX_UNREAD: usize = 16;

@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 
 use super::gguf::{self, GgufModel};
 use super::plan::VISION_PREFIX;
-use super::video::{ProcessedVideo, VideoOptions, VideoPlan, VideoProcessor};
+use super::video_processor::{ProcessedVideo, VideoOptions, VideoPlan, VideoProcessor};
 use super::{
     Content, ImageFile, Message, ModelDir, Processor, Prompt, QuantLoad, Qwen3VlConfig, TemplateToolCall, TextModel,
     VisionTower, Weights,
@@ -603,7 +603,7 @@ pub fn image_budget(
         return Ok((min_pixels, max_pixels));
     };
     let unit = config.factor() * config.factor();
-    let most = super::processor::MAX_PIXEL_BUDGET / unit.max(1);
+    let most = super::image_processor::MAX_PIXEL_BUDGET / unit.max(1);
     if tokens == 0 || tokens > most {
         return Err(Error::Input {
             what: "max_image_tokens".into(),

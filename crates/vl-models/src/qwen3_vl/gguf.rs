@@ -17,13 +17,13 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use tokenizers::Tokenizer;
 
-use super::chat::{ChatTemplate, Processor, TemplateSource};
 use super::config::{Qwen3VlConfig, TextConfig, VisionConfig};
 use super::gguf_names::{text_key, text_name, vision_key, vision_name};
+use super::image_processor::{ImageProcessor, PreprocessorConfig};
 use super::model::Qwen3VlModel;
-use super::processor::{ImageProcessor, PreprocessorConfig};
+use super::processor::{ChatTemplate, Processor, TemplateSource};
 use super::text::{LoadPlan, PreExperts, Prequantized, TextModel};
-use super::video::{VideoConfig, VideoProcessor};
+use super::video_processor::{VideoConfig, VideoProcessor};
 use super::vision::VisionTower;
 use crate::error::{Error, Result};
 use crate::gguf::bad;
@@ -250,7 +250,9 @@ impl GgufModel {
         let tokenizer = tokenizer(t)?;
         let template = match t.str("tokenizer.chat_template") {
             Ok(s) => ChatTemplate::new(s.to_string(), TemplateSource::File(t.path.clone()), None, None)?,
-            Err(_) => ChatTemplate::new(super::chat::BUILTIN_TEMPLATE.into(), TemplateSource::BuiltIn, None, None)?,
+            Err(_) => {
+                ChatTemplate::new(super::processor::BUILTIN_TEMPLATE.into(), TemplateSource::BuiltIn, None, None)?
+            }
         };
         let mut pp = PreprocessorConfig::default();
         if let Some(m) = &self.mmproj {
@@ -259,8 +261,8 @@ impl GgufModel {
             // The pixel budget when the file has one (ours do; llama.cpp's converter leaves it out
             // and the Qwen3-VL preprocessor defaults apply).
             if let (Ok(min), Ok(max)) = (
-                m.usize("clip.vision.image_min_pixels", super::processor::MAX_PIXEL_BUDGET),
-                m.usize("clip.vision.image_max_pixels", super::processor::MAX_PIXEL_BUDGET),
+                m.usize("clip.vision.image_min_pixels", super::image_processor::MAX_PIXEL_BUDGET),
+                m.usize("clip.vision.image_max_pixels", super::image_processor::MAX_PIXEL_BUDGET),
             ) {
                 if min <= max {
                     pp.min_pixels = min;

@@ -6,10 +6,10 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::chat::{Content, Message, Processor};
 use super::config::Qwen3VlConfig;
 use super::generation_config::GenerationConfig;
 use super::plan::{check_plan, plan_for, PlanReport, PlannedTensor};
+use super::processor::{Content, Message, Processor};
 use super::weights::Weights;
 use crate::error::{Error, Result};
 
@@ -119,7 +119,7 @@ fn check_processor(dir: &Path, cfg: &Qwen3VlConfig, p: &Processor) -> Result<()>
 
 fn template_name(p: &Processor) -> String {
     match &p.template.source {
-        super::chat::TemplateSource::File(f) => f.display().to_string(),
-        super::chat::TemplateSource::BuiltIn => "built-in".into(),
+        super::processor::TemplateSource::File(f) => f.display().to_string(),
+        super::processor::TemplateSource::BuiltIn => "built-in".into(),
     }
 }

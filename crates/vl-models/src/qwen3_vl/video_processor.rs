@@ -13,8 +13,8 @@ use candle_core::{Device, Tensor};
 use image::RgbImage;
 use serde::Deserialize;
 
+use super::image_processor::{normalized_planes, patchify, PreprocessorConfig, MAX_ASPECT_RATIO, MAX_PIXEL_BUDGET};
 use super::model::VisionInput;
-use super::processor::{normalized_planes, patchify, PreprocessorConfig, MAX_ASPECT_RATIO, MAX_PIXEL_BUDGET};
 use crate::error::{Error, Result};
 use crate::limits::{self, MAX_METADATA_FILE_BYTES};
 use crate::video::{check_fps, VideoLimits, VideoSource};

@@ -174,7 +174,7 @@ impl ChatTemplate {
         env.set_recursion_limit(TEMPLATE_RECURSION);
         // transformers' `tojson`: Python's json.dumps (", " and ": " separators, non-ASCII kept,
         // key order kept), not minijinja's HTML-safe compact form.
-        env.add_filter("tojson", crate::tools::py_tojson);
+        env.add_filter("tojson", crate::tool_calls::py_tojson);
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });

@@ -1,0 +1,12 @@
+//! From logits to an answer: sampling (`sampling`), constrained decoding with llguidance
+//! (`constraint`), streaming detokenization (`stream`), reasoning blocks (`reasoning`), tool
+//! calls (`tool_calls`), chat templates (`template`), and boxes and points in answers
+//! (`grounding`).
+
+pub mod constraint;
+pub mod grounding;
+pub mod reasoning;
+pub mod sampling;
+pub mod stream;
+pub mod template;
+pub mod tool_calls;

@@ -1,0 +1,8 @@
+//! The files models come in: safetensors checkpoints (`checkpoint`, read through `mapped` memory
+//! maps), GGUF (`gguf`, the container and its k-quant blocks) and MLX's affine-quantized
+//! tensors (`affine`).
+
+pub mod affine;
+pub mod checkpoint;
+pub mod gguf;
+pub mod mapped;
