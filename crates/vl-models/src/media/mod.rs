@@ -6,6 +6,7 @@ use candle_core::Tensor;
 
 pub mod image_file;
 pub mod video;
+mod video_tools;
 
 /// A (temporal, height, width) patch grid, as a processor's `image_grid_thw`.
 pub type Grid = [usize; 3];

@@ -12,6 +12,7 @@ pub mod model;
 pub mod plan;
 pub mod positions;
 pub mod preflight;
+pub mod prepare;
 pub mod presets;
 pub mod processor;
 pub mod text;
