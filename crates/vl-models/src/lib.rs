@@ -45,6 +45,8 @@
 //! The modules of `formats/`, `media/` and `decoding/` are re-exported at the root
 //! (`vl_models::gguf`, `vl_models::video`, `vl_models::sampling`, ...).
 
+#![deny(unsafe_op_in_unsafe_fn)]
+
 pub mod alloc;
 pub mod cache;
 pub mod decoding;

@@ -671,8 +671,10 @@ fn copy_out<T: Copy + Send + Sync>(data: &[u8]) -> Vec<T> {
 /// A raw destination pointer shared with the pool's threads (each writes its own range).
 #[derive(Clone, Copy)]
 struct SendBytes(*mut u8);
-// SAFETY: only used for disjoint writes by the pool's work items.
+// SAFETY: only used for disjoint writes by the pool's work items, into a buffer that outlives
+// the pool's call (`execute_chunked` returns when every item is done).
 unsafe impl Send for SendBytes {}
+// SAFETY: as for Send: shared references only copy the pointer; each item writes its own range.
 unsafe impl Sync for SendBytes {}
 impl SendBytes {
     fn get(self) -> *mut u8 {
