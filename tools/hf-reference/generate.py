@@ -987,6 +987,84 @@ def thinking_goldens(out):
         "greedy": f"generate(do_sample=False, max_new_tokens={THINKING_STEPS}), float32"}})
 
 
+EMBED_INSTRUCTION = "Represent the user's input."
+
+
+def embed_conversation(instruction, texts=(), images=()):
+    """The official prompt of Qwen3-VL-Embedding (QwenLM/Qwen3-VL-Embedding
+    `src/models/qwen3_vl_embedding.py`, `format_model_input`): the instruction (a period added
+    when it does not end with punctuation) as the system message; the user turn's videos, then
+    images, then texts; "NULL" when there is nothing."""
+    import unicodedata
+    instruction = (instruction or EMBED_INSTRUCTION).strip()
+    if instruction and not unicodedata.category(instruction[-1]).startswith("P"):
+        instruction += "."
+    content = [{"type": "image", "image": n} for n in images] + [{"type": "text", "text": t} for t in texts]
+    if not content:
+        content = [{"type": "text", "text": "NULL"}]
+    return [{"role": "system", "content": [{"type": "text", "text": instruction}]},
+            {"role": "user", "content": content}]
+
+
+def embedding_goldens(out):
+    """goldens/tiny-embed: tiny-a's weights laid out as a Qwen3-VL-Embedding checkpoint (its
+    Sentence Transformers files: Transformer, Pooling with pooling_mode_lasttoken, Normalize),
+    and embeddings of text, image and image + text inputs computed as the official code computes
+    them: the `format_model_input` prompt, `Qwen3VLModel` (the conditional generation model's
+    `.model`) last_hidden_state at the last position, `F.normalize`; and the Matryoshka cut
+    (the first d values normalised again, as vLLM serves `dimensions`)."""
+    src = out / "tiny-a" / "checkpoint"
+    ck = out / "tiny-embed" / "checkpoint"
+    if ck.exists():
+        shutil.rmtree(ck)
+    ck.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        (ck / f.name).symlink_to(os.path.relpath(f, ck))
+    (ck / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ], indent=2) + "\n")
+    hidden = json.loads((src / "config.json").read_text())["text_config"]["hidden_size"]
+    (ck / "1_Pooling").mkdir()
+    (ck / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": hidden, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
+        "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": True, "include_prompt": True,
+    }, indent=2) + "\n")
+    (ck / "2_Normalize").mkdir()
+    (ck / "2_Normalize" / ".keep").write_text("")
+    proc = Qwen3VLProcessor.from_pretrained(src)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(src, torch_dtype=torch.float32).eval()
+    cases = [
+        ("text", None, ["A cat sleeps on a sofa."], []),
+        ("instruction", "Retrieve images that match the query", ["a red square"], []),
+        ("image", None, [], ["square.png"]),
+        ("image_text", "Find the picture", ["What colours?"], ["palette.png"]),
+        ("two_images", None, ["Compare them."], ["square.png", "palette.png"]),
+        ("empty", "Represent this", [], []),
+    ]
+    results = []
+    for name, instruction, texts, images in cases:
+        conv = embed_conversation(instruction, texts, images)
+        text = proc.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        imgs = [Image.open(out / "images" / n).convert("RGB") for n in images]
+        batch = proc(text=[text], images=imgs or None, return_tensors="pt")
+        with torch.no_grad():
+            h = model.model(**batch).last_hidden_state[0, -1]
+        v = torch.nn.functional.normalize(h, p=2, dim=-1)
+        cut = torch.nn.functional.normalize(v[:hidden // 2], p=2, dim=-1)
+        results.append({"case": name, "instruction": instruction, "texts": texts, "images": images,
+                        "prompt": text, "ids": batch["input_ids"][0].tolist(),
+                        "embedding": v.tolist(), "dims": hidden // 2, "truncated": cut.tolist()})
+    (out / "tiny-embed" / "embeddings.json").write_text(json.dumps({"cases": results}, indent=1) + "\n")
+    write_provenance(out, {"tiny-embed": {
+        "generator": "tools/hf-reference/generate --embedding", "weights": "tiny-a (linked)",
+        "prompt": "format_model_input of QwenLM/Qwen3-VL-Embedding src/models/qwen3_vl_embedding.py, ported as embed_conversation",
+        "vector": "F.normalize(Qwen3VLForConditionalGeneration.model(**inputs).last_hidden_state[0, -1]), float32",
+        "truncated": "F.normalize(vector[:d])"}})
+
+
 def write_provenance(out, update):
     path = out / "provenance.json"
     prov = json.loads(path.read_text()) if path.exists() else {}
@@ -1006,6 +1084,7 @@ def main():
     ap.add_argument("--mlx-names", help="with --mlx-goldens: only these fixtures (comma-separated)")
     ap.add_argument("--mlx-goldens", help="only write the MLX fixtures' reference goldens (cache dir)")
     ap.add_argument("--thinking", action="store_true", help="only write goldens/thinking (Thinking template)")
+    ap.add_argument("--embedding", action="store_true", help="only write goldens/tiny-embed (Qwen3-VL-Embedding)")
     ap.add_argument("--moe", action="store_true", help="only write goldens/tiny-moe (the MoE family)")
     ap.add_argument("--moe-gguf", action="store_true",
                     help="only write goldens/tiny-moe-gguf (all-sparse MoE, for generate-gguf-moe)")
@@ -1014,6 +1093,9 @@ def main():
     out = Path(args.out)
     if args.thinking:
         thinking_goldens(out)
+        return
+    if args.embedding:
+        embedding_goldens(out)
         return
     if args.moe or args.moe_gguf:
         # The probe images, tokenizer, sampled ids and prompt goldens are the dense geometries'.

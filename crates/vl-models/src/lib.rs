@@ -58,6 +58,7 @@ pub mod limits;
 pub mod media;
 pub mod progress;
 pub mod qwen3_vl;
+pub mod qwen3_vl_embedding;
 pub mod qwen3_vl_moe;
 pub mod registry;
 pub mod request;

@@ -22,6 +22,7 @@ pub static ENTRY: FamilyEntry = FamilyEntry {
     architectures: &["Qwen3VLMoeForConditionalGeneration"],
     model_types: &["qwen3_vl_moe"],
     gguf_architectures: &["qwen3vlmoe"],
+    heads: &[],
     open: open_entry,
     inspect: inspect_entry,
     quantize: quantize_entry,

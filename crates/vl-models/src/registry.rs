@@ -10,13 +10,19 @@ use crate::family::{Family, FamilyEntry, ModelOptions, Source};
 use crate::gguf::Recipe;
 
 /// Every family this build runs.
-pub static FAMILIES: &[&FamilyEntry] = &[&crate::qwen3_vl::family::ENTRY, &crate::qwen3_vl_moe::ENTRY];
+pub static FAMILIES: &[&FamilyEntry] =
+    &[&crate::qwen3_vl::family::ENTRY, &crate::qwen3_vl_moe::ENTRY, &crate::qwen3_vl_embedding::ENTRY];
+
+/// Sentence Transformers modules that every kind of checkpoint may list: the model itself and a
+/// final L2 normalisation.
+const PLAIN_MODULES: [&str; 2] = ["sentence_transformers.models.Transformer", "sentence_transformers.models.Normalize"];
 
 /// What identifies a model's family.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Architecture {
-    /// `config.json`'s `architectures` and `model_type`.
-    Config { architectures: Vec<String>, model_type: Option<String> },
+    /// `config.json`'s `architectures` and `model_type`, and the Sentence Transformers modules
+    /// `modules.json` lists beyond `Transformer` and `Normalize` (an embedding model's pooling).
+    Config { architectures: Vec<String>, model_type: Option<String>, heads: Vec<String> },
     /// GGUF `general.architecture`.
     Gguf(String),
 }
@@ -25,13 +31,14 @@ pub enum Architecture {
 pub fn lookup(arch: &Architecture, origin: &Path) -> Result<&'static FamilyEntry> {
     // Nothing readable names the architecture (a missing or broken config.json): the first
     // family loads it, and its own checks name what is wrong.
-    if *arch == (Architecture::Config { architectures: vec![], model_type: None }) {
+    if *arch == (Architecture::Config { architectures: vec![], model_type: None, heads: vec![] }) {
         return Ok(FAMILIES[0]);
     }
     let found = FAMILIES.iter().copied().find(|f| match arch {
-        Architecture::Config { architectures, model_type } => {
-            architectures.iter().any(|a| f.architectures.contains(&a.as_str()))
-                || (architectures.is_empty() && model_type.as_deref().is_some_and(|m| f.model_types.contains(&m)))
+        Architecture::Config { architectures, model_type, heads } => {
+            let named = architectures.iter().any(|a| f.architectures.contains(&a.as_str()))
+                || (architectures.is_empty() && model_type.as_deref().is_some_and(|m| f.model_types.contains(&m)));
+            named && heads.len() == f.heads.len() && heads.iter().all(|h| f.heads.contains(&h.as_str()))
         }
         Architecture::Gguf(a) => f.gguf_architectures.contains(&a.as_str()),
     });
@@ -43,12 +50,25 @@ pub fn lookup(arch: &Architecture, origin: &Path) -> Result<&'static FamilyEntry
             };
         }
         let (what, supported): (String, Vec<&str>) = match arch {
-            Architecture::Config { architectures, model_type } => (
+            Architecture::Config { architectures, model_type, heads } => (
                 format!(
-                    "architectures {architectures:?}{}",
-                    model_type.as_ref().map(|m| format!(", model_type {m:?}")).unwrap_or_default()
+                    "architectures {architectures:?}{}{}",
+                    model_type.as_ref().map(|m| format!(", model_type {m:?}")).unwrap_or_default(),
+                    if heads.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" with the Sentence Transformers modules {heads:?} (modules.json)")
+                    }
                 ),
-                FAMILIES.iter().flat_map(|f| f.architectures.iter().copied()).collect(),
+                {
+                    let mut all: Vec<&str> = vec![];
+                    for a in FAMILIES.iter().flat_map(|f| f.architectures.iter().copied()) {
+                        if !all.contains(&a) {
+                            all.push(a);
+                        }
+                    }
+                    all
+                },
             ),
             Architecture::Gguf(a) => (
                 format!("GGUF general.architecture {a:?}"),
@@ -84,7 +104,35 @@ pub fn architecture(path: &Path) -> Result<Architecture> {
         .map(|a| a.iter().filter_map(|s| s.as_str().map(String::from)).collect())
         .unwrap_or_default();
     let model_type = v.get("model_type").and_then(|m| m.as_str()).map(String::from);
-    Ok(Architecture::Config { architectures, model_type })
+    Ok(Architecture::Config { architectures, model_type, heads: sentence_transformer_heads(path)? })
+}
+
+/// The Sentence Transformers modules `modules.json` lists beyond `Transformer` and `Normalize`
+/// (none without the file); an error names the file when it is not such a list.
+fn sentence_transformer_heads(dir: &Path) -> Result<Vec<String>> {
+    let path = dir.join("modules.json");
+    if !path.is_file() {
+        return Ok(vec![]);
+    }
+    let text = crate::limits::read_text(&path, crate::limits::MAX_METADATA_FILE_BYTES)?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::Json { path: path.clone(), source: e })?;
+    let Some(list) = v.as_array() else {
+        return Err(Error::Input { what: path.display().to_string(), message: "not a list of modules".into() });
+    };
+    let mut heads = Vec::new();
+    for m in list {
+        let Some(kind) = m.get("type").and_then(|t| t.as_str()) else {
+            return Err(Error::Input {
+                what: path.display().to_string(),
+                message: format!("a module without a `type`: {m}"),
+            });
+        };
+        if !PLAIN_MODULES.contains(&kind) {
+            heads.push(kind.to_string());
+        }
+    }
+    Ok(heads)
 }
 
 /// Loads the model at `source` with the family its files name.

@@ -39,8 +39,7 @@ pub use crate::request::{
     VideoReport,
 };
 use admission::{check_fits, check_request, check_text_fits, generator, guides, CompilerCell};
-use scheduler::Command;
-use sequence::{Event, Fork, Job};
+use sequence::{Command, Event, Fork, Job};
 
 /// Sequences decoded together unless told otherwise. On a 2-core CPU decode is bound by reading
 /// the weights, so 4 sequences cost little more per step than one.
@@ -334,7 +333,7 @@ impl Engine {
             jobs.push((prepared, encoded));
         }
         let (tx, rx) = mpsc::channel();
-        let job = pool::PoolJob { inputs: jobs, reply: tx };
+        let job = sequence::PoolJob { inputs: jobs, reply: tx };
         self.tx.as_ref().ok_or_else(stopped)?.send(Command::Pool(Box::new(job))).map_err(|_| stopped())?;
         rx.recv().map_err(|_| stopped())?
     }

@@ -4,17 +4,8 @@
 use std::collections::VecDeque;
 use std::sync::mpsc;
 
-use super::scheduler::Command;
-use super::sequence::Event;
-use crate::error::Result;
+use super::sequence::{Command, Event, PoolJob};
 use crate::family::{PoolInput, Pooler};
-
-/// Prompts to pool (a pooling model's request), each prepared and its media encoded; the rows
-/// go back on `reply` in order.
-pub(crate) struct PoolJob {
-    pub inputs: Vec<(crate::family::Prepared, super::Encoded)>,
-    pub reply: mpsc::Sender<Result<Vec<super::PoolOutput>>>,
-}
 
 /// Prompt positions pooled in one call at most, jobs together (one job alone may exceed it).
 const POOL_BATCH_TOKENS: usize = 16_384;

@@ -25,16 +25,11 @@ use std::time::{Duration, Instant};
 use vl_nn::kv_cache::{blocks_for, BLOCK};
 
 use super::prefix::PrefixStore;
-use super::sequence::{orphan_forks, Event, Fork, Job, Phase, Seq};
+use super::sequence::{orphan_forks, Command, Event, Fork, Job, Phase, Seq};
 use super::{lock, EngineStats, Finish, Shared};
 use crate::error::Result;
 use crate::family::{Family, Generator, Identity, Task};
 use crate::state::SeqState;
-
-pub(crate) enum Command {
-    Submit(Box<Job>),
-    Pool(Box<super::pool::PoolJob>),
-}
 
 struct Scheduler<'f> {
     family: &'f dyn Family,

@@ -20,6 +20,19 @@ use crate::tool_calls::{split_tool_calls, CallHold};
 /// Pieces a request's caller may leave unread before its sequences are paused.
 pub(crate) const MAX_UNREAD: usize = 16;
 
+/// What a caller hands the scheduler thread.
+pub(crate) enum Command {
+    Submit(Box<Job>),
+    Pool(Box<PoolJob>),
+}
+
+/// Prompts to pool (a pooling model's request), each prepared and its media encoded; the rows
+/// go back on `reply` in order.
+pub(crate) struct PoolJob {
+    pub inputs: Vec<(Prepared, Encoded)>,
+    pub reply: mpsc::Sender<Result<Vec<super::PoolOutput>>>,
+}
+
 /// One `Done` per request, after its texts: its size is no concern.
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Event {

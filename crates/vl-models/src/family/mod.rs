@@ -262,6 +262,10 @@ pub struct FamilyEntry {
     pub model_types: &'static [&'static str],
     /// GGUF `general.architecture` values it loads.
     pub gguf_architectures: &'static [&'static str],
+    /// The Sentence Transformers modules (`modules.json` beside the weights) that make a
+    /// checkpoint this family, besides `Transformer` and `Normalize`: an embedding model's
+    /// `sentence_transformers.models.Pooling`. Empty for a family of checkpoints without them.
+    pub heads: &'static [&'static str],
     /// Loads a checkpoint directory or GGUF file; `staged` defers the text decoder to
     /// `Family::finish_loading` and loads the vision tower at the first `encode`.
     pub open: fn(&Source<'_>, &ModelOptions, bool) -> Result<Box<dyn Family>>,

@@ -12,58 +12,16 @@ use image::{ImageFormat, RgbImage};
 
 use crate::error::{Error, Result};
 
-pub use super::video_tools::check_fps;
 use super::video_tools::*;
+pub use super::video_tools::{check_fps, VideoLimits, FFMPEG_HINT, MAX_FPS};
 
 /// Frames sampled from one video at most (any config or flag); Qwen3-VL's shipped limit is 768.
 pub const MAX_VIDEO_FRAMES: usize = 4096;
 use crate::image_file::{to_rgb, ImageFile};
 use crate::limits::{self, LimitKind, MAX_IMAGE_SIDE};
 
-/// Bounds on a video source, checked when it is probed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct VideoLimits {
-    /// Bytes of a video held in memory (a request's data, an animated image file read whole).
-    pub max_file_bytes: u64,
-    /// Pixels (width x height) of one source frame.
-    pub max_frame_pixels: u64,
-    /// Frames in the source (all of them are decoded to reach the sampled ones).
-    pub max_source_frames: usize,
-    /// Pixels decoded to read an animated image (frames x canvas, counting its frames included):
-    /// a tiny file can describe a huge canvas many times over.
-    pub max_animation_pixels: u64,
-    /// Wall time one decode may take (`None`: unbounded), by every decoder: ffmpeg (killed past
-    /// it) and the in-process ones (animated images, frame directories; checked after each
-    /// frame). Past it the video is refused. `vl serve` sets it, so one video cannot hold the
-    /// worker for long.
-    pub max_decode_time: Option<std::time::Duration>,
-    /// Media a client named (a server): only regular files are opened (a FIFO, device or socket
-    /// is refused without blocking), and a directory's frames must resolve inside it (a frame
-    /// that is a link to a file elsewhere is refused).
-    pub confined: bool,
-}
-
-impl Default for VideoLimits {
-    fn default() -> Self {
-        // 1 GiB of encoded video in memory; 2^26-pixel frames as for images (8K is 2^25); an
-        // hour at 60 fps.
-        // 2^30 animation pixels: 16 frames of an 8000x8000 canvas, 517 of 1080p, 4294 of 500x500.
-        Self {
-            max_file_bytes: 1 << 30,
-            max_frame_pixels: 1 << 26,
-            max_source_frames: 216_000,
-            max_animation_pixels: 1 << 30,
-            max_decode_time: None,
-            confined: false,
-        }
-    }
-}
-
 /// File extensions taken as frames in a directory of frames.
 const FRAME_EXTENSIONS: [&str; 7] = ["png", "jpg", "jpeg", "webp", "gif", "bmp", "tif"];
-
-/// Frame rates accepted from a source or a flag: above 0, at most this.
-pub const MAX_FPS: f64 = 1000.0;
 
 /// What a probe learned about a source.
 #[derive(Debug, Clone, PartialEq)]
@@ -112,9 +70,6 @@ const FFMPEG_FORMATS: &str = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,asf,flv,
 fn input_guard(cmd: &mut Command) -> &mut Command {
     cmd.args(["-protocol_whitelist", "file", "-format_whitelist", FFMPEG_FORMATS])
 }
-
-/// The install hint for a missing ffmpeg.
-pub const FFMPEG_HINT: &str = "decoding video files needs `ffmpeg` and `ffprobe` on PATH (Debian/Ubuntu: apt-get install ffmpeg; macOS: brew install ffmpeg); animated GIF/PNG/WebP files and directories of frames work without them";
 
 impl VideoSource {
     /// Opens a video file or a directory of frames. A directory's frames (every image file in

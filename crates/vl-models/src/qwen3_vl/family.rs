@@ -23,6 +23,7 @@ pub static ENTRY: FamilyEntry = FamilyEntry {
     architectures: &["Qwen3VLForConditionalGeneration"],
     model_types: &["qwen3_vl"],
     gguf_architectures: &["qwen3vl"],
+    heads: &[],
     open: open_entry,
     inspect: inspect_entry,
     quantize: quantize_entry,
@@ -77,8 +78,13 @@ fn default_quant_entry(model: &Path) -> Result<Option<vl_nn::QuantType>> {
 }
 
 fn open_entry(source: &Source<'_>, opts: &ModelOptions, staged: bool) -> Result<Box<dyn Family>> {
+    Ok(Box::new(open(source, opts, staged)?))
+}
+
+/// A Qwen3-VL checkpoint directory or GGUF pair, loaded (the families built on this one wrap it).
+pub(crate) fn open(source: &Source<'_>, opts: &ModelOptions, staged: bool) -> Result<Qwen3Vl> {
     if gguf::is_gguf(source.model) {
-        return Ok(Box::new(Qwen3Vl::open_gguf(source.model, source.mmproj, opts, staged)?));
+        return Qwen3Vl::open_gguf(source.model, source.mmproj, opts, staged);
     }
     if let Some(m) = source.mmproj {
         return Err(Error::Input {
@@ -87,7 +93,7 @@ fn open_entry(source: &Source<'_>, opts: &ModelOptions, staged: bool) -> Result<
         });
     }
     let dir = ModelDir::open(source.model)?;
-    Ok(Box::new(Qwen3Vl::from_dir(dir, opts, staged, source.progress.cloned())?))
+    Qwen3Vl::from_dir(dir, opts, staged, source.progress.cloned())
 }
 
 type VisionLoader = Box<dyn FnOnce() -> Result<VisionTower> + Send>;
@@ -303,6 +309,33 @@ impl Qwen3Vl {
             what: "model".into(),
             message: "the text decoder is not loaded (finish_loading was not called)".into(),
         })
+    }
+}
+
+impl Qwen3Vl {
+    /// The final-normed hidden state `[hidden]` (f32) of a whole prompt's last position, from a
+    /// fresh state (what an embedding model pools).
+    pub fn last_hidden(&self, ids: &[u32], media: &[Media], features: &[VisionOutput]) -> Result<Tensor> {
+        let text = self.text()?;
+        let of = |kind: MediaKind| {
+            let parts: Vec<&VisionOutput> =
+                media.iter().zip(features).filter(|(m, _)| m.kind == kind).map(|(_, f)| f).collect();
+            VisionOutput::concat(&parts)
+        };
+        let (images, videos) = (of(MediaKind::Image), of(MediaKind::Video));
+        let model = super::model::TextSide { cfg: &self.config, text };
+        let prompt = Prompt { input_ids: ids.to_vec(), images: None, videos: None, generated_from: None };
+        let mut state = self.new_state();
+        state.reserve(ids.len());
+        let out =
+            model.prefill_until(&prompt, images.as_ref(), videos.as_ref(), &mut state, ids.len(), &mut |_, _| {})?;
+        let n = out.hidden.dim(0)?;
+        Ok(out.hidden.narrow(0, n - 1, 1)?.squeeze(0)?.to_dtype(DType::F32)?)
+    }
+
+    /// The text decoder's hidden size (an embedding's dimensions).
+    pub fn hidden_size(&self) -> usize {
+        self.config.text.hidden_size
     }
 }
 

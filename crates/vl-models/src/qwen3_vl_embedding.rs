@@ -1,0 +1,297 @@
+//! Qwen3-VL-Embedding (2B, 8B): a Qwen3-VL checkpoint whose Sentence Transformers files
+//! (`modules.json`: Transformer, Pooling with `pooling_mode_lasttoken`, Normalize) make it an
+//! embedding model. It pools, never decodes: a request becomes the official prompt (the
+//! instruction as the system message, default "Represent the user's input.", a period added when
+//! it ends without punctuation; the user turn's videos, then images, then texts, "NULL" when it
+//! has none; the generation prompt), and its vector is the last position's final-normed hidden
+//! state, L2-normalised (QwenLM/Qwen3-VL-Embedding `src/models/qwen3_vl_embedding.py`).
+//! Images are sized within the checkpoint's bounds capped at 1,843,200 pixels (1,800 visual
+//! tokens) unless the engine is told otherwise, as qwen-vl-utils and the processor size them for
+//! the official code.
+
+use std::path::Path;
+
+use candle_core::Tensor;
+
+use crate::error::{Error, Result};
+use crate::family::{
+    Family, FamilyEntry, ImageSizing, ModelOptions, PoolInput, Pooled, Pooler, Prepared, Sizing, Source, Task,
+};
+use crate::media::{Media, MediaContext, VisionOutput};
+use crate::qwen3_vl::family::Qwen3Vl;
+use crate::request::{ChatMessage, Part, Request, VideoReport};
+
+/// The registry's entry for Qwen3-VL-Embedding.
+pub static ENTRY: FamilyEntry = FamilyEntry {
+    name: "qwen3_vl_embedding",
+    architectures: &["Qwen3VLForConditionalGeneration"],
+    model_types: &["qwen3_vl"],
+    gguf_architectures: &[],
+    heads: &["sentence_transformers.models.Pooling"],
+    open: open_entry,
+    inspect: inspect_entry,
+    quantize: quantize_entry,
+    default_quant: default_quant_entry,
+};
+
+/// The instruction when a request gives none (the official default).
+pub const DEFAULT_INSTRUCTION: &str = "Represent the user's input.";
+/// The official image budget's top (qwen-vl-utils' bound for the embedding models).
+pub const MAX_PIXELS: usize = 1800 * 32 * 32;
+
+fn open_entry(source: &Source<'_>, opts: &ModelOptions, staged: bool) -> Result<Box<dyn Family>> {
+    check_pooling(source.model)?;
+    // The official code sizes images within [MIN_PIXELS, MAX_PIXELS] (qwen-vl-utils), then the
+    // checkpoint's processor within its own bounds: the two together are the checkpoint's budget
+    // capped at 1,800 tokens (its minimum is above 4 tokens in every released checkpoint).
+    let mut opts = opts.clone();
+    if opts.max_pixels.is_none() {
+        opts.max_image_tokens = Some(MAX_PIXELS / (32 * 32));
+    }
+    let inner = crate::qwen3_vl::family::open(source, &opts, staged)?;
+    Ok(Box::new(Qwen3VlEmbedding { inner }))
+}
+
+/// `1_Pooling/config.json` (the Pooling module's path in `modules.json`) must ask for the last
+/// token, the one pooling these checkpoints use; anything else is refused by name.
+fn check_pooling(dir: &Path) -> Result<()> {
+    let modules = dir.join("modules.json");
+    let text = crate::limits::read_text(&modules, crate::limits::MAX_METADATA_FILE_BYTES)?;
+    let list: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::Json { path: modules.clone(), source: e })?;
+    let sub = list
+        .as_array()
+        .and_then(|l| l.iter().find(|m| m["type"] == "sentence_transformers.models.Pooling"))
+        .and_then(|m| m["path"].as_str())
+        .unwrap_or("1_Pooling");
+    let path = dir.join(sub).join("config.json");
+    let text = crate::limits::read_text(&path, crate::limits::MAX_METADATA_FILE_BYTES)?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::Json { path: path.clone(), source: e })?;
+    let on: Vec<&str> = v
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, x)| k.starts_with("pooling_mode_") && x.as_bool() == Some(true))
+        .map(|(k, _)| k.as_str())
+        .collect();
+    if on != ["pooling_mode_lasttoken"] {
+        return Err(Error::Config {
+            path,
+            field: "pooling_mode_*".into(),
+            message: format!("{on:?}: only pooling_mode_lasttoken (the Qwen3-VL-Embedding checkpoints') is supported"),
+        });
+    }
+    Ok(())
+}
+
+fn inspect_entry(source: &Source<'_>, json: bool) -> Result<String> {
+    check_pooling(source.model)?;
+    (crate::qwen3_vl::family::ENTRY.inspect)(source, json)
+}
+
+fn quantize_entry(
+    model: &Path,
+    recipe: crate::gguf::Recipe,
+    out: &Path,
+    overwrite: bool,
+    progress: &mut dyn FnMut(&str),
+) -> Result<crate::gguf::Written> {
+    (crate::qwen3_vl::family::ENTRY.quantize)(model, recipe, out, overwrite, progress)
+}
+
+fn default_quant_entry(model: &Path) -> Result<Option<vl_nn::QuantType>> {
+    (crate::qwen3_vl::family::ENTRY.default_quant)(model)
+}
+
+/// A loaded Qwen3-VL-Embedding model: Qwen3-VL, pooled.
+pub struct Qwen3VlEmbedding {
+    inner: Qwen3Vl,
+}
+
+/// The instruction as the official code writes it: trimmed, a period added when it does not end
+/// with punctuation (Unicode category P: ASCII's and the common CJK and general punctuation).
+pub fn instruction(text: &str) -> String {
+    let t = text.trim();
+    let Some(last) = t.chars().last() else { return DEFAULT_INSTRUCTION.into() };
+    let punctuation = matches!(last, '!' | '"' | '#' | '%' | '&' | '\'' | '(' | ')' | '*' | ',' | '-' | '.' | '/')
+        || matches!(last, ':' | ';' | '?' | '@' | '[' | '\\' | ']' | '_' | '{' | '}' | '¡' | '§' | '«' | '»' | '¿')
+        || matches!(last as u32, 0x2010..=0x2027 | 0x2030..=0x205E | 0x3001..=0x3003 | 0x3008..=0x3011)
+        || matches!(last as u32, 0x3014..=0x301F | 0xFF01..=0xFF03 | 0xFF05..=0xFF0A | 0xFF0C..=0xFF0F)
+        || matches!(last as u32, 0xFF1A | 0xFF1B | 0xFF1F | 0xFF20 | 0xFF3B..=0xFF3D | 0xFF3F | 0xFF5B | 0xFF5D);
+    if punctuation {
+        t.to_string()
+    } else {
+        format!("{t}.")
+    }
+}
+
+/// The official prompt of a request: its system message is the instruction (else the default);
+/// the other messages' parts make one user turn, videos first, then images, then texts ("NULL"
+/// when there are none). A raw `prompt` is a text.
+pub fn templated(req: &Request) -> Result<Request> {
+    let mut system = None;
+    let (mut videos, mut images, mut texts) = (vec![], vec![], vec![]);
+    if let Some(p) = &req.prompt {
+        texts.push(Part::Text(p.clone()));
+    }
+    for (i, m) in req.messages.iter().enumerate() {
+        if m.role == "system" {
+            if system.is_some() {
+                return Err(Error::Input { what: format!("messages[{i}]"), message: "a second system message".into() });
+            }
+            let mut t = String::new();
+            for p in &m.parts {
+                match p {
+                    Part::Text(s) => t.push_str(s),
+                    _ => {
+                        return Err(Error::Input {
+                            what: format!("messages[{i}]"),
+                            message: "the system message is the instruction: text only".into(),
+                        })
+                    }
+                }
+            }
+            system = Some(t);
+            continue;
+        }
+        for p in &m.parts {
+            match p {
+                Part::Video { .. } => videos.push(p.clone()),
+                Part::Image { .. } => images.push(p.clone()),
+                Part::Text(_) => texts.push(p.clone()),
+            }
+        }
+    }
+    let mut user: Vec<Part> = videos.into_iter().chain(images).chain(texts).collect();
+    if user.is_empty() {
+        user.push(Part::Text("NULL".into()));
+    }
+    let system = instruction(system.as_deref().unwrap_or(DEFAULT_INSTRUCTION));
+    Ok(Request {
+        messages: vec![ChatMessage::text("system", &system), ChatMessage::user(user)],
+        prompt: None,
+        tools: vec![],
+        constraint: None,
+        stop: vec![],
+        ..req.clone()
+    })
+}
+
+impl Family for Qwen3VlEmbedding {
+    fn name(&self) -> &'static str {
+        ENTRY.name
+    }
+    fn context(&self) -> usize {
+        self.inner.context()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn tokenizer(&self) -> &tokenizers::Tokenizer {
+        self.inner.tokenizer()
+    }
+    fn task(&self) -> Task<'_> {
+        Task::Pool(self)
+    }
+    fn prepare(&self, req: &Request, ctx: &MediaContext<'_>) -> Result<Prepared> {
+        if !req.tools.is_empty() {
+            return Err(Error::Input { what: "tools".into(), message: "an embedding model calls no function".into() });
+        }
+        self.inner.prepare(&templated(req)?, ctx)
+    }
+    fn encode(&self, media: &Media) -> Result<VisionOutput> {
+        self.inner.encode(media)
+    }
+    fn load_vision(&self) -> Result<()> {
+        self.inner.load_vision()
+    }
+    fn finish_loading(&self) -> Result<()> {
+        self.inner.finish_loading()
+    }
+    fn storage(&self) -> Vec<(String, String, usize)> {
+        self.inner.storage()
+    }
+    fn image_sizing(&self, width: usize, height: usize) -> Result<ImageSizing> {
+        self.inner.image_sizing(width, height)
+    }
+    fn checkpoint_video_sizing(&self, video: &VideoReport) -> Option<Sizing> {
+        self.inner.checkpoint_video_sizing(video)
+    }
+    fn tensors_to_load(&self) -> usize {
+        self.inner.tensors_to_load()
+    }
+}
+
+impl Pooler for Qwen3VlEmbedding {
+    fn pooled(&self) -> Pooled {
+        Pooled::Embedding { dims: self.inner.hidden_size() }
+    }
+    fn pool(&self, inputs: &[PoolInput<'_>]) -> Result<Vec<Vec<f32>>> {
+        inputs
+            .iter()
+            .map(|i| {
+                let h: Tensor = self.inner.last_hidden(i.ids, i.media, i.features)?;
+                Ok(normalized(h.to_vec1::<f32>()?))
+            })
+            .collect()
+    }
+}
+
+/// `v / |v|` (as torch's `F.normalize`: the norm floored at 1e-12).
+pub fn normalized(mut v: Vec<f32>) -> Vec<f32> {
+    let norm = v.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>().sqrt().max(1e-12);
+    v.iter_mut().for_each(|x| *x = (*x as f64 / norm) as f32);
+    v
+}
+
+/// An embedding cut to its first `dims` values and normalised again (Matryoshka truncation, as
+/// vLLM serves `dimensions`); an error names the value when it is 0 or above the model's.
+pub fn truncated(v: &[f32], dims: usize) -> Result<Vec<f32>> {
+    if dims == 0 || dims > v.len() {
+        return Err(Error::Input {
+            what: "dimensions".into(),
+            message: format!("{dims} is outside 1..={} (the model's embedding size)", v.len()),
+        });
+    }
+    Ok(normalized(v[..dims].to_vec()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn instructions_get_a_period_unless_they_end_with_punctuation() {
+        assert_eq!(instruction("Find cats"), "Find cats.");
+        assert_eq!(instruction("  Find cats?  "), "Find cats?");
+        assert_eq!(instruction("找猫。"), "找猫。");
+        assert_eq!(instruction("Sum $"), "Sum $.");
+        assert_eq!(instruction(""), DEFAULT_INSTRUCTION);
+    }
+
+    #[test]
+    fn a_request_becomes_the_official_turns() {
+        let img = Part::image(vec![1, 2, 3]);
+        let req = Request::user(vec![Part::text("a cat"), img.clone()]);
+        let t = templated(&req).unwrap();
+        assert_eq!(t.messages[0].role, "system");
+        assert!(matches!(&t.messages[0].parts[0], Part::Text(s) if s == DEFAULT_INSTRUCTION));
+        assert!(matches!(t.messages[1].parts[0], Part::Image { .. }));
+        assert!(matches!(&t.messages[1].parts[1], Part::Text(s) if s == "a cat"));
+        let empty =
+            templated(&Request { messages: vec![ChatMessage::text("system", "Find dogs")], ..Default::default() })
+                .unwrap();
+        assert!(matches!(&empty.messages[0].parts[0], Part::Text(s) if s == "Find dogs."));
+        assert!(matches!(&empty.messages[1].parts[0], Part::Text(s) if s == "NULL"));
+    }
+
+    #[test]
+    fn truncation_renormalises_and_refuses_out_of_range() {
+        let v = normalized(vec![3.0, 4.0, 12.0]);
+        assert!((v.iter().map(|x| x * x).sum::<f32>() - 1.0).abs() < 1e-6);
+        let cut = truncated(&v, 2).unwrap();
+        assert!((cut[0] - 0.6).abs() < 1e-6 && (cut[1] - 0.8).abs() < 1e-6, "{cut:?}");
+        assert!(truncated(&v, 0).is_err() && truncated(&v, 4).unwrap_err().to_string().contains("1..=3"));
+    }
+}

@@ -1,0 +1,97 @@
+//! Qwen3-VL-Embedding through the engine against the pinned reference (goldens/tiny-embed,
+//! made by `tools/hf-reference/generate --embedding` with the official prompt and pooling): the
+//! checkpoint is found as an embedding model from its Sentence Transformers files, each case's
+//! prompt ids equal the reference's, and its vector is within 1e-4 per component (cosine at
+//! least 0.9999), truncated dimensions included.
+
+mod common;
+
+use common::*;
+use vl_models::engine::{Engine, EngineOptions};
+use vl_models::family::Pooled;
+use vl_models::qwen3_vl_embedding::truncated;
+use vl_models::{ChatMessage, Part, Request};
+
+fn request(case: &serde_json::Value) -> Request {
+    let mut parts: Vec<Part> = case["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| Part::image_file(goldens().join("images").join(n.as_str().unwrap())).unwrap())
+        .collect();
+    // The order the caller gives does not matter: texts first here, the prompt puts images first.
+    let texts: Vec<Part> = case["texts"].as_array().unwrap().iter().map(|t| Part::text(t.as_str().unwrap())).collect();
+    parts.splice(0..0, texts);
+    let mut messages = vec![];
+    if let Some(i) = case["instruction"].as_str() {
+        messages.push(ChatMessage::text("system", i));
+    }
+    if !parts.is_empty() {
+        messages.push(ChatMessage::user(parts));
+    }
+    Request { messages, ..Default::default() }
+}
+
+#[test]
+fn embeddings_match_the_official_pooling() {
+    let golden = read_json(&goldens().join("tiny-embed/embeddings.json"));
+    let engine = Engine::load(&goldens().join("tiny-embed/checkpoint"), EngineOptions::default()).unwrap();
+    let Some(Pooled::Embedding { dims }) = engine.pooled() else { panic!("not loaded as an embedding model") };
+    let cases = golden["cases"].as_array().unwrap();
+    let reqs: Vec<Request> = cases.iter().map(request).collect();
+    let out = engine.pool(&reqs).unwrap();
+    for (case, got) in cases.iter().zip(&out) {
+        let name = case["case"].as_str().unwrap();
+        let want: Vec<f32> = case["embedding"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+        assert_eq!(got.values.len(), dims);
+        assert_eq!(got.prompt_tokens, case["ids"].as_array().unwrap().len(), "{name}: prompt length");
+        let worst = got.values.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        let cosine: f32 = got.values.iter().zip(&want).map(|(a, b)| a * b).sum();
+        println!("{name}: max |diff| {worst:.2e}, cosine {cosine:.6}");
+        assert!(worst <= 1e-4 && cosine >= 0.9999, "{name}: max |diff| {worst:e}, cosine {cosine}");
+        let d = case["dims"].as_u64().unwrap() as usize;
+        let want_cut: Vec<f32> =
+            case["truncated"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+        let cut = truncated(&got.values, d).unwrap();
+        let worst = cut.iter().zip(&want_cut).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-4, "{name}: truncated to {d}: {worst:e}");
+    }
+    // It writes no text.
+    let err = engine.generate(&reqs[0], &mut |_| true).unwrap_err().to_string();
+    assert!(err.contains("is an embedding model"), "{err}");
+}
+
+#[test]
+fn sentence_transformer_files_decide_the_family_and_unknown_heads_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = goldens().join("tiny-embed/checkpoint");
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        let to = std::fs::canonicalize(e.path()).unwrap();
+        std::os::unix::fs::symlink(&to, dir.path().join(e.file_name())).unwrap();
+    }
+    // A reranker's head, which this build does not run: refused by name.
+    std::fs::remove_file(dir.path().join("modules.json")).unwrap();
+    std::fs::write(
+        dir.path().join("modules.json"),
+        r#"[{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_LogitScore", "type": "sentence_transformers.models.LogitScore"}]"#,
+    )
+    .unwrap();
+    let err = Engine::load(dir.path(), EngineOptions::default()).err().unwrap().to_string();
+    assert!(err.contains("sentence_transformers.models.LogitScore") && err.contains("modules.json"), "{err}");
+    // A pooling other than the last token: refused, naming the file.
+    let pooling = tempfile::tempdir().unwrap();
+    std::fs::write(pooling.path().join("config.json"), r#"{"pooling_mode_mean_tokens": true}"#).unwrap();
+    std::fs::write(
+        dir.path().join("modules.json"),
+        format!(
+            r#"[{{"type": "sentence_transformers.models.Transformer", "path": ""}},
+                {{"type": "sentence_transformers.models.Pooling", "path": "{}"}}]"#,
+            pooling.path().display()
+        ),
+    )
+    .unwrap();
+    let err = Engine::load(dir.path(), EngineOptions::default()).err().unwrap().to_string();
+    assert!(err.contains("pooling_mode_mean_tokens") && err.contains("config.json"), "{err}");
+}
