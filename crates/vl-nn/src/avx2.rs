@@ -1,7 +1,7 @@
 //! The one AVX2 inner loop that the panel linears (`panels`) and the attention strips
 //! (`kernels`) share: `N` scalars broadcast against a 16-float row, accumulated over a loop; and
 //! the lane-wise operations of the strips' softmax, named as in `avx512` so one strip template
-//! (`kernels::strip_kernel!`) compiles for both.
+//! (`kernels::strips`'s `strip_kernel!`) compiles for both.
 
 use std::arch::x86_64::*;
 
@@ -131,7 +131,7 @@ pub(crate) unsafe fn fmadd(a: V, b: V, c: V) -> V {
     _mm256_fmadd_ps(a, b, c)
 }
 
-/// `kernels::exp2_nonpositive` on eight lanes (the same clamp, rounding and polynomial).
+/// `cpu::exp2_nonpositive` on eight lanes (the same clamp, rounding and polynomial).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn exp2(x: V) -> V {
@@ -141,7 +141,7 @@ pub(crate) unsafe fn exp2(x: V) -> V {
     let t = _mm256_add_ps(x, magic);
     let n = _mm256_sub_ps(t, magic);
     let r = _mm256_sub_ps(x, n);
-    let poly = crate::kernels::EXP2_POLY;
+    let poly = crate::cpu::EXP2_POLY;
     let mut p = _mm256_set1_ps(poly[0]);
     for c in &poly[1..] {
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));

@@ -1,6 +1,6 @@
 //! The AVX-512 twin of `avx2`: the inner loop of the attention strips (`N` scalars broadcast
 //! against a row of `W` vectors, accumulated over a loop) and the few lane-wise operations the strips'
-//! softmax needs, with the same names, so one strip template (`kernels::strip_kernel!`) compiles
+//! softmax needs, with the same names, so one strip template (`kernels::strips`'s `strip_kernel!`) compiles
 //! for both.
 
 use std::arch::x86_64::*;
@@ -130,7 +130,7 @@ pub(crate) unsafe fn fmadd(a: V, b: V, c: V) -> V {
     _mm512_fmadd_ps(a, b, c)
 }
 
-/// `kernels::exp2_nonpositive` on 16 lanes: the same clamp, rounding (to nearest, even) and
+/// `cpu::exp2_nonpositive` on 16 lanes: the same clamp, rounding (to nearest, even) and
 /// polynomial, with `2^n` applied by `vscalefps` (exact here: n is in [-126, 0]) instead of
 /// through the exponent bits, three operations fewer.
 #[inline]
@@ -140,7 +140,7 @@ pub(crate) unsafe fn exp2(x: V) -> V {
     let x = _mm512_max_ps(_mm512_set1_ps(-126.0), x);
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
     let r = _mm512_sub_ps(x, n);
-    let poly = crate::kernels::EXP2_POLY;
+    let poly = crate::cpu::EXP2_POLY;
     let mut p = _mm512_set1_ps(poly[0]);
     for c in &poly[1..] {
         p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));

@@ -32,7 +32,7 @@ impl DeviceKind {
 /// Our kernels that have a device-generic alternative.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
-    /// The vision tower's fused segment attention (`kernels::segment_attention`); else
+    /// The vision tower's fused segment attention (`kernels::segment_attention_with`); else
     /// candle's matmul/softmax per block of queries.
     SegmentAttention,
     /// The text prefill's fused causal attention (`kernels::causal_attention`); else candle's

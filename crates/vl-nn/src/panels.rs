@@ -46,7 +46,7 @@ pub fn pack_rows(x: &[f32], rows: usize, k: usize, dst: &mut Vec<f32>) {
     assert!(x.len() >= rows * k, "pack_rows: {} floats for {rows} rows of {k}", x.len());
     dst.clear();
     dst.reserve(rows * k);
-    let ptr = crate::kernels::SendPtr(dst.as_mut_ptr());
+    let ptr = crate::cpu::SendPtr(dst.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(rows.div_ceil(GROUP), |groups| {
         for g in groups {
             let r0 = g * GROUP;
@@ -91,7 +91,7 @@ pub fn available() -> bool {
 pub fn preferred() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        available() && !crate::has_avx512()
+        available() && !crate::cpu::has_avx512()
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
@@ -101,7 +101,7 @@ pub fn preferred() -> bool {
 pub fn pack<T: Copy + Default + Send + Sync>(w: &[T], n: usize, k: usize) -> Vec<T> {
     let panels = n.div_ceil(WIDTH);
     let mut dst = vec![T::default(); panels * k * WIDTH];
-    let ptr = crate::kernels::SendPtr(dst.as_mut_ptr());
+    let ptr = crate::cpu::SendPtr(dst.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(panels, |range| {
         for p in range {
             // SAFETY: panel p of the destination belongs to this work item.

@@ -21,7 +21,7 @@
 
 use candle_core::quantized::k_quants::{BlockQ8K, GgmlType};
 
-use crate::kernels::SendPtr;
+use crate::cpu::SendPtr;
 
 /// Input rows one product takes here; more go to candle's tiles (their weight reuse wins).
 pub const MAX_ROWS: usize = 4;
@@ -67,7 +67,7 @@ const ITEM_ROWS: usize = 16;
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        crate::has_avx512()
+        crate::cpu::has_avx512()
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")

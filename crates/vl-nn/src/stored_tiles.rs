@@ -17,7 +17,7 @@
 
 use candle_core::quantized::k_quants::{BlockQ8K, GgmlType};
 
-use crate::kernels::SendPtr;
+use crate::cpu::SendPtr;
 use crate::stored::Blocks;
 
 const QK: usize = 256;
@@ -34,7 +34,7 @@ pub fn available() -> bool {
     {
         static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *HAS.get_or_init(|| {
-            crate::has_avx512()
+            crate::cpu::has_avx512()
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vnni")
                 && is_x86_feature_detected!("avx2")
