@@ -30,39 +30,41 @@ pub(crate) unsafe fn accumulate<const N: usize>(
     b_step: usize,
     b_stride: usize,
 ) {
-    let mut lo: [__m256; N] = std::array::from_fn(|j| acc[j][0]);
-    let mut hi: [__m256; N] = std::array::from_fn(|j| acc[j][1]);
-    // Unrolled by 4: a quarter of the loop's own adds and compares beside the FMAs.
-    let (mut a, mut b) = (a, b);
-    let mut i = 0;
-    while i + 4 <= len {
-        for u in 0..4 {
-            let a0 = _mm256_loadu_ps(a.add(u * a_step));
-            let a1 = _mm256_loadu_ps(a.add(u * a_step + 8));
+    unsafe {
+        let mut lo: [__m256; N] = std::array::from_fn(|j| acc[j][0]);
+        let mut hi: [__m256; N] = std::array::from_fn(|j| acc[j][1]);
+        // Unrolled by 4: a quarter of the loop's own adds and compares beside the FMAs.
+        let (mut a, mut b) = (a, b);
+        let mut i = 0;
+        while i + 4 <= len {
+            for u in 0..4 {
+                let a0 = _mm256_loadu_ps(a.add(u * a_step));
+                let a1 = _mm256_loadu_ps(a.add(u * a_step + 8));
+                for j in 0..N {
+                    let s = _mm256_broadcast_ss(&*b.add(u * b_step + j * b_stride));
+                    lo[j] = _mm256_fmadd_ps(a0, s, lo[j]);
+                    hi[j] = _mm256_fmadd_ps(a1, s, hi[j]);
+                }
+            }
+            a = a.add(4 * a_step);
+            b = b.add(4 * b_step);
+            i += 4;
+        }
+        while i < len {
+            let a0 = _mm256_loadu_ps(a);
+            let a1 = _mm256_loadu_ps(a.add(8));
             for j in 0..N {
-                let s = _mm256_broadcast_ss(&*b.add(u * b_step + j * b_stride));
+                let s = _mm256_broadcast_ss(&*b.add(j * b_stride));
                 lo[j] = _mm256_fmadd_ps(a0, s, lo[j]);
                 hi[j] = _mm256_fmadd_ps(a1, s, hi[j]);
             }
+            a = a.add(a_step);
+            b = b.add(b_step);
+            i += 1;
         }
-        a = a.add(4 * a_step);
-        b = b.add(4 * b_step);
-        i += 4;
-    }
-    while i < len {
-        let a0 = _mm256_loadu_ps(a);
-        let a1 = _mm256_loadu_ps(a.add(8));
         for j in 0..N {
-            let s = _mm256_broadcast_ss(&*b.add(j * b_stride));
-            lo[j] = _mm256_fmadd_ps(a0, s, lo[j]);
-            hi[j] = _mm256_fmadd_ps(a1, s, hi[j]);
+            acc[j] = [lo[j], hi[j]];
         }
-        a = a.add(a_step);
-        b = b.add(b_step);
-        i += 1;
-    }
-    for j in 0..N {
-        acc[j] = [lo[j], hi[j]];
     }
 }
 
@@ -73,7 +75,7 @@ pub(crate) unsafe fn accumulate<const N: usize>(
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn load<const N: usize>(p: *const f32, stride: usize) -> Acc<N> {
-    std::array::from_fn(|j| [_mm256_loadu_ps(p.add(j * stride)), _mm256_loadu_ps(p.add(j * stride + 8))])
+    unsafe { std::array::from_fn(|j| [_mm256_loadu_ps(p.add(j * stride)), _mm256_loadu_ps(p.add(j * stride + 8))]) }
 }
 
 /// Stores `N` rows of 16 floats, `stride` apart.
@@ -83,9 +85,11 @@ pub(crate) unsafe fn load<const N: usize>(p: *const f32, stride: usize) -> Acc<N
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn store<const N: usize>(acc: &Acc<N>, p: *mut f32, stride: usize) {
-    for (j, [lo, hi]) in acc.iter().enumerate() {
-        _mm256_storeu_ps(p.add(j * stride), *lo);
-        _mm256_storeu_ps(p.add(j * stride + 8), *hi);
+    unsafe {
+        for (j, [lo, hi]) in acc.iter().enumerate() {
+            _mm256_storeu_ps(p.add(j * stride), *lo);
+            _mm256_storeu_ps(p.add(j * stride + 8), *hi);
+        }
     }
 }
 
@@ -98,12 +102,12 @@ pub(crate) unsafe fn splat(x: f32) -> V {
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn ld(p: *const f32) -> V {
-    _mm256_loadu_ps(p)
+    unsafe { _mm256_loadu_ps(p) }
 }
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn st(p: *mut f32, v: V) {
-    _mm256_storeu_ps(p, v)
+    unsafe { _mm256_storeu_ps(p, v) }
 }
 #[inline]
 #[target_feature(enable = "avx2,fma")]

@@ -31,37 +31,39 @@ pub(crate) unsafe fn accumulate<const N: usize, const W: usize>(
     b_step: usize,
     b_stride: usize,
 ) {
-    let mut c = *acc;
-    // Unrolled by 4: a quarter of the loop's own adds and compares beside the FMAs.
-    let (mut a, mut b) = (a, b);
-    let mut i = 0;
-    while i + 4 <= len {
-        for u in 0..4 {
-            let v: [V; W] = std::array::from_fn(|w| _mm512_loadu_ps(a.add(u * a_step + w * LANES)));
+    unsafe {
+        let mut c = *acc;
+        // Unrolled by 4: a quarter of the loop's own adds and compares beside the FMAs.
+        let (mut a, mut b) = (a, b);
+        let mut i = 0;
+        while i + 4 <= len {
+            for u in 0..4 {
+                let v: [V; W] = std::array::from_fn(|w| _mm512_loadu_ps(a.add(u * a_step + w * LANES)));
+                for (j, row) in c.iter_mut().enumerate() {
+                    let s = _mm512_set1_ps(*b.add(u * b_step + j * b_stride));
+                    for w in 0..W {
+                        row[w] = _mm512_fmadd_ps(v[w], s, row[w]);
+                    }
+                }
+            }
+            a = a.add(4 * a_step);
+            b = b.add(4 * b_step);
+            i += 4;
+        }
+        while i < len {
+            let v: [V; W] = std::array::from_fn(|w| _mm512_loadu_ps(a.add(w * LANES)));
             for (j, row) in c.iter_mut().enumerate() {
-                let s = _mm512_set1_ps(*b.add(u * b_step + j * b_stride));
+                let s = _mm512_set1_ps(*b.add(j * b_stride));
                 for w in 0..W {
                     row[w] = _mm512_fmadd_ps(v[w], s, row[w]);
                 }
             }
+            a = a.add(a_step);
+            b = b.add(b_step);
+            i += 1;
         }
-        a = a.add(4 * a_step);
-        b = b.add(4 * b_step);
-        i += 4;
+        *acc = c;
     }
-    while i < len {
-        let v: [V; W] = std::array::from_fn(|w| _mm512_loadu_ps(a.add(w * LANES)));
-        for (j, row) in c.iter_mut().enumerate() {
-            let s = _mm512_set1_ps(*b.add(j * b_stride));
-            for w in 0..W {
-                row[w] = _mm512_fmadd_ps(v[w], s, row[w]);
-            }
-        }
-        a = a.add(a_step);
-        b = b.add(b_step);
-        i += 1;
-    }
-    *acc = c;
 }
 
 /// `N` rows of `16 W` floats, `stride` apart.
@@ -71,7 +73,7 @@ pub(crate) unsafe fn accumulate<const N: usize, const W: usize>(
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn load<const N: usize, const W: usize>(p: *const f32, stride: usize) -> Acc<N, W> {
-    std::array::from_fn(|j| std::array::from_fn(|w| _mm512_loadu_ps(p.add(j * stride + w * LANES))))
+    unsafe { std::array::from_fn(|j| std::array::from_fn(|w| _mm512_loadu_ps(p.add(j * stride + w * LANES)))) }
 }
 
 /// Stores `N` rows of `16 W` floats, `stride` apart.
@@ -81,9 +83,11 @@ pub(crate) unsafe fn load<const N: usize, const W: usize>(p: *const f32, stride:
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn store<const N: usize, const W: usize>(acc: &Acc<N, W>, p: *mut f32, stride: usize) {
-    for (j, row) in acc.iter().enumerate() {
-        for (w, v) in row.iter().enumerate() {
-            _mm512_storeu_ps(p.add(j * stride + w * LANES), *v);
+    unsafe {
+        for (j, row) in acc.iter().enumerate() {
+            for (w, v) in row.iter().enumerate() {
+                _mm512_storeu_ps(p.add(j * stride + w * LANES), *v);
+            }
         }
     }
 }
@@ -97,12 +101,12 @@ pub(crate) unsafe fn splat(x: f32) -> V {
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn ld(p: *const f32) -> V {
-    _mm512_loadu_ps(p)
+    unsafe { _mm512_loadu_ps(p) }
 }
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn st(p: *mut f32, v: V) {
-    _mm512_storeu_ps(p, v)
+    unsafe { _mm512_storeu_ps(p, v) }
 }
 #[inline]
 #[target_feature(enable = "avx512f")]

@@ -138,56 +138,59 @@ pub unsafe fn tile(
     (r0, r1): (usize, usize),
     (c0, c1): (usize, usize),
 ) {
-    debug_assert!(c0 % WIDTH == 0 && c1 <= n && r0 % GROUP == 0 && r1 <= rows && a.len() >= rows * k);
-    debug_assert!(panels.len() >= n.div_ceil(WIDTH) * k * WIDTH);
-    // A ragged last panel goes through this [6][16] buffer.
-    let mut spare = [0f32; GROUP * WIDTH];
-    let mut k0 = 0;
-    while k0 < k {
-        let kc = K_BLOCK.min(k - k0);
-        let first = k0 == 0;
-        let mut rb = r0;
-        while rb < r1 {
-            let re = (rb + ROW_BLOCK).min(r1);
-            let mut col = c0;
-            while col < c1 {
-                let w = panels.as_ptr().add((col / WIDTH * k + k0) * WIDTH);
-                let cols = WIDTH.min(c1 - col);
-                let b = bias.map(|b| b[col..col + cols].as_ptr());
-                let mut r = rb;
-                while r < re {
-                    // The group's packed rows (all of them, even past `re`) from feature k0.
-                    let group = GROUP.min(rows - r);
-                    let xr = a.as_ptr().add(r * k + k0 * group);
-                    let (dst, ldc) = if cols == WIDTH { (y.add(r * n + col), n) } else { (spare.as_mut_ptr(), WIDTH) };
-                    let take = GROUP.min(re - r);
-                    if cols < WIDTH && !first {
-                        for i in 0..take {
-                            std::ptr::copy_nonoverlapping(y.add((r + i) * n + col), dst.add(i * WIDTH), cols);
+    unsafe {
+        debug_assert!(c0 % WIDTH == 0 && c1 <= n && r0 % GROUP == 0 && r1 <= rows && a.len() >= rows * k);
+        debug_assert!(panels.len() >= n.div_ceil(WIDTH) * k * WIDTH);
+        // A ragged last panel goes through this [6][16] buffer.
+        let mut spare = [0f32; GROUP * WIDTH];
+        let mut k0 = 0;
+        while k0 < k {
+            let kc = K_BLOCK.min(k - k0);
+            let first = k0 == 0;
+            let mut rb = r0;
+            while rb < r1 {
+                let re = (rb + ROW_BLOCK).min(r1);
+                let mut col = c0;
+                while col < c1 {
+                    let w = panels.as_ptr().add((col / WIDTH * k + k0) * WIDTH);
+                    let cols = WIDTH.min(c1 - col);
+                    let b = bias.map(|b| b[col..col + cols].as_ptr());
+                    let mut r = rb;
+                    while r < re {
+                        // The group's packed rows (all of them, even past `re`) from feature k0.
+                        let group = GROUP.min(rows - r);
+                        let xr = a.as_ptr().add(r * k + k0 * group);
+                        let (dst, ldc) =
+                            if cols == WIDTH { (y.add(r * n + col), n) } else { (spare.as_mut_ptr(), WIDTH) };
+                        let take = GROUP.min(re - r);
+                        if cols < WIDTH && !first {
+                            for i in 0..take {
+                                std::ptr::copy_nonoverlapping(y.add((r + i) * n + col), dst.add(i * WIDTH), cols);
+                            }
                         }
-                    }
-                    let start = Start { bias: b, cols, first };
-                    debug_assert!(take == group, "a row block ends on a group's end");
-                    match group {
-                        6 => block::<6>(xr, w, kc, dst, ldc, start),
-                        5 => block::<5>(xr, w, kc, dst, ldc, start),
-                        4 => block::<4>(xr, w, kc, dst, ldc, start),
-                        3 => block::<3>(xr, w, kc, dst, ldc, start),
-                        2 => block::<2>(xr, w, kc, dst, ldc, start),
-                        _ => block::<1>(xr, w, kc, dst, ldc, start),
-                    }
-                    if cols < WIDTH {
-                        for i in 0..take {
-                            std::ptr::copy_nonoverlapping(dst.add(i * WIDTH), y.add((r + i) * n + col), cols);
+                        let start = Start { bias: b, cols, first };
+                        debug_assert!(take == group, "a row block ends on a group's end");
+                        match group {
+                            6 => block::<6>(xr, w, kc, dst, ldc, start),
+                            5 => block::<5>(xr, w, kc, dst, ldc, start),
+                            4 => block::<4>(xr, w, kc, dst, ldc, start),
+                            3 => block::<3>(xr, w, kc, dst, ldc, start),
+                            2 => block::<2>(xr, w, kc, dst, ldc, start),
+                            _ => block::<1>(xr, w, kc, dst, ldc, start),
                         }
+                        if cols < WIDTH {
+                            for i in 0..take {
+                                std::ptr::copy_nonoverlapping(dst.add(i * WIDTH), y.add((r + i) * n + col), cols);
+                            }
+                        }
+                        r += take;
                     }
-                    r += take;
+                    col += WIDTH;
                 }
-                col += WIDTH;
+                rb = re;
             }
-            rb = re;
+            k0 += kc;
         }
-        k0 += kc;
     }
 }
 
@@ -208,22 +211,24 @@ struct Start {
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn block<const R: usize>(x: *const f32, w: *const f32, kc: usize, c: *mut f32, ldc: usize, s: Start) {
-    use crate::avx2;
-    let mut acc = if !s.first {
-        avx2::load::<R>(c, ldc)
-    } else {
-        let mut row = [0f32; WIDTH];
-        if let Some(b) = s.bias {
-            std::ptr::copy_nonoverlapping(b, row.as_mut_ptr(), s.cols);
-        }
-        [avx2::load::<1>(row.as_ptr(), 0)[0]; R]
-    };
-    // Over the input features: a weight row of the panel against the R rows' i-th activations.
-    // Packed rows: every step and stride a constant once inlined, so every address is a fixed
-    // offset from two pointers (strided rows had left LLVM a chain of address adds, one per
-    // broadcast, as long as the FMAs' own 6 cycles per feature).
-    avx2::accumulate(&mut acc, kc, w, WIDTH, x, R, 1);
-    avx2::store(&acc, c, ldc);
+    unsafe {
+        use crate::avx2;
+        let mut acc = if !s.first {
+            avx2::load::<R>(c, ldc)
+        } else {
+            let mut row = [0f32; WIDTH];
+            if let Some(b) = s.bias {
+                std::ptr::copy_nonoverlapping(b, row.as_mut_ptr(), s.cols);
+            }
+            [avx2::load::<1>(row.as_ptr(), 0)[0]; R]
+        };
+        // Over the input features: a weight row of the panel against the R rows' i-th activations.
+        // Packed rows: every step and stride a constant once inlined, so every address is a fixed
+        // offset from two pointers (strided rows had left LLVM a chain of address adds, one per
+        // broadcast, as long as the FMAs' own 6 cycles per feature).
+        avx2::accumulate(&mut acc, kc, w, WIDTH, x, R, 1);
+        avx2::store(&acc, c, ldc);
+    }
 }
 
 #[cfg(test)]

@@ -237,10 +237,6 @@ impl Row<'_> {
         }
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     fn block(&self, b: usize, dst: &mut [f32; QK_K]) {
         let range = b * QK_K..(b + 1) * QK_K;
         match self {

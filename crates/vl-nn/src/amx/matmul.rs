@@ -23,23 +23,32 @@ pub(crate) unsafe fn tile(
     (r0, r1): (usize, usize),
     (c0, c1): (usize, usize),
 ) {
-    let (kpad, kp) = (k.next_multiple_of(KSTEP), pairs(k));
-    assert!(r0 % MR == 0 && c0 % NR == 0 && r1 > r0 && c1 > c0 && c1 <= n, "bf16::tile {r0}..{r1} x {c0}..{c1}");
-    assert!(rows.len() >= r1.next_multiple_of(MR) * kpad && panels.len() >= c1.div_ceil(NR) * kp * NR);
-    config::configure();
-    let mut sums = x86::Sums([0.0; 4 * 256]);
-    for b0 in (r0..r1).step_by(ROW_BLOCK) {
-        let b1 = r1.min(b0 + ROW_BLOCK);
-        for c in (c0..c1).step_by(NR) {
-            let w = panels.as_ptr().add(c / NR * kp * NR);
-            for r in (b0..b1).step_by(MR) {
-                x86::block(rows.as_ptr().add(r * kpad), kpad, w, &mut sums);
-                // (Rows r..r+32 are groups r/16 and r/16 + 1: contiguous, 16 x kpad each.)
-                x86::write(&sums, bias.map(|b| b.as_ptr().add(c)), y.add(r * n + c), n, MR.min(b1 - r), NR.min(c1 - c));
+    unsafe {
+        let (kpad, kp) = (k.next_multiple_of(KSTEP), pairs(k));
+        assert!(r0 % MR == 0 && c0 % NR == 0 && r1 > r0 && c1 > c0 && c1 <= n, "bf16::tile {r0}..{r1} x {c0}..{c1}");
+        assert!(rows.len() >= r1.next_multiple_of(MR) * kpad && panels.len() >= c1.div_ceil(NR) * kp * NR);
+        config::configure();
+        let mut sums = x86::Sums([0.0; 4 * 256]);
+        for b0 in (r0..r1).step_by(ROW_BLOCK) {
+            let b1 = r1.min(b0 + ROW_BLOCK);
+            for c in (c0..c1).step_by(NR) {
+                let w = panels.as_ptr().add(c / NR * kp * NR);
+                for r in (b0..b1).step_by(MR) {
+                    x86::block(rows.as_ptr().add(r * kpad), kpad, w, &mut sums);
+                    // (Rows r..r+32 are groups r/16 and r/16 + 1: contiguous, 16 x kpad each.)
+                    x86::write(
+                        &sums,
+                        bias.map(|b| b.as_ptr().add(c)),
+                        y.add(r * n + c),
+                        n,
+                        MR.min(b1 - r),
+                        NR.min(c1 - c),
+                    );
+                }
             }
         }
+        config::release();
     }
-    config::release();
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -58,39 +67,41 @@ mod x86 {
     /// # Safety
     /// The tiles configured on this thread (`configure`); `a` and `w` readable for those sizes.
     pub(super) unsafe fn block(a: *const u16, kpad: usize, w: *const u32, sums: &mut Sums) {
-        asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
-        // Group 0 (rows 0-15) at `a`, group 1 at `a + 16 kpad`; each 32-feature step's tile is
-        // 16 rows of 64 contiguous bytes.
-        let a_stride = crate::amx::KSTEP * 2;
-        let mut k = 0;
-        while k < kpad {
+        unsafe {
+            asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+            // Group 0 (rows 0-15) at `a`, group 1 at `a + 16 kpad`; each 32-feature step's tile is
+            // 16 rows of 64 contiguous bytes.
+            let a_stride = crate::amx::KSTEP * 2;
+            let mut k = 0;
+            while k < kpad {
+                asm!(
+                    "tileloadd tmm4, [{a0} + {sa}*1]",
+                    "tileloadd tmm6, [{w} + {sw}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tileloadd tmm7, [{w} + {sw}*1 + 64]",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tileloadd tmm5, [{a1} + {sa}*1]",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a0 = in(reg) a.add(k * 16),
+                    a1 = in(reg) a.add(16 * kpad + k * 16),
+                    w = in(reg) w.add(k / 2 * crate::amx::NR),
+                    sa = in(reg) a_stride,
+                    sw = in(reg) crate::amx::NR * 4,
+                    options(nostack, readonly),
+                );
+                k += crate::amx::KSTEP;
+            }
             asm!(
-                "tileloadd tmm4, [{a0} + {sa}*1]",
-                "tileloadd tmm6, [{w} + {sw}*1]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tileloadd tmm7, [{w} + {sw}*1 + 64]",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tileloadd tmm5, [{a1} + {sa}*1]",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                a0 = in(reg) a.add(k * 16),
-                a1 = in(reg) a.add(16 * kpad + k * 16),
-                w = in(reg) w.add(k / 2 * crate::amx::NR),
-                sa = in(reg) a_stride,
-                sw = in(reg) crate::amx::NR * 4,
-                options(nostack, readonly),
+                "tilestored [{s} + {st}*1], tmm0",
+                "tilestored [{s} + {st}*1 + 1024], tmm1",
+                "tilestored [{s} + {st}*1 + 2048], tmm2",
+                "tilestored [{s} + {st}*1 + 3072], tmm3",
+                s = in(reg) sums.0.as_mut_ptr(),
+                st = in(reg) 64usize,
+                options(nostack),
             );
-            k += crate::amx::KSTEP;
         }
-        asm!(
-            "tilestored [{s} + {st}*1], tmm0",
-            "tilestored [{s} + {st}*1 + 1024], tmm1",
-            "tilestored [{s} + {st}*1 + 2048], tmm2",
-            "tilestored [{s} + {st}*1 + 3072], tmm3",
-            s = in(reg) sums.0.as_mut_ptr(),
-            st = in(reg) 64usize,
-            options(nostack),
-        );
     }
 
     /// `rows` x `cols` of `sums` (plus the bias at the block's first column) into `y` (row
@@ -104,25 +115,27 @@ mod x86 {
         rows: usize,
         cols: usize,
     ) {
-        let lo: __mmask16 = if cols >= 16 { 0xffff } else { (1u16 << cols) - 1 };
-        let hi: __mmask16 = if cols >= 32 {
-            0xffff
-        } else if cols > 16 {
-            (1u16 << (cols - 16)) - 1
-        } else {
-            0
-        };
-        let (b0, b1) = match bias {
-            Some(b) => (_mm512_maskz_loadu_ps(lo, b), _mm512_maskz_loadu_ps(hi, b.add(16))),
-            None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
-        };
-        for r in 0..rows {
-            let t = (r / 16) * 2;
-            let s = sums.0.as_ptr().add(t * 256 + (r % 16) * 16);
-            let out = y.add(r * ldy);
-            _mm512_mask_storeu_ps(out, lo, _mm512_add_ps(_mm512_load_ps(s), b0));
-            if hi != 0 {
-                _mm512_mask_storeu_ps(out.add(16), hi, _mm512_add_ps(_mm512_load_ps(s.add(256)), b1));
+        unsafe {
+            let lo: __mmask16 = if cols >= 16 { 0xffff } else { (1u16 << cols) - 1 };
+            let hi: __mmask16 = if cols >= 32 {
+                0xffff
+            } else if cols > 16 {
+                (1u16 << (cols - 16)) - 1
+            } else {
+                0
+            };
+            let (b0, b1) = match bias {
+                Some(b) => (_mm512_maskz_loadu_ps(lo, b), _mm512_maskz_loadu_ps(hi, b.add(16))),
+                None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
+            };
+            for r in 0..rows {
+                let t = (r / 16) * 2;
+                let s = sums.0.as_ptr().add(t * 256 + (r % 16) * 16);
+                let out = y.add(r * ldy);
+                _mm512_mask_storeu_ps(out, lo, _mm512_add_ps(_mm512_load_ps(s), b0));
+                if hi != 0 {
+                    _mm512_mask_storeu_ps(out.add(16), hi, _mm512_add_ps(_mm512_load_ps(s.add(256)), b1));
+                }
             }
         }
     }

@@ -142,14 +142,16 @@ mod x86 {
     /// `src` to bf16 bits, 16 at a time (`vcvtneps2bf16`, round to nearest even).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     pub(super) unsafe fn round_row(src: &[f32], dst: &mut [u16]) {
-        let n = src.len().min(dst.len());
-        let mut i = 0;
-        while i < n {
-            let m: __mmask16 = if n - i >= 16 { 0xffff } else { (1u16 << (n - i)) - 1 };
-            let v = _mm512_maskz_loadu_ps(m, src.as_ptr().add(i));
-            let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
-            _mm256_mask_storeu_epi16(dst.as_mut_ptr().add(i) as *mut i16, m, h);
-            i += 16;
+        unsafe {
+            let n = src.len().min(dst.len());
+            let mut i = 0;
+            while i < n {
+                let m: __mmask16 = if n - i >= 16 { 0xffff } else { (1u16 << (n - i)) - 1 };
+                let v = _mm512_maskz_loadu_ps(m, src.as_ptr().add(i));
+                let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
+                _mm256_mask_storeu_epi16(dst.as_mut_ptr().add(i) as *mut i16, m, h);
+                i += 16;
+            }
         }
     }
 }
@@ -179,6 +181,12 @@ pub(super) mod tests {
             }
         });
         dst
+    }
+
+    /// Element (`out` column `c`, input feature `i`) of packed panels, as f32 (for unpacking).
+    fn weight_at(panels: &[u32], k: usize, c: usize, i: usize) -> f32 {
+        let v = panels[((c / NR) * pairs(k) + i / 2) * NR + c % NR];
+        half::bf16::from_bits((v >> (16 * (i % 2))) as u16).to_f32()
     }
 
     pub(crate) fn rand(seed: u64, std: f32, len: usize) -> Vec<f32> {

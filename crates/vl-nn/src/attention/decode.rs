@@ -108,87 +108,91 @@ unsafe fn decode_group_avx2(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [
 #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
 #[target_feature(enable = "avx512f")]
 unsafe fn decode_group_avx512(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
-    use crate::avx512::{exp2, LANES};
-    use std::arch::x86_64::*;
-    let &DecodeGroup { q, k, k_row, v, v_row, total, d, rep, scale } = g;
-    if total == 0 {
-        // No key: zeros, as the generic loop gives (not a softmax over nothing).
-        out[..rep * d].fill(0.0);
-        return;
-    }
-    assert!(d.is_multiple_of(LANES) && q.len() >= rep * d && scores.len() >= rep * (total + 1) && out.len() >= rep * d);
-    assert!(k.len() >= (total - 1) * k_row + d && v.len() >= (total - 1) * v_row + d);
-    let scale2 = scale * std::f32::consts::LOG2_E;
-    // The scores, then each row's softmax sum (the caller's scratch holds both).
-    let (scores, sums) = scores.split_at_mut(rep * total);
-    let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
-    // Scores, in base 2: row r's key j at sp[r * total + j].
-    for j in 0..total {
-        let kj = k.as_ptr().add(j * k_row);
+    unsafe {
+        use crate::avx512::{exp2, LANES};
+        use std::arch::x86_64::*;
+        let &DecodeGroup { q, k, k_row, v, v_row, total, d, rep, scale } = g;
+        if total == 0 {
+            // No key: zeros, as the generic loop gives (not a softmax over nothing).
+            out[..rep * d].fill(0.0);
+            return;
+        }
+        assert!(
+            d.is_multiple_of(LANES) && q.len() >= rep * d && scores.len() >= rep * (total + 1) && out.len() >= rep * d
+        );
+        assert!(k.len() >= (total - 1) * k_row + d && v.len() >= (total - 1) * v_row + d);
+        let scale2 = scale * std::f32::consts::LOG2_E;
+        // The scores, then each row's softmax sum (the caller's scratch holds both).
+        let (scores, sums) = scores.split_at_mut(rep * total);
+        let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
+        // Scores, in base 2: row r's key j at sp[r * total + j].
+        for j in 0..total {
+            let kj = k.as_ptr().add(j * k_row);
+            let mut r = 0;
+            while r < rep {
+                let n = (rep - r).min(4);
+                let (qr, s) = (qp.add(r * d), sp.add(r * total + j));
+                match n {
+                    4 => qk_rows::<4>(qr, d, kj, s, total, scale2),
+                    3 => qk_rows::<3>(qr, d, kj, s, total, scale2),
+                    2 => qk_rows::<2>(qr, d, kj, s, total, scale2),
+                    _ => qk_rows::<1>(qr, d, kj, s, total, scale2),
+                }
+                r += n;
+            }
+        }
+        // Softmax numerators in place; their sums kept for the end.
+        for (r, sum) in sums[..rep].iter_mut().enumerate() {
+            let row = sp.add(r * total);
+            let tail = |j: usize| -> __mmask16 {
+                if total - j >= LANES {
+                    0xffff
+                } else {
+                    (1u16 << (total - j)) - 1
+                }
+            };
+            let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+            for j in (0..total).step_by(LANES) {
+                m = _mm512_mask_max_ps(m, tail(j), m, _mm512_maskz_loadu_ps(tail(j), row.add(j)));
+            }
+            let m = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+            let mut acc = _mm512_setzero_ps();
+            for j in (0..total).step_by(LANES) {
+                let e = exp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail(j), row.add(j)), m));
+                _mm512_mask_storeu_ps(row.add(j), tail(j), e);
+                acc = _mm512_mask_add_ps(acc, tail(j), acc, e);
+            }
+            *sum = _mm512_reduce_add_ps(acc);
+        }
+        // Weighted sums of the value rows, 64 lanes (or 16 where d is not a multiple of 64) of up to
+        // four rows at a time.
+        let op = out.as_mut_ptr();
+        let wide = d.is_multiple_of(4 * LANES);
+        let step = if wide { 4 * LANES } else { LANES };
         let mut r = 0;
         while r < rep {
             let n = (rep - r).min(4);
-            let (qr, s) = (qp.add(r * d), sp.add(r * total + j));
-            match n {
-                4 => qk_rows::<4>(qr, d, kj, s, total, scale2),
-                3 => qk_rows::<3>(qr, d, kj, s, total, scale2),
-                2 => qk_rows::<2>(qr, d, kj, s, total, scale2),
-                _ => qk_rows::<1>(qr, d, kj, s, total, scale2),
+            for c in (0..d).step_by(step) {
+                let (p, vc, o) = (sp.add(r * total), v.as_ptr().add(c), op.add(r * d + c));
+                match (n, wide) {
+                    (4, true) => pv_rows::<4, 4>(p, total, vc, v_row, o, d),
+                    (3, true) => pv_rows::<3, 4>(p, total, vc, v_row, o, d),
+                    (2, true) => pv_rows::<2, 4>(p, total, vc, v_row, o, d),
+                    (_, true) => pv_rows::<1, 4>(p, total, vc, v_row, o, d),
+                    (4, false) => pv_rows::<4, 1>(p, total, vc, v_row, o, d),
+                    (3, false) => pv_rows::<3, 1>(p, total, vc, v_row, o, d),
+                    (2, false) => pv_rows::<2, 1>(p, total, vc, v_row, o, d),
+                    (_, false) => pv_rows::<1, 1>(p, total, vc, v_row, o, d),
+                }
             }
             r += n;
         }
-    }
-    // Softmax numerators in place; their sums kept for the end.
-    for (r, sum) in sums[..rep].iter_mut().enumerate() {
-        let row = sp.add(r * total);
-        let tail = |j: usize| -> __mmask16 {
-            if total - j >= LANES {
-                0xffff
-            } else {
-                (1u16 << (total - j)) - 1
+        for (r, sum) in sums[..rep].iter().enumerate() {
+            let inv = _mm512_set1_ps(1.0 / sum);
+            for c in (0..d).step_by(LANES) {
+                let o = op.add(r * d + c);
+                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), inv));
             }
-        };
-        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
-        for j in (0..total).step_by(LANES) {
-            m = _mm512_mask_max_ps(m, tail(j), m, _mm512_maskz_loadu_ps(tail(j), row.add(j)));
-        }
-        let m = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-        let mut acc = _mm512_setzero_ps();
-        for j in (0..total).step_by(LANES) {
-            let e = exp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail(j), row.add(j)), m));
-            _mm512_mask_storeu_ps(row.add(j), tail(j), e);
-            acc = _mm512_mask_add_ps(acc, tail(j), acc, e);
-        }
-        *sum = _mm512_reduce_add_ps(acc);
-    }
-    // Weighted sums of the value rows, 64 lanes (or 16 where d is not a multiple of 64) of up to
-    // four rows at a time.
-    let op = out.as_mut_ptr();
-    let wide = d.is_multiple_of(4 * LANES);
-    let step = if wide { 4 * LANES } else { LANES };
-    let mut r = 0;
-    while r < rep {
-        let n = (rep - r).min(4);
-        for c in (0..d).step_by(step) {
-            let (p, vc, o) = (sp.add(r * total), v.as_ptr().add(c), op.add(r * d + c));
-            match (n, wide) {
-                (4, true) => pv_rows::<4, 4>(p, total, vc, v_row, o, d),
-                (3, true) => pv_rows::<3, 4>(p, total, vc, v_row, o, d),
-                (2, true) => pv_rows::<2, 4>(p, total, vc, v_row, o, d),
-                (_, true) => pv_rows::<1, 4>(p, total, vc, v_row, o, d),
-                (4, false) => pv_rows::<4, 1>(p, total, vc, v_row, o, d),
-                (3, false) => pv_rows::<3, 1>(p, total, vc, v_row, o, d),
-                (2, false) => pv_rows::<2, 1>(p, total, vc, v_row, o, d),
-                (_, false) => pv_rows::<1, 1>(p, total, vc, v_row, o, d),
-            }
-        }
-        r += n;
-    }
-    for (r, sum) in sums[..rep].iter().enumerate() {
-        let inv = _mm512_set1_ps(1.0 / sum);
-        for c in (0..d).step_by(LANES) {
-            let o = op.add(r * d + c);
-            _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), inv));
         }
     }
 }
@@ -199,16 +203,18 @@ unsafe fn decode_group_avx512(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn qk_rows<const N: usize>(q: *const f32, d: usize, kj: *const f32, s: *mut f32, stride: usize, scale: f32) {
-    use std::arch::x86_64::*;
-    let mut acc = [_mm512_setzero_ps(); N];
-    for c in (0..d).step_by(16) {
-        let kv = _mm512_loadu_ps(kj.add(c));
-        for (i, a) in acc.iter_mut().enumerate() {
-            *a = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(i * d + c)), kv, *a);
+    unsafe {
+        use std::arch::x86_64::*;
+        let mut acc = [_mm512_setzero_ps(); N];
+        for c in (0..d).step_by(16) {
+            let kv = _mm512_loadu_ps(kj.add(c));
+            for (i, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(i * d + c)), kv, *a);
+            }
         }
-    }
-    for (i, a) in acc.iter().enumerate() {
-        *s.add(i * stride) = _mm512_reduce_add_ps(*a) * scale;
+        for (i, a) in acc.iter().enumerate() {
+            *s.add(i * stride) = _mm512_reduce_add_ps(*a) * scale;
+        }
     }
 }
 
@@ -225,24 +231,26 @@ unsafe fn pv_rows<const N: usize, const W: usize>(
     o: *mut f32,
     d: usize,
 ) {
-    use std::arch::x86_64::*;
-    let mut acc = [[_mm512_setzero_ps(); W]; N];
-    for j in 0..total {
-        let vj = v.add(j * v_row);
-        let mut vs = [_mm512_setzero_ps(); W];
-        for (w, x) in vs.iter_mut().enumerate() {
-            *x = _mm512_loadu_ps(vj.add(16 * w));
-        }
-        for (i, row) in acc.iter_mut().enumerate() {
-            let pi = _mm512_set1_ps(*p.add(i * total + j));
-            for (a, x) in row.iter_mut().zip(vs) {
-                *a = _mm512_fmadd_ps(pi, x, *a);
+    unsafe {
+        use std::arch::x86_64::*;
+        let mut acc = [[_mm512_setzero_ps(); W]; N];
+        for j in 0..total {
+            let vj = v.add(j * v_row);
+            let mut vs = [_mm512_setzero_ps(); W];
+            for (w, x) in vs.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(vj.add(16 * w));
+            }
+            for (i, row) in acc.iter_mut().enumerate() {
+                let pi = _mm512_set1_ps(*p.add(i * total + j));
+                for (a, x) in row.iter_mut().zip(vs) {
+                    *a = _mm512_fmadd_ps(pi, x, *a);
+                }
             }
         }
-    }
-    for (i, row) in acc.iter().enumerate() {
-        for (w, a) in row.iter().enumerate() {
-            _mm512_storeu_ps(o.add(i * d + 16 * w), *a);
+        for (i, row) in acc.iter().enumerate() {
+            for (w, a) in row.iter().enumerate() {
+                _mm512_storeu_ps(o.add(i * d + 16 * w), *a);
+            }
         }
     }
 }

@@ -220,21 +220,23 @@ unsafe fn rotate_rows(
 /// vision layout: q transposed and pre-scaled, k head-major, v in the projection output), then
 /// normalized into `out`.
 unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scratch, out: SendPtr<f32>) {
-    let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
-    let hidden = heads * d;
-    let op = Operands {
-        q: t.q.as_ptr().add(t.h * d * t.ldq + t.q0),
-        q_rs: 1,
-        q_cs: t.ldq,
-        k: t.k.as_ptr().add((t.h * seq + t.s0) * d),
-        k_rs: d,
-        v: t.v.as_ptr().add(t.s0 * 3 * hidden + 2 * hidden + t.h * d),
-        v_rs: 3 * hidden,
-        scale: 1.0,
-    };
-    attend_gemm(&op, t.rows, d, t.s1 - t.s0, shape.key_tile, None, sc);
-    // SAFETY (caller): this item owns rows q0..q0+rows, columns h*d..h*d+d of `out`.
-    sc.write_normalized(t.rows, d, out.get().add(t.q0 * hidden + t.h * d), hidden);
+    unsafe {
+        let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
+        let hidden = heads * d;
+        let op = Operands {
+            q: t.q.as_ptr().add(t.h * d * t.ldq + t.q0),
+            q_rs: 1,
+            q_cs: t.ldq,
+            k: t.k.as_ptr().add((t.h * seq + t.s0) * d),
+            k_rs: d,
+            v: t.v.as_ptr().add(t.s0 * 3 * hidden + 2 * hidden + t.h * d),
+            v_rs: 3 * hidden,
+            scale: 1.0,
+        };
+        attend_gemm(&op, t.rows, d, t.s1 - t.s0, shape.key_tile, None, sc);
+        // SAFETY (caller): this item owns rows q0..q0+rows, columns h*d..h*d+d of `out`.
+        sc.write_normalized(t.rows, d, out.get().add(t.q0 * hidden + t.h * d), hidden);
+    }
 }
 
 #[cfg(test)]

@@ -37,55 +37,56 @@ macro_rules! strip_kernel {
                 sc: &mut Scratch,
                 out: SendPtr<f32>,
             ) {
-                let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
-                let hidden = heads * d;
-                let n_strips = t.rows.div_ceil(STRIP);
-                debug_assert!(t.q0 + n_strips * STRIP <= t.ldq);
-                sc.o[..n_strips * STRIP * d].fill(0.0);
-                sc.max[..n_strips * STRIP].fill(f32::NEG_INFINITY);
-                sc.sum[..n_strips * STRIP].fill(0.0);
-                // Each strip's queries gathered into one contiguous d x STRIP block (4 or 8 KiB
-                // at d = 64, where the transposed layout puts each of its d rows on a page of
-                // its own).
-                for st in 0..n_strips {
-                    for c in 0..d {
-                        let src = &t.q[(t.h * d + c) * t.ldq + t.q0 + st * STRIP..][..STRIP];
-                        sc.q[(st * d + c) * STRIP..][..STRIP].copy_from_slice(src);
-                    }
-                }
-                let key_rows = balanced(t.s1 - t.s0, shape.key_tile);
-                let mut kt = t.s0;
-                while kt < t.s1 {
-                    let n = key_rows.min(t.s1 - kt);
-                    let k = t.k.as_ptr().add((t.h * seq + kt) * d);
-                    let v = t.vh.as_ptr().add((t.h * seq + kt) * d);
+                unsafe {
+                    let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
+                    let hidden = heads * d;
+                    let n_strips = t.rows.div_ceil(STRIP);
+                    debug_assert!(t.q0 + n_strips * STRIP <= t.ldq);
+                    sc.o[..n_strips * STRIP * d].fill(0.0);
+                    sc.max[..n_strips * STRIP].fill(f32::NEG_INFINITY);
+                    sc.sum[..n_strips * STRIP].fill(0.0);
+                    // Each strip's queries gathered into one contiguous d x STRIP block (4 or 8 KiB
+                    // at d = 64, where the transposed layout puts each of its d rows on a page of
+                    // its own).
                     for st in 0..n_strips {
-                        let q = sc.q.as_ptr().add(st * d * STRIP);
-                        let o = sc.o.as_mut_ptr().add(st * STRIP * d);
-                        let mut mx: Row = [s::splat(f32::NEG_INFINITY); $w];
-                        scores(q, k, d, n, sc.s.as_mut_ptr(), &mut mx);
-                        softmax(
-                            sc.s.as_mut_ptr(),
-                            n,
-                            mx,
-                            sc.max.as_mut_ptr().add(st * STRIP),
-                            sc.sum.as_mut_ptr().add(st * STRIP),
-                            o,
-                            d,
-                        );
-                        values(sc.s.as_ptr(), n, v, d, o);
+                        for c in 0..d {
+                            let src = &t.q[(t.h * d + c) * t.ldq + t.q0 + st * STRIP..][..STRIP];
+                            sc.q[(st * d + c) * STRIP..][..STRIP].copy_from_slice(src);
+                        }
                     }
-                    kt += n;
-                }
-                for i in 0..t.rows {
-                    let (st, l) = (i / STRIP, i % STRIP);
-                    let inv = 1.0 / sc.sum[i];
-                    let o = &sc.o[st * STRIP * d..];
-                    // SAFETY (caller): this item owns rows q0..q0+rows, columns h*d..h*d+d of `out`.
-                    let dst =
-                        unsafe { std::slice::from_raw_parts_mut(out.get().add((t.q0 + i) * hidden + t.h * d), d) };
-                    for (c, y) in dst.iter_mut().enumerate() {
-                        *y = o[c * STRIP + l] * inv;
+                    let key_rows = balanced(t.s1 - t.s0, shape.key_tile);
+                    let mut kt = t.s0;
+                    while kt < t.s1 {
+                        let n = key_rows.min(t.s1 - kt);
+                        let k = t.k.as_ptr().add((t.h * seq + kt) * d);
+                        let v = t.vh.as_ptr().add((t.h * seq + kt) * d);
+                        for st in 0..n_strips {
+                            let q = sc.q.as_ptr().add(st * d * STRIP);
+                            let o = sc.o.as_mut_ptr().add(st * STRIP * d);
+                            let mut mx: Row = [s::splat(f32::NEG_INFINITY); $w];
+                            scores(q, k, d, n, sc.s.as_mut_ptr(), &mut mx);
+                            softmax(
+                                sc.s.as_mut_ptr(),
+                                n,
+                                mx,
+                                sc.max.as_mut_ptr().add(st * STRIP),
+                                sc.sum.as_mut_ptr().add(st * STRIP),
+                                o,
+                                d,
+                            );
+                            values(sc.s.as_ptr(), n, v, d, o);
+                        }
+                        kt += n;
+                    }
+                    for i in 0..t.rows {
+                        let (st, l) = (i / STRIP, i % STRIP);
+                        let inv = 1.0 / sc.sum[i];
+                        let o = &sc.o[st * STRIP * d..];
+                        // SAFETY (caller): this item owns rows q0..q0+rows, columns h*d..h*d+d of `out`.
+                        let dst = std::slice::from_raw_parts_mut(out.get().add((t.q0 + i) * hidden + t.h * d), d);
+                        for (c, y) in dst.iter_mut().enumerate() {
+                            *y = o[c * STRIP + l] * inv;
+                        }
                     }
                 }
             }
@@ -95,21 +96,23 @@ macro_rules! strip_kernel {
             /// `mx` takes the lanes' running maxima.
             #[target_feature(enable = $feature)]
             unsafe fn scores(q: *const f32, k: *const f32, d: usize, n: usize, sc: *mut f32, mx: &mut Row) {
-                let mut j = 0;
-                while j + $nk <= n {
-                    scores_block::<$nk>(q, k.add(j * d), d, sc.add(j * STRIP), mx);
-                    j += $nk;
-                }
-                while j + 4 <= n {
-                    scores_block::<4>(q, k.add(j * d), d, sc.add(j * STRIP), mx);
-                    j += 4;
-                }
-                while j + 2 <= n {
-                    scores_block::<2>(q, k.add(j * d), d, sc.add(j * STRIP), mx);
-                    j += 2;
-                }
-                if j < n {
-                    scores_block::<1>(q, k.add(j * d), d, sc.add(j * STRIP), mx);
+                unsafe {
+                    let mut j = 0;
+                    while j + $nk <= n {
+                        scores_block::<$nk>(q, k.add(j * d), d, sc.add(j * STRIP), mx);
+                        j += $nk;
+                    }
+                    while j + 4 <= n {
+                        scores_block::<4>(q, k.add(j * d), d, sc.add(j * STRIP), mx);
+                        j += 4;
+                    }
+                    while j + 2 <= n {
+                        scores_block::<2>(q, k.add(j * d), d, sc.add(j * STRIP), mx);
+                        j += 2;
+                    }
+                    if j < n {
+                        scores_block::<1>(q, k.add(j * d), d, sc.add(j * STRIP), mx);
+                    }
                 }
             }
 
@@ -122,13 +125,15 @@ macro_rules! strip_kernel {
                 sc: *mut f32,
                 mx: &mut Row,
             ) {
-                // Over the d dimensions: the strip's queries of dimension c against NK keys' c-th.
-                let mut acc: [Row; NK] = [[s::splat(0.0); $w]; NK];
-                s::accumulate(&mut acc, d, q, STRIP, k, 1, d);
-                s::store(&acc, sc, STRIP);
-                for row in acc {
-                    for (m, v) in mx.iter_mut().zip(row) {
-                        *m = s::max(*m, v);
+                unsafe {
+                    // Over the d dimensions: the strip's queries of dimension c against NK keys' c-th.
+                    let mut acc: [Row; NK] = [[s::splat(0.0); $w]; NK];
+                    s::accumulate(&mut acc, d, q, STRIP, k, 1, d);
+                    s::store(&acc, sc, STRIP);
+                    for row in acc {
+                        for (m, v) in mx.iter_mut().zip(row) {
+                            *m = s::max(*m, v);
+                        }
                     }
                 }
             }
@@ -139,29 +144,31 @@ macro_rules! strip_kernel {
             /// are rescaled by `2^(old - new)` and the tile's probabilities added to the sums.
             #[target_feature(enable = $feature)]
             unsafe fn softmax(sc: *mut f32, n: usize, mx: Row, max: *mut f32, sum: *mut f32, o: *mut f32, d: usize) {
-                // One pass over the tile's scores, every vector of a row in turn.
-                let old: Row = std::array::from_fn(|w| s::ld(max.add(s::LANES * w)));
-                let new: Row = std::array::from_fn(|w| s::max(old[w], mx[w]));
-                let mut acc = [[s::splat(0.0); $w]; 2];
-                for j in 0..n {
-                    for w in 0..$w {
-                        let p = sc.add(j * STRIP + s::LANES * w);
-                        let e = s::exp2(s::sub(s::ld(p), new[w]));
-                        s::st(p, e);
-                        acc[j % 2][w] = s::add(acc[j % 2][w], e);
+                unsafe {
+                    // One pass over the tile's scores, every vector of a row in turn.
+                    let old: Row = std::array::from_fn(|w| s::ld(max.add(s::LANES * w)));
+                    let new: Row = std::array::from_fn(|w| s::max(old[w], mx[w]));
+                    let mut acc = [[s::splat(0.0); $w]; 2];
+                    for j in 0..n {
+                        for w in 0..$w {
+                            let p = sc.add(j * STRIP + s::LANES * w);
+                            let e = s::exp2(s::sub(s::ld(p), new[w]));
+                            s::st(p, e);
+                            acc[j % 2][w] = s::add(acc[j % 2][w], e);
+                        }
                     }
-                }
-                // The first tile: old is -inf and its factor 2^-126 multiplies zeros.
-                let r: Row = std::array::from_fn(|w| s::exp2(s::sub(old[w], new[w])));
-                for w in 0..$w {
-                    let lane = s::LANES * w;
-                    s::st(sum.add(lane), s::fmadd(s::ld(sum.add(lane)), r[w], s::add(acc[0][w], acc[1][w])));
-                    s::st(max.add(lane), new[w]);
-                }
-                for c in 0..d {
+                    // The first tile: old is -inf and its factor 2^-126 multiplies zeros.
+                    let r: Row = std::array::from_fn(|w| s::exp2(s::sub(old[w], new[w])));
                     for w in 0..$w {
-                        let y = o.add(c * STRIP + s::LANES * w);
-                        s::st(y, s::mul(s::ld(y), r[w]));
+                        let lane = s::LANES * w;
+                        s::st(sum.add(lane), s::fmadd(s::ld(sum.add(lane)), r[w], s::add(acc[0][w], acc[1][w])));
+                        s::st(max.add(lane), new[w]);
+                    }
+                    for c in 0..d {
+                        for w in 0..$w {
+                            let y = o.add(c * STRIP + s::LANES * w);
+                            s::st(y, s::mul(s::ld(y), r[w]));
+                        }
                     }
                 }
             }
@@ -170,19 +177,21 @@ macro_rules! strip_kernel {
             /// STRIP transposed output, over `n` value rows of `d`; `d` even.
             #[target_feature(enable = $feature)]
             unsafe fn values(p: *const f32, n: usize, v: *const f32, d: usize, o: *mut f32) {
-                let mut c = 0;
-                while c + $nc <= d {
-                    values_block::<$nc>(p, n, v.add(c), d, o.add(c * STRIP));
-                    c += $nc;
-                }
-                // d even: what is left in blocks of 4 (8 accumulators cover the FMA latency,
-                // two blocks of 2 would not), then 2.
-                while c + 4 <= d {
-                    values_block::<4>(p, n, v.add(c), d, o.add(c * STRIP));
-                    c += 4;
-                }
-                if c < d {
-                    values_block::<2>(p, n, v.add(c), d, o.add(c * STRIP));
+                unsafe {
+                    let mut c = 0;
+                    while c + $nc <= d {
+                        values_block::<$nc>(p, n, v.add(c), d, o.add(c * STRIP));
+                        c += $nc;
+                    }
+                    // d even: what is left in blocks of 4 (8 accumulators cover the FMA latency,
+                    // two blocks of 2 would not), then 2.
+                    while c + 4 <= d {
+                        values_block::<4>(p, n, v.add(c), d, o.add(c * STRIP));
+                        c += 4;
+                    }
+                    if c < d {
+                        values_block::<2>(p, n, v.add(c), d, o.add(c * STRIP));
+                    }
                 }
             }
 
@@ -195,10 +204,12 @@ macro_rules! strip_kernel {
                 vstride: usize,
                 o: *mut f32,
             ) {
-                // Over the n keys: the strip's probabilities of key j against its NC values.
-                let mut acc: [Row; NC] = s::load(o, STRIP);
-                s::accumulate(&mut acc, n, p, STRIP, v, vstride, 1);
-                s::store(&acc, o, STRIP);
+                unsafe {
+                    // Over the n keys: the strip's probabilities of key j against its NC values.
+                    let mut acc: [Row; NC] = s::load(o, STRIP);
+                    s::accumulate(&mut acc, n, p, STRIP, v, vstride, 1);
+                    s::store(&acc, o, STRIP);
+                }
             }
         }
     };

@@ -184,11 +184,13 @@ impl Scratch {
     /// # Safety
     /// Those rows of `dst` are the caller's to write.
     pub(super) unsafe fn write_normalized(&self, m: usize, d: usize, dst: *mut f32, row_stride: usize) {
-        for i in 0..m {
-            let inv = 1.0 / self.sum[i];
-            let row = std::slice::from_raw_parts_mut(dst.add(i * row_stride), d);
-            for (y, x) in row.iter_mut().zip(&self.o[i * d..(i + 1) * d]) {
-                *y = x * inv;
+        unsafe {
+            for i in 0..m {
+                let inv = 1.0 / self.sum[i];
+                let row = std::slice::from_raw_parts_mut(dst.add(i * row_stride), d);
+                for (y, x) in row.iter_mut().zip(&self.o[i * d..(i + 1) * d]) {
+                    *y = x * inv;
+                }
             }
         }
     }
@@ -222,67 +224,69 @@ pub(super) unsafe fn attend_gemm(
     causal: Option<usize>,
     sc: &mut Scratch,
 ) {
-    sc.o[..m * d].fill(0.0);
-    sc.max[..m].fill(f32::NEG_INFINITY);
-    sc.sum[..m].fill(0.0);
-    let keys = causal.map_or(keys, |p0| keys.min(p0 + m));
-    let key_rows = balanced(keys, key_tile);
-    let mut kt = 0;
-    while kt < keys {
-        let n = key_rows.min(keys - kt);
-        // S = Q K^T: [m, d] x [d, n] into a column-major tile (key j's scores at s[j * m..]).
-        gemm::gemm(
-            m,
-            n,
-            d,
-            sc.s.as_mut_ptr(),
-            m as isize,
-            1,
-            false,
-            op.q,
-            op.q_cs as isize,
-            op.q_rs as isize,
-            op.k.add(kt * op.k_rs),
-            op.k_rs as isize,
-            1,
-            0.0,
-            op.scale,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-        if let Some(p0) = causal {
-            // Key kt + j is hidden from query rows i < kt + j - p0 (none before the diagonal).
-            for j in (p0 + 1).saturating_sub(kt)..n {
-                let hidden_rows = (kt + j - p0).min(m);
-                sc.s[j * m..j * m + hidden_rows].fill(f32::NEG_INFINITY);
+    unsafe {
+        sc.o[..m * d].fill(0.0);
+        sc.max[..m].fill(f32::NEG_INFINITY);
+        sc.sum[..m].fill(0.0);
+        let keys = causal.map_or(keys, |p0| keys.min(p0 + m));
+        let key_rows = balanced(keys, key_tile);
+        let mut kt = 0;
+        while kt < keys {
+            let n = key_rows.min(keys - kt);
+            // S = Q K^T: [m, d] x [d, n] into a column-major tile (key j's scores at s[j * m..]).
+            gemm::gemm(
+                m,
+                n,
+                d,
+                sc.s.as_mut_ptr(),
+                m as isize,
+                1,
+                false,
+                op.q,
+                op.q_cs as isize,
+                op.q_rs as isize,
+                op.k.add(kt * op.k_rs),
+                op.k_rs as isize,
+                1,
+                0.0,
+                op.scale,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+            if let Some(p0) = causal {
+                // Key kt + j is hidden from query rows i < kt + j - p0 (none before the diagonal).
+                for j in (p0 + 1).saturating_sub(kt)..n {
+                    let hidden_rows = (kt + j - p0).min(m);
+                    sc.s[j * m..j * m + hidden_rows].fill(f32::NEG_INFINITY);
+                }
             }
+            online_softmax(&mut sc.s[..m * n], m, &mut sc.max[..m], &mut sc.sum[..m], &mut sc.o[..m * d], d);
+            // O += P V: [m, n] x [n, d], value rows read in place.
+            gemm::gemm(
+                m,
+                d,
+                n,
+                sc.o.as_mut_ptr(),
+                1,
+                d as isize,
+                true,
+                sc.s.as_ptr(),
+                m as isize,
+                1,
+                op.v.add(kt * op.v_rs),
+                1,
+                op.v_rs as isize,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+            kt += n;
         }
-        online_softmax(&mut sc.s[..m * n], m, &mut sc.max[..m], &mut sc.sum[..m], &mut sc.o[..m * d], d);
-        // O += P V: [m, n] x [n, d], value rows read in place.
-        gemm::gemm(
-            m,
-            d,
-            n,
-            sc.o.as_mut_ptr(),
-            1,
-            d as isize,
-            true,
-            sc.s.as_ptr(),
-            m as isize,
-            1,
-            op.v.add(kt * op.v_rs),
-            1,
-            op.v_rs as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-        kt += n;
     }
 }
 
