@@ -30,6 +30,7 @@ pub(crate) unsafe fn accumulate<const N: usize>(
     b_step: usize,
     b_stride: usize,
 ) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         let mut lo: [__m256; N] = std::array::from_fn(|j| acc[j][0]);
         let mut hi: [__m256; N] = std::array::from_fn(|j| acc[j][1]);
@@ -85,6 +86,7 @@ pub(crate) unsafe fn load<const N: usize>(p: *const f32, stride: usize) -> Acc<N
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn store<const N: usize>(acc: &Acc<N>, p: *mut f32, stride: usize) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         for (j, [lo, hi]) in acc.iter().enumerate() {
             _mm256_storeu_ps(p.add(j * stride), *lo);
@@ -94,41 +96,58 @@ pub(crate) unsafe fn store<const N: usize>(acc: &Acc<N>, p: *mut f32, stride: us
 }
 
 /// Lane-wise operations (AVX2; the pointers as for `load` and `store`).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn splat(x: f32) -> V {
     _mm256_set1_ps(x)
 }
+/// # Safety
+/// The CPU has AVX2 and FMA; `p` is readable for 8 floats.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn ld(p: *const f32) -> V {
     unsafe { _mm256_loadu_ps(p) }
 }
+/// # Safety
+/// The CPU has AVX2 and FMA; `p` is writable for 8 floats, this caller's to write.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn st(p: *mut f32, v: V) {
     unsafe { _mm256_storeu_ps(p, v) }
 }
+/// # Safety
+/// The CPU has AVX2 and FMA (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn add(a: V, b: V) -> V {
     _mm256_add_ps(a, b)
 }
+/// # Safety
+/// The CPU has AVX2 and FMA (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn sub(a: V, b: V) -> V {
     _mm256_sub_ps(a, b)
 }
+/// # Safety
+/// The CPU has AVX2 and FMA (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn mul(a: V, b: V) -> V {
     _mm256_mul_ps(a, b)
 }
+/// # Safety
+/// The CPU has AVX2 and FMA (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn max(a: V, b: V) -> V {
     _mm256_max_ps(a, b)
 }
+/// # Safety
+/// The CPU has AVX2 and FMA (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn fmadd(a: V, b: V, c: V) -> V {
@@ -136,6 +155,9 @@ pub(crate) unsafe fn fmadd(a: V, b: V, c: V) -> V {
 }
 
 /// `cpu::exp2_nonpositive` on eight lanes (the same clamp, rounding and polynomial).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn exp2(x: V) -> V {

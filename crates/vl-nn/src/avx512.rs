@@ -31,6 +31,7 @@ pub(crate) unsafe fn accumulate<const N: usize, const W: usize>(
     b_step: usize,
     b_stride: usize,
 ) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         let mut c = *acc;
         // Unrolled by 4: a quarter of the loop's own adds and compares beside the FMAs.
@@ -83,6 +84,7 @@ pub(crate) unsafe fn load<const N: usize, const W: usize>(p: *const f32, stride:
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn store<const N: usize, const W: usize>(acc: &Acc<N, W>, p: *mut f32, stride: usize) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         for (j, row) in acc.iter().enumerate() {
             for (w, v) in row.iter().enumerate() {
@@ -93,41 +95,58 @@ pub(crate) unsafe fn store<const N: usize, const W: usize>(acc: &Acc<N, W>, p: *
 }
 
 /// Lane-wise operations (AVX-512F; the pointers as for `load` and `store`).
+///
+/// # Safety
+/// The CPU has AVX-512F (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn splat(x: f32) -> V {
     _mm512_set1_ps(x)
 }
+/// # Safety
+/// The CPU has AVX-512F; `p` is readable for 16 floats.
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn ld(p: *const f32) -> V {
     unsafe { _mm512_loadu_ps(p) }
 }
+/// # Safety
+/// The CPU has AVX-512F; `p` is writable for 16 floats, this caller's to write.
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn st(p: *mut f32, v: V) {
     unsafe { _mm512_storeu_ps(p, v) }
 }
+/// # Safety
+/// The CPU has AVX-512F (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn add(a: V, b: V) -> V {
     _mm512_add_ps(a, b)
 }
+/// # Safety
+/// The CPU has AVX-512F (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn sub(a: V, b: V) -> V {
     _mm512_sub_ps(a, b)
 }
+/// # Safety
+/// The CPU has AVX-512F (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn mul(a: V, b: V) -> V {
     _mm512_mul_ps(a, b)
 }
+/// # Safety
+/// The CPU has AVX-512F (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn max(a: V, b: V) -> V {
     _mm512_max_ps(a, b)
 }
+/// # Safety
+/// The CPU has AVX-512F (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn fmadd(a: V, b: V, c: V) -> V {
@@ -137,6 +156,9 @@ pub(crate) unsafe fn fmadd(a: V, b: V, c: V) -> V {
 /// `cpu::exp2_nonpositive` on 16 lanes: the same clamp, rounding (to nearest, even) and
 /// polynomial, with `2^n` applied by `vscalefps` (exact here: n is in [-126, 0]) instead of
 /// through the exponent bits, three operations fewer.
+///
+/// # Safety
+/// The CPU has AVX-512F (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn exp2(x: V) -> V {

@@ -138,6 +138,7 @@ pub unsafe fn tile(
     (r0, r1): (usize, usize),
     (c0, c1): (usize, usize),
 ) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         debug_assert!(c0 % WIDTH == 0 && c1 <= n && r0 % GROUP == 0 && r1 <= rows && a.len() >= rows * k);
         debug_assert!(panels.len() >= n.div_ceil(WIDTH) * k * WIDTH);
@@ -207,10 +208,16 @@ struct Start {
 
 /// `c[r][0..16] (+)= sum_i x[i][r] w[i][0..16]` for `R` rows over `kc` input features, `x`
 /// packed `R` values to a feature.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `x` is readable for `kc` groups of R packed values, `w` for `kc` rows
+/// of a 16-float panel, `c` for R rows of 16 floats `ldc` apart (read unless `s.first`, then
+/// written; this caller's); `s.bias`, when given, is readable for `s.cols` (at most 16) floats.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn block<const R: usize>(x: *const f32, w: *const f32, kc: usize, c: *mut f32, ldc: usize, s: Start) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         use crate::avx2;
         let mut acc = if !s.first {

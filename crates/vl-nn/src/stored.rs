@@ -214,6 +214,11 @@ fn scales_mins(a: [u32; 3]) -> (u64, u64) {
 /// One weight row (kb Q4_K blocks at `w`) dotted with M Q8_K rows (M * kb blocks at `q8`, their
 /// values again at `re` in the order of the stored nibbles; `pairs` holds each block's 8
 /// sub-block sums, the pairs of its 16-value sums).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW, AVX2, FMA and F16C; `w` is readable for `kb` Q4_K blocks, `q8` for M x
+/// kb Q8_K blocks, and `re` and `pairs` for those blocks' reordered values and sub-block sums (an
+/// `Input` made with them).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 unsafe fn row_dots<const M: usize>(
@@ -224,6 +229,7 @@ unsafe fn row_dots<const M: usize>(
     pairs: *const i16,
     dots: &mut [f32; MAX_ROWS],
 ) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         use std::arch::x86_64::*;
         let low = _mm512_set1_epi8(0x0f);
@@ -284,6 +290,9 @@ unsafe fn row_dots<const M: usize>(
 }
 
 /// `row_dots` for m rows.
+///
+/// # Safety
+/// As for `row_dots` with M = `m` (1 to `MAX_ROWS`).
 #[cfg(target_arch = "x86_64")]
 unsafe fn row_dots_m(
     w: *const u8,
@@ -292,6 +301,7 @@ unsafe fn row_dots_m(
     m: usize,
     dots: &mut [f32; MAX_ROWS],
 ) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         match m {
             1 => row_dots::<1>(w, kb, q8, re, pairs, dots),
@@ -303,9 +313,14 @@ unsafe fn row_dots_m(
 }
 
 /// One Q6_K weight row (kb blocks at `w`) dotted with M Q8_K rows (M * kb blocks at `q8`).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW, AVX2, FMA and F16C; `w` is readable for `kb` Q6_K blocks and `q8` for
+/// M x kb Q8_K blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 unsafe fn q6k_dots<const M: usize>(w: *const u8, kb: usize, q8: *const u8, dots: &mut [f32; MAX_ROWS]) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         use std::arch::x86_64::*;
         let low = _mm512_set1_epi8(0x0f);
@@ -409,8 +424,12 @@ unsafe fn q6k_dots<const M: usize>(w: *const u8, kb: usize, q8: *const u8, dots:
 }
 
 /// `q6k_dots` for m rows.
+///
+/// # Safety
+/// As for `q6k_dots` with M = `m` (1 to `MAX_ROWS`).
 #[cfg(target_arch = "x86_64")]
 unsafe fn q6k_dots_m(w: *const u8, kb: usize, q8: *const u8, m: usize, dots: &mut [f32; MAX_ROWS]) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         match m {
             1 => q6k_dots::<1>(w, kb, q8, dots),
@@ -421,11 +440,15 @@ unsafe fn q6k_dots_m(w: *const u8, kb: usize, q8: *const u8, m: usize, dots: &mu
     }
 }
 
+/// # Safety
+/// Never to be called: `available` is false off x86-64 (the body is unreachable).
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn q6k_dots_m(_w: *const u8, _kb: usize, _q8: *const u8, _m: usize, _dots: &mut [f32; MAX_ROWS]) {
     unreachable!("`available` is false off x86-64")
 }
 
+/// # Safety
+/// Never to be called: `available` is false off x86-64 (the body is unreachable).
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn row_dots_m(
     _w: *const u8,

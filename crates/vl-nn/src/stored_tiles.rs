@@ -93,6 +93,7 @@ impl Input {
 /// i < q8.len().
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 unsafe fn block(q8: &[BlockQ8K], i: usize) -> *const u8 {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         const _: () = assert!(std::mem::size_of::<BlockQ8K>() == Q8K_BYTES);
         (q8.as_ptr() as *const u8).add(i * Q8K_BYTES)
@@ -195,6 +196,11 @@ mod x86 {
 
     /// `acc` ([m, 16]) = the products of tile `w` (`rows` output rows of kb blocks each, from
     /// `w`) with the input's rows first..first + m.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VNNI, AVX2, FMA and F16C; `w` is readable for `rows` (at most 16)
+    /// output rows of `kb` blocks of `kind`, each row `kb` blocks after the previous; `input` holds
+    /// rows first..first + m of `kb` Q8_K blocks; `acc` holds at least m x 16 floats.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub(super) unsafe fn tile(
         kind: Blocks,
@@ -204,6 +210,7 @@ mod x86 {
         (input, first, m): (&Input, usize, usize),
         acc: &mut [f32],
     ) {
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
         unsafe {
             let mask: __mmask16 = if rows >= LANES { 0xffff } else { (1u16 << rows) - 1 };
             match kind {
@@ -244,8 +251,13 @@ mod x86 {
     }
 
     /// Lane r: the byte offset of row r's block from row 0's (`stride` bytes a row) plus `at`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F (only inlined into this module's AVX-512 functions); no memory is
+    /// accessed.
     #[inline(always)]
     unsafe fn offsets(stride: usize, at: usize) -> __m512i {
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
         unsafe {
             let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
             _mm512_add_epi32(_mm512_mullo_epi32(lanes, _mm512_set1_epi32(stride as i32)), _mm512_set1_epi32(at as i32))
@@ -253,6 +265,9 @@ mod x86 {
     }
 
     /// Four bytes at `p` in every lane (an input row's 4 values).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `p` is readable for 4 bytes.
     #[inline(always)]
     unsafe fn four(p: *const i8) -> __m512i {
         unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32)) }
@@ -260,8 +275,13 @@ mod x86 {
 
     /// Unpacks the Q4_K super-block of 16 rows whose row 0 block is at `blk` (rows `stride`
     /// bytes apart; lanes outside `mask` read nothing and get zeros).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW, AVX2, FMA and F16C; for each lane r in `mask`, the 144-byte super-
+    /// block at `blk + r * stride` is readable (other lanes read nothing).
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     unsafe fn unpack_q4k(blk: *const u8, stride: usize, mask: __mmask16, t: &mut Q4Tile) {
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
         unsafe {
             let zero = _mm512_setzero_si512();
             let gather =
@@ -304,8 +324,13 @@ mod x86 {
 
     /// Unpacks the Q6_K super-block of 16 rows whose row 0 block is at `blk` (rows `stride`
     /// bytes apart, the first `rows` of them real; lanes outside `mask` get zeros).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW, AVX2, FMA and F16C; for each row r < `rows` (the lanes of `mask`),
+    /// the 210-byte super-block at `blk + r * stride` is readable.
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     unsafe fn unpack_q6k(blk: *const u8, stride: usize, rows: usize, mask: __mmask16, t: &mut Q6Tile) {
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
         unsafe {
             let low = _mm256_set1_epi8(0x0f);
             let pair = _mm256_set1_epi8(0x03);
@@ -356,6 +381,10 @@ mod x86 {
     }
 
     /// Input rows first + r0.. (R of them) times a Q4_K tile's super-block b, added to their rows of `acc`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VNNI, AVX2, FMA and F16C; `input` holds rows first + r0..first + r0
+    /// + R of `kb` Q8_K blocks (b < kb); `acc` holds rows r0..r0 + R of 16 floats.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn q4k_rows<const R: usize>(
         t: &Q4Tile,
@@ -365,6 +394,7 @@ mod x86 {
         kb: usize,
         acc: &mut [f32],
     ) {
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
         unsafe {
             let blocks: [*const u8; R] = std::array::from_fn(|r| block(&input.q8, (first + r0 + r) * kb + b));
             let qs: [*const i8; R] = std::array::from_fn(|r| blocks[r].add(4) as *const i8);
@@ -401,6 +431,10 @@ mod x86 {
     }
 
     /// Input rows first + r0.. (R of them) times a Q6_K tile's super-block b, added to their rows of `acc`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VNNI, AVX2, FMA and F16C; `input` holds rows first + r0..first + r0
+    /// + R of `kb` Q8_K blocks (b < kb); `acc` holds rows r0..r0 + R of 16 floats.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn q6k_rows<const R: usize>(
         t: &Q6Tile,
@@ -410,6 +444,7 @@ mod x86 {
         kb: usize,
         acc: &mut [f32],
     ) {
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
         unsafe {
             let blocks: [*const u8; R] = std::array::from_fn(|r| block(&input.q8, (first + r0 + r) * kb + b));
             let qs: [*const i8; R] = std::array::from_fn(|r| blocks[r].add(4) as *const i8);

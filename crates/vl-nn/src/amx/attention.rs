@@ -142,6 +142,7 @@ pub(crate) struct Tile<'a> {
 /// the caller's to write; the operands as documented on `Tile`.
 #[cfg(target_arch = "x86_64")]
 pub(crate) unsafe fn attend(t: &Tile<'_>, sc: &mut Scratch, out: *mut f32, out_stride: usize) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         let m = t.rows.next_multiple_of(32);
         let steps = D / KSTEP;
@@ -237,6 +238,7 @@ mod x86 {
     /// # Safety
     /// Tiles configured on this thread; the operands readable, `s` writable for 32 rows.
     pub(super) unsafe fn scores(a: *const u16, steps: usize, b: *const u32, s: *mut f32, n: usize) {
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
         unsafe {
             asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
             for st in 0..steps {
@@ -277,6 +279,7 @@ mod x86 {
     /// # Safety
     /// As `scores`.
     pub(super) unsafe fn values(p: *const u16, key_steps: usize, v: *const u32, o: *mut f32) {
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
         unsafe {
             asm!(
                 "tileloadd tmm0, [{o} + {so}*1]",
@@ -320,6 +323,11 @@ mod x86 {
     /// segment's, the others get probability 0. Returns the new running max (at least `max`)
     /// and the sum of the new probabilities; writes them, rounded to bf16, where `p_at(j)` says
     /// (32 consecutive keys contiguous).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW and AVX512-BF16 (`amx::available()` implies them); `row.len()` is a
+    /// multiple of 16 (whole 16-score loads), and for every `j` in steps of 16, `p_at(j)` is an
+    /// index with 16 `u16` of room after it in `p`.
     #[cfg(not(vl_avx2_proxy))]
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub(super) unsafe fn softmax_row(
@@ -330,6 +338,7 @@ mod x86 {
         p: &mut [u16],
         p_at: &dyn Fn(usize) -> usize,
     ) -> (f32, f32) {
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
         unsafe {
             let n = row.len();
             let mask = |j: usize| -> __mmask16 {
@@ -361,6 +370,10 @@ mod x86 {
     }
 
     /// The AVX2 stand-in build has no AVX-512 code (`available()` is false there).
+    ///
+    /// # Safety
+    /// Never to be called: `available()` is false in the AVX2 stand-in build, so no tile attention
+    /// runs (the body is unreachable).
     #[cfg(vl_avx2_proxy)]
     pub(super) unsafe fn softmax_row(
         _row: &[f32],

@@ -23,6 +23,7 @@ pub(crate) unsafe fn tile(
     (r0, r1): (usize, usize),
     (c0, c1): (usize, usize),
 ) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         let (kpad, kp) = (k.next_multiple_of(KSTEP), pairs(k));
         assert!(r0 % MR == 0 && c0 % NR == 0 && r1 > r0 && c1 > c0 && c1 <= n, "bf16::tile {r0}..{r1} x {c0}..{c1}");
@@ -67,6 +68,7 @@ mod x86 {
     /// # Safety
     /// The tiles configured on this thread (`configure`); `a` and `w` readable for those sizes.
     pub(super) unsafe fn block(a: *const u16, kpad: usize, w: *const u32, sums: &mut Sums) {
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
         unsafe {
             asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
             // Group 0 (rows 0-15) at `a`, group 1 at `a + 16 kpad`; each 32-feature step's tile is
@@ -106,6 +108,11 @@ mod x86 {
 
     /// `rows` x `cols` of `sums` (plus the bias at the block's first column) into `y` (row
     /// stride `ldy`).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `rows` and `cols` at most 32 (one block of `sums`); `y` has `rows`
+    /// rows of `cols` floats, `ldy` apart, that are this caller's to write; `bias`, when given, is
+    /// readable for `cols` floats.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn write(
         sums: &Sums,
@@ -115,6 +122,7 @@ mod x86 {
         rows: usize,
         cols: usize,
     ) {
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
         unsafe {
             let lo: __mmask16 = if cols >= 16 { 0xffff } else { (1u16 << cols) - 1 };
             let hi: __mmask16 = if cols >= 32 {

@@ -140,8 +140,13 @@ mod x86 {
     use std::arch::x86_64::*;
 
     /// `src` to bf16 bits, 16 at a time (`vcvtneps2bf16`, round to nearest even).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL and AVX512-BF16 (the loads and stores are masked to the shorter
+    /// slice's length).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     pub(super) unsafe fn round_row(src: &[f32], dst: &mut [u16]) {
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
         unsafe {
             let n = src.len().min(dst.len());
             let mut i = 0;

@@ -92,6 +92,8 @@ fn decode_group(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
     decode_group_generic(g, scores, out)
 }
 
+/// # Safety
+/// The CPU has AVX2 and FMA (the body is `decode_group_generic`, safe code compiled for them).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn decode_group_avx2(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
@@ -105,9 +107,15 @@ unsafe fn decode_group_avx2(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [
 /// the scores scaled by `log2 e`), and each value row is read once for up to four query rows
 /// and 64 of their output lanes held in registers. The normalization is applied to the output
 /// rows at the end.
+///
+/// # Safety
+/// The CPU has AVX-512F. The slices are checked on entry (`d` a multiple of 16, `q` rep x d, keys
+/// and values `total` rows `k_row` / `v_row` apart, `scores` rep x (total + 1), `out` rep x d), so
+/// every pointer access below stays inside them.
 #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
 #[target_feature(enable = "avx512f")]
 unsafe fn decode_group_avx512(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         use crate::avx512::{exp2, LANES};
         use std::arch::x86_64::*;
@@ -199,10 +207,15 @@ unsafe fn decode_group_avx512(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut
 
 /// N query rows (`d` apart from `q`) dotted with one key row, scaled, written `stride` apart
 /// from `s`.
+///
+/// # Safety
+/// The CPU has AVX-512F; `d` is a multiple of 16; `q` is readable for N rows of `d` floats (`d`
+/// apart), `kj` for `d` floats, and `s + i * stride` is writable for each i < N.
 #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn qk_rows<const N: usize>(q: *const f32, d: usize, kj: *const f32, s: *mut f32, stride: usize, scale: f32) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         use std::arch::x86_64::*;
         let mut acc = [_mm512_setzero_ps(); N];
@@ -220,6 +233,11 @@ unsafe fn qk_rows<const N: usize>(q: *const f32, d: usize, kj: *const f32, s: *m
 
 /// `out[i][0..16 W] = sum_j p[i][j] v[j][0..16 W]` for N rows of weights (`total` apart from `p`)
 /// and of output (`d` apart from `o`), value rows `v_row` apart from `v`.
+///
+/// # Safety
+/// The CPU has AVX-512F; `p` is readable for N rows of `total` weights (`total` apart), `v` for
+/// `total` rows of 16 W floats (`v_row` apart), and `o` writable for N rows of 16 W floats (`d`
+/// apart).
 #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -231,6 +249,7 @@ unsafe fn pv_rows<const N: usize, const W: usize>(
     o: *mut f32,
     d: usize,
 ) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         use std::arch::x86_64::*;
         let mut acc = [[_mm512_setzero_ps(); W]; N];

@@ -150,6 +150,12 @@ fn rotate(
 /// q goes through a block of 16 rotated rows per head, written out column by column, so each
 /// column gets one 64-byte store instead of 16 scattered 4-byte ones (one store per element at stride `ldq` had
 /// made this pass 2.3 ms of a 784-row block's 14 ms attention).
+///
+/// # Safety
+/// `qp`, `kp` (and `vp`) point to the q ([heads, d, ldq]), k and v ([heads, seq, d]) buffers laid
+/// out for `shape`, and the positions `range` of each (q's columns, k's and v's rows) are this
+/// call's alone to write while it runs; `qkv`, `cos` and `sin` hold `shape.seq` rows (the caller
+/// asserts their lengths).
 #[multiversion(targets = "simd")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn rotate_rows(
@@ -219,7 +225,14 @@ unsafe fn rotate_rows(
 /// One head's attention for query rows `q0..q0+rows` over keys `s0..s1` (`attend_gemm` on the
 /// vision layout: q transposed and pre-scaled, k head-major, v in the projection output), then
 /// normalized into `out`.
+///
+/// # Safety
+/// `t`'s operands are laid out as `segment_attention_with` makes them (q [heads, d, ldq] with rows
+/// q0..q0 + rows inside `ldq`, k head-major, v in the projection output) for keys s0..s1 of
+/// `shape`; `sc` was made for `shape` with `TileKernel::Gemm`; rows q0..q0 + rows, columns h d..h d
+/// + d of the [seq, heads d] output at `out` are this caller's alone to write.
 unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scratch, out: SendPtr<f32>) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
         let hidden = heads * d;

@@ -37,6 +37,7 @@ macro_rules! strip_kernel {
                 sc: &mut Scratch,
                 out: SendPtr<f32>,
             ) {
+                // SAFETY: the operations below need no more than this function's `# Safety` contract.
                 unsafe {
                     let SegmentAttentionShape { seq, heads, head_dim: d, .. } = shape;
                     let hidden = heads * d;
@@ -94,8 +95,13 @@ macro_rules! strip_kernel {
             /// Scores of one strip against keys `k` (`n` rows of `d`, contiguous):
             /// `s[j * STRIP + l]` = q(l) . k(j), q read from its strip block (`q[c * STRIP + l]`);
             /// `mx` takes the lanes' running maxima.
+            ///
+            /// # Safety
+            /// The CPU has `$feature`; `q` is one strip's d x STRIP block, `k` is readable for `n`
+            /// rows of `d`, and `sc` writable for `n` x STRIP floats.
             #[target_feature(enable = $feature)]
             unsafe fn scores(q: *const f32, k: *const f32, d: usize, n: usize, sc: *mut f32, mx: &mut Row) {
+                // SAFETY: the operations below need no more than this function's `# Safety` contract.
                 unsafe {
                     let mut j = 0;
                     while j + $nk <= n {
@@ -116,6 +122,9 @@ macro_rules! strip_kernel {
                 }
             }
 
+            /// # Safety
+            /// The CPU has `$feature`; `q` is one strip's d x STRIP block, `k` is readable for NK
+            /// rows of `d`, and `sc` writable for NK x STRIP floats.
             #[inline]
             #[target_feature(enable = $feature)]
             unsafe fn scores_block<const NK: usize>(
@@ -125,6 +134,7 @@ macro_rules! strip_kernel {
                 sc: *mut f32,
                 mx: &mut Row,
             ) {
+                // SAFETY: the operations below need no more than this function's `# Safety` contract.
                 unsafe {
                     // Over the d dimensions: the strip's queries of dimension c against NK keys' c-th.
                     let mut acc: [Row; NK] = [[s::splat(0.0); $w]; NK];
@@ -142,8 +152,13 @@ macro_rules! strip_kernel {
             /// become `2^(s - max)` with `max` the new running max (`mx`: this tile's, `max`:
             /// the strip's so far); the strip's sums and transposed output (`o`: `d` x STRIP)
             /// are rescaled by `2^(old - new)` and the tile's probabilities added to the sums.
+            ///
+            /// # Safety
+            /// The CPU has `$feature`; `sc` holds `n` x STRIP scores, `max` and `sum` STRIP floats
+            /// each, `o` d x STRIP floats, all this caller's to read and write.
             #[target_feature(enable = $feature)]
             unsafe fn softmax(sc: *mut f32, n: usize, mx: Row, max: *mut f32, sum: *mut f32, o: *mut f32, d: usize) {
+                // SAFETY: the operations below need no more than this function's `# Safety` contract.
                 unsafe {
                     // One pass over the tile's scores, every vector of a row in turn.
                     let old: Row = std::array::from_fn(|w| s::ld(max.add(s::LANES * w)));
@@ -175,8 +190,14 @@ macro_rules! strip_kernel {
 
             /// `o[c * STRIP + l] += sum_j p[j * STRIP + l] v[j * d + c]` for the strip's `d` x
             /// STRIP transposed output, over `n` value rows of `d`; `d` even.
+            ///
+            /// # Safety
+            /// The CPU has `$feature`; `p` holds `n` x STRIP probabilities, `v` is readable for `n`
+            /// rows of `d` floats, and `o` holds the strip's d x STRIP output, this caller's to
+            /// update.
             #[target_feature(enable = $feature)]
             unsafe fn values(p: *const f32, n: usize, v: *const f32, d: usize, o: *mut f32) {
+                // SAFETY: the operations below need no more than this function's `# Safety` contract.
                 unsafe {
                     let mut c = 0;
                     while c + $nc <= d {
@@ -195,6 +216,10 @@ macro_rules! strip_kernel {
                 }
             }
 
+            /// # Safety
+            /// The CPU has `$feature`; `p` holds `n` x STRIP probabilities, `v` is readable for `n`
+            /// rows of NC floats (`vstride` apart), and `o` holds NC x STRIP floats, this caller's
+            /// to update.
             #[inline]
             #[target_feature(enable = $feature)]
             unsafe fn values_block<const NC: usize>(
@@ -204,6 +229,7 @@ macro_rules! strip_kernel {
                 vstride: usize,
                 o: *mut f32,
             ) {
+                // SAFETY: the operations below need no more than this function's `# Safety` contract.
                 unsafe {
                     // Over the n keys: the strip's probabilities of key j against its NC values.
                     let mut acc: [Row; NC] = s::load(o, STRIP);

@@ -184,6 +184,7 @@ impl Scratch {
     /// # Safety
     /// Those rows of `dst` are the caller's to write.
     pub(super) unsafe fn write_normalized(&self, m: usize, d: usize, dst: *mut f32, row_stride: usize) {
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
         unsafe {
             for i in 0..m {
                 let inv = 1.0 / self.sum[i];
@@ -215,6 +216,11 @@ pub(super) struct Operands {
 /// and sum (online softmax): leaves the unnormalized output in `sc.o` ([m][d]) and the sums in
 /// `sc.sum`. `causal`: query row i sees keys up to `causal + i` only (the later ones are neither
 /// read past the tile's last visible key nor weighted: masked to `-inf` in the diagonal tiles).
+///
+/// # Safety
+/// `op`'s pointers hold the operands it describes for `m` query rows of `d` and `keys` keys (with
+/// `causal`, keys past `causal + m` are never read); `sc` was made for at least `m` query rows,
+/// `key_tile` keys and head dimension `d` (`Scratch::new` with `TileKernel::Gemm`).
 pub(super) unsafe fn attend_gemm(
     op: &Operands,
     m: usize,
@@ -224,6 +230,7 @@ pub(super) unsafe fn attend_gemm(
     causal: Option<usize>,
     sc: &mut Scratch,
 ) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         sc.o[..m * d].fill(0.0);
         sc.max[..m].fill(f32::NEG_INFINITY);
