@@ -11,7 +11,7 @@
 //! 188-193 against `gemm`'s 155-179 (see docs/performance.md).
 
 /// Output columns per panel: two AVX2 registers of f32.
-pub const WIDTH: usize = 16;
+pub(crate) const WIDTH: usize = 16;
 
 #[cfg(target_arch = "x86_64")]
 /// Rows of activations that each panel of a tile is swept over before the next panel (48 rows
@@ -26,14 +26,14 @@ const ROW_BLOCK: usize = 48;
 const K_BLOCK: usize = 4096;
 
 /// Rows of activations per packed group: the micro-kernel's rows of accumulators.
-pub const GROUP: usize = 6;
+pub(crate) const GROUP: usize = 6;
 
 /// Bytes of packed activations at most per chunk of rows (`chunk_rows`).
 const CHUNK_BYTES: usize = 8 << 20;
 
 /// Rows of `m` (each of `k` features) packed at once: whole groups, chunks of at most
 /// `CHUNK_BYTES` (at least `ROW_BLOCK`'s 48 rows), equal in size.
-pub fn chunk_rows(m: usize, k: usize) -> usize {
+pub(crate) fn chunk_rows(m: usize, k: usize) -> usize {
     let cap = (CHUNK_BYTES / (4 * k.max(1))).max(48) / GROUP * GROUP;
     m.div_ceil(m.div_ceil(cap)).next_multiple_of(GROUP)
 }
@@ -42,7 +42,7 @@ pub fn chunk_rows(m: usize, k: usize) -> usize {
 /// the panels' micro-kernel reads them: group g (rows 6g..6g+r, r = 6 or what is left) at
 /// `6g * k`, feature by feature, its r rows' values side by side. Parallel over groups on
 /// candle's pool.
-pub fn pack_rows(x: &[f32], rows: usize, k: usize, dst: &mut Vec<f32>) {
+pub(crate) fn pack_rows(x: &[f32], rows: usize, k: usize, dst: &mut Vec<f32>) {
     assert!(x.len() >= rows * k, "pack_rows: {} floats for {rows} rows of {k}", x.len());
     dst.clear();
     dst.reserve(rows * k);
@@ -77,7 +77,7 @@ pub fn pack_rows(x: &[f32], rows: usize, k: usize, dst: &mut Vec<f32>) {
 }
 
 /// Whether this CPU can run the panel kernel (x86_64 with AVX2 and FMA).
-pub fn available() -> bool {
+pub(crate) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
@@ -98,7 +98,7 @@ pub fn preferred() -> bool {
 }
 
 /// `w`: [n, k] row-major (a linear layer's weight) into panels `[ceil(n / 16), k, 16]`.
-pub fn pack<T: Copy + Default + Send + Sync>(w: &[T], n: usize, k: usize) -> Vec<T> {
+pub(crate) fn pack<T: Copy + Default + Send + Sync>(w: &[T], n: usize, k: usize) -> Vec<T> {
     let panels = n.div_ceil(WIDTH);
     let mut dst = vec![T::default(); panels * k * WIDTH];
     let ptr = crate::cpu::SendPtr(dst.as_mut_ptr());
@@ -127,7 +127,7 @@ pub fn pack<T: Copy + Default + Send + Sync>(w: &[T], n: usize, k: usize) -> Vec
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn tile(
+pub(crate) unsafe fn tile(
     a: &[f32],
     rows: usize,
     k: usize,

@@ -133,7 +133,7 @@ fn q8_bytes(q8: &[BlockQ8K]) -> &[u8] {
 /// k (m <= MAX_ROWS). Each input is quantized once, however many weights it meets (e.g. the
 /// gate and up products of every expert a decode step routes to, each on its own rows).
 /// Returns each product `[m, n]` row-major, or None where the kernel does not apply.
-pub fn matmul_each(
+pub(crate) fn matmul_each(
     weights: &[(Blocks, &[u8], usize, usize)],
     inputs: &[(&[f32], usize)],
     k: usize,

@@ -109,7 +109,7 @@ pub fn matmul(kind: Blocks, w: &[u8], n: usize, x: &[f32], m: usize, k: usize) -
 
 /// `matmul` of several weights with the same `x`, in one parallel region, `x` quantized once
 /// (e.g. q/k/v, gate/up): `weights[i]` is `(kind, bytes, n)`. Returns each product `[m, n]`.
-pub fn matmul_each(weights: &[(Blocks, &[u8], usize)], x: &[f32], m: usize, k: usize) -> Option<Vec<Vec<f32>>> {
+pub(crate) fn matmul_each(weights: &[(Blocks, &[u8], usize)], x: &[f32], m: usize, k: usize) -> Option<Vec<Vec<f32>>> {
     if !available() || m == 0 || k == 0 || !k.is_multiple_of(QK) || x.len() != m * k {
         return None;
     }
