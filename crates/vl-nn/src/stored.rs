@@ -63,7 +63,7 @@ const FAR: usize = 8192;
 const ITEM_ROWS: usize = 16;
 
 /// Whether this CPU runs the kernel (AVX-512 F and BW), and this build may use it (not the AVX2
-/// stand-in build, `crate::has_avx512`).
+/// stand-in build, `crate::cpu::has_avx512`).
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {

@@ -28,7 +28,7 @@ const LANES: usize = 16;
 const CHUNK_BYTES: usize = 384 * 1024;
 
 /// Whether this CPU runs the kernel (AVX-512 F, BW, VNNI; FMA and F16C), and this build may use
-/// it (not the AVX2 stand-in build, `crate::has_avx512`).
+/// it (not the AVX2 stand-in build, `crate::cpu::has_avx512`).
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {

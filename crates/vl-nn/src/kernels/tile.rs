@@ -36,7 +36,7 @@ pub enum TileKernel {
     /// The same strips 48 query rows wide in three AVX-512 registers (x86_64 with AVX-512F).
     Avx512Strips,
     /// Reduced precision (`--vision-precision bf16`): both products on AMX tiles with bf16
-    /// operands and f32 sums, the softmax in f32 (`bf16::attention`; head dimension 64 only,
+    /// operands and f32 sums, the softmax in f32 (`amx::attention`; head dimension 64 only,
     /// `Gemm` otherwise). Never chosen by `best`.
     AmxBf16,
 }
