@@ -1,7 +1,7 @@
 //! The one AVX2 inner loop that the panel linears (`panels`) and the attention strips
 //! (`kernels`) share: `N` scalars broadcast against a 16-float row, accumulated over a loop; and
 //! the lane-wise operations of the strips' softmax, named as in `avx512` so one strip template
-//! (`kernels::strip_kernel!`) compiles for both.
+//! (`kernels::strips`'s `strip_kernel!`) compiles for both.
 
 use std::arch::x86_64::*;
 
@@ -30,39 +30,42 @@ pub(crate) unsafe fn accumulate<const N: usize>(
     b_step: usize,
     b_stride: usize,
 ) {
-    let mut lo: [__m256; N] = std::array::from_fn(|j| acc[j][0]);
-    let mut hi: [__m256; N] = std::array::from_fn(|j| acc[j][1]);
-    // Unrolled by 4: a quarter of the loop's own adds and compares beside the FMAs.
-    let (mut a, mut b) = (a, b);
-    let mut i = 0;
-    while i + 4 <= len {
-        for u in 0..4 {
-            let a0 = _mm256_loadu_ps(a.add(u * a_step));
-            let a1 = _mm256_loadu_ps(a.add(u * a_step + 8));
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        let mut lo: [__m256; N] = std::array::from_fn(|j| acc[j][0]);
+        let mut hi: [__m256; N] = std::array::from_fn(|j| acc[j][1]);
+        // Unrolled by 4: a quarter of the loop's own adds and compares beside the FMAs.
+        let (mut a, mut b) = (a, b);
+        let mut i = 0;
+        while i + 4 <= len {
+            for u in 0..4 {
+                let a0 = _mm256_loadu_ps(a.add(u * a_step));
+                let a1 = _mm256_loadu_ps(a.add(u * a_step + 8));
+                for j in 0..N {
+                    let s = _mm256_broadcast_ss(&*b.add(u * b_step + j * b_stride));
+                    lo[j] = _mm256_fmadd_ps(a0, s, lo[j]);
+                    hi[j] = _mm256_fmadd_ps(a1, s, hi[j]);
+                }
+            }
+            a = a.add(4 * a_step);
+            b = b.add(4 * b_step);
+            i += 4;
+        }
+        while i < len {
+            let a0 = _mm256_loadu_ps(a);
+            let a1 = _mm256_loadu_ps(a.add(8));
             for j in 0..N {
-                let s = _mm256_broadcast_ss(&*b.add(u * b_step + j * b_stride));
+                let s = _mm256_broadcast_ss(&*b.add(j * b_stride));
                 lo[j] = _mm256_fmadd_ps(a0, s, lo[j]);
                 hi[j] = _mm256_fmadd_ps(a1, s, hi[j]);
             }
+            a = a.add(a_step);
+            b = b.add(b_step);
+            i += 1;
         }
-        a = a.add(4 * a_step);
-        b = b.add(4 * b_step);
-        i += 4;
-    }
-    while i < len {
-        let a0 = _mm256_loadu_ps(a);
-        let a1 = _mm256_loadu_ps(a.add(8));
         for j in 0..N {
-            let s = _mm256_broadcast_ss(&*b.add(j * b_stride));
-            lo[j] = _mm256_fmadd_ps(a0, s, lo[j]);
-            hi[j] = _mm256_fmadd_ps(a1, s, hi[j]);
+            acc[j] = [lo[j], hi[j]];
         }
-        a = a.add(a_step);
-        b = b.add(b_step);
-        i += 1;
-    }
-    for j in 0..N {
-        acc[j] = [lo[j], hi[j]];
     }
 }
 
@@ -73,7 +76,7 @@ pub(crate) unsafe fn accumulate<const N: usize>(
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn load<const N: usize>(p: *const f32, stride: usize) -> Acc<N> {
-    std::array::from_fn(|j| [_mm256_loadu_ps(p.add(j * stride)), _mm256_loadu_ps(p.add(j * stride + 8))])
+    unsafe { std::array::from_fn(|j| [_mm256_loadu_ps(p.add(j * stride)), _mm256_loadu_ps(p.add(j * stride + 8))]) }
 }
 
 /// Stores `N` rows of 16 floats, `stride` apart.
@@ -83,55 +86,78 @@ pub(crate) unsafe fn load<const N: usize>(p: *const f32, stride: usize) -> Acc<N
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn store<const N: usize>(acc: &Acc<N>, p: *mut f32, stride: usize) {
-    for (j, [lo, hi]) in acc.iter().enumerate() {
-        _mm256_storeu_ps(p.add(j * stride), *lo);
-        _mm256_storeu_ps(p.add(j * stride + 8), *hi);
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        for (j, [lo, hi]) in acc.iter().enumerate() {
+            _mm256_storeu_ps(p.add(j * stride), *lo);
+            _mm256_storeu_ps(p.add(j * stride + 8), *hi);
+        }
     }
 }
 
 /// Lane-wise operations (AVX2; the pointers as for `load` and `store`).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn splat(x: f32) -> V {
     _mm256_set1_ps(x)
 }
+/// # Safety
+/// The CPU has AVX2 and FMA; `p` is readable for 8 floats.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn ld(p: *const f32) -> V {
-    _mm256_loadu_ps(p)
+    unsafe { _mm256_loadu_ps(p) }
 }
+/// # Safety
+/// The CPU has AVX2 and FMA; `p` is writable for 8 floats, this caller's to write.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn st(p: *mut f32, v: V) {
-    _mm256_storeu_ps(p, v)
+    unsafe { _mm256_storeu_ps(p, v) }
 }
+/// # Safety
+/// The CPU has AVX2 and FMA (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn add(a: V, b: V) -> V {
     _mm256_add_ps(a, b)
 }
+/// # Safety
+/// The CPU has AVX2 and FMA (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn sub(a: V, b: V) -> V {
     _mm256_sub_ps(a, b)
 }
+/// # Safety
+/// The CPU has AVX2 and FMA (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn mul(a: V, b: V) -> V {
     _mm256_mul_ps(a, b)
 }
+/// # Safety
+/// The CPU has AVX2 and FMA (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn max(a: V, b: V) -> V {
     _mm256_max_ps(a, b)
 }
+/// # Safety
+/// The CPU has AVX2 and FMA (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn fmadd(a: V, b: V, c: V) -> V {
     _mm256_fmadd_ps(a, b, c)
 }
 
-/// `kernels::exp2_nonpositive` on eight lanes (the same clamp, rounding and polynomial).
+/// `cpu::exp2_nonpositive` on eight lanes (the same clamp, rounding and polynomial).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA (no memory is accessed).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn exp2(x: V) -> V {
@@ -141,7 +167,7 @@ pub(crate) unsafe fn exp2(x: V) -> V {
     let t = _mm256_add_ps(x, magic);
     let n = _mm256_sub_ps(t, magic);
     let r = _mm256_sub_ps(x, n);
-    let poly = crate::kernels::EXP2_POLY;
+    let poly = crate::cpu::EXP2_POLY;
     let mut p = _mm256_set1_ps(poly[0]);
     for c in &poly[1..] {
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));

@@ -31,8 +31,8 @@ impl DeviceKind {
 
 /// Our kernels that have a device-generic alternative.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Op {
-    /// The vision tower's fused segment attention (`kernels::segment_attention`); else
+pub(crate) enum Op {
+    /// The vision tower's fused segment attention (`kernels::segment_attention_with`); else
     /// candle's matmul/softmax per block of queries.
     SegmentAttention,
     /// The text prefill's fused causal attention (`kernels::causal_attention`); else candle's
@@ -63,7 +63,8 @@ pub enum Op {
 }
 
 impl Op {
-    pub const ALL: [Op; 12] = [
+    #[cfg(test)]
+    pub(crate) const ALL: [Op; 12] = [
         Op::SegmentAttention,
         Op::CausalAttention,
         Op::DecodeAttention,
@@ -81,7 +82,7 @@ impl Op {
 
 /// Whether `op` takes our CPU kernel for tensors of `dtype` on a `kind` device (else candle's
 /// device-generic ops). Every GPU takes candle's.
-pub fn own_kernel(op: Op, kind: DeviceKind, dtype: DType) -> bool {
+pub(crate) fn own_kernel(op: Op, kind: DeviceKind, dtype: DType) -> bool {
     if kind != DeviceKind::Cpu {
         return false;
     }
@@ -97,7 +98,7 @@ pub fn own_kernel(op: Op, kind: DeviceKind, dtype: DType) -> bool {
 }
 
 /// `own_kernel` for these tensors: all on one device kind, all of one dtype, else false.
-pub fn own_kernel_for(op: Op, tensors: &[&Tensor]) -> bool {
+pub(crate) fn own_kernel_for(op: Op, tensors: &[&Tensor]) -> bool {
     let Some(first) = tensors.first() else { return false };
     let (kind, dtype) = (DeviceKind::of(first.device()), first.dtype());
     tensors.iter().all(|t| DeviceKind::of(t.device()) == kind && t.dtype() == dtype) && own_kernel(op, kind, dtype)

@@ -21,7 +21,7 @@ pub fn block_major_positions(h: usize, w: usize, merge: usize) -> Vec<(u32, u32)
 /// Two taps into a `side`-long axis for target index `i` of `size`, with align_corners = true
 /// (endpoints map to 0 and side-1) and border clamping: `[(tap, weight); 2]`. Computed in f32
 /// in the same order as the reference so that weights agree to the last bit.
-pub fn bilinear_axis_taps(i: usize, size: usize, side: usize) -> [(usize, f32); 2] {
+pub(crate) fn bilinear_axis_taps(i: usize, size: usize, side: usize) -> [(usize, f32); 2] {
     let src = (i as f32 * (side - 1) as f32) / (size.max(2) - 1) as f32;
     let floor = src.floor();
     let lo = floor as usize;

@@ -1,33 +1,40 @@
 //! Generic vision-language layers on candle. Nothing here knows a model's name: Qwen3-VL (and
 //! later models) are composed from these pieces in `vl-models`.
+//!
+//! The layers are re-exported here; the modules kept public are those whose paths other crates
+//! use (`dispatch`, `grid`, `kernels`, `kv_cache`, `linear`, `moe`, `panels`, `stored`,
+//! `stored_tiles`, `bf16`), each exposing only what those crates take. `testing` (seeded random
+//! tensors) is behind the `testing` feature.
 
-pub mod attention;
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod amx;
+mod attention;
 #[cfg(target_arch = "x86_64")]
-pub(crate) mod avx2;
+mod avx2;
 #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
-pub(crate) mod avx512;
-pub mod bf16;
+mod avx512;
+mod cpu;
 pub mod dispatch;
-pub mod error;
+mod error;
 pub mod grid;
 pub mod kernels;
 pub mod kv_cache;
 pub mod linear;
-pub mod merger;
+mod merger;
 pub mod moe;
 pub mod panels;
-pub mod quant;
-pub mod rope;
+mod quant;
+mod rope;
 pub mod stored;
 pub mod stored_tiles;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
-/// Whether this CPU has AVX-512F and this build may use it: the AVX2 stand-in build
-/// (`--cfg vl_avx2_proxy`, from `tools/bench/vision-side-by-side` with `VL_VISION_ISA=avx2`)
-/// never does, so on an AVX-512 machine it takes every path an AVX2-only CPU takes.
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn has_avx512() -> bool {
-    !cfg!(vl_avx2_proxy) && std::arch::is_x86_feature_detected!("avx512f")
+/// The reduced-precision products (`--vision-precision bf16`): bf16 operands with f32 sums on
+/// AMX tiles.
+pub mod bf16 {
+    pub use crate::cpu::amx_bf16 as available;
 }
 
 pub use attention::{causal_gqa_attention, SegmentRotaryAttention};

@@ -59,14 +59,14 @@ pub struct SparseMoe {
 /// tiles. Measured on llama.cpp's 8-layer 30B-A3B-width Q4_K_M (docs/moe.md): 200-token prompt,
 /// cold, 2.9-7.4 s of prefill at 4 (decode-sized only) against 1.1 s at 64, peak RSS 2.72 ->
 /// 1.90 GiB; 2000 tokens 11.6 s at 4, 9.3-9.6 at 32 to 128, 11.4 with every expert stored.
-pub const DEFAULT_STORED_ROWS: usize = 64;
+pub(crate) const DEFAULT_STORED_ROWS: usize = 64;
 
 /// `DEFAULT_STORED_ROWS` where the CPU has AVX-512 VNNI: experts above it multiply their stored
 /// blocks too (`stored_tiles`, weights read once for all their rows), so the pieces of 4 pay
 /// only for the coolest. Same file, old/new alternating, 2 rounds, prefill (s): 200 tokens
 /// 1.00 / 1.02 at 64, 0.91 / 0.91 at 16, 0.92 / 0.97 at 4; 2000 tokens 9.57 / 9.34, 9.11 / 9.06,
 /// 9.06 / 9.11.
-pub const DEFAULT_STORED_ROWS_VNNI: usize = 16;
+pub(crate) const DEFAULT_STORED_ROWS_VNNI: usize = 16;
 
 /// The stored-rows limit for this CPU: `DEFAULT_STORED_ROWS_VNNI` or `DEFAULT_STORED_ROWS`.
 pub fn default_stored_rows() -> usize {
@@ -78,7 +78,7 @@ pub fn default_stored_rows() -> usize {
 }
 
 /// Each row's experts and their weights, in the order of decreasing probability.
-pub type Routes = Vec<Vec<(usize, f32)>>;
+pub(crate) type Routes = Vec<Vec<(usize, f32)>>;
 
 impl SparseMoe {
     pub fn new(router: Tensor, experts: Vec<SwiGluExpert>, top_k: usize) -> Result<Self> {

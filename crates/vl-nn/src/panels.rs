@@ -11,7 +11,7 @@
 //! 188-193 against `gemm`'s 155-179 (see docs/performance.md).
 
 /// Output columns per panel: two AVX2 registers of f32.
-pub const WIDTH: usize = 16;
+pub(crate) const WIDTH: usize = 16;
 
 #[cfg(target_arch = "x86_64")]
 /// Rows of activations that each panel of a tile is swept over before the next panel (48 rows
@@ -26,14 +26,14 @@ const ROW_BLOCK: usize = 48;
 const K_BLOCK: usize = 4096;
 
 /// Rows of activations per packed group: the micro-kernel's rows of accumulators.
-pub const GROUP: usize = 6;
+pub(crate) const GROUP: usize = 6;
 
 /// Bytes of packed activations at most per chunk of rows (`chunk_rows`).
 const CHUNK_BYTES: usize = 8 << 20;
 
 /// Rows of `m` (each of `k` features) packed at once: whole groups, chunks of at most
 /// `CHUNK_BYTES` (at least `ROW_BLOCK`'s 48 rows), equal in size.
-pub fn chunk_rows(m: usize, k: usize) -> usize {
+pub(crate) fn chunk_rows(m: usize, k: usize) -> usize {
     let cap = (CHUNK_BYTES / (4 * k.max(1))).max(48) / GROUP * GROUP;
     m.div_ceil(m.div_ceil(cap)).next_multiple_of(GROUP)
 }
@@ -42,11 +42,11 @@ pub fn chunk_rows(m: usize, k: usize) -> usize {
 /// the panels' micro-kernel reads them: group g (rows 6g..6g+r, r = 6 or what is left) at
 /// `6g * k`, feature by feature, its r rows' values side by side. Parallel over groups on
 /// candle's pool.
-pub fn pack_rows(x: &[f32], rows: usize, k: usize, dst: &mut Vec<f32>) {
+pub(crate) fn pack_rows(x: &[f32], rows: usize, k: usize, dst: &mut Vec<f32>) {
     assert!(x.len() >= rows * k, "pack_rows: {} floats for {rows} rows of {k}", x.len());
     dst.clear();
     dst.reserve(rows * k);
-    let ptr = crate::kernels::SendPtr(dst.as_mut_ptr());
+    let ptr = crate::cpu::SendPtr(dst.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(rows.div_ceil(GROUP), |groups| {
         for g in groups {
             let r0 = g * GROUP;
@@ -77,7 +77,7 @@ pub fn pack_rows(x: &[f32], rows: usize, k: usize, dst: &mut Vec<f32>) {
 }
 
 /// Whether this CPU can run the panel kernel (x86_64 with AVX2 and FMA).
-pub fn available() -> bool {
+pub(crate) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
@@ -91,17 +91,17 @@ pub fn available() -> bool {
 pub fn preferred() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        available() && !crate::has_avx512()
+        available() && !crate::cpu::has_avx512()
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
 }
 
 /// `w`: [n, k] row-major (a linear layer's weight) into panels `[ceil(n / 16), k, 16]`.
-pub fn pack<T: Copy + Default + Send + Sync>(w: &[T], n: usize, k: usize) -> Vec<T> {
+pub(crate) fn pack<T: Copy + Default + Send + Sync>(w: &[T], n: usize, k: usize) -> Vec<T> {
     let panels = n.div_ceil(WIDTH);
     let mut dst = vec![T::default(); panels * k * WIDTH];
-    let ptr = crate::kernels::SendPtr(dst.as_mut_ptr());
+    let ptr = crate::cpu::SendPtr(dst.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(panels, |range| {
         for p in range {
             // SAFETY: panel p of the destination belongs to this work item.
@@ -127,7 +127,7 @@ pub fn pack<T: Copy + Default + Send + Sync>(w: &[T], n: usize, k: usize) -> Vec
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn tile(
+pub(crate) unsafe fn tile(
     a: &[f32],
     rows: usize,
     k: usize,
@@ -138,56 +138,60 @@ pub unsafe fn tile(
     (r0, r1): (usize, usize),
     (c0, c1): (usize, usize),
 ) {
-    debug_assert!(c0 % WIDTH == 0 && c1 <= n && r0 % GROUP == 0 && r1 <= rows && a.len() >= rows * k);
-    debug_assert!(panels.len() >= n.div_ceil(WIDTH) * k * WIDTH);
-    // A ragged last panel goes through this [6][16] buffer.
-    let mut spare = [0f32; GROUP * WIDTH];
-    let mut k0 = 0;
-    while k0 < k {
-        let kc = K_BLOCK.min(k - k0);
-        let first = k0 == 0;
-        let mut rb = r0;
-        while rb < r1 {
-            let re = (rb + ROW_BLOCK).min(r1);
-            let mut col = c0;
-            while col < c1 {
-                let w = panels.as_ptr().add((col / WIDTH * k + k0) * WIDTH);
-                let cols = WIDTH.min(c1 - col);
-                let b = bias.map(|b| b[col..col + cols].as_ptr());
-                let mut r = rb;
-                while r < re {
-                    // The group's packed rows (all of them, even past `re`) from feature k0.
-                    let group = GROUP.min(rows - r);
-                    let xr = a.as_ptr().add(r * k + k0 * group);
-                    let (dst, ldc) = if cols == WIDTH { (y.add(r * n + col), n) } else { (spare.as_mut_ptr(), WIDTH) };
-                    let take = GROUP.min(re - r);
-                    if cols < WIDTH && !first {
-                        for i in 0..take {
-                            std::ptr::copy_nonoverlapping(y.add((r + i) * n + col), dst.add(i * WIDTH), cols);
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        debug_assert!(c0 % WIDTH == 0 && c1 <= n && r0 % GROUP == 0 && r1 <= rows && a.len() >= rows * k);
+        debug_assert!(panels.len() >= n.div_ceil(WIDTH) * k * WIDTH);
+        // A ragged last panel goes through this [6][16] buffer.
+        let mut spare = [0f32; GROUP * WIDTH];
+        let mut k0 = 0;
+        while k0 < k {
+            let kc = K_BLOCK.min(k - k0);
+            let first = k0 == 0;
+            let mut rb = r0;
+            while rb < r1 {
+                let re = (rb + ROW_BLOCK).min(r1);
+                let mut col = c0;
+                while col < c1 {
+                    let w = panels.as_ptr().add((col / WIDTH * k + k0) * WIDTH);
+                    let cols = WIDTH.min(c1 - col);
+                    let b = bias.map(|b| b[col..col + cols].as_ptr());
+                    let mut r = rb;
+                    while r < re {
+                        // The group's packed rows (all of them, even past `re`) from feature k0.
+                        let group = GROUP.min(rows - r);
+                        let xr = a.as_ptr().add(r * k + k0 * group);
+                        let (dst, ldc) =
+                            if cols == WIDTH { (y.add(r * n + col), n) } else { (spare.as_mut_ptr(), WIDTH) };
+                        let take = GROUP.min(re - r);
+                        if cols < WIDTH && !first {
+                            for i in 0..take {
+                                std::ptr::copy_nonoverlapping(y.add((r + i) * n + col), dst.add(i * WIDTH), cols);
+                            }
                         }
-                    }
-                    let start = Start { bias: b, cols, first };
-                    debug_assert!(take == group, "a row block ends on a group's end");
-                    match group {
-                        6 => block::<6>(xr, w, kc, dst, ldc, start),
-                        5 => block::<5>(xr, w, kc, dst, ldc, start),
-                        4 => block::<4>(xr, w, kc, dst, ldc, start),
-                        3 => block::<3>(xr, w, kc, dst, ldc, start),
-                        2 => block::<2>(xr, w, kc, dst, ldc, start),
-                        _ => block::<1>(xr, w, kc, dst, ldc, start),
-                    }
-                    if cols < WIDTH {
-                        for i in 0..take {
-                            std::ptr::copy_nonoverlapping(dst.add(i * WIDTH), y.add((r + i) * n + col), cols);
+                        let start = Start { bias: b, cols, first };
+                        debug_assert!(take == group, "a row block ends on a group's end");
+                        match group {
+                            6 => block::<6>(xr, w, kc, dst, ldc, start),
+                            5 => block::<5>(xr, w, kc, dst, ldc, start),
+                            4 => block::<4>(xr, w, kc, dst, ldc, start),
+                            3 => block::<3>(xr, w, kc, dst, ldc, start),
+                            2 => block::<2>(xr, w, kc, dst, ldc, start),
+                            _ => block::<1>(xr, w, kc, dst, ldc, start),
                         }
+                        if cols < WIDTH {
+                            for i in 0..take {
+                                std::ptr::copy_nonoverlapping(dst.add(i * WIDTH), y.add((r + i) * n + col), cols);
+                            }
+                        }
+                        r += take;
                     }
-                    r += take;
+                    col += WIDTH;
                 }
-                col += WIDTH;
+                rb = re;
             }
-            rb = re;
+            k0 += kc;
         }
-        k0 += kc;
     }
 }
 
@@ -204,26 +208,34 @@ struct Start {
 
 /// `c[r][0..16] (+)= sum_i x[i][r] w[i][0..16]` for `R` rows over `kc` input features, `x`
 /// packed `R` values to a feature.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `x` is readable for `kc` groups of R packed values, `w` for `kc` rows
+/// of a 16-float panel, `c` for R rows of 16 floats `ldc` apart (read unless `s.first`, then
+/// written; this caller's); `s.bias`, when given, is readable for `s.cols` (at most 16) floats.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn block<const R: usize>(x: *const f32, w: *const f32, kc: usize, c: *mut f32, ldc: usize, s: Start) {
-    use crate::avx2;
-    let mut acc = if !s.first {
-        avx2::load::<R>(c, ldc)
-    } else {
-        let mut row = [0f32; WIDTH];
-        if let Some(b) = s.bias {
-            std::ptr::copy_nonoverlapping(b, row.as_mut_ptr(), s.cols);
-        }
-        [avx2::load::<1>(row.as_ptr(), 0)[0]; R]
-    };
-    // Over the input features: a weight row of the panel against the R rows' i-th activations.
-    // Packed rows: every step and stride a constant once inlined, so every address is a fixed
-    // offset from two pointers (strided rows had left LLVM a chain of address adds, one per
-    // broadcast, as long as the FMAs' own 6 cycles per feature).
-    avx2::accumulate(&mut acc, kc, w, WIDTH, x, R, 1);
-    avx2::store(&acc, c, ldc);
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        use crate::avx2;
+        let mut acc = if !s.first {
+            avx2::load::<R>(c, ldc)
+        } else {
+            let mut row = [0f32; WIDTH];
+            if let Some(b) = s.bias {
+                std::ptr::copy_nonoverlapping(b, row.as_mut_ptr(), s.cols);
+            }
+            [avx2::load::<1>(row.as_ptr(), 0)[0]; R]
+        };
+        // Over the input features: a weight row of the panel against the R rows' i-th activations.
+        // Packed rows: every step and stride a constant once inlined, so every address is a fixed
+        // offset from two pointers (strided rows had left LLVM a chain of address adds, one per
+        // broadcast, as long as the FMAs' own 6 cycles per feature).
+        avx2::accumulate(&mut acc, kc, w, WIDTH, x, R, 1);
+        avx2::store(&acc, c, ldc);
+    }
 }
 
 #[cfg(test)]

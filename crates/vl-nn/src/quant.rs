@@ -149,6 +149,9 @@ pub fn q4k_block(x: &[f32; QK_K], out: &mut [u8; Q4K_BLOCK_BYTES]) {
 }
 
 /// The same code compiled for AVX2 (8 lanes a register; no FMA, so no contraction changes a bit).
+///
+/// # Safety
+/// The CPU has AVX2 (the body is `q4k_block_generic`, safe code compiled for it).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn q4k_block_avx2(x: &[f32; QK_K], out: &mut [u8; Q4K_BLOCK_BYTES]) {
@@ -237,10 +240,6 @@ impl Row<'_> {
         }
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     fn block(&self, b: usize, dst: &mut [f32; QK_K]) {
         let range = b * QK_K..(b + 1) * QK_K;
         match self {
@@ -288,6 +287,9 @@ const GROUP: usize = 8;
 /// `q4k_row` `GROUP` super-blocks at a time (one AVX-512 register per two), the rest two and one
 /// at a time. No FMA contraction (Rust makes none), so the bytes are the same as on every other
 /// path.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX2 (the body is safe code compiled for them).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2")]
 unsafe fn q4k_row_avx512(row: Row<'_>, out: &mut [u8]) {

@@ -21,7 +21,7 @@
 
 use candle_core::quantized::k_quants::{BlockQ8K, GgmlType};
 
-use crate::kernels::SendPtr;
+use crate::cpu::SendPtr;
 
 /// Input rows one product takes here; more go to candle's tiles (their weight reuse wins).
 pub const MAX_ROWS: usize = 4;
@@ -63,11 +63,11 @@ const FAR: usize = 8192;
 const ITEM_ROWS: usize = 16;
 
 /// Whether this CPU runs the kernel (AVX-512 F and BW), and this build may use it (not the AVX2
-/// stand-in build, `crate::has_avx512`).
+/// stand-in build, `crate::cpu::has_avx512`).
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        crate::has_avx512()
+        crate::cpu::has_avx512()
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
@@ -133,7 +133,7 @@ fn q8_bytes(q8: &[BlockQ8K]) -> &[u8] {
 /// k (m <= MAX_ROWS). Each input is quantized once, however many weights it meets (e.g. the
 /// gate and up products of every expert a decode step routes to, each on its own rows).
 /// Returns each product `[m, n]` row-major, or None where the kernel does not apply.
-pub fn matmul_each(
+pub(crate) fn matmul_each(
     weights: &[(Blocks, &[u8], usize, usize)],
     inputs: &[(&[f32], usize)],
     k: usize,
@@ -214,6 +214,11 @@ fn scales_mins(a: [u32; 3]) -> (u64, u64) {
 /// One weight row (kb Q4_K blocks at `w`) dotted with M Q8_K rows (M * kb blocks at `q8`, their
 /// values again at `re` in the order of the stored nibbles; `pairs` holds each block's 8
 /// sub-block sums, the pairs of its 16-value sums).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW, AVX2, FMA and F16C; `w` is readable for `kb` Q4_K blocks, `q8` for M x
+/// kb Q8_K blocks, and `re` and `pairs` for those blocks' reordered values and sub-block sums (an
+/// `Input` made with them).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 unsafe fn row_dots<const M: usize>(
@@ -224,64 +229,70 @@ unsafe fn row_dots<const M: usize>(
     pairs: *const i16,
     dots: &mut [f32; MAX_ROWS],
 ) {
-    use std::arch::x86_64::*;
-    let low = _mm512_set1_epi8(0x0f);
-    // 64 stored bytes hold the low nibbles of sub-blocks 4p and 4p + 2 and the high nibbles of
-    // 4p + 1 and 4p + 3 (p = 0, 1): `re` has each Q8_K block's values in that order, so a load
-    // of stored bytes meets its activations without shuffling the weight. Scales: lanes 0-15 of
-    // a product take the first sub-block's, lanes 16-31 the second's.
-    let pick = |a: i16, b: i16| _mm512_mask_blend_epi16(0xffff_0000, _mm512_set1_epi16(a), _mm512_set1_epi16(b));
-    let picks = [pick(0, 2), pick(1, 3), pick(4, 6), pick(5, 7)];
-    let mut acc = [_mm512_setzero_ps(); M];
-    let mut mins = [_mm_setzero_ps(); M];
-    for b in 0..kb {
-        let blk = w.add(b * Q4K_BYTES);
-        for line in 0..3 {
-            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + 64 * line) as *const i8);
-            _mm_prefetch::<_MM_HINT_T1>(blk.wrapping_add(FAR + 64 * line) as *const i8);
-        }
-        // d and dmin, two f16, widened together.
-        let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(blk as *const i32)));
-        let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1)));
-        let a = std::ptr::read_unaligned(blk.add(4) as *const [u32; 3]);
-        let (sc, mn) = scales_mins([u32::from_le(a[0]), u32::from_le(a[1]), u32::from_le(a[2])]);
-        let sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
-        let mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64));
-        let mut q4 = [_mm512_setzero_si512(); 4];
-        for p in 0..2 {
-            let bytes = _mm512_loadu_si512(blk.add(16 + 64 * p) as *const __m512i);
-            q4[2 * p] = _mm512_and_si512(bytes, low);
-            q4[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-        }
-        let scale = [
-            _mm512_permutexvar_epi16(picks[0], sc16),
-            _mm512_permutexvar_epi16(picks[1], sc16),
-            _mm512_permutexvar_epi16(picks[2], sc16),
-            _mm512_permutexvar_epi16(picks[3], sc16),
-        ];
-        for r in 0..M {
-            let i = r * kb + b;
-            let yd = std::ptr::read_unaligned(q8.add(i * Q8K_BYTES) as *const f32);
-            let yq = re.add(i * QK);
-            let mut sum = _mm512_setzero_si512();
-            for c in 0..4 {
-                let prod = _mm512_maddubs_epi16(q4[c], _mm512_loadu_si512(yq.add(64 * c) as *const __m512i));
-                sum = _mm512_add_epi32(sum, _mm512_madd_epi16(prod, scale[c]));
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        use std::arch::x86_64::*;
+        let low = _mm512_set1_epi8(0x0f);
+        // 64 stored bytes hold the low nibbles of sub-blocks 4p and 4p + 2 and the high nibbles of
+        // 4p + 1 and 4p + 3 (p = 0, 1): `re` has each Q8_K block's values in that order, so a load
+        // of stored bytes meets its activations without shuffling the weight. Scales: lanes 0-15 of
+        // a product take the first sub-block's, lanes 16-31 the second's.
+        let pick = |a: i16, b: i16| _mm512_mask_blend_epi16(0xffff_0000, _mm512_set1_epi16(a), _mm512_set1_epi16(b));
+        let picks = [pick(0, 2), pick(1, 3), pick(4, 6), pick(5, 7)];
+        let mut acc = [_mm512_setzero_ps(); M];
+        let mut mins = [_mm_setzero_ps(); M];
+        for b in 0..kb {
+            let blk = w.add(b * Q4K_BYTES);
+            for line in 0..3 {
+                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + 64 * line) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(blk.wrapping_add(FAR + 64 * line) as *const i8);
             }
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * yd), acc[r]);
-            let p = _mm_loadu_si128(pairs.add(i * 8) as *const __m128i);
-            let m = _mm_cvtepi32_ps(_mm_madd_epi16(mn16, p));
-            mins[r] = _mm_fmadd_ps(m, _mm_set1_ps(dmin * yd), mins[r]);
+            // d and dmin, two f16, widened together.
+            let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(blk as *const i32)));
+            let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1)));
+            let a = std::ptr::read_unaligned(blk.add(4) as *const [u32; 3]);
+            let (sc, mn) = scales_mins([u32::from_le(a[0]), u32::from_le(a[1]), u32::from_le(a[2])]);
+            let sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
+            let mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64));
+            let mut q4 = [_mm512_setzero_si512(); 4];
+            for p in 0..2 {
+                let bytes = _mm512_loadu_si512(blk.add(16 + 64 * p) as *const __m512i);
+                q4[2 * p] = _mm512_and_si512(bytes, low);
+                q4[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+            }
+            let scale = [
+                _mm512_permutexvar_epi16(picks[0], sc16),
+                _mm512_permutexvar_epi16(picks[1], sc16),
+                _mm512_permutexvar_epi16(picks[2], sc16),
+                _mm512_permutexvar_epi16(picks[3], sc16),
+            ];
+            for r in 0..M {
+                let i = r * kb + b;
+                let yd = std::ptr::read_unaligned(q8.add(i * Q8K_BYTES) as *const f32);
+                let yq = re.add(i * QK);
+                let mut sum = _mm512_setzero_si512();
+                for c in 0..4 {
+                    let prod = _mm512_maddubs_epi16(q4[c], _mm512_loadu_si512(yq.add(64 * c) as *const __m512i));
+                    sum = _mm512_add_epi32(sum, _mm512_madd_epi16(prod, scale[c]));
+                }
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * yd), acc[r]);
+                let p = _mm_loadu_si128(pairs.add(i * 8) as *const __m128i);
+                let m = _mm_cvtepi32_ps(_mm_madd_epi16(mn16, p));
+                mins[r] = _mm_fmadd_ps(m, _mm_set1_ps(dmin * yd), mins[r]);
+            }
         }
-    }
-    for r in 0..M {
-        let m = _mm_add_ps(mins[r], _mm_movehl_ps(mins[r], mins[r]));
-        let m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
-        dots[r] = _mm512_reduce_add_ps(acc[r]) - _mm_cvtss_f32(m);
+        for r in 0..M {
+            let m = _mm_add_ps(mins[r], _mm_movehl_ps(mins[r], mins[r]));
+            let m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+            dots[r] = _mm512_reduce_add_ps(acc[r]) - _mm_cvtss_f32(m);
+        }
     }
 }
 
 /// `row_dots` for m rows.
+///
+/// # Safety
+/// As for `row_dots` with M = `m` (1 to `MAX_ROWS`).
 #[cfg(target_arch = "x86_64")]
 unsafe fn row_dots_m(
     w: *const u8,
@@ -290,133 +301,154 @@ unsafe fn row_dots_m(
     m: usize,
     dots: &mut [f32; MAX_ROWS],
 ) {
-    match m {
-        1 => row_dots::<1>(w, kb, q8, re, pairs, dots),
-        2 => row_dots::<2>(w, kb, q8, re, pairs, dots),
-        3 => row_dots::<3>(w, kb, q8, re, pairs, dots),
-        _ => row_dots::<4>(w, kb, q8, re, pairs, dots),
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        match m {
+            1 => row_dots::<1>(w, kb, q8, re, pairs, dots),
+            2 => row_dots::<2>(w, kb, q8, re, pairs, dots),
+            3 => row_dots::<3>(w, kb, q8, re, pairs, dots),
+            _ => row_dots::<4>(w, kb, q8, re, pairs, dots),
+        }
     }
 }
 
 /// One Q6_K weight row (kb blocks at `w`) dotted with M Q8_K rows (M * kb blocks at `q8`).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW, AVX2, FMA and F16C; `w` is readable for `kb` Q6_K blocks and `q8` for
+/// M x kb Q8_K blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 unsafe fn q6k_dots<const M: usize>(w: *const u8, kb: usize, q8: *const u8, dots: &mut [f32; MAX_ROWS]) {
-    use std::arch::x86_64::*;
-    let low = _mm512_set1_epi8(0x0f);
-    let pair = _mm512_set1_epi8(0x30);
-    // The high bit pairs each 64 values take, moved to bits 4-5 with one 16-bit shift per half
-    // of the vector (the bits a shift carries into the neighbouring byte are masked off): for
-    // vector 2h, bits 0-1 (values 0-31) and 2-3 (32-63); for vector 2h + 1, bits 4-5 and 6-7.
-    let up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-    let down = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
-    // Vector v (values 64v..64v+64) takes scales 4v..4v+4, one per 8 i16 lanes of its products.
-    let pick = |v: i16| {
-        _mm512_set_epi16(
-            4 * v + 3,
-            4 * v + 3,
-            4 * v + 3,
-            4 * v + 3,
-            4 * v + 3,
-            4 * v + 3,
-            4 * v + 3,
-            4 * v + 3,
-            4 * v + 2,
-            4 * v + 2,
-            4 * v + 2,
-            4 * v + 2,
-            4 * v + 2,
-            4 * v + 2,
-            4 * v + 2,
-            4 * v + 2,
-            4 * v + 1,
-            4 * v + 1,
-            4 * v + 1,
-            4 * v + 1,
-            4 * v + 1,
-            4 * v + 1,
-            4 * v + 1,
-            4 * v + 1,
-            4 * v,
-            4 * v,
-            4 * v,
-            4 * v,
-            4 * v,
-            4 * v,
-            4 * v,
-            4 * v,
-        )
-    };
-    let picks = [pick(0), pick(1), pick(2), pick(3)];
-    let mut acc = [_mm512_setzero_ps(); M];
-    let mut offs = [_mm256_setzero_ps(); M];
-    for b in 0..kb {
-        let blk = w.add(b * Q6K_BYTES);
-        for line in 0..4 {
-            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + 64 * line) as *const i8);
-            _mm_prefetch::<_MM_HINT_T1>(blk.wrapping_add(FAR + 64 * line) as *const i8);
-        }
-        let (ql, qh, scales) = (blk, blk.add(128), blk.add(192));
-        let d =
-            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(blk.add(208) as *const u16) as i32)));
-        let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(scales as *const __m128i));
-        let sc512 = _mm512_castsi256_si512(sc16);
-        let mut q6 = [_mm512_setzero_si512(); 4];
-        let mut scale = [_mm512_setzero_si512(); 4];
-        for h in 0..2 {
-            // Low bytes 64h..64h+64: their low nibbles are values 128h + 0..64 in order, their
-            // high nibbles 128h + 64..128; the pair bytes 32h..32h+32 serve both halves.
-            let l = _mm512_loadu_si512(ql.add(64 * h) as *const __m512i);
-            let hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(qh.add(32 * h) as *const __m256i));
-            let b0 = _mm512_and_si512(_mm512_sllv_epi16(hb, up), pair);
-            let b1 = _mm512_and_si512(_mm512_srlv_epi16(hb, down), pair);
-            q6[2 * h] = _mm512_or_si512(_mm512_and_si512(l, low), b0);
-            q6[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low), b1);
-        }
-        for v in 0..4 {
-            scale[v] = _mm512_permutexvar_epi16(picks[v], sc512);
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        use std::arch::x86_64::*;
+        let low = _mm512_set1_epi8(0x0f);
+        let pair = _mm512_set1_epi8(0x30);
+        // The high bit pairs each 64 values take, moved to bits 4-5 with one 16-bit shift per half
+        // of the vector (the bits a shift carries into the neighbouring byte are masked off): for
+        // vector 2h, bits 0-1 (values 0-31) and 2-3 (32-63); for vector 2h + 1, bits 4-5 and 6-7.
+        let up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+        let down = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+        // Vector v (values 64v..64v+64) takes scales 4v..4v+4, one per 8 i16 lanes of its products.
+        let pick = |v: i16| {
+            _mm512_set_epi16(
+                4 * v + 3,
+                4 * v + 3,
+                4 * v + 3,
+                4 * v + 3,
+                4 * v + 3,
+                4 * v + 3,
+                4 * v + 3,
+                4 * v + 3,
+                4 * v + 2,
+                4 * v + 2,
+                4 * v + 2,
+                4 * v + 2,
+                4 * v + 2,
+                4 * v + 2,
+                4 * v + 2,
+                4 * v + 2,
+                4 * v + 1,
+                4 * v + 1,
+                4 * v + 1,
+                4 * v + 1,
+                4 * v + 1,
+                4 * v + 1,
+                4 * v + 1,
+                4 * v + 1,
+                4 * v,
+                4 * v,
+                4 * v,
+                4 * v,
+                4 * v,
+                4 * v,
+                4 * v,
+                4 * v,
+            )
+        };
+        let picks = [pick(0), pick(1), pick(2), pick(3)];
+        let mut acc = [_mm512_setzero_ps(); M];
+        let mut offs = [_mm256_setzero_ps(); M];
+        for b in 0..kb {
+            let blk = w.add(b * Q6K_BYTES);
+            for line in 0..4 {
+                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + 64 * line) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(blk.wrapping_add(FAR + 64 * line) as *const i8);
+            }
+            let (ql, qh, scales) = (blk, blk.add(128), blk.add(192));
+            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                std::ptr::read_unaligned(blk.add(208) as *const u16) as i32,
+            )));
+            let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(scales as *const __m128i));
+            let sc512 = _mm512_castsi256_si512(sc16);
+            let mut q6 = [_mm512_setzero_si512(); 4];
+            let mut scale = [_mm512_setzero_si512(); 4];
+            for h in 0..2 {
+                // Low bytes 64h..64h+64: their low nibbles are values 128h + 0..64 in order, their
+                // high nibbles 128h + 64..128; the pair bytes 32h..32h+32 serve both halves.
+                let l = _mm512_loadu_si512(ql.add(64 * h) as *const __m512i);
+                let hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(qh.add(32 * h) as *const __m256i));
+                let b0 = _mm512_and_si512(_mm512_sllv_epi16(hb, up), pair);
+                let b1 = _mm512_and_si512(_mm512_srlv_epi16(hb, down), pair);
+                q6[2 * h] = _mm512_or_si512(_mm512_and_si512(l, low), b0);
+                q6[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low), b1);
+            }
+            for v in 0..4 {
+                scale[v] = _mm512_permutexvar_epi16(picks[v], sc512);
+            }
+            for r in 0..M {
+                let y = q8.add((r * kb + b) * Q8K_BYTES);
+                let yd = std::ptr::read_unaligned(y as *const f32);
+                let yq = y.add(4);
+                let mut sum = _mm512_setzero_si512();
+                for v in 0..4 {
+                    let prod = _mm512_maddubs_epi16(q6[v], _mm512_loadu_si512(yq.add(64 * v) as *const __m512i));
+                    sum = _mm512_add_epi32(sum, _mm512_madd_epi16(prod, scale[v]));
+                }
+                let dyd = d * yd;
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dyd), acc[r]);
+                // The quants' offset of 32: minus 32 x scale x the 16-value sums.
+                let bsums = _mm256_loadu_si256(y.add(4 + QK) as *const __m256i);
+                let off = _mm256_cvtepi32_ps(_mm256_madd_epi16(sc16, bsums));
+                offs[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(-32.0 * dyd), offs[r]);
+            }
         }
         for r in 0..M {
-            let y = q8.add((r * kb + b) * Q8K_BYTES);
-            let yd = std::ptr::read_unaligned(y as *const f32);
-            let yq = y.add(4);
-            let mut sum = _mm512_setzero_si512();
-            for v in 0..4 {
-                let prod = _mm512_maddubs_epi16(q6[v], _mm512_loadu_si512(yq.add(64 * v) as *const __m512i));
-                sum = _mm512_add_epi32(sum, _mm512_madd_epi16(prod, scale[v]));
-            }
-            let dyd = d * yd;
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dyd), acc[r]);
-            // The quants' offset of 32: minus 32 x scale x the 16-value sums.
-            let bsums = _mm256_loadu_si256(y.add(4 + QK) as *const __m256i);
-            let off = _mm256_cvtepi32_ps(_mm256_madd_epi16(sc16, bsums));
-            offs[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(-32.0 * dyd), offs[r]);
+            let o = _mm_add_ps(_mm256_castps256_ps128(offs[r]), _mm256_extractf128_ps(offs[r], 1));
+            let o = _mm_add_ps(o, _mm_movehl_ps(o, o));
+            let o = _mm_add_ss(o, _mm_shuffle_ps(o, o, 1));
+            dots[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(o);
         }
-    }
-    for r in 0..M {
-        let o = _mm_add_ps(_mm256_castps256_ps128(offs[r]), _mm256_extractf128_ps(offs[r], 1));
-        let o = _mm_add_ps(o, _mm_movehl_ps(o, o));
-        let o = _mm_add_ss(o, _mm_shuffle_ps(o, o, 1));
-        dots[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(o);
     }
 }
 
 /// `q6k_dots` for m rows.
+///
+/// # Safety
+/// As for `q6k_dots` with M = `m` (1 to `MAX_ROWS`).
 #[cfg(target_arch = "x86_64")]
 unsafe fn q6k_dots_m(w: *const u8, kb: usize, q8: *const u8, m: usize, dots: &mut [f32; MAX_ROWS]) {
-    match m {
-        1 => q6k_dots::<1>(w, kb, q8, dots),
-        2 => q6k_dots::<2>(w, kb, q8, dots),
-        3 => q6k_dots::<3>(w, kb, q8, dots),
-        _ => q6k_dots::<4>(w, kb, q8, dots),
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        match m {
+            1 => q6k_dots::<1>(w, kb, q8, dots),
+            2 => q6k_dots::<2>(w, kb, q8, dots),
+            3 => q6k_dots::<3>(w, kb, q8, dots),
+            _ => q6k_dots::<4>(w, kb, q8, dots),
+        }
     }
 }
 
+/// # Safety
+/// Never to be called: `available` is false off x86-64 (the body is unreachable).
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn q6k_dots_m(_w: *const u8, _kb: usize, _q8: *const u8, _m: usize, _dots: &mut [f32; MAX_ROWS]) {
     unreachable!("`available` is false off x86-64")
 }
 
+/// # Safety
+/// Never to be called: `available` is false off x86-64 (the body is unreachable).
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn row_dots_m(
     _w: *const u8,

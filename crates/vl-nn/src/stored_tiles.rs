@@ -17,7 +17,7 @@
 
 use candle_core::quantized::k_quants::{BlockQ8K, GgmlType};
 
-use crate::kernels::SendPtr;
+use crate::cpu::SendPtr;
 use crate::stored::Blocks;
 
 const QK: usize = 256;
@@ -28,13 +28,13 @@ const LANES: usize = 16;
 const CHUNK_BYTES: usize = 384 * 1024;
 
 /// Whether this CPU runs the kernel (AVX-512 F, BW, VNNI; FMA and F16C), and this build may use
-/// it (not the AVX2 stand-in build, `crate::has_avx512`).
+/// it (not the AVX2 stand-in build, `crate::cpu::has_avx512`).
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *HAS.get_or_init(|| {
-            crate::has_avx512()
+            crate::cpu::has_avx512()
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vnni")
                 && is_x86_feature_detected!("avx2")
@@ -93,8 +93,11 @@ impl Input {
 /// i < q8.len().
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 unsafe fn block(q8: &[BlockQ8K], i: usize) -> *const u8 {
-    const _: () = assert!(std::mem::size_of::<BlockQ8K>() == Q8K_BYTES);
-    (q8.as_ptr() as *const u8).add(i * Q8K_BYTES)
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        const _: () = assert!(std::mem::size_of::<BlockQ8K>() == Q8K_BYTES);
+        (q8.as_ptr() as *const u8).add(i * Q8K_BYTES)
+    }
 }
 
 /// `x` ([m, k] row-major) times the stored `[n, k]` weight transposed (`kind` blocks, `w` its
@@ -106,7 +109,7 @@ pub fn matmul(kind: Blocks, w: &[u8], n: usize, x: &[f32], m: usize, k: usize) -
 
 /// `matmul` of several weights with the same `x`, in one parallel region, `x` quantized once
 /// (e.g. q/k/v, gate/up): `weights[i]` is `(kind, bytes, n)`. Returns each product `[m, n]`.
-pub fn matmul_each(weights: &[(Blocks, &[u8], usize)], x: &[f32], m: usize, k: usize) -> Option<Vec<Vec<f32>>> {
+pub(crate) fn matmul_each(weights: &[(Blocks, &[u8], usize)], x: &[f32], m: usize, k: usize) -> Option<Vec<Vec<f32>>> {
     if !available() || m == 0 || k == 0 || !k.is_multiple_of(QK) || x.len() != m * k {
         return None;
     }
@@ -193,6 +196,11 @@ mod x86 {
 
     /// `acc` ([m, 16]) = the products of tile `w` (`rows` output rows of kb blocks each, from
     /// `w`) with the input's rows first..first + m.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VNNI, AVX2, FMA and F16C; `w` is readable for `rows` (at most 16)
+    /// output rows of `kb` blocks of `kind`, each row `kb` blocks after the previous; `input` holds
+    /// rows first..first + m of `kb` Q8_K blocks; `acc` holds at least m x 16 floats.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub(super) unsafe fn tile(
         kind: Blocks,
@@ -202,37 +210,40 @@ mod x86 {
         (input, first, m): (&Input, usize, usize),
         acc: &mut [f32],
     ) {
-        let mask: __mmask16 = if rows >= LANES { 0xffff } else { (1u16 << rows) - 1 };
-        match kind {
-            Blocks::Q4K => {
-                let mut t: Q4Tile = std::mem::zeroed();
-                for b in 0..kb {
-                    unpack_q4k(w.add(b * 144), kb * 144, mask, &mut t);
-                    let mut r = 0;
-                    while r < m {
-                        match m - r {
-                            1 => q4k_rows::<1>(&t, input, (first, r), b, kb, acc),
-                            2 => q4k_rows::<2>(&t, input, (first, r), b, kb, acc),
-                            3 => q4k_rows::<3>(&t, input, (first, r), b, kb, acc),
-                            _ => q4k_rows::<4>(&t, input, (first, r), b, kb, acc),
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
+        unsafe {
+            let mask: __mmask16 = if rows >= LANES { 0xffff } else { (1u16 << rows) - 1 };
+            match kind {
+                Blocks::Q4K => {
+                    let mut t: Q4Tile = std::mem::zeroed();
+                    for b in 0..kb {
+                        unpack_q4k(w.add(b * 144), kb * 144, mask, &mut t);
+                        let mut r = 0;
+                        while r < m {
+                            match m - r {
+                                1 => q4k_rows::<1>(&t, input, (first, r), b, kb, acc),
+                                2 => q4k_rows::<2>(&t, input, (first, r), b, kb, acc),
+                                3 => q4k_rows::<3>(&t, input, (first, r), b, kb, acc),
+                                _ => q4k_rows::<4>(&t, input, (first, r), b, kb, acc),
+                            }
+                            r += 4;
                         }
-                        r += 4;
                     }
                 }
-            }
-            Blocks::Q6K => {
-                let mut t: Q6Tile = std::mem::zeroed();
-                for b in 0..kb {
-                    unpack_q6k(w.add(b * 210), kb * 210, rows, mask, &mut t);
-                    let mut r = 0;
-                    while r < m {
-                        match m - r {
-                            1 => q6k_rows::<1>(&t, input, (first, r), b, kb, acc),
-                            2 => q6k_rows::<2>(&t, input, (first, r), b, kb, acc),
-                            3 => q6k_rows::<3>(&t, input, (first, r), b, kb, acc),
-                            _ => q6k_rows::<4>(&t, input, (first, r), b, kb, acc),
+                Blocks::Q6K => {
+                    let mut t: Q6Tile = std::mem::zeroed();
+                    for b in 0..kb {
+                        unpack_q6k(w.add(b * 210), kb * 210, rows, mask, &mut t);
+                        let mut r = 0;
+                        while r < m {
+                            match m - r {
+                                1 => q6k_rows::<1>(&t, input, (first, r), b, kb, acc),
+                                2 => q6k_rows::<2>(&t, input, (first, r), b, kb, acc),
+                                3 => q6k_rows::<3>(&t, input, (first, r), b, kb, acc),
+                                _ => q6k_rows::<4>(&t, input, (first, r), b, kb, acc),
+                            }
+                            r += 4;
                         }
-                        r += 4;
                     }
                 }
             }
@@ -240,110 +251,140 @@ mod x86 {
     }
 
     /// Lane r: the byte offset of row r's block from row 0's (`stride` bytes a row) plus `at`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F (only inlined into this module's AVX-512 functions); no memory is
+    /// accessed.
     #[inline(always)]
     unsafe fn offsets(stride: usize, at: usize) -> __m512i {
-        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        _mm512_add_epi32(_mm512_mullo_epi32(lanes, _mm512_set1_epi32(stride as i32)), _mm512_set1_epi32(at as i32))
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
+        unsafe {
+            let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            _mm512_add_epi32(_mm512_mullo_epi32(lanes, _mm512_set1_epi32(stride as i32)), _mm512_set1_epi32(at as i32))
+        }
     }
 
     /// Four bytes at `p` in every lane (an input row's 4 values).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `p` is readable for 4 bytes.
     #[inline(always)]
     unsafe fn four(p: *const i8) -> __m512i {
-        _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32))
+        unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32)) }
     }
 
     /// Unpacks the Q4_K super-block of 16 rows whose row 0 block is at `blk` (rows `stride`
     /// bytes apart; lanes outside `mask` read nothing and get zeros).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW, AVX2, FMA and F16C; for each lane r in `mask`, the 144-byte super-
+    /// block at `blk + r * stride` is readable (other lanes read nothing).
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     unsafe fn unpack_q4k(blk: *const u8, stride: usize, mask: __mmask16, t: &mut Q4Tile) {
-        let zero = _mm512_setzero_si512();
-        let gather = |at: usize| _mm512_mask_i32gather_epi32::<1>(zero, mask, offsets(stride, at), blk as *const i32);
-        let dd = gather(0);
-        let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
-        let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
-        let (a0, a1, a2) = (gather(4), gather(8), gather(12));
-        // ggml's 6-bit packing (see `stored::scales_mins`), four sub-blocks a vector, one a byte.
-        let six = _mm512_set1_epi32(0x3f3f_3f3f);
-        let four_bits = _mm512_set1_epi32(0x0f0f_0f0f);
-        let two = _mm512_set1_epi32(0x0303_0303);
-        let sc_lo = _mm512_and_si512(a0, six);
-        let mn_lo = _mm512_and_si512(a1, six);
-        let sc_hi = _mm512_or_si512(
-            _mm512_and_si512(a2, four_bits),
-            _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(a0), two)),
-        );
-        let mn_hi = _mm512_or_si512(
-            _mm512_and_si512(_mm512_srli_epi32::<4>(a2), four_bits),
-            _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(a1), two)),
-        );
-        let byte = _mm512_set1_epi32(0xff);
-        for s in 0..4 {
-            let shift = _mm_cvtsi32_si128(8 * s as i32);
-            let pick = |v: __m512i| _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(v, shift), byte));
-            t.scales[s] = _mm512_mul_ps(d, pick(sc_lo));
-            t.scales[s + 4] = _mm512_mul_ps(d, pick(sc_hi));
-            t.mins[s] = _mm512_mul_ps(dmin, pick(mn_lo));
-            t.mins[s + 4] = _mm512_mul_ps(dmin, pick(mn_hi));
-        }
-        let low = _mm512_set1_epi8(0x0f);
-        for w in 0..32 {
-            let v = gather(16 + 4 * w);
-            t.lo[w] = _mm512_and_si512(v, low);
-            t.hi[w] = _mm512_and_si512(_mm512_srli_epi32::<4>(v), low);
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
+        unsafe {
+            let zero = _mm512_setzero_si512();
+            let gather =
+                |at: usize| _mm512_mask_i32gather_epi32::<1>(zero, mask, offsets(stride, at), blk as *const i32);
+            let dd = gather(0);
+            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+            let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
+            let (a0, a1, a2) = (gather(4), gather(8), gather(12));
+            // ggml's 6-bit packing (see `stored::scales_mins`), four sub-blocks a vector, one a byte.
+            let six = _mm512_set1_epi32(0x3f3f_3f3f);
+            let four_bits = _mm512_set1_epi32(0x0f0f_0f0f);
+            let two = _mm512_set1_epi32(0x0303_0303);
+            let sc_lo = _mm512_and_si512(a0, six);
+            let mn_lo = _mm512_and_si512(a1, six);
+            let sc_hi = _mm512_or_si512(
+                _mm512_and_si512(a2, four_bits),
+                _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(a0), two)),
+            );
+            let mn_hi = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi32::<4>(a2), four_bits),
+                _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(a1), two)),
+            );
+            let byte = _mm512_set1_epi32(0xff);
+            for s in 0..4 {
+                let shift = _mm_cvtsi32_si128(8 * s as i32);
+                let pick = |v: __m512i| _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(v, shift), byte));
+                t.scales[s] = _mm512_mul_ps(d, pick(sc_lo));
+                t.scales[s + 4] = _mm512_mul_ps(d, pick(sc_hi));
+                t.mins[s] = _mm512_mul_ps(dmin, pick(mn_lo));
+                t.mins[s + 4] = _mm512_mul_ps(dmin, pick(mn_hi));
+            }
+            let low = _mm512_set1_epi8(0x0f);
+            for w in 0..32 {
+                let v = gather(16 + 4 * w);
+                t.lo[w] = _mm512_and_si512(v, low);
+                t.hi[w] = _mm512_and_si512(_mm512_srli_epi32::<4>(v), low);
+            }
         }
     }
 
     /// Unpacks the Q6_K super-block of 16 rows whose row 0 block is at `blk` (rows `stride`
     /// bytes apart, the first `rows` of them real; lanes outside `mask` get zeros).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW, AVX2, FMA and F16C; for each row r < `rows` (the lanes of `mask`),
+    /// the 210-byte super-block at `blk + r * stride` is readable.
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     unsafe fn unpack_q6k(blk: *const u8, stride: usize, rows: usize, mask: __mmask16, t: &mut Q6Tile) {
-        let low = _mm256_set1_epi8(0x0f);
-        let pair = _mm256_set1_epi8(0x03);
-        for r in 0..LANES {
-            let out = t.rows[r].as_mut_ptr();
-            if r >= rows {
-                std::ptr::write_bytes(out, 0, QK);
-                continue;
-            }
-            let b = blk.add(r * stride);
-            for h in 0..2 {
-                // See `stored`'s Q6_K layout: values 128h + l, +32, +64, +96 (l < 32).
-                let a = _mm256_loadu_si256(b.add(64 * h) as *const __m256i);
-                let c = _mm256_loadu_si256(b.add(64 * h + 32) as *const __m256i);
-                let p = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
-                let hi = |shift: i32| {
-                    _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srl_epi16(p, _mm_cvtsi32_si128(shift)), pair))
-                };
-                let parts = [
-                    _mm256_or_si256(_mm256_and_si256(a, low), hi(0)),
-                    _mm256_or_si256(_mm256_and_si256(c, low), hi(2)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(a), low), hi(4)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(c), low), hi(6)),
-                ];
-                for (i, v) in parts.into_iter().enumerate() {
-                    _mm256_storeu_si256(out.add(128 * h + 32 * i) as *mut __m256i, v);
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
+        unsafe {
+            let low = _mm256_set1_epi8(0x0f);
+            let pair = _mm256_set1_epi8(0x03);
+            for r in 0..LANES {
+                let out = t.rows[r].as_mut_ptr();
+                if r >= rows {
+                    std::ptr::write_bytes(out, 0, QK);
+                    continue;
+                }
+                let b = blk.add(r * stride);
+                for h in 0..2 {
+                    // See `stored`'s Q6_K layout: values 128h + l, +32, +64, +96 (l < 32).
+                    let a = _mm256_loadu_si256(b.add(64 * h) as *const __m256i);
+                    let c = _mm256_loadu_si256(b.add(64 * h + 32) as *const __m256i);
+                    let p = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
+                    let hi = |shift: i32| {
+                        _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srl_epi16(p, _mm_cvtsi32_si128(shift)), pair))
+                    };
+                    let parts = [
+                        _mm256_or_si256(_mm256_and_si256(a, low), hi(0)),
+                        _mm256_or_si256(_mm256_and_si256(c, low), hi(2)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(a), low), hi(4)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(c), low), hi(6)),
+                    ];
+                    for (i, v) in parts.into_iter().enumerate() {
+                        _mm256_storeu_si256(out.add(128 * h + 32 * i) as *mut __m256i, v);
+                    }
                 }
             }
-        }
-        let zero = _mm512_setzero_si512();
-        let rows_at = t.rows.as_ptr() as *const i32;
-        for w in 0..64 {
-            t.q[w] = _mm512_mask_i32gather_epi32::<1>(zero, mask, offsets(QK, 4 * w), rows_at);
-        }
-        // The 16 i8 scales at 192 and the f16 d at 208, read as the dwords at 192.. and 206.
-        let gather = |at: usize| _mm512_mask_i32gather_epi32::<1>(zero, mask, offsets(stride, at), blk as *const i32);
-        let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(gather(206))));
-        for q in 0..4 {
-            let v = gather(192 + 4 * q);
-            for i in 0..4 {
-                // Byte i of each lane, sign-extended: up to the top byte, then back down.
-                let s = _mm512_srai_epi32::<24>(_mm512_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * i as i32)));
-                t.scales[4 * q + i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(s));
+            let zero = _mm512_setzero_si512();
+            let rows_at = t.rows.as_ptr() as *const i32;
+            for w in 0..64 {
+                t.q[w] = _mm512_mask_i32gather_epi32::<1>(zero, mask, offsets(QK, 4 * w), rows_at);
+            }
+            // The 16 i8 scales at 192 and the f16 d at 208, read as the dwords at 192.. and 206.
+            let gather =
+                |at: usize| _mm512_mask_i32gather_epi32::<1>(zero, mask, offsets(stride, at), blk as *const i32);
+            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(gather(206))));
+            for q in 0..4 {
+                let v = gather(192 + 4 * q);
+                for i in 0..4 {
+                    // Byte i of each lane, sign-extended: up to the top byte, then back down.
+                    let s = _mm512_srai_epi32::<24>(_mm512_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * i as i32)));
+                    t.scales[4 * q + i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(s));
+                }
             }
         }
     }
 
     /// Input rows first + r0.. (R of them) times a Q4_K tile's super-block b, added to their rows of `acc`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VNNI, AVX2, FMA and F16C; `input` holds rows first + r0..first + r0
+    /// + R of `kb` Q8_K blocks (b < kb); `acc` holds rows r0..r0 + R of 16 floats.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn q4k_rows<const R: usize>(
         t: &Q4Tile,
@@ -353,40 +394,47 @@ mod x86 {
         kb: usize,
         acc: &mut [f32],
     ) {
-        let blocks: [*const u8; R] = std::array::from_fn(|r| block(&input.q8, (first + r0 + r) * kb + b));
-        let qs: [*const i8; R] = std::array::from_fn(|r| blocks[r].add(4) as *const i8);
-        let mut f = [_mm512_setzero_ps(); R];
-        for c in 0..4 {
-            let mut il = [_mm512_setzero_si512(); R];
-            let mut ih = [_mm512_setzero_si512(); R];
-            for j in 0..8 {
-                let (lo, hi) = (t.lo[8 * c + j], t.hi[8 * c + j]);
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
+        unsafe {
+            let blocks: [*const u8; R] = std::array::from_fn(|r| block(&input.q8, (first + r0 + r) * kb + b));
+            let qs: [*const i8; R] = std::array::from_fn(|r| blocks[r].add(4) as *const i8);
+            let mut f = [_mm512_setzero_ps(); R];
+            for c in 0..4 {
+                let mut il = [_mm512_setzero_si512(); R];
+                let mut ih = [_mm512_setzero_si512(); R];
+                for j in 0..8 {
+                    let (lo, hi) = (t.lo[8 * c + j], t.hi[8 * c + j]);
+                    for r in 0..R {
+                        il[r] = _mm512_dpbusd_epi32(il[r], lo, four(qs[r].add(64 * c + 4 * j)));
+                        ih[r] = _mm512_dpbusd_epi32(ih[r], hi, four(qs[r].add(64 * c + 32 + 4 * j)));
+                    }
+                }
                 for r in 0..R {
-                    il[r] = _mm512_dpbusd_epi32(il[r], lo, four(qs[r].add(64 * c + 4 * j)));
-                    ih[r] = _mm512_dpbusd_epi32(ih[r], hi, four(qs[r].add(64 * c + 32 + 4 * j)));
+                    f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il[r]), t.scales[2 * c], f[r]);
+                    f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih[r]), t.scales[2 * c + 1], f[r]);
                 }
             }
             for r in 0..R {
-                f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il[r]), t.scales[2 * c], f[r]);
-                f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih[r]), t.scales[2 * c + 1], f[r]);
+                let sums = input.sums.as_ptr().add(((first + r0 + r) * kb + b) * 16);
+                for s in 0..8 {
+                    f[r] = _mm512_fnmadd_ps(t.mins[s], _mm512_set1_ps(*sums.add(2 * s) + *sums.add(2 * s + 1)), f[r]);
+                }
+                let out = acc.as_mut_ptr().add((r0 + r) * LANES);
+                let y = _mm512_fmadd_ps(
+                    f[r],
+                    _mm512_set1_ps(std::ptr::read_unaligned(blocks[r] as *const f32)),
+                    _mm512_loadu_ps(out),
+                );
+                _mm512_storeu_ps(out, y);
             }
-        }
-        for r in 0..R {
-            let sums = input.sums.as_ptr().add(((first + r0 + r) * kb + b) * 16);
-            for s in 0..8 {
-                f[r] = _mm512_fnmadd_ps(t.mins[s], _mm512_set1_ps(*sums.add(2 * s) + *sums.add(2 * s + 1)), f[r]);
-            }
-            let out = acc.as_mut_ptr().add((r0 + r) * LANES);
-            let y = _mm512_fmadd_ps(
-                f[r],
-                _mm512_set1_ps(std::ptr::read_unaligned(blocks[r] as *const f32)),
-                _mm512_loadu_ps(out),
-            );
-            _mm512_storeu_ps(out, y);
         }
     }
 
     /// Input rows first + r0.. (R of them) times a Q6_K tile's super-block b, added to their rows of `acc`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VNNI, AVX2, FMA and F16C; `input` holds rows first + r0..first + r0
+    /// + R of `kb` Q8_K blocks (b < kb); `acc` holds rows r0..r0 + R of 16 floats.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn q6k_rows<const R: usize>(
         t: &Q6Tile,
@@ -396,38 +444,41 @@ mod x86 {
         kb: usize,
         acc: &mut [f32],
     ) {
-        let blocks: [*const u8; R] = std::array::from_fn(|r| block(&input.q8, (first + r0 + r) * kb + b));
-        let qs: [*const i8; R] = std::array::from_fn(|r| blocks[r].add(4) as *const i8);
-        let mut f = [_mm512_setzero_ps(); R];
-        for p in 0..8 {
-            // Sub-blocks 2p and 2p + 1: words 8p.. and 8p + 4...
-            let mut i0 = [_mm512_setzero_si512(); R];
-            let mut i1 = [_mm512_setzero_si512(); R];
-            for j in 0..4 {
-                let (w0, w1) = (t.q[8 * p + j], t.q[8 * p + 4 + j]);
+        // SAFETY: the operations below need no more than this function's `# Safety` contract.
+        unsafe {
+            let blocks: [*const u8; R] = std::array::from_fn(|r| block(&input.q8, (first + r0 + r) * kb + b));
+            let qs: [*const i8; R] = std::array::from_fn(|r| blocks[r].add(4) as *const i8);
+            let mut f = [_mm512_setzero_ps(); R];
+            for p in 0..8 {
+                // Sub-blocks 2p and 2p + 1: words 8p.. and 8p + 4...
+                let mut i0 = [_mm512_setzero_si512(); R];
+                let mut i1 = [_mm512_setzero_si512(); R];
+                for j in 0..4 {
+                    let (w0, w1) = (t.q[8 * p + j], t.q[8 * p + 4 + j]);
+                    for r in 0..R {
+                        i0[r] = _mm512_dpbusd_epi32(i0[r], w0, four(qs[r].add(32 * p + 4 * j)));
+                        i1[r] = _mm512_dpbusd_epi32(i1[r], w1, four(qs[r].add(32 * p + 16 + 4 * j)));
+                    }
+                }
                 for r in 0..R {
-                    i0[r] = _mm512_dpbusd_epi32(i0[r], w0, four(qs[r].add(32 * p + 4 * j)));
-                    i1[r] = _mm512_dpbusd_epi32(i1[r], w1, four(qs[r].add(32 * p + 16 + 4 * j)));
+                    f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), t.scales[2 * p], f[r]);
+                    f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), t.scales[2 * p + 1], f[r]);
                 }
             }
             for r in 0..R {
-                f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), t.scales[2 * p], f[r]);
-                f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), t.scales[2 * p + 1], f[r]);
+                // The offset of 32: minus 32 x scale x each 16-value sum.
+                let sums = input.sums.as_ptr().add(((first + r0 + r) * kb + b) * 16);
+                for s in 0..16 {
+                    f[r] = _mm512_fnmadd_ps(t.scales[s], _mm512_set1_ps(32.0 * *sums.add(s)), f[r]);
+                }
+                let out = acc.as_mut_ptr().add((r0 + r) * LANES);
+                let y = _mm512_fmadd_ps(
+                    f[r],
+                    _mm512_set1_ps(std::ptr::read_unaligned(blocks[r] as *const f32)),
+                    _mm512_loadu_ps(out),
+                );
+                _mm512_storeu_ps(out, y);
             }
-        }
-        for r in 0..R {
-            // The offset of 32: minus 32 x scale x each 16-value sum.
-            let sums = input.sums.as_ptr().add(((first + r0 + r) * kb + b) * 16);
-            for s in 0..16 {
-                f[r] = _mm512_fnmadd_ps(t.scales[s], _mm512_set1_ps(32.0 * *sums.add(s)), f[r]);
-            }
-            let out = acc.as_mut_ptr().add((r0 + r) * LANES);
-            let y = _mm512_fmadd_ps(
-                f[r],
-                _mm512_set1_ps(std::ptr::read_unaligned(blocks[r] as *const f32)),
-                _mm512_loadu_ps(out),
-            );
-            _mm512_storeu_ps(out, y);
         }
     }
 }

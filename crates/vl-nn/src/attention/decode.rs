@@ -1,0 +1,328 @@
+//! One query row per head against the whole KV cache, read in place (a decode step): per KV
+//! head its query rows' scores, softmax and weighted sum of value rows; on AVX-512 four query
+//! rows of a KV head per key row (`decode_group_avx512`).
+
+use candle_core::Tensor;
+
+use crate::cpu::{cpu_f32, SendPtr};
+use crate::dispatch::{own_kernel_for, Op};
+use crate::Result;
+
+/// One query row per head against the whole cache, read in place (decode): for each KV head,
+/// each cached key row is read once for all `rep` query heads sharing it, then softmax, then the
+/// weighted sum of value rows. Runs on candle's own worker pool (one KV head per work item), so
+/// it never competes with the pool's spinning workers. None when the inputs are not CPU f32
+/// with unit-stride rows; the caller then takes the general path.
+pub(super) fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>> {
+    let (heads, _, d) = q.dims3()?;
+    let (kv, total, _) = k.dims3()?;
+    let rep = heads / kv;
+    if !own_kernel_for(Op::DecodeAttention, &[q, k, v]) {
+        return Ok(None);
+    }
+    let q = q.contiguous()?;
+    let ((qs, ql), (ks, kl), (vs, vl)) = (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout());
+    let (Some(qs), Some(ks), Some(vs)) = (cpu_f32(&qs), cpu_f32(&ks), cpu_f32(&vs)) else {
+        return Ok(None);
+    };
+    let (qo, ko, vo) = (ql.start_offset(), kl.start_offset(), vl.start_offset());
+    let (kst, vst) = (kl.stride(), vl.stride());
+    if kst[2] != 1 || vst[2] != 1 || (total > 1 && (kst[1] < d || vst[1] < d)) {
+        return Ok(None);
+    }
+    let (k_head, k_row, v_head, v_row) = (kst[0], kst[1], vst[0], vst[1]);
+    let last = |o: usize, hs: usize, rs: usize| o + (kv - 1) * hs + (total - 1) * rs + d;
+    if last(ko, k_head, k_row) > ks.len() || last(vo, v_head, v_row) > vs.len() || qo + heads * d > qs.len() {
+        return Ok(None);
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut out = vec![0f32; heads * d];
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(kv, |range| {
+        // Each query row's scores, then (AVX-512 kernel) each row's softmax sum.
+        let mut scores = vec![0f32; rep * (total + 1)];
+        for g in range {
+            let group = DecodeGroup {
+                q: &qs[qo + g * rep * d..qo + (g + 1) * rep * d],
+                k: &ks[ko + g * k_head..],
+                k_row,
+                v: &vs[vo + g * v_head..],
+                v_row,
+                total,
+                d,
+                rep,
+                scale,
+            };
+            // SAFETY: work items are distinct KV heads, writing disjoint rows of `out`.
+            let og = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(g * rep * d), rep * d) };
+            decode_group(&group, &mut scores, og);
+        }
+    });
+    Ok(Some(Tensor::from_vec(out, (heads, 1, d), q.device())?))
+}
+
+/// One KV head's decode work: its `rep` query rows, its cached key and value rows (`total` of
+/// them, `k_row` / `v_row` floats apart), head size `d`.
+struct DecodeGroup<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    k_row: usize,
+    v: &'a [f32],
+    v_row: usize,
+    total: usize,
+    d: usize,
+    rep: usize,
+    scale: f32,
+}
+
+/// `scores`: scratch of at least `rep * (total + 1)` floats.
+fn decode_group(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
+    #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
+    if g.d.is_multiple_of(16) && crate::cpu::has_avx512() {
+        // SAFETY: the CPU has AVX-512F (checked above) and d is a multiple of 16.
+        unsafe { decode_group_avx512(g, scores, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        unsafe { decode_group_avx2(g, scores, out) };
+        return;
+    }
+    decode_group_generic(g, scores, out)
+}
+
+/// # Safety
+/// The CPU has AVX2 and FMA (the body is `decode_group_generic`, safe code compiled for them).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn decode_group_avx2(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
+    decode_group_generic(g, scores, out)
+}
+
+/// `decode_group` on AVX-512F, head size `d` a multiple of 16. The generic loop is latency-bound
+/// (one dot product at a time into one vector of sums, then a scalar `exp` per score); here each
+/// key row meets up to four query rows at once (four independent chains of sums sharing the
+/// key's loads), the softmax runs 16 scores at a time in base 2 (`avx512::exp2`'s polynomial,
+/// the scores scaled by `log2 e`), and each value row is read once for up to four query rows
+/// and 64 of their output lanes held in registers. The normalization is applied to the output
+/// rows at the end.
+///
+/// # Safety
+/// The CPU has AVX-512F. The slices are checked on entry (`d` a multiple of 16, `q` rep x d, keys
+/// and values `total` rows `k_row` / `v_row` apart, `scores` rep x (total + 1), `out` rep x d), so
+/// every pointer access below stays inside them.
+#[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
+#[target_feature(enable = "avx512f")]
+unsafe fn decode_group_avx512(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        use crate::avx512::{exp2, LANES};
+        use std::arch::x86_64::*;
+        let &DecodeGroup { q, k, k_row, v, v_row, total, d, rep, scale } = g;
+        if total == 0 {
+            // No key: zeros, as the generic loop gives (not a softmax over nothing).
+            out[..rep * d].fill(0.0);
+            return;
+        }
+        assert!(
+            d.is_multiple_of(LANES) && q.len() >= rep * d && scores.len() >= rep * (total + 1) && out.len() >= rep * d
+        );
+        assert!(k.len() >= (total - 1) * k_row + d && v.len() >= (total - 1) * v_row + d);
+        let scale2 = scale * std::f32::consts::LOG2_E;
+        // The scores, then each row's softmax sum (the caller's scratch holds both).
+        let (scores, sums) = scores.split_at_mut(rep * total);
+        let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
+        // Scores, in base 2: row r's key j at sp[r * total + j].
+        for j in 0..total {
+            let kj = k.as_ptr().add(j * k_row);
+            let mut r = 0;
+            while r < rep {
+                let n = (rep - r).min(4);
+                let (qr, s) = (qp.add(r * d), sp.add(r * total + j));
+                match n {
+                    4 => qk_rows::<4>(qr, d, kj, s, total, scale2),
+                    3 => qk_rows::<3>(qr, d, kj, s, total, scale2),
+                    2 => qk_rows::<2>(qr, d, kj, s, total, scale2),
+                    _ => qk_rows::<1>(qr, d, kj, s, total, scale2),
+                }
+                r += n;
+            }
+        }
+        // Softmax numerators in place; their sums kept for the end.
+        for (r, sum) in sums[..rep].iter_mut().enumerate() {
+            let row = sp.add(r * total);
+            let tail = |j: usize| -> __mmask16 {
+                if total - j >= LANES {
+                    0xffff
+                } else {
+                    (1u16 << (total - j)) - 1
+                }
+            };
+            let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+            for j in (0..total).step_by(LANES) {
+                m = _mm512_mask_max_ps(m, tail(j), m, _mm512_maskz_loadu_ps(tail(j), row.add(j)));
+            }
+            let m = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+            let mut acc = _mm512_setzero_ps();
+            for j in (0..total).step_by(LANES) {
+                let e = exp2(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail(j), row.add(j)), m));
+                _mm512_mask_storeu_ps(row.add(j), tail(j), e);
+                acc = _mm512_mask_add_ps(acc, tail(j), acc, e);
+            }
+            *sum = _mm512_reduce_add_ps(acc);
+        }
+        // Weighted sums of the value rows, 64 lanes (or 16 where d is not a multiple of 64) of up to
+        // four rows at a time.
+        let op = out.as_mut_ptr();
+        let wide = d.is_multiple_of(4 * LANES);
+        let step = if wide { 4 * LANES } else { LANES };
+        let mut r = 0;
+        while r < rep {
+            let n = (rep - r).min(4);
+            for c in (0..d).step_by(step) {
+                let (p, vc, o) = (sp.add(r * total), v.as_ptr().add(c), op.add(r * d + c));
+                match (n, wide) {
+                    (4, true) => pv_rows::<4, 4>(p, total, vc, v_row, o, d),
+                    (3, true) => pv_rows::<3, 4>(p, total, vc, v_row, o, d),
+                    (2, true) => pv_rows::<2, 4>(p, total, vc, v_row, o, d),
+                    (_, true) => pv_rows::<1, 4>(p, total, vc, v_row, o, d),
+                    (4, false) => pv_rows::<4, 1>(p, total, vc, v_row, o, d),
+                    (3, false) => pv_rows::<3, 1>(p, total, vc, v_row, o, d),
+                    (2, false) => pv_rows::<2, 1>(p, total, vc, v_row, o, d),
+                    (_, false) => pv_rows::<1, 1>(p, total, vc, v_row, o, d),
+                }
+            }
+            r += n;
+        }
+        for (r, sum) in sums[..rep].iter().enumerate() {
+            let inv = _mm512_set1_ps(1.0 / sum);
+            for c in (0..d).step_by(LANES) {
+                let o = op.add(r * d + c);
+                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), inv));
+            }
+        }
+    }
+}
+
+/// N query rows (`d` apart from `q`) dotted with one key row, scaled, written `stride` apart
+/// from `s`.
+///
+/// # Safety
+/// The CPU has AVX-512F; `d` is a multiple of 16; `q` is readable for N rows of `d` floats (`d`
+/// apart), `kj` for `d` floats, and `s + i * stride` is writable for each i < N.
+#[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn qk_rows<const N: usize>(q: *const f32, d: usize, kj: *const f32, s: *mut f32, stride: usize, scale: f32) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        use std::arch::x86_64::*;
+        let mut acc = [_mm512_setzero_ps(); N];
+        for c in (0..d).step_by(16) {
+            let kv = _mm512_loadu_ps(kj.add(c));
+            for (i, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(i * d + c)), kv, *a);
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            *s.add(i * stride) = _mm512_reduce_add_ps(*a) * scale;
+        }
+    }
+}
+
+/// `out[i][0..16 W] = sum_j p[i][j] v[j][0..16 W]` for N rows of weights (`total` apart from `p`)
+/// and of output (`d` apart from `o`), value rows `v_row` apart from `v`.
+///
+/// # Safety
+/// The CPU has AVX-512F; `p` is readable for N rows of `total` weights (`total` apart), `v` for
+/// `total` rows of 16 W floats (`v_row` apart), and `o` writable for N rows of 16 W floats (`d`
+/// apart).
+#[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn pv_rows<const N: usize, const W: usize>(
+    p: *const f32,
+    total: usize,
+    v: *const f32,
+    v_row: usize,
+    o: *mut f32,
+    d: usize,
+) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        use std::arch::x86_64::*;
+        let mut acc = [[_mm512_setzero_ps(); W]; N];
+        for j in 0..total {
+            let vj = v.add(j * v_row);
+            let mut vs = [_mm512_setzero_ps(); W];
+            for (w, x) in vs.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(vj.add(16 * w));
+            }
+            for (i, row) in acc.iter_mut().enumerate() {
+                let pi = _mm512_set1_ps(*p.add(i * total + j));
+                for (a, x) in row.iter_mut().zip(vs) {
+                    *a = _mm512_fmadd_ps(pi, x, *a);
+                }
+            }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            for (w, a) in row.iter().enumerate() {
+                _mm512_storeu_ps(o.add(i * d + 16 * w), *a);
+            }
+        }
+    }
+}
+
+/// Dot product with eight independent partial sums (vectorizes; the order is fixed).
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, ar) = a.as_chunks::<8>();
+    let (bc, br) = b.as_chunks::<8>();
+    for (x, y) in ac.iter().zip(bc) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ar.iter().zip(br) {
+        s += x * y;
+    }
+    s
+}
+
+#[inline(always)]
+fn decode_group_generic(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
+    let &DecodeGroup { q, k, k_row, v, v_row, total, d, rep, scale } = g;
+    for j in 0..total {
+        let kj = &k[j * k_row..j * k_row + d];
+        for r in 0..rep {
+            scores[r * total + j] = dot(&q[r * d..(r + 1) * d], kj) * scale;
+        }
+    }
+    for r in 0..rep {
+        let s = &mut scores[r * total..(r + 1) * total];
+        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for x in s.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        let inv = 1.0 / sum;
+        for x in s.iter_mut() {
+            *x *= inv;
+        }
+    }
+    out.fill(0.0);
+    for j in 0..total {
+        let vj = &v[j * v_row..j * v_row + d];
+        for r in 0..rep {
+            let p = scores[r * total + j];
+            let o = &mut out[r * d..(r + 1) * d];
+            for (o, &x) in o.iter_mut().zip(vj) {
+                *o += p * x;
+            }
+        }
+    }
+}
