@@ -14,7 +14,7 @@ use vl_models::limits::LimitKind;
 
 use crate::error::ApiError;
 use crate::request::{known_keys, opt_str, typed_field};
-use crate::router::App;
+use crate::state::App;
 
 /// Pixels of an image sent with `detail: "low"`: OpenAI's low detail is a 512x512 image.
 pub(crate) const LOW_DETAIL_PIXELS: usize = 512 * 512;

@@ -13,7 +13,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::router::App;
+use crate::state::App;
 
 pub(crate) struct Metrics {
     pub(crate) registry: Registry,
