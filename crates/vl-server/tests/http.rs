@@ -169,6 +169,9 @@ fn a_greedy_answer_equals_the_reference() {
     assert_eq!(v["usage"]["total_tokens"], want.prompt_tokens + want.tokens);
     // square.png, 128x128: 8x8 patches merged 2x2.
     assert_eq!(v["usage"]["prompt_tokens_details"]["image_tokens"], 16);
+    let metrics = agent().get(&format!("{}/metrics", s.base)).call().unwrap().into_string().unwrap();
+    assert!(metrics.contains("vl_requests_total{status=\"200\"} 1"), "{metrics}");
+    assert!(metrics.contains(&format!("vl_completion_tokens_total {}", want.tokens)), "{metrics}");
 }
 
 #[test]
