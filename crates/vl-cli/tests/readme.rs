@@ -6,9 +6,12 @@
 //!   command wrote); a hub id or a file the reader would have downloaded is skipped and listed;
 //! - `cargo run --release -p vl-cli -- ARGS` is `vl ARGS`; other cargo commands (and `.ci/run`,
 //!   the test command itself) are skipped;
-//! - `vl serve` starts in the background on a free loopback port (its `--port` replaced) and
-//!   stays up for the blocks after it; `curl` to `localhost:8080` goes to it (with the key the
-//!   README's `$KEY` stands for), and fails on an HTTP error status;
+//! - `vl serve` starts in the background on a free loopback port and stays up for the blocks
+//!   after it: every fixed port is replaced (`--port N` or `--port=N` by 0, and a serve without
+//!   `--port`, which would bind the CLI's default 8080, gets `--port 0`; `--host` is 127.0.0.1), so
+//!   a port held by anything else never fails the test; `curl` to `localhost:N` or
+//!   `127.0.0.1:N`, N the port as written, goes to it (with the key the README's `$KEY` stands
+//!   for), and fails on an HTTP error status;
 //! - `vl chat` reads an empty stdin (it loads, then ends).
 //!
 //! Every marked block must run at least one command.
@@ -21,6 +24,7 @@ set -euo pipefail
 KEY=readme-check-key
 SERVER_PID=
 SERVER_ADDR=
+SERVER_PORT_WRITTEN=8080
 cleanup() { if [ -n "$SERVER_PID" ]; then kill "$SERVER_PID" 2>/dev/null || true; fi; }
 trap cleanup EXIT
 ran() { echo "README-CHECK ran: $*" >&2; }
@@ -39,11 +43,24 @@ vl() {
   case "$1" in
     serve)
       cleanup
-      local args=() prev=""
+      # Every fixed port becomes a free one: `--port N` (or `--port=N`) is 0, a serve without
+      # `--port` (the CLI's default, 8080) gets `--port 0`; the host is loopback. Requests to the
+      # port as written go to the port the server took.
+      local args=() prev="" port_given=
+      SERVER_PORT_WRITTEN=8080
       for a in "$@"; do
-        if [ "$prev" = "--port" ]; then a=0; fi
+        case "$prev" in
+          --port) SERVER_PORT_WRITTEN="$a"; a=0 ;;
+          --host) a=127.0.0.1 ;;
+        esac
+        case "$a" in
+          --port) port_given=1 ;;
+          --port=*) port_given=1; SERVER_PORT_WRITTEN="${a#--port=}"; a=--port=0 ;;
+          --host=*) a=--host=127.0.0.1 ;;
+        esac
         args+=("$a"); prev="$a"
       done
+      if [ -z "$port_given" ]; then args+=(--port 0); fi
       ran "vl $*"
       local log; log="$(mktemp)"
       command vl "${args[@]}" 2>"$log" &
@@ -71,7 +88,10 @@ cargo() {
 curl() {
   [ -n "$SERVER_ADDR" ] || { echo "curl before any vl serve" >&2; return 1; }
   local args=()
-  for a in "$@"; do args+=("${a//localhost:8080/$SERVER_ADDR}"); done
+  for a in "$@"; do
+    a="${a//localhost:$SERVER_PORT_WRITTEN/$SERVER_ADDR}"
+    args+=("${a//127.0.0.1:$SERVER_PORT_WRITTEN/$SERVER_ADDR}")
+  done
   ran "curl (to vl serve)"
   command curl --fail-with-body --max-time 120 -H "Authorization: Bearer $KEY" "${args[@]}"
   echo

@@ -10,23 +10,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{watch, Semaphore};
 
-/// Bounds on connections (`vl serve` flags).
-#[derive(Debug, Clone, Copy)]
-pub struct ConnectionLimits {
-    /// Open connections at most; one more gets a 503 and is closed.
-    pub max_connections: usize,
-    /// Time a client has to send a request's headers, and the longest an idle keep-alive
-    /// connection stays open.
-    pub header_timeout: Duration,
-    /// Time a client has to send a request's body once its headers are in.
-    pub body_timeout: Duration,
-    /// After SIGINT/SIGTERM, the longest the server waits for running requests and open
-    /// connections before it exits anyway.
-    pub shutdown_timeout: Duration,
-    /// The longest a streamed answer waits for a client that stopped reading (its relay full):
-    /// past it the request is cancelled and its slot freed.
-    pub stall_timeout: Duration,
-}
+use crate::state::ConnectionLimits;
 
 /// Descriptors kept free of connections: model files, ffmpeg's pipes, temporary video files,
 /// remote media fetches.

@@ -14,7 +14,7 @@ use vl_models::limits::LimitKind;
 
 use crate::error::ApiError;
 use crate::request::{known_keys, opt_str, typed_field};
-use crate::router::App;
+use crate::state::App;
 
 /// Pixels of an image sent with `detail: "low"`: OpenAI's low detail is a 512x512 image.
 pub(crate) const LOW_DETAIL_PIXELS: usize = 512 * 512;
@@ -117,7 +117,7 @@ pub(crate) fn part(app: &App, p: &Value, at: &str) -> std::result::Result<Part, 
                     ))
                 }
             }
-            let (data, name) = media_bytes(app, url, at, "image")?;
+            let MediaBytes { data, name } = media_bytes(app, url, at, "image")?;
             Ok(Part::Image { data, name, min_pixels, max_pixels })
         }
         "video_url" | "video" | "input_video" => video_part(app, o, kind, at),
@@ -175,8 +175,8 @@ fn video_part(app: &App, p: &Map<String, Value>, kind: &str, at: &str) -> std::r
             (VideoData::Bytes(bytes), format!("{at} (data)"))
         }
         (None, Some(url)) if url.starts_with("data:") || url.starts_with("http://") || url.starts_with("https://") => {
-            let (bytes, name) = media_bytes(app, url, at, "video")?;
-            (VideoData::Bytes(bytes), name)
+            let MediaBytes { data, name } = media_bytes(app, url, at, "video")?;
+            (VideoData::Bytes(data), name)
         }
         (None, Some(url)) => {
             let path = url.strip_prefix("file://").unwrap_or(url);
@@ -298,9 +298,16 @@ fn fetch(url: &str, timeout: Duration, max: u64) -> std::result::Result<Vec<u8>,
     Ok(data)
 }
 
+/// A medium's bytes and the name its errors and logs give it.
+struct MediaBytes {
+    data: Vec<u8>,
+    /// The path or URL as sent, or `AT (data URL)`.
+    name: String,
+}
+
 /// An image's (a video's) bytes from a data URL, an http(s) URL (with --allow-remote-media) or, under
 /// --allowed-media-dir, a local path.
-fn media_bytes(app: &App, url: &str, at: &str, what: &str) -> std::result::Result<(Vec<u8>, String), ApiError> {
+fn media_bytes(app: &App, url: &str, at: &str, what: &str) -> std::result::Result<MediaBytes, ApiError> {
     let too_big = |n: u64| {
         ApiError::with(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -321,7 +328,7 @@ fn media_bytes(app: &App, url: &str, at: &str, what: &str) -> std::result::Resul
         let data = base64::engine::general_purpose::STANDARD
             .decode(payload.trim())
             .map_err(|e| ApiError::bad(format!("`{at}`: invalid base64 {what} data: {e}")))?;
-        return Ok((data, format!("{at} (data URL)")));
+        return Ok(MediaBytes { data, name: format!("{at} (data URL)") });
     }
     if url.starts_with("http://") || url.starts_with("https://") {
         let Some(timeout) = app.config.remote_media else {
@@ -334,7 +341,7 @@ fn media_bytes(app: &App, url: &str, at: &str, what: &str) -> std::result::Resul
             Fetch::TooLarge(n) => too_big(n),
             Fetch::Failed(m) => ApiError::bad(format!("`{at}`: cannot fetch {url}: {m}")),
         })?;
-        return Ok((data, url.to_string()));
+        return Ok(MediaBytes { data, name: url.to_string() });
     }
     let path = url.strip_prefix("file://").unwrap_or(url);
     let real = allowed_path(app, path, at, "image")?;
@@ -344,5 +351,5 @@ fn media_bytes(app: &App, url: &str, at: &str, what: &str) -> std::result::Resul
             other => ApiError::bad(format!("`{at}`: {other}")),
         },
     )?;
-    Ok((data, path.to_string()))
+    Ok(MediaBytes { data, name: path.to_string() })
 }

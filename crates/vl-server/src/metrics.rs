@@ -7,17 +7,24 @@ use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::router::App;
+use crate::state::App;
+
+/// The label of `requests_total`: the answer's HTTP status.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct StatusLabel {
+    status: String,
+}
 
 pub(crate) struct Metrics {
     pub(crate) registry: Registry,
-    pub(crate) requests: Family<Vec<(String, String)>, Counter>,
+    pub(crate) requests: Family<StatusLabel, Counter>,
     pub(crate) prompt_tokens: Counter,
     pub(crate) cached_tokens: Counter,
     pub(crate) completion_tokens: Counter,
@@ -115,5 +122,5 @@ pub(crate) async fn metrics(State(app): State<Arc<App>>) -> Response {
 }
 
 pub(crate) fn count(app: &App, status: StatusCode) {
-    app.metrics.requests.get_or_create(&vec![("status".to_string(), status.as_u16().to_string())]).inc();
+    app.metrics.requests.get_or_create(&StatusLabel { status: status.as_u16().to_string() }).inc();
 }

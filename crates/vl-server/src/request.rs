@@ -10,7 +10,7 @@ use vl_models::engine::{ChatMessage, Constraint, Part, Request, ToolCall};
 use crate::error::ApiError;
 use crate::media::part;
 use crate::openai::{ChatCompletionRequest, Content, ToolCallIn};
-use crate::router::App;
+use crate::state::App;
 
 /// Most functions a request may offer (each is rendered into the prompt).
 const MAX_TOOLS: usize = 128;
@@ -98,7 +98,7 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
                 "model_not_found",
                 format!(
                     "the model `{}` does not exist; this server serves `{}` (--strict-model-name)",
-                    crate::router::escape_log(m),
+                    crate::guard::escape_log(m),
                     app.config.id
                 ),
             ));

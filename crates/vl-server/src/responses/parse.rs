@@ -1,22 +1,11 @@
-//! OpenAI's Responses API, `POST /v1/responses`, without stored state: a request is made into the
-//! chat completions request it stands for (so it gets the same checks, sampling, constraints and
-//! tools), and its answer is shaped as a `response` object or, streamed, as the API's typed
-//! events. `previous_response_id`, `conversation`, `store: true` and `background: true` ask for
-//! state this server does not keep and are refused; so are built-in tools (web search, file
-//! search, ...) and the fields the table in docs/serving.md lists as refused.
+//! A Responses request made into the chat completions request it stands for: its fields passed
+//! on, renamed or refused, `input` items made into messages, errors naming the Responses paths.
 
-use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-
-use axum::response::sse::{Event, Sse};
-use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
-use tokio::sync::mpsc;
-use vl_models::engine::{Completion, Finish};
 
 use crate::error::ApiError;
 use crate::request::{known_keys, opt_str, parse, typed, typed_field, Parsed};
-use crate::router::{App, Msg};
+use crate::state::App;
 
 /// Top-level fields passed on to the chat request under the same name (sampling extensions
 /// vLLM's Responses API also takes).
@@ -35,15 +24,21 @@ const PASSED: [&str; 10] = [
 
 /// What the response object echoes of its request.
 pub(crate) struct Echo {
-    fields: Map<String, Value>,
+    pub(super) fields: Map<String, Value>,
     /// The request's function tools in the Responses shape, echoed as sent.
-    tools: Vec<Value>,
+    pub(super) tools: Vec<Value>,
     /// The reasoning block's closing token (counts the answer's reasoning tokens).
-    close: Option<u32>,
+    pub(super) close: Option<u32>,
+}
+
+/// A Responses request: the chat request it stands for, parsed, and what its answer echoes.
+pub(crate) struct ResponsesRequest {
+    pub chat: Parsed,
+    pub echo: Echo,
 }
 
 /// The body made into a chat completions request and parsed with its checks.
-pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<(Parsed, Echo), ApiError> {
+pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<ResponsesRequest, ApiError> {
     let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad(format!("malformed JSON body: {e}")))?;
     let Some(o) = v.as_object() else { return Err(ApiError::bad("the body must be a JSON object")) };
     let mut chat = Map::new();
@@ -139,13 +134,13 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<(Parsed, Echo), 
     if let Some(c) = o.get("tool_choice").filter(|c| !c.is_null()) {
         chat.insert("tool_choice".into(), tool_choice(c)?);
     }
-    let (messages, paths) = messages(o.get("instructions"), o.get("input"))?;
+    let Messages { messages, paths } = messages(o.get("instructions"), o.get("input"))?;
     chat.insert("messages".into(), Value::Array(messages));
     let body = Value::Object(chat).to_string();
     let renamed = |e: ApiError| e.map_message(|m| rename_paths(m, &paths));
     let parsed = parse(app, typed(body.as_bytes()).map_err(renamed)?).map_err(renamed)?;
     let close = app.engine.family().reasoning().map(|m| m.close_id);
-    Ok((parsed, Echo { fields, tools, close }))
+    Ok(ResponsesRequest { chat: parsed, echo: Echo { fields, tools, close } })
 }
 
 /// `text.format` as a chat `response_format`: `{"type": "text" | "json_object"}` or `{"type":
@@ -215,8 +210,15 @@ fn tool_choice(c: &Value) -> Result<Value, ApiError> {
     }
 }
 
+/// `instructions` and `input` as chat messages.
+struct Messages {
+    messages: Vec<Value>,
+    /// The request path each message came from (`input[K]`), for its errors.
+    paths: Vec<String>,
+}
+
 /// `instructions` and `input` as chat messages, with the request path each came from.
-fn messages(instructions: Option<&Value>, input: Option<&Value>) -> Result<(Vec<Value>, Vec<String>), ApiError> {
+fn messages(instructions: Option<&Value>, input: Option<&Value>) -> Result<Messages, ApiError> {
     let mut out: Vec<Value> = vec![];
     let mut paths: Vec<String> = vec![];
     match instructions {
@@ -232,7 +234,7 @@ fn messages(instructions: Option<&Value>, input: Option<&Value>) -> Result<(Vec<
         Some(Value::String(s)) => {
             out.push(json!({"role": "user", "content": s}));
             paths.push("input".into());
-            return Ok((out, paths));
+            return Ok(Messages { messages: out, paths });
         }
         Some(Value::Array(a)) => a,
         Some(_) => return Err(ApiError::bad("`input` must be a string or a list of items")),
@@ -349,7 +351,7 @@ fn messages(instructions: Option<&Value>, input: Option<&Value>) -> Result<(Vec<
     if out.iter().all(|m| m["role"] == "system") {
         return Err(ApiError::bad("`input` has no message"));
     }
-    Ok((out, paths))
+    Ok(Messages { messages: out, paths })
 }
 
 /// Refuses a field of `names` present in `o` (at `at`) that is not a string.
@@ -424,324 +426,4 @@ fn rename_paths(m: &str, paths: &[String]) -> String {
         .replace("`response_format.json_schema.", "`text.format.")
         .replace("`response_format.json_schema`", "`text.format`")
         .replace("`response_format", "`text.format")
-}
-
-/// Ids of one response's items.
-struct Ids {
-    response: String,
-    n: u64,
-}
-
-impl Ids {
-    fn item(&self, prefix: &str, i: usize) -> String {
-        format!("{prefix}_{}_{i}", self.n)
-    }
-}
-
-/// The response object: `status` and the output items so far.
-fn response(
-    app: &App,
-    ids: &Ids,
-    echo: &Echo,
-    created: u64,
-    status: &str,
-    output: Vec<Value>,
-    c: Option<&Completion>,
-) -> Value {
-    let mut r = json!({
-        "id": ids.response,
-        "object": "response",
-        "created_at": created,
-        "status": status,
-        "model": app.config.id,
-        "output": output,
-        "error": null,
-        "incomplete_details": null,
-        "parallel_tool_calls": true,
-        "tool_choice": "auto",
-        "tools": echo.tools,
-        "store": false,
-        "truncation": "disabled",
-        "usage": null,
-        "metadata": {},
-    });
-    for (k, v) in &echo.fields {
-        if !["tools", "model"].contains(&k.as_str()) {
-            r[k] = v.clone();
-        }
-    }
-    if let Some(c) = c {
-        if matches!(c.finish, Finish::Length | Finish::ContextFull) {
-            r["incomplete_details"] = json!({"reason": "max_output_tokens"});
-        }
-        let out = c.token_ids.len();
-        let reasoning = match (&c.reasoning, echo.close) {
-            (Some(_), Some(close)) => c.token_ids.iter().position(|&t| t == close).map_or(out, |p| p + 1),
-            _ => 0,
-        };
-        r["usage"] = json!({
-            "input_tokens": c.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": c.cached_tokens},
-            "output_tokens": out,
-            "output_tokens_details": {"reasoning_tokens": reasoning},
-            "total_tokens": c.prompt_tokens + out,
-        });
-    }
-    r
-}
-
-fn status_of(c: &Completion) -> &'static str {
-    match c.finish {
-        Finish::Length | Finish::ContextFull => "incomplete",
-        _ => "completed",
-    }
-}
-
-fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
-    json!({"type": "reasoning", "id": id, "status": status, "summary": [],
-           "content": [{"type": "reasoning_text", "text": text}]})
-}
-
-fn message_item(id: &str, text: &str, status: &str) -> Value {
-    let content = if status == "in_progress" {
-        json!([])
-    } else {
-        json!([{"type": "output_text", "text": text, "annotations": [], "logprobs": []}])
-    };
-    json!({"type": "message", "id": id, "status": status, "role": "assistant", "content": content})
-}
-
-fn call_item(ids: &Ids, i: usize, name: &str, arguments: &str, status: &str) -> Value {
-    json!({"type": "function_call", "id": ids.item("fc", i), "call_id": format!("call_{}_{i}", ids.n),
-           "name": name, "arguments": arguments, "status": status})
-}
-
-/// Every output item of a finished answer.
-fn output(ids: &Ids, c: &Completion) -> Vec<Value> {
-    let mut items = vec![];
-    if let Some(r) = &c.reasoning {
-        items.push(reasoning_item(&ids.item("rs", 0), r, "completed"));
-    }
-    // A message unless the answer is only calls or only reasoning (one that is neither has an
-    // empty message).
-    if !c.text.is_empty() || (c.tool_calls.is_empty() && c.reasoning.is_none()) {
-        items.push(message_item(&ids.item("msg", 0), &c.text, status_of(c)));
-    }
-    for (i, call) in c.tool_calls.iter().enumerate() {
-        items.push(call_item(ids, i, &call.name, &call.arguments, "completed"));
-    }
-    items
-}
-
-/// Answers a parsed Responses request from its job's messages (`first` already received).
-pub(crate) async fn answer(
-    app: Arc<App>,
-    echo: Echo,
-    stream: bool,
-    first: Msg,
-    mut rx: mpsc::Receiver<Msg>,
-    started: Instant,
-    n: u64,
-) -> Result<Response, ApiError> {
-    let ids = Ids { response: format!("resp_{n}"), n };
-    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let stopped = || {
-        ApiError::with(
-            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-            "server_error",
-            "internal_error",
-            "the engine stopped",
-        )
-    };
-    if !stream {
-        let mut msg = first;
-        loop {
-            if let Msg::Done(done) = msg {
-                let all = done?;
-                crate::router::log_answer("/v1/responses", &all, started);
-                let c = &all[0];
-                let r = response(&app, &ids, &echo, created, status_of(c), output(&ids, c), Some(c));
-                return Ok(axum::Json(r).into_response());
-            }
-            msg = rx.recv().await.ok_or_else(stopped)?;
-        }
-    }
-    if let Msg::Done(Err(e)) = first {
-        return Err(e);
-    }
-    let (lines, out) = mpsc::channel::<(String, String)>(64);
-    tokio::spawn(async move {
-        let mut events = Events { lines, seq: 0 };
-        let start = response(&app, &ids, &echo, created, "in_progress", vec![], None);
-        if !events.send("response.created", json!({"response": start.clone()})).await
-            || !events.send("response.in_progress", json!({"response": start})).await
-        {
-            return;
-        }
-        // The open item: (output index, id, is reasoning, text so far).
-        let mut open: Option<(usize, String, bool, String)> = None;
-        let mut items: Vec<Value> = vec![];
-        let mut msg = Some(first);
-        loop {
-            let m = match msg.take() {
-                Some(m) => m,
-                None => match rx.recv().await {
-                    Some(m) => m,
-                    None => return,
-                },
-            };
-            match m {
-                Msg::Text(_, t, reasoning, _) => {
-                    if open.as_ref().is_some_and(|o| o.2 != reasoning) {
-                        let o = open.take().expect("checked");
-                        if !events.close(&mut items, o, "completed").await {
-                            return;
-                        }
-                    }
-                    if open.is_none() {
-                        let index = items.len();
-                        let id = ids.item(if reasoning { "rs" } else { "msg" }, 0);
-                        let item = if reasoning {
-                            reasoning_item(&id, "", "in_progress")
-                        } else {
-                            message_item(&id, "", "in_progress")
-                        };
-                        let mut ok = events
-                            .send("response.output_item.added", json!({"output_index": index, "item": item}))
-                            .await;
-                        if !reasoning {
-                            let part = json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
-                            ok = ok
-                                && events
-                                    .send(
-                                        "response.content_part.added",
-                                        json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
-                                    )
-                                    .await;
-                        }
-                        if !ok {
-                            return;
-                        }
-                        items.push(Value::Null);
-                        open = Some((index, id, reasoning, String::new()));
-                    }
-                    let o = open.as_mut().expect("opened");
-                    o.3.push_str(&t);
-                    let kind = if reasoning { "response.reasoning_text.delta" } else { "response.output_text.delta" };
-                    let mut e = json!({"item_id": o.1, "output_index": o.0, "content_index": 0, "delta": t});
-                    if !reasoning {
-                        e["logprobs"] = json!([]);
-                    }
-                    if !events.send(kind, e).await {
-                        return;
-                    }
-                }
-                Msg::Done(Ok(all)) => {
-                    crate::router::log_answer("/v1/responses", &all, started);
-                    let c = &all[0];
-                    if let Some(o) = open.take() {
-                        if !events.close(&mut items, o, status_of(c)).await {
-                            return;
-                        }
-                    }
-                    // An answer that is only calls has no message; one with neither text nor
-                    // calls has an empty one.
-                    if items.is_empty() && c.tool_calls.is_empty() {
-                        let index = items.len();
-                        let item = message_item(&ids.item("msg", 0), "", status_of(c));
-                        let _ = events
-                            .send("response.output_item.added", json!({"output_index": index, "item": item.clone()}))
-                            .await;
-                        let _ = events
-                            .send("response.output_item.done", json!({"output_index": index, "item": item.clone()}))
-                            .await;
-                        items.push(item);
-                    }
-                    for (i, call) in c.tool_calls.iter().enumerate() {
-                        let index = items.len();
-                        let added = call_item(&ids, i, &call.name, "", "in_progress");
-                        let done = call_item(&ids, i, &call.name, &call.arguments, "completed");
-                        let id = ids.item("fc", i);
-                        let _ = events
-                            .send("response.output_item.added", json!({"output_index": index, "item": added}))
-                            .await;
-                        let _ = events
-                            .send(
-                                "response.function_call_arguments.delta",
-                                json!({"item_id": id, "output_index": index, "delta": call.arguments}),
-                            )
-                            .await;
-                        let _ = events
-                            .send(
-                                "response.function_call_arguments.done",
-                                json!({"item_id": id, "output_index": index, "name": call.name, "arguments": call.arguments}),
-                            )
-                            .await;
-                        let _ = events
-                            .send("response.output_item.done", json!({"output_index": index, "item": done.clone()}))
-                            .await;
-                        items.push(done);
-                    }
-                    let status = status_of(c);
-                    let r = response(&app, &ids, &echo, created, status, items, Some(c));
-                    let kind = if status == "completed" { "response.completed" } else { "response.incomplete" };
-                    let _ = events.send(kind, json!({"response": r})).await;
-                    return;
-                }
-                Msg::Done(Err(e)) => {
-                    let b = e.body();
-                    let err = &b["error"];
-                    let _ = events
-                        .send("error", json!({"code": err["code"], "message": err["message"], "param": err["param"]}))
-                        .await;
-                    return;
-                }
-            }
-        }
-    });
-    let stream = futures_util::stream::unfold(out, |mut out| async move {
-        let (kind, data) = out.recv().await?;
-        Some((Ok::<_, std::convert::Infallible>(Event::default().event(kind).data(data)), out))
-    });
-    Ok(Sse::new(stream)
-        .keep_alive(axum::response::sse::KeepAlive::new().interval(Duration::from_secs(15)))
-        .into_response())
-}
-
-/// The stream's typed events, numbered.
-struct Events {
-    lines: mpsc::Sender<(String, String)>,
-    seq: u64,
-}
-
-impl Events {
-    /// Sends one event; false when the client has gone.
-    async fn send(&mut self, kind: &str, mut body: Value) -> bool {
-        body["type"] = json!(kind);
-        body["sequence_number"] = json!(self.seq);
-        self.seq += 1;
-        self.lines.send((kind.to_string(), body.to_string())).await.is_ok()
-    }
-
-    /// Closes the open item: its text's `done` event, then the item's.
-    async fn close(
-        &mut self,
-        items: &mut [Value],
-        (index, id, reasoning, text): (usize, String, bool, String),
-        status: &str,
-    ) -> bool {
-        let (item, ok) = if reasoning {
-            let e = json!({"item_id": id, "output_index": index, "content_index": 0, "text": text});
-            (reasoning_item(&id, &text, "completed"), self.send("response.reasoning_text.done", e).await)
-        } else {
-            let e = json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []});
-            let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
-            let p = json!({"item_id": id, "output_index": index, "content_index": 0, "part": part});
-            let ok =
-                self.send("response.output_text.done", e).await && self.send("response.content_part.done", p).await;
-            (message_item(&id, &text, status), ok)
-        };
-        items[index] = item.clone();
-        ok && self.send("response.output_item.done", json!({"output_index": index, "item": item})).await
-    }
 }

@@ -1,0 +1,237 @@
+//! The server as a library, end to end: an `Engine` over the tiny checkpoint `goldens/tiny-a`,
+//! `vl_server::serve_until` on a free loopback port, driven over HTTP with a plain client
+//! (ureq). The greedy answer equals the Python reference's (`goldens/tiny-a/cases`), as
+//! `crates/vl-cli/tests/serve.rs` checks it through the `vl` binary. Every request has a timeout;
+//! each server stops when its test drops it, within a short shutdown bound.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use serde_json::{json, Value};
+use vl_models::engine::Engine;
+use vl_server::{ConnectionLimits, ServerConfig, ServerError};
+
+fn goldens() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../goldens")
+}
+
+/// A server on a free loopback port, stopped when dropped.
+struct Server {
+    base: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<JoinHandle<Result<(), ServerError>>>,
+}
+
+/// Most a server may take to stop once told (its shutdown bound, and a margin).
+const SHUTDOWN: Duration = Duration::from_secs(5);
+
+impl Server {
+    /// tiny-a served under the id `tiny-a` with `config`'s other settings.
+    fn start(config: ServerConfig) -> Self {
+        let engine = Engine::builder(goldens().join("tiny-a/checkpoint")).build().expect("tiny-a loads");
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let config = ServerConfig {
+            id: "tiny-a".into(),
+            connections: ConnectionLimits { shutdown_timeout: Duration::from_secs(2), ..config.connections },
+            ..config
+        };
+        let thread = std::thread::spawn(move || {
+            vl_server::serve_until(Arc::new(engine), listener, config, async move {
+                let _ = stopped.await;
+            })
+        });
+        Self { base, stop: Some(stop), thread: Some(thread) }
+    }
+
+    /// Stops the server; what `serve_until` returned, within `SHUTDOWN`.
+    fn stop(&mut self) -> Result<(), ServerError> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let Some(thread) = self.thread.take() else { return Ok(()) };
+        let t = Instant::now();
+        while !thread.is_finished() {
+            assert!(t.elapsed() < SHUTDOWN, "the server did not stop within {SHUTDOWN:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        thread.join().expect("the server thread panicked")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.stop().expect("the server stopped with an error");
+        } else if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::AgentBuilder::new().timeout(Duration::from_secs(60)).build()
+}
+
+/// (status, body) of a GET; error statuses are answers here, not failures.
+fn get(s: &Server, path: &str) -> (u16, Value) {
+    let resp = match agent().get(&format!("{}{path}", s.base)).call() {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("GET {path}: {e}"),
+    };
+    (resp.status(), json_body(resp))
+}
+
+fn json_body(resp: ureq::Response) -> Value {
+    let text = resp.into_string().expect("a body");
+    serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"))
+}
+
+/// (status, body) of a POST of `body` as JSON.
+fn post(s: &Server, path: &str, body: &Value) -> (u16, Value) {
+    let r = agent().post(&format!("{}{path}", s.base)).set("Content-Type", "application/json");
+    let resp = match r.send_string(&body.to_string()) {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("POST {path}: {e}"),
+    };
+    (resp.status(), json_body(resp))
+}
+
+/// The reference's greedy answer to `one_image`: its text, its token count, the prompt's tokens.
+struct Golden {
+    text: String,
+    tokens: usize,
+    prompt_tokens: usize,
+}
+
+fn golden() -> Golden {
+    let path = goldens().join("tiny-a/cases/one_image.json");
+    let meta: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    Golden {
+        text: meta["greedy"]["text"].as_str().unwrap().to_string(),
+        tokens: meta["greedy"]["ids"].as_array().unwrap().len(),
+        prompt_tokens: meta["num_tokens"].as_u64().unwrap() as usize,
+    }
+}
+
+/// The reference's case: square.png and "Describe this image.", `max_tokens` tokens.
+fn one_image(max_tokens: usize) -> Value {
+    let png = std::fs::read(goldens().join("images/square.png")).unwrap();
+    let url = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(png));
+    json!({
+        "model": "tiny-a",
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "Describe this image."},
+        ]}],
+        "max_tokens": max_tokens,
+    })
+}
+
+#[test]
+fn health_and_models_list_the_id_then_the_aliases() {
+    let s = Server::start(ServerConfig { aliases: vec!["gpt-4o-mini".into()], ..Default::default() });
+    assert_eq!(get(&s, "/health"), (200, json!({"status": "ok"})));
+    let (status, models) = get(&s, "/v1/models");
+    assert_eq!(status, 200, "{models}");
+    assert_eq!(models["object"], "list");
+    let ids: Vec<&Value> = models["data"].as_array().unwrap().iter().map(|m| &m["id"]).collect();
+    assert_eq!(ids, [&json!("tiny-a"), &json!("gpt-4o-mini")]);
+    assert_eq!(models["data"][0]["object"], "model");
+    assert!(models["data"][0]["context_length"].as_u64().unwrap() > 0, "{models}");
+    let (status, alias) = get(&s, "/v1/models/gpt-4o-mini");
+    assert_eq!((status, &alias["id"]), (200, &json!("gpt-4o-mini")));
+    let (status, missing) = get(&s, "/v1/models/nothing");
+    assert_eq!((status, &missing["error"]["code"]), (404, &json!("model_not_found")));
+}
+
+#[test]
+fn a_greedy_answer_equals_the_reference() {
+    let s = Server::start(ServerConfig::default());
+    let want = golden();
+    let (status, v) = post(&s, "/v1/chat/completions", &one_image(want.tokens));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], "tiny-a");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["message"]["content"], want.text.as_str());
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["prompt_tokens"], want.prompt_tokens);
+    assert_eq!(v["usage"]["completion_tokens"], want.tokens);
+    assert_eq!(v["usage"]["total_tokens"], want.prompt_tokens + want.tokens);
+    // square.png, 128x128: 8x8 patches merged 2x2.
+    assert_eq!(v["usage"]["prompt_tokens_details"]["image_tokens"], 16);
+    let metrics = agent().get(&format!("{}/metrics", s.base)).call().unwrap().into_string().unwrap();
+    assert!(metrics.contains("vl_requests_total{status=\"200\"} 1"), "{metrics}");
+    assert!(metrics.contains(&format!("vl_completion_tokens_total {}", want.tokens)), "{metrics}");
+}
+
+#[test]
+fn a_bad_field_is_a_400_naming_it_in_param() {
+    let s = Server::start(ServerConfig::default());
+    let mut body = one_image(2);
+    body["temperature"] = json!(3.5);
+    let (status, v) = post(&s, "/v1/chat/completions", &body);
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    assert_eq!(v["error"]["param"], "temperature", "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("temperature"), "{v}");
+    // The server goes on answering.
+    assert_eq!(get(&s, "/health").0, 200);
+}
+
+#[test]
+fn a_streamed_answer_adds_up_to_the_reference() {
+    let s = Server::start(ServerConfig::default());
+    let want = golden();
+    let mut body = one_image(want.tokens);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let resp = agent()
+        .post(&format!("{}/v1/chat/completions", s.base))
+        .set("Content-Type", "application/json")
+        .send_string(&body.to_string())
+        .expect("a streamed answer");
+    assert_eq!(resp.header("content-type"), Some("text/event-stream"));
+    let mut lines = vec![];
+    for line in BufReader::new(resp.into_reader()).lines() {
+        let line = line.unwrap();
+        if let Some(d) = line.strip_prefix("data: ") {
+            lines.push(d.to_string());
+            if d == "[DONE]" {
+                break;
+            }
+        }
+    }
+    assert_eq!(lines.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = lines[..lines.len() - 1].iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, want.text);
+    let finish: Vec<&Value> =
+        chunks.iter().map(|c| &c["choices"][0]["finish_reason"]).filter(|f| !f.is_null()).collect();
+    assert_eq!(finish, [&json!("length")]);
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["prompt_tokens"], want.prompt_tokens);
+    assert_eq!(usage["completion_tokens"], want.tokens);
+}
+
+#[test]
+fn the_server_stops_when_told_and_frees_its_port() {
+    let mut s = Server::start(ServerConfig { ui: false, ..Default::default() });
+    assert_eq!(get(&s, "/health").0, 200);
+    // Without the web chat, `/` is no route.
+    assert_eq!(get(&s, "/").0, 404);
+    s.stop().expect("a clean stop");
+    let addr = s.base.trim_start_matches("http://");
+    assert!(std::net::TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(2)).is_err());
+}
