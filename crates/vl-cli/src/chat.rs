@@ -18,12 +18,11 @@ use anyhow::{bail, Context, Result};
 use base64::Engine as _;
 use clap::Args;
 use serde_json::{json, Value};
-use vl_models::engine::{ChatMessage, Engine, EngineOptions, ModelOptions, Part, Request, VideoData};
+use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
 use vl_models::limits::{ImageLimits, LimitKind};
-use vl_models::sampling::GenerationOptions;
 
+use crate::flags::{check_media, ChatDefaults, LoadArgs, SamplingArgs};
 use crate::note;
-use crate::run::{check_media, device, dtype, quant_of, LoadArgs};
 
 /// Largest conversation file `/load` reads (images travel inside it as data URLs).
 const MAX_CONVERSATION_BYTES: u64 = 256 << 20;
@@ -37,28 +36,8 @@ pub struct ChatArgs {
     /// An optional system message.
     #[arg(long)]
     system: Option<String>,
-    /// Tokens generated at most per answer (it stops earlier at an end-of-turn token).
-    #[arg(long, default_value_t = 1024)]
-    max_new_tokens: usize,
-    /// Sampling temperature; 0 (the default) is greedy decoding.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f64,
-    /// Keep the k most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    /// Nucleus sampling mass (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f64,
-    /// Drop tokens below min_p times the top probability (0 = off).
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f64,
-    /// Penalize tokens already seen (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    repetition_penalty: f64,
-    /// Seed of the sampler's random numbers (with --temperature above 0): the same seed, the
-    /// same answers.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    #[command(flatten)]
+    sampling: SamplingArgs<ChatDefaults>,
     #[command(flatten)]
     reasoning: crate::reasoning::ReasoningArgs,
 }
@@ -138,41 +117,18 @@ fn read_line(r: &mut impl BufRead, max: usize) -> Result<Got> {
 }
 
 pub fn chat(args: ChatArgs) -> Result<()> {
-    let options = GenerationOptions {
-        max_new_tokens: args.max_new_tokens,
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repetition_penalty: args.repetition_penalty,
-        seed: args.seed,
-        ..Default::default()
-    };
-    options.validate().map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;
-    let dev = device(args.load.device)?;
-    let dtype = dtype(args.load.dtype, &dev);
-    let dir = crate::hub::resolve(&args.load.model)?;
-    let limits = args.load.image_limits();
-    let (video, video_pixel_cap) = args.load.video_options()?;
-    let opts = EngineOptions {
-        model: ModelOptions {
-            dtype,
-            device: dev,
-            quant: quant_of(&args.load, &dir, dtype)?,
-            vision_bf16: args.load.vision_bf16(),
-            min_pixels: args.load.min_pixels,
-            max_pixels: args.load.max_pixels,
-            max_image_tokens: args.load.max_image_tokens(),
-            image_limits: limits,
-            video,
-            video_pixel_cap,
-            ..Default::default()
-        },
-        ..Default::default()
-    };
+    let options = args.sampling.options()?;
+    let dev = args.load.model.device()?;
+    let dtype = args.load.model.dtype(&dev);
+    let dir = crate::hub::resolve(&args.load.model.model)?;
+    let limits = args.load.limits.image_limits();
+    let video = args.load.media.video_options()?;
+    let quant = args.load.model.quant_of(&dir, dtype)?;
+    // The clip cache at its default: the history, videos included, is sent again every turn.
+    let opts = EngineOptions { model: args.load.model_options(dev, dtype, quant, video), ..Default::default() };
     let t = Instant::now();
-    let engine =
-        Engine::open(&dir, args.load.mmproj.as_deref(), opts).with_context(|| format!("model {}", dir.display()))?;
+    let engine = Engine::open(&dir, args.load.model.mmproj.as_deref(), opts)
+        .with_context(|| format!("model {}", dir.display()))?;
     let interactive = std::io::stdin().is_terminal();
     // Ctrl-C while an answer is written stops that answer (the terminal is not in raw mode
     // then, so it arrives as SIGINT); at the prompt the line editor reads it as a key.
