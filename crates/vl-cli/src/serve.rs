@@ -235,6 +235,12 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 }
 
 /// generation_config.json's sampling values (temperature, top_k, top_p), for `--sampling model`.
+///
+/// Read untyped here on purpose, for now: vl-models' typed reader (`GenerationConfig`) keeps
+/// only the stop ids and lives in a family's module, which the CLI may not name (`.ci/run`'s
+/// family-seam check). TODO: a family-agnostic typed reader in
+/// vl-models with the sampling values (`do_sample`, temperature, top_k, top_p,
+/// repetition_penalty), then this becomes a call to it.
 fn model_sampling(dir: &std::path::Path) -> Result<GenerationOptions> {
     let path = dir.join("generation_config.json");
     let mut o = GenerationOptions::default();
