@@ -185,6 +185,26 @@ mod tests {
         assert!(missing.is_empty(), "{missing:#?}");
     }
 
+    /// `--max-new-tokens`' default per command (`flags::sampling::Defaults`) is what `--help`,
+    /// the README and docs/serving.md say.
+    #[test]
+    fn max_new_tokens_defaults_are_as_documented() {
+        use crate::flags::sampling::{ChatDefaults, Defaults, RunDefaults};
+        let cmd = super::command(crate::Cli::command());
+        let (run, chat) = (RunDefaults::MAX_NEW_TOKENS, ChatDefaults::MAX_NEW_TOKENS);
+        for (sub, want) in [("run", run), ("chat", chat)] {
+            let sub = cmd.find_subcommand(sub).unwrap();
+            let arg = sub.get_arguments().find(|a| a.get_id() == "max_new_tokens").unwrap();
+            assert_eq!(arg.get_default_values(), [want], "vl {} --max-new-tokens", sub.get_name());
+        }
+        let readme = include_str!("../../../README.md");
+        let want = format!("`--max-new-tokens` (default {run}; `vl chat`'s is {chat})");
+        assert!(readme.contains(&want), "README.md does not say {want}");
+        let serving = include_str!("../../../docs/serving.md");
+        let want = format!("`--max-new-tokens` defaults to {chat} here and {run} in `vl run`");
+        assert!(serving.contains(&want), "docs/serving.md does not say {want}");
+    }
+
     /// Negative numbers reach the value parser (and then the range checks), not "unexpected
     /// argument".
     #[test]

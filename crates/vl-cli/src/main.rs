@@ -1,6 +1,7 @@
 //! `vl`: run and inspect Qwen3-VL checkpoints.
 
 mod chat;
+mod flags;
 mod help;
 mod hub;
 mod models;

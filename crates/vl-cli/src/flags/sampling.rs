@@ -1,0 +1,99 @@
+//! The generation flags `vl run` and `vl chat` share (`--max-new-tokens`, `--temperature`,
+//! `--top-k`, `--top-p`, `--min-p`, `--repetition-penalty`, `--seed`), checked into the engine's
+//! `GenerationOptions`. `vl serve` takes sampling per request (and `--sampling`).
+//!
+//! Every default is the library's (`GenerationOptions::default()`: greedy decoding), but for
+//! `--max-new-tokens`, which each command sets on purpose (`Defaults`).
+
+use std::marker::PhantomData;
+
+use anyhow::Result;
+use clap::Args;
+use vl_models::sampling::GenerationOptions;
+
+/// The generation defaults a command sets itself.
+pub trait Defaults: std::fmt::Debug + Send + Sync + 'static {
+    /// `--max-new-tokens`' default, as `--help` shows it (a number).
+    const MAX_NEW_TOKENS: &'static str;
+}
+
+/// `vl run`: the library's 256 tokens. One answer about the media given, often a description
+/// read by a script; on the CPU it ends in seconds.
+#[derive(Debug)]
+pub struct RunDefaults;
+
+impl Defaults for RunDefaults {
+    const MAX_NEW_TOKENS: &'static str = "256";
+}
+
+/// `vl chat`: 1024 tokens, on purpose longer than `vl run`'s. A conversation's answers
+/// (explanations, code, follow-ups) run longer than a one-shot description, and one too long is
+/// stopped with Ctrl-C as it is written, keeping what was said.
+#[derive(Debug)]
+pub struct ChatDefaults;
+
+impl Defaults for ChatDefaults {
+    const MAX_NEW_TOKENS: &'static str = "1024";
+}
+
+/// How an answer is generated: the Generation heading's sampling flags, `D` the command's
+/// defaults.
+#[derive(Debug, Args)]
+pub struct SamplingArgs<D: Defaults> {
+    /// Tokens generated at most per answer (it stops earlier at an end-of-turn token).
+    #[arg(long, default_value = D::MAX_NEW_TOKENS)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 (the default) is greedy decoding.
+    #[arg(long, default_value_t = GenerationOptions::default().temperature)]
+    pub temperature: f64,
+    /// Keep the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = GenerationOptions::default().top_k)]
+    pub top_k: usize,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = GenerationOptions::default().top_p)]
+    pub top_p: f64,
+    /// Drop tokens below min_p times the top probability (0 = off).
+    #[arg(long, default_value_t = GenerationOptions::default().min_p)]
+    pub min_p: f64,
+    /// Penalize tokens already seen (1 = off).
+    #[arg(long, default_value_t = GenerationOptions::default().repetition_penalty)]
+    pub repetition_penalty: f64,
+    /// Seed of the sampler's random numbers (with --temperature above 0): the same seed, the
+    /// same answer.
+    #[arg(long, default_value_t = GenerationOptions::default().seed)]
+    pub seed: u64,
+    #[arg(skip)]
+    defaults: PhantomData<D>,
+}
+
+impl<D: Defaults> SamplingArgs<D> {
+    /// The engine's options, checked: a value out of range is one line naming its flag.
+    pub fn options(&self) -> Result<GenerationOptions> {
+        let options = GenerationOptions {
+            max_new_tokens: self.max_new_tokens,
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+            ..Default::default()
+        };
+        options.validate().map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;
+        Ok(options)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `vl run`'s default is the library's; `vl chat`'s is its own, and longer.
+    #[test]
+    fn the_max_new_tokens_defaults_are_numbers_and_run_s_is_the_library_s() {
+        let run: usize = RunDefaults::MAX_NEW_TOKENS.parse().unwrap();
+        let chat: usize = ChatDefaults::MAX_NEW_TOKENS.parse().unwrap();
+        assert_eq!(run, GenerationOptions::default().max_new_tokens);
+        assert!(chat > run);
+    }
+}
