@@ -8,7 +8,7 @@
 //! ```no_run
 //! use std::sync::Arc;
 //!
-//! use vl_models::engine::Engine;
+//! use vl_models::Engine;
 //! use vl_server::{ConnectionLimits, ServerConfig};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
