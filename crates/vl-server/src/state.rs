@@ -1,5 +1,7 @@
 //! What the server holds: `ServerConfig` (what it is told besides its engine, with `vl serve`'s
-//! defaults), `ConnectionLimits`, and `App`, the state every route and worker shares.
+//! defaults), `MediaDir`, `ConnectionLimits` (the default connection count from the descriptor
+//! limit), and `App`, the state every route and worker shares. Below every route: it imports
+//! only `job` and `metrics`.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
