@@ -13,9 +13,16 @@ use vl_models::engine::{Completion, ToolCall};
 
 use crate::error::ApiError;
 use crate::guard::log_answer;
-use crate::handlers::Kind;
+use crate::job::{engine_stopped, Msg};
 use crate::state::App;
-use crate::workers::{engine_stopped, Msg};
+
+/// Which OpenAI endpoint a request came to: the answers' shape follows it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Chat,
+    Text,
+    Responses,
+}
 
 /// A chat or text completion request's answer: what its JSON says besides the completions.
 pub(crate) struct Answer {

@@ -12,25 +12,6 @@ use tokio::sync::{watch, Semaphore};
 
 use crate::state::ConnectionLimits;
 
-/// Descriptors kept free of connections: model files, ffmpeg's pipes, temporary video files,
-/// remote media fetches.
-pub const RESERVED_DESCRIPTORS: u64 = 128;
-
-/// The process's open-file limit (soft), if known.
-#[allow(clippy::unnecessary_cast)] // rlim_t is u64 on Linux and macOS, not everywhere
-pub fn descriptor_limit() -> Option<u64> {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit writes the struct it is given.
-    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0).then_some(lim.rlim_cur as u64)
-}
-
-/// The default connection limit: 1024, or fewer when the open-file limit leaves less than that
-/// beside `RESERVED_DESCRIPTORS`.
-pub fn default_max_connections() -> usize {
-    let free = descriptor_limit().map_or(1024, |n| n.saturating_sub(RESERVED_DESCRIPTORS));
-    free.clamp(8, 1024) as usize
-}
-
 /// Busy answers being written at once; past this, a connection over the limit is closed
 /// without one (each holds a descriptor for up to a second).
 const MAX_BUSY_REPLIES: usize = 64;

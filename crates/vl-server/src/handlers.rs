@@ -1,6 +1,6 @@
 //! The endpoints: `/v1/chat/completions`, `/v1/completions` and `/v1/responses` share one
 //! handler (body read, parsed for its endpoint, handed to a worker, answered in its endpoint's
-//! shape); `/v1/models`, `/v1/models/{id}`, `/health`; the 404 and 405 answers.
+//! shape); `/v1/models`, `/v1/models/{id}`, `/health`, `/metrics`; the 404 and 405 answers.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -13,14 +13,14 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::answers::Answer;
+use crate::answers::{Answer, Kind};
 use crate::error::ApiError;
 use crate::guard::{escape_log, read_body};
-use crate::metrics::count;
+use crate::job::{engine_stopped, Job, Msg, RELAY_MESSAGES};
 use crate::request::{parse, typed, Parsed};
 use crate::responses::Echo;
 use crate::state::{now, App};
-use crate::workers::{engine_stopped, submit, Job, Msg, RELAY_MESSAGES};
+use crate::workers::submit;
 
 /// `router` with the API's routes and its 404 / 405 answers.
 pub(crate) fn routes(router: axum::Router<Arc<App>>) -> axum::Router<Arc<App>> {
@@ -32,7 +32,7 @@ pub(crate) fn routes(router: axum::Router<Arc<App>>) -> axum::Router<Arc<App>> {
         .route("/v1/models", get(models))
         .route("/v1/models/{*name}", get(model))
         .route("/health", get(|| async { axum::Json(json!({"status": "ok"})) }))
-        .route("/metrics", get(crate::metrics::metrics))
+        .route("/metrics", get(|State(app): State<Arc<App>>| async move { app.metrics.render(&app.engine) }))
         .fallback(|| async {
             ApiError::with(StatusCode::NOT_FOUND, "invalid_request_error", "not_found", "no such endpoint")
         })
@@ -87,20 +87,12 @@ async fn responses(State(app): State<Arc<App>>, req: axum::extract::Request) -> 
     endpoint(app, req, Kind::Responses).await
 }
 
-/// Which OpenAI endpoint a request came to: the answers' shape follows it.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
-    Chat,
-    Text,
-    Responses,
-}
-
 async fn endpoint(app: Arc<App>, req: axum::extract::Request, kind: Kind) -> Response {
     let resp = match read_body(&app, req).await {
         Ok(body) => handle(&app, body, kind).await.unwrap_or_else(IntoResponse::into_response),
         Err(e) => e.into_response(),
     };
-    count(&app, resp.status());
+    app.metrics.count(resp.status());
     resp
 }
 

@@ -8,7 +8,7 @@
 //! ```no_run
 //! use std::sync::Arc;
 //!
-//! use vl_models::engine::Engine;
+//! use vl_models::Engine;
 //! use vl_server::{ConnectionLimits, ServerConfig};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -31,12 +31,15 @@
 //! - `responses/`: OpenAI's Responses API over the chat request it stands for (`parse`: the
 //!   request; `answer`: the response object and its typed events).
 //! - `media`: images and videos from data URLs, http(s) URLs and allowed local paths.
-//! - `state`: `ServerConfig`, `ConnectionLimits`, the shared `App`.
+//! - `fields`: JSON fields read by hand, each error naming its path.
+//! - `state`: `ServerConfig`, `ConnectionLimits`, the shared `App`: near the bottom (it imports
+//!   only `job` and `metrics`); only `router` imports `handlers`. No import circle:
+//!   `tools/lint/module_circles.py crates/vl-server/src`.
 //! - `router`: the server assembled and run (`serve`, `serve_until`), its bounded shutdown.
 //! - `handlers`: the endpoints; `answers`: chat and text completion answers, whole or streamed.
 //! - `guard`: CORS, the API key, one log line per request, the body's size limit and timeout.
-//! - `workers`: the threads that hand requests to the engine, whose scheduler decodes them
-//!   together, and relay its stream.
+//! - `workers`: the threads that hand requests (`job::Job`) to the engine, whose scheduler
+//!   decodes them together, and relay its stream (`job::Msg`).
 //! - `conn`: the accept loop (connection limit, header timeout, graceful shutdown).
 //! - `ui` (and `ui/` beside `src/`): the web chat at `/`, embedded in the binary.
 //! - `metrics`: Prometheus `/metrics`; `error`: OpenAI-shaped errors.
@@ -52,8 +55,10 @@ macro_rules! note {
 mod answers;
 mod conn;
 mod error;
+mod fields;
 mod guard;
 mod handlers;
+mod job;
 mod media;
 mod metrics;
 pub mod openai;
@@ -64,10 +69,12 @@ mod state;
 mod ui;
 mod workers;
 
-pub use conn::{default_max_connections, descriptor_limit, RESERVED_DESCRIPTORS};
 pub use guard::{check_api_key, cors_origins};
 pub use router::{serve, serve_until};
-pub use state::{ConnectionLimits, MediaDir, ServerConfig, DEFAULT_MODEL_ID};
+pub use state::{
+    default_max_connections, descriptor_limit, ConnectionLimits, MediaDir, ServerConfig, DEFAULT_MODEL_ID,
+    RESERVED_DESCRIPTORS,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {

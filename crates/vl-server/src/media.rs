@@ -13,7 +13,7 @@ use vl_models::engine::{Part, VideoData};
 use vl_models::limits::LimitKind;
 
 use crate::error::ApiError;
-use crate::request::{known_keys, opt_str, typed_field};
+use crate::fields::{known_keys, opt_str, typed_field};
 use crate::state::App;
 
 /// Pixels of an image sent with `detail: "low"`: OpenAI's low detail is a 512x512 image.
@@ -208,7 +208,7 @@ fn allowed_path(app: &App, path: &str, at: &str, what: &str) -> std::result::Res
             format!("`{at}`: {path} is outside the allowed media directory"),
         )
     };
-    let written = lexical(std::path::Path::new(path));
+    let written = crate::state::lexical(std::path::Path::new(path));
     if !written.starts_with(&root.written) && !written.starts_with(&root.real) {
         return Err(outside());
     }
@@ -222,24 +222,6 @@ fn allowed_path(app: &App, path: &str, at: &str, what: &str) -> std::result::Res
         return Err(ApiError::bad(format!("`{at}`: {path} is {kind}: only files are read as {what}s")));
     }
     Ok(real)
-}
-
-/// `path` made absolute (against the working directory) with `.` and `..` resolved as written,
-/// without touching the filesystem.
-pub(crate) fn lexical(path: &std::path::Path) -> PathBuf {
-    use std::path::Component;
-    let base = if path.is_absolute() { PathBuf::new() } else { std::env::current_dir().unwrap_or_default() };
-    let mut out = PathBuf::new();
-    for c in base.components().chain(path.components()) {
-        match c {
-            Component::CurDir => {}
-            Component::ParentDir => {
-                out.pop();
-            }
-            other => out.push(other),
-        }
-    }
-    out
 }
 
 enum Fetch {

@@ -1,9 +1,6 @@
 //! Prometheus metrics (`/metrics`): requests by status, tokens, cache hits, the engine's
 //! running and waiting sequences and KV memory, time to first token.
 
-use std::sync::Arc;
-
-use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use prometheus_client::encoding::text::encode;
@@ -13,8 +10,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-
-use crate::state::App;
+use vl_models::engine::Engine;
 
 /// The label of `requests_total`: the answer's HTTP status.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -98,29 +94,31 @@ impl Metrics {
         r.register("kept_prefixes", "Finished conversations' caches kept for prefix reuse", m.kept_prefixes.clone());
         m
     }
-}
 
-pub(crate) async fn metrics(State(app): State<Arc<App>>) -> Response {
-    let st = app.engine.stats();
-    let m = &app.metrics;
-    let set = |g: &Gauge, v: u64| {
-        g.set(i64::try_from(v).unwrap_or(i64::MAX));
-    };
-    set(&m.kv_cache_bytes, st.kv_cache_bytes as u64);
-    set(&m.kv_budget_bytes, st.kv_budget_bytes as u64);
-    set(&m.sequences_running, st.running as u64);
-    set(&m.sequences_waiting, st.waiting as u64);
-    set(&m.decode_steps, st.decode_steps);
-    set(&m.decode_rows, st.decode_rows);
-    set(&m.preemptions, st.preemptions);
-    set(&m.kept_prefixes, st.cached_prefixes as u64);
-    let mut text = String::new();
-    if encode(&mut text, &app.metrics.registry).is_err() {
-        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    /// An answer with `status` counted.
+    pub(crate) fn count(&self, status: StatusCode) {
+        self.requests.get_or_create(&StatusLabel { status: status.as_u16().to_string() }).inc();
     }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
-}
 
-pub(crate) fn count(app: &App, status: StatusCode) {
-    app.metrics.requests.get_or_create(&StatusLabel { status: status.as_u16().to_string() }).inc();
+    /// The `/metrics` answer: every metric, `engine`'s figures read now, in Prometheus' text
+    /// format.
+    pub(crate) fn render(&self, engine: &Engine) -> Response {
+        let st = engine.stats();
+        let set = |g: &Gauge, v: u64| {
+            g.set(i64::try_from(v).unwrap_or(i64::MAX));
+        };
+        set(&self.kv_cache_bytes, st.kv_cache_bytes as u64);
+        set(&self.kv_budget_bytes, st.kv_budget_bytes as u64);
+        set(&self.sequences_running, st.running as u64);
+        set(&self.sequences_waiting, st.waiting as u64);
+        set(&self.decode_steps, st.decode_steps);
+        set(&self.decode_rows, st.decode_rows);
+        set(&self.preemptions, st.preemptions);
+        set(&self.kept_prefixes, st.cached_prefixes as u64);
+        let mut text = String::new();
+        if encode(&mut text, &self.registry).is_err() {
+            return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+        }
+        ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+    }
 }

@@ -1,5 +1,7 @@
 //! What the server holds: `ServerConfig` (what it is told besides its engine, with `vl serve`'s
-//! defaults), `ConnectionLimits`, and `App`, the state every route and worker shares.
+//! defaults), `MediaDir`, `ConnectionLimits` (the default connection count from the descriptor
+//! limit), and `App`, the state every route and worker shares. Below every route: it imports
+//! only `job` and `metrics`.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
@@ -9,8 +11,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use vl_models::engine::Engine;
 use vl_models::sampling::GenerationOptions;
 
+use crate::job::Job;
 use crate::metrics::Metrics;
-use crate::workers::Job;
 
 /// What the server is told besides its engine. `Default` is what `vl serve` runs with when given
 /// no flag (but `id`, which it takes from `--model`), so a caller sets only what differs:
@@ -99,8 +101,26 @@ impl MediaDir {
         if !real.is_dir() {
             return Err(std::io::Error::other("not a directory"));
         }
-        Ok(Self { written: crate::media::lexical(path), real })
+        Ok(Self { written: lexical(path), real })
     }
+}
+
+/// `path` made absolute (against the working directory) with `.` and `..` resolved as written,
+/// without touching the filesystem.
+pub(crate) fn lexical(path: &std::path::Path) -> PathBuf {
+    use std::path::Component;
+    let base = if path.is_absolute() { PathBuf::new() } else { std::env::current_dir().unwrap_or_default() };
+    let mut out = PathBuf::new();
+    for c in base.components().chain(path.components()) {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                out.pop();
+            }
+            other => out.push(other),
+        }
+    }
+    out
 }
 
 /// Bounds on connections (`vl serve` flags).
@@ -126,13 +146,32 @@ impl Default for ConnectionLimits {
     /// 60 s to shut down, 30 s for a stalled client.
     fn default() -> Self {
         Self {
-            max_connections: crate::conn::default_max_connections(),
+            max_connections: default_max_connections(),
             header_timeout: Duration::from_secs(15),
             body_timeout: Duration::from_secs(60),
             shutdown_timeout: Duration::from_secs(60),
             stall_timeout: Duration::from_secs(30),
         }
     }
+}
+
+/// Descriptors kept free of connections: model files, ffmpeg's pipes, temporary video files,
+/// remote media fetches.
+pub const RESERVED_DESCRIPTORS: u64 = 128;
+
+/// The process's open-file limit (soft), if known.
+#[allow(clippy::unnecessary_cast)] // rlim_t is u64 on Linux and macOS, not everywhere
+pub fn descriptor_limit() -> Option<u64> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the struct it is given.
+    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0).then_some(lim.rlim_cur as u64)
+}
+
+/// The default connection limit: 1024, or fewer when the open-file limit leaves less than that
+/// beside `RESERVED_DESCRIPTORS`.
+pub fn default_max_connections() -> usize {
+    let free = descriptor_limit().map_or(1024, |n| n.saturating_sub(RESERVED_DESCRIPTORS));
+    free.clamp(8, 1024) as usize
 }
 
 /// The state every route and worker shares.

@@ -12,8 +12,8 @@ use vl_models::engine::{Completion, Finish};
 use super::Echo;
 use crate::error::ApiError;
 use crate::guard::log_answer;
+use crate::job::{engine_stopped, Msg};
 use crate::state::{now, App};
-use crate::workers::{engine_stopped, Msg};
 
 /// Ids of one response's items.
 struct Ids {

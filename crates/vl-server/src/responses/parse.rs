@@ -4,7 +4,8 @@
 use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;
-use crate::request::{known_keys, opt_str, parse, typed, typed_field, Parsed};
+use crate::fields::{known_keys, opt_str, typed_field};
+use crate::request::{parse, typed, Parsed};
 use crate::state::App;
 
 /// Top-level fields passed on to the chat request under the same name (sampling extensions
