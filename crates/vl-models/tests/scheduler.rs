@@ -239,17 +239,22 @@ fn answers_match_the_definition_and_prompts_prefill_in_chunks() {
 #[test]
 fn a_long_prompt_prefills_between_the_decode_steps_of_a_running_answer() {
     let opts = EngineOptions { prefill_chunk: 8, prefix_cache: false, ..Default::default() };
-    let (e, log) = engine(opts, Duration::from_millis(5));
+    let (e, log) = engine(opts, Duration::ZERO);
     let (short, long) = (prompt(4, 1), prompt(64, 2));
+    let long_done = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|s| {
-        let a = s.spawn(|| e.generate(&request(&short, 100), &mut |_| true).unwrap());
-        // The long prompt arrives once the short answer streams.
+        // The short answer decodes until the long one is answered (then it stops itself): the
+        // long prompt always arrives while it runs, however the threads are scheduled.
+        let a = s.spawn(|| e.generate(&request(&short, 3000), &mut |_| !long_done.load(Ordering::Relaxed)).unwrap());
         while log.lock().unwrap().steps.is_empty() {
             std::thread::sleep(Duration::from_millis(1));
         }
-        let b = s.spawn(|| e.generate(&request(&long, 4), &mut |_| true).unwrap());
-        assert_eq!(a.join().unwrap().token_ids, expected(&short, 100));
-        assert_eq!(b.join().unwrap().token_ids, expected(&long, 4));
+        let b = e.generate(&request(&long, 4), &mut |_| true).unwrap();
+        long_done.store(true, Ordering::Relaxed);
+        assert_eq!(b.token_ids, expected(&long, 4));
+        let a = a.join().unwrap();
+        assert_eq!(a.finish, Finish::Cancelled, "the short answer ran out before the long one was answered");
+        assert_eq!(a.token_ids, expected(&short, a.token_ids.len()));
     });
     let log = log.lock().unwrap();
     let chunks: Vec<usize> =
@@ -263,24 +268,16 @@ fn a_long_prompt_prefills_between_the_decode_steps_of_a_running_answer() {
 
 #[test]
 fn preemption_recomputes_and_every_answer_stays_exact() {
-    // Room for 5 blocks of 64 positions: three sequences growing to 150 positions each cannot
-    // all stay, so the latest admitted are preempted and prefilled again later.
+    // Room for 5 blocks of 64 positions: three choices forked from one prefill (so they run
+    // together, whatever the threads do) grow to 150 positions each and cannot all stay, so the
+    // latest admitted are preempted and prefilled again later.
     let budget = 5 * 64 * PER_POSITION + SLACK;
     let opts = EngineOptions { kv_cache_bytes: budget, prefix_cache: false, parallel: 3, ..Default::default() };
-    let (e, _) = engine(opts, Duration::from_millis(1));
-    let prompts: Vec<_> = (0..3).map(|i| prompt(20, i)).collect();
-    let answers: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = prompts
-            .iter()
-            .map(|p| {
-                let e = &e;
-                s.spawn(move || e.generate(&request(p, 130), &mut |_| true).unwrap())
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for (p, c) in prompts.iter().zip(&answers) {
-        assert_eq!(c.token_ids, expected(p, 130));
+    let (e, _) = engine(opts, Duration::ZERO);
+    let p = prompt(20, 3);
+    let answers = e.generate_n(&request(&p, 130), 3, &mut |_, _, _| true).unwrap();
+    for c in &answers {
+        assert_eq!(c.token_ids, expected(&p, 130));
         assert_eq!(c.finish, Finish::Length);
     }
     let stats = e.stats();
@@ -420,8 +417,6 @@ impl Pooler for StubPooler {
     }
     fn pool(&self, inputs: &[PoolInput<'_>]) -> Result<Vec<Vec<f32>>> {
         self.batches.lock().unwrap().push(inputs.len());
-        // Long enough that callers arriving meanwhile queue up for the next call.
-        std::thread::sleep(Duration::from_millis(100));
         Ok(inputs
             .iter()
             .map(|i| {
@@ -449,6 +444,8 @@ fn a_pooling_model_pools_in_batches_and_refuses_to_generate() {
     assert_eq!(e.pooled(), Some(Pooled::Embedding { dims: 2 }));
     let reqs: Vec<Request> = (0..3).map(|i| request(&prompt(5 + i, i as u32), 1)).collect();
     let out = e.pool(&reqs).unwrap();
+    // One caller's prompts go through the model in one call.
+    assert_eq!(*batches.lock().unwrap(), [3]);
     for (i, o) in out.iter().enumerate() {
         let p = prompt(5 + i, i as u32);
         assert_eq!(o.values, [p.iter().sum::<u32>() as f32, p.len() as f32]);
@@ -466,9 +463,8 @@ fn a_pooling_model_pools_in_batches_and_refuses_to_generate() {
             });
         }
     });
-    let calls = batches.lock().unwrap().clone();
-    assert_eq!(calls.iter().sum::<usize>(), 6);
-    assert!(calls.len() < 6, "no two callers were pooled together: {calls:?}");
+    // Every prompt pooled once (how callers share calls depends on their timing: not asserted).
+    assert_eq!(batches.lock().unwrap().iter().sum::<usize>(), 6);
     // It writes no text; a generating model pools nothing.
     let err = e.generate(&request(&[1, 2], 3), &mut |_| true).unwrap_err();
     assert!(err.to_string().contains("is an embedding model: it pools prompts"), "{err}");

@@ -320,10 +320,18 @@ impl Engine {
         let mut jobs = Vec::with_capacity(reqs.len());
         for (i, req) in reqs.iter().enumerate() {
             check_text_fits(&*self.shared.family, &self.shared.longest_token, req).map_err(at(i))?;
-            if req.constraint.is_some() {
+            // Fields about an answer are refused, not ignored: a pooling model writes none.
+            let answer_field = if req.constraint.is_some() {
+                Some("constraint")
+            } else if !req.stop.is_empty() {
+                Some("stop")
+            } else {
+                None
+            };
+            if let Some(what) = answer_field {
                 return Err(at(i)(Error::Input {
-                    what: "constraint".into(),
-                    message: "a pooling model writes no answer to constrain".into(),
+                    what: what.into(),
+                    message: "a pooling model writes no answer to constrain or stop".into(),
                 }));
             }
             check_request(req).map_err(at(i))?;

@@ -316,6 +316,24 @@ impl Qwen3Vl {
     /// The final-normed hidden state `[hidden]` (f32) of a whole prompt's last position, from a
     /// fresh state (what an embedding model pools).
     pub fn last_hidden(&self, ids: &[u32], media: &[Media], features: &[VisionOutput]) -> Result<Tensor> {
+        let mut state = self.new_state();
+        state.reserve(ids.len());
+        let out = self.prefill_to(ids, None, media, features, &mut state, ids.len())?;
+        let n = out.hidden.dim(0)?;
+        Ok(out.hidden.narrow(0, n - 1, 1)?.squeeze(0)?.to_dtype(DType::F32)?)
+    }
+
+    /// Prefills `ids[state.len()..end]` with the prompt's media features (`generated_from`: where
+    /// generated ids begin, text whatever their value).
+    fn prefill_to(
+        &self,
+        ids: &[u32],
+        generated_from: Option<usize>,
+        media: &[Media],
+        features: &[VisionOutput],
+        state: &mut SeqState,
+        end: usize,
+    ) -> Result<super::PrefillOutput> {
         let text = self.text()?;
         let of = |kind: MediaKind| {
             let parts: Vec<&VisionOutput> =
@@ -324,13 +342,8 @@ impl Qwen3Vl {
         };
         let (images, videos) = (of(MediaKind::Image), of(MediaKind::Video));
         let model = super::model::TextSide { cfg: &self.config, text };
-        let prompt = Prompt { input_ids: ids.to_vec(), images: None, videos: None, generated_from: None };
-        let mut state = self.new_state();
-        state.reserve(ids.len());
-        let out =
-            model.prefill_until(&prompt, images.as_ref(), videos.as_ref(), &mut state, ids.len(), &mut |_, _| {})?;
-        let n = out.hidden.dim(0)?;
-        Ok(out.hidden.narrow(0, n - 1, 1)?.squeeze(0)?.to_dtype(DType::F32)?)
+        let prompt = Prompt { input_ids: ids.to_vec(), images: None, videos: None, generated_from };
+        model.prefill_until(&prompt, images.as_ref(), videos.as_ref(), state, end, &mut |_, _| {})
     }
 
     /// The text decoder's hidden size (an embedding's dimensions).
@@ -451,20 +464,11 @@ impl Generator for Qwen3Vl {
         cache: &mut SeqState,
         end: usize,
     ) -> Result<Option<Tensor>> {
-        let text = self.text()?;
-        let of = |kind: MediaKind| {
-            let parts: Vec<&VisionOutput> =
-                media.iter().zip(features).filter(|(m, _)| m.kind == kind).map(|(_, f)| f).collect();
-            VisionOutput::concat(&parts)
-        };
-        let (images, videos) = (of(MediaKind::Image), of(MediaKind::Video));
-        let model = super::model::TextSide { cfg: &self.config, text };
-        let prompt = Prompt { input_ids: ids.to_vec(), images: None, videos: None, generated_from: Some(prompt_len) };
-        let out = model.prefill_until(&prompt, images.as_ref(), videos.as_ref(), cache, end, &mut |_, _| {})?;
+        let out = self.prefill_to(ids, Some(prompt_len), media, features, cache, end)?;
         if end < ids.len() {
             return Ok(None);
         }
-        Ok(Some(model.last_logits(&out)?))
+        Ok(Some(super::model::TextSide { cfg: &self.config, text: self.text()? }.last_logits(&out)?))
     }
 
     fn decode(&self, tokens: &[u32], caches: &mut [&mut SeqState]) -> Result<Tensor> {
