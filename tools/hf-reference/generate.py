@@ -1065,6 +1065,91 @@ def embedding_goldens(out):
         "truncated": "F.normalize(vector[:d])"}})
 
 
+RERANK_SYSTEM = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
+                 'Note that the answer can only be "yes" or "no".')
+RERANK_INSTRUCTION = "Given a search query, retrieve relevant candidates that answer the query."
+
+
+def rerank_side(prefix, texts=(), images=()):
+    """`format_mm_content` of QwenLM/Qwen3-VL-Embedding `src/models/qwen3_vl_reranker.py`: the
+    prefix text, then images (videos before them), then texts; "NULL" when there is nothing."""
+    content = [{"type": "text", "text": prefix}]
+    if not texts and not images:
+        return content + [{"type": "text", "text": "NULL"}]
+    return content + [{"type": "image", "image": n} for n in images] + [{"type": "text", "text": t} for t in texts]
+
+
+def rerank_conversation(instruction, query, document):
+    """`format_mm_instruction` of the official reranker: the fixed system message; one user turn of
+    `<Instruct>: ` + the instruction (the default when none), the query after `<Query>:` and the
+    document after `\n<Document>:`."""
+    content = [{"type": "text", "text": "<Instruct>: " + (instruction or RERANK_INSTRUCTION)}]
+    content += rerank_side("<Query>:", *query)
+    content += rerank_side("\n<Document>:", *document)
+    return [{"role": "system", "content": [{"type": "text", "text": RERANK_SYSTEM}]},
+            {"role": "user", "content": content}]
+
+
+def reranker_goldens(out):
+    """goldens/tiny-rerank: tiny-a's weights laid out as a Qwen3-VL-Reranker checkpoint (its
+    Sentence Transformers files: Transformer, LogitScore with the "yes" / "no" ids), and scores
+    computed as the official code computes them: the `format_mm_instruction` prompt,
+    `Qwen3VLModel` last_hidden_state at the last position, a linear layer of
+    lm_head["yes"] - lm_head["no"], sigmoid. Images are sized by the processor itself (the
+    official code sizes them with qwen-vl-utils first, to the same multiples of 32 for these
+    small images)."""
+    src = out / "tiny-a" / "checkpoint"
+    ck = out / "tiny-rerank" / "checkpoint"
+    if ck.exists():
+        shutil.rmtree(ck)
+    ck.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        (ck / f.name).symlink_to(os.path.relpath(f, ck))
+    proc = Qwen3VLProcessor.from_pretrained(src)
+    vocab = proc.tokenizer.get_vocab()
+    yes, no = vocab["yes"], vocab["no"]
+    (ck / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_LogitScore", "type": "sentence_transformers.cross_encoder.models.LogitScore"},
+    ], indent=2) + "\n")
+    (ck / "1_LogitScore").mkdir()
+    (ck / "1_LogitScore" / "config.json").write_text(
+        json.dumps({"true_token_id": yes, "false_token_id": no}, indent=2) + "\n")
+    model = Qwen3VLForConditionalGeneration.from_pretrained(src, torch_dtype=torch.float32).eval()
+    w = model.lm_head.weight.data
+    score = torch.nn.Linear(w.shape[1], 1, bias=False)
+    with torch.no_grad():
+        score.weight[0] = w[yes] - w[no]
+    cases = [
+        ("text", None, (["a red square"], []), (["A red square on a white page."], [])),
+        ("other_text", None, (["a red square"], []), (["Colour bars in a row."], [])),
+        ("instruction", "Find pictures of shapes", (["square"], []), (["A square."], [])),
+        ("image_doc", None, (["a red square"], []), ([], ["square.png"])),
+        ("image_text_doc", None, (["colours"], []), (["Colour bars."], ["palette.png"])),
+        ("image_query", None, ([], ["palette.png"]), (["Colour bars."], [])),
+        ("two_images", None, (["which one"], []), ([], ["square.png", "palette.png"])),
+        ("empty_doc", None, (["anything"], []), ([], [])),
+    ]
+    results = []
+    for name, instruction, query, document in cases:
+        conv = rerank_conversation(instruction, query, document)
+        text = proc.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        imgs = [Image.open(out / "images" / n).convert("RGB") for n in query[1] + document[1]]
+        batch = proc(text=[text], images=imgs or None, return_tensors="pt")
+        with torch.no_grad():
+            h = model.model(**batch).last_hidden_state[:, -1]
+            s = torch.sigmoid(score(h)).squeeze(-1)[0].item()
+        results.append({"case": name, "instruction": instruction,
+                        "query": {"texts": query[0], "images": query[1]},
+                        "document": {"texts": document[0], "images": document[1]},
+                        "prompt": text, "ids": batch["input_ids"][0].tolist(), "score": s})
+    (out / "tiny-rerank" / "scores.json").write_text(json.dumps({"cases": results}, indent=1) + "\n")
+    write_provenance(out, {"tiny-rerank": {
+        "generator": "tools/hf-reference/generate --reranker", "weights": "tiny-a (linked)",
+        "prompt": "format_mm_instruction / format_mm_content of QwenLM/Qwen3-VL-Embedding src/models/qwen3_vl_reranker.py, ported as rerank_conversation",
+        "score": "sigmoid(Linear(lm_head[yes] - lm_head[no])(Qwen3VLForConditionalGeneration.model(**inputs).last_hidden_state[:, -1])), float32"}})
+
+
 def write_provenance(out, update):
     path = out / "provenance.json"
     prov = json.loads(path.read_text()) if path.exists() else {}
@@ -1085,6 +1170,7 @@ def main():
     ap.add_argument("--mlx-goldens", help="only write the MLX fixtures' reference goldens (cache dir)")
     ap.add_argument("--thinking", action="store_true", help="only write goldens/thinking (Thinking template)")
     ap.add_argument("--embedding", action="store_true", help="only write goldens/tiny-embed (Qwen3-VL-Embedding)")
+    ap.add_argument("--reranker", action="store_true", help="only write goldens/tiny-rerank (Qwen3-VL-Reranker)")
     ap.add_argument("--moe", action="store_true", help="only write goldens/tiny-moe (the MoE family)")
     ap.add_argument("--moe-gguf", action="store_true",
                     help="only write goldens/tiny-moe-gguf (all-sparse MoE, for generate-gguf-moe)")
@@ -1096,6 +1182,9 @@ def main():
         return
     if args.embedding:
         embedding_goldens(out)
+        return
+    if args.reranker:
+        reranker_goldens(out)
         return
     if args.moe or args.moe_gguf:
         # The probe images, tokenizer, sampled ids and prompt goldens are the dense geometries'.

@@ -60,6 +60,7 @@ pub mod progress;
 pub mod qwen3_vl;
 pub mod qwen3_vl_embedding;
 pub mod qwen3_vl_moe;
+pub mod qwen3_vl_reranker;
 pub mod registry;
 pub mod request;
 pub mod state;

@@ -55,19 +55,7 @@ fn open_entry(source: &Source<'_>, opts: &ModelOptions, staged: bool) -> Result<
 /// `1_Pooling/config.json` (the Pooling module's path in `modules.json`) must ask for the last
 /// token, the one pooling these checkpoints use; anything else is refused by name.
 fn check_pooling(dir: &Path) -> Result<()> {
-    let modules = dir.join("modules.json");
-    let text = crate::limits::read_text(&modules, crate::limits::MAX_METADATA_FILE_BYTES)?;
-    let list: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| Error::Json { path: modules.clone(), source: e })?;
-    let sub = list
-        .as_array()
-        .and_then(|l| l.iter().find(|m| m["type"] == "sentence_transformers.models.Pooling"))
-        .and_then(|m| m["path"].as_str())
-        .unwrap_or("1_Pooling");
-    let path = dir.join(sub).join("config.json");
-    let text = crate::limits::read_text(&path, crate::limits::MAX_METADATA_FILE_BYTES)?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| Error::Json { path: path.clone(), source: e })?;
+    let (path, v) = crate::formats::sentence_transformers::module_config(dir, "Pooling", "1_Pooling")?;
     let on: Vec<&str> = v
         .as_object()
         .into_iter()
@@ -232,29 +220,10 @@ impl Pooler for Qwen3VlEmbedding {
             .iter()
             .map(|i| {
                 let h: Tensor = self.inner.last_hidden(i.ids, i.media, i.features)?;
-                Ok(normalized(h.to_vec1::<f32>()?))
+                Ok(crate::engine::normalized(h.to_vec1::<f32>()?))
             })
             .collect()
     }
-}
-
-/// `v / |v|` (as torch's `F.normalize`: the norm floored at 1e-12).
-pub fn normalized(mut v: Vec<f32>) -> Vec<f32> {
-    let norm = v.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>().sqrt().max(1e-12);
-    v.iter_mut().for_each(|x| *x = (*x as f64 / norm) as f32);
-    v
-}
-
-/// An embedding cut to its first `dims` values and normalised again (Matryoshka truncation, as
-/// vLLM serves `dimensions`); an error names the value when it is 0 or above the model's.
-pub fn truncated(v: &[f32], dims: usize) -> Result<Vec<f32>> {
-    if dims == 0 || dims > v.len() {
-        return Err(Error::Input {
-            what: "dimensions".into(),
-            message: format!("{dims} is outside 1..={} (the model's embedding size)", v.len()),
-        });
-    }
-    Ok(normalized(v[..dims].to_vec()))
 }
 
 #[cfg(test)]
@@ -284,14 +253,5 @@ mod tests {
                 .unwrap();
         assert!(matches!(&empty.messages[0].parts[0], Part::Text(s) if s == "Find dogs."));
         assert!(matches!(&empty.messages[1].parts[0], Part::Text(s) if s == "NULL"));
-    }
-
-    #[test]
-    fn truncation_renormalises_and_refuses_out_of_range() {
-        let v = normalized(vec![3.0, 4.0, 12.0]);
-        assert!((v.iter().map(|x| x * x).sum::<f32>() - 1.0).abs() < 1e-6);
-        let cut = truncated(&v, 2).unwrap();
-        assert!((cut[0] - 0.6).abs() < 1e-6 && (cut[1] - 0.8).abs() < 1e-6, "{cut:?}");
-        assert!(truncated(&v, 0).is_err() && truncated(&v, 4).unwrap_err().to_string().contains("1..=3"));
     }
 }

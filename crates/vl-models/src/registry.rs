@@ -11,11 +11,11 @@ use crate::gguf::Recipe;
 
 /// Every family this build runs.
 pub static FAMILIES: &[&FamilyEntry] =
-    &[&crate::qwen3_vl::family::ENTRY, &crate::qwen3_vl_moe::ENTRY, &crate::qwen3_vl_embedding::ENTRY];
+    &[&crate::qwen3_vl::family::ENTRY, &crate::qwen3_vl_moe::ENTRY, &crate::qwen3_vl_embedding::ENTRY, &crate::qwen3_vl_reranker::ENTRY];
 
 /// Sentence Transformers modules that every kind of checkpoint may list: the model itself and a
 /// final L2 normalisation.
-const PLAIN_MODULES: [&str; 2] = ["sentence_transformers.models.Transformer", "sentence_transformers.models.Normalize"];
+const PLAIN_MODULES: [&str; 2] = ["Transformer", "Normalize"];
 
 /// What identifies a model's family.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,32 +107,16 @@ pub fn architecture(path: &Path) -> Result<Architecture> {
     Ok(Architecture::Config { architectures, model_type, heads: sentence_transformer_heads(path)? })
 }
 
-/// The Sentence Transformers modules `modules.json` lists beyond `Transformer` and `Normalize`
-/// (none without the file); an error names the file when it is not such a list.
+/// The Sentence Transformers modules `modules.json` lists beyond `Transformer` and `Normalize`,
+/// by class (`sentence_transformers.models.Pooling` whatever namespace the file names it in);
+/// none without the file.
 fn sentence_transformer_heads(dir: &Path) -> Result<Vec<String>> {
-    let path = dir.join("modules.json");
-    if !path.is_file() {
-        return Ok(vec![]);
-    }
-    let text = crate::limits::read_text(&path, crate::limits::MAX_METADATA_FILE_BYTES)?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| Error::Json { path: path.clone(), source: e })?;
-    let Some(list) = v.as_array() else {
-        return Err(Error::Input { what: path.display().to_string(), message: "not a list of modules".into() });
-    };
-    let mut heads = Vec::new();
-    for m in list {
-        let Some(kind) = m.get("type").and_then(|t| t.as_str()) else {
-            return Err(Error::Input {
-                what: path.display().to_string(),
-                message: format!("a module without a `type`: {m}"),
-            });
-        };
-        if !PLAIN_MODULES.contains(&kind) {
-            heads.push(kind.to_string());
-        }
-    }
-    Ok(heads)
+    Ok(crate::formats::sentence_transformers::modules(dir)?
+        .into_iter()
+        .flatten()
+        .filter(|m| !PLAIN_MODULES.contains(&m.class.as_str()))
+        .map(|m| if m.kind.starts_with("sentence_transformers.") { format!("sentence_transformers.models.{}", m.class) } else { m.kind })
+        .collect())
 }
 
 /// Loads the model at `source` with the family its files name.

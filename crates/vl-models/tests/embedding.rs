@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use vl_models::engine::{Engine, EngineOptions};
 use vl_models::family::Pooled;
-use vl_models::qwen3_vl_embedding::truncated;
+use vl_models::engine::truncated;
 use vl_models::{ChatMessage, Part, Request};
 
 fn request(case: &serde_json::Value) -> Request {
@@ -70,28 +70,34 @@ fn sentence_transformer_files_decide_the_family_and_unknown_heads_are_refused() 
         let to = std::fs::canonicalize(e.path()).unwrap();
         std::os::unix::fs::symlink(&to, dir.path().join(e.file_name())).unwrap();
     }
-    // A reranker's head, which this build does not run: refused by name.
+    // A head this build does not run: refused by name.
     std::fs::remove_file(dir.path().join("modules.json")).unwrap();
     std::fs::write(
         dir.path().join("modules.json"),
         r#"[{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_LogitScore", "type": "sentence_transformers.models.LogitScore"}]"#,
+            {"idx": 1, "name": "1", "path": "1_Dense", "type": "sentence_transformers.models.Dense"}]"#,
     )
     .unwrap();
     let err = Engine::load(dir.path(), EngineOptions::default()).err().unwrap().to_string();
-    assert!(err.contains("sentence_transformers.models.LogitScore") && err.contains("modules.json"), "{err}");
-    // A pooling other than the last token: refused, naming the file.
-    let pooling = tempfile::tempdir().unwrap();
-    std::fs::write(pooling.path().join("config.json"), r#"{"pooling_mode_mean_tokens": true}"#).unwrap();
+    assert!(err.contains("sentence_transformers.models.Dense") && err.contains("modules.json"), "{err}");
+    // A pooling other than the last token (the module in a folder of its own, named in another
+    // namespace): refused, naming the file.
+    std::fs::create_dir(dir.path().join("2_Pool")).unwrap();
+    std::fs::write(dir.path().join("2_Pool/config.json"), r#"{"pooling_mode_mean_tokens": true}"#).unwrap();
     std::fs::write(
         dir.path().join("modules.json"),
-        format!(
-            r#"[{{"type": "sentence_transformers.models.Transformer", "path": ""}},
-                {{"type": "sentence_transformers.models.Pooling", "path": "{}"}}]"#,
-            pooling.path().display()
-        ),
+        r#"[{"type": "sentence_transformers.base.modules.transformer.Transformer", "path": ""},
+            {"type": "sentence_transformers.models.Pooling", "path": "2_Pool"}]"#,
     )
     .unwrap();
     let err = Engine::load(dir.path(), EngineOptions::default()).err().unwrap().to_string();
-    assert!(err.contains("pooling_mode_mean_tokens") && err.contains("config.json"), "{err}");
+    assert!(err.contains("pooling_mode_mean_tokens") && err.contains("2_Pool/config.json"), "{err}");
+    // A module path that leaves the checkpoint: refused, naming it.
+    std::fs::write(
+        dir.path().join("modules.json"),
+        r#"[{"type": "sentence_transformers.models.Pooling", "path": "/etc"}]"#,
+    )
+    .unwrap();
+    let err = Engine::load(dir.path(), EngineOptions::default()).err().unwrap().to_string();
+    assert!(err.contains("\"/etc\"") && err.contains("leaves the checkpoint"), "{err}");
 }

@@ -1,8 +1,10 @@
 //! The files models come in: safetensors checkpoints (`checkpoint`, read through `mapped` memory
 //! maps), GGUF (`gguf`, the container and its k-quant blocks) and MLX's affine-quantized
-//! tensors (`affine`).
+//! tensors (`affine`); `sentence_transformers` reads the module files that make a checkpoint an
+//! embedding model or a reranker.
 
 pub mod affine;
 pub mod checkpoint;
 pub mod gguf;
 pub mod mapped;
+pub mod sentence_transformers;
