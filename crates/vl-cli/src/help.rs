@@ -23,6 +23,13 @@ const HEADINGS: &[(&str, &[&str])] = &[
             "video_max_pixels",
             "video_cap_pixels_per_frame",
             "chat_template_kwargs",
+            "texts",
+            "together",
+            "instruction",
+            "query",
+            "query_images",
+            "docs",
+            "doc_images",
         ],
     ),
     (
@@ -41,7 +48,7 @@ const HEADINGS: &[(&str, &[&str])] = &[
             "grounding",
         ],
     ),
-    ("Output", &["json", "logits_out", "draw_boxes", "force", "out", "hide_reasoning"]),
+    ("Output", &["json", "logits_out", "draw_boxes", "force", "out", "hide_reasoning", "dimensions", "top_n"]),
     (
         "Limits",
         &[
@@ -174,7 +181,7 @@ mod tests {
                 if sub.get_about().is_none() {
                     missing.push(format!("{path} {name}: no about line"));
                 }
-                let headed = ["run", "chat", "serve", "inspect", "quantize"].contains(&name);
+                let headed = ["run", "chat", "serve", "inspect", "quantize", "embed", "rerank"].contains(&name);
                 walk(sub, &format!("{path} {name}"), headed, missing);
             }
         }

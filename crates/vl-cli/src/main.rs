@@ -5,6 +5,7 @@ mod flags;
 mod help;
 mod hub;
 mod models;
+mod pool;
 mod reasoning;
 mod run;
 mod serve;
@@ -25,7 +26,11 @@ macro_rules! note {
 }
 
 #[derive(Parser)]
-#[command(name = "vl", version, about = "Qwen3-VL in Rust: describe images and videos, inspect checkpoints")]
+#[command(
+    name = "vl",
+    version,
+    about = "Qwen3-VL in Rust: describe images and videos, embed and rerank, inspect checkpoints"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -41,6 +46,12 @@ enum Command {
     /// Serve the OpenAI API (`/v1/chat/completions`, `/v1/responses`, `/v1/completions`,
     /// `/v1/models`, `/health`, `/metrics`) and a web chat at `/`, from one resident model.
     Serve(serve::ServeArgs),
+    /// Embed texts, images and videos with an embedding model (Qwen3-VL-Embedding): one
+    /// L2-normalised vector per input, printed one line each (or --json).
+    Embed(pool::EmbedArgs),
+    /// Score documents (texts, images) against a query with a reranker (Qwen3-VL-Reranker), or
+    /// by cosine similarity with an embedding model; printed best first.
+    Rerank(pool::RerankArgs),
     /// Check a model directory as `run` would (config, weights, tokenizer, template, processor)
     /// without loading weights, and summarize it.
     Inspect {
@@ -132,6 +143,8 @@ fn main() -> ExitCode {
         Command::Run(args) => run::run(args, run::media_order(matches.subcommand_matches("run"))),
         Command::Serve(args) => serve::serve(args),
         Command::Chat(args) => chat::chat(args),
+        Command::Embed(args) => pool::embed(args),
+        Command::Rerank(args) => pool::rerank(args),
         Command::Inspect { model, mmproj, json } => {
             hub::resolve_cached(&model).and_then(|dir| inspect(&dir, mmproj.as_deref(), json))
         }

@@ -225,3 +225,62 @@ fn the_responses_api_answers_stateless_requests() {
         }
     });
 }
+
+/// `vl serve` on the tiny embedding checkpoint, through the client's `embeddings.create` (floats,
+/// and base64 decoded by the client): the reference's vectors, the Matryoshka cut included.
+#[test]
+fn the_openai_client_embeds_as_the_reference() {
+    use async_openai::types::embeddings::{CreateEmbeddingRequest, EmbeddingInput, EncodingFormat};
+    let g = "tiny-embed";
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(goldens().join(g).join("embeddings.json")).unwrap()).unwrap();
+    let text = golden["cases"].as_array().unwrap().iter().find(|c| c["case"] == "text").unwrap().clone();
+    let floats = |v: &Value| -> Vec<f32> { v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect() };
+    let worst = |a: &[f32], b: &[f32]| {
+        assert_eq!(a.len(), b.len());
+        a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
+    };
+    let server = start(g, &[]);
+    let base = server.base.clone();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let client =
+            Client::with_config(OpenAIConfig::new().with_api_base(format!("{base}/v1")).with_api_key("unused"));
+        let input = text["texts"][0].as_str().unwrap().to_string();
+        let r = client
+            .embeddings()
+            .create(CreateEmbeddingRequest {
+                model: g.into(),
+                input: EmbeddingInput::StringArray(vec![input.clone(), input.clone()]),
+                ..Default::default()
+            })
+            .await
+            .expect("embeddings");
+        assert_eq!(r.data.len(), 2);
+        assert!(worst(&r.data[1].embedding, &floats(&text["embedding"])) <= 1e-4);
+        assert!(r.usage.prompt_tokens > 0);
+        let d = text["dims"].as_u64().unwrap() as u32;
+        let r = client
+            .embeddings()
+            .create_base64(CreateEmbeddingRequest {
+                model: g.into(),
+                input: EmbeddingInput::String(input),
+                dimensions: Some(d),
+                encoding_format: Some(EncodingFormat::Base64),
+                ..Default::default()
+            })
+            .await
+            .expect("base64 embeddings");
+        let v: Vec<f32> = r.data[0].embedding.clone().into();
+        assert!(worst(&v, &floats(&text["truncated"])) <= 1e-4);
+        // The chat endpoint refuses with the model's kind, decoded by the client as an API error.
+        let err = client.chat().create(request(g, 4, false)).await.unwrap_err();
+        match err {
+            OpenAIError::ApiError(e) => {
+                assert_eq!(e.status_code.as_u16(), 400);
+                assert!(e.api_error.message.contains("an embedding model"), "{}", e.api_error.message);
+            }
+            other => panic!("not an API error: {other}"),
+        }
+    });
+}

@@ -64,6 +64,7 @@ pub mod qwen3_vl_reranker;
 pub mod registry;
 pub mod request;
 pub mod state;
+pub mod vectors;
 
 pub use decoding::{constraint, grounding, reasoning, sampling, stream, template, tool_calls};
 pub use engine::{Engine, EngineBuilder, EngineOptions, ModelOptions};

@@ -220,7 +220,7 @@ impl Pooler for Qwen3VlEmbedding {
             .iter()
             .map(|i| {
                 let h: Tensor = self.inner.last_hidden(i.ids, i.media, i.features)?;
-                Ok(crate::engine::normalized(h.to_vec1::<f32>()?))
+                Ok(crate::vectors::normalized(h.to_vec1::<f32>()?))
             })
             .collect()
     }

@@ -17,7 +17,8 @@ use std::path::Path;
 
 use crate::error::{Error, Result};
 use crate::family::{
-    Family, FamilyEntry, Generator, ImageSizing, ModelOptions, PoolInput, Pooled, Pooler, Prepared, Sizing, Source, Task,
+    Family, FamilyEntry, Generator, ImageSizing, ModelOptions, PoolInput, Pooled, Pooler, Prepared, Sizing, Source,
+    Task,
 };
 use crate::media::{Media, MediaContext, VisionOutput};
 use crate::qwen3_vl::family::Qwen3Vl;
@@ -136,8 +137,7 @@ pub fn templated(req: &Request) -> Result<Request> {
     if req.prompt.is_some() {
         return Err(Error::Input {
             what: "prompt".into(),
-            message: "a reranker scores a query and a document: send messages with the roles query and document"
-                .into(),
+            message: "a reranker scores a query and a document: send messages with the roles query and document".into(),
         });
     }
     let (mut instruction, mut query, mut document) = (None, None, None);
@@ -157,7 +157,10 @@ pub fn templated(req: &Request) -> Result<Request> {
                     }
                 }
                 if instruction.replace(t).is_some() {
-                    return Err(Error::Input { what: format!("messages[{i}]"), message: "a second system message".into() });
+                    return Err(Error::Input {
+                        what: format!("messages[{i}]"),
+                        message: "a second system message".into(),
+                    });
                 }
                 continue;
             }
@@ -166,12 +169,17 @@ pub fn templated(req: &Request) -> Result<Request> {
             other => {
                 return Err(Error::Input {
                     what: format!("messages[{i}].role"),
-                    message: format!("{other:?}: a reranker takes the roles system (the instruction), query and document"),
+                    message: format!(
+                        "{other:?}: a reranker takes the roles system (the instruction), query and document"
+                    ),
                 })
             }
         };
         if slot.replace(m.parts.clone()).is_some() {
-            return Err(Error::Input { what: format!("messages[{i}]"), message: format!("a second {} message", m.role) });
+            return Err(Error::Input {
+                what: format!("messages[{i}]"),
+                message: format!("a second {} message", m.role),
+            });
         }
     }
     let missing = |what: &str| Error::Input { what: "messages".into(), message: format!("no {what} message to score") };

@@ -10,8 +10,12 @@ use crate::family::{Family, FamilyEntry, ModelOptions, Source};
 use crate::gguf::Recipe;
 
 /// Every family this build runs.
-pub static FAMILIES: &[&FamilyEntry] =
-    &[&crate::qwen3_vl::family::ENTRY, &crate::qwen3_vl_moe::ENTRY, &crate::qwen3_vl_embedding::ENTRY, &crate::qwen3_vl_reranker::ENTRY];
+pub static FAMILIES: &[&FamilyEntry] = &[
+    &crate::qwen3_vl::family::ENTRY,
+    &crate::qwen3_vl_moe::ENTRY,
+    &crate::qwen3_vl_embedding::ENTRY,
+    &crate::qwen3_vl_reranker::ENTRY,
+];
 
 /// Sentence Transformers modules that every kind of checkpoint may list: the model itself and a
 /// final L2 normalisation.
@@ -115,7 +119,13 @@ fn sentence_transformer_heads(dir: &Path) -> Result<Vec<String>> {
         .into_iter()
         .flatten()
         .filter(|m| !PLAIN_MODULES.contains(&m.class.as_str()))
-        .map(|m| if m.kind.starts_with("sentence_transformers.") { format!("sentence_transformers.models.{}", m.class) } else { m.kind })
+        .map(|m| {
+            if m.kind.starts_with("sentence_transformers.") {
+                format!("sentence_transformers.models.{}", m.class)
+            } else {
+                m.kind
+            }
+        })
         .collect())
 }
 

@@ -7,9 +7,9 @@
 mod common;
 
 use common::*;
+use vl_models::engine::truncated;
 use vl_models::engine::{Engine, EngineOptions};
 use vl_models::family::Pooled;
-use vl_models::engine::truncated;
 use vl_models::{ChatMessage, Part, Request};
 
 fn request(case: &serde_json::Value) -> Request {

@@ -53,10 +53,7 @@ fn scores_match_the_official_reranker() {
         cases.iter().map(|c| (c["score"].as_f64().unwrap() as f32, c["case"].as_str().unwrap())).collect();
     want_order.sort_by(|a, b| b.0.total_cmp(&a.0));
     got_scores.sort_by(|a, b| b.0.total_cmp(&a.0));
-    assert_eq!(
-        got_scores.iter().map(|s| s.1).collect::<Vec<_>>(),
-        want_order.iter().map(|s| s.1).collect::<Vec<_>>()
-    );
+    assert_eq!(got_scores.iter().map(|s| s.1).collect::<Vec<_>>(), want_order.iter().map(|s| s.1).collect::<Vec<_>>());
     // A case alone scores as it did in the batch.
     let alone = engine.pool(&reqs[4..5]).unwrap();
     assert!((alone[0].values[0] - out[4].values[0]).abs() <= 1e-6);

@@ -1,6 +1,7 @@
 //! The endpoints: `/v1/chat/completions`, `/v1/completions` and `/v1/responses` share one
 //! handler (body read, parsed for its endpoint, handed to a worker, answered in its endpoint's
-//! shape); `/v1/models`, `/v1/models/{id}`, `/health`, `/metrics`; the 404 and 405 answers.
+//! shape); `/v1/models`, `/v1/models/{id}` (with the model's kind and endpoints), `/health`,
+//! `/metrics`; the 404 and 405 answers. The pooling endpoints are `pooling`'s.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -25,7 +26,7 @@ use crate::workers::submit;
 /// `router` with the API's routes and its 404 / 405 answers.
 pub(crate) fn routes(router: axum::Router<Arc<App>>) -> axum::Router<Arc<App>> {
     use axum::routing::{get, post};
-    router
+    crate::pooling::routes(router)
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(responses))
@@ -48,7 +49,13 @@ pub(crate) fn routes(router: axum::Router<Arc<App>>) -> axum::Router<Arc<App>> {
 
 /// The served model under `name` (its id or an alias), as OpenAI's model object.
 fn model_object(app: &App, name: &str) -> Value {
-    json!({"id": name, "object": "model", "created": app.created, "owned_by": "vl", "context_length": app.context})
+    let kind = match app.engine.pooled() {
+        None => "chat",
+        Some(vl_models::family::Pooled::Embedding { .. }) => "embedding",
+        Some(vl_models::family::Pooled::Score) => "reranker",
+    };
+    json!({"id": name, "object": "model", "created": app.created, "owned_by": "vl", "context_length": app.context,
+           "kind": kind, "endpoints": crate::pooling::endpoints(app)})
 }
 
 /// `GET /v1/models`: the served model's id, then its aliases.
@@ -106,6 +113,14 @@ struct Incoming {
 /// A body parsed for its endpoint, handed to a worker, answered in its endpoint's shape.
 async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> Result<Response, ApiError> {
     let started = Instant::now();
+    if app.engine.pooled().is_some() {
+        let asked = match kind {
+            Kind::Chat => "a chat model (`/v1/chat/completions`)",
+            Kind::Text => "a chat model (`/v1/completions`)",
+            Kind::Responses => "a chat model (`/v1/responses`)",
+        };
+        return Err(crate::pooling::wrong_kind(app, asked));
+    }
     let Incoming { parsed, echo } = parse_for(app, &body, kind)?;
     let Parsed { req, n, stream, include_usage, one_call } = parsed;
     let want_logprobs = req.options.logprobs.is_some();

@@ -62,6 +62,7 @@ mod job;
 mod media;
 mod metrics;
 pub mod openai;
+mod pooling;
 mod request;
 mod responses;
 mod router;

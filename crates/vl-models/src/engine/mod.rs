@@ -38,8 +38,8 @@ pub use crate::request::{
     ChatMessage, Completion, Constraint, Delta, Finish, ImageReport, Part, Request, TokenLogprob, ToolCall, VideoData,
     VideoReport,
 };
+pub use crate::vectors::{normalized, truncated};
 use admission::{check_fits, check_request, check_text_fits, generator, guides, CompilerCell};
-pub use pool::{normalized, truncated};
 use sequence::{Command, Event, Fork, Job};
 
 /// Sequences decoded together unless told otherwise. On a 2-core CPU decode is bound by reading

@@ -101,8 +101,11 @@ mod tests {
     fn module_paths_stay_inside_the_checkpoint() {
         let dir = std::env::temp_dir().join(format!("vl-st-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("modules.json"), r#"[{"type": "sentence_transformers.models.Pooling", "path": "../x"}]"#)
-            .unwrap();
+        std::fs::write(
+            dir.join("modules.json"),
+            r#"[{"type": "sentence_transformers.models.Pooling", "path": "../x"}]"#,
+        )
+        .unwrap();
         let e = modules(&dir).unwrap_err().to_string();
         assert!(e.contains("modules.json") && e.contains("../x"), "{e}");
         std::fs::write(dir.join("modules.json"), r#"{"type": 1}"#).unwrap();

@@ -1,0 +1,108 @@
+//! The harness of vl-server's tests: a checkpoint under goldens/ served by
+//! `vl_server::serve_until` on a free loopback port, stopped when dropped, and a plain HTTP
+//! client (ureq) with a timeout on every request.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use vl_models::engine::Engine;
+use vl_server::{ConnectionLimits, ServerConfig, ServerError};
+
+pub fn goldens() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../goldens")
+}
+
+/// A server on a free loopback port, stopped when dropped.
+pub struct Server {
+    pub base: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<JoinHandle<Result<(), ServerError>>>,
+}
+
+/// Most a server may take to stop once told (its shutdown bound, and a margin).
+pub const SHUTDOWN: Duration = Duration::from_secs(5);
+
+impl Server {
+    /// tiny-a served under the id `tiny-a` with `config`'s other settings.
+    pub fn start(config: ServerConfig) -> Self {
+        Self::start_model("tiny-a", config)
+    }
+
+    /// `goldens/<name>/checkpoint` served under the id `name` with `config`'s other settings.
+    pub fn start_model(name: &str, config: ServerConfig) -> Self {
+        let engine = Engine::builder(goldens().join(name).join("checkpoint")).build().expect("the checkpoint loads");
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let config = ServerConfig {
+            id: name.into(),
+            connections: ConnectionLimits { shutdown_timeout: Duration::from_secs(2), ..config.connections },
+            ..config
+        };
+        let thread = std::thread::spawn(move || {
+            vl_server::serve_until(Arc::new(engine), listener, config, async move {
+                let _ = stopped.await;
+            })
+        });
+        Self { base, stop: Some(stop), thread: Some(thread) }
+    }
+
+    /// Stops the server; what `serve_until` returned, within `SHUTDOWN`.
+    pub fn stop(&mut self) -> Result<(), ServerError> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let Some(thread) = self.thread.take() else { return Ok(()) };
+        let t = Instant::now();
+        while !thread.is_finished() {
+            assert!(t.elapsed() < SHUTDOWN, "the server did not stop within {SHUTDOWN:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        thread.join().expect("the server thread panicked")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.stop().expect("the server stopped with an error");
+        } else if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+pub fn agent() -> ureq::Agent {
+    ureq::AgentBuilder::new().timeout(Duration::from_secs(60)).build()
+}
+
+/// (status, body) of a GET; error statuses are answers here, not failures.
+pub fn get(s: &Server, path: &str) -> (u16, Value) {
+    let resp = match agent().get(&format!("{}{path}", s.base)).call() {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("GET {path}: {e}"),
+    };
+    (resp.status(), json_body(resp))
+}
+
+pub fn json_body(resp: ureq::Response) -> Value {
+    let text = resp.into_string().expect("a body");
+    serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"))
+}
+
+/// (status, body) of a POST of `body` as JSON.
+pub fn post(s: &Server, path: &str, body: &Value) -> (u16, Value) {
+    let r = agent().post(&format!("{}{path}", s.base)).set("Content-Type", "application/json");
+    let resp = match r.send_string(&body.to_string()) {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("POST {path}: {e}"),
+    };
+    (resp.status(), json_body(resp))
+}
