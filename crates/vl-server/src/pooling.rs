@@ -25,8 +25,48 @@ use crate::state::{now, App};
 /// Most inputs in one embeddings request (OpenAI's limit), documents in one rerank request, and
 /// pairs in one score request.
 pub(crate) const MAX_POOL_INPUTS: usize = 2048;
-/// Most parts in one input, and images and videos in one request.
+/// Most parts in one input.
 const MAX_PARTS: usize = 64;
+/// Most images and videos in one request (all its inputs together).
+pub(crate) const MAX_POOL_MEDIA: usize = 256;
+
+/// A request's media so far: at most `MAX_POOL_MEDIA` images and videos, and their bytes (data
+/// URLs, local files, remote fetches) at most `--max-body-bytes` together, checked as each is
+/// read.
+#[derive(Default)]
+struct Media {
+    count: usize,
+    bytes: usize,
+}
+
+impl Media {
+    fn add(&mut self, app: &App, p: &Part, at: &str) -> Result<(), ApiError> {
+        let bytes = match p {
+            Part::Image { data, .. } => data.len(),
+            Part::Video { source: vl_models::engine::VideoData::Bytes(b), .. } => b.len(),
+            Part::Video { .. } => 0,
+            Part::Text(_) => return Ok(()),
+        };
+        self.count += 1;
+        self.bytes += bytes;
+        if self.count > MAX_POOL_MEDIA {
+            return Err(ApiError::bad_at(
+                at,
+                format!("`{at}`: more than {MAX_POOL_MEDIA} images and videos in one request"),
+            ));
+        }
+        let budget = app.config.max_body_bytes;
+        if self.bytes > budget {
+            return Err(ApiError::with(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                "media_too_large",
+                format!("`{at}`: the request's images and videos are over {budget} bytes together (--max-body-bytes)"),
+            ));
+        }
+        Ok(())
+    }
+}
 
 /// `router` with the pooling routes (and vLLM's unversioned aliases).
 pub(crate) fn routes(router: axum::Router<Arc<App>>) -> axum::Router<Arc<App>> {
@@ -184,7 +224,12 @@ fn instruction(o: &Map<String, Value>) -> Result<Option<String>, ApiError> {
 /// One input's parts from a JSON value at `at`: a string (a text), an array of token ids (decoded
 /// to text: the prompt is always templated), a part object (`{"type": "text" | "image_url" |
 /// "video_url", ...}`, as in chat), or `{"content": [parts]}`.
-fn input_parts(app: &App, v: &Value, at: &str) -> Result<Vec<Part>, ApiError> {
+fn input_parts(app: &App, v: &Value, at: &str, media: &mut Media) -> Result<Vec<Part>, ApiError> {
+    let mut read = |p: &Value, at: &str| -> Result<Part, ApiError> {
+        let p = part(app, p, at)?;
+        media.add(app, &p, at)?;
+        Ok(p)
+    };
     match v {
         Value::String(s) => Ok(vec![Part::Text(s.clone())]),
         Value::Array(ids) if ids.iter().all(Value::is_u64) && !ids.is_empty() => {
@@ -202,12 +247,12 @@ fn input_parts(app: &App, v: &Value, at: &str) -> Result<Vec<Part>, ApiError> {
                             format!("`{at}` has {} parts; at most {MAX_PARTS}", parts.len()),
                         ));
                     }
-                    parts.iter().enumerate().map(|(i, p)| part(app, p, &format!("{at}[{i}]"))).collect()
+                    parts.iter().enumerate().map(|(i, p)| read(p, &format!("{at}[{i}]"))).collect()
                 }
                 _ => Err(ApiError::bad_at(at.clone(), format!("`{at}` must be a string or an array of parts"))),
             }
         }
-        Value::Object(_) => Ok(vec![part(app, v, at)?]),
+        Value::Object(_) => Ok(vec![read(v, at)?]),
         _ => Err(ApiError::bad_at(
             at,
             format!("`{at}` must be a string, an array of token ids, a part or {{\"content\": [parts]}}"),
@@ -240,6 +285,7 @@ fn decode(app: &App, ids: &[Value], at: &str) -> Result<String, ApiError> {
 /// The inputs of an embeddings body: `input` (one or a list) or `messages` (one conversation).
 fn embed_inputs(app: &App, o: &Map<String, Value>) -> Result<Vec<Request>, ApiError> {
     let system = instruction(o)?;
+    let mut media = Media::default();
     let with_system = |mut messages: Vec<ChatMessage>| {
         if let Some(s) = &system {
             messages.insert(0, ChatMessage::text("system", s));
@@ -267,7 +313,7 @@ fn embed_inputs(app: &App, o: &Map<String, Value>) -> Result<Vec<Request>, ApiEr
                     ));
                 }
                 let content = mo.get("content").cloned().unwrap_or(Value::Null);
-                let parts = input_parts(app, &json!({"content": content}), &at)?;
+                let parts = input_parts(app, &json!({"content": content}), &at, &mut media)?;
                 messages.push(ChatMessage::new(role, parts));
             }
             if system.is_some() && messages.iter().any(|m| m.role == "system") {
@@ -298,7 +344,7 @@ fn embed_inputs(app: &App, o: &Map<String, Value>) -> Result<Vec<Request>, ApiEr
                 .enumerate()
                 .map(|(i, v)| {
                     let at = if one { "input".to_string() } else { format!("input[{i}]") };
-                    Ok(with_system(vec![ChatMessage::user(input_parts(app, v, &at)?)]))
+                    Ok(with_system(vec![ChatMessage::user(input_parts(app, v, &at, &mut media)?)]))
                 })
                 .collect()
         }
@@ -366,7 +412,7 @@ struct Side {
     echo: Value,
 }
 
-fn side(app: &App, v: &Value, at: &str) -> Result<Side, ApiError> {
+fn side(app: &App, v: &Value, at: &str, media: &mut Media) -> Result<Side, ApiError> {
     let echo = match v {
         Value::String(s) => json!({"text": s}),
         other => other.clone(),
@@ -379,11 +425,11 @@ fn side(app: &App, v: &Value, at: &str) -> Result<Side, ApiError> {
             return Ok(Side { parts: vec![Part::Text(t.into())], echo });
         }
     }
-    Ok(Side { parts: input_parts(app, v, at)?, echo })
+    Ok(Side { parts: input_parts(app, v, at, media)?, echo })
 }
 
 /// A list field of sides (`documents`, `text_2`), a single value counting as a list of one.
-fn sides(app: &App, o: &Map<String, Value>, name: &str) -> Result<Vec<Side>, ApiError> {
+fn sides(app: &App, o: &Map<String, Value>, name: &str, media: &mut Media) -> Result<Vec<Side>, ApiError> {
     let v =
         o.get(name).filter(|v| !v.is_null()).ok_or_else(|| ApiError::bad_at(name, format!("`{name}` is required")))?;
     match v {
@@ -395,9 +441,9 @@ fn sides(app: &App, o: &Map<String, Value>, name: &str) -> Result<Vec<Side>, Api
                     format!("`{name}` has {} items; at most {MAX_POOL_INPUTS}", a.len()),
                 ));
             }
-            a.iter().enumerate().map(|(i, d)| side(app, d, &format!("{name}[{i}]"))).collect()
+            a.iter().enumerate().map(|(i, d)| side(app, d, &format!("{name}[{i}]"), media)).collect()
         }
-        one => Ok(vec![side(app, one, name)?]),
+        one => Ok(vec![side(app, one, name, media)?]),
     }
 }
 
@@ -477,7 +523,8 @@ async fn rerank_answer(app: &Arc<App>, o: &Map<String, Value>) -> Result<Value, 
     let (query, docs) = tokio::task::block_in_place(|| {
         let q =
             o.get("query").filter(|v| !v.is_null()).ok_or_else(|| ApiError::bad_at("query", "`query` is required"))?;
-        Ok::<_, ApiError>((side(app, q, "query")?, sides(app, o, "documents")?))
+        let mut media = Media::default();
+        Ok::<_, ApiError>((side(app, q, "query", &mut media)?, sides(app, o, "documents", &mut media)?))
     })?;
     let pairs = docs.iter().map(|d| (&query, d)).collect();
     let (scores, tokens) = relevance(app, instruction, pairs, "documents").await?;
@@ -522,7 +569,10 @@ async fn score_answer(app: &Arc<App>, o: &Map<String, Value>) -> Result<Value, A
         (false, true) => ("queries", "documents"),
     };
     let instruction = instruction(o)?;
-    let (left, right) = tokio::task::block_in_place(|| Ok::<_, ApiError>((sides(app, o, a)?, sides(app, o, b)?)))?;
+    let (left, right) = tokio::task::block_in_place(|| {
+        let mut media = Media::default();
+        Ok::<_, ApiError>((sides(app, o, a, &mut media)?, sides(app, o, b, &mut media)?))
+    })?;
     // One against many, or pairwise.
     let pairs: Vec<(&Side, &Side)> = match (left.len(), right.len()) {
         (1, _) => right.iter().map(|r| (&left[0], r)).collect(),

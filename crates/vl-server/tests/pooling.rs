@@ -109,6 +109,11 @@ fn embeddings_in_every_input_shape_match_the_reference() {
         let (status, r) = post(&s, "/v1/embeddings", &body);
         assert_eq!((status, r["error"]["param"].as_str()), (400, Some(param)), "{body}: {r}");
     }
+    // At most 256 images and videos in one request, however the inputs split them.
+    let img = json!({"type": "image_url", "image_url": {"url": data_url("square.png")}});
+    let many: Vec<Value> = (0..129).map(|_| json!({"content": [img, img]})).collect();
+    let (status, r) = post(&s, "/v1/embeddings", &json!({"input": many}));
+    assert_eq!((status, r["error"]["param"].as_str()), (400, Some("input[128].content[0]")), "{r}");
     // Chat is refused naming the kind; /v1/models says what it serves.
     let (status, r) = post(&s, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hi"}]}));
     assert_eq!(status, 400, "{r}");
