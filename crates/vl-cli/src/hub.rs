@@ -64,7 +64,7 @@ fn cached_gguf(repo: &str, quant: &str) -> Result<Option<PathBuf>> {
     let files: Vec<String> = std::fs::read_dir(&snapshot)
         .map(|it| it.flatten().map(|f| f.file_name().to_string_lossy().to_string()).collect())
         .unwrap_or_default();
-    match crate::models::pick(repo, &files, quant) {
+    match pick(repo, &files, quant) {
         Ok((text, _)) => Ok(Some(snapshot.join(text))),
         // Files of another quantization, or none yet: a pull may bring them.
         Err(_) => Ok(None),
@@ -109,7 +109,7 @@ fn api() -> Result<hf_hub::api::sync::Api> {
 fn download_gguf(repo: &str, quant: &str) -> Result<PathBuf> {
     let r = api()?.model(repo.to_string());
     let files: Vec<String> = r.info()?.siblings.into_iter().map(|s| s.rfilename).collect();
-    let (text, mmproj) = crate::models::pick(repo, &files, quant)?;
+    let (text, mmproj) = pick(repo, &files, quant)?;
     r.get(&mmproj).with_context(|| mmproj.clone())?;
     r.get(&text).with_context(|| text.clone())
 }
@@ -239,4 +239,83 @@ fn download(model: &str) -> Result<PathBuf> {
         }
     }
     Ok(config.parent().context("snapshot directory")?.to_path_buf())
+}
+
+pub fn is_gguf(name: &str) -> bool {
+    name.to_ascii_lowercase().ends_with(".gguf")
+}
+
+pub fn is_mmproj(name: &str) -> bool {
+    name.to_ascii_lowercase().starts_with("mmproj")
+}
+
+/// The quantization a GGUF file's name says (`Qwen3-VL-2B-Instruct-Q4_K_M.gguf` -> `Q4_K_M`):
+/// its last `-`-separated part.
+pub fn quant_of(name: &str) -> String {
+    let stem = &name[..name.len().saturating_sub(5)];
+    stem.rsplit('-').next().unwrap_or(stem).to_string()
+}
+
+/// Among a repository's files, the text model of quantization `quant` (case-insensitive, the
+/// whole last part of the name) and its vision projector (f16, then bf16, then q8_0, then the
+/// first by name). An error lists the quantizations the repository has.
+pub fn pick(repo: &str, files: &[String], quant: &str) -> Result<(String, String)> {
+    let texts: Vec<&String> = files.iter().filter(|f| is_gguf(f) && !is_mmproj(f)).collect();
+    let matching: Vec<&&String> = texts.iter().filter(|f| quant_of(f).eq_ignore_ascii_case(quant)).collect();
+    let text = match matching.as_slice() {
+        [one] => (**one).clone(),
+        [] => {
+            let mut have: Vec<String> = texts.iter().map(|f| quant_of(f)).collect();
+            have.sort();
+            have.dedup();
+            if have.is_empty() {
+                bail!("{repo}: no GGUF text model in the repository");
+            }
+            bail!("{repo}: no {quant} GGUF; it has {}", have.join(", "));
+        }
+        many => bail!(
+            "{repo}: {} files are {quant} ({}); split GGUF files are not read",
+            many.len(),
+            many.iter().map(|f| f.as_str()).collect::<Vec<_>>().join(", ")
+        ),
+    };
+    let mut projectors: Vec<&String> = files.iter().filter(|f| is_gguf(f) && is_mmproj(f)).collect();
+    projectors.sort();
+    let rank = |f: &str| {
+        let q = quant_of(f).to_ascii_lowercase();
+        ["f16", "bf16", "q8_0"].iter().position(|p| *p == q).unwrap_or(3)
+    };
+    let Some(mmproj) = projectors.iter().min_by_key(|f| rank(f)) else {
+        bail!("{repo}: no mmproj*.gguf vision projector in the repository");
+    };
+    Ok((text, (*mmproj).clone()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quants_are_read_from_names_and_picked_with_their_projector() {
+        let files: Vec<String> = [
+            "Qwen3-VL-2B-Instruct-Q4_K_M.gguf",
+            "Qwen3-VL-2B-Instruct-Q4_K_S.gguf",
+            "Qwen3-VL-2B-Instruct-Q8_0.gguf",
+            "mmproj-Qwen3-VL-2B-Instruct-Q8_0.gguf",
+            "mmproj-Qwen3-VL-2B-Instruct-f16.gguf",
+            "README.md",
+        ]
+        .map(String::from)
+        .to_vec();
+        let (t, m) = pick("r", &files, "q4_k_m").unwrap();
+        assert_eq!(
+            (t.as_str(), m.as_str()),
+            ("Qwen3-VL-2B-Instruct-Q4_K_M.gguf", "mmproj-Qwen3-VL-2B-Instruct-f16.gguf")
+        );
+        // Q4_K is not Q4_K_M or Q4_K_S: the whole part must match.
+        let e = pick("r", &files, "Q4_K").unwrap_err().to_string();
+        assert_eq!(e, "r: no Q4_K GGUF; it has Q4_K_M, Q4_K_S, Q8_0");
+        let no_proj: Vec<String> = files.iter().filter(|f| !is_mmproj(f)).cloned().collect();
+        assert!(pick("r", &no_proj, "Q8_0").unwrap_err().to_string().contains("no mmproj"));
+    }
 }

@@ -9,7 +9,7 @@ use anyhow::{bail, Result};
 use clap::Subcommand;
 use serde_json::{json, Value};
 
-use crate::hub;
+use crate::hub::{self, is_gguf, is_mmproj, quant_of};
 
 #[derive(Subcommand)]
 pub enum ModelsCommand {
@@ -138,56 +138,6 @@ fn describe(id: &str, dir: &Path) -> Entry {
     Entry { id: id.into(), format: "safetensors".into(), quant: dtype.into(), bytes, complete }
 }
 
-pub fn is_gguf(name: &str) -> bool {
-    name.to_ascii_lowercase().ends_with(".gguf")
-}
-
-pub fn is_mmproj(name: &str) -> bool {
-    name.to_ascii_lowercase().starts_with("mmproj")
-}
-
-/// The quantization a GGUF file's name says (`Qwen3-VL-2B-Instruct-Q4_K_M.gguf` -> `Q4_K_M`):
-/// its last `-`-separated part.
-pub fn quant_of(name: &str) -> String {
-    let stem = &name[..name.len().saturating_sub(5)];
-    stem.rsplit('-').next().unwrap_or(stem).to_string()
-}
-
-/// Among a repository's files, the text model of quantization `quant` (case-insensitive, the
-/// whole last part of the name) and its vision projector (f16, then bf16, then q8_0, then the
-/// first by name). An error lists the quantizations the repository has.
-pub fn pick(repo: &str, files: &[String], quant: &str) -> Result<(String, String)> {
-    let texts: Vec<&String> = files.iter().filter(|f| is_gguf(f) && !is_mmproj(f)).collect();
-    let matching: Vec<&&String> = texts.iter().filter(|f| quant_of(f).eq_ignore_ascii_case(quant)).collect();
-    let text = match matching.as_slice() {
-        [one] => (**one).clone(),
-        [] => {
-            let mut have: Vec<String> = texts.iter().map(|f| quant_of(f)).collect();
-            have.sort();
-            have.dedup();
-            if have.is_empty() {
-                bail!("{repo}: no GGUF text model in the repository");
-            }
-            bail!("{repo}: no {quant} GGUF; it has {}", have.join(", "));
-        }
-        many => bail!(
-            "{repo}: {} files are {quant} ({}); split GGUF files are not read",
-            many.len(),
-            many.iter().map(|f| f.as_str()).collect::<Vec<_>>().join(", ")
-        ),
-    };
-    let mut projectors: Vec<&String> = files.iter().filter(|f| is_gguf(f) && is_mmproj(f)).collect();
-    projectors.sort();
-    let rank = |f: &str| {
-        let q = quant_of(f).to_ascii_lowercase();
-        ["f16", "bf16", "q8_0"].iter().position(|p| *p == q).unwrap_or(3)
-    };
-    let Some(mmproj) = projectors.iter().min_by_key(|f| rank(f)) else {
-        bail!("{repo}: no mmproj*.gguf vision projector in the repository");
-    };
-    Ok((text, (*mmproj).clone()))
-}
-
 fn rm(model: &str) -> Result<()> {
     if !hub::looks_like_hub_id(model) {
         bail!("vl models rm {model}: not a hub id (OWNER/NAME, as `vl models list` shows)");
@@ -201,33 +151,4 @@ fn rm(model: &str) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("vl models rm {model}: cannot remove {}: {e}", dir.display()))?;
     crate::note!("removed {model} ({}) from {}", size(bytes), hub::cache_root().display());
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn quants_are_read_from_names_and_picked_with_their_projector() {
-        let files: Vec<String> = [
-            "Qwen3-VL-2B-Instruct-Q4_K_M.gguf",
-            "Qwen3-VL-2B-Instruct-Q4_K_S.gguf",
-            "Qwen3-VL-2B-Instruct-Q8_0.gguf",
-            "mmproj-Qwen3-VL-2B-Instruct-Q8_0.gguf",
-            "mmproj-Qwen3-VL-2B-Instruct-f16.gguf",
-            "README.md",
-        ]
-        .map(String::from)
-        .to_vec();
-        let (t, m) = pick("r", &files, "q4_k_m").unwrap();
-        assert_eq!(
-            (t.as_str(), m.as_str()),
-            ("Qwen3-VL-2B-Instruct-Q4_K_M.gguf", "mmproj-Qwen3-VL-2B-Instruct-f16.gguf")
-        );
-        // Q4_K is not Q4_K_M or Q4_K_S: the whole part must match.
-        let e = pick("r", &files, "Q4_K").unwrap_err().to_string();
-        assert_eq!(e, "r: no Q4_K GGUF; it has Q4_K_M, Q4_K_S, Q8_0");
-        let no_proj: Vec<String> = files.iter().filter(|f| !is_mmproj(f)).cloned().collect();
-        assert!(pick("r", &no_proj, "Q8_0").unwrap_err().to_string().contains("no mmproj"));
-    }
 }

@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Args;
-use serde_json::Value;
 use vl_models::engine::{Engine, EngineOptions, ModelOptions};
 use vl_models::sampling::GenerationOptions;
 use vl_server::ServerConfig;
@@ -234,35 +233,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
-/// generation_config.json's sampling values (temperature, top_k, top_p), for `--sampling model`.
-///
-/// Read untyped here on purpose, for now: vl-models' typed reader (`GenerationConfig`) keeps
-/// only the stop ids and lives in a family's module, which the CLI may not name (`.ci/run`'s
-/// family-seam check). TODO: a family-agnostic typed reader in
-/// vl-models with the sampling values (`do_sample`, temperature, top_k, top_p,
-/// repetition_penalty), then this becomes a call to it.
+/// generation_config.json's suggested sampling values, for `--sampling model`.
 fn model_sampling(dir: &std::path::Path) -> Result<GenerationOptions> {
-    let path = dir.join("generation_config.json");
-    let mut o = GenerationOptions::default();
-    if !path.is_file() {
-        return Ok(o);
-    }
-    let text = vl_models::limits::read_text(&path, vl_models::limits::MAX_METADATA_FILE_BYTES)?;
-    let v: Value = serde_json::from_str(&text).with_context(|| format!("{}", path.display()))?;
-    if v.get("do_sample").and_then(Value::as_bool) != Some(false) {
-        if let Some(t) = v.get("temperature").and_then(Value::as_f64) {
-            o.temperature = t;
-        }
-        if let Some(k) = v.get("top_k").and_then(Value::as_u64) {
-            o.top_k = k as usize;
-        }
-        if let Some(p) = v.get("top_p").and_then(Value::as_f64) {
-            o.top_p = p;
-        }
-        if let Some(p) = v.get("repetition_penalty").and_then(Value::as_f64) {
-            o.repetition_penalty = p;
-        }
-    }
-    o.validate().with_context(|| format!("{}", path.display()))?;
-    Ok(o)
+    let config = vl_models::formats::generation_config::GenerationConfig::from_dir(dir, &[])?;
+    config.sampling().with_context(|| format!("{}", dir.join("generation_config.json").display()))
 }

@@ -2,7 +2,6 @@
 
 pub mod config;
 pub mod family;
-pub mod generation_config;
 pub mod gguf;
 mod gguf_names;
 pub mod gguf_write;
@@ -20,8 +19,8 @@ pub mod video_processor;
 pub mod vision;
 pub mod weights;
 
+pub use crate::formats::generation_config::GenerationConfig;
 pub use config::{Qwen3VlConfig, TextConfig, VisionConfig};
-pub use generation_config::GenerationConfig;
 pub use image_processor::{ImageFile, ImageProcessor, PreprocessorConfig, ProcessedImage};
 pub use inspect::{inspect, Summary};
 pub use model::{PrefillOutput, Prompt, Qwen3VlModel, VisionInput};

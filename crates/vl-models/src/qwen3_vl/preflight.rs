@@ -7,11 +7,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::config::Qwen3VlConfig;
-use super::generation_config::GenerationConfig;
 use super::plan::{check_plan, plan_for, PlanReport, PlannedTensor};
 use super::processor::{Content, Message, Processor};
 use super::weights::Weights;
 use crate::error::{Error, Result};
+use crate::formats::generation_config::GenerationConfig;
 
 /// Stop ids used when `generation_config.json` names none: `<|im_end|>`, `<|endoftext|>`.
 pub const DEFAULT_EOS: [u32; 2] = [151_645, 151_643];
