@@ -43,9 +43,10 @@ enum Command {
     /// A multi-turn chat in the terminal (history kept; /image PATH, /video PATH, /save FILE and
     /// /load FILE keep a conversation, /reset, /exit).
     Chat(chat::ChatArgs),
-    /// Serve the OpenAI API (`/v1/chat/completions`, `/v1/responses`, `/v1/completions`; for an
-    /// embedding or reranker model `/v1/embeddings`, `/v1/rerank`, `/v1/score`; `/v1/models`,
-    /// `/health`, `/metrics`) and a web chat at `/`, from one resident model.
+    /// Serve the OpenAI API (`/v1/chat/completions`, `/v1/responses`, `/v1/completions`),
+    /// Anthropic's (`/v1/messages`), or for an embedding or reranker model `/v1/embeddings`,
+    /// `/v1/rerank` and `/v1/score`; with `/v1/models`, `/health`, `/metrics` and a web chat at
+    /// `/`, from one resident model.
     Serve(serve::ServeArgs),
     /// Embed texts, images and videos with an embedding model (Qwen3-VL-Embedding): one
     /// L2-normalised vector per input, printed one line each (or --json).

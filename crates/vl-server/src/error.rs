@@ -58,6 +58,16 @@ impl ApiError {
         self.param = self.param.map(|p| f(&format!("`{p}`")).trim_matches('`').to_string());
         self
     }
+    pub(crate) fn status(&self) -> StatusCode {
+        self.status
+    }
+    pub(crate) fn message(&self) -> &str {
+        &self.message
+    }
+    #[cfg(test)]
+    pub(crate) fn param(&self) -> Option<&str> {
+        self.param.as_deref()
+    }
     pub(crate) fn body(&self) -> Value {
         json!({"error": {"message": self.message, "type": self.kind, "code": self.code, "param": self.param}})
     }

@@ -69,14 +69,18 @@ fn needs_key(app: &App, path: &str) -> bool {
 /// The 401 of a request without the key. The body is read (within the size limit) before the
 /// answer, so that a client still sending it gets the 401 rather than a broken connection.
 async fn unauthorized(app: &App, req: axum::extract::Request) -> Response {
+    let anthropic = req.uri().path().starts_with("/v1/messages");
     let _ = axum::body::to_bytes(req.into_body(), app.config.max_body_bytes).await;
-    ApiError::with(
+    let e = ApiError::with(
         StatusCode::UNAUTHORIZED,
         "invalid_request_error",
         "invalid_api_key",
-        "missing or wrong API key: send the header `Authorization: Bearer KEY`",
-    )
-    .into_response()
+        "missing or wrong API key: send the header `Authorization: Bearer KEY` (or `x-api-key: KEY`)",
+    );
+    if anthropic {
+        return crate::anthropic::error_response(&e);
+    }
+    e.into_response()
 }
 
 /// The CORS headers of an answer to an allowed `origin`.
@@ -90,7 +94,7 @@ fn allow_origin(resp: &mut Response, origin: header::HeaderValue, preflight: boo
 /// The request's log line, but for an answered completion, which logs its own line with its
 /// token counts when its answer ends.
 fn log_request(method: &axum::http::Method, path: &str, status: StatusCode, t: Instant) {
-    let answers = ["/v1/chat/completions", "/v1/completions", "/v1/responses"];
+    let answers = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"];
     if answers.contains(&path) && status == StatusCode::OK {
         return;
     }
@@ -100,7 +104,8 @@ fn log_request(method: &axum::http::Method, path: &str, status: StatusCode, t: I
 }
 
 /// Whether the request carries the server's key (always, when it has none): `Authorization:
-/// Bearer KEY`, the scheme in any case and the blanks around it and the key free (RFC 7235).
+/// Bearer KEY`, the scheme in any case and the blanks around it and the key free (RFC 7235), or
+/// Anthropic's `x-api-key: KEY`.
 fn authorized(app: &App, headers: &axum::http::HeaderMap) -> bool {
     let Some(key) = &app.config.api_key else { return true };
     let blank = [' ', '\t'];
@@ -108,6 +113,7 @@ fn authorized(app: &App, headers: &axum::http::HeaderMap) -> bool {
         let (scheme, credentials) = v.trim_matches(blank).split_once(blank)?;
         scheme.eq_ignore_ascii_case("bearer").then(|| credentials.trim_matches(blank))
     });
+    let sent = sent.or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(|v| v.trim_matches(blank)));
     // Compared in full whatever the first difference, so the time taken says nothing of the key.
     sent.is_some_and(|s| s.len() == key.len() && s.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0)
 }

@@ -26,7 +26,7 @@ use crate::workers::submit;
 /// `router` with the API's routes and its 404 / 405 answers.
 pub(crate) fn routes(router: axum::Router<Arc<App>>) -> axum::Router<Arc<App>> {
     use axum::routing::{get, post};
-    crate::pooling::routes(router)
+    crate::anthropic::routes(crate::pooling::routes(router))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(responses))

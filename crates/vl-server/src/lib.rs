@@ -53,6 +53,7 @@ macro_rules! note {
 }
 
 mod answers;
+mod anthropic;
 mod conn;
 mod error;
 mod fields;

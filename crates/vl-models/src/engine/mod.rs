@@ -347,6 +347,14 @@ impl Engine {
         rx.recv().map_err(|_| stopped())?
     }
 
+    /// The prompt tokens `req` would take (its template rendered, its media sized; images and
+    /// videos are read and probed, not encoded), with the checks a request gets before any cost.
+    pub fn count_tokens(&self, req: &Request) -> Result<usize> {
+        check_text_fits(&*self.shared.family, &self.shared.longest_token, req)?;
+        check_request(req)?;
+        Ok(self.shared.family.prepare(req, &self.media_context())?.ids.len())
+    }
+
     /// A request's media budget: the decode time the engine allows, and its clip cache.
     fn media_context(&self) -> MediaContext<'_> {
         MediaContext::new(self.shared.opts.model.video_limits.max_decode_time, self.shared.clips.as_ref())

@@ -35,7 +35,12 @@ impl Server {
 
     /// `goldens/<name>/checkpoint` served under the id `name` with `config`'s other settings.
     pub fn start_model(name: &str, config: ServerConfig) -> Self {
-        let engine = Engine::builder(goldens().join(name).join("checkpoint")).build().expect("the checkpoint loads");
+        Self::start_dir(&goldens().join(name).join("checkpoint"), name, config)
+    }
+
+    /// The checkpoint directory `dir` served under the id `name`.
+    pub fn start_dir(dir: &std::path::Path, name: &str, config: ServerConfig) -> Self {
+        let engine = Engine::builder(dir).build().expect("the checkpoint loads");
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -105,4 +110,21 @@ pub fn post(s: &Server, path: &str, body: &Value) -> (u16, Value) {
         Err(e) => panic!("POST {path}: {e}"),
     };
     (resp.status(), json_body(resp))
+}
+
+/// tiny-a with the Qwen3-VL Instruct checkpoints' own template (tools, tool calls, tool
+/// responses; the pinned fixture), in a temporary directory of links.
+pub fn tiny_a_with_tools() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(goldens().join("tiny-a/checkpoint")).unwrap() {
+        let e = e.unwrap();
+        if e.file_name() != "chat_template.jinja" {
+            std::os::unix::fs::symlink(std::fs::canonicalize(e.path()).unwrap(), dir.path().join(e.file_name()))
+                .unwrap();
+        }
+    }
+    let template =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tools/hf-reference/templates/Qwen3-VL-Instruct.jinja");
+    std::fs::copy(template, dir.path().join("chat_template.jinja")).unwrap();
+    dir
 }
