@@ -104,7 +104,11 @@ pub(crate) fn read_within(path: &Path, limit: u64, kind: LimitKind, regular_only
     if meta.is_file() && meta.len() > limit {
         return Err(too_big(format!("file size {} bytes", meta.len())));
     }
-    let mut buf = Vec::with_capacity(if meta.is_file() { meta.len() as usize } else { 0 });
+    // A stream of unknown length (a pipe, a device) gets the whole bound reserved up front:
+    // untouched pages cost no memory, and the buffer never doubles (a reallocation would hold
+    // the old and the new copy at once, twice the bound, at its end).
+    let reserve = if meta.is_file() { meta.len() } else { limit.saturating_add(1).min(1 << 31) };
+    let mut buf = Vec::with_capacity(reserve as usize);
     file.take(limit + 1).read_to_end(&mut buf).map_err(|e| Error::io(path, e))?;
     if buf.len() as u64 > limit {
         return Err(too_big("more than that many bytes readable".into()));
