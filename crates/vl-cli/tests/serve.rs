@@ -1057,6 +1057,10 @@ fn slow_and_idle_connections_are_timed_out_and_bounded() {
             std::thread::sleep(Duration::from_millis(100));
         }
         drop(idle);
+        // /health answers once the first idle socket timed out; the others (opened within
+        // milliseconds of it) time out just after. Until they have, the next round's idle
+        // sockets would be refused instead of held, and its over-limit clients let in.
+        std::thread::sleep(Duration::from_secs(1));
     }
     let (st, v) = post(&s, "/v1/chat/completions", &one_image("tiny-a", 2, json!({})).to_string());
     assert_eq!(st, 200, "{v}");
