@@ -16,13 +16,10 @@
 use std::path::Path;
 
 use crate::error::{Error, Result};
-use crate::family::{
-    Family, FamilyEntry, Generator, ImageSizing, ModelOptions, PoolInput, Pooled, Pooler, Prepared, Sizing, Source,
-    Task,
-};
-use crate::media::{Media, MediaContext, VisionOutput};
+use crate::family::{Family, FamilyEntry, Generator, ModelOptions, PoolInput, Pooled, Pooler, Prepared, Source, Task};
+use crate::media::MediaContext;
 use crate::qwen3_vl::family::Qwen3Vl;
-use crate::request::{ChatMessage, Part, Request, VideoReport};
+use crate::request::{ChatMessage, Part, Request};
 
 /// The registry's entry for Qwen3-VL-Reranker.
 pub static ENTRY: FamilyEntry = FamilyEntry {
@@ -33,8 +30,8 @@ pub static ENTRY: FamilyEntry = FamilyEntry {
     heads: &["sentence_transformers.models.LogitScore"],
     open: open_entry,
     inspect: inspect_entry,
-    quantize: quantize_entry,
-    default_quant: default_quant_entry,
+    quantize: crate::qwen3_vl::family::quantize_entry,
+    default_quant: crate::qwen3_vl::family::default_quant_entry,
 };
 
 /// The system message of every reranker prompt (the official one).
@@ -94,20 +91,6 @@ fn score_tokens(dir: &Path, tokenizer: &tokenizers::Tokenizer, vocab: usize) -> 
 fn inspect_entry(source: &Source<'_>, json: bool) -> Result<String> {
     crate::formats::sentence_transformers::module_config(source.model, "LogitScore", "1_LogitScore")?;
     (crate::qwen3_vl::family::ENTRY.inspect)(source, json)
-}
-
-fn quantize_entry(
-    model: &Path,
-    recipe: crate::gguf::Recipe,
-    out: &Path,
-    overwrite: bool,
-    progress: &mut dyn FnMut(&str),
-) -> Result<crate::gguf::Written> {
-    (crate::qwen3_vl::family::ENTRY.quantize)(model, recipe, out, overwrite, progress)
-}
-
-fn default_quant_entry(model: &Path) -> Result<Option<vl_nn::QuantType>> {
-    (crate::qwen3_vl::family::ENTRY.default_quant)(model)
 }
 
 /// A loaded Qwen3-VL-Reranker: Qwen3-VL, scored.
@@ -203,15 +186,7 @@ impl Family for Qwen3VlReranker {
     fn name(&self) -> &'static str {
         ENTRY.name
     }
-    fn context(&self) -> usize {
-        self.inner.context()
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn tokenizer(&self) -> &tokenizers::Tokenizer {
-        self.inner.tokenizer()
-    }
+    crate::qwen3_vl::forward_family_to_inner!();
     fn task(&self) -> Task<'_> {
         Task::Pool(self)
     }
@@ -220,27 +195,6 @@ impl Family for Qwen3VlReranker {
             return Err(Error::Input { what: "tools".into(), message: "a reranker calls no function".into() });
         }
         self.inner.prepare(&templated(req)?, ctx)
-    }
-    fn encode(&self, media: &Media) -> Result<VisionOutput> {
-        self.inner.encode(media)
-    }
-    fn load_vision(&self) -> Result<()> {
-        self.inner.load_vision()
-    }
-    fn finish_loading(&self) -> Result<()> {
-        self.inner.finish_loading()
-    }
-    fn storage(&self) -> Vec<(String, String, usize)> {
-        self.inner.storage()
-    }
-    fn image_sizing(&self, width: usize, height: usize) -> Result<ImageSizing> {
-        self.inner.image_sizing(width, height)
-    }
-    fn checkpoint_video_sizing(&self, video: &VideoReport) -> Option<Sizing> {
-        self.inner.checkpoint_video_sizing(video)
-    }
-    fn tensors_to_load(&self) -> usize {
-        self.inner.tensors_to_load()
     }
 }
 

@@ -60,7 +60,7 @@ fn inspect_entry(source: &Source<'_>, json: bool) -> Result<String> {
     }
 }
 
-fn quantize_entry(
+pub(crate) fn quantize_entry(
     model: &Path,
     recipe: crate::gguf::Recipe,
     out: &Path,
@@ -70,7 +70,7 @@ fn quantize_entry(
     super::gguf_write::save(&ModelDir::open(model)?, recipe, out, overwrite, progress)
 }
 
-fn default_quant_entry(model: &Path) -> Result<Option<vl_nn::QuantType>> {
+pub(crate) fn default_quant_entry(model: &Path) -> Result<Option<vl_nn::QuantType>> {
     if gguf::is_gguf(model) {
         return Ok(None);
     }

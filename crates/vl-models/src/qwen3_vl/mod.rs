@@ -31,3 +31,41 @@ pub use text::{LoadPlan, Prequantized, QuantLoad, TextCache, TextModel};
 pub use video_processor::{ProcessedVideo, VideoConfig, VideoOptions, VideoPlan, VideoProcessor};
 pub use vision::{Grid, VisionOutput, VisionTower};
 pub use weights::{Layout, Weights};
+
+/// The `Family` methods that a family built on Qwen3-VL's code (the embedding and reranker
+/// checkpoints) forwards unchanged to its `inner: Qwen3Vl`.
+macro_rules! forward_family_to_inner {
+    () => {
+        fn context(&self) -> usize {
+            self.inner.context()
+        }
+        fn vocab_size(&self) -> usize {
+            self.inner.vocab_size()
+        }
+        fn tokenizer(&self) -> &tokenizers::Tokenizer {
+            self.inner.tokenizer()
+        }
+        fn encode(&self, media: &crate::media::Media) -> crate::error::Result<crate::media::VisionOutput> {
+            self.inner.encode(media)
+        }
+        fn load_vision(&self) -> crate::error::Result<()> {
+            self.inner.load_vision()
+        }
+        fn finish_loading(&self) -> crate::error::Result<()> {
+            self.inner.finish_loading()
+        }
+        fn storage(&self) -> Vec<(String, String, usize)> {
+            self.inner.storage()
+        }
+        fn image_sizing(&self, width: usize, height: usize) -> crate::error::Result<crate::family::ImageSizing> {
+            self.inner.image_sizing(width, height)
+        }
+        fn checkpoint_video_sizing(&self, video: &crate::request::VideoReport) -> Option<crate::family::Sizing> {
+            self.inner.checkpoint_video_sizing(video)
+        }
+        fn tensors_to_load(&self) -> usize {
+            self.inner.tensors_to_load()
+        }
+    };
+}
+pub(crate) use forward_family_to_inner;
