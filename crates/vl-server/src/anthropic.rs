@@ -50,18 +50,7 @@ const MESSAGE_KEYS: [&str; 13] = [
 
 /// An error in Anthropic's shape, with the status it had.
 pub(crate) fn error_response(e: &ApiError) -> Response {
-    let status = e.status();
-    let kind = match status.as_u16() {
-        400 | 405 | 408 | 411 => "invalid_request_error",
-        401 => "authentication_error",
-        403 => "permission_error",
-        404 => "not_found_error",
-        413 => "request_too_large",
-        429 => "rate_limit_error",
-        503 => "overloaded_error",
-        _ => "api_error",
-    };
-    (status, axum::Json(json!({"type": "error", "error": {"type": kind, "message": e.message()}}))).into_response()
+    e.anthropic_response()
 }
 
 async fn messages(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {

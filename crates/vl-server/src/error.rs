@@ -68,6 +68,22 @@ impl ApiError {
     pub(crate) fn param(&self) -> Option<&str> {
         self.param.as_deref()
     }
+    /// The error in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`), with
+    /// its status.
+    pub(crate) fn anthropic_response(&self) -> axum::response::Response {
+        let kind = match self.status.as_u16() {
+            400 | 405 | 408 | 411 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 => "overloaded_error",
+            _ => "api_error",
+        };
+        let body = json!({"type": "error", "error": {"type": kind, "message": self.message}});
+        (self.status, axum::Json(body)).into_response()
+    }
     pub(crate) fn body(&self) -> Value {
         json!({"error": {"message": self.message, "type": self.kind, "code": self.code, "param": self.param}})
     }

@@ -78,7 +78,7 @@ async fn unauthorized(app: &App, req: axum::extract::Request) -> Response {
         "missing or wrong API key: send the header `Authorization: Bearer KEY` (or `x-api-key: KEY`)",
     );
     if anthropic {
-        return crate::anthropic::error_response(&e);
+        return e.anthropic_response();
     }
     e.into_response()
 }
