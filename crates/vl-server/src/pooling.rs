@@ -199,21 +199,7 @@ async fn handle(app: &Arc<App>, body: &[u8], endpoint: Endpoint) -> Result<Respo
 
 /// `model`, when given, is a string; with `--strict-model-name` one of the served names.
 fn check_model(app: &App, o: &Map<String, Value>) -> Result<(), ApiError> {
-    if let Some(m) = opt_str(o, "model", "")? {
-        if app.config.strict_model_name && !app.config.names(m) {
-            return Err(ApiError::with(
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                "model_not_found",
-                format!(
-                    "the model `{}` does not exist; this server serves `{}` (--strict-model-name)",
-                    crate::guard::escape_log(m),
-                    app.config.id
-                ),
-            ));
-        }
-    }
-    Ok(())
+    crate::request::check_model_name(app, opt_str(o, "model", "")?)
 }
 
 /// The optional `instruction`: the system message of each prompt.

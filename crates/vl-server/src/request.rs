@@ -90,21 +90,25 @@ pub(crate) fn typed(body: &[u8]) -> Result<ChatCompletionRequest, ApiError> {
     })
 }
 
-pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiError> {
-    if let Some(m) = &v.model {
-        if app.config.strict_model_name && !app.config.names(m) {
-            return Err(ApiError::with(
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                "model_not_found",
-                format!(
-                    "the model `{}` does not exist; this server serves `{}` (--strict-model-name)",
-                    crate::guard::escape_log(m),
-                    app.config.id
-                ),
-            ));
-        }
+/// With `--strict-model-name`, a `model` the server does not serve is a 404.
+pub(crate) fn check_model_name(app: &App, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if app.config.strict_model_name && !app.config.names(m) => Err(ApiError::with(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            format!(
+                "the model `{}` does not exist; this server serves `{}` (--strict-model-name)",
+                crate::guard::escape_log(m),
+                app.config.id
+            ),
+        )),
+        _ => Ok(()),
     }
+}
+
+pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiError> {
+    check_model_name(app, v.model.as_deref())?;
     if let Some(message) = v.check_supported() {
         return Err(ApiError::bad(message));
     }

@@ -13,22 +13,6 @@ use common::*;
 use serde_json::{json, Value};
 use vl_server::ServerConfig;
 
-struct Golden {
-    text: String,
-    tokens: usize,
-    prompt_tokens: usize,
-}
-
-fn golden() -> Golden {
-    let meta: Value =
-        serde_json::from_str(&std::fs::read_to_string(goldens().join("tiny-a/cases/one_image.json")).unwrap()).unwrap();
-    Golden {
-        text: meta["greedy"]["text"].as_str().unwrap().to_string(),
-        tokens: meta["greedy"]["ids"].as_array().unwrap().len(),
-        prompt_tokens: meta["num_tokens"].as_u64().unwrap() as usize,
-    }
-}
-
 /// The reference's case in Messages' shape: square.png, then "Describe this image.".
 fn one_image(max_tokens: usize) -> Value {
     let png = std::fs::read(goldens().join("images/square.png")).unwrap();

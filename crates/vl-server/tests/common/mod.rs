@@ -128,3 +128,21 @@ pub fn tiny_a_with_tools() -> tempfile::TempDir {
     std::fs::copy(template, dir.path().join("chat_template.jinja")).unwrap();
     dir
 }
+
+/// The reference's greedy answer to tiny-a's `one_image` case: its text, its token count, the
+/// prompt's tokens.
+pub struct Golden {
+    pub text: String,
+    pub tokens: usize,
+    pub prompt_tokens: usize,
+}
+
+pub fn golden() -> Golden {
+    let path = goldens().join("tiny-a/cases/one_image.json");
+    let meta: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    Golden {
+        text: meta["greedy"]["text"].as_str().unwrap().to_string(),
+        tokens: meta["greedy"]["ids"].as_array().unwrap().len(),
+        prompt_tokens: meta["num_tokens"].as_u64().unwrap() as usize,
+    }
+}
