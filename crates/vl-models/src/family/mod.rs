@@ -95,7 +95,7 @@ impl Default for ModelOptions {
 }
 
 /// A request checked and turned into a prompt by its family.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Prepared {
     /// The request's sampling options with the model's eos ids.
     pub options: GenerationOptions,
