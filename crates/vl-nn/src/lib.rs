@@ -15,6 +15,7 @@ mod avx2;
 #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
 mod avx512;
 mod cpu;
+pub mod delta_net;
 pub mod dispatch;
 mod error;
 pub mod grid;
@@ -38,6 +39,8 @@ pub mod bf16 {
 }
 
 pub use attention::{causal_gqa_attention, SegmentRotaryAttention};
+pub use delta_net::{DeltaNetShape, DeltaState, GatedDeltaNet};
+pub use kernels::delta::DeltaShape;
 pub use error::{Error, Result};
 pub use kv_cache::KvCache;
 pub use linear::{QEmbedding, QLinear, QuantType};

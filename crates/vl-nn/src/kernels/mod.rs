@@ -19,6 +19,7 @@
 
 mod activation;
 mod causal;
+pub mod delta;
 mod gather;
 mod layout;
 mod segment;
