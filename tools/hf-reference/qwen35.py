@@ -12,7 +12,7 @@ checkpoint and its goldens, from the pinned transformers; run as `tools/hf-refer
   a non-default layer pattern, bfloat16 weights computed in float32 after an exact upcast.
 - Cases: a long text prompt (several DeltaNet chunks of 64), one image, two images with a system
   prompt, thinking off; prompt ids, logits (last position: full vocabulary; every position: the
-  sampled ids) and greedy ids.
+  sampled ids, in float32 and from the same weights in float64) and greedy ids.
 """
 
 import base64
@@ -290,6 +290,14 @@ def run(out, seed, template, tok, images, sampled_ids, image_processor):
         proc = Qwen3VLProcessor(image_processor=ip2, tokenizer=tok2, video_processor=None, chat_template=template)
     finally:
         ProcessorMixin.check_argument_for_proper_class = orig
+    # The same weights in float64: the exact values of the math that float32 approximates. The
+    # chunked delta rule in float32 (torch_chunk_gated_delta_rule: decays as differences of
+    # cumulative sums, exponentiated) drifts up to ~2e-3 from them on early positions under
+    # strong decays, where the recurrent form stays within ~4e-4; both are stored.
+    model64 = Qwen3_5ForConditionalGeneration.from_pretrained(ck, dtype=torch.float64).eval()
+    model64.config._attn_implementation = "eager"
+    for sub in (model64.model.visual.config, model64.model.language_model.config):
+        sub._attn_implementation = "eager"
     cdir = gdir / "cases"
     cdir.mkdir()
     for cname, (messages, kwargs) in cases().items():
@@ -313,6 +321,8 @@ def run(out, seed, template, tok, images, sampled_ids, image_processor):
         t = {"logits.last": logits[-1].contiguous(), "logits.sampled": logits[:, sampled_ids].contiguous(),
              "input_ids": batch["input_ids"][0].to(torch.int64).contiguous(),
              "greedy.step_logits.top": steps.topk(64, dim=-1).values.contiguous()}
+        inputs64 = {k: (v.double() if v.is_floating_point() else v) for k, v in inputs.items()}
+        t["logits64.sampled"] = model64(**inputs64, use_cache=False).logits[0][:, sampled_ids].float().contiguous()
         if imgs:
             t["pixel_values"] = batch["pixel_values"].float().contiguous()
             t["image_grid_thw"] = batch["image_grid_thw"].to(torch.int64).contiguous()

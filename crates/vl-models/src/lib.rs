@@ -57,6 +57,7 @@ pub mod formats;
 pub mod limits;
 pub mod media;
 pub mod progress;
+pub mod qwen3_5;
 pub mod qwen3_vl;
 pub mod qwen3_vl_embedding;
 pub mod qwen3_vl_moe;

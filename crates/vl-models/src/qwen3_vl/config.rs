@@ -18,6 +18,10 @@ pub const MODEL_TYPE: &str = "qwen3_vl";
 /// The MoE checkpoints (30B-A3B, 235B-A22B): the same model with routed-expert MLPs.
 pub const MOE_ARCHITECTURE: &str = "Qwen3VLMoeForConditionalGeneration";
 pub const MOE_MODEL_TYPE: &str = "qwen3_vl_moe";
+/// Qwen3.5 / 3.6 / 3.8 (`models/qwen3_5`): Qwen3-VL's vision tower (no DeepStack) before a
+/// hybrid decoder of Gated DeltaNet and gated full-attention layers.
+pub const HYBRID_ARCHITECTURE: &str = "Qwen3_5ForConditionalGeneration";
+pub const HYBRID_MODEL_TYPE: &str = "qwen3_5";
 
 /// The vision tower's rotary base: fixed in transformers 4.57, `rope_parameters.rope_theta` in 5.
 const DEFAULT_VISION_ROPE_THETA: f64 = 10_000.0;
@@ -70,6 +74,9 @@ const IGNORED_TEXT: &[&str] = &[
     // transformers (4.57 and 5.x alike) renormalizes the top-k weights whatever this says.
     "norm_topk_prob",
     "sliding_window",
+    // Qwen3.5: the multi-token-prediction head (`mtp.*` tensors), which transformers skips.
+    "mtp_num_hidden_layers",
+    "mtp_use_dedicated_embeddings",
 ];
 const IGNORED_VISION: &[&str] =
     &["model_type", "initializer_range", "dtype", "torch_dtype", "rope_parameters", "transformers_version"];
@@ -83,6 +90,7 @@ struct RawRope {
     rope_theta: Option<f64>,
     mrope_section: Option<Vec<usize>>,
     mrope_interleaved: Option<bool>,
+    partial_rotary_factor: Option<f64>,
     #[serde(flatten)]
     extra: BTreeMap<String, Value>,
 }
@@ -115,6 +123,17 @@ struct RawText {
     moe_intermediate_size: Option<usize>,
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
+    // Qwen3.5 (`qwen3_5` only): the layer pattern in either dialect, the DeltaNet widths, the
+    // rotary fraction (here or in rope_parameters) and the attention output gate (Qwen3-Next's key).
+    layer_types: Option<Vec<String>>,
+    full_attention_interval: Option<usize>,
+    linear_conv_kernel_dim: Option<usize>,
+    linear_key_head_dim: Option<usize>,
+    linear_value_head_dim: Option<usize>,
+    linear_num_key_heads: Option<usize>,
+    linear_num_value_heads: Option<usize>,
+    partial_rotary_factor: Option<f64>,
+    attn_output_gate: Option<bool>,
     #[serde(flatten)]
     extra: BTreeMap<String, Value>,
 }
@@ -149,14 +168,10 @@ struct RawTop {
     // `architectures` and `model_type` are checked by `check_architecture` on the raw JSON.
     text_config: Value,
     vision_config: Value,
-    #[serde(default = "default_image_token")]
-    image_token_id: u32,
-    #[serde(default = "default_video_token")]
-    video_token_id: u32,
-    #[serde(default = "default_vision_start")]
-    vision_start_token_id: u32,
-    #[serde(default = "default_vision_end")]
-    vision_end_token_id: u32,
+    image_token_id: Option<u32>,
+    video_token_id: Option<u32>,
+    vision_start_token_id: Option<u32>,
+    vision_end_token_id: Option<u32>,
     tie_word_embeddings: Option<bool>,
     #[serde(flatten)]
     extra: BTreeMap<String, Value>,
@@ -183,17 +198,16 @@ fn default_two() -> usize {
 fn default_num_pos() -> usize {
     2304
 }
-fn default_image_token() -> u32 {
-    151_655
-}
-fn default_video_token() -> u32 {
-    151_656
-}
-fn default_vision_start() -> u32 {
-    151_652
-}
-fn default_vision_end() -> u32 {
-    151_653
+/// transformers' defaults for (image, video, vision start, vision end) ids.
+const QWEN3_VL_VISION_IDS: [u32; 4] = [151_655, 151_656, 151_652, 151_653];
+const QWEN3_5_VISION_IDS: [u32; 4] = [248_056, 248_057, 248_053, 248_054];
+
+/// Which of the configs this reader takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Dense,
+    Moe,
+    Hybrid,
 }
 
 /// The text decoder's geometry, resolved from either dialect.
@@ -211,8 +225,41 @@ pub struct TextConfig {
     pub rope_theta: f64,
     /// Frequency slots per axis (t, h, w); laid out interleaved T,H,W,T,H,W,...
     pub mrope_section: Vec<usize>,
+    /// Leading dims of each head that rotate (`partial_rotary_factor * head_dim`; all for Qwen3-VL).
+    pub rotary_dim: usize,
     /// Routed experts (the MoE checkpoints); None for the dense ones.
     pub moe: Option<MoeConfig>,
+    /// Qwen3.5's hybrid decoder; None for Qwen3-VL.
+    pub hybrid: Option<HybridConfig>,
+}
+
+/// Qwen3.5's decoder (`Qwen3_5TextModel`): `linear[i]` layers are Gated DeltaNet token mixers,
+/// the others full attention whose `q_proj` also yields a per-head output gate
+/// (out * sigmoid(gate)); every decoder RMSNorm (layers, q/k, final) multiplies by (1 + weight).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HybridConfig {
+    pub linear: Vec<bool>,
+    pub conv_kernel: usize,
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+}
+
+impl HybridConfig {
+    /// The DeltaNet widths for a decoder of `hidden`.
+    pub fn shape(&self, hidden: usize) -> vl_nn::DeltaNetShape {
+        vl_nn::DeltaNetShape {
+            hidden,
+            rule: vl_nn::DeltaShape {
+                k_heads: self.key_heads,
+                v_heads: self.value_heads,
+                k_dim: self.key_head_dim,
+                v_dim: self.value_head_dim,
+            },
+            conv_kernel: self.conv_kernel,
+        }
+    }
 }
 
 /// The routed-expert MLPs of a MoE checkpoint.
@@ -239,6 +286,14 @@ impl TextConfig {
     /// Whether layer `i`'s MLP is routed experts.
     pub fn is_sparse(&self, i: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| m.is_sparse(i))
+    }
+    /// Whether layer `i` is a Gated DeltaNet layer (Qwen3.5), not attention.
+    pub fn is_linear(&self, i: usize) -> bool {
+        self.hybrid.as_ref().is_some_and(|h| h.linear.get(i).copied().unwrap_or(false))
+    }
+    /// Layers that keep keys and values (all but the DeltaNet ones).
+    pub fn attention_layers(&self) -> usize {
+        (0..self.num_hidden_layers).filter(|&i| !self.is_linear(i)).count()
     }
 }
 
@@ -304,7 +359,8 @@ impl Qwen3VlConfig {
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
         let json_err = |source| Error::Json { path: path.to_path_buf(), source };
         let value: Value = serde_json::from_str(text).map_err(json_err)?;
-        let is_moe = check_architecture(&value, path)?;
+        let kind = check_architecture(&value, path)?;
+        let is_moe = kind == Kind::Moe;
         let top: RawTop = serde_json::from_value(value).map_err(json_err)?;
         let field_err = |field: &str, message: String| Error::Config {
             path: path.to_path_buf(),
@@ -347,6 +403,7 @@ impl Qwen3VlConfig {
         if rope_type != "default" && rope_type != "mrope" {
             return Err(field_err(&format!("{rope_field}.rope_type"), format!("{rope_type:?} is not supported")));
         }
+        let partial = rope.partial_rotary_factor.or(raw_text.partial_rotary_factor);
         if rope.mrope_interleaved == Some(false) {
             return Err(field_err(
                 &format!("{rope_field}.mrope_interleaved"),
@@ -378,10 +435,29 @@ impl Qwen3VlConfig {
         }
         b.positive_float("text_config.rms_norm_eps", raw_text.rms_norm_eps, MAX_NORM_EPS)?;
         b.positive_float(&format!("{rope_field}.rope_theta"), rope_theta, MAX_ROPE_THETA)?;
-        if mrope_section.len() != 3 || mrope_section.iter().sum::<usize>() > head_dim / 2 {
+        // Qwen3.5 rotates the first quarter of each head by default; Qwen3-VL all of it.
+        let factor = match (kind, partial) {
+            (_, Some(f)) => f,
+            (Kind::Hybrid, None) => 0.25,
+            _ => 1.0,
+        };
+        let rotary_dim = (head_dim as f64 * factor) as usize;
+        if !(factor > 0.0 && factor <= 1.0) || rotary_dim < 2 || !rotary_dim.is_multiple_of(2) {
+            return Err(field_err(
+                &format!("{rope_field}.partial_rotary_factor"),
+                format!("{factor} of head_dim {head_dim} must give an even number of rotary dims in 2..={head_dim}"),
+            ));
+        }
+        if kind != Kind::Hybrid && rotary_dim != head_dim {
+            return Err(field_err(
+                &format!("{rope_field}.partial_rotary_factor"),
+                format!("{factor} is not supported by Qwen3-VL (every head dim rotates)"),
+            ));
+        }
+        if mrope_section.len() != 3 || mrope_section.iter().sum::<usize>() > rotary_dim / 2 {
             return Err(field_err(
                 &format!("{rope_field}.mrope_section"),
-                format!("{mrope_section:?} must be 3 sections summing to at most head_dim/2 = {}", head_dim / 2),
+                format!("{mrope_section:?} must be 3 sections summing to at most rotary dims/2 = {}", rotary_dim / 2),
             ));
         }
         let kv_heads = raw_text.num_key_value_heads.unwrap_or(raw_text.num_attention_heads);
@@ -406,8 +482,27 @@ impl Qwen3VlConfig {
                 }
             }
         }
+        let hybrid = if kind == Kind::Hybrid { Some(hybrid_config(&raw_text, &b, path)?) } else { None };
+        if kind != Kind::Hybrid {
+            for (k, set) in [
+                ("layer_types", raw_text.layer_types.is_some()),
+                ("full_attention_interval", raw_text.full_attention_interval.is_some()),
+                ("linear_conv_kernel_dim", raw_text.linear_conv_kernel_dim.is_some()),
+                ("linear_key_head_dim", raw_text.linear_key_head_dim.is_some()),
+                ("linear_value_head_dim", raw_text.linear_value_head_dim.is_some()),
+                ("linear_num_key_heads", raw_text.linear_num_key_heads.is_some()),
+                ("linear_num_value_heads", raw_text.linear_num_value_heads.is_some()),
+                ("attn_output_gate", raw_text.attn_output_gate.is_some()),
+            ] {
+                if set {
+                    unknown.push(format!("text_config.{k}"));
+                }
+            }
+        }
         let text = TextConfig {
             moe,
+            hybrid,
+            rotary_dim,
             vocab_size: raw_text.vocab_size,
             hidden_size: raw_text.hidden_size,
             intermediate_size: raw_text.intermediate_size,
@@ -442,11 +537,12 @@ impl Qwen3VlConfig {
             rope_theta: vrope.rope_theta.unwrap_or(DEFAULT_VISION_ROPE_THETA),
         };
         validate_vision(&vision, &text, path)?;
+        let defaults = if kind == Kind::Hybrid { QWEN3_5_VISION_IDS } else { QWEN3_VL_VISION_IDS };
         let ids = [
-            ("image_token_id", top.image_token_id),
-            ("video_token_id", top.video_token_id),
-            ("vision_start_token_id", top.vision_start_token_id),
-            ("vision_end_token_id", top.vision_end_token_id),
+            ("image_token_id", top.image_token_id.unwrap_or(defaults[0])),
+            ("video_token_id", top.video_token_id.unwrap_or(defaults[1])),
+            ("vision_start_token_id", top.vision_start_token_id.unwrap_or(defaults[2])),
+            ("vision_end_token_id", top.vision_end_token_id.unwrap_or(defaults[3])),
         ];
         for (i, (name, id)) in ids.iter().enumerate() {
             if *id as usize >= text.vocab_size {
@@ -462,10 +558,10 @@ impl Qwen3VlConfig {
             vision,
             // transformers 5 reads the top level; 4.57 checkpoints also carry it in text_config.
             tie_word_embeddings: top.tie_word_embeddings.or(raw_text.tie_word_embeddings).unwrap_or(false),
-            image_token_id: top.image_token_id,
-            video_token_id: top.video_token_id,
-            vision_start_token_id: top.vision_start_token_id,
-            vision_end_token_id: top.vision_end_token_id,
+            image_token_id: ids[0].1,
+            video_token_id: ids[1].1,
+            vision_start_token_id: ids[2].1,
+            vision_end_token_id: ids[3].1,
             unknown_keys: unknown,
         })
     }
@@ -505,25 +601,87 @@ fn moe_config(t: &RawText, b: &Bounds, path: &Path) -> Result<MoeConfig> {
     Ok(MoeConfig { num_experts, top_k, moe_intermediate_size: inter, decoder_sparse_step: step, mlp_only_layers: only })
 }
 
-/// Checks `architectures` / `model_type`; true for the MoE architecture.
-fn check_architecture(value: &Value, path: &Path) -> Result<bool> {
+/// The hybrid decoder's fields of a `qwen3_5` text config: the layer pattern (`layer_types`, or
+/// every `full_attention_interval`-th layer full, transformers' rule, default 4) and the
+/// DeltaNet widths (transformers' defaults when absent).
+fn hybrid_config(t: &RawText, b: &Bounds, path: &Path) -> Result<HybridConfig> {
+    let field_err =
+        |field: &str, message: String| Error::Config { path: path.to_path_buf(), field: field.into(), message };
+    if t.attn_output_gate == Some(false) {
+        return Err(field_err("text_config.attn_output_gate", "false is not supported (Qwen3.5 gates attention)".into()));
+    }
+    let n = t.num_hidden_layers;
+    let linear: Vec<bool> = match (&t.layer_types, t.full_attention_interval) {
+        (Some(types), _) => {
+            if types.len() != n {
+                return Err(field_err(
+                    "text_config.layer_types",
+                    format!("{} entries for {n} layers (num_hidden_layers)", types.len()),
+                ));
+            }
+            types
+                .iter()
+                .map(|ty| match ty.as_str() {
+                    "linear_attention" => Ok(true),
+                    "full_attention" => Ok(false),
+                    other => Err(field_err(
+                        "text_config.layer_types",
+                        format!("{other:?} is not a layer type (linear_attention or full_attention)"),
+                    )),
+                })
+                .collect::<Result<_>>()?
+        }
+        (None, interval) => {
+            let every = interval.unwrap_or(4);
+            b.size("text_config.full_attention_interval", every, MAX_LAYERS)?;
+            (0..n).map(|i| !(i + 1).is_multiple_of(every)).collect()
+        }
+    };
+    let size = |field: &str, v: Option<usize>, default: usize, max: usize| -> Result<usize> {
+        let v = v.unwrap_or(default);
+        b.size(&format!("text_config.{field}"), v, max)?;
+        Ok(v)
+    };
+    let h = HybridConfig {
+        linear,
+        conv_kernel: size("linear_conv_kernel_dim", t.linear_conv_kernel_dim, 4, MAX_CONV_KERNEL)?,
+        key_heads: size("linear_num_key_heads", t.linear_num_key_heads, 16, MAX_HEADS)?,
+        value_heads: size("linear_num_value_heads", t.linear_num_value_heads, 32, MAX_HEADS)?,
+        key_head_dim: size("linear_key_head_dim", t.linear_key_head_dim, 128, MAX_HEAD_DIM)?,
+        value_head_dim: size("linear_value_head_dim", t.linear_value_head_dim, 128, MAX_HEAD_DIM)?,
+    };
+    if !h.value_heads.is_multiple_of(h.key_heads) {
+        return Err(field_err(
+            "text_config.linear_num_value_heads",
+            format!("{} is not a multiple of linear_num_key_heads {}", h.value_heads, h.key_heads),
+        ));
+    }
+    Ok(h)
+}
+
+/// Checks `architectures` / `model_type`: which of the configs this is.
+fn check_architecture(value: &Value, path: &Path) -> Result<Kind> {
     let archs: Vec<String> = value
         .get("architectures")
         .and_then(Value::as_array)
         .map(|a| a.iter().filter_map(|v| v.as_str().map(String::from)).collect())
         .unwrap_or_default();
     let model_type = value.get("model_type").and_then(Value::as_str).map(String::from);
-    for (arch, kind, moe) in [(ARCHITECTURE, MODEL_TYPE, false), (MOE_ARCHITECTURE, MOE_MODEL_TYPE, true)] {
+    for (arch, ty, kind) in [
+        (ARCHITECTURE, MODEL_TYPE, Kind::Dense),
+        (MOE_ARCHITECTURE, MOE_MODEL_TYPE, Kind::Moe),
+        (HYBRID_ARCHITECTURE, HYBRID_MODEL_TYPE, Kind::Hybrid),
+    ] {
         let arch_ok = archs.is_empty() || archs.iter().any(|a| a == arch);
-        if arch_ok && model_type.as_deref() == Some(kind) {
-            return Ok(moe);
+        if arch_ok && model_type.as_deref() == Some(ty) {
+            return Ok(kind);
         }
     }
     Err(Error::UnknownArchitecture {
         path: path.to_path_buf(),
         found: archs,
         model_type,
-        supported: "Qwen3VLForConditionalGeneration (model_type qwen3_vl), Qwen3VLMoeForConditionalGeneration (model_type qwen3_vl_moe)",
+        supported: "Qwen3VLForConditionalGeneration (model_type qwen3_vl), Qwen3VLMoeForConditionalGeneration (model_type qwen3_vl_moe), Qwen3_5ForConditionalGeneration (model_type qwen3_5)",
     })
 }
 
@@ -538,6 +696,8 @@ const MAX_LAYERS: usize = 1024;
 const MAX_EXPERTS: usize = 4096;
 const MAX_HEADS: usize = 1024;
 const MAX_HEAD_DIM: usize = 1024;
+/// The DeltaNet convolution's taps (the released models have 4).
+const MAX_CONV_KERNEL: usize = 64;
 const MAX_POSITIONS: usize = 1 << 24;
 const MAX_VISION_DEPTH: usize = 256;
 const MAX_PATCH: usize = 64;

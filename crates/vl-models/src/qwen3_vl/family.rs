@@ -358,9 +358,10 @@ impl Family for Qwen3Vl {
     }
 
     fn name(&self) -> &'static str {
-        match self.config.text.moe {
-            Some(_) => super::config::MOE_MODEL_TYPE,
-            None => ENTRY.name,
+        match (&self.config.text.moe, &self.config.text.hybrid) {
+            (_, Some(_)) => super::config::HYBRID_MODEL_TYPE,
+            (Some(_), None) => super::config::MOE_MODEL_TYPE,
+            (None, None) => ENTRY.name,
         }
     }
 
@@ -448,11 +449,18 @@ impl Generator for Qwen3Vl {
     fn kv_bytes_per_position(&self) -> usize {
         // Keys and values per layer, in the compute dtype (known before the decoder loads).
         let c = &self.config.text;
-        c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * self.dtype.size_in_bytes()
+        c.attention_layers() * 2 * c.num_key_value_heads * c.head_dim * self.dtype.size_in_bytes()
+    }
+
+    fn fixed_state_bytes(&self) -> usize {
+        // Qwen3.5's DeltaNet layers: a window and a state matrix each, whatever the length.
+        let c = &self.config.text;
+        let linear = c.num_hidden_layers - c.attention_layers();
+        c.hybrid.as_ref().map_or(0, |h| linear * h.shape(c.hidden_size).state_bytes())
     }
 
     fn new_state(&self) -> SeqState {
-        SeqState::kv(self.config.text.num_hidden_layers)
+        super::text::new_state(&self.config.text)
     }
 
     fn prefill(

@@ -167,6 +167,8 @@ impl GgufModel {
             rms_norm_eps: t.f64(&k("attention.layer_norm_rms_epsilon"))?,
             rope_theta: t.f64(&k("rope.freq_base"))?,
             mrope_section: sections[..3].to_vec(),
+            rotary_dim: head_dim,
+            hybrid: None,
             // llama.cpp's qwen3vlmoe has routed experts in every layer.
             moe: if a == "qwen3vlmoe" {
                 let experts = t.usize(&k("expert_count"), 4096)?;

@@ -31,6 +31,8 @@ pub struct PlannedTensor {
 
 pub use super::weights::{TEXT_PREFIX, VISION_PREFIX};
 pub const LM_HEAD: &str = "lm_head.weight";
+/// Tensors a checkpoint may hold that no family reads: Qwen3.5's multi-token-prediction head.
+pub const MTP_PREFIX: &str = "mtp.";
 
 /// All tensors a `Qwen3VLForConditionalGeneration` with this config holds.
 pub fn tensor_plan(cfg: &Qwen3VlConfig) -> Vec<PlannedTensor> {
@@ -84,12 +86,32 @@ pub fn tensor_plan(cfg: &Qwen3VlConfig) -> Vec<PlannedTensor> {
         let l = format!("{tp}.layers.{i}");
         txt(format!("{l}.input_layernorm.weight"), vec![d]);
         txt(format!("{l}.post_attention_layernorm.weight"), vec![d]);
-        txt(format!("{l}.self_attn.q_proj.weight"), vec![q, d]);
-        txt(format!("{l}.self_attn.k_proj.weight"), vec![kv, d]);
-        txt(format!("{l}.self_attn.v_proj.weight"), vec![kv, d]);
-        txt(format!("{l}.self_attn.o_proj.weight"), vec![d, q]);
-        txt(format!("{l}.self_attn.q_norm.weight"), vec![t.head_dim]);
-        txt(format!("{l}.self_attn.k_norm.weight"), vec![t.head_dim]);
+        match t.hybrid.as_ref().filter(|_| t.is_linear(i)) {
+            Some(h) => {
+                // A Gated DeltaNet layer (Qwen3.5).
+                let s = h.shape(d);
+                let (a, vh) = (format!("{l}.linear_attn"), h.value_heads);
+                txt(format!("{a}.in_proj_qkv.weight"), vec![s.conv_dim(), d]);
+                txt(format!("{a}.in_proj_z.weight"), vec![s.value_dim(), d]);
+                txt(format!("{a}.in_proj_b.weight"), vec![vh, d]);
+                txt(format!("{a}.in_proj_a.weight"), vec![vh, d]);
+                txt(format!("{a}.conv1d.weight"), vec![s.conv_dim(), 1, h.conv_kernel]);
+                txt(format!("{a}.dt_bias"), vec![vh]);
+                txt(format!("{a}.A_log"), vec![vh]);
+                txt(format!("{a}.norm.weight"), vec![h.value_head_dim]);
+                txt(format!("{a}.out_proj.weight"), vec![d, s.value_dim()]);
+            }
+            None => {
+                // Qwen3.5's q_proj also yields each head's output gate.
+                let q_rows = if t.hybrid.is_some() { 2 * q } else { q };
+                txt(format!("{l}.self_attn.q_proj.weight"), vec![q_rows, d]);
+                txt(format!("{l}.self_attn.k_proj.weight"), vec![kv, d]);
+                txt(format!("{l}.self_attn.v_proj.weight"), vec![kv, d]);
+                txt(format!("{l}.self_attn.o_proj.weight"), vec![d, q]);
+                txt(format!("{l}.self_attn.q_norm.weight"), vec![t.head_dim]);
+                txt(format!("{l}.self_attn.k_norm.weight"), vec![t.head_dim]);
+            }
+        }
         match t.moe.as_ref().filter(|_| t.is_sparse(i)) {
             Some(m) => {
                 let (e, mi) = (m.num_experts, m.moe_intermediate_size);
@@ -174,7 +196,13 @@ pub fn check_plan(plan: &[PlannedTensor], ck: &Weights) -> Result<PlanReport> {
             Some(_) => {}
         }
     }
-    let unexpected: Vec<String> = ck.entries().keys().filter(|k| !planned.contains(k.as_str())).cloned().collect();
+    // Qwen3.5's multi-token-prediction head (`mtp.*`) is skipped, as transformers skips it.
+    let unexpected: Vec<String> = ck
+        .entries()
+        .keys()
+        .filter(|k| !planned.contains(k.as_str()) && !k.starts_with(MTP_PREFIX))
+        .cloned()
+        .collect();
     if missing.is_empty() && unexpected.is_empty() && wrong_shape.is_empty() {
         Ok(report)
     } else {

@@ -94,8 +94,15 @@ fn check_stored(t: &candle_core::quantized::QTensor, shape: (usize, usize), vb: 
     Ok(())
 }
 
-fn rms_norm(dim: usize, eps: f64, vb: VarBuilder) -> Result<RmsNorm> {
-    Ok(candle_nn::rms_norm(dim, eps, vb)?)
+/// An RMSNorm; `unit_offset`: Qwen3.5's, which multiplies by (1 + weight) (the sum taken in
+/// f32 at load).
+fn rms_norm(dim: usize, eps: f64, vb: VarBuilder, unit_offset: bool) -> Result<RmsNorm> {
+    if !unit_offset {
+        return Ok(candle_nn::rms_norm(dim, eps, vb)?);
+    }
+    let w = vb.get(dim, "weight")?;
+    let w = (w.to_dtype(DType::F32)? + 1.0)?.to_dtype(w.dtype())?;
+    Ok(RmsNorm::new(w, eps))
 }
 
 #[derive(Debug, Clone)]
@@ -109,49 +116,85 @@ struct Attention {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// Leading dims of each head that rotate (the rest pass through).
+    rotary_dim: usize,
+    /// Whether `q_proj` also yields a per-head output gate (Qwen3.5): out * sigmoid(gate).
+    gated: bool,
 }
 
 impl Attention {
     fn load(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<Self> {
         let (d, hd) = (cfg.hidden_size, cfg.head_dim);
         let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+        let gated = cfg.hybrid.is_some();
+        let offset = cfg.hybrid.is_some();
         Ok(Self {
-            q_proj: linear_no_bias(d, q, vb.pp("q_proj"), qt)?,
+            q_proj: linear_no_bias(d, if gated { 2 * q } else { q }, vb.pp("q_proj"), qt)?,
             k_proj: linear_no_bias(d, kv, vb.pp("k_proj"), qt)?,
             v_proj: linear_no_bias(d, kv, vb.pp("v_proj"), qt)?,
             o_proj: linear_no_bias(q, d, vb.pp("o_proj"), qt)?,
-            q_norm: rms_norm(hd, cfg.rms_norm_eps, vb.pp("q_norm"))?,
-            k_norm: rms_norm(hd, cfg.rms_norm_eps, vb.pp("k_norm"))?,
+            q_norm: rms_norm(hd, cfg.rms_norm_eps, vb.pp("q_norm"), offset)?,
+            k_norm: rms_norm(hd, cfg.rms_norm_eps, vb.pp("k_norm"), offset)?,
             heads: cfg.num_attention_heads,
             kv_heads: cfg.num_key_value_heads,
             head_dim: hd,
+            rotary_dim: cfg.rotary_dim,
+            gated,
         })
     }
 
+    /// Rotates the first `rotary_dim` dims of `x` ([1, heads, rows, hd], contiguous).
+    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        if self.rotary_dim == self.head_dim {
+            return Ok(candle_nn::rotary_emb::rope(x, cos, sin)?);
+        }
+        let r = self.rotary_dim;
+        let rot = candle_nn::rotary_emb::rope(&x.narrow(3, 0, r)?.contiguous()?, cos, sin)?;
+        Ok(Tensor::cat(&[&rot, &x.narrow(3, r, self.head_dim - r)?], 3)?.contiguous()?)
+    }
+
+    /// The attention output `out` [rows, heads * hd] times sigmoid(gate) when gated, projected.
+    fn output(&self, out: &Tensor, gate: Option<&Tensor>) -> Result<Tensor> {
+        let out = match gate {
+            Some(g) => (out * candle_nn::ops::sigmoid(g)?)?,
+            None => out.clone(),
+        };
+        Ok(self.o_proj.forward(&out)?)
+    }
+
     /// q [heads, rows, hd], k and v [kv_heads, rows, hd] of `x` ([rows, hidden]): projected,
-    /// q and k normed per head and rotated at their rows' `cos`/`sin` ([rows, head_dim / 2]).
-    fn qkv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    /// q and k normed per head and rotated at their rows' `cos`/`sin` ([rows, rotary_dim / 2]);
+    /// and the output gate [rows, heads * hd] when gated.
+    fn qkv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
         let (n, _) = x.dims2()?;
         let hd = self.head_dim;
         // [rows, heads, hd] -> per-head norm -> [1, heads, rows, hd] for rope
         let [q, k, v] = QLinear::forward_each([&self.q_proj, &self.k_proj, &self.v_proj], x)?;
-        let q = self.q_norm.forward(&q.reshape((n, self.heads, hd))?)?;
+        let (q, gate) = if self.gated {
+            // Per head: hd query dims, then hd gate dims.
+            let both = q.reshape((n, self.heads, 2 * hd))?;
+            let gate = both.narrow(2, hd, hd)?.contiguous()?.reshape((n, self.heads * hd))?;
+            (both.narrow(2, 0, hd)?.contiguous()?, Some(gate))
+        } else {
+            (q.reshape((n, self.heads, hd))?, None)
+        };
+        let q = self.q_norm.forward(&q)?;
         let k = self.k_norm.forward(&k.reshape((n, self.kv_heads, hd))?)?;
         let v = v.reshape((n, self.kv_heads, hd))?.transpose(0, 1)?.contiguous()?;
-        let q = candle_nn::rotary_emb::rope(&q.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?;
-        let k = candle_nn::rotary_emb::rope(&k.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?;
-        Ok((q, k, v))
+        let q = self.rope(&q.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?;
+        let k = self.rope(&k.transpose(0, 1)?.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?;
+        Ok((q, k, v, gate))
     }
 
     /// `x`: [new, hidden]; `cos`/`sin`: [new, head_dim / 2].
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         let (n, _) = x.dims2()?;
         let hd = self.head_dim;
-        let (q, k, v) = self.qkv(x, cos, sin)?;
+        let (q, k, v, gate) = self.qkv(x, cos, sin)?;
         let (k, v) = cache.append(&k, &v)?;
         let out = causal_gqa_attention(&q, &k, &v, PREFILL_QUERY_BLOCK)?; // [heads, new, hd]
         let out = out.transpose(0, 1)?.reshape((n, self.heads * hd))?;
-        Ok(self.o_proj.forward(&out)?)
+        self.output(&out, gate.as_ref())
     }
 
     /// One new position for each of several sequences: row `i` of `x` ([rows, hidden]) belongs
@@ -166,7 +209,7 @@ impl Attention {
             });
         }
         let hd = self.head_dim;
-        let (q, k, v) = self.qkv(x, cos, sin)?;
+        let (q, k, v, gate) = self.qkv(x, cos, sin)?;
         let out = if let [cache] = caches {
             // One sequence: its row as it is (no slicing, no join).
             let (ck, cv) = cache.append(&k, &v)?;
@@ -182,7 +225,7 @@ impl Attention {
             Tensor::cat(&outs, 1)?
         };
         let out = out.transpose(0, 1)?.reshape((n, self.heads * hd))?;
-        Ok(self.o_proj.forward(&out)?)
+        self.output(&out, gate.as_ref())
     }
 }
 
@@ -394,10 +437,61 @@ fn amx_setting() -> Result<()> {
     Ok(())
 }
 
+/// A layer's token mixer: attention over the KV cache, or a Gated DeltaNet over its
+/// recurrent state (Qwen3.5).
+#[derive(Debug, Clone)]
+enum Mixer {
+    Attention(Attention),
+    Linear(vl_nn::GatedDeltaNet),
+}
+
+impl Mixer {
+    fn linears(&self) -> Vec<&QLinear> {
+        match self {
+            Mixer::Attention(a) => vec![&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj],
+            Mixer::Linear(l) => vec![&l.in_qkv, &l.in_z, &l.in_b, &l.in_a, &l.out],
+        }
+    }
+}
+
+/// A Gated DeltaNet layer's weights (`linear_attn.*`).
+fn delta_net(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<vl_nn::GatedDeltaNet> {
+    let h = cfg.hybrid.as_ref().expect("a linear layer has a hybrid config");
+    let d = cfg.hidden_size;
+    let s = h.shape(d);
+    let vh = h.value_heads;
+    let linears = [
+        linear_no_bias(d, s.conv_dim(), vb.pp("in_proj_qkv"), qt)?,
+        linear_no_bias(d, s.value_dim(), vb.pp("in_proj_z"), qt)?,
+        linear_no_bias(d, vh, vb.pp("in_proj_b"), qt)?,
+        linear_no_bias(d, vh, vb.pp("in_proj_a"), qt)?,
+        linear_no_bias(s.value_dim(), d, vb.pp("out_proj"), qt)?,
+    ];
+    let f32s = |name: &str, shape: &[usize]| -> Result<Tensor> { Ok(vb.get(shape, name)?.to_dtype(DType::F32)?) };
+    Ok(vl_nn::GatedDeltaNet::new(
+        s,
+        linears,
+        &f32s("conv1d.weight", &[s.conv_dim(), 1, h.conv_kernel])?,
+        &f32s("A_log", &[vh])?,
+        &f32s("dt_bias", &[vh])?,
+        &vb.pp("norm").get(h.value_head_dim, "weight")?.to_dtype(DType::F32)?,
+        cfg.rms_norm_eps,
+    )?)
+}
+
+/// Layer `i`'s recurrent state as the DeltaNet takes it (None before its first position).
+fn delta_state(state: &mut TextCache, i: usize) -> Result<Option<vl_nn::DeltaState>> {
+    let r = state.recurrent_mut(i)?;
+    Ok(match r.tensors.as_slice() {
+        [w, s] => Some((w.clone(), s.clone())),
+        _ => None,
+    })
+}
+
 #[derive(Debug, Clone)]
 struct DecoderLayer {
     input_norm: RmsNorm,
-    attn: Attention,
+    attn: Mixer,
     post_attn_norm: RmsNorm,
     mlp: Ffn,
 }
@@ -409,21 +503,69 @@ impl DecoderLayer {
         } else {
             Ffn::Dense(Mlp::load(cfg, vb.pp("mlp"), qt)?)
         };
+        let offset = cfg.hybrid.is_some();
+        let attn = if cfg.is_linear(i) {
+            Mixer::Linear(delta_net(cfg, vb.pp("linear_attn"), qt)?)
+        } else {
+            Mixer::Attention(Attention::load(cfg, vb.pp("self_attn"), qt)?)
+        };
         Ok(Self {
-            input_norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
-            attn: Attention::load(cfg, vb.pp("self_attn"), qt)?,
-            post_attn_norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"))?,
+            input_norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"), offset)?,
+            attn,
+            post_attn_norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"), offset)?,
             mlp,
         })
     }
 
-    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let x = (x + self.attn.forward(&self.input_norm.forward(x)?, cos, sin, cache)?)?;
+    /// Layer `i` on `x` [new, hidden], continuing `state`.
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, state: &mut TextCache, i: usize) -> Result<Tensor> {
+        let h = self.input_norm.forward(x)?;
+        let mixed = match &self.attn {
+            Mixer::Attention(a) => a.forward(&h, cos, sin, state.kv_mut(i)?)?,
+            Mixer::Linear(l) => {
+                let prev = delta_state(state, i)?;
+                let (y, mut new) = l.forward(&h, &[h.dim(0)?], &[prev.as_ref()])?;
+                let r = state.recurrent_mut(i)?;
+                let len = r.len() + h.dim(0)?;
+                let (w, s) = new.pop().expect("one state per sequence");
+                r.set(vec![w, s], len);
+                y
+            }
+        };
+        let x = (x + mixed)?;
         Ok((&x + self.mlp.forward(&self.post_attn_norm.forward(&x)?)?)?)
     }
 
-    fn forward_rows(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, caches: &mut [&mut KvCache]) -> Result<Tensor> {
-        let x = (x + self.attn.forward_rows(&self.input_norm.forward(x)?, cos, sin, caches)?)?;
+    /// Layer `i` on one new row per sequence (row `j` of `x` continues `states[j]`).
+    fn forward_rows(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        states: &mut [&mut TextCache],
+        i: usize,
+    ) -> Result<Tensor> {
+        let h = self.input_norm.forward(x)?;
+        let mixed = match &self.attn {
+            Mixer::Attention(a) => {
+                let mut caches: Vec<&mut KvCache> = states.iter_mut().map(|c| c.kv_mut(i)).collect::<Result<_>>()?;
+                a.forward_rows(&h, cos, sin, &mut caches)?
+            }
+            Mixer::Linear(l) => {
+                let prev: Vec<Option<vl_nn::DeltaState>> =
+                    states.iter_mut().map(|c| delta_state(c, i)).collect::<Result<_>>()?;
+                let refs: Vec<Option<&vl_nn::DeltaState>> = prev.iter().map(Option::as_ref).collect();
+                let (y, new) = l.forward(&h, &vec![1; states.len()], &refs)?;
+                drop(prev);
+                for (c, (w, s)) in states.iter_mut().zip(new) {
+                    let r = c.recurrent_mut(i)?;
+                    let len = r.len() + 1;
+                    r.set(vec![w, s], len);
+                }
+                y
+            }
+        };
+        let x = (x + mixed)?;
         Ok((&x + self.mlp.forward(&self.post_attn_norm.forward(&x)?)?)?)
     }
 }
@@ -437,6 +579,23 @@ pub struct DeepStack<'a> {
 }
 
 pub use crate::state::SeqState as TextCache;
+
+/// An empty state for a decoder of `cfg`: a KV cache per attention layer, a recurrent state per
+/// Gated DeltaNet layer.
+pub fn new_state(cfg: &TextConfig) -> TextCache {
+    use crate::state::{LayerState, Recurrent};
+    TextCache::new(
+        (0..cfg.num_hidden_layers)
+            .map(|i| {
+                if cfg.is_linear(i) {
+                    LayerState::Recurrent(Recurrent::default())
+                } else {
+                    LayerState::Kv(KvCache::new())
+                }
+            })
+            .collect(),
+    )
+}
 
 #[derive(Debug, Clone)]
 pub struct TextModel {
@@ -506,9 +665,9 @@ impl TextModel {
             cfg: cfg.clone(),
             embed,
             layers,
-            norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, tvb.pp("norm"))?,
+            norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, tvb.pp("norm"), cfg.hybrid.is_some())?,
             lm_head,
-            rope: MultiAxisRope::new(cfg.head_dim, cfg.rope_theta, [s[0], s[1], s[2]]),
+            rope: MultiAxisRope::new(cfg.rotary_dim, cfg.rope_theta, [s[0], s[1], s[2]]),
             dtype: vb.dtype(),
             device: vb.device().clone(),
         };
@@ -530,8 +689,7 @@ impl TextModel {
             all.push(&self.lm_head);
         }
         for l in &self.layers {
-            let a = &l.attn;
-            all.extend([&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj]);
+            all.extend(l.attn.linears());
             all.extend(l.mlp.dense_linears());
         }
         Ok(vl_nn::linear::prepare_all(&all)?)
@@ -546,8 +704,7 @@ impl TextModel {
         let mut layers: std::collections::BTreeMap<String, usize> = Default::default();
         let mut experts: std::collections::BTreeMap<String, usize> = Default::default();
         for l in &self.layers {
-            let a = &l.attn;
-            for q in [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj].into_iter().chain(l.mlp.dense_linears()) {
+            for q in l.attn.linears().into_iter().chain(l.mlp.dense_linears()) {
                 *layers.entry(q.storage()).or_default() += q.weight_bytes();
             }
             if let Ffn::Sparse(m) = &l.mlp {
@@ -572,7 +729,7 @@ impl TextModel {
     }
 
     pub fn new_cache(&self) -> TextCache {
-        TextCache::kv(self.layers.len())
+        new_state(&self.cfg)
     }
 
     /// Token embeddings [n, hidden]; ids must be below the vocabulary size.
@@ -619,7 +776,7 @@ impl TextModel {
         let mut x = x.clone();
         trace(0, &x);
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(&x, &cos, &sin, cache.kv_mut(i)?)?;
+            x = layer.forward(&x, &cos, &sin, cache, i)?;
             trace(i + 1, &x);
             if let Some((rows, levels)) = &visual {
                 if let Some(level) = levels.get(i) {
@@ -651,8 +808,7 @@ impl TextModel {
         let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
         let mut x = x.clone();
         for (i, layer) in self.layers.iter().enumerate() {
-            let mut layer_caches: Vec<&mut KvCache> = caches.iter_mut().map(|c| c.kv_mut(i)).collect::<Result<_>>()?;
-            x = layer.forward_rows(&x, &cos, &sin, &mut layer_caches)?;
+            x = layer.forward_rows(&x, &cos, &sin, caches, i)?;
         }
         Ok(self.norm.forward(&x)?)
     }

@@ -1,0 +1,50 @@
+//! Qwen3.5 / 3.6 / 3.8 (`Qwen3_5ForConditionalGeneration`, model_type `qwen3_5`), mirroring
+//! transformers' `models/qwen3_5/`: Qwen3-VL's vision tower (patch 16, no DeepStack), processor,
+//! video and grounding code before a hybrid decoder: Gated DeltaNet layers (`vl_nn::GatedDeltaNet`,
+//! a recurrent state per sequence) among gated full-attention layers (q_proj yields a per-head
+//! output gate; partial interleaved M-RoPE; (1 + weight) RMSNorms). It loads through the
+//! `qwen3_vl` family's code, whose config carries the layer pattern (`TextConfig::hybrid`) and
+//! whose decoder builds a DeltaNet mixer for each linear layer and a recurrent `LayerState` for it.
+//!
+//! Loaded: checkpoint directories (safetensors, sharded or not; the `mtp.*` head skipped, as
+//! transformers skips it). Not yet: MoE (`qwen3_5_moe`), llama.cpp's `qwen35` GGUF files, MLX
+//! conversions and `vl quantize`, each refused by name.
+
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::family::{FamilyEntry, ModelOptions, Source};
+
+/// The registry's entry for Qwen3.5.
+pub static ENTRY: FamilyEntry = FamilyEntry {
+    name: "qwen3_5",
+    architectures: &["Qwen3_5ForConditionalGeneration"],
+    model_types: &["qwen3_5"],
+    gguf_architectures: &[],
+    heads: &[],
+    open: open_entry,
+    inspect: inspect_entry,
+    quantize: quantize_entry,
+    default_quant: crate::qwen3_vl::family::default_quant_entry,
+};
+
+fn open_entry(source: &Source<'_>, opts: &ModelOptions, staged: bool) -> Result<Box<dyn crate::family::Family>> {
+    (crate::qwen3_vl::family::ENTRY.open)(source, opts, staged)
+}
+
+fn inspect_entry(source: &Source<'_>, json: bool) -> Result<String> {
+    (crate::qwen3_vl::family::ENTRY.inspect)(source, json)
+}
+
+fn quantize_entry(
+    model: &Path,
+    _recipe: crate::gguf::Recipe,
+    _out: &Path,
+    _overwrite: bool,
+    _progress: &mut dyn FnMut(&str),
+) -> Result<crate::gguf::Written> {
+    Err(Error::Input {
+        what: model.display().to_string(),
+        message: "vl quantize does not write Qwen3.5 (qwen35) GGUF files yet; load the checkpoint with --quantize q4k|q8_0 instead".into(),
+    })
+}
