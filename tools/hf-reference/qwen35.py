@@ -60,6 +60,8 @@ GEOMETRY = dict(
                 in_channels=3),
 )
 
+NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+               "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
 GREEDY_STEPS = 16
 MIN_GREEDY_MARGIN = 0.02
 CORPUS = [
@@ -124,8 +126,11 @@ def build_tokenizer(dest):
             merges.append((text(parts[0]), text(parts[1])))
     tok = Qwen3_5Tokenizer(vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>",
                            pad_token="<|endoftext|>")
-    specials = [AddedToken(s, special=True, normalized=False) for _, s in QWEN3_5_SPECIAL_TOKENS]
-    tok._tokenizer.add_special_tokens(specials)
+    # As the Qwen tokenizers mark them: the tool, think and fim markers are added tokens that are
+    # not special (they decode as text; constraints see their text), the <|...|> ones special.
+    specials = [AddedToken(s, special=s not in NOT_SPECIAL, normalized=False) for _, s in QWEN3_5_SPECIAL_TOKENS]
+    tok._tokenizer.add_special_tokens([t for t in specials if t.special])
+    tok._tokenizer.add_tokens([t for t in specials if not t.special])
     for i, s in QWEN3_5_SPECIAL_TOKENS:
         assert tok.convert_tokens_to_ids(s) == i, (s, i)
     tok.save_pretrained(dest)

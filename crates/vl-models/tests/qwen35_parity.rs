@@ -36,9 +36,7 @@ fn case(name: &str) -> (std::collections::HashMap<String, Tensor>, serde_json::V
 
 fn golden_prompt(t: &std::collections::HashMap<String, Tensor>) -> Prompt {
     let ids = t["input_ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
-    let images = t
-        .get("pixel_values")
-        .map(|px| VisionInput { pixels: px.clone(), grids: grids(&t["image_grid_thw"]) });
+    let images = t.get("pixel_values").map(|px| VisionInput { pixels: px.clone(), grids: grids(&t["image_grid_thw"]) });
     Prompt { input_ids: ids, images, videos: None, generated_from: None }
 }
 
@@ -237,12 +235,45 @@ fn the_tokenizer_matches_the_reference_package() {
     for id in 0..tokens {
         let s = tok.id_to_token(id).unwrap_or_else(|| panic!("id {id} has no token"));
         let special = tok.get_added_tokens_decoder().get(&id).is_some_and(|t| t.special);
-        let bytes: Vec<u8> =
-            if special { s.into_bytes() } else { s.chars().map(|c| unicode_to_byte[&c]).collect() };
-        h.update(&(bytes.len() as u32).to_le_bytes());
+        let bytes: Vec<u8> = if special { s.into_bytes() } else { s.chars().map(|c| unicode_to_byte[&c]).collect() };
+        h.update((bytes.len() as u32).to_le_bytes());
         h.update(&bytes);
     }
     let hex: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
     assert_eq!(hex, golden["token_bytes_sha256"].as_str().unwrap());
 }
 
+/// `tool_choice` required on Qwen3.5: the answers are calls in its template's XML form
+/// (`<function=NAME>` with `<parameter=P>` blocks), parsed into calls whose arguments hold to
+/// the function's parameters (a string and an integer), greedy and sampled with eight seeds;
+/// and the XML parser splits them from the text.
+#[test]
+fn required_tool_calls_are_xml_calls_valid_against_the_parameters() {
+    use vl_models::constraint::Constraint;
+    let engine = engine(1, false);
+    assert_eq!(engine.family().tool_call_format(), vl_models::constraint::CallFormat::Xml);
+    let params = serde_json::json!({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 16}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["city", "days"]});
+    let tool = serde_json::json!({"type": "function", "function": {"name": "get_weather", "parameters": params}});
+    for seed in 0..9u64 {
+        let (mut req, _, _) = request("no_think");
+        req.options.max_new_tokens = 80;
+        if seed > 0 {
+            req.options.temperature = 1.0;
+            req.options.seed = seed;
+        }
+        req.tools = vec![tool.clone()];
+        req.constraint =
+            Some(Constraint::ToolCalls { functions: vec![("get_weather".into(), params.clone())], one: true });
+        let c = engine.generate(&req, &mut |_| true).unwrap();
+        assert_eq!(c.tool_calls.len(), 1, "seed {seed}: {:?}", c.text);
+        let call = &c.tool_calls[0];
+        assert_eq!(call.name, "get_weather");
+        let args: serde_json::Value = serde_json::from_str(&call.arguments).unwrap();
+        assert!(args["city"].as_str().is_some_and(|c| c.chars().count() <= 16), "seed {seed}: {args}");
+        let days = args["days"].as_i64().unwrap_or_else(|| panic!("seed {seed}: {args}"));
+        assert!((1..=9).contains(&days), "seed {seed}: {args}");
+        assert_eq!(args.as_object().unwrap().len(), 2, "seed {seed}: {args}");
+    }
+}

@@ -85,7 +85,10 @@ impl GatedDeltaNet {
         if r.k_heads == 0 || !r.v_heads.is_multiple_of(r.k_heads) || shape.conv_kernel == 0 {
             return Err(Error::Shape {
                 layer: "GatedDeltaNet",
-                message: format!("{} value heads over {} key heads, kernel {}", r.v_heads, r.k_heads, shape.conv_kernel),
+                message: format!(
+                    "{} value heads over {} key heads, kernel {}",
+                    r.v_heads, r.k_heads, shape.conv_kernel
+                ),
             });
         }
         let check = |what: &str, t: &Tensor, want: usize| -> Result<Vec<f32>> {
@@ -153,10 +156,21 @@ impl GatedDeltaNet {
             if win.len() != win_len || rule.len() != r.state_len() {
                 return Err(Error::Shape {
                     layer: "GatedDeltaNet",
-                    message: format!("a state of {} + {} values, {win_len} + {} expected", win.len(), rule.len(), r.state_len()),
+                    message: format!(
+                        "a state of {} + {} values, {win_len} + {} expected",
+                        win.len(),
+                        rule.len(),
+                        r.state_len()
+                    ),
                 });
             }
-            mixed.extend(causal_conv1d_silu(&qkv[start * cd..(start + n) * cd], cd, &self.conv, sh.conv_kernel, &mut win));
+            mixed.extend(causal_conv1d_silu(
+                &qkv[start * cd..(start + n) * cd],
+                cd,
+                &self.conv,
+                sh.conv_kernel,
+                &mut win,
+            ));
             windows.push(win);
             rules.push(rule);
             start += n;

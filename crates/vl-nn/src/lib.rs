@@ -40,8 +40,8 @@ pub mod bf16 {
 
 pub use attention::{causal_gqa_attention, SegmentRotaryAttention};
 pub use delta_net::{DeltaNetShape, DeltaState, GatedDeltaNet};
-pub use kernels::delta::DeltaShape;
 pub use error::{Error, Result};
+pub use kernels::delta::DeltaShape;
 pub use kv_cache::KvCache;
 pub use linear::{QEmbedding, QLinear, QuantType};
 pub use merger::PatchMerger;

@@ -37,6 +37,17 @@ pub const MAX_PATTERN_EXPANSION: u64 = 10_000;
 /// mask, at admission) or ended with an error (a later one).
 pub const MASK_TIME_LIMIT: Duration = Duration::from_secs(2);
 
+/// How a chat template writes a function call inside `<tool_call>` (the family says which).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CallFormat {
+    /// `{"name": ..., "arguments": {...}}` (Qwen3-VL).
+    #[default]
+    Json,
+    /// `<function=NAME>` with a `<parameter=P>` block per argument, string values as text and
+    /// others as JSON (Qwen3.5, the Qwen3-Coder form).
+    Xml,
+}
+
 /// What an answer must be.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Constraint {
@@ -52,8 +63,11 @@ pub enum Constraint {
 }
 
 impl Constraint {
-    /// The llguidance grammar.
-    fn grammar(&self) -> Result<TopLevelGrammar> {
+    /// The llguidance grammar; tool calls in `format`.
+    fn grammar(&self, format: CallFormat) -> Result<TopLevelGrammar> {
+        if let (Constraint::ToolCalls { functions, one }, CallFormat::Xml) = (self, format) {
+            return xml_calls(functions, *one);
+        }
         Ok(match self {
             Constraint::JsonObject => TopLevelGrammar::from_json_schema(with_whitespace(json!({"type": "object"}))),
             Constraint::JsonSchema(schema) => {
@@ -86,6 +100,66 @@ impl Constraint {
             }
         })
     }
+}
+
+/// Calls in Qwen3.5's XML form, as its template writes one: `<tool_call>\n<function=NAME>\n`,
+/// then for each parameter of the function's schema in its order (the required ones always,
+/// the others optionally) `<parameter=P>\n` VALUE `\n</parameter>\n`, then
+/// `</function>\n</tool_call>`. A string parameter's value is text without `<` (of the schema's
+/// `minLength` to `maxLength` characters); any other is JSON valid against its schema (objects
+/// closed as in `closed_objects`).
+fn xml_calls(functions: &[(String, Value)], one: bool) -> Result<TopLevelGrammar> {
+    if functions.is_empty() {
+        return Err(Error::Input { what: "tool_choice".into(), message: "no function to call".into() });
+    }
+    let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
+    let mut rules = String::new();
+    let mut alts = vec![];
+    for (f, (name, params)) in functions.iter().enumerate() {
+        let props: Vec<(String, Value)> = params
+            .get("properties")
+            .and_then(Value::as_object)
+            .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+            .unwrap_or_default();
+        let required: Vec<&str> =
+            params.get("required").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str).collect();
+        let mut body = vec![lit(&format!("{name}>\n"))];
+        for (p, (pname, schema)) in props.iter().enumerate() {
+            let rule = format!("f{f}_p{p}");
+            let open = lit(&format!("<parameter={pname}>\n"));
+            let is_string = schema.get("type").and_then(Value::as_str) == Some("string")
+                && !schema.as_object().is_some_and(|o| o.contains_key("enum") || o.contains_key("const"));
+            let value = if is_string {
+                // The schema's length bounds, in characters.
+                let n = |k: &str| schema.get(k).and_then(Value::as_u64);
+                let count = match (n("minLength"), n("maxLength")) {
+                    (None, None) => "*".to_string(),
+                    (min, max) => {
+                        format!("{{{},{}}}", min.unwrap_or(0), max.map(|m| m.to_string()).unwrap_or_default())
+                    }
+                };
+                format!(r#"/[^<]{count}\n<\/parameter>\n/"#)
+            } else {
+                let mut s = closed_objects(schema.clone());
+                if let Some(o) = s.as_object_mut() {
+                    o.insert(
+                        "x-guidance".into(),
+                        json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
+                    );
+                }
+                format!("%json {s} \"\\n</parameter>\\n\"")
+            };
+            rules.push_str(&format!("{rule}: {open} {value}\n"));
+            body.push(if required.contains(&pname.as_str()) { rule } else { format!("{rule}?") });
+        }
+        rules.push_str(&format!("f{f}: {}\n", body.join(" ")));
+        alts.push(format!("f{f}"));
+    }
+    let repeat = if one { "" } else { r#" ("\n" call)*"# };
+    Ok(TopLevelGrammar::from_lark(format!(
+        "start: call{repeat}\ncall: \"<tool_call>\\n<function=\" ({}) \"</function>\\n</tool_call>\"\n{rules}",
+        alts.join(" | ")
+    )))
 }
 
 /// Most nesting levels `closed_objects` walks (deeper schemas stay as they are there; serde_json
@@ -211,9 +285,9 @@ impl Compiler {
     /// `MASK_TIME_LIMIT`), then copied. `what` names the request field in errors; a grammar that
     /// cannot be compiled, that admits no answer, or whose mask is too costly is refused here,
     /// naming `what` and the failing part.
-    pub fn guides(&self, c: &Constraint, what: &str, n: usize) -> Result<Vec<Guide>> {
+    pub fn guides(&self, c: &Constraint, what: &str, n: usize, format: CallFormat) -> Result<Vec<Guide>> {
         check_patterns(c, what)?;
-        let grammar = c.grammar()?;
+        let grammar = c.grammar(format)?;
         let parser = self.factory.create_parser(grammar).map_err(|e| Error::Input {
             what: what.into(),
             message: format!("cannot be compiled: {}", describe(c, &e.to_string())),

@@ -92,7 +92,7 @@ pub(super) fn guides(
         Constraint::ToolCalls { .. } => "tool_choice",
         _ => "response_format",
     };
-    Ok(compiler.guides(c, what, n)?.into_iter().map(Some).collect())
+    Ok(compiler.guides(c, what, n, family.tool_call_format())?.into_iter().map(Some).collect())
 }
 
 /// Refuses a prompt whose KV cache alone exceeds `budget` bytes (it could never run).

@@ -388,7 +388,7 @@ impl Engine {
             choice: 0,
             forks,
             stop: req.stop.clone(),
-            tools: !req.tools.is_empty(),
+            tools: req.tools.clone(),
             // A raw prompt's answer is text as written.
             reasoning: req.prompt.is_none(),
             events,

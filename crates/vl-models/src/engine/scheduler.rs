@@ -324,7 +324,7 @@ impl<'f> Scheduler<'f> {
                     choice: f.choice,
                     forks: vec![],
                     stop: parent.job.stop.clone(),
-                    tools: parent.job.tools,
+                    tools: parent.job.tools.clone(),
                     reasoning: parent.job.reasoning,
                     events: parent.job.events.clone(),
                     unread: parent.job.unread.clone(),

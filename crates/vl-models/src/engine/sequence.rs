@@ -66,7 +66,8 @@ pub(crate) struct Job {
     /// The request's other choices, started from this one's prefill.
     pub forks: Vec<Fork>,
     pub stop: Vec<String>,
-    pub tools: bool,
+    /// The request's tool definitions (OpenAI's shape); empty without tools.
+    pub tools: Vec<serde_json::Value>,
     /// The answer's reasoning block is split off (`Family::reasoning`).
     pub reasoning: bool,
     pub events: mpsc::Sender<Event>,
@@ -134,7 +135,7 @@ impl<'f> Seq<'f> {
         let n = p.ids.len();
         let budget = p.options.max_new_tokens.min(family.context().saturating_sub(n));
         let picker = TokenPicker::new(p.options.clone(), &p.ids);
-        let hold = job.tools.then(CallHold::default);
+        let hold = (!job.tools.is_empty()).then(CallHold::default);
         let out = StopFilter::new(job.stop.clone());
         let markers = family.reasoning().filter(|_| job.reasoning);
         let opened = markers.is_some_and(|m| m.opened_by(family.tokenizer(), &p.ids));
@@ -263,7 +264,7 @@ impl<'f> Seq<'f> {
 
     /// The request field its constraint stands for, in errors.
     pub(super) fn what(&self) -> String {
-        if self.job.tools { "tool_choice" } else { "response_format" }.to_string()
+        if !self.job.tools.is_empty() { "tool_choice" } else { "response_format" }.to_string()
     }
 
     /// Sends a piece (nothing when empty); false when the caller has gone.
@@ -304,7 +305,7 @@ impl<'f> Seq<'f> {
         let mut tool_calls = vec![];
         if let Some(h) = &mut self.hold {
             tail = h.push(&tail);
-            match split_tool_calls(&text) {
+            match split_tool_calls(&text, &self.job.tools) {
                 Some((content, calls)) if finish != Finish::Cancelled => {
                     text = content;
                     tool_calls = calls;

@@ -180,6 +180,11 @@ pub trait Family: Send + Sync {
     fn reasoning(&self) -> Option<&crate::reasoning::Markers> {
         None
     }
+    /// How the family's chat template writes a function call (the form tool-call constraints
+    /// hold answers to).
+    fn tool_call_format(&self) -> crate::decoding::constraint::CallFormat {
+        crate::decoding::constraint::CallFormat::Json
+    }
 }
 
 /// What a model does with a prepared prompt.

@@ -608,7 +608,10 @@ fn hybrid_config(t: &RawText, b: &Bounds, path: &Path) -> Result<HybridConfig> {
     let field_err =
         |field: &str, message: String| Error::Config { path: path.to_path_buf(), field: field.into(), message };
     if t.attn_output_gate == Some(false) {
-        return Err(field_err("text_config.attn_output_gate", "false is not supported (Qwen3.5 gates attention)".into()));
+        return Err(field_err(
+            "text_config.attn_output_gate",
+            "false is not supported (Qwen3.5 gates attention)".into(),
+        ));
     }
     let n = t.num_hidden_layers;
     let linear: Vec<bool> = match (&t.layer_types, t.full_attention_interval) {

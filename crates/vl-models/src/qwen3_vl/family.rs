@@ -439,6 +439,16 @@ impl Family for Qwen3Vl {
     fn reasoning(&self) -> Option<&crate::reasoning::Markers> {
         self.think.as_ref()
     }
+
+    /// XML (`<function=NAME>`) when the checkpoint's template writes calls so (Qwen3.5's),
+    /// JSON otherwise (Qwen3-VL's).
+    fn tool_call_format(&self) -> crate::decoding::constraint::CallFormat {
+        if self.processor.template.source_text().contains("<function=") {
+            crate::decoding::constraint::CallFormat::Xml
+        } else {
+            crate::decoding::constraint::CallFormat::Json
+        }
+    }
 }
 
 impl Generator for Qwen3Vl {

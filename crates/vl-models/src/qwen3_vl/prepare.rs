@@ -207,7 +207,16 @@ pub(super) fn prepare(
         msg.tool_calls = m
             .tool_calls
             .iter()
-            .map(|c| TemplateToolCall::function(&c.name, serde_json::Value::String(c.arguments.clone())))
+            .map(|c| {
+                // As transformers' templates expect (and vLLM passes them): the arguments as an
+                // object when they are one (Qwen3.5's template iterates `arguments|items`), else
+                // the text as sent.
+                let args = match serde_json::from_str::<serde_json::Value>(&c.arguments) {
+                    Ok(v @ serde_json::Value::Object(_)) => v,
+                    _ => serde_json::Value::String(c.arguments.clone()),
+                };
+                TemplateToolCall::function(&c.name, args)
+            })
             .collect();
         msg.reasoning_content = m.reasoning.clone();
         messages.push(msg);

@@ -149,7 +149,16 @@ mod tests {
 
     /// The recurrence written out per element (torch_recurrent_gated_delta_rule's loop).
     #[allow(clippy::too_many_arguments)]
-    fn naive(sh: DeltaShape, n: usize, q: &[f32], k: &[f32], v: &[f32], g: &[f32], b: &[f32], s: &mut [f32]) -> Vec<f32> {
+    fn naive(
+        sh: DeltaShape,
+        n: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        g: &[f32],
+        b: &[f32],
+        s: &mut [f32],
+    ) -> Vec<f32> {
         let (kd, vd) = (sh.k_dim, sh.v_dim);
         let rep = sh.v_heads / sh.k_heads;
         let mut out = vec![0f32; n * sh.v_heads * vd];
