@@ -198,6 +198,35 @@ def randomize(model, gen):
         p.copy_(val)
 
 
+def add_mtp_head(ck, seed):
+    """A multi-token-prediction head as the released checkpoints carry one (`mtp.*`, one
+    full-attention decoder layer; `mtp_num_hidden_layers` 1), random: transformers skips it on
+    load, llama.cpp's converter writes it as an extra block (the dense file's block_count counts
+    it)."""
+    from safetensors.torch import load_file as lf, save_file as sf
+    t = GEOMETRY["text"]
+    d, hd = t["hidden_size"], t["head_dim"]
+    q, kv, inter = t["num_attention_heads"] * hd, t["num_key_value_heads"] * hd, t["intermediate_size"]
+    shapes = {"mtp.fc.weight": (d, 2 * d), "mtp.pre_fc_norm_embedding.weight": (d,), "mtp.pre_fc_norm_hidden.weight": (d,),
+              "mtp.norm.weight": (d,), "mtp.layers.0.input_layernorm.weight": (d,),
+              "mtp.layers.0.post_attention_layernorm.weight": (d,),
+              "mtp.layers.0.self_attn.q_proj.weight": (2 * q, d), "mtp.layers.0.self_attn.k_proj.weight": (kv, d),
+              "mtp.layers.0.self_attn.v_proj.weight": (kv, d), "mtp.layers.0.self_attn.o_proj.weight": (d, q),
+              "mtp.layers.0.self_attn.q_norm.weight": (hd,), "mtp.layers.0.self_attn.k_norm.weight": (hd,),
+              "mtp.layers.0.mlp.gate_proj.weight": (inter, d), "mtp.layers.0.mlp.up_proj.weight": (inter, d),
+              "mtp.layers.0.mlp.down_proj.weight": (d, inter)}
+    gen = torch.Generator().manual_seed(seed + 1)
+    path = ck / "model.safetensors"
+    tensors = lf(path)
+    for k, shape in shapes.items():
+        tensors[k] = (torch.randn(shape, generator=gen) * 0.1).to(torch.bfloat16)
+    sf(tensors, path, metadata={"format": "pt"})
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["text_config"]["mtp_num_hidden_layers"] = 1
+    cfg["text_config"]["mtp_use_dedicated_embeddings"] = False
+    (ck / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def long_text():
     words = ("river stone lantern quiet harbor copper meadow signal orchard violet thunder paper "
              "glacier ember compass willow").split()
@@ -263,6 +292,7 @@ def run(out, seed, template, tok, images, sampled_ids, image_processor):
     for p in model.parameters():
         p.copy_(p.to(torch.bfloat16).to(torch.float32))
     model.to(torch.bfloat16).save_pretrained(ck)
+    add_mtp_head(ck, seed)
     model = Qwen3_5ForConditionalGeneration.from_pretrained(ck, dtype=torch.float32).eval()
     model.config._attn_implementation = "eager"
     for sub in (model.model.visual.config, model.model.language_model.config):

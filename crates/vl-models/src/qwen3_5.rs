@@ -7,8 +7,10 @@
 //! whose decoder builds a DeltaNet mixer for each linear layer and a recurrent `LayerState` for it.
 //!
 //! Loaded: checkpoint directories (safetensors, sharded or not; the `mtp.*` head skipped, as
-//! transformers skips it). Not yet: MoE (`qwen3_5_moe`), llama.cpp's `qwen35` GGUF files, MLX
-//! conversions and `vl quantize`, each refused by name.
+//! transformers skips it) and llama.cpp's GGUF pairs (`qwen35` text: its MTP block, counted in
+//! `block_count`, skipped; the layer pattern from `recurrent_layers`; value heads in the
+//! converter's tiled order; plus the `qwen3vl_merger` mmproj). Not yet: MoE (`qwen3_5_moe`,
+//! `qwen35moe`), MLX conversions and `vl quantize`, each refused by name.
 
 use std::path::Path;
 
@@ -20,7 +22,7 @@ pub static ENTRY: FamilyEntry = FamilyEntry {
     name: "qwen3_5",
     architectures: &["Qwen3_5ForConditionalGeneration"],
     model_types: &["qwen3_5"],
-    gguf_architectures: &[],
+    gguf_architectures: &["qwen35"],
     heads: &[],
     open: open_entry,
     inspect: inspect_entry,

@@ -176,7 +176,7 @@ fn hostile_and_truncated_headers_are_named_errors() {
     let mut f = tempfile::Builder::new().suffix(".gguf").tempfile().unwrap();
     f.write_all(&other).unwrap();
     let e = GgufModel::open(f.path(), None).err().unwrap().to_string();
-    assert!(e.contains("not a Qwen3-VL text model"), "{e}");
+    assert!(e.contains("not a Qwen3-VL or Qwen3.5 text model") && e.contains("llama3x"), "{e}");
 }
 
 #[test]

@@ -277,3 +277,39 @@ fn required_tool_calls_are_xml_calls_valid_against_the_parameters() {
         assert_eq!(args.as_object().unwrap().len(), 2, "seed {seed}: {args}");
     }
 }
+
+/// llama.cpp's converter's GGUF pair of tiny-q35 (goldens/gguf-q35: `qwen35` with the MTP block
+/// it appends and counts in `block_count`, value heads in its tiled order, norms with their +1,
+/// -exp(A_log); bf16 like the checkpoint): every case's last logits within 1e-3 of the
+/// reference, and through the engine the reference's greedy ids, tokenized by the GGUF's own
+/// vocabulary under the `qwen35` pre-tokenizer.
+#[test]
+fn llama_cpp_gguf_matches_the_reference() {
+    let g = goldens().join("gguf-q35");
+    let (text, mmproj) = (g.join("tiny-q35-bf16.gguf"), g.join("mmproj-tiny-q35-bf16.gguf"));
+    let pair = vl_models::qwen3_vl::gguf::GgufModel::open(&text, Some(&mmproj)).unwrap();
+    let h = pair.config.text.hybrid.as_ref().unwrap();
+    assert_eq!(pair.config.text.num_hidden_layers, 5, "the MTP block is not a decoder layer");
+    assert_eq!(h.linear, [true, false, true, true, false]);
+    let m = pair.load_model(DType::F32, &candle_core::Device::Cpu).unwrap();
+    for name in CASES {
+        let (want, _) = case(name);
+        let p = golden_prompt(&want);
+        let mut cache = m.new_cache();
+        let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
+        let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
+        println!("gguf {name}: last logits max|diff| {d:.2e}");
+        assert!(d <= LOGIT_TOL, "{name}: {d}");
+    }
+    // A GGUF carries no pixel budget (the converter leaves it out): the checkpoint's is given.
+    let model =
+        ModelOptions { device: device(), min_pixels: Some(64 * 64), max_pixels: Some(256 * 256), ..Default::default() };
+    let engine = Engine::load(&text, EngineOptions { model, ..Default::default() }).unwrap();
+    assert_eq!(engine.family().name(), "qwen3_5");
+    for name in CASES {
+        let (req, ids, meta) = request(name);
+        let c = engine.generate(&req, &mut |_| true).unwrap();
+        assert_eq!(c.prompt_tokens as u64, meta["num_tokens"].as_u64().unwrap(), "{name}");
+        assert_eq!(c.token_ids, ids, "{name}");
+    }
+}

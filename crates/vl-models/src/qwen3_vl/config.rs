@@ -244,6 +244,9 @@ pub struct HybridConfig {
     pub value_heads: usize,
     pub key_head_dim: usize,
     pub value_head_dim: usize,
+    /// llama.cpp's `qwen35` layout (its converter's rewrites): value heads tiled across key
+    /// heads, the decoder norms stored with their +1, `A_log` stored as -exp(A_log).
+    pub gguf_layout: bool,
 }
 
 impl HybridConfig {
@@ -256,6 +259,7 @@ impl HybridConfig {
                 v_heads: self.value_heads,
                 k_dim: self.key_head_dim,
                 v_dim: self.value_head_dim,
+                tiled: self.gguf_layout,
             },
             conv_kernel: self.conv_kernel,
         }
@@ -652,6 +656,7 @@ fn hybrid_config(t: &RawText, b: &Bounds, path: &Path) -> Result<HybridConfig> {
         value_heads: size("linear_num_value_heads", t.linear_num_value_heads, 32, MAX_HEADS)?,
         key_head_dim: size("linear_key_head_dim", t.linear_key_head_dim, 128, MAX_HEAD_DIM)?,
         value_head_dim: size("linear_value_head_dim", t.linear_value_head_dim, 128, MAX_HEAD_DIM)?,
+        gguf_layout: false,
     };
     if !h.value_heads.is_multiple_of(h.key_heads) {
         return Err(field_err(

@@ -40,10 +40,10 @@ impl GgufModel {
     pub fn open(text: &Path, mmproj: Option<&Path>) -> Result<Self> {
         let text = GgufFile::open(text)?;
         let arch = text.str("general.architecture")?;
-        if arch != "qwen3vl" && arch != "qwen3vlmoe" {
+        if !["qwen3vl", "qwen3vlmoe", "qwen35"].contains(&arch) {
             return Err(bad(
                 &text.path,
-                format!("general.architecture = {arch:?}: not a Qwen3-VL text model (qwen3vl, qwen3vlmoe)"),
+                format!("general.architecture = {arch:?}: not a Qwen3-VL or Qwen3.5 text model (qwen3vl, qwen3vlmoe, qwen35)"),
             ));
         }
         let mmproj = mmproj.map(GgufFile::open).transpose()?;
@@ -80,6 +80,9 @@ impl GgufModel {
         let mut have: HashMap<String, (String, Vec<usize>)> = HashMap::new();
         let mut unexpected = vec![];
         for (name, info) in &self.text.content.tensor_infos {
+            if self.is_mtp(name) {
+                continue;
+            }
             match text_key(name) {
                 Some(k) => {
                     have.insert(k, (name.clone(), info.shape.dims().to_vec()));
@@ -118,11 +121,13 @@ impl GgufModel {
             }
             match have.get(&p.key) {
                 None if p.required => missing.push(self.gguf_name(&p.key)),
-                Some((name, dims)) if *dims != p.shape => wrong_shape.push(crate::error::ShapeMismatch {
-                    key: name.clone(),
-                    expected: p.shape.clone(),
-                    found: dims.clone(),
-                }),
+                Some((name, dims)) if *dims != p.shape && p.alt_shape.as_ref() != Some(dims) => {
+                    wrong_shape.push(crate::error::ShapeMismatch {
+                        key: name.clone(),
+                        expected: p.shape.clone(),
+                        found: dims.clone(),
+                    })
+                }
                 _ => {}
             }
         }
@@ -130,6 +135,69 @@ impl GgufModel {
             return Ok(());
         }
         Err(Error::TensorPlan { dir: self.text.path.clone(), missing, unexpected, wrong_shape })
+    }
+
+    /// A tensor of the multi-token-prediction block that llama.cpp's converter appends after the
+    /// decoder's (`blk.N` with N past the layers: Qwen3.5's `mtp.*`), which is not read.
+    fn is_mtp(&self, name: &str) -> bool {
+        name.strip_prefix("blk.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(i, _)| i.parse::<usize>().ok())
+            .is_some_and(|i| i >= self.config.text.num_hidden_layers)
+    }
+
+    /// Qwen3.5's hybrid decoder from `qwen35.*`: the layer count without the MTP block the
+    /// converter counts in `block_count` (`nextn_predict_layers`), the layer pattern from
+    /// `attention.recurrent_layers` (read before `full_attention_interval`, which the MoE
+    /// conversion writes as 4 whatever the config said), the DeltaNet widths from `ssm.*`, the
+    /// rotary dims from `rope.dimension_count`.
+    fn hybrid(t: &GgufFile, a: &str, blocks: usize) -> Result<(usize, super::config::HybridConfig, usize)> {
+        let k = |s: &str| format!("{a}.{s}");
+        let mtp = t.usize(&k("nextn_predict_layers"), blocks).unwrap_or(0);
+        let layers = blocks.checked_sub(mtp).filter(|&n| n > 0).ok_or_else(|| {
+            bad(&t.path, format!("block_count {blocks} leaves no decoder layer besides {mtp} MTP layers"))
+        })?;
+        let linear: Vec<bool> = match t.array(&k("attention.recurrent_layers")) {
+            Ok(v) => {
+                if v.len() < layers {
+                    return Err(bad(
+                        &t.path,
+                        format!("attention.recurrent_layers has {} entries for {layers} layers", v.len()),
+                    ));
+                }
+                v[..layers]
+                    .iter()
+                    .map(|x| {
+                        x.to_bool().map_err(|_| bad(&t.path, "attention.recurrent_layers is not a list of booleans"))
+                    })
+                    .collect::<Result<_>>()?
+            }
+            Err(_) => {
+                let every = t.usize(&k("full_attention_interval"), 1024)?.max(1);
+                (0..layers).map(|i| !(i + 1).is_multiple_of(every)).collect()
+            }
+        };
+        let groups = t.usize(&k("ssm.group_count"), 1024)?;
+        let v_heads = t.usize(&k("ssm.time_step_rank"), 1024)?;
+        let inner = t.usize(&k("ssm.inner_size"), 1 << 20)?;
+        if groups == 0 || v_heads == 0 || !v_heads.is_multiple_of(groups) || !inner.is_multiple_of(v_heads) {
+            return Err(bad(
+                &t.path,
+                format!(
+                    "ssm.group_count {groups}, ssm.time_step_rank {v_heads} and ssm.inner_size {inner} do not divide"
+                ),
+            ));
+        }
+        let h = super::config::HybridConfig {
+            linear,
+            conv_kernel: t.usize(&k("ssm.conv_kernel"), 64)?,
+            key_heads: groups,
+            value_heads: v_heads,
+            key_head_dim: t.usize(&k("ssm.state_size"), 1024)?,
+            value_head_dim: inner / v_heads,
+            gguf_layout: true,
+        };
+        Ok((layers, h, t.usize(&k("rope.dimension_count"), 1024)?))
     }
 
     fn read_config(t: &GgufFile, m: Option<&GgufFile>) -> Result<Qwen3VlConfig> {
@@ -148,8 +216,18 @@ impl GgufModel {
             .collect::<std::result::Result<_, _>>()
             .map_err(|_| bad(&t.path, "rope.dimension_sections is not a list of integers"))?;
         let head_dim = t.usize(&k("attention.key_length"), 1024)?;
-        if sections.len() < 3 || sections[..3].iter().sum::<usize>() * 2 != head_dim {
-            return Err(bad(&t.path, format!("rope.dimension_sections {sections:?} do not cover head_dim {head_dim}")));
+        let blocks = t.usize(&k("block_count"), 1024)?;
+        let (layers, hybrid, rotary_dim) = if a == "qwen35" {
+            let (layers, h, rotary) = Self::hybrid(t, a, blocks)?;
+            (layers, Some(h), rotary)
+        } else {
+            (blocks, None, head_dim)
+        };
+        if rotary_dim > head_dim || sections.len() < 3 || sections[..3].iter().sum::<usize>() * 2 != rotary_dim {
+            return Err(bad(
+                &t.path,
+                format!("rope.dimension_sections {sections:?} do not cover the {rotary_dim} rotary dims of head_dim {head_dim}"),
+            ));
         }
         let text = TextConfig {
             vocab_size: vocab,
@@ -159,7 +237,7 @@ impl GgufModel {
             } else {
                 0
             },
-            num_hidden_layers: t.usize(&k("block_count"), 1024)?,
+            num_hidden_layers: layers,
             num_attention_heads: heads,
             num_key_value_heads: kv,
             head_dim,
@@ -167,8 +245,8 @@ impl GgufModel {
             rms_norm_eps: t.f64(&k("attention.layer_norm_rms_epsilon"))?,
             rope_theta: t.f64(&k("rope.freq_base"))?,
             mrope_section: sections[..3].to_vec(),
-            rotary_dim: head_dim,
-            hybrid: None,
+            rotary_dim,
+            hybrid,
             // llama.cpp's qwen3vlmoe has routed experts in every layer.
             moe: if a == "qwen3vlmoe" {
                 let experts = t.usize(&k("expert_count"), 4096)?;
@@ -414,6 +492,9 @@ impl GgufModel {
         let mut pre: Prequantized = HashMap::new();
         let mut experts: PreExperts = HashMap::new();
         for (name, info) in &self.text.content.tensor_infos {
+            if self.is_mtp(name) {
+                continue;
+            }
             let Some(hf) = text_key(name) else {
                 return Err(bad(&self.text.path, format!("unexpected tensor {name} in a Qwen3-VL text model")));
             };
@@ -544,12 +625,16 @@ pub fn summary_text(s: &serde_json::Value) -> String {
 fn tokenizer(t: &GgufFile) -> Result<Tokenizer> {
     let model = t.str("tokenizer.ggml.model")?;
     let pre = t.str("tokenizer.ggml.pre").unwrap_or("");
-    if model != "gpt2" || pre != "qwen2" {
-        return Err(bad(
-            &t.path,
-            format!("tokenizer {model:?} with pre-tokenizer {pre:?} is not supported (gpt2 / qwen2)"),
-        ));
-    }
+    let pattern = match (model, pre) {
+        ("gpt2", "qwen2") => QWEN2_PATTERN,
+        ("gpt2", "qwen35") => QWEN35_PATTERN,
+        _ => {
+            return Err(bad(
+                &t.path,
+                format!("tokenizer {model:?} with pre-tokenizer {pre:?} is not supported (gpt2 / qwen2, qwen35)"),
+            ))
+        }
+    };
     let tokens = t.array("tokenizer.ggml.tokens")?;
     let types = t.array("tokenizer.ggml.token_type").ok();
     let merges = t.array("tokenizer.ggml.merges")?;
@@ -601,7 +686,7 @@ fn tokenizer(t: &GgufFile) -> Result<Tokenizer> {
         "added_tokens": [],
         "normalizer": {"type": "NFC"},
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": QWEN2_PATTERN}, "behavior": "Isolated", "invert": false},
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
             byte_level.clone()]},
         "post_processor": byte_level.clone(),
         "decoder": byte_level,
@@ -616,3 +701,5 @@ fn tokenizer(t: &GgufFile) -> Result<Tokenizer> {
 /// llama.cpp's `qwen2` pre-tokenizer: the split regex of Qwen2's tokenizer.json.
 const QWEN2_PATTERN: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// llama.cpp's `qwen35` pre-tokenizer: Qwen3.5's split regex, marks (`\p{M}`) in the letter classes.
+const QWEN35_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";

@@ -28,7 +28,20 @@ const TEXT_LAYER: &[(&str, &str)] = &[
     ("ffn_gate_exps", "mlp.experts.gate_proj"),
     ("ffn_up_exps", "mlp.experts.up_proj"),
     ("ffn_down_exps", "mlp.experts.down_proj"),
+    // Qwen3.5 (qwen35): the norm after attention, and the Gated DeltaNet layers.
+    ("post_attention_norm", "post_attention_layernorm"),
+    ("attn_qkv", "linear_attn.in_proj_qkv"),
+    ("attn_gate", "linear_attn.in_proj_z"),
+    ("ssm_beta", "linear_attn.in_proj_b"),
+    ("ssm_alpha", "linear_attn.in_proj_a"),
+    ("ssm_conv1d", "linear_attn.conv1d"),
+    ("ssm_norm", "linear_attn.norm"),
+    ("ssm_out", "linear_attn.out_proj"),
 ];
+
+/// Qwen3.5's per-layer tensors whose names do not follow `<part>.<kind>`: `blk.N.<a>` <->
+/// `model.language_model.layers.N.<b>` (`ssm_a` holds -exp(A_log); `ssm_dt.bias` is dt_bias).
+const TEXT_LAYER_WHOLE: &[(&str, &str)] = &[("ssm_a", "linear_attn.A_log"), ("ssm_dt.bias", "linear_attn.dt_bias")];
 
 /// Whole-tower vision parts (relative to `model.visual`).
 const VISION_TOP: &[(&str, &str)] = &[
@@ -72,6 +85,9 @@ pub(crate) fn text_key(name: &str) -> Option<String> {
         return Some(k.into());
     }
     let (i, rest) = indexed(name, "blk.")?;
+    if let Some(k) = to_key(TEXT_LAYER_WHOLE, rest) {
+        return Some(format!("{TEXT}.layers.{i}.{k}"));
+    }
     let (part, kind) = rest.rsplit_once('.')?;
     Some(format!("{TEXT}.layers.{i}.{}.{kind}", to_key(TEXT_LAYER, part)?))
 }
@@ -82,6 +98,9 @@ pub(crate) fn text_name(key: &str) -> Option<(String, Option<usize>)> {
         return Some((n.into(), None));
     }
     let (i, rest) = indexed(key, &format!("{TEXT}.layers."))?;
+    if let Some(n) = to_name(TEXT_LAYER_WHOLE, rest) {
+        return Some((format!("blk.{i}.{n}"), Some(i)));
+    }
     let (part, kind) = rest.rsplit_once('.')?;
     Some((format!("blk.{i}.{}.{kind}", to_name(TEXT_LAYER, part)?), Some(i)))
 }
@@ -125,6 +144,12 @@ mod tests {
         assert_eq!(text_key("blk.3.attn_q.weight").unwrap(), "model.language_model.layers.3.self_attn.q_proj.weight");
         assert_eq!(text_key("token_embd.weight").unwrap(), "model.language_model.embed_tokens.weight");
         assert_eq!(text_key("blk.x.attn_q.weight"), None);
+        assert_eq!(text_key("blk.2.ssm_a").unwrap(), "model.language_model.layers.2.linear_attn.A_log");
+        assert_eq!(text_key("blk.2.ssm_dt.bias").unwrap(), "model.language_model.layers.2.linear_attn.dt_bias");
+        assert_eq!(
+            text_key("blk.0.ssm_alpha.weight").unwrap(),
+            "model.language_model.layers.0.linear_attn.in_proj_a.weight"
+        );
         assert_eq!(vision_key("v.deepstack.5.fc1.bias", &[2, 5]).unwrap(), "deepstack_merger_list.1.linear_fc1.bias");
         assert_eq!(vision_key("v.deepstack.4.fc1.bias", &[2, 5]), None);
         assert_eq!(vision_key("mm.2.weight", &[]).unwrap(), "merger.linear_fc2.weight");

@@ -128,6 +128,10 @@ pub fn tensor_plan(cfg: &Qwen3VlConfig) -> Vec<PlannedTensor> {
     }
     txt(format!("{tp}.norm.weight"), vec![d]);
     add(LM_HEAD.to_string(), vec![t.vocab_size, d], Group::LmHead, !cfg.tie_word_embeddings);
+    // A DeltaNet convolution may be stored squeezed, [C, K] (llama.cpp).
+    for p in plan.iter_mut().filter(|p| p.key.ends_with(".linear_attn.conv1d.weight")) {
+        p.alt_shape = Some(vec![p.shape[0], p.shape[2]]);
+    }
     // The fused experts may be stored as the hub has them, [E, in, out].
     for p in plan.iter_mut().filter(|p| p.key.contains(".mlp.experts.")) {
         p.alt_shape = Some(vec![p.shape[0], p.shape[2], p.shape[1]]);

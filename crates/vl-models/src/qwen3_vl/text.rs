@@ -127,7 +127,7 @@ impl Attention {
         let (d, hd) = (cfg.hidden_size, cfg.head_dim);
         let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         let gated = cfg.hybrid.is_some();
-        let offset = cfg.hybrid.is_some();
+        let offset = unit_offset_norms(cfg);
         Ok(Self {
             q_proj: linear_no_bias(d, if gated { 2 * q } else { q }, vb.pp("q_proj"), qt)?,
             k_proj: linear_no_bias(d, kv, vb.pp("k_proj"), qt)?,
@@ -454,6 +454,12 @@ impl Mixer {
     }
 }
 
+/// Whether the decoder's RMSNorms add 1 to their stored weights at load (Qwen3.5 from
+/// safetensors; llama.cpp's converter stores them with the 1 added).
+fn unit_offset_norms(cfg: &TextConfig) -> bool {
+    cfg.hybrid.as_ref().is_some_and(|h| !h.gguf_layout)
+}
+
 /// A Gated DeltaNet layer's weights (`linear_attn.*`).
 fn delta_net(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<vl_nn::GatedDeltaNet> {
     let h = cfg.hybrid.as_ref().expect("a linear layer has a hybrid config");
@@ -468,11 +474,22 @@ fn delta_net(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<vl_nn::Ga
         linear_no_bias(s.value_dim(), d, vb.pp("out_proj"), qt)?,
     ];
     let f32s = |name: &str, shape: &[usize]| -> Result<Tensor> { Ok(vb.get(shape, name)?.to_dtype(DType::F32)?) };
+    // The convolution as transformers stores it [C, 1, K], or squeezed [C, K] (llama.cpp).
+    let conv = vb.get_unchecked_dtype("conv1d.weight", DType::F32)?;
+    if conv.elem_count() != s.conv_dim() * h.conv_kernel {
+        return Err(Error::Input {
+            what: format!("{}.conv1d.weight", vb.prefix()),
+            message: format!("shape {:?}, expected [{}, 1, {}]", conv.dims(), s.conv_dim(), h.conv_kernel),
+        });
+    }
+    // llama.cpp stores -exp(A_log) (`ssm_a`).
+    let a_log = f32s("A_log", &[vh])?;
+    let a_log = if h.gguf_layout { a_log.neg()?.log()? } else { a_log };
     Ok(vl_nn::GatedDeltaNet::new(
         s,
         linears,
-        &f32s("conv1d.weight", &[s.conv_dim(), 1, h.conv_kernel])?,
-        &f32s("A_log", &[vh])?,
+        &conv,
+        &a_log,
         &f32s("dt_bias", &[vh])?,
         &vb.pp("norm").get(h.value_head_dim, "weight")?.to_dtype(DType::F32)?,
         cfg.rms_norm_eps,
@@ -503,7 +520,7 @@ impl DecoderLayer {
         } else {
             Ffn::Dense(Mlp::load(cfg, vb.pp("mlp"), qt)?)
         };
-        let offset = cfg.hybrid.is_some();
+        let offset = unit_offset_norms(cfg);
         let attn = if cfg.is_linear(i) {
             Mixer::Linear(delta_net(cfg, vb.pp("linear_attn"), qt)?)
         } else {
@@ -665,7 +682,7 @@ impl TextModel {
             cfg: cfg.clone(),
             embed,
             layers,
-            norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, tvb.pp("norm"), cfg.hybrid.is_some())?,
+            norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, tvb.pp("norm"), unit_offset_norms(cfg))?,
             lm_head,
             rope: MultiAxisRope::new(cfg.rotary_dim, cfg.rope_theta, [s[0], s[1], s[2]]),
             dtype: vb.dtype(),

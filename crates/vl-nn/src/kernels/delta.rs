@@ -12,13 +12,15 @@
 use crate::cpu::SendPtr;
 
 /// Heads and widths of one gated delta rule call. Each key head serves `v_heads / k_heads`
-/// consecutive value heads.
+/// value heads: consecutive ones (transformers' order), or every `k_heads`-th when `tiled`
+/// (llama.cpp's GGUF files reorder the value heads so: value head h reads key head h % k_heads).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeltaShape {
     pub k_heads: usize,
     pub v_heads: usize,
     pub k_dim: usize,
     pub v_dim: usize,
+    pub tiled: bool,
 }
 
 impl DeltaShape {
@@ -43,7 +45,7 @@ pub fn gated_delta_rule(
     states: &mut [Vec<f32>],
     out: &mut [f32],
 ) {
-    let DeltaShape { k_heads, v_heads, k_dim, v_dim } = shape;
+    let DeltaShape { k_heads, v_heads, k_dim, v_dim, tiled } = shape;
     let rows: usize = segments.iter().sum();
     let (kw, vw) = (k_heads * k_dim, v_heads * v_dim);
     assert!(k_heads > 0 && v_heads.is_multiple_of(k_heads) && states.len() == segments.len());
@@ -60,7 +62,7 @@ pub fn gated_delta_rule(
         || vec![0f32; v_dim],
         |item, delta| {
             let (s, h) = (item / v_heads, item % v_heads);
-            let kh = h / rep;
+            let kh = if tiled { h % k_heads } else { h / rep };
             // SAFETY: item (s, h) alone reads and writes head h of sequence s's state (a
             // `head_len` slice of a vector of `v_heads * head_len` floats, asserted above) and
             // the `v_dim` outputs of head h in its sequence's rows (inside `out`, asserted above).
@@ -184,7 +186,7 @@ mod tests {
 
     #[test]
     fn the_rule_matches_the_elementwise_recurrence_and_splits_anywhere() {
-        let sh = DeltaShape { k_heads: 2, v_heads: 4, k_dim: 6, v_dim: 5 };
+        let sh = DeltaShape { k_heads: 2, v_heads: 4, k_dim: 6, v_dim: 5, tiled: false };
         let n = 9;
         let (q, k, v) = (rnd(n * 12, 1), rnd(n * 12, 2), rnd(n * 20, 3));
         let g: Vec<f32> = rnd(n * 4, 4).iter().map(|x| -x.abs() * 2.0).collect();
