@@ -1174,6 +1174,8 @@ def main():
     ap.add_argument("--moe", action="store_true", help="only write goldens/tiny-moe (the MoE family)")
     ap.add_argument("--qwen35", action="store_true",
                     help="only write goldens/tiny-q35 and goldens/tokenizer-q35 (the Qwen3.5 family)")
+    ap.add_argument("--qwen35-moe", action="store_true",
+                    help="only write goldens/tiny-q35-moe (the Qwen3.5 MoE family; after --qwen35)")
     ap.add_argument("--moe-gguf", action="store_true",
                     help="only write goldens/tiny-moe-gguf (all-sparse MoE, for generate-gguf-moe)")
     args = ap.parse_args()
@@ -1188,10 +1190,11 @@ def main():
     if args.reranker:
         reranker_goldens(out)
         return
-    if args.qwen35:
+    if args.qwen35 or args.qwen35_moe:
         import qwen35
         sampled_ids = load_file(out / "sampled_vocab_ids.safetensors")["vocab_ids"]
-        qwen35.generate(out, args.seed + 9000, args.max_seed_tries, sampled_ids, image_processor, write_provenance)
+        qwen35.generate(out, args.seed + (9500 if args.qwen35_moe else 9000), args.max_seed_tries, sampled_ids,
+                        image_processor, write_provenance, moe=args.qwen35_moe)
         return
     if args.moe or args.moe_gguf:
         # The probe images, tokenizer, sampled ids and prompt goldens are the dense geometries'.

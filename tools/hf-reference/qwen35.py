@@ -28,6 +28,7 @@ from safetensors.torch import save_file, load_file
 from tokenizers import AddedToken
 
 from transformers import GenerationConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3VLProcessor
+from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -62,6 +63,9 @@ GEOMETRY = dict(
 
 NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
                "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+# The MoE family (qwen3_5_moe): every layer routed experts (6, top-2) plus a gated shared expert.
+MOE_NAME = "tiny-q35-moe"
+MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=20, shared_expert_intermediate_size=28)
 GREEDY_STEPS = 16
 MIN_GREEDY_MARGIN = 0.02
 CORPUS = [
@@ -164,9 +168,13 @@ def tokenizer_goldens(tdir, tok):
         "cases": cases}, indent=1, ensure_ascii=False) + "\n")
 
 
-def make_config():
-    t, v = GEOMETRY["text"], GEOMETRY["vision"]
-    return Qwen3_5Config(text_config=dict(t), vision_config=dict(v), tie_word_embeddings=True,
+def make_config(moe=False):
+    t, v = dict(GEOMETRY["text"]), GEOMETRY["vision"]
+    if moe:
+        t.pop("intermediate_size")
+        t.update(MOE)
+        t["layer_types"] = ["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"]
+    return (Qwen3_5MoeConfig if moe else Qwen3_5Config)(text_config=t, vision_config=dict(v), tie_word_embeddings=True,
                          image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD,
                          vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
 
@@ -252,25 +260,38 @@ def cases():
 
 
 @torch.no_grad()
-def generate(out, seed, max_tries, sampled_ids, image_processor, write_provenance):
+def generate(out, seed, max_tries, sampled_ids, image_processor, write_provenance, moe=False):
     assert sha256(TEMPLATE) == TEMPLATE_SHA256, "Qwen3.5 template changed"
     template = TEMPLATE.read_text()
     tdir = out / TOKENIZER_DIR
-    if tdir.exists():
-        shutil.rmtree(tdir)
-    tdir.mkdir(parents=True)
-    tok, facts = build_tokenizer(tdir)
-    for f in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        (tdir / f).unlink(missing_ok=True)
-    tokenizer_goldens(tdir, tok)
+    if moe:
+        # The dense section's tokenizer, as written.
+        tok = Qwen3_5Tokenizer.from_pretrained(out / NAME / "checkpoint")
+        facts = "goldens/tokenizer-q35 (generate --qwen35)"
+    else:
+        if tdir.exists():
+            shutil.rmtree(tdir)
+        tdir.mkdir(parents=True)
+        tok, facts = build_tokenizer(tdir)
+        for f in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            (tdir / f).unlink(missing_ok=True)
+        tokenizer_goldens(tdir, tok)
     images = {n: Image.open(out / "images" / f"{n}.png") for n in ("square", "odd", "large")}
     for k in range(max_tries):
-        why = run(out, seed + k, template, tok, images, sampled_ids, image_processor)
+        why = run(out, seed + k, template, tok, images, sampled_ids, image_processor, moe)
         if why is None:
             break
-        print(f"{NAME}: seed {seed + k} rejected ({why})")
+        print(f"{MOE_NAME if moe else NAME}: seed {seed + k} rejected ({why})")
     else:
         sys.exit(f"{NAME}: no seed passed the greedy margin check")
+    if moe:
+        write_provenance(out, {"qwen35_moe": {
+            "generator": "tools/hf-reference/generate --qwen35-moe", "geometry": dict(GEOMETRY, moe=MOE), "seed": seed + k,
+            "model": "Qwen3_5MoeForConditionalGeneration (every layer routed + gated shared expert; layer pattern "
+                     "linear, linear, full, linear, full), bfloat16 weights computed in float32, eager attention",
+            "tokenizer": facts, "template": f"as tiny-q35 (sha256 {TEMPLATE_SHA256})",
+            "cases": "as tiny-q35's"}})
+        return
     write_provenance(out, {"qwen35": {
         "generator": "tools/hf-reference/generate --qwen35", "geometry": GEOMETRY, "seed": seed + k,
         "model": "Qwen3_5ForConditionalGeneration, bfloat16 weights computed in float32 (exact upcast), eager attention",
@@ -280,20 +301,23 @@ def generate(out, seed, max_tries, sampled_ids, image_processor, write_provenanc
         "cases": "cases/<case>.json: messages, template kwargs, prompt, ids, greedy ids; .safetensors: logits"}})
 
 
-def run(out, seed, template, tok, images, sampled_ids, image_processor):
-    gdir = out / NAME
+def run(out, seed, template, tok, images, sampled_ids, image_processor, moe=False):
+    cls = Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration
+    name = MOE_NAME if moe else NAME
+    gdir = out / name
     if gdir.exists():
         shutil.rmtree(gdir)
     ck = gdir / "checkpoint"
     ck.mkdir(parents=True)
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(make_config()).eval()
+    model = cls(make_config(moe)).eval()
     randomize(model, torch.Generator().manual_seed(seed))
     for p in model.parameters():
         p.copy_(p.to(torch.bfloat16).to(torch.float32))
     model.to(torch.bfloat16).save_pretrained(ck)
-    add_mtp_head(ck, seed)
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(ck, dtype=torch.float32).eval()
+    if not moe:
+        add_mtp_head(ck, seed)
+    model = cls.from_pretrained(ck, dtype=torch.float32, **({"experts_implementation": "eager"} if moe else {})).eval()
     model.config._attn_implementation = "eager"
     for sub in (model.model.visual.config, model.model.language_model.config):
         sub._attn_implementation = "eager"
@@ -329,7 +353,7 @@ def run(out, seed, template, tok, images, sampled_ids, image_processor):
     # chunked delta rule in float32 (torch_chunk_gated_delta_rule: decays as differences of
     # cumulative sums, exponentiated) drifts up to ~2e-3 from them on early positions under
     # strong decays, where the recurrent form stays within ~4e-4; both are stored.
-    model64 = Qwen3_5ForConditionalGeneration.from_pretrained(ck, dtype=torch.float64).eval()
+    model64 = cls.from_pretrained(ck, dtype=torch.float64, experts_implementation="eager").eval()
     model64.config._attn_implementation = "eager"
     for sub in (model64.model.visual.config, model64.model.language_model.config):
         sub._attn_implementation = "eager"
@@ -367,5 +391,5 @@ def run(out, seed, template, tok, images, sampled_ids, image_processor):
                 "greedy": {"ids": new_ids.tolist(), "text": tok2.decode(new_ids), "min_margin": margins.min().item(),
                            "steps": GREEDY_STEPS}}
         (cdir / f"{cname}.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
-        print(f"  {NAME}/{cname}: {meta['num_tokens']} tokens, images {names}")
+        print(f"  {name}/{cname}: {meta['num_tokens']} tokens, images {names}")
     return None

@@ -9,8 +9,9 @@
 //! Loaded: checkpoint directories (safetensors, sharded or not; the `mtp.*` head skipped, as
 //! transformers skips it) and llama.cpp's GGUF pairs (`qwen35` text: its MTP block, counted in
 //! `block_count`, skipped; the layer pattern from `recurrent_layers`; value heads in the
-//! converter's tiled order; plus the `qwen3vl_merger` mmproj). Not yet: MoE (`qwen3_5_moe`,
-//! `qwen35moe`), MLX conversions and `vl quantize`, each refused by name.
+//! converter's tiled order; plus the `qwen3vl_merger` mmproj). MoE (`qwen3_5_moe`, `MOE_ENTRY`):
+//! checkpoint directories. Not yet: llama.cpp's `qwen35moe` files, MLX conversions and
+//! `vl quantize`, each refused by name.
 
 use std::path::Path;
 
@@ -23,6 +24,21 @@ pub static ENTRY: FamilyEntry = FamilyEntry {
     architectures: &["Qwen3_5ForConditionalGeneration"],
     model_types: &["qwen3_5"],
     gguf_architectures: &["qwen35"],
+    heads: &[],
+    open: open_entry,
+    inspect: inspect_entry,
+    quantize: quantize_entry,
+    default_quant: crate::qwen3_vl::family::default_quant_entry,
+};
+
+/// The registry's entry for Qwen3.5 MoE (`Qwen3_5MoeForConditionalGeneration`): the same decoder
+/// with routed experts and a gated shared expert in every layer, the experts stored one tensor
+/// each as the hub has them (or fused, as transformers 5 holds them).
+pub static MOE_ENTRY: FamilyEntry = FamilyEntry {
+    name: "qwen3_5_moe",
+    architectures: &["Qwen3_5MoeForConditionalGeneration"],
+    model_types: &["qwen3_5_moe"],
+    gguf_architectures: &[],
     heads: &[],
     open: open_entry,
     inspect: inspect_entry,

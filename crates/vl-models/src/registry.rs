@@ -16,6 +16,7 @@ pub static FAMILIES: &[&FamilyEntry] = &[
     &crate::qwen3_vl_embedding::ENTRY,
     &crate::qwen3_vl_reranker::ENTRY,
     &crate::qwen3_5::ENTRY,
+    &crate::qwen3_5::MOE_ENTRY,
 ];
 
 /// Sentence Transformers modules that every kind of checkpoint may list: the model itself and a

@@ -22,6 +22,10 @@ pub const MOE_MODEL_TYPE: &str = "qwen3_vl_moe";
 /// hybrid decoder of Gated DeltaNet and gated full-attention layers.
 pub const HYBRID_ARCHITECTURE: &str = "Qwen3_5ForConditionalGeneration";
 pub const HYBRID_MODEL_TYPE: &str = "qwen3_5";
+/// Qwen3.5 MoE (`models/qwen3_5_moe`): the hybrid decoder with routed experts and a gated shared
+/// expert in every layer.
+pub const HYBRID_MOE_ARCHITECTURE: &str = "Qwen3_5MoeForConditionalGeneration";
+pub const HYBRID_MOE_MODEL_TYPE: &str = "qwen3_5_moe";
 
 /// The vision tower's rotary base: fixed in transformers 4.57, `rope_parameters.rope_theta` in 5.
 const DEFAULT_VISION_ROPE_THETA: f64 = 10_000.0;
@@ -99,7 +103,8 @@ struct RawRope {
 struct RawText {
     vocab_size: usize,
     hidden_size: usize,
-    intermediate_size: usize,
+    // Absent from Qwen3.5 MoE configs (every layer routed).
+    intermediate_size: Option<usize>,
     num_hidden_layers: usize,
     num_attention_heads: usize,
     num_key_value_heads: Option<usize>,
@@ -123,6 +128,7 @@ struct RawText {
     moe_intermediate_size: Option<usize>,
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
+    shared_expert_intermediate_size: Option<usize>,
     // Qwen3.5 (`qwen3_5` only): the layer pattern in either dialect, the DeltaNet widths, the
     // rotary fraction (here or in rope_parameters) and the attention output gate (Qwen3-Next's key).
     layer_types: Option<Vec<String>>,
@@ -208,6 +214,16 @@ enum Kind {
     Dense,
     Moe,
     Hybrid,
+    HybridMoe,
+}
+
+impl Kind {
+    fn hybrid(self) -> bool {
+        matches!(self, Kind::Hybrid | Kind::HybridMoe)
+    }
+    fn moe(self) -> bool {
+        matches!(self, Kind::Moe | Kind::HybridMoe)
+    }
 }
 
 /// The text decoder's geometry, resolved from either dialect.
@@ -276,6 +292,9 @@ pub struct MoeConfig {
     pub decoder_sparse_step: usize,
     /// Layers whose MLP stays dense.
     pub mlp_only_layers: Vec<usize>,
+    /// A shared expert beside the routed ones, scaled by sigmoid(shared_expert_gate(x))
+    /// (Qwen3.5 MoE): its intermediate size.
+    pub shared_intermediate_size: Option<usize>,
 }
 
 impl MoeConfig {
@@ -364,7 +383,7 @@ impl Qwen3VlConfig {
         let json_err = |source| Error::Json { path: path.to_path_buf(), source };
         let value: Value = serde_json::from_str(text).map_err(json_err)?;
         let kind = check_architecture(&value, path)?;
-        let is_moe = kind == Kind::Moe;
+        let is_moe = kind.moe();
         let top: RawTop = serde_json::from_value(value).map_err(json_err)?;
         let field_err = |field: &str, message: String| Error::Config {
             path: path.to_path_buf(),
@@ -423,7 +442,15 @@ impl Qwen3VlConfig {
         let b = Bounds { path };
         b.size("text_config.vocab_size", raw_text.vocab_size, MAX_VOCAB)?;
         b.size("text_config.hidden_size", raw_text.hidden_size, MAX_HIDDEN)?;
-        b.size("text_config.intermediate_size", raw_text.intermediate_size, MAX_INTERMEDIATE)?;
+        let intermediate_size = match (raw_text.intermediate_size, kind) {
+            (Some(i), _) => i,
+            // Every layer routed: no dense MLP.
+            (None, Kind::HybridMoe) => 0,
+            (None, _) => return Err(field_err("text_config.intermediate_size", "missing".into())),
+        };
+        if kind != Kind::HybridMoe || intermediate_size > 0 {
+            b.size("text_config.intermediate_size", intermediate_size, MAX_INTERMEDIATE)?;
+        }
         b.size("text_config.num_hidden_layers", raw_text.num_hidden_layers, MAX_LAYERS)?;
         b.size("text_config.num_attention_heads", raw_text.num_attention_heads, MAX_HEADS)?;
         b.size("text_config.max_position_embeddings", raw_text.max_position_embeddings, MAX_POSITIONS)?;
@@ -442,7 +469,7 @@ impl Qwen3VlConfig {
         // Qwen3.5 rotates the first quarter of each head by default; Qwen3-VL all of it.
         let factor = match (kind, partial) {
             (_, Some(f)) => f,
-            (Kind::Hybrid, None) => 0.25,
+            (k, None) if k.hybrid() => 0.25,
             _ => 1.0,
         };
         let rotary_dim = (head_dim as f64 * factor) as usize;
@@ -452,7 +479,7 @@ impl Qwen3VlConfig {
                 format!("{factor} of head_dim {head_dim} must give an even number of rotary dims in 2..={head_dim}"),
             ));
         }
-        if kind != Kind::Hybrid && rotary_dim != head_dim {
+        if !kind.hybrid() && rotary_dim != head_dim {
             return Err(field_err(
                 &format!("{rope_field}.partial_rotary_factor"),
                 format!("{factor} is not supported by Qwen3-VL (every head dim rotates)"),
@@ -480,14 +507,15 @@ impl Qwen3VlConfig {
                 ("moe_intermediate_size", raw_text.moe_intermediate_size.is_some()),
                 ("decoder_sparse_step", raw_text.decoder_sparse_step.is_some()),
                 ("mlp_only_layers", raw_text.mlp_only_layers.is_some()),
+                ("shared_expert_intermediate_size", raw_text.shared_expert_intermediate_size.is_some()),
             ] {
                 if set {
                     unknown.push(format!("text_config.{k}"));
                 }
             }
         }
-        let hybrid = if kind == Kind::Hybrid { Some(hybrid_config(&raw_text, &b, path)?) } else { None };
-        if kind != Kind::Hybrid {
+        let hybrid = if kind.hybrid() { Some(hybrid_config(&raw_text, &b, path)?) } else { None };
+        if !kind.hybrid() {
             for (k, set) in [
                 ("layer_types", raw_text.layer_types.is_some()),
                 ("full_attention_interval", raw_text.full_attention_interval.is_some()),
@@ -509,7 +537,7 @@ impl Qwen3VlConfig {
             rotary_dim,
             vocab_size: raw_text.vocab_size,
             hidden_size: raw_text.hidden_size,
-            intermediate_size: raw_text.intermediate_size,
+            intermediate_size,
             num_hidden_layers: raw_text.num_hidden_layers,
             num_attention_heads: raw_text.num_attention_heads,
             num_key_value_heads: kv_heads,
@@ -541,7 +569,7 @@ impl Qwen3VlConfig {
             rope_theta: vrope.rope_theta.unwrap_or(DEFAULT_VISION_ROPE_THETA),
         };
         validate_vision(&vision, &text, path)?;
-        let defaults = if kind == Kind::Hybrid { QWEN3_5_VISION_IDS } else { QWEN3_VL_VISION_IDS };
+        let defaults = if kind.hybrid() { QWEN3_5_VISION_IDS } else { QWEN3_VL_VISION_IDS };
         let ids = [
             ("image_token_id", top.image_token_id.unwrap_or(defaults[0])),
             ("video_token_id", top.video_token_id.unwrap_or(defaults[1])),
@@ -602,7 +630,18 @@ fn moe_config(t: &RawText, b: &Bounds, path: &Path) -> Result<MoeConfig> {
             format!("layer {l} is past the model's {} layers", t.num_hidden_layers),
         ));
     }
-    Ok(MoeConfig { num_experts, top_k, moe_intermediate_size: inter, decoder_sparse_step: step, mlp_only_layers: only })
+    let shared = t.shared_expert_intermediate_size;
+    if let Some(s) = shared {
+        b.size("text_config.shared_expert_intermediate_size", s, MAX_INTERMEDIATE)?;
+    }
+    Ok(MoeConfig {
+        num_experts,
+        top_k,
+        moe_intermediate_size: inter,
+        decoder_sparse_step: step,
+        mlp_only_layers: only,
+        shared_intermediate_size: shared,
+    })
 }
 
 /// The hybrid decoder's fields of a `qwen3_5` text config: the layer pattern (`layer_types`, or
@@ -679,6 +718,7 @@ fn check_architecture(value: &Value, path: &Path) -> Result<Kind> {
         (ARCHITECTURE, MODEL_TYPE, Kind::Dense),
         (MOE_ARCHITECTURE, MOE_MODEL_TYPE, Kind::Moe),
         (HYBRID_ARCHITECTURE, HYBRID_MODEL_TYPE, Kind::Hybrid),
+        (HYBRID_MOE_ARCHITECTURE, HYBRID_MOE_MODEL_TYPE, Kind::HybridMoe),
     ] {
         let arch_ok = archs.is_empty() || archs.iter().any(|a| a == arch);
         if arch_ok && model_type.as_deref() == Some(ty) {
@@ -689,7 +729,7 @@ fn check_architecture(value: &Value, path: &Path) -> Result<Kind> {
         path: path.to_path_buf(),
         found: archs,
         model_type,
-        supported: "Qwen3VLForConditionalGeneration (model_type qwen3_vl), Qwen3VLMoeForConditionalGeneration (model_type qwen3_vl_moe), Qwen3_5ForConditionalGeneration (model_type qwen3_5)",
+        supported: "Qwen3VLForConditionalGeneration (model_type qwen3_vl), Qwen3VLMoeForConditionalGeneration (model_type qwen3_vl_moe), Qwen3_5ForConditionalGeneration (model_type qwen3_5), Qwen3_5MoeForConditionalGeneration (model_type qwen3_5_moe)",
     })
 }
 

@@ -359,7 +359,8 @@ impl Family for Qwen3Vl {
 
     fn name(&self) -> &'static str {
         match (&self.config.text.moe, &self.config.text.hybrid) {
-            (_, Some(_)) => super::config::HYBRID_MODEL_TYPE,
+            (Some(_), Some(_)) => super::config::HYBRID_MOE_MODEL_TYPE,
+            (None, Some(_)) => super::config::HYBRID_MODEL_TYPE,
             (Some(_), None) => super::config::MOE_MODEL_TYPE,
             (None, None) => ENTRY.name,
         }

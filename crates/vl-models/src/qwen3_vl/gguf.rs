@@ -260,6 +260,7 @@ impl GgufModel {
                     moe_intermediate_size: t.usize(&k("expert_feed_forward_length"), 262_144)?,
                     decoder_sparse_step: 1,
                     mlp_only_layers: vec![],
+                    shared_intermediate_size: None,
                 })
             } else {
                 None

@@ -118,6 +118,13 @@ pub fn tensor_plan(cfg: &Qwen3VlConfig) -> Vec<PlannedTensor> {
                 txt(format!("{l}.mlp.gate.weight"), vec![e, d]);
                 txt(format!("{l}.mlp.experts.gate_up_proj"), vec![e, 2 * mi, d]);
                 txt(format!("{l}.mlp.experts.down_proj"), vec![e, d, mi]);
+                if let Some(si) = m.shared_intermediate_size {
+                    // Qwen3.5 MoE's gated shared expert.
+                    txt(format!("{l}.mlp.shared_expert.gate_proj.weight"), vec![si, d]);
+                    txt(format!("{l}.mlp.shared_expert.up_proj.weight"), vec![si, d]);
+                    txt(format!("{l}.mlp.shared_expert.down_proj.weight"), vec![d, si]);
+                    txt(format!("{l}.mlp.shared_expert_gate.weight"), vec![1, d]);
+                }
             }
             None => {
                 txt(format!("{l}.mlp.gate_proj.weight"), vec![t.intermediate_size, d]);
@@ -165,11 +172,31 @@ pub fn split_experts(plan: Vec<PlannedTensor>) -> Vec<PlannedTensor> {
     out
 }
 
-/// The plan `w` is checked against: the experts fused (transformers, the hub) or stacked per
-/// matrix (MLX-community), as the checkpoint stores them.
+/// The plan with each expert's matrices as their own tensors, as the Qwen3.5 MoE hub
+/// checkpoints store them (`mlp.experts.<e>.{gate,up,down}_proj.weight`).
+pub fn per_expert(plan: Vec<PlannedTensor>) -> Vec<PlannedTensor> {
+    let mut out = vec![];
+    for p in split_experts(plan) {
+        let Some((base, part)) = p.key.rsplit_once(".experts.") else {
+            out.push(p);
+            continue;
+        };
+        let (e, rows, cols) = (p.shape[0], p.shape[1], p.shape[2]);
+        for x in 0..e {
+            out.push(PlannedTensor { key: format!("{base}.experts.{x}.{part}"), shape: vec![rows, cols], ..p.clone() });
+        }
+    }
+    out
+}
+
+/// The plan `w` is checked against: the experts fused (transformers, the hub), stacked per
+/// matrix (MLX-community) or one tensor per expert (the Qwen3.5 MoE hub), as the checkpoint
+/// stores them.
 pub fn plan_for(cfg: &Qwen3VlConfig, w: &Weights) -> Vec<PlannedTensor> {
     let plan = tensor_plan(cfg);
-    if w.entries().keys().any(|k| k.ends_with(".mlp.experts.gate_proj.weight")) {
+    if w.entries().keys().any(|k| k.ends_with(".mlp.experts.0.gate_proj.weight")) {
+        per_expert(plan)
+    } else if w.entries().keys().any(|k| k.ends_with(".mlp.experts.gate_proj.weight")) {
         split_experts(plan)
     } else {
         plan

@@ -238,7 +238,10 @@ struct Mlp {
 
 impl Mlp {
     fn load(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<Self> {
-        let (d, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Self::load_sized(cfg.hidden_size, cfg.intermediate_size, vb, qt)
+    }
+
+    fn load_sized(d: usize, i: usize, vb: VarBuilder, qt: LoadPlan) -> Result<Self> {
         Ok(Self {
             gate: linear_no_bias(d, i, vb.pp("gate_proj"), qt)?,
             up: linear_no_bias(d, i, vb.pp("up_proj"), qt)?,
@@ -253,18 +256,32 @@ impl Mlp {
     }
 }
 
-/// A layer's MLP: dense SwiGLU, or routed experts (`Qwen3VLMoeTextSparseMoeBlock`).
+/// Qwen3.5 MoE's shared expert: a SwiGLU MLP whose output is scaled by
+/// sigmoid(`gate` x) before it joins the routed experts'.
+#[derive(Debug, Clone)]
+struct SharedExpert {
+    mlp: Mlp,
+    gate: QLinear,
+}
+
+/// A layer's MLP: dense SwiGLU, or routed experts (`Qwen3VLMoeTextSparseMoeBlock`; with a
+/// shared expert, `Qwen3_5MoeSparseMoeBlock`).
 #[derive(Debug, Clone)]
 enum Ffn {
     Dense(Mlp),
-    Sparse(SparseMoe),
+    Sparse(SparseMoe, Option<Box<SharedExpert>>),
 }
 
 impl Ffn {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Ffn::Dense(m) => m.forward(x),
-            Ffn::Sparse(m) => Ok(m.forward(x)?),
+            Ffn::Sparse(m, None) => Ok(m.forward(x)?),
+            Ffn::Sparse(m, Some(s)) => {
+                let routed = m.forward(x)?;
+                let shared = s.mlp.forward(x)?.broadcast_mul(&candle_nn::ops::sigmoid(&s.gate.forward(x)?)?)?;
+                Ok((routed + shared)?)
+            }
         }
     }
 
@@ -273,7 +290,8 @@ impl Ffn {
     fn dense_linears(&self) -> Vec<&QLinear> {
         match self {
             Ffn::Dense(m) => vec![&m.gate, &m.up, &m.down],
-            Ffn::Sparse(_) => vec![],
+            Ffn::Sparse(_, Some(s)) => vec![&s.mlp.gate, &s.mlp.up, &s.mlp.down],
+            Ffn::Sparse(_, None) => vec![],
         }
     }
 }
@@ -287,6 +305,21 @@ fn sparse_moe(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<SparseMo
     let m = cfg.moe.as_ref().expect("a sparse layer has a MoE config");
     let (e, d, mi) = (m.num_experts, cfg.hidden_size, m.moe_intermediate_size);
     let router = vb.pp("gate").get((e, d), "weight")?;
+    // One tensor per expert and matrix (the Qwen3.5 MoE hub checkpoints).
+    let evb = vb.pp("experts");
+    if evb.contains_tensor("0.gate_proj.weight") {
+        let experts = (0..e)
+            .map(|x| {
+                let xvb = evb.pp(x.to_string());
+                Ok(SwiGluExpert {
+                    gate: linear_no_bias(d, mi, xvb.pp("gate_proj"), qt)?,
+                    up: linear_no_bias(d, mi, xvb.pp("up_proj"), qt)?,
+                    down: linear_no_bias(mi, d, xvb.pp("down_proj"), qt)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        return Ok(SparseMoe::new(router, experts, m.top_k)?);
+    }
     // A GGUF file's experts: one 3-D tensor per matrix, quantized as stored or in floats.
     let evb = vb.pp("experts");
     let split = ["gate_proj", "up_proj", "down_proj"].map(|n| format!("{n}.weight"));
@@ -389,7 +422,7 @@ fn compact_experts(layers: &[DecoderLayer]) -> Result<bool> {
     let bytes: u64 = layers
         .iter()
         .filter_map(|l| match &l.mlp {
-            Ffn::Sparse(m) => Some(m.experts().iter().map(|x| x.weight_bytes() as u64).sum::<u64>()),
+            Ffn::Sparse(m, _) => Some(m.experts().iter().map(|x| x.weight_bytes() as u64).sum::<u64>()),
             Ffn::Dense(_) => None,
         })
         .sum();
@@ -516,7 +549,14 @@ struct DecoderLayer {
 impl DecoderLayer {
     fn load(cfg: &TextConfig, i: usize, vb: VarBuilder, qt: LoadPlan) -> Result<Self> {
         let mlp = if cfg.is_sparse(i) {
-            Ffn::Sparse(sparse_moe(cfg, vb.pp("mlp"), qt)?)
+            let shared = match cfg.moe.as_ref().and_then(|m| m.shared_intermediate_size) {
+                Some(si) => Some(Box::new(SharedExpert {
+                    mlp: Mlp::load_sized(cfg.hidden_size, si, vb.pp("mlp").pp("shared_expert"), qt)?,
+                    gate: linear_no_bias(cfg.hidden_size, 1, vb.pp("mlp").pp("shared_expert_gate"), qt)?,
+                })),
+                None => None,
+            };
+            Ffn::Sparse(sparse_moe(cfg, vb.pp("mlp"), qt)?, shared)
         } else {
             Ffn::Dense(Mlp::load(cfg, vb.pp("mlp"), qt)?)
         };
@@ -672,7 +712,7 @@ impl TextModel {
         let compact = compact_experts(&layers)?;
         let stored_rows = stored_expert_rows()?;
         for l in &mut layers {
-            if let Ffn::Sparse(m) = &mut l.mlp {
+            if let Ffn::Sparse(m, _) = &mut l.mlp {
                 m.set_compact(compact);
                 m.set_stored_rows(stored_rows);
             }
@@ -724,7 +764,7 @@ impl TextModel {
             for q in l.attn.linears().into_iter().chain(l.mlp.dense_linears()) {
                 *layers.entry(q.storage()).or_default() += q.weight_bytes();
             }
-            if let Ffn::Sparse(m) = &l.mlp {
+            if let Ffn::Sparse(m, _) = &l.mlp {
                 for x in m.experts() {
                     *experts.entry(x.gate.storage()).or_default() += x.weight_bytes();
                 }
