@@ -358,3 +358,23 @@ fn the_moe_family_matches_the_reference() {
         assert_eq!(engine.generate(&req, &mut |_| true).unwrap().token_ids, ids, "{name}");
     }
 }
+
+/// The official template opens the reasoning block in the generation prompt (`<think>\n`), so
+/// an answer is reasoning until it writes `</think>`; with `enable_thinking: false` the prompt
+/// closes the block and the answer is content. (The random weights never write `</think>` in
+/// the reference's greedy answers: the thinking case is all reasoning.)
+#[test]
+fn the_reasoning_block_follows_the_official_template() {
+    let engine = engine(1, false);
+    let (req, ids, meta) = request("one_image");
+    assert!(meta["prompt"].as_str().unwrap().ends_with("<|im_start|>assistant\n<think>\n"));
+    let c = engine.generate(&req, &mut |_| true).unwrap();
+    assert_eq!(c.token_ids, ids);
+    assert_eq!(c.reasoning.as_deref(), Some(meta["greedy"]["text"].as_str().unwrap()));
+    assert_eq!(c.text, "");
+    let (req, _, meta) = request("no_think");
+    assert!(meta["prompt"].as_str().unwrap().ends_with("<think>\n\n</think>\n\n"));
+    let c = engine.generate(&req, &mut |_| true).unwrap();
+    assert_eq!(c.reasoning, None);
+    assert_eq!(c.text, meta["greedy"]["text"].as_str().unwrap());
+}

@@ -151,10 +151,24 @@ pub fn inspect(dir: &Path) -> Result<Summary> {
         }
     });
     let moe = experts.is_some();
+    let (architecture, model_type) = match (moe, t.hybrid.is_some()) {
+        (false, false) => (ARCHITECTURE, MODEL_TYPE),
+        (true, false) => (MOE_ARCHITECTURE, MOE_MODEL_TYPE),
+        (false, true) => (super::config::HYBRID_ARCHITECTURE, super::config::HYBRID_MODEL_TYPE),
+        (true, true) => (super::config::HYBRID_MOE_ARCHITECTURE, super::config::HYBRID_MOE_MODEL_TYPE),
+    };
+    // Qwen3.5: which layers are Gated DeltaNet, their widths, the rotary share.
+    let hybrid = t.hybrid.as_ref().map_or(String::new(), |h| {
+        let linear: Vec<usize> = (0..t.num_hidden_layers).filter(|&i| t.is_linear(i)).collect();
+        format!(
+            "; Gated DeltaNet layers {linear:?} (key heads {} x {}, value heads {} x {}, conv {}), rotary dims {} of {}",
+            h.key_heads, h.key_head_dim, h.value_heads, h.value_head_dim, h.conv_kernel, t.rotary_dim, t.head_dim
+        )
+    });
     Ok(Summary {
         experts,
-        architecture: if moe { MOE_ARCHITECTURE } else { ARCHITECTURE }.into(),
-        model_type: if moe { MOE_MODEL_TYPE } else { MODEL_TYPE }.into(),
+        architecture: architecture.into(),
+        model_type: model_type.into(),
         files: w.checkpoint().files().len(),
         sharded: dir.join(SHARD_INDEX).is_file(),
         tensors: w.checkpoint().tensors().len(),
@@ -174,7 +188,7 @@ pub fn inspect(dir: &Path) -> Result<Summary> {
             "hidden {}, {} heads ({} kv, head_dim {}), mlp {}, vocab {}, rope_theta {}, mrope {:?} interleaved, rms_eps {:e}",
             t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim, t.intermediate_size,
             t.vocab_size, t.rope_theta, t.mrope_section, t.rms_norm_eps
-        ),
+        ) + &hybrid,
         vision: format!(
             "hidden {}, {} heads, mlp {}, patch {}x{}x{}, merge {}, {side}x{side} position grid, deepstack taps {:?}, out {}",
             v.hidden_size, v.num_heads, v.intermediate_size, v.temporal_patch_size, v.patch_size, v.patch_size,

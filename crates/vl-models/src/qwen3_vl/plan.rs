@@ -230,6 +230,7 @@ pub fn check_plan(plan: &[PlannedTensor], ck: &Weights) -> Result<PlanReport> {
     // Qwen3.5's multi-token-prediction head (`mtp.*`) is skipped, as transformers skips it.
     let unexpected: Vec<String> =
         ck.entries().keys().filter(|k| !planned.contains(k.as_str()) && !k.starts_with(MTP_PREFIX)).cloned().collect();
+    report.ignored.extend(ck.entries().keys().filter(|k| k.starts_with(MTP_PREFIX)).cloned());
     if missing.is_empty() && unexpected.is_empty() && wrong_shape.is_empty() {
         Ok(report)
     } else {
