@@ -378,3 +378,48 @@ fn the_reasoning_block_follows_the_official_template() {
     assert_eq!(c.reasoning, None);
     assert_eq!(c.text, meta["greedy"]["text"].as_str().unwrap());
 }
+
+/// `n` choices fork the prefilled state (KV and DeltaNet state) and, greedy, each is the
+/// reference's answer; under a KV budget with room for one whole answer and half a block more,
+/// three copies of a long-answer request sent together are preempted and prefilled again (the
+/// recurrent state rebuilt from the prompt and the answer so far) and each answer is the one it
+/// gets alone.
+#[test]
+fn forks_and_preemption_give_the_solo_answers() {
+    let engine = engine(4, false);
+    let (req, ids, _) = request("two_images");
+    let all = engine.generate_n(&req, 3, &mut |_, _, _| true).unwrap();
+    assert_eq!(all.len(), 3);
+    for c in &all {
+        assert_eq!(c.token_ids, ids);
+    }
+    // A short prompt and a long answer (its solo run, greedy past the reference's 16 ids): the
+    // prompts fit together, the answers do not.
+    let (mut long, _, _) = request("no_think");
+    long.options.max_new_tokens = 96;
+    let alone = engine.generate(&long, &mut |_| true).unwrap();
+    assert_eq!(alone.token_ids.len(), 96);
+    let g = engine.generator().unwrap();
+    let (per_position, fixed) = (g.kv_bytes_per_position(), g.fixed_state_bytes());
+    let block = vl_nn::kv_cache::BLOCK;
+    let one = vl_nn::kv_cache::blocks_for(alone.prompt_tokens + 97) * per_position + fixed;
+    let opts = EngineOptions {
+        model: ModelOptions { device: device(), ..Default::default() },
+        parallel: 4,
+        prefix_cache: false,
+        kv_cache_bytes: one + per_position * block / 2,
+        ..Default::default()
+    };
+    let tight = Engine::load(&dir(), opts).unwrap();
+    let answers: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3).map(|_| s.spawn(|| tight.generate(&long, &mut |_| true).unwrap())).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for c in &answers {
+        assert_eq!(c.token_ids, alone.token_ids);
+    }
+    let st = tight.stats();
+    println!("{st:?}");
+    assert!(st.preemptions > 0, "the budget forced no preemption: {st:?}");
+    assert!(st.kv_cache_bytes <= st.kv_budget_bytes, "{st:?}");
+}
