@@ -10,8 +10,9 @@
 //! transformers skips it) and llama.cpp's GGUF pairs (`qwen35` text: its MTP block, counted in
 //! `block_count`, skipped; the layer pattern from `recurrent_layers`; value heads in the
 //! converter's tiled order; plus the `qwen3vl_merger` mmproj). MoE (`qwen3_5_moe`, `MOE_ENTRY`):
-//! checkpoint directories. Not yet: llama.cpp's `qwen35moe` files, MLX conversions and
-//! `vl quantize`, each refused by name.
+//! checkpoint directories and `qwen35moe` GGUF files (the pattern from `recurrent_layers`: the
+//! converter writes `full_attention_interval` 4 whatever the config said). Not yet: MLX
+//! conversions and `vl quantize`, each refused by name.
 
 use std::path::Path;
 
@@ -38,7 +39,7 @@ pub static MOE_ENTRY: FamilyEntry = FamilyEntry {
     name: "qwen3_5_moe",
     architectures: &["Qwen3_5MoeForConditionalGeneration"],
     model_types: &["qwen3_5_moe"],
-    gguf_architectures: &[],
+    gguf_architectures: &["qwen35moe"],
     heads: &[],
     open: open_entry,
     inspect: inspect_entry,

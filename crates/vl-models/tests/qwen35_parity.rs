@@ -423,3 +423,33 @@ fn forks_and_preemption_give_the_solo_answers() {
     assert!(st.preemptions > 0, "the budget forced no preemption: {st:?}");
     assert!(st.kv_cache_bytes <= st.kv_budget_bytes, "{st:?}");
 }
+
+/// llama.cpp's converter's `qwen35moe` file of tiny-q35-moe (goldens/gguf-q35, text only): the
+/// layer pattern comes from `recurrent_layers` (its `full_attention_interval` says 4, wrong for
+/// this pattern), the experts as 3-D tensors, the shared expert and its gate; the text cases'
+/// last logits within 1e-3 of the reference and their greedy ids through the engine.
+#[test]
+fn llama_cpp_moe_gguf_matches_the_reference() {
+    let text = goldens().join("gguf-q35/tiny-q35-moe-bf16.gguf");
+    let file = vl_models::qwen3_vl::gguf::GgufModel::open(&text, None).unwrap();
+    let t = &file.config.text;
+    assert_eq!(t.hybrid.as_ref().unwrap().linear, [true, true, false, true, false]);
+    assert_eq!(t.moe.as_ref().map(|m| (m.num_experts, m.top_k, m.shared_intermediate_size)), Some((6, 2, Some(28))));
+    let m = file.load_model(DType::F32, &candle_core::Device::Cpu).unwrap();
+    let opts = EngineOptions { model: ModelOptions { device: device(), ..Default::default() }, ..Default::default() };
+    let engine = Engine::load(&text, opts).unwrap();
+    assert_eq!(engine.family().name(), "qwen3_5_moe");
+    for name in ["long_text", "no_think"] {
+        let (want, meta) = case_of(MOE, name);
+        let p = golden_prompt(&want);
+        let mut cache = m.new_cache();
+        let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
+        let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
+        println!("gguf moe {name}: last logits max|diff| {d:.2e}");
+        assert!(d <= LOGIT_TOL, "{name}: {d}");
+        let (mut req, _, _) = request(name);
+        let ids = greedy_ids(&meta);
+        req.options.max_new_tokens = ids.len();
+        assert_eq!(engine.generate(&req, &mut |_| true).unwrap().token_ids, ids, "{name}");
+    }
+}

@@ -40,10 +40,10 @@ impl GgufModel {
     pub fn open(text: &Path, mmproj: Option<&Path>) -> Result<Self> {
         let text = GgufFile::open(text)?;
         let arch = text.str("general.architecture")?;
-        if !["qwen3vl", "qwen3vlmoe", "qwen35"].contains(&arch) {
+        if !["qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe"].contains(&arch) {
             return Err(bad(
                 &text.path,
-                format!("general.architecture = {arch:?}: not a Qwen3-VL or Qwen3.5 text model (qwen3vl, qwen3vlmoe, qwen35)"),
+                format!("general.architecture = {arch:?}: not a Qwen3-VL or Qwen3.5 text model (qwen3vl, qwen3vlmoe, qwen35, qwen35moe)"),
             ));
         }
         let mmproj = mmproj.map(GgufFile::open).transpose()?;
@@ -217,7 +217,7 @@ impl GgufModel {
             .map_err(|_| bad(&t.path, "rope.dimension_sections is not a list of integers"))?;
         let head_dim = t.usize(&k("attention.key_length"), 1024)?;
         let blocks = t.usize(&k("block_count"), 1024)?;
-        let (layers, hybrid, rotary_dim) = if a == "qwen35" {
+        let (layers, hybrid, rotary_dim) = if a == "qwen35" || a == "qwen35moe" {
             let (layers, h, rotary) = Self::hybrid(t, a, blocks)?;
             (layers, Some(h), rotary)
         } else {
@@ -248,7 +248,7 @@ impl GgufModel {
             rotary_dim,
             hybrid,
             // llama.cpp's qwen3vlmoe has routed experts in every layer.
-            moe: if a == "qwen3vlmoe" {
+            moe: if a == "qwen3vlmoe" || a == "qwen35moe" {
                 let experts = t.usize(&k("expert_count"), 4096)?;
                 let used = t.usize(&k("expert_used_count"), 4096)?;
                 if used == 0 || used > experts {
@@ -260,7 +260,15 @@ impl GgufModel {
                     moe_intermediate_size: t.usize(&k("expert_feed_forward_length"), 262_144)?,
                     decoder_sparse_step: 1,
                     mlp_only_layers: vec![],
-                    shared_intermediate_size: None,
+                    // Qwen3.5 MoE's shared expert.
+                    shared_intermediate_size: match t
+                        .content
+                        .metadata
+                        .contains_key(&k("expert_shared_feed_forward_length"))
+                    {
+                        true => Some(t.usize(&k("expert_shared_feed_forward_length"), 262_144)?),
+                        false => None,
+                    },
                 })
             } else {
                 None

@@ -28,6 +28,11 @@ const TEXT_LAYER: &[(&str, &str)] = &[
     ("ffn_gate_exps", "mlp.experts.gate_proj"),
     ("ffn_up_exps", "mlp.experts.up_proj"),
     ("ffn_down_exps", "mlp.experts.down_proj"),
+    // Qwen3.5 MoE (qwen35moe): the shared expert and its gate.
+    ("ffn_gate_shexp", "mlp.shared_expert.gate_proj"),
+    ("ffn_up_shexp", "mlp.shared_expert.up_proj"),
+    ("ffn_down_shexp", "mlp.shared_expert.down_proj"),
+    ("ffn_gate_inp_shexp", "mlp.shared_expert_gate"),
     // Qwen3.5 (qwen35): the norm after attention, and the Gated DeltaNet layers.
     ("post_attention_norm", "post_attention_layernorm"),
     ("attn_qkv", "linear_attn.in_proj_qkv"),
