@@ -244,6 +244,21 @@ def long_text():
     return "Summarize this passage in one line: " + " ".join(out) + "."
 
 
+# The video case: goldens/videos/fps15.mkv (45 frames of 80x56 at 15 fps, lossless FFV1, written by
+# generate.py's probe_videos), decoded by ffmpeg, with Qwen3-VL Instruct's video preprocessor
+# config (generate.py's VIDEO_PREPROCESSOR_CONFIG): sampled at 2 fps, timestamps in the prompt.
+VIDEO = ("fps15", 80, 56, 15)
+
+
+def video_frames(out):
+    import subprocess
+    import numpy as np
+    name, w, h, fps = VIDEO
+    raw = subprocess.run(["ffmpeg", "-v", "error", "-i", str(out / "videos" / f"{name}.mkv"), "-f", "rawvideo",
+                          "-pix_fmt", "rgb24", "-"], capture_output=True, check=True).stdout
+    return np.frombuffer(raw, dtype=np.uint8).reshape(-1, h, w, 3), fps
+
+
 def cases():
     img = lambda n: {"type": "image", "image": n}
     txt = lambda s: {"type": "text", "text": s}
@@ -256,6 +271,8 @@ def cases():
         ], {}),
         "no_think": ([{"role": "user", "content": [txt("Write a haiku about the sea, in Ünïcödé 🌊.")]}],
                      {"enable_thinking": False}),
+        "video": ([{"role": "user", "content": [{"type": "video", "video": VIDEO[0]}, txt("What happens in the video?")]}],
+                  {}),
     }
 
 
@@ -330,6 +347,8 @@ def run(out, seed, template, tok, images, sampled_ids, image_processor, moe=Fals
     (ck / "chat_template.jinja").write_text(template)
     ip = image_processor()
     ip.save_pretrained(ck)
+    from generate import VIDEO_PREPROCESSOR_CONFIG
+    (ck / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR_CONFIG, indent=2) + "\n")
     pp = json.loads((ck / "preprocessor_config.json").read_text())
     pp["processor_class"] = "Qwen3VLProcessor"
     (ck / "preprocessor_config.json").write_text(json.dumps(pp, indent=2, sort_keys=True) + "\n")
@@ -345,8 +364,12 @@ def run(out, seed, template, tok, images, sampled_ids, image_processor, moe=Fals
     ip2 = Qwen2VLImageProcessorPil.from_pretrained(ck)
     orig = ProcessorMixin.check_argument_for_proper_class
     ProcessorMixin.check_argument_for_proper_class = lambda self, n, a: None if a is None else orig(self, n, a)
+    from transformers import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+    vp = Qwen3VLVideoProcessor.from_pretrained(ck)
+    frames, fps = video_frames(out)
     try:
-        proc = Qwen3VLProcessor(image_processor=ip2, tokenizer=tok2, video_processor=None, chat_template=template)
+        proc = Qwen3VLProcessor(image_processor=ip2, tokenizer=tok2, video_processor=vp, chat_template=template)
     finally:
         ProcessorMixin.check_argument_for_proper_class = orig
     # The same weights in float64: the exact values of the math that float32 approximates. The
@@ -361,10 +384,15 @@ def run(out, seed, template, tok, images, sampled_ids, image_processor, moe=Fals
     cdir.mkdir()
     for cname, (messages, kwargs) in cases().items():
         names = [c["image"] for m in messages for c in m["content"] if c.get("type") == "image"]
+        has_video = any(c.get("type") == "video" for m in messages for c in m["content"])
         prompt = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         imgs = [images[n] for n in names] or None
-        batch = proc(text=[prompt], images=imgs, return_tensors="pt")
-        inputs = {k: v for k, v in batch.items() if k != "attention_mask"}
+        vkw = {}
+        if has_video:
+            vkw = {"videos": [frames], "video_metadata": [VideoMetadata(total_num_frames=len(frames), fps=fps)],
+                   "do_sample_frames": True, "return_metadata": True, "cap_pixels_per_frame": False}
+        batch = proc(text=[prompt], images=imgs, return_tensors="pt", **vkw)
+        inputs = {k: v for k, v in batch.items() if k not in ("attention_mask", "video_metadata")}
         fwd = model(**inputs, use_cache=False)
         logits = fwd.logits[0]
         gen = model.generate(**inputs, do_sample=False, max_new_tokens=GREEDY_STEPS, min_new_tokens=GREEDY_STEPS,
@@ -385,6 +413,9 @@ def run(out, seed, template, tok, images, sampled_ids, image_processor, moe=Fals
         if imgs:
             t["pixel_values"] = batch["pixel_values"].float().contiguous()
             t["image_grid_thw"] = batch["image_grid_thw"].to(torch.int64).contiguous()
+        if has_video:
+            t["pixel_values_videos"] = batch["pixel_values_videos"].float().contiguous()
+            t["video_grid_thw"] = batch["video_grid_thw"].to(torch.int64).contiguous()
         save_file(t, cdir / f"{cname}.safetensors")
         meta = {"case": cname, "messages": messages, "template_kwargs": kwargs, "images": names, "prompt": prompt,
                 "num_tokens": int(batch["input_ids"].shape[1]),
