@@ -52,7 +52,7 @@ pub struct GatedDeltaNet {
     /// -exp(A_log) per value head.
     neg_a: Vec<f32>,
     dt_bias: Vec<f32>,
-    /// The gated RMSNorm's weight [v_dim].
+    /// The gated RMSNorm's weight `[v_dim]`.
     norm: Vec<f32>,
     eps: f32,
 }
@@ -66,7 +66,7 @@ fn floats(t: &Tensor) -> Result<Vec<f32>> {
 
 impl GatedDeltaNet {
     /// From the projections and the small tensors: `conv` [conv_dim, 1, kernel] or
-    /// [conv_dim, kernel], `a_log` and `dt_bias` [v_heads], `norm` [v_dim].
+    /// [conv_dim, kernel], `a_log` and `dt_bias` `[v_heads]`, `norm` `[v_dim]`.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         shape: DeltaNetShape,

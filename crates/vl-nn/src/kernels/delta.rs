@@ -32,7 +32,7 @@ impl DeltaShape {
 
 /// Runs the rule over rows laid out sequence after sequence: `segments[s]` rows belong to
 /// sequence `s`, which starts from and leaves its state in `states[s]`. Per row: `q`, `k`
-/// [k_heads * k_dim], `v` [v_heads * v_dim], `g`, `beta` [v_heads]; `out` [rows, v_heads * v_dim].
+/// [k_heads * k_dim], `v` [v_heads * v_dim], `g`, `beta` `[v_heads]`; `out` [rows, v_heads * v_dim].
 #[allow(clippy::too_many_arguments)]
 pub fn gated_delta_rule(
     shape: DeltaShape,
