@@ -2089,7 +2089,7 @@ fn every_refusal_names_its_field_in_param() {
         (json!({"modalities": "text"}), "modalities", "modalities"),
         (json!({"prediction": {"type": "content"}}), "prediction", "prediction"),
         (json!({"audio": {"voice": "x"}}), "audio", "audio"),
-        (json!({"reasoning_effort": "low"}), "reasoning_effort", "reasoning_effort"),
+        (json!({"reasoning_effort": "hard"}), "reasoning_effort", "\"hard\""),
         (json!({"web_search_options": {}}), "web_search_options", "web_search_options"),
         (json!({"functions": [{"name": "f"}]}), "functions", "use `tools`"),
         (json!({"function_call": "auto"}), "function_call", "use `tools`"),

@@ -463,3 +463,29 @@ fn llama_cpp_moe_gguf_matches_the_reference() {
         assert_eq!(engine.generate(&req, &mut |_| true).unwrap().token_ids, ids, "{name}");
     }
 }
+
+/// A reasoning budget (llama.cpp's `--reasoning-budget`, Anthropic's `thinking.budget_tokens`):
+/// the first `budget` tokens are the model's own (the reference's greedy ids), then the engine
+/// writes a newline and `</think>` for it and the answer follows as content; a budget of 0
+/// closes the block at once.
+#[test]
+fn a_reasoning_budget_closes_the_block_and_the_answer_follows() {
+    let engine = engine(1, false);
+    let tok = engine.family().tokenizer();
+    let close = tok.token_to_id("</think>").unwrap();
+    let newline = tok.encode("\n", false).unwrap().get_ids().to_vec();
+    let (req, ids, _) = request("one_image");
+    for budget in [0, 5] {
+        let mut r = req.clone();
+        r.options.reasoning_budget = Some(budget);
+        let c = engine.generate(&r, &mut |_| true).unwrap();
+        assert_eq!(c.token_ids[..budget], ids[..budget], "budget {budget}");
+        let mut closing = newline.clone();
+        closing.push(close);
+        assert_eq!(c.token_ids[budget..budget + closing.len()], closing[..], "budget {budget}");
+        assert_eq!(c.token_ids.len(), ids.len(), "budget {budget}");
+        let thought = tok.decode(&ids[..budget], false).unwrap();
+        assert_eq!(c.reasoning.as_deref().unwrap_or(""), thought.trim_matches('\n'), "budget {budget}");
+        assert!(!c.text.is_empty(), "budget {budget}: no answer after the block");
+    }
+}

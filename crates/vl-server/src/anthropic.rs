@@ -120,11 +120,28 @@ fn translate(body: &[u8], counting: bool) -> Result<(Value, bool, Vec<String>), 
         known_keys(mo, &["user_id"], "metadata")?;
         opt_str(mo, "user_id", "metadata")?;
     }
-    if o.get("thinking").is_some_and(|t| !t.is_null()) {
-        return Err(ApiError::bad_at(
-            "thinking",
-            "`thinking` is not supported yet (no reasoning budget); a Thinking checkpoint's reasoning is answered as a `thinking` block without it",
-        ));
+    // Extended thinking: a reasoning budget for a model whose template opens the block
+    // (`{"type": "enabled", "budget_tokens": N}`); "disabled" closes it at once.
+    if let Some(t) = o.get("thinking").filter(|v| !v.is_null()) {
+        let to = t.as_object().ok_or_else(|| ApiError::bad_at("thinking", "`thinking` must be an object"))?;
+        known_keys(to, &["type", "budget_tokens"], "thinking")?;
+        match to.get("type").and_then(Value::as_str) {
+            Some("enabled") => {
+                let b = to.get("budget_tokens").and_then(Value::as_u64).ok_or_else(|| {
+                    ApiError::bad_at("thinking.budget_tokens", "`thinking.budget_tokens` must be an integer >= 0")
+                })?;
+                out.insert("reasoning_budget".into(), json!(b));
+            }
+            Some("disabled") => {
+                out.insert("reasoning_budget".into(), json!(0));
+            }
+            other => {
+                return Err(ApiError::bad_at(
+                    "thinking.type",
+                    format!("`thinking.type` = {other:?} is not \"enabled\" or \"disabled\""),
+                ))
+            }
+        }
     }
     let mut messages: Vec<Value> = vec![];
     match o.get("system").filter(|v| !v.is_null()) {
@@ -614,8 +631,12 @@ mod tests {
                 "tool_choice.type",
             ),
             (
-                json!({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": 9}}),
-                "thinking",
+                json!({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled"}}),
+                "thinking.budget_tokens",
+            ),
+            (
+                json!({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "on", "budget_tokens": 9}}),
+                "thinking.type",
             ),
         ];
         for (body, param) in cases {

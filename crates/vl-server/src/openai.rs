@@ -48,13 +48,17 @@ pub struct ChatCompletionRequest {
     /// Extra variables for the chat template (vLLM's and llama-server's field), e.g.
     /// `{"enable_thinking": false}`; checked in `request::template_kwargs`.
     pub chat_template_kwargs: Option<Value>,
+    /// A thinking model's reasoning budget: OpenAI's effort levels (`request::reasoning_budget`
+    /// maps them to tokens), or ours in tokens (what Anthropic's `thinking.budget_tokens`
+    /// becomes).
+    pub reasoning_effort: Option<String>,
+    pub reasoning_budget: Option<u64>,
     // Not implemented: refused by `check_supported` when they ask for anything.
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
     pub modalities: Option<Value>,
     pub audio: Option<Value>,
     pub prediction: Option<Value>,
-    pub reasoning_effort: Option<Value>,
     pub web_search_options: Option<Value>,
     // Accepted and ignored: they cannot change the answer. Typed as OpenAI types them, so a
     // wrong type is a 400 naming the field.
@@ -201,11 +205,7 @@ impl ChatCompletionRequest {
         if let Some(v) = self.verbosity.as_deref().filter(|v| *v != "medium") {
             return Some(format!("`verbosity` = {v:?} is not supported: only \"medium\" (the default) is"));
         }
-        for (name, v) in [
-            ("audio", &self.audio),
-            ("reasoning_effort", &self.reasoning_effort),
-            ("web_search_options", &self.web_search_options),
-        ] {
+        for (name, v) in [("audio", &self.audio), ("web_search_options", &self.web_search_options)] {
             if present(v) {
                 return Some(format!("`{name}` is not supported by this server"));
             }

@@ -194,6 +194,9 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
         o.seed = s.value();
     }
     o.logit_bias = logit_bias;
+    if let Some(b) = reasoning_budget(v.reasoning_effort.as_deref(), v.reasoning_budget)? {
+        o.reasoning_budget = Some(b);
+    }
     let most = vl_models::sampling::MAX_TOP_LOGPROBS as u64;
     match (v.logprobs, v.top_logprobs) {
         (_, Some(n)) if n > most => {
@@ -585,6 +588,33 @@ pub(crate) fn parse_completion(app: &App, body: &[u8]) -> Result<Parsed, ApiErro
     parsed.req.messages.clear();
     parsed.req.prompt = Some(prompt);
     Ok(parsed)
+}
+
+/// Tokens of reasoning OpenAI's `reasoning_effort` allows (a thinking model's block is closed
+/// for it once they are spent): "none" and "minimal" close it at once, "low" 1024, "medium"
+/// 4096, "high" 16384 (docs/serving.md). `reasoning_budget` gives the tokens directly (what
+/// Anthropic's `thinking.budget_tokens` becomes); both at once are refused.
+pub(crate) const REASONING_EFFORT: [(&str, usize); 5] =
+    [("none", 0), ("minimal", 0), ("low", 1024), ("medium", 4096), ("high", 16384)];
+
+fn reasoning_budget(effort: Option<&str>, budget: Option<u64>) -> Result<Option<usize>, ApiError> {
+    match (effort, budget) {
+        (Some(_), Some(_)) => {
+            Err(ApiError::bad_at("reasoning_budget", "`reasoning_effort` and `reasoning_budget` both set: give one"))
+        }
+        (Some(e), None) => match REASONING_EFFORT.iter().find(|(name, _)| *name == e) {
+            Some(&(_, tokens)) => Ok(Some(tokens)),
+            None => Err(ApiError::bad_at(
+                "reasoning_effort",
+                format!(
+                    "`reasoning_effort` = {e:?} is not one of {}",
+                    REASONING_EFFORT.iter().map(|(n, _)| format!("{n:?}")).collect::<Vec<_>>().join(", ")
+                ),
+            )),
+        },
+        (None, Some(b)) => Ok(Some(usize::try_from(b).unwrap_or(usize::MAX))),
+        (None, None) => Ok(None),
+    }
 }
 
 #[cfg(test)]

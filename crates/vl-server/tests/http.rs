@@ -127,3 +127,41 @@ fn the_server_stops_when_told_and_frees_its_port() {
     let addr = s.base.trim_start_matches("http://");
     assert!(std::net::TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(2)).is_err());
 }
+
+/// A thinking model's reasoning budget over HTTP, on the tiny Qwen3.5 (its template opens the
+/// block): `reasoning_budget` 3 gives 3 tokens of reasoning, then the block is closed and the
+/// answer follows as content; OpenAI's `reasoning_effort` "none" closes it at once; Anthropic's
+/// `thinking.budget_tokens` is the same budget; an unknown effort is a 400 naming the field.
+#[test]
+fn a_reasoning_budget_closes_the_thinking_block() {
+    let s = Server::start_dir(&goldens().join("tiny-q35/checkpoint"), "tiny-q35", ServerConfig::default());
+    let ask = |extra: Value| {
+        let mut body = json!({"model": "tiny-q35", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        post(&s, "/v1/chat/completions", &body)
+    };
+    let (status, free) = ask(json!({}));
+    assert_eq!(status, 200, "{free}");
+    assert!(free["choices"][0]["message"]["content"].is_null() || free["choices"][0]["message"]["content"] == "");
+    let (status, v) = ask(json!({"reasoning_budget": 3}));
+    assert_eq!(status, 200, "{v}");
+    let m = &v["choices"][0]["message"];
+    assert!(m["reasoning_content"].as_str().is_some_and(|r| !r.is_empty()), "{v}");
+    assert!(m["content"].as_str().is_some_and(|c| !c.is_empty()), "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 12, "{v}");
+    let (status, v) = ask(json!({"reasoning_effort": "none"}));
+    assert_eq!(status, 200, "{v}");
+    assert!(v["choices"][0]["message"]["content"].as_str().is_some_and(|c| !c.is_empty()), "{v}");
+    let (status, v) = ask(json!({"reasoning_effort": "extreme"}));
+    assert_eq!((status, &v["error"]["param"]), (400, &json!("reasoning_effort")), "{v}");
+    let (status, v) = ask(json!({"reasoning_effort": "low", "reasoning_budget": 3}));
+    assert_eq!(status, 400, "{v}");
+    let anthropic = json!({"model": "tiny-q35", "max_tokens": 12, "messages": [{"role": "user", "content": "Hi"}],
+        "thinking": {"type": "enabled", "budget_tokens": 3}});
+    let (status, v) = post(&s, "/v1/messages", &anthropic);
+    assert_eq!(status, 200, "{v}");
+    let kinds: Vec<&str> = v["content"].as_array().unwrap().iter().map(|b| b["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["thinking", "text"], "{v}");
+}

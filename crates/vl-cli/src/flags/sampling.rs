@@ -62,6 +62,11 @@ pub struct SamplingArgs<D: Defaults> {
     /// same answer.
     #[arg(long, default_value_t = GenerationOptions::default().seed)]
     pub seed: u64,
+    /// Tokens a thinking model's reasoning block (one its template opens, as Qwen3.5's and the
+    /// Thinking checkpoints' do) may take: then a newline and `</think>` are written for it and
+    /// the answer follows; 0 closes the block at once. Unbounded when not given.
+    #[arg(long, value_name = "N")]
+    pub reasoning_budget: Option<usize>,
     #[arg(skip)]
     defaults: PhantomData<D>,
 }
@@ -77,6 +82,7 @@ impl<D: Defaults> SamplingArgs<D> {
             min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
             seed: self.seed,
+            reasoning_budget: self.reasoning_budget,
             ..Default::default()
         };
         options.validate().map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;

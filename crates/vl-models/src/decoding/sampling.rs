@@ -33,6 +33,10 @@ pub struct GenerationOptions {
     /// Report each picked token's log-probability and this many most likely alternatives
     /// (OpenAI's `logprobs` / `top_logprobs`, at most `MAX_TOP_LOGPROBS`); None: off.
     pub logprobs: Option<usize>,
+    /// Tokens the reasoning block a template opened may take: once they are spent inside it,
+    /// the engine writes a newline and the family's closing marker for the model and the answer
+    /// follows (llama.cpp's reasoning budget); 0 closes it at once. None: unbounded.
+    pub reasoning_budget: Option<usize>,
 }
 
 /// Temperatures below this are greedy decoding.
@@ -84,6 +88,7 @@ impl Default for GenerationOptions {
             eos_token_ids: vec![],
             logit_bias: vec![],
             logprobs: None,
+            reasoning_budget: None,
         }
     }
 }
@@ -318,6 +323,15 @@ impl TokenPicker {
         self.generated.push(next);
         self.seen.push(next);
         Ok(next)
+    }
+
+    /// Takes `token` as the next one whatever `logits` say (a token the engine writes for the
+    /// model, e.g. closing a reasoning block past its budget); its log-probability under
+    /// `logits` is reported as a pick's is.
+    pub fn force(&mut self, logits: &[f32], token: u32) {
+        self.last = self.opts.logprobs.map(|top| logprob_of(logits, token, top));
+        self.generated.push(token);
+        self.seen.push(token);
     }
 
     /// The last picked token's log-probabilities, when `logprobs` is on.

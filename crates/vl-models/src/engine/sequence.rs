@@ -116,6 +116,11 @@ pub(super) struct Seq<'f> {
     /// The closing marker's id while the answer is inside a reasoning block the prompt opened:
     /// the request's constraint applies from the token after it.
     pub(super) thinking_until: Option<u32>,
+    /// What closes the reasoning block once `reasoning_budget` is spent (a newline and the
+    /// closing marker); empty without a budget, or once queued.
+    pub(super) close_block: Vec<u32>,
+    /// Tokens the engine writes next for the model, whatever its logits (the close above).
+    pub(super) forced: std::collections::VecDeque<u32>,
     /// Tokens it may generate: max_new_tokens within the context.
     pub(super) budget: usize,
     pub(super) cached_tokens: usize,
@@ -141,6 +146,15 @@ impl<'f> Seq<'f> {
         let opened = markers.is_some_and(|m| m.opened_by(family.tokenizer(), &p.ids));
         let split = markers.map(|m| Split::new(m, opened));
         let thinking_until = markers.filter(|_| opened).map(|m| m.close_id);
+        // Past the reasoning budget: a newline, then the closing marker.
+        let close_block = markers
+            .filter(|_| opened && p.options.reasoning_budget.is_some())
+            .map(|m| {
+                let mut ids = family.tokenizer().encode("\n", false).map(|e| e.get_ids().to_vec()).unwrap_or_default();
+                ids.push(m.close_id);
+                ids
+            })
+            .unwrap_or_default();
         Self {
             ids: p.ids.clone(),
             ident: p.ident.clone(),
@@ -158,6 +172,8 @@ impl<'f> Seq<'f> {
             hold,
             split,
             thinking_until,
+            close_block,
+            forced: std::collections::VecDeque::new(),
             budget,
             cached_tokens: 0,
             prefill_time: Duration::ZERO,
@@ -205,7 +221,17 @@ impl<'f> Seq<'f> {
                 self.job.guide = Some(task.finish(&self.what())?);
             }
         }
+        // The reasoning budget spent inside the block: the engine closes it for the model.
+        let spent = self.picker.options().reasoning_budget.is_some_and(|b| step >= b);
+        if self.thinking_until.is_some() && spent && self.forced.is_empty() && !self.close_block.is_empty() {
+            self.forced = std::mem::take(&mut self.close_block).into();
+        }
         let next = match self.job.guide.as_mut().filter(|_| constrained) {
+            _ if !self.forced.is_empty() => {
+                let t = self.forced.pop_front().expect("not empty");
+                self.picker.force(&logits, t);
+                t
+            }
             Some(g) => {
                 let mask = g.mask()?;
                 let next = self.picker.pick_among(logits, Some(mask.as_slice()))?;
