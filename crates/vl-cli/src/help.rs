@@ -42,6 +42,7 @@ const HEADINGS: &[(&str, &[&str])] = &[
             "min_p",
             "repetition_penalty",
             "seed",
+            "reasoning_budget",
             "sampling",
             "json_schema",
             "json_object",

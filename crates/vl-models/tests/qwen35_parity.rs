@@ -10,7 +10,7 @@ mod common;
 
 use candle_core::{DType, Tensor};
 use common::*;
-use vl_models::engine::{ChatMessage, Engine, EngineOptions, ModelOptions, Part, Request};
+use vl_models::engine::{Engine, EngineOptions, ModelOptions, Request};
 use vl_models::qwen3_vl::{Prompt, Qwen3VlModel, VisionInput};
 
 const LOGIT_TOL: f32 = 1e-3;
@@ -115,34 +115,7 @@ fn chunked_prefill_and_decode_carry_the_recurrent_state() {
 /// arguments, for as many tokens as the reference's greedy answer.
 fn request(name: &str) -> (Request, Vec<u32>, serde_json::Value) {
     let (_, meta) = case(name);
-    let messages = meta["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| {
-            let parts = m["content"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|c| match c["type"].as_str().unwrap() {
-                    "text" => Part::Text(c["text"].as_str().unwrap().into()),
-                    "video" => Part::Video {
-                        source: vl_models::engine::VideoData::Path(
-                            goldens().join("videos").join(format!("{}.mkv", c["video"].as_str().unwrap())),
-                        ),
-                        name: c["video"].as_str().unwrap().into(),
-                        options: Default::default(),
-                    },
-                    _ => {
-                        let name = format!("{}.png", c["image"].as_str().unwrap());
-                        let data = std::fs::read(goldens().join("images").join(&name)).unwrap();
-                        Part::Image { data, name, min_pixels: None, max_pixels: None }
-                    }
-                })
-                .collect();
-            ChatMessage::new(m["role"].as_str().unwrap(), parts)
-        })
-        .collect();
+    let messages = chat_messages(&meta["messages"]);
     let ids = greedy_ids(&meta);
     let req = Request {
         messages,
@@ -154,13 +127,13 @@ fn request(name: &str) -> (Request, Vec<u32>, serde_json::Value) {
 }
 
 fn engine(parallel: usize, prefix_cache: bool) -> Engine {
-    let opts = EngineOptions {
-        model: ModelOptions { device: device(), ..Default::default() },
-        parallel,
-        prefix_cache,
-        ..Default::default()
-    };
-    Engine::load(&dir(), opts).unwrap()
+    load_engine(&dir(), EngineOptions { parallel, prefix_cache, ..Default::default() })
+}
+
+/// `path` loaded with `opts` on the test device.
+fn load_engine(path: &std::path::Path, opts: EngineOptions) -> Engine {
+    let model = ModelOptions { device: device(), ..opts.model };
+    Engine::load(path, EngineOptions { model, ..opts }).unwrap()
 }
 
 /// Through the engine (template, tokenizer, processor, scheduler): the prompt has the
@@ -357,8 +330,7 @@ fn the_moe_family_matches_the_reference() {
         println!("moe {name}: last {d_last:.2e}, all positions vs float64 {d_all:.2e}");
         assert!(d_last <= tol(LOGIT_TOL) && d_all <= tol(MOE_ALL_POSITIONS), "{name}: {d_last:e} {d_all:e}");
     }
-    let opts = EngineOptions { model: ModelOptions { device: device(), ..Default::default() }, ..Default::default() };
-    let engine = Engine::load(&dir, opts).unwrap();
+    let engine = load_engine(&dir, EngineOptions::default());
     assert_eq!(engine.family().name(), "qwen3_5_moe");
     for name in CASES {
         let (_, meta) = case_of(MOE, name);
@@ -413,14 +385,9 @@ fn forks_and_preemption_give_the_solo_answers() {
     let (per_position, fixed) = (g.kv_bytes_per_position(), g.fixed_state_bytes());
     let block = vl_nn::kv_cache::BLOCK;
     let one = vl_nn::kv_cache::blocks_for(alone.prompt_tokens + 97) * per_position + fixed;
-    let opts = EngineOptions {
-        model: ModelOptions { device: device(), ..Default::default() },
-        parallel: 4,
-        prefix_cache: false,
-        kv_cache_bytes: one + per_position * block / 2,
-        ..Default::default()
-    };
-    let tight = Engine::load(&dir(), opts).unwrap();
+    let budget = one + per_position * block / 2;
+    let opts = EngineOptions { parallel: 4, prefix_cache: false, kv_cache_bytes: budget, ..Default::default() };
+    let tight = load_engine(&dir(), opts);
     let answers: Vec<_> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..3).map(|_| s.spawn(|| tight.generate(&long, &mut |_| true).unwrap())).collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -446,8 +413,7 @@ fn llama_cpp_moe_gguf_matches_the_reference() {
     assert_eq!(t.hybrid.as_ref().unwrap().linear, [true, true, false, true, false]);
     assert_eq!(t.moe.as_ref().map(|m| (m.num_experts, m.top_k, m.shared_intermediate_size)), Some((6, 2, Some(28))));
     let m = file.load_model(DType::F32, &candle_core::Device::Cpu).unwrap();
-    let opts = EngineOptions { model: ModelOptions { device: device(), ..Default::default() }, ..Default::default() };
-    let engine = Engine::load(&text, opts).unwrap();
+    let engine = load_engine(&text, EngineOptions::default());
     assert_eq!(engine.family().name(), "qwen3_5_moe");
     for name in ["long_text", "no_think"] {
         let (want, meta) = case_of(MOE, name);

@@ -135,12 +135,11 @@ pub fn golden_messages(meta: &serde_json::Value) -> Vec<vl_models::qwen3_vl::Mes
         .collect()
 }
 
-/// A golden prompt case (goldens/prompts/<case>.json: messages with text and image parts,
-/// assistant tool calls, tools) as an engine request for `max` new tokens.
-pub fn golden_request(case: &str, max: usize) -> vl_models::engine::Request {
-    use vl_models::engine::{ChatMessage, Part, Request, ToolCall};
-    let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
-    let messages = meta["messages"]
+/// A golden case's messages (its JSON `messages`: text, image and video parts, assistant tool
+/// calls) as engine messages: images from goldens/images, videos from goldens/videos.
+pub fn chat_messages(messages: &serde_json::Value) -> Vec<vl_models::engine::ChatMessage> {
+    use vl_models::engine::{ChatMessage, Part, ToolCall, VideoData};
+    messages
         .as_array()
         .unwrap()
         .iter()
@@ -151,6 +150,11 @@ pub fn golden_request(case: &str, max: usize) -> vl_models::engine::Request {
                 .iter()
                 .map(|c| match c["type"].as_str().unwrap() {
                     "text" => Part::Text(c["text"].as_str().unwrap().into()),
+                    "video" => {
+                        let name = c["video"].as_str().unwrap();
+                        let path = goldens().join("videos").join(format!("{name}.mkv"));
+                        Part::Video { source: VideoData::Path(path), name: name.into(), options: Default::default() }
+                    }
                     _ => {
                         let name = format!("{}.png", c["image"].as_str().unwrap());
                         let data = std::fs::read(goldens().join("images").join(&name)).unwrap();
@@ -167,9 +171,15 @@ pub fn golden_request(case: &str, max: usize) -> vl_models::engine::Request {
             }
             msg
         })
-        .collect();
-    Request {
-        messages,
+        .collect()
+}
+
+/// A golden prompt case (goldens/prompts/<case>.json: messages with text and image parts,
+/// assistant tool calls, tools) as an engine request for `max` new tokens.
+pub fn golden_request(case: &str, max: usize) -> vl_models::engine::Request {
+    let meta = read_json(&goldens().join("prompts").join(format!("{case}.json")));
+    vl_models::engine::Request {
+        messages: chat_messages(&meta["messages"]),
         options: vl_models::GenerationOptions { max_new_tokens: max, ..Default::default() },
         tools: meta["tools"].as_array().cloned().unwrap_or_default(),
         ..Default::default()
