@@ -131,7 +131,8 @@ fn the_server_stops_when_told_and_frees_its_port() {
 /// A thinking model's reasoning budget over HTTP, on the tiny Qwen3.5 (its template opens the
 /// block): `reasoning_budget` 3 gives 3 tokens of reasoning, then the block is closed and the
 /// answer follows as content; OpenAI's `reasoning_effort` "none" closes it at once; Anthropic's
-/// `thinking.budget_tokens` is the same budget; an unknown effort is a 400 naming the field.
+/// `thinking.budget_tokens` and the Responses API's `reasoning.effort` are the same budget; an
+/// unknown effort is a 400 naming the field.
 #[test]
 fn a_reasoning_budget_closes_the_thinking_block() {
     let s = Server::start_dir(&goldens().join("tiny-q35/checkpoint"), "tiny-q35", ServerConfig::default());
@@ -158,6 +159,23 @@ fn a_reasoning_budget_closes_the_thinking_block() {
     assert_eq!((status, &v["error"]["param"]), (400, &json!("reasoning_effort")), "{v}");
     let (status, v) = ask(json!({"reasoning_effort": "low", "reasoning_budget": 3}));
     assert_eq!(status, 400, "{v}");
+    // The Responses API's `reasoning.effort`: the same mapping ("none": closed at once, so the
+    // answer is a message after an empty reasoning item).
+    let (status, v) = post(
+        &s,
+        "/v1/responses",
+        &json!({"model": "tiny-q35", "input": "Hi", "max_output_tokens": 12, "store": false, "reasoning": {"effort": "none"}}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let text =
+        v["output"].as_array().unwrap().iter().find(|i| i["type"] == "message").map(|i| &i["content"][0]["text"]);
+    assert!(text.and_then(Value::as_str).is_some_and(|t| !t.is_empty()), "{v}");
+    let (status, v) = post(
+        &s,
+        "/v1/responses",
+        &json!({"model": "tiny-q35", "input": "Hi", "max_output_tokens": 12, "store": false, "reasoning": {"effort": "max"}}),
+    );
+    assert_eq!((status, &v["error"]["param"]), (400, &json!("reasoning.effort")), "{v}");
     let anthropic = json!({"model": "tiny-q35", "max_tokens": 12, "messages": [{"role": "user", "content": "Hi"}],
         "thinking": {"type": "enabled", "budget_tokens": 3}});
     let (status, v) = post(&s, "/v1/messages", &anthropic);

@@ -103,7 +103,29 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<ResponsesRequest
                 ))
             }
             "previous_response_id" | "conversation" | "include" | "top_logprobs" => {}
-            "reasoning" | "max_tool_calls" | "prompt" | "context_management" if set => {
+            // `reasoning.effort`: the reasoning budget chat completions' `reasoning_effort` maps.
+            "reasoning" if set => {
+                let r = typed_field(o, k, "", "an object", Value::as_object)?.expect("set");
+                known_keys(r, &["effort", "summary"], k)?;
+                if let Some(summary) = opt_str(r, "summary", k)? {
+                    return Err(ApiError::bad_at(
+                        "reasoning.summary",
+                        format!("`reasoning.summary` = {summary:?}: this server writes no summaries (the reasoning itself is answered)"),
+                    ));
+                }
+                if let Some(e) = opt_str(r, "effort", k)? {
+                    if !crate::request::REASONING_EFFORT.iter().any(|(name, _)| *name == e) {
+                        let known: Vec<String> =
+                            crate::request::REASONING_EFFORT.iter().map(|(n, _)| format!("{n:?}")).collect();
+                        return Err(ApiError::bad_at(
+                            "reasoning.effort",
+                            format!("`reasoning.effort` = {e:?} is not one of {}", known.join(", ")),
+                        ));
+                    }
+                    chat.insert("reasoning_effort".into(), Value::String(e.into()));
+                }
+            }
+            "max_tool_calls" | "prompt" | "context_management" if set => {
                 return Err(ApiError::bad(format!("`{k}` is not supported by this server")))
             }
             "reasoning" | "max_tool_calls" | "prompt" | "context_management" => {}
