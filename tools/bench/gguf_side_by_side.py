@@ -7,7 +7,7 @@ alternates), medians.
     python gguf_side_by_side.py MODELS_DIR LLAMA_BIN_DIR VL_BIN IMAGE_448 [ROUNDS]
 
 Per round and engine:
-- decode at 200 and 2000 positions: llama-bench -p 0 -n 32 -d 200,2000 (tg32 after a prompt of
+- decode at 200 and 2000 positions (BENCH_DEPTHS=A,B for others): llama-bench -p 0 -n 32 -d 200,2000 (tg32 after a prompt of
   that depth) and `vl run --json` on a text prompt of 200 / 2000 tokens, 32 new tokens
   (decode_tokens_per_s);
 - the image answer (the 448x448 image, "Describe this image.", 32 new tokens): llama-mtmd-cli vs
@@ -31,6 +31,9 @@ rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 3
 text_model = models / os.environ.get("MOE_BENCH_TEXT", "model-Q4_K_M.gguf")
 mmproj = models / "mmproj-f16.gguf"
 decode_only = os.environ.get("MOE_BENCH_DECODE_ONLY") == "1"
+# BENCH_DEPTHS=200,8000: the two decode depths (default 200,2000) (positions before the 32 decoded tokens).
+DEPTHS = [int(d) for d in os.environ.get("BENCH_DEPTHS", "200,2000").split(",")]
+assert len(DEPTHS) == 2, "BENCH_DEPTHS takes two depths"
 THREADS = "2"
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing about rivers mountains and distant cities".split()
 
@@ -51,13 +54,13 @@ def timed(cmd):
 
 def llama_decode():
     out = subprocess.run([str(llama_bin / "llama-bench"), "-m", str(text_model), "-t", THREADS, "-p", "0", "-n", "32",
-                          "-d", "200,2000", "-r", "1", "-o", "json"], capture_output=True, text=True, check=True).stdout
+                          "-d", ",".join(map(str, DEPTHS)), "-r", "1", "-o", "json"], capture_output=True, text=True, check=True).stdout
     return {r["n_depth"]: r["avg_ts"] for r in json.loads(out)}
 
 
 def vl_decode():
     got = {}
-    for depth in (200, 2000):
+    for depth in DEPTHS:
         out, _, _, _ = timed([str(vl), "run", "--model", str(text_model), "--prompt", prompt(depth),
                               "--max-new-tokens", "32", "--temperature", "0", "--json"])
         j = json.loads(out)
@@ -98,7 +101,8 @@ for r in range(rounds):
     for name, dec, img in order:
         d = dec()
         runs[name]["decode"].append(d)
-        line = f"round {r + 1} {name} ({text_model.name}): decode@200 {d[200]:.2f} tok/s, decode@2000 {d[2000]:.2f} tok/s"
+        line = (f"round {r + 1} {name} ({text_model.name}): decode@{DEPTHS[0]} {d[DEPTHS[0]]:.2f} tok/s, "
+                f"decode@{DEPTHS[1]} {d[DEPTHS[1]]:.2f} tok/s")
         if not decode_only:
             i = img()
             runs[name]["image"].append(i)
@@ -108,8 +112,8 @@ for r in range(rounds):
 
 
 ROWS = [  # (label, "decode" or "image", value of a run, better when "higher" or "lower")
-    ("decode at 200 positions (tok/s)", "decode", lambda x: x[200], "higher"),
-    ("decode at 2000 positions (tok/s)", "decode", lambda x: x[2000], "higher"),
+    (f"decode at {DEPTHS[0]} positions (tok/s)", "decode", lambda x: x[DEPTHS[0]], "higher"),
+    (f"decode at {DEPTHS[1]} positions (tok/s)", "decode", lambda x: x[DEPTHS[1]], "higher"),
     ("image prompt prefill, encode + prompt (s)", "image", lambda x: x["prefill_s"], "lower"),
     ("of which vision encode (s)", "image", lambda x: x["encode_s"], "lower"),
     ("image answer wall, cold process (s)", "image", lambda x: x["wall_s"], "lower"),
