@@ -241,3 +241,59 @@ fn broken_inputs_give_precise_errors() {
     let msg = inspect(dir.path()).unwrap_err().to_string();
     assert!(msg.contains("config.json") && msg.contains("invalid JSON"), "{msg}");
 }
+
+/// Qwen3.5's config (goldens/tiny-q35): `layer_types` and the older `full_attention_interval`
+/// dialect read to the same pattern where they agree; the rotary share read from
+/// `rope_parameters` or `text_config`; each broken hybrid field refused with its name.
+#[test]
+fn qwen3_5_configs_read_both_dialects_and_name_what_is_wrong() {
+    let path = Path::new("config.json");
+    let base = read_json(&golden("tiny-q35").join("checkpoint/config.json"));
+    let parse = |v: &Value| Qwen3VlConfig::from_json_str(&v.to_string(), path);
+    let c = parse(&base).unwrap();
+    let h = c.text.hybrid.as_ref().unwrap();
+    assert_eq!(h.linear, [true, false, true, true, false]);
+    assert_eq!((c.text.rotary_dim, c.text.head_dim, c.image_token_id), (8, 32, 248056));
+    // The interval dialect: every 4th layer full (transformers' rule), the default 4 without it.
+    let mut v = base.clone();
+    v["text_config"].as_object_mut().unwrap().remove("layer_types");
+    v["text_config"]["full_attention_interval"] = json!(2);
+    assert_eq!(parse(&v).unwrap().text.hybrid.unwrap().linear, [true, false, true, false, true]);
+    v["text_config"].as_object_mut().unwrap().remove("full_attention_interval");
+    assert_eq!(parse(&v).unwrap().text.hybrid.unwrap().linear, [true, true, true, false, true]);
+    // The rotary share at the text level (older configs), and its default of 0.25.
+    let mut v = base.clone();
+    v["text_config"]["rope_parameters"].as_object_mut().unwrap().remove("partial_rotary_factor");
+    assert_eq!(parse(&v).unwrap().text.rotary_dim, 8);
+    v["text_config"]["partial_rotary_factor"] = json!(0.5);
+    assert_eq!(parse(&v).unwrap().text.rotary_dim, 16);
+    let broken = [
+        ("layer_types", json!(["linear_attention"]), "text_config.layer_types"),
+        (
+            "layer_types",
+            json!(["linear_attention", "sliding", "full_attention", "full_attention", "full_attention"]),
+            "\"sliding\"",
+        ),
+        ("linear_num_value_heads", json!(3), "text_config.linear_num_value_heads"),
+        ("linear_conv_kernel_dim", json!(0), "text_config.linear_conv_kernel_dim"),
+        ("attn_output_gate", json!(false), "text_config.attn_output_gate"),
+        ("partial_rotary_factor", json!(0.0), "partial_rotary_factor"),
+    ];
+    for (key, value, needle) in broken {
+        let mut v = base.clone();
+        if key == "partial_rotary_factor" {
+            v["text_config"]["rope_parameters"][key] = value;
+        } else {
+            v["text_config"][key] = value;
+        }
+        let e = parse(&v).unwrap_err().to_string();
+        assert!(e.contains(needle), "{key}: {e}");
+    }
+    // A Qwen3-VL config that names a Qwen3.5 field reports it as unknown, and a partial rotary
+    // share is refused there.
+    let mut v = read_json(&golden("tiny-a").join("checkpoint/config.json"));
+    v["text_config"]["layer_types"] = json!(["full_attention"]);
+    assert!(parse(&v).unwrap().unknown_keys.contains(&"text_config.layer_types".to_string()));
+    v["text_config"]["rope_parameters"]["partial_rotary_factor"] = json!(0.5);
+    assert!(parse(&v).unwrap_err().to_string().contains("partial_rotary_factor"));
+}
