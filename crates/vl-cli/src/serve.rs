@@ -79,6 +79,11 @@ pub struct ServeArgs {
     /// temperature, top_k, top_p).
     #[arg(long, default_value = "greedy")]
     sampling: String,
+    /// Default reasoning budget when a request sets none (`reasoning_budget`, `reasoning_effort`,
+    /// Anthropic's `thinking`): tokens a thinking model's reasoning block may take before the
+    /// server closes it and the answer follows; 0 closes it at once. Unbounded when not given.
+    #[arg(long, value_name = "N")]
+    reasoning_budget: Option<usize>,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (401 otherwise). Also
     /// read from the VL_API_KEY environment variable. Visible ASCII only (what a header carries).
     #[arg(long, env = "VL_API_KEY", hide_env_values = true)]
@@ -171,11 +176,12 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let dev = args.load.model.device()?;
     let dtype = args.load.model.dtype(&dev);
     let dir = crate::hub::resolve(&args.load.model.model)?;
-    let defaults = match args.sampling.as_str() {
+    let mut defaults = match args.sampling.as_str() {
         "greedy" => GenerationOptions::default(),
         "model" => model_sampling(&dir)?,
         other => anyhow::bail!("--sampling {other}: expected `greedy` or `model`"),
     };
+    defaults.reasoning_budget = args.reasoning_budget;
     let allowed_media_dir = args
         .allowed_media_dir
         .as_ref()

@@ -2217,3 +2217,26 @@ fn every_refusal_names_its_field_in_param() {
     let (st, b) = resp(json!({"prompt_cache_retention": "24h"}));
     assert_eq!(st, 200, "{b}");
 }
+
+/// `vl serve --reasoning-budget 0` on the tiny Qwen3.5 (its template opens the reasoning block):
+/// a request that sets no budget has the block closed at once and answers content; one that
+/// sets its own budget keeps it.
+#[test]
+fn a_default_reasoning_budget_applies_to_requests_without_one() {
+    let s = start("tiny-q35", &["--reasoning-budget", "0"]);
+    let ask = |extra: Value| {
+        let mut body = json!({"model": "tiny-q35", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        post(&s, "/v1/chat/completions", &body.to_string())
+    };
+    let (status, v) = ask(json!({}));
+    assert_eq!(status, 200, "{v}");
+    assert!(v["choices"][0]["message"]["content"].as_str().is_some_and(|c| !c.is_empty()), "{v}");
+    let (status, v) = ask(json!({"reasoning_budget": 100}));
+    assert_eq!(status, 200, "{v}");
+    let m = &v["choices"][0]["message"];
+    assert!(m["content"].is_null() || m["content"] == "", "{v}");
+    assert!(m["reasoning_content"].as_str().is_some_and(|r| !r.is_empty()), "{v}");
+}
