@@ -131,7 +131,7 @@ impl ApiError {
 /// message (`messages[2]`) or `n` / `stop`; `max_new_tokens` is the request's `max_tokens`. Other
 /// subjects (a template, an image file, the engine) are no request field.
 fn engine_param(what: &str) -> Option<String> {
-    const FIELDS: [&str; 18] = [
+    const FIELDS: [&str; 21] = [
         "messages",
         "tools",
         "tool_choice",
@@ -147,6 +147,9 @@ fn engine_param(what: &str) -> Option<String> {
         "presence_penalty",
         "frequency_penalty",
         "repetition_penalty",
+        "top_n_sigma",
+        "xtc_probability",
+        "xtc_threshold",
         "seed",
         "top_logprobs",
         "chat_template_kwargs",

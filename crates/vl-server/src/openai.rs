@@ -26,6 +26,10 @@ pub struct ChatCompletionRequest {
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,
     pub repetition_penalty: Option<f64>,
+    /// llama-server's samplers: top-n-sigma and XTC (`GenerationOptions` has their ranges).
+    pub top_n_sigma: Option<f64>,
+    pub xtc_probability: Option<f64>,
+    pub xtc_threshold: Option<f64>,
     /// Any 64-bit integer, signed or not.
     pub seed: Option<Seed>,
     pub stop: Option<Stop>,

@@ -190,6 +190,15 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
     if let Some(p) = v.repetition_penalty {
         o.repetition_penalty = p;
     }
+    if let Some(n) = v.top_n_sigma {
+        o.top_n_sigma = n;
+    }
+    if let Some(p) = v.xtc_probability {
+        o.xtc_probability = p;
+    }
+    if let Some(t) = v.xtc_threshold {
+        o.xtc_threshold = t;
+    }
     if let Some(s) = &v.seed {
         o.seed = s.value();
     }

@@ -183,3 +183,30 @@ fn a_reasoning_budget_closes_the_thinking_block() {
     let kinds: Vec<&str> = v["content"].as_array().unwrap().iter().map(|b| b["type"].as_str().unwrap()).collect();
     assert_eq!(kinds, ["thinking", "text"], "{v}");
 }
+
+/// llama-server's samplers by its field names: top-n-sigma and XTC answered (a top-n-sigma of 0.01
+/// keeps only the top token: the answer is the greedy one whatever the temperature), and a value
+/// out of range is a 400 naming the field.
+#[test]
+fn top_n_sigma_and_xtc_are_taken_by_their_llama_server_names() {
+    let s = Server::start(ServerConfig::default());
+    let want = golden();
+    let mut body = one_image(want.tokens);
+    body["temperature"] = json!(1.5);
+    body["seed"] = json!(3);
+    body["top_n_sigma"] = json!(0.01);
+    let (status, v) = post(&s, "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want.text.as_str(), "{v}");
+    let mut body = one_image(4);
+    body["temperature"] = json!(1.0);
+    body["xtc_probability"] = json!(0.5);
+    body["xtc_threshold"] = json!(0.2);
+    assert_eq!(post(&s, "/v1/chat/completions", &body).0, 200);
+    for (field, value) in [("xtc_probability", json!(2.0)), ("xtc_threshold", json!(0.0)), ("top_n_sigma", json!(-1))] {
+        let mut body = one_image(2);
+        body[field] = value;
+        let (status, v) = post(&s, "/v1/chat/completions", &body);
+        assert_eq!((status, &v["error"]["param"]), (400, &json!(field)), "{v}");
+    }
+}

@@ -62,6 +62,17 @@ pub struct SamplingArgs<D: Defaults> {
     /// same answer.
     #[arg(long, default_value_t = GenerationOptions::default().seed)]
     pub seed: u64,
+    /// llama.cpp's top-n-sigma: only tokens whose logit is within N standard deviations of the
+    /// largest are kept (0 = off; with --temperature above 0).
+    #[arg(long, default_value_t = 0.0, value_name = "N")]
+    pub top_n_sigma: f64,
+    /// llama.cpp's XTC: with this probability per step, the most likely tokens above
+    /// --xtc-threshold are removed but the least likely of them (0 = off).
+    #[arg(long, default_value_t = 0.0, value_name = "P")]
+    pub xtc_probability: f64,
+    /// XTC's probability threshold, in (0, 1].
+    #[arg(long, default_value_t = 0.1, value_name = "P")]
+    pub xtc_threshold: f64,
     /// Tokens a thinking model's reasoning block (one its template opens, as Qwen3.5's and the
     /// Thinking checkpoints' do) may take: then a newline and `</think>` are written for it and
     /// the answer follows; 0 closes the block at once. Unbounded when not given.
@@ -83,6 +94,9 @@ impl<D: Defaults> SamplingArgs<D> {
             repetition_penalty: self.repetition_penalty,
             seed: self.seed,
             reasoning_budget: self.reasoning_budget,
+            top_n_sigma: self.top_n_sigma,
+            xtc_probability: self.xtc_probability,
+            xtc_threshold: self.xtc_threshold,
             ..Default::default()
         };
         options.validate().map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;

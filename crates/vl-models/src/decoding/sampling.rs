@@ -20,6 +20,15 @@ pub struct GenerationOptions {
     pub min_p: f64,
     /// 1.0 disables; >1 discourages tokens already in the prompt or output.
     pub repetition_penalty: f64,
+    /// llama.cpp's top-n-sigma: only tokens whose logit is within this many standard deviations
+    /// of the largest (over the candidates) are kept. 0 disables.
+    pub top_n_sigma: f64,
+    /// llama.cpp's XTC ("exclude top choices"): with this probability per step, every token at
+    /// least `xtc_threshold` likely but the least likely of them is removed (when two or more
+    /// are). 0 disables.
+    pub xtc_probability: f64,
+    /// XTC's probability threshold, in (0, 1].
+    pub xtc_threshold: f64,
     /// OpenAI's: subtracted once from every token already generated (0 = off, in [-2, 2]).
     pub presence_penalty: f64,
     /// OpenAI's: subtracted per occurrence in the generated tokens (0 = off, in [-2, 2]).
@@ -82,6 +91,9 @@ impl Default for GenerationOptions {
             top_p: 1.0,
             min_p: 0.0,
             repetition_penalty: 1.0,
+            top_n_sigma: 0.0,
+            xtc_probability: 0.0,
+            xtc_threshold: 0.1,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: 0,
@@ -119,6 +131,15 @@ impl GenerationOptions {
             if !(v.is_finite() && (-2.0..=2.0).contains(&v)) {
                 return bad(name, format!("{v} must be in [-2, 2] (0 = off)"));
             }
+        }
+        if !(self.top_n_sigma.is_finite() && self.top_n_sigma >= 0.0) {
+            return bad("top_n_sigma", format!("{} must be a finite number >= 0 (0 = off)", self.top_n_sigma));
+        }
+        if !(0.0..=1.0).contains(&self.xtc_probability) {
+            return bad("xtc_probability", format!("{} must be in [0, 1] (0 = off)", self.xtc_probability));
+        }
+        if !(self.xtc_threshold > 0.0 && self.xtc_threshold <= 1.0) {
+            return bad("xtc_threshold", format!("{} must be in (0, 1]", self.xtc_threshold));
         }
         if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
             return bad("top_logprobs", format!("{n} is above {MAX_TOP_LOGPROBS}"));
@@ -208,7 +229,8 @@ pub fn apply_repetition_penalty(l: &mut [f32], seen: &[u32], penalty: f64) {
     }
 }
 
-/// `sample` after the repetition penalty: temperature, top-k, top-p, min-p, the draw.
+/// `sample` after the repetition penalty: temperature, top-n-sigma, top-k, top-p, min-p, XTC,
+/// the draw.
 fn sample_processed(mut l: Vec<f32>, opts: &GenerationOptions, rng: &mut StdRng) -> u32 {
     // Below GREEDY_BELOW the division overflows f32 (1e-300 is 0 in f32): greedy, as vLLM does
     // under its 1e-5.
@@ -224,6 +246,15 @@ fn sample_processed(mut l: Vec<f32>, opts: &GenerationOptions, rng: &mut StdRng)
         return argmax(&l);
     }
     idx.sort_unstable_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+    if opts.top_n_sigma > 0.0 {
+        // Over the candidates' (tempered) logits: the set is the same at any temperature.
+        let n = idx.len() as f64;
+        let mean = idx.iter().map(|&i| l[i] as f64).sum::<f64>() / n;
+        let var = idx.iter().map(|&i| (l[i] as f64 - mean).powi(2)).sum::<f64>() / n;
+        let floor = l[idx[0]] as f64 - opts.top_n_sigma * var.sqrt();
+        let keep = idx.iter().take_while(|&&i| l[i] as f64 >= floor).count().max(1);
+        idx.truncate(keep);
+    }
     if opts.top_k > 0 {
         idx.truncate(opts.top_k.max(1));
     }
@@ -250,6 +281,15 @@ fn sample_processed(mut l: Vec<f32>, opts: &GenerationOptions, rng: &mut StdRng)
         let keep = probs.iter().take_while(|&&p| p >= floor).count().max(1);
         idx.truncate(keep);
         probs.truncate(keep);
+    }
+    if opts.xtc_probability > 0.0 {
+        // The draw is made only with XTC on: other answers keep their random sequence.
+        let total: f64 = probs.iter().sum();
+        let above = probs.iter().take_while(|&&p| p / total >= opts.xtc_threshold).count();
+        if above >= 2 && rng.random::<f64>() < opts.xtc_probability {
+            idx.drain(..above - 1);
+            probs.drain(..above - 1);
+        }
     }
     let total: f64 = probs.iter().sum();
     let mut r = rng.random::<f64>() * total;
@@ -361,6 +401,58 @@ mod tests {
 
     fn opts() -> GenerationOptions {
         GenerationOptions { temperature: 1.0, ..Default::default() }
+    }
+
+    /// Which tokens 2,000 seeded draws pick under `o`.
+    fn picked(logits: &[f32], o: &GenerationOptions) -> std::collections::BTreeSet<u32> {
+        let mut rng = StdRng::seed_from_u64(7);
+        (0..2000).map(|_| sample_processed(logits.to_vec(), o, &mut rng)).collect()
+    }
+
+    #[test]
+    fn top_n_sigma_keeps_the_tokens_near_the_top() {
+        // Logits 10, 9.5, 9, then 0 x 7: mean 2.85, sigma 4.36; n = 0.2 keeps >= 9.13 (2 tokens),
+        // n = 2 keeps >= 1.28 (3), n = 3 all ten.
+        let mut logits = vec![0.0f32; 10];
+        logits[..3].copy_from_slice(&[10.0, 9.5, 9.0]);
+        let o = GenerationOptions { temperature: 1.0, top_n_sigma: 0.2, ..Default::default() };
+        assert_eq!(picked(&logits, &o), [0, 1].into());
+        let o = GenerationOptions { temperature: 5.0, top_n_sigma: 0.2, ..Default::default() };
+        assert_eq!(picked(&logits, &o), [0, 1].into(), "the same set at another temperature");
+        let o = GenerationOptions { temperature: 5.0, top_n_sigma: 2.0, ..Default::default() };
+        assert_eq!(picked(&logits, &o), [0, 1, 2].into());
+        let o = GenerationOptions { temperature: 5.0, top_n_sigma: 3.0, ..Default::default() };
+        assert_eq!(picked(&logits, &o).len(), 10);
+    }
+
+    #[test]
+    fn xtc_removes_the_top_choices_but_the_least_of_them() {
+        // Probabilities ~0.47, 0.29, 0.17, then 0.02 x 3: with threshold 0.15, the first two of
+        // the three above it go whenever XTC fires.
+        let logits = [3.0f32, 2.5, 2.0, -0.2, -0.2, -0.2];
+        let always =
+            GenerationOptions { temperature: 1.0, xtc_probability: 1.0, xtc_threshold: 0.15, ..Default::default() };
+        let got = picked(&logits, &always);
+        assert!(!got.contains(&0) && !got.contains(&1) && got.contains(&2), "{got:?}");
+        // One token above the threshold: nothing removed.
+        let one = GenerationOptions { xtc_threshold: 0.4, ..always.clone() };
+        assert!(picked(&logits, &one).contains(&0));
+        // Half the steps: the top token is picked sometimes, less than without XTC.
+        let half = GenerationOptions { xtc_probability: 0.5, ..always.clone() };
+        let count = |o: &GenerationOptions| {
+            let mut rng = StdRng::seed_from_u64(9);
+            (0..4000).filter(|_| sample_processed(logits.to_vec(), o, &mut rng) == 0).count()
+        };
+        let off = GenerationOptions { xtc_probability: 0.0, ..always.clone() };
+        let (with, without) = (count(&half), count(&off));
+        assert!(with > 0 && (with as f64) < 0.7 * without as f64, "{with} vs {without}");
+        for (o, field) in [
+            (GenerationOptions { top_n_sigma: -1.0, ..Default::default() }, "top_n_sigma"),
+            (GenerationOptions { xtc_probability: 1.5, ..Default::default() }, "xtc_probability"),
+            (GenerationOptions { xtc_threshold: 0.0, ..Default::default() }, "xtc_threshold"),
+        ] {
+            assert!(matches!(o.validate(), Err(Error::Input { what, .. }) if what == field), "{field}");
+        }
     }
 
     #[test]
