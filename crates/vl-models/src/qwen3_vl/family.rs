@@ -112,6 +112,8 @@ enum VisionSlot {
 pub struct Qwen3Vl {
     /// The reasoning markers, when the tokenizer has them.
     think: Option<crate::reasoning::Markers>,
+    /// How the template writes a function call (read from it once, at load).
+    call_format: crate::decoding::constraint::CallFormat,
     config: Qwen3VlConfig,
     processor: Processor,
     eos: Vec<u32>,
@@ -245,8 +247,15 @@ impl Qwen3Vl {
         checkpoint: Checkpoint,
     ) -> Result<Self> {
         let think = crate::reasoning::Markers::from_tokenizer(&processor.tokenizer, "<think>", "</think>");
+        // XML (`<function=NAME>`) when the template writes calls so (Qwen3.5's), JSON otherwise.
+        let call_format = if processor.template.source_text().contains("<function=") {
+            crate::decoding::constraint::CallFormat::Xml
+        } else {
+            crate::decoding::constraint::CallFormat::Json
+        };
         let m = Self {
             think,
+            call_format,
             config,
             processor,
             eos,
@@ -444,11 +453,7 @@ impl Family for Qwen3Vl {
     /// XML (`<function=NAME>`) when the checkpoint's template writes calls so (Qwen3.5's),
     /// JSON otherwise (Qwen3-VL's).
     fn tool_call_format(&self) -> crate::decoding::constraint::CallFormat {
-        if self.processor.template.source_text().contains("<function=") {
-            crate::decoding::constraint::CallFormat::Xml
-        } else {
-            crate::decoding::constraint::CallFormat::Json
-        }
+        self.call_format
     }
 }
 

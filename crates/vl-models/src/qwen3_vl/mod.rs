@@ -2,11 +2,13 @@
 
 pub mod config;
 pub mod family;
+mod ffn;
 pub mod gguf;
 mod gguf_names;
 pub mod gguf_write;
 pub mod image_processor;
 pub mod inspect;
+mod linears;
 pub mod model;
 pub mod plan;
 pub mod positions;

@@ -5,94 +5,17 @@
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{RmsNorm, VarBuilder};
-use vl_nn::{causal_gqa_attention, KvCache, MultiAxisRope, QEmbedding, QLinear, QuantType, SparseMoe, SwiGluExpert};
+use vl_nn::{causal_gqa_attention, KvCache, MultiAxisRope, QEmbedding, QLinear, QuantType};
 
 use super::config::TextConfig;
+pub(crate) use super::ffn::experts_out_in;
+use super::ffn::{compact_experts, stored_expert_rows, Ffn};
+use super::linears::{check_stored, linear_no_bias, weight};
+pub use super::linears::{LoadPlan, PreExperts, Prequantized, QuantLoad};
 use crate::error::{Error, Result};
 
 /// Query rows per attention block during prefill (bounds the live score matrix).
 const PREFILL_QUERY_BLOCK: usize = 512;
-
-/// How the decoder's weights are quantized at load: to `qtype`, reading each weight in
-/// `read_as` first (the checkpoint's own dtype, e.g. bf16, so no f32 copy of a weight is made).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct QuantLoad {
-    pub qtype: QuantType,
-    pub read_as: DType,
-}
-
-/// Weights already quantized, by checkpoint key (`model.language_model.layers.0.mlp.up_proj.weight`),
-/// used as stored (GGUF files): no dequantize-requantize round trip.
-pub type Prequantized = std::collections::HashMap<String, std::sync::Arc<candle_core::quantized::QTensor>>;
-/// A GGUF file's 3-D expert tensors, each as one `[out, in]` tensor per expert: views of the
-/// mapped file, or cut as read (`gguf::cut_experts`), so the 3-D bytes are never held beside the
-/// experts' own.
-pub type PreExperts = std::collections::HashMap<String, Vec<std::sync::Arc<candle_core::quantized::QTensor>>>;
-
-/// How the decoder's weights are built: quantized at load (`quant`) and/or already quantized (`pre`).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct LoadPlan<'a> {
-    pub quant: Option<QuantLoad>,
-    pub pre: Option<&'a Prequantized>,
-    pub experts: Option<&'a PreExperts>,
-}
-
-impl LoadPlan<'_> {
-    fn key(vb: &VarBuilder, name: &str) -> String {
-        if vb.prefix().is_empty() {
-            name.to_string()
-        } else {
-            format!("{}.{name}", vb.prefix())
-        }
-    }
-
-    fn stored(&self, vb: &VarBuilder, name: &str) -> Option<std::sync::Arc<candle_core::quantized::QTensor>> {
-        self.pre.and_then(|p| p.get(&Self::key(vb, name))).cloned()
-    }
-
-    fn stored_experts(
-        &self,
-        vb: &VarBuilder,
-        name: &str,
-    ) -> Option<&[std::sync::Arc<candle_core::quantized::QTensor>]> {
-        self.experts.and_then(|p| p.get(&Self::key(vb, name))).map(|v| v.as_slice())
-    }
-}
-
-/// A weight `vb`'s `name` of `shape`: in `q.read_as` when it will be quantized (its last
-/// dimension fits the block), else in the model's dtype.
-fn weight(
-    shape: (usize, usize),
-    name: &str,
-    vb: &VarBuilder,
-    q: Option<QuantLoad>,
-) -> Result<(Tensor, Option<QuantType>)> {
-    match q {
-        Some(q) if shape.1.is_multiple_of(q.qtype.block()) => {
-            Ok((vb.get_with_hints_dtype(shape, name, candle_nn::Init::Const(0.), q.read_as)?, Some(q.qtype)))
-        }
-        _ => Ok((vb.get(shape, name)?, None)),
-    }
-}
-
-fn linear_no_bias(i: usize, o: usize, vb: VarBuilder, q: LoadPlan) -> Result<QLinear> {
-    if let Some(t) = q.stored(&vb, "weight") {
-        check_stored(&t, (o, i), &vb)?;
-        return Ok(QLinear::from_qtensor(t, None)?);
-    }
-    let (w, qt) = weight((o, i), "weight", &vb, q.quant)?;
-    Ok(QLinear::new(candle_nn::Linear::new(w, None), qt)?)
-}
-
-fn check_stored(t: &candle_core::quantized::QTensor, shape: (usize, usize), vb: &VarBuilder) -> Result<()> {
-    if t.shape().dims() != [shape.0, shape.1] {
-        return Err(crate::error::Error::Input {
-            what: format!("{}.weight", vb.prefix()),
-            message: format!("shape {:?}, expected {:?}", t.shape().dims(), [shape.0, shape.1]),
-        });
-    }
-    Ok(())
-}
 
 /// An RMSNorm; `unit_offset`: Qwen3.5's, which multiplies by (1 + weight) (the sum taken in
 /// f32 at load).
@@ -229,230 +152,6 @@ impl Attention {
     }
 }
 
-#[derive(Debug, Clone)]
-struct Mlp {
-    gate: QLinear,
-    up: QLinear,
-    down: QLinear,
-}
-
-impl Mlp {
-    fn load(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<Self> {
-        Self::load_sized(cfg.hidden_size, cfg.intermediate_size, vb, qt)
-    }
-
-    fn load_sized(d: usize, i: usize, vb: VarBuilder, qt: LoadPlan) -> Result<Self> {
-        Ok(Self {
-            gate: linear_no_bias(d, i, vb.pp("gate_proj"), qt)?,
-            up: linear_no_bias(d, i, vb.pp("up_proj"), qt)?,
-            down: linear_no_bias(i, d, vb.pp("down_proj"), qt)?,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let [gate, up] = QLinear::forward_each([&self.gate, &self.up], x)?;
-        let h = (candle_nn::ops::silu(&gate)? * up)?;
-        Ok(self.down.forward(&h)?)
-    }
-}
-
-/// Qwen3.5 MoE's shared expert: a SwiGLU MLP whose output is scaled by
-/// sigmoid(`gate` x) before it joins the routed experts'.
-#[derive(Debug, Clone)]
-struct SharedExpert {
-    mlp: Mlp,
-    gate: QLinear,
-}
-
-/// A layer's MLP: dense SwiGLU, or routed experts (`Qwen3VLMoeTextSparseMoeBlock`; with a
-/// shared expert, `Qwen3_5MoeSparseMoeBlock`).
-#[derive(Debug, Clone)]
-enum Ffn {
-    Dense(Mlp),
-    Sparse(SparseMoe, Option<Box<SharedExpert>>),
-}
-
-impl Ffn {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match self {
-            Ffn::Dense(m) => m.forward(x),
-            Ffn::Sparse(m, None) => Ok(m.forward(x)?),
-            Ffn::Sparse(m, Some(s)) => {
-                let routed = m.forward(x)?;
-                let shared = s.mlp.forward(x)?.broadcast_mul(&candle_nn::ops::sigmoid(&s.gate.forward(x)?)?)?;
-                Ok((routed + shared)?)
-            }
-        }
-    }
-
-    /// The linears a report or the repacking sees (the experts' are not repacked: a decode step
-    /// multiplies only a few of them, one row each).
-    fn dense_linears(&self) -> Vec<&QLinear> {
-        match self {
-            Ffn::Dense(m) => vec![&m.gate, &m.up, &m.down],
-            Ffn::Sparse(_, Some(s)) => vec![&s.mlp.gate, &s.mlp.up, &s.mlp.down],
-            Ffn::Sparse(_, None) => vec![],
-        }
-    }
-}
-
-/// Routed experts from the fused tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`)
-/// in either layout: transformers 5's `[E, out, in]` or the hub's `[E, in, out]` (transposed at
-/// load, as transformers' conversion does; a square tensor is taken as `[E, out, in]`, as
-/// there). `gate_up` holds each expert's gate rows, then its up rows. Each expert is quantized
-/// on its own, so a decode step reads only its rows.
-fn sparse_moe(cfg: &TextConfig, vb: VarBuilder, qt: LoadPlan) -> Result<SparseMoe> {
-    let m = cfg.moe.as_ref().expect("a sparse layer has a MoE config");
-    let (e, d, mi) = (m.num_experts, cfg.hidden_size, m.moe_intermediate_size);
-    let router = vb.pp("gate").get((e, d), "weight")?;
-    // One tensor per expert and matrix (the Qwen3.5 MoE hub checkpoints).
-    let evb = vb.pp("experts");
-    if evb.contains_tensor("0.gate_proj.weight") {
-        let experts = (0..e)
-            .map(|x| {
-                let xvb = evb.pp(x.to_string());
-                Ok(SwiGluExpert {
-                    gate: linear_no_bias(d, mi, xvb.pp("gate_proj"), qt)?,
-                    up: linear_no_bias(d, mi, xvb.pp("up_proj"), qt)?,
-                    down: linear_no_bias(mi, d, xvb.pp("down_proj"), qt)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        return Ok(SparseMoe::new(router, experts, m.top_k)?);
-    }
-    // A GGUF file's experts: one 3-D tensor per matrix, quantized as stored or in floats.
-    let evb = vb.pp("experts");
-    let split = ["gate_proj", "up_proj", "down_proj"].map(|n| format!("{n}.weight"));
-    let stored = |n: &str| qt.stored_experts(&evb, n).is_some() || qt.stored(&evb, n).is_some();
-    if split.iter().all(|n| stored(n) || evb.contains_tensor(n)) {
-        let shapes = [(mi, d), (mi, d), (d, mi)];
-        let mut parts: Vec<Vec<QLinear>> = Vec::with_capacity(3);
-        for (name, (o, i)) in split.iter().zip(shapes) {
-            let key = format!("{}.{name}", evb.prefix());
-            if let Some(cut) = qt.stored_experts(&evb, name) {
-                parts.push(experts_as_linears(cut, e, (o, i), &key)?);
-                continue;
-            }
-            parts.push(match qt.stored(&evb, name) {
-                Some(q) => experts_as_linears(&crate::gguf::cut_experts(&q)?, e, (o, i), &key)?,
-                None => {
-                    let t = evb.get((e, o, i), name)?;
-                    (0..e)
-                        .map(|x| {
-                            let w = t.get(x)?.contiguous()?;
-                            let qt = qt.quant.map(|q| q.qtype).filter(|q| i.is_multiple_of(q.block()));
-                            Ok(QLinear::new(candle_nn::Linear::new(w, None), qt)?)
-                        })
-                        .collect::<Result<_>>()?
-                }
-            });
-        }
-        let (down, up, gate) = (parts.pop().unwrap(), parts.pop().unwrap(), parts.pop().unwrap());
-        let experts =
-            gate.into_iter().zip(up).zip(down).map(|((gate, up), down)| SwiGluExpert { gate, up, down }).collect();
-        return Ok(SparseMoe::new(router, experts, m.top_k)?);
-    }
-    let read_as = qt.quant.map_or(vb.dtype(), |q| q.read_as);
-    let fused = |name: &str, out: usize, inp: usize| -> Result<Tensor> {
-        let key = format!("{}.experts.{name}", vb.prefix());
-        experts_out_in(vb.pp("experts").get_unchecked_dtype(name, read_as)?, (e, out, inp), &key)
-    };
-    let gate_up = fused("gate_up_proj", 2 * mi, d)?;
-    let down = fused("down_proj", d, mi)?;
-    let q = qt.quant.map(|q| q.qtype);
-    let to_model = |t: Tensor| -> Result<Tensor> { Ok(if q.is_some() { t } else { t.to_dtype(vb.dtype())? }) };
-    let linear = |w: Tensor| -> Result<QLinear> {
-        let qt = q.filter(|q| w.dim(1).is_ok_and(|i| i.is_multiple_of(q.block())));
-        let w = if qt.is_some() { w } else { w.to_dtype(vb.dtype())? };
-        Ok(QLinear::new(candle_nn::Linear::new(w.contiguous()?, None), qt)?)
-    };
-    let experts = (0..e)
-        .map(|x| {
-            let gu = to_model(gate_up.get(x)?)?;
-            Ok(SwiGluExpert {
-                gate: linear(gu.narrow(0, 0, mi)?)?,
-                up: linear(gu.narrow(0, mi, mi)?)?,
-                down: linear(to_model(down.get(x)?)?)?,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(SparseMoe::new(router, experts, m.top_k)?)
-}
-
-/// A fused expert tensor (`key`) as `[E, out, in]`: transformers 5's layout as is, the hub's
-/// `[E, in, out]` transposed (a square one is taken as `[E, out, in]`, as transformers does).
-pub(crate) fn experts_out_in(t: Tensor, (e, out, inp): (usize, usize, usize), key: &str) -> Result<Tensor> {
-    match t.dims() {
-        [n, o, i] if (*n, *o, *i) == (e, out, inp) => Ok(t),
-        [n, i, o] if (*n, *i, *o) == (e, inp, out) => Ok(t.transpose(1, 2)?.contiguous()?),
-        dims => Err(Error::Input {
-            what: key.into(),
-            message: format!("shape {dims:?}, expected [{e}, {out}, {inp}] or [{e}, {inp}, {out}]"),
-        }),
-    }
-}
-
-/// `e` experts' `[out, in]` tensors as linears, their count and shapes checked against `key`'s
-/// plan.
-fn experts_as_linears(
-    cut: &[std::sync::Arc<candle_core::quantized::QTensor>],
-    e: usize,
-    (o, i): (usize, usize),
-    key: &str,
-) -> Result<Vec<QLinear>> {
-    let bad = cut.len() != e || cut.iter().any(|q| q.shape().dims() != [o, i]);
-    if bad {
-        let found = cut.first().map(|q| q.shape().dims().to_vec()).unwrap_or_default();
-        return Err(Error::Input {
-            what: key.into(),
-            message: format!("{} experts of shape {found:?}, expected {e} of [{o}, {i}]", cut.len()),
-        });
-    }
-    cut.iter().map(|q| Ok(QLinear::from_qtensor(q.clone(), None)?)).collect()
-}
-
-/// Whether the routed experts multiply their compact blocks (`SparseMoe::set_compact`) rather
-/// than candle's repacked tiles, which are made on an expert's first product and kept beside its
-/// blocks: about one more copy of every expert once tokens have touched them all. Decided once the
-/// weights are loaded: repacked (faster prefill) while such a copy, and 1 GiB for the run, fits
-/// the memory still available (`limits::available_memory`), compact otherwise, so a MoE that fits
-/// as stored keeps fitting however long it runs. `VL_MOE_EXPERTS=compact|repacked` overrides
-/// (another value is refused).
-fn compact_experts(layers: &[DecoderLayer]) -> Result<bool> {
-    let bytes: u64 = layers
-        .iter()
-        .filter_map(|l| match &l.mlp {
-            Ffn::Sparse(m, _) => Some(m.experts().iter().map(|x| x.weight_bytes() as u64).sum::<u64>()),
-            Ffn::Dense(_) => None,
-        })
-        .sum();
-    if bytes == 0 {
-        return Ok(false);
-    }
-    match std::env::var("VL_MOE_EXPERTS") {
-        Ok(v) if v == "compact" => Ok(true),
-        Ok(v) if v == "repacked" => Ok(false),
-        Ok(v) => Err(Error::Input {
-            what: "VL_MOE_EXPERTS".into(),
-            message: format!("{v:?} is neither \"compact\" nor \"repacked\""),
-        }),
-        Err(_) => Ok(crate::limits::available_memory().is_some_and(|available| bytes + (1 << 30) > available)),
-    }
-}
-
-/// Rows per expert up to which the routed experts multiply their stored blocks
-/// (`vl_nn::moe::default_stored_rows`); `VL_MOE_STORED_ROWS=N` overrides, for measuring (0: every
-/// expert of a prompt through `QLinear::forward`: `stored_tiles` or candle; not a number is refused).
-fn stored_expert_rows() -> Result<usize> {
-    match std::env::var("VL_MOE_STORED_ROWS") {
-        Ok(v) => v.parse().map_err(|_| Error::Input {
-            what: "VL_MOE_STORED_ROWS".into(),
-            message: format!("{v:?} is not a number of rows"),
-        }),
-        Err(_) => Ok(vl_nn::moe::default_stored_rows()),
-    }
-}
-
 /// `VL_CPU_AMX=on` lets Q4_K prefill products take candle's AMX tiles (`vl_nn::linear::allow_amx`:
 /// faster, at a third copy of those weights); unset or `off`, they stay on the VNNI tiles.
 fn amx_setting() -> Result<()> {
@@ -548,18 +247,7 @@ struct DecoderLayer {
 
 impl DecoderLayer {
     fn load(cfg: &TextConfig, i: usize, vb: VarBuilder, qt: LoadPlan) -> Result<Self> {
-        let mlp = if cfg.is_sparse(i) {
-            let shared = match cfg.moe.as_ref().and_then(|m| m.shared_intermediate_size) {
-                Some(si) => Some(Box::new(SharedExpert {
-                    mlp: Mlp::load_sized(cfg.hidden_size, si, vb.pp("mlp").pp("shared_expert"), qt)?,
-                    gate: linear_no_bias(cfg.hidden_size, 1, vb.pp("mlp").pp("shared_expert_gate"), qt)?,
-                })),
-                None => None,
-            };
-            Ffn::Sparse(sparse_moe(cfg, vb.pp("mlp"), qt)?, shared)
-        } else {
-            Ffn::Dense(Mlp::load(cfg, vb.pp("mlp"), qt)?)
-        };
+        let mlp = Ffn::load(cfg, i, vb.pp("mlp"), qt)?;
         let offset = unit_offset_norms(cfg);
         let attn = if cfg.is_linear(i) {
             Mixer::Linear(delta_net(cfg, vb.pp("linear_attn"), qt)?)
@@ -709,7 +397,7 @@ impl TextModel {
         let mut layers: Vec<DecoderLayer> = (0..cfg.num_hidden_layers)
             .map(|i| DecoderLayer::load(cfg, i, tvb.pp(format!("layers.{i}")), plan))
             .collect::<Result<_>>()?;
-        let compact = compact_experts(&layers)?;
+        let compact = compact_experts(layers.iter().map(|l| &l.mlp))?;
         let stored_rows = stored_expert_rows()?;
         for l in &mut layers {
             if let Ffn::Sparse(m, _) = &mut l.mlp {
