@@ -1,8 +1,9 @@
 //! The cost of constrained decoding on the server path: the same streamed request to one `vl
-//! serve`, unconstrained and with a `response_format` (a JSON schema whose answer is one long
-//! string, and any JSON object), in alternating rounds; the decode speed its client sees, median
-//! per kind. A random-weight checkpoint never closes a string, so every answer runs to
-//! `max_tokens`: the same number of tokens in each kind.
+//! serve`, unconstrained and with each kind of constraint (a JSON schema whose answer is one long
+//! string, any JSON object, and the same one-string document as a regex, a Lark grammar and a
+//! GBNF grammar), in alternating rounds; the decode speed its client sees, median per kind. A
+//! random-weight checkpoint never closes a string, so every answer runs to `max_tokens`: the
+//! same number of tokens in each kind.
 
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
@@ -12,10 +13,17 @@ use crate::serve::stream;
 pub fn bench(name: &str, base: &str, tokens: usize, rounds: usize) -> Result<()> {
     let schema = json!({"type": "object", "properties": {"caption": {"type": "string"}},
                         "required": ["caption"], "additionalProperties": false});
-    let kinds: [(&str, Value); 3] = [
-        ("unconstrained", Value::Null),
-        ("json_schema", json!({"type": "json_schema", "json_schema": {"name": "caption", "schema": schema}})),
-        ("json_object", json!({"type": "json_object"})),
+    // (kind, the request fields that constrain it)
+    let kinds: [(&str, Value); 6] = [
+        ("unconstrained", json!({})),
+        (
+            "json_schema",
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "caption", "schema": schema}}}),
+        ),
+        ("json_object", json!({"response_format": {"type": "json_object"}})),
+        ("regex", json!({"structured_outputs": {"regex": r#"\{"caption": "[^"\\]*"\}"#}})),
+        ("lark", json!({"structured_outputs": {"grammar": r#"start: "{\"caption\": \"" /[^"\\]*/ "\"}""#}})),
+        ("gbnf", json!({"grammar": r#"root ::= "{\"caption\": \"" [^"\\]* "\"}""#})),
     ];
     let mut tps: Vec<Vec<f64>> = vec![vec![]; kinds.len()];
     for round in 0..rounds.max(1) {
@@ -25,8 +33,8 @@ pub fn bench(name: &str, base: &str, tokens: usize, rounds: usize) -> Result<()>
                 "max_tokens": tokens, "temperature": 0.0, "stream": true,
                 "stream_options": {"include_usage": true},
             });
-            if !format.is_null() {
-                body["response_format"] = format.clone();
+            for (k, v) in format.as_object().into_iter().flatten() {
+                body[k] = v.clone();
             }
             let r = stream(base, &body)?;
             let n = r.usage["completion_tokens"].as_u64().unwrap_or(0);

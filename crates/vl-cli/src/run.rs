@@ -51,8 +51,21 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE", conflicts_with = "json_object")]
     json_schema: Option<PathBuf>,
     /// Constrain the answer to a JSON object (any keys).
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["regex", "grammar", "choice"])]
     json_object: bool,
+    /// Constrain the answer to text the whole of which matches this regular expression (Rust
+    /// regex syntax).
+    #[arg(long, value_name = "REGEX", conflicts_with_all = ["json_schema", "grammar", "choice"])]
+    regex: Option<String>,
+    /// Constrain the answer to the language of the grammar in FILE: llama.cpp's GBNF (`root ::=
+    /// ...`; a .gbnf file) or llguidance's Lark (`start: ...`; a .lark file); told from the
+    /// extension, else from the text.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["json_schema", "choice"])]
+    grammar: Option<PathBuf>,
+    /// Constrain the answer to exactly one of these strings (repeat the flag: --choice yes
+    /// --choice no).
+    #[arg(long, value_name = "TEXT", conflicts_with = "json_schema")]
+    choice: Vec<String>,
     /// Write the f32 logits of the first generated position to this safetensors file (key "logits").
     #[arg(long)]
     logits_out: Option<PathBuf>,
@@ -87,6 +100,39 @@ pub enum Grounding {
 }
 
 /// The JSON schema in `path` (within `MAX_SCHEMA_BYTES`).
+/// The answer's constraint from --json-schema, --json-object, --regex, --grammar or --choice
+/// (clap refuses two at once).
+fn constraint(args: &RunArgs) -> Result<Option<vl_models::engine::Constraint>> {
+    use vl_models::constraint::{GrammarSyntax, MAX_GRAMMAR_BYTES};
+    use vl_models::engine::Constraint;
+    if let Some(path) = &args.json_schema {
+        return Ok(Some(Constraint::JsonSchema(read_schema(path)?)));
+    }
+    if args.json_object {
+        return Ok(Some(Constraint::JsonObject));
+    }
+    if let Some(rx) = &args.regex {
+        return Ok(Some(Constraint::Regex(rx.clone())));
+    }
+    if let Some(path) = &args.grammar {
+        let text = vl_models::limits::read_text(path, MAX_GRAMMAR_BYTES as u64)
+            .map_err(|e| anyhow::anyhow!("--grammar {e}"))?;
+        if text.trim().is_empty() {
+            bail!("--grammar {}: the file is empty", path.display());
+        }
+        let syntax = match path.extension().and_then(|e| e.to_str()) {
+            Some("gbnf") => GrammarSyntax::Gbnf,
+            Some("lark") => GrammarSyntax::Lark,
+            _ => GrammarSyntax::detect(&text),
+        };
+        return Ok(Some(Constraint::Grammar { text, syntax }));
+    }
+    if !args.choice.is_empty() {
+        return Ok(Some(Constraint::Choice(args.choice.clone())));
+    }
+    Ok(None)
+}
+
 fn read_schema(path: &Path) -> Result<serde_json::Value> {
     let max = vl_models::constraint::MAX_SCHEMA_BYTES as u64;
     let text = vl_models::limits::read_text(path, max).map_err(|e| anyhow::anyhow!("--json-schema {e}"))?;
@@ -119,11 +165,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     let t_start = Instant::now();
     // Flags first: a typo costs nothing.
     let options = args.sampling.options()?;
-    let constraint = match (&args.json_schema, args.json_object) {
-        (Some(path), _) => Some(vl_models::engine::Constraint::JsonSchema(read_schema(path)?)),
-        (None, true) => Some(vl_models::engine::Constraint::JsonObject),
-        (None, false) => None,
-    };
+    let constraint = constraint(&args)?;
     let video = args.load.media.video_options()?;
     // Media files exist before the model is resolved (or downloaded).
     for p in &args.images {
@@ -136,6 +178,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     let mut inputs: Vec<(&str, &Path)> = args.images.iter().map(|p| ("--image", p.as_path())).collect();
     inputs.extend(args.videos.iter().map(|p| ("--video", p.as_path())));
     inputs.extend(args.json_schema.iter().map(|p| ("--json-schema", p.as_path())));
+    inputs.extend(args.grammar.iter().map(|p| ("--grammar", p.as_path())));
     inputs.extend(args.load.model.mmproj.iter().map(|p| ("--mmproj", p.as_path())));
     inputs.push(("--model", Path::new(&args.load.model.model)));
     if let Some(p) = &args.logits_out {
@@ -314,10 +357,15 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
                 anyhow::anyhow!("{message}; {}", hints.join(", "))
             }
         }
-        vl_models::Error::Input { what, message } if what == "response_format" => match &args.json_schema {
-            Some(p) => anyhow::anyhow!("--json-schema {}: {message}", p.display()),
-            None => anyhow::anyhow!("--json-object: {message}"),
-        },
+        vl_models::Error::Input { what, message } if what == "response_format" => {
+            match (&args.json_schema, &args.grammar, &args.regex) {
+                (Some(p), _, _) => anyhow::anyhow!("--json-schema {}: {message}", p.display()),
+                (_, Some(p), _) => anyhow::anyhow!("--grammar {}: {message}", p.display()),
+                (_, _, Some(_)) => anyhow::anyhow!("--regex: {message}"),
+                _ if !args.choice.is_empty() => anyhow::anyhow!("--choice: {message}"),
+                _ => anyhow::anyhow!("--json-object: {message}"),
+            }
+        }
         e @ (vl_models::Error::Input { .. } | vl_models::Error::Limit { .. }) => anyhow::Error::new(e),
         other => anyhow::Error::new(other).context(format!("model {}", dir.display())),
     })?;

@@ -452,6 +452,45 @@ fn json_schema_and_json_object_constrain_the_answer() {
     assert!(err.contains("--json-object"), "{err}");
 }
 
+/// --regex, --grammar (GBNF or Lark, by extension or text) and --choice hold the answer to their
+/// language (checked by the `regex` crate against a hand-written regex for it); a broken
+/// grammar is one line naming the flag, the file and the line.
+#[test]
+fn regex_grammar_and_choice_constrain_the_answer() {
+    let ck = checkpoint("tiny-a");
+    let dir = tempfile::tempdir().unwrap();
+    let gbnf = dir.path().join("greeting.gbnf");
+    std::fs::write(&gbnf, "root ::= (\"hi\" | \"hello\") \" \" [A-Z] [a-z]{1,6} \"!\"\n").unwrap();
+    let lark = dir.path().join("pair.txt");
+    std::fs::write(&lark, "start: \"(\" /[0-9]{1,3}/ \", \" /[0-9]{1,3}/ \")\"\n").unwrap();
+    let (g, l) = (gbnf.to_str().unwrap(), lark.to_str().unwrap());
+    let cases: [(&[&str], &str); 4] = [
+        (&["--regex", "[a-z]{2,8}(-[0-9]{1,3}){1,3}"], r"^[a-z]{2,8}(-[0-9]{1,3}){1,3}$"),
+        (&["--grammar", g], r"^(hi|hello) [A-Z][a-z]{1,6}!$"),
+        (&["--grammar", l], r"^\([0-9]{1,3}, [0-9]{1,3}\)$"),
+        (&["--choice", "yes", "--choice", "no", "--choice", "not sure"], r"^(yes|no|not sure)$"),
+    ];
+    for (flags, lang) in cases {
+        let re = regex::Regex::new(lang).unwrap();
+        for seed in ["1", "2"] {
+            let mut args = vec!["run", "--model", &ck, "--prompt", "Answer.", "--temperature", "1", "--seed", seed];
+            args.extend_from_slice(&["--max-new-tokens", "60", "--json"]);
+            args.extend_from_slice(flags);
+            let (code, out, err) = vl(&args);
+            assert_eq!(code, 0, "{flags:?}: {err}");
+            let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+            let text = v["text"].as_str().unwrap();
+            assert!(re.is_match(text), "{flags:?} seed {seed}: {text:?} is not in {lang}");
+            assert_eq!(v["stop_reason"], "eos", "{v}");
+        }
+    }
+    std::fs::write(&gbnf, "root ::= word\n").unwrap();
+    assert_error(&["run", "--model", &ck, "--grammar", g], &["--grammar", g, "line 1", "`word`"]);
+    assert_error(&["run", "--model", &ck, "--regex", "(a"], &["--regex", "cannot be read"]);
+    let (code, _, err) = vl(&["run", "--model", &ck, "--regex", "a", "--choice", "b"]);
+    assert!(code != 0 && err.contains("--choice"), "{err}");
+}
+
 /// RGB pixels and size of a PNG (an independent decoder: the `png` crate).
 fn read_png(p: &Path) -> (u32, u32, Vec<u8>) {
     let mut dec = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(p).unwrap()));

@@ -41,6 +41,9 @@ fn regex_choice_lark_and_gbnf_answers_match_their_language() {
             grammar("# angle brackets around a word\nroot ::= \"<\" [^<>\\n]{1,12} \">\" (\" \" . \".\")?\n"),
             r"^<[^<>\n]{1,12}>( (?s:.)\.)?$",
         ),
+        // A run that may swallow the text after it (per-character lexemes), and one that may not
+        // (one lexeme).
+        (grammar("root ::= [a-c]{1,5} \"c!\" \" \" \"'\" [^'\\n]{0,15} \"'\"\n"), r"^[a-c]{1,5}c! '[^'\n]{0,15}'$"),
     ];
     for (i, (c, want)) in cases.iter().enumerate() {
         let re = regex::Regex::new(want).unwrap();

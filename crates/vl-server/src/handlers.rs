@@ -122,10 +122,10 @@ async fn handle(app: &Arc<App>, body: Bytes, kind: Kind) -> Result<Response, Api
         return Err(crate::pooling::wrong_kind(app, asked));
     }
     let Incoming { parsed, echo } = parse_for(app, &body, kind)?;
-    let Parsed { req, n, stream, include_usage, one_call } = parsed;
+    let Parsed { req, n, stream, include_usage, one_call, format_field } = parsed;
     let want_logprobs = req.options.logprobs.is_some();
     let (tx, mut rx) = mpsc::channel::<Msg>(RELAY_MESSAGES);
-    submit(app, Job { req, n, one_call, tx, queued: Instant::now() })?;
+    submit(app, Job { req, n, one_call, format_field, tx, queued: Instant::now() })?;
     let number = app.next_id.fetch_add(1, Ordering::Relaxed);
     let created = now();
     // The first message decides the status: a request the engine refuses gets its error status

@@ -17,6 +17,8 @@ pub(crate) struct Job {
     pub n: usize,
     /// `parallel_tool_calls: false`: each answer keeps its first call.
     pub one_call: bool,
+    /// The request field that set the answer's format, named in the engine's errors about it.
+    pub format_field: Option<String>,
     pub tx: mpsc::Sender<Msg>,
     pub queued: Instant,
 }

@@ -40,6 +40,16 @@ pub struct ChatCompletionRequest {
     pub tool_choice: Option<Value>,
     /// Checked in `request::response_format`.
     pub response_format: Option<Value>,
+    /// The other ways peers' clients constrain the answer, each checked in
+    /// `request::format_constraint` (at most one of them, or `response_format`, per request):
+    /// vLLM's `{"json" | "regex" | "choice" | "grammar" | "json_object": ...}`;
+    pub structured_outputs: Option<Value>,
+    /// llama-server's GBNF grammar (or llguidance's Lark, after `%llguidance`) and JSON schema;
+    pub grammar: Option<Value>,
+    pub json_schema: Option<Value>,
+    /// SGLang's regular expression and EBNF (GBNF) grammar.
+    pub regex: Option<Value>,
+    pub ebnf: Option<Value>,
     /// Checked in `request::logit_bias`.
     pub logit_bias: Option<Value>,
     /// Checked in `request::parse`.

@@ -96,6 +96,8 @@ struct Item {
     repeat: Option<String>,
     /// The most copies a counted repetition makes (1 for none or a loop).
     times: u64,
+    /// The repetition's least and most counts (None: unbounded); (1, Some(1)) for none.
+    bounds: (u64, Option<u64>),
 }
 
 struct Reader<'a> {
@@ -270,7 +272,7 @@ impl Reader<'_> {
                 _ => break,
             };
             self.space(nested);
-            let (repeat_text, times) = self.repetition()?;
+            let (repeat_text, times, bounds) = self.repetition()?;
             let total = repeat.saturating_mul(times);
             if total > MAX_REPEAT {
                 self.at = start;
@@ -286,7 +288,7 @@ impl Reader<'_> {
                     )
                 })?;
             }
-            items.push(Item { atom, repeat: repeat_text, times });
+            items.push(Item { atom, repeat: repeat_text, times, bounds });
             self.space(nested);
         }
         Ok(items)
@@ -294,11 +296,16 @@ impl Reader<'_> {
 
     /// A repetition after an atom: its Lark text and the most copies it makes (1 for none, `*`,
     /// `+`, `?`: a loop is not copies).
-    fn repetition(&mut self) -> Result<(Option<String>, u64), String> {
+    fn repetition(&mut self) -> Result<(Option<String>, u64, (u64, Option<u64>)), String> {
         let out = match self.peek() {
             Some(c @ (b'*' | b'+' | b'?')) => {
                 self.at += 1;
-                (Some((c as char).to_string()), 1)
+                let bounds = match c {
+                    b'*' => (0, None),
+                    b'+' => (1, None),
+                    _ => (0, Some(1)),
+                };
+                (Some((c as char).to_string()), 1, bounds)
             }
             Some(b'{') => {
                 self.at += 1;
@@ -323,9 +330,9 @@ impl Reader<'_> {
                     Some(h) => format!("{{{lo},{h}}}"),
                     None => format!("{{{lo},}}"),
                 };
-                (Some(text), hi.unwrap_or(lo).max(1))
+                (Some(text), hi.unwrap_or(lo).max(1), (lo, hi))
             }
-            _ => (None, 1),
+            _ => (None, 1, (1, Some(1))),
         };
         Ok(out)
     }
@@ -405,16 +412,15 @@ fn write_alts(alts: &Alts, names: &BTreeMap<String, String>, out: &mut String) -
             }
             match &item.atom {
                 Atom::Text(t) => out.push_str(&serde_json::to_string(t).unwrap_or_default()),
+                Atom::Class(ranges, negated) if item.repeat.is_some() && ends_before(ranges, *negated, seq.get(j + 1)) => {
+                    // A run of the class that must end where the next text begins: one lexeme.
+                    out.push_str(&run(ranges, *negated, item.bounds));
+                    continue;
+                }
                 Atom::Class(ranges, negated) => {
-                    out.push_str(if *negated { "/[^" } else { "/[" });
-                    for (lo, hi) in ranges {
-                        out.push_str(&class_char(*lo));
-                        if hi != lo {
-                            out.push('-');
-                            out.push_str(&class_char(*hi));
-                        }
-                    }
-                    out.push_str("]/");
+                    out.push('/');
+                    out.push_str(&class(ranges, *negated));
+                    out.push('/');
                 }
                 Atom::Any => out.push_str("/(?s:.)/"),
                 Atom::Rule(name) => out.push_str(names.get(name).ok_or_else(|| name.clone())?),
@@ -430,6 +436,44 @@ fn write_alts(alts: &Alts, names: &BTreeMap<String, String>, out: &mut String) -
         }
     }
     Ok(())
+}
+
+/// `[...]` for a regex.
+fn class(ranges: &[(char, char)], negated: bool) -> String {
+    let mut out = String::from(if negated { "[^" } else { "[" });
+    for (lo, hi) in ranges {
+        out.push_str(&class_char(*lo));
+        if hi != lo {
+            out.push('-');
+            out.push_str(&class_char(*hi));
+        }
+    }
+    out.push(']');
+    out
+}
+
+/// Whether a run of the class must end where `next` begins: `next` is text that is always
+/// there (not optional) and whose first character the class does not hold. Then the run can be
+/// one lexeme (llguidance's lexemes are greedy, so a run that could swallow what follows must
+/// stay a sequence of one-character lexemes, which costs more per token).
+fn ends_before(ranges: &[(char, char)], negated: bool, next: Option<&Item>) -> bool {
+    let Some(Item { atom: Atom::Text(t), bounds: (min, _), .. }) = next else { return false };
+    let Some(c) = t.chars().next() else { return false };
+    let held = ranges.iter().any(|&(lo, hi)| lo <= c && c <= hi) != negated;
+    *min >= 1 && !held
+}
+
+/// A run of the class as one lexeme; never one that matches nothing (an optional one instead).
+fn run(ranges: &[(char, char)], negated: bool, (min, max): (u64, Option<u64>)) -> String {
+    let c = class(ranges, negated);
+    match (min, max) {
+        (_, Some(0)) => "\"\"".into(),
+        (0, Some(1)) => format!("/{c}/?"),
+        (0, None) => format!("/{c}+/?"),
+        (0, Some(n)) => format!("/{c}{{1,{n}}}/?"),
+        (m, None) => format!("/{c}{{{m},}}/"),
+        (m, Some(n)) => format!("/{c}{{{m},{n}}}/"),
+    }
 }
 
 /// A character inside a regex class: letters and digits as they are, anything else escaped by
@@ -471,6 +515,15 @@ ws     ::= [ \t]?
         assert!(lark.contains(r#"r_root: "a\nAé" (r_x_y | r_x_y_2) /[^\x{5D}\x{5C}]/"#), "{lark}");
         assert!(lark.contains("r_x_y: /(?s:.)/\n"), "{lark}");
         assert!(lark.contains(r#"r_x_y_2: "" | "q"{0,3}"#), "{lark}");
+    }
+
+    #[test]
+    fn a_run_that_ends_before_fixed_text_is_one_lexeme_and_others_stay_per_character() {
+        let lark = to_lark("root ::= \"'\" [^'\\\\]* \"'\" [0-9]{0,3} \".\" [a-z]* \"x\" [a-z]+ \"!\"? \"?\"\n").unwrap();
+        assert_eq!(
+            lark,
+            "start: r_root\nr_root: \"'\" /[^\\x{27}\\x{5C}]+/? \"'\" /[0-9]{1,3}/? \".\" /[a-z]/* \"x\" /[a-z]/+ \"!\"? \"?\"\n"
+        );
     }
 
     #[test]

@@ -24,7 +24,7 @@ use tokenizers::Tokenizer;
 use crate::error::{Error, Result};
 use patterns::{check_patterns, patterns_of};
 
-mod gbnf;
+pub mod gbnf;
 mod patterns;
 mod schema;
 
