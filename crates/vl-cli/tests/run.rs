@@ -871,3 +871,26 @@ fn weights_that_cannot_fit_the_memory_are_refused_before_loading() {
     assert_ne!(code, 0);
     assert!(err.contains(&f32) && err.contains("quantized blocks mapped from the file"), "{err}");
 }
+
+/// The samplers' flags reach the engine: a strong DRY penalty without breakers changes the
+/// greedy answer (the tiny model's repeats itself), top-n-sigma at 0.01 keeps the greedy one at
+/// any temperature, and a value out of range is one line naming its flag.
+#[test]
+fn dry_xtc_and_top_n_sigma_flags_reach_the_sampler() {
+    let ck = checkpoint("tiny-a");
+    let base = ["run", "--model", &ck, "--prompt", "Say something.", "--max-new-tokens", "40", "--json"];
+    let text = |extra: &[&str]| -> String {
+        let (code, out, err) = vl(&[&base[..], extra].concat());
+        assert_eq!(code, 0, "{extra:?}: {err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        v["text"].as_str().unwrap().to_string()
+    };
+    let greedy = text(&[]);
+    assert_ne!(text(&["--dry-multiplier", "50", "--dry-sequence-breaker", "none"]), greedy);
+    assert_eq!(text(&["--temperature", "1.5", "--seed", "4", "--top-n-sigma", "0.01"]), greedy);
+    let seeded = ["--temperature", "1", "--seed", "9", "--xtc-probability", "0.5", "--dry-multiplier", "1"];
+    assert_eq!(text(&seeded), text(&seeded));
+    assert_error(&[&base[..], &["--dry-base", "0.5"]].concat(), &["--dry-base", "0.5"]);
+    assert_error(&[&base[..], &["--dry-penalty-last-n", "-3"]].concat(), &["--dry-penalty-last-n", "-3"]);
+    assert_error(&[&base[..], &["--xtc-threshold", "0"]].concat(), &["--xtc-threshold"]);
+}

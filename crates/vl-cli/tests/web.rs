@@ -307,6 +307,22 @@ async fn drive(base: &str, thinking: &str, driver: &str) {
     let v = js(&c, &format!("const b = {ANSWERS}[0].querySelector('.body'); return [b.querySelectorAll('img, script, b').length, window.__pwned === undefined]")).await;
     assert_eq!(v, json!([0, true]), "no element came from the answer; nothing ran");
 
+    // A regular-expression answer format and the sampler settings go with the request (the
+    // page's bodies recorded); the answer is in the regex's language.
+    click(&c, "new-chat").await;
+    js(&c, "window.__bodies = []; const f = window.fetch; window.fetch = (u, o) => { if (o && o.body) window.__bodies.push(JSON.parse(o.body)); return f(u, o); }; return 1").await;
+    set(&c, "format", "regex").await;
+    set(&c, "rule", "(yes|no), [a-z]{2,6}").await;
+    set(&c, "dry-multiplier", "0.8").await;
+    set(&c, "top-k", "5").await;
+    ask(&c, "Well?").await;
+    let (text, _) = answer(&c, 0, 120).await;
+    assert!(regex::Regex::new("^(yes|no), [a-z]{2,6}$").unwrap().is_match(&text), "{text:?}");
+    let sent = js(&c, "const b = window.__bodies[window.__bodies.length - 1]; return [b.response_format, b.dry_multiplier, b.top_k, b.top_p === undefined]").await;
+    assert_eq!(sent, json!([{"type": "regex", "regex": "(yes|no), [a-z]{2,6}"}, 0.8, 5, true]));
+    set(&c, "dry-multiplier", "").await;
+    set(&c, "top-k", "").await;
+
     // Grounding: an answer constrained to boxes; the page draws one box per answer box, where
     // 0..1000 of the image puts it.
     click(&c, "new-chat").await;

@@ -131,7 +131,7 @@ impl ApiError {
 /// message (`messages[2]`) or `n` / `stop`; `max_new_tokens` is the request's `max_tokens`. Other
 /// subjects (a template, an image file, the engine) are no request field.
 fn engine_param(what: &str) -> Option<String> {
-    const FIELDS: [&str; 21] = [
+    const FIELDS: [&str; 26] = [
         "messages",
         "tools",
         "tool_choice",
@@ -150,6 +150,11 @@ fn engine_param(what: &str) -> Option<String> {
         "top_n_sigma",
         "xtc_probability",
         "xtc_threshold",
+        "dry_multiplier",
+        "dry_base",
+        "dry_allowed_length",
+        "dry_penalty_last_n",
+        "dry_sequence_breakers",
         "seed",
         "top_logprobs",
         "chat_template_kwargs",

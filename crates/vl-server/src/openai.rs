@@ -30,6 +30,12 @@ pub struct ChatCompletionRequest {
     pub top_n_sigma: Option<f64>,
     pub xtc_probability: Option<f64>,
     pub xtc_threshold: Option<f64>,
+    /// llama-server's DRY sampler (`GenerationOptions` has the ranges).
+    pub dry_multiplier: Option<f64>,
+    pub dry_base: Option<f64>,
+    pub dry_allowed_length: Option<u64>,
+    pub dry_penalty_last_n: Option<i64>,
+    pub dry_sequence_breakers: Option<Vec<String>>,
     /// Any 64-bit integer, signed or not.
     pub seed: Option<Seed>,
     pub stop: Option<Stop>,

@@ -205,6 +205,21 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
     if let Some(t) = v.xtc_threshold {
         o.xtc_threshold = t;
     }
+    if let Some(m) = v.dry_multiplier {
+        o.dry_multiplier = m;
+    }
+    if let Some(b) = v.dry_base {
+        o.dry_base = b;
+    }
+    if let Some(n) = v.dry_allowed_length {
+        o.dry_allowed_length = usize::try_from(n).unwrap_or(usize::MAX);
+    }
+    if let Some(n) = v.dry_penalty_last_n {
+        o.dry_penalty_last_n = n;
+    }
+    if let Some(b) = v.dry_sequence_breakers {
+        o.dry_sequence_breakers = b;
+    }
     if let Some(s) = &v.seed {
         o.seed = s.value();
     }

@@ -210,3 +210,42 @@ fn top_n_sigma_and_xtc_are_taken_by_their_llama_server_names() {
         assert_eq!((status, &v["error"]["param"]), (400, &json!(field)), "{v}");
     }
 }
+
+/// llama-server's DRY fields reach the sampler: a strong penalty without breakers changes the
+/// reference's greedy answer (which repeats itself), a seeded DRY answer is the same twice, and
+/// a value out of range is a 400 naming the field.
+#[test]
+fn dry_is_taken_by_its_llama_server_names() {
+    let s = Server::start(ServerConfig::default());
+    let want = golden();
+    let mut body = one_image(want.tokens);
+    body["dry_multiplier"] = json!(50.0);
+    body["dry_allowed_length"] = json!(2);
+    body["dry_sequence_breakers"] = json!([]);
+    let (status, v) = post(&s, "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_ne!(v["choices"][0]["message"]["content"], want.text.as_str(), "{v}");
+    body["temperature"] = json!(1.0);
+    body["top_k"] = json!(2);
+    body["seed"] = json!(5);
+    body["dry_multiplier"] = json!(1.5);
+    body["dry_base"] = json!(2.0);
+    body["dry_penalty_last_n"] = json!(64);
+    body["dry_sequence_breakers"] = json!(["\n", "."]);
+    let first = post(&s, "/v1/chat/completions", &body);
+    assert_eq!(first.0, 200, "{}", first.1);
+    assert_eq!(post(&s, "/v1/chat/completions", &body).1["choices"], first.1["choices"]);
+    for (field, value) in [
+        ("dry_multiplier", json!(-1.0)),
+        ("dry_base", json!(0.5)),
+        ("dry_allowed_length", json!(0)),
+        ("dry_penalty_last_n", json!(-2)),
+        ("dry_sequence_breakers", json!([""])),
+    ] {
+        let mut body = one_image(2);
+        body["dry_multiplier"] = json!(1.0);
+        body[field] = value;
+        let (status, v) = post(&s, "/v1/chat/completions", &body);
+        assert_eq!((status, &v["error"]["param"]), (400, &json!(field)), "{v}");
+    }
+}

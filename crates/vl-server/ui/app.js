@@ -21,6 +21,13 @@ const el = (tag, cls, text) => {
   return e;
 };
 const COLOURS = ["#e6194b", "#3cb44b", "#0082c8", "#f58230", "#911eb4", "#46f0f0", "#f032e6", "#ffe119"];
+// The sampler settings (input id, request field: llama-server's and OpenAI's names).
+const SAMPLERS = [
+  ["top-p", "top_p"], ["top-k", "top_k"], ["min-p", "min_p"], ["top-n-sigma", "top_n_sigma"], ["seed", "seed"],
+  ["xtc-probability", "xtc_probability"], ["xtc-threshold", "xtc_threshold"],
+  ["dry-multiplier", "dry_multiplier"], ["dry-base", "dry_base"], ["dry-allowed-length", "dry_allowed_length"],
+];
+
 // The grounding schema the "Boxes" format sends: a list of labelled boxes in 0..1000.
 const GROUNDING_SCHEMA = {
   type: "array", minItems: 1, maxItems: 8,
@@ -248,6 +255,10 @@ async function send() {
       showError("The JSON schema does not parse: " + e.message);
       return;
     }
+  } else if (format === "regex") {
+    responseFormat = { type: "regex", regex: $("rule").value };
+  } else if (format === "grammar") {
+    responseFormat = { type: "grammar", grammar: $("rule").value };
   }
   const maxPixels = parseInt($("max-pixels").value, 10);
   const parts = [];
@@ -278,6 +289,11 @@ async function send() {
     max_tokens: parseInt($("max-tokens").value, 10) || 512,
   };
   if (responseFormat) body.response_format = responseFormat;
+  // Sampler settings left empty are the server's defaults.
+  for (const [id, field] of SAMPLERS) {
+    const v = $(id).value.trim();
+    if (v !== "") body[field] = Number(v);
+  }
   if (format === "grounding") body.grounding = true;
 
   const bubble = answerBubble();
@@ -428,7 +444,11 @@ function init() {
   $("stop").onclick = () => { if (controller) controller.abort(); };
   $("new-chat").onclick = newChat;
   $("settings-toggle").onclick = () => { $("settings").hidden = !$("settings").hidden; };
-  $("format").onchange = () => { $("schema-box").hidden = $("format").value !== "schema"; };
+  $("format").onchange = () => {
+    const f = $("format").value;
+    $("schema-box").hidden = f !== "schema";
+    $("rule-box").hidden = f !== "regex" && f !== "grammar";
+  };
   $("attach").onchange = (e) => { addFiles(e.target.files); e.target.value = ""; };
   $("image-types").textContent = Object.values(IMAGE_TYPES).join(", ");
   $("video-types").textContent = VIDEO_NOTE;

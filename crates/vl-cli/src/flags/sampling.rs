@@ -73,6 +73,24 @@ pub struct SamplingArgs<D: Defaults> {
     /// XTC's probability threshold, in (0, 1].
     #[arg(long, default_value_t = 0.1, value_name = "P")]
     pub xtc_threshold: f64,
+    /// llama.cpp's DRY: a token that would extend a repetition of the prompt and answer longer
+    /// than --dry-allowed-length has its logit lowered by this times --dry-base to the power of
+    /// the excess (0 = off).
+    #[arg(long, default_value_t = 0.0, value_name = "X")]
+    pub dry_multiplier: f64,
+    /// DRY's growth per token of repetition (>= 1).
+    #[arg(long, default_value_t = GenerationOptions::default().dry_base, value_name = "X")]
+    pub dry_base: f64,
+    /// The longest repetition DRY leaves alone.
+    #[arg(long, default_value_t = GenerationOptions::default().dry_allowed_length, value_name = "N")]
+    pub dry_allowed_length: usize,
+    /// The tokens DRY looks back over (-1 = all, 0 = off).
+    #[arg(long, default_value_t = GenerationOptions::default().dry_penalty_last_n, value_name = "N", allow_hyphen_values = true)]
+    pub dry_penalty_last_n: i64,
+    /// A string that ends a repetition for DRY (repeat the flag; the default is llama.cpp's:
+    /// newline, `:`, `"`, `*`; `\n` is a newline; `--dry-sequence-breaker none` for none).
+    #[arg(long = "dry-sequence-breaker", value_name = "TEXT")]
+    pub dry_sequence_breakers: Vec<String>,
     /// Tokens a thinking model's reasoning block (one its template opens, as Qwen3.5's and the
     /// Thinking checkpoints' do) may take: then a newline and `</think>` are written for it and
     /// the answer follows; 0 closes the block at once. Unbounded when not given.
@@ -97,9 +115,21 @@ impl<D: Defaults> SamplingArgs<D> {
             top_n_sigma: self.top_n_sigma,
             xtc_probability: self.xtc_probability,
             xtc_threshold: self.xtc_threshold,
+            dry_multiplier: self.dry_multiplier,
+            dry_base: self.dry_base,
+            dry_allowed_length: self.dry_allowed_length,
+            dry_penalty_last_n: self.dry_penalty_last_n,
+            dry_sequence_breakers: match self.dry_sequence_breakers.as_slice() {
+                [] => GenerationOptions::default().dry_sequence_breakers,
+                [none] if none == "none" => vec![],
+                given => given.iter().map(|b| b.replace("\\n", "\n")).collect(),
+            },
             ..Default::default()
         };
-        options.validate().map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;
+        options.validate().map_err(|e| {
+            let flag = e.to_string().replace('_', "-").replace("dry-sequence-breakers", "dry-sequence-breaker");
+            anyhow::anyhow!("--{flag}")
+        })?;
         Ok(options)
     }
 }

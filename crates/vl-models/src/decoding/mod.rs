@@ -4,6 +4,7 @@
 //! (`grounding`).
 
 pub mod constraint;
+pub mod dry;
 pub mod grounding;
 pub mod reasoning;
 pub mod sampling;

@@ -1,6 +1,7 @@
 //! Sampling, model-agnostic: options and their ranges, transformers' order of logits processors
 //! (repetition penalty, temperature, top-k, top-p, min-p), OpenAI's presence and frequency
-//! penalties, and the NaN/inf check that runs before every sampling step.
+//! penalties, llama.cpp's DRY (after the repetition penalty, `dry`), top-n-sigma and XTC, and the
+//! NaN/inf check that runs before every sampling step.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -29,6 +30,17 @@ pub struct GenerationOptions {
     pub xtc_probability: f64,
     /// XTC's probability threshold, in (0, 1].
     pub xtc_threshold: f64,
+    /// llama.cpp's DRY (`dry`): the penalty's scale; 0 disables.
+    pub dry_multiplier: f64,
+    /// DRY's growth per token of repetition past `dry_allowed_length` (>= 1).
+    pub dry_base: f64,
+    /// The longest repetition DRY leaves unpenalized (>= 1).
+    pub dry_allowed_length: usize,
+    /// The tokens of the prompt and answer DRY looks back over: -1 all, 0 none (off).
+    pub dry_penalty_last_n: i64,
+    /// Strings that end a repetition for DRY (at most `dry::MAX_BREAKERS`, each 1 to
+    /// `dry::MAX_BREAKER_CHARS` characters).
+    pub dry_sequence_breakers: Vec<String>,
     /// OpenAI's: subtracted once from every token already generated (0 = off, in [-2, 2]).
     pub presence_penalty: f64,
     /// OpenAI's: subtracted per occurrence in the generated tokens (0 = off, in [-2, 2]).
@@ -56,7 +68,7 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// One picked token's log-probability and the most likely alternatives, under the distribution
 /// the sampler saw before temperature and truncation: the model's logits after the presence and
-/// frequency penalties, `logit_bias`, a constraint's mask and the repetition penalty.
+/// frequency penalties, `logit_bias`, a constraint's mask, the repetition penalty and DRY.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprob {
     pub token: u32,
@@ -94,6 +106,11 @@ impl Default for GenerationOptions {
             top_n_sigma: 0.0,
             xtc_probability: 0.0,
             xtc_threshold: 0.1,
+            dry_multiplier: 0.0,
+            dry_base: 1.75,
+            dry_allowed_length: 2,
+            dry_penalty_last_n: -1,
+            dry_sequence_breakers: crate::decoding::dry::DEFAULT_BREAKERS.iter().map(|s| s.to_string()).collect(),
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: 0,
@@ -106,6 +123,16 @@ impl Default for GenerationOptions {
 }
 
 impl GenerationOptions {
+    /// The DRY options.
+    pub fn dry(&self) -> crate::decoding::dry::Dry {
+        crate::decoding::dry::Dry {
+            multiplier: self.dry_multiplier,
+            base: self.dry_base,
+            allowed_length: self.dry_allowed_length,
+            penalty_last_n: self.dry_penalty_last_n,
+        }
+    }
+
     /// Checks every option's range; the message names the option and its value.
     pub fn validate(&self) -> Result<()> {
         let bad = |what: &str, message: String| Err(Error::Input { what: what.into(), message });
@@ -140,6 +167,34 @@ impl GenerationOptions {
         }
         if !(self.xtc_threshold > 0.0 && self.xtc_threshold <= 1.0) {
             return bad("xtc_threshold", format!("{} must be in (0, 1]", self.xtc_threshold));
+        }
+        if !(self.dry_multiplier.is_finite() && self.dry_multiplier >= 0.0) {
+            return bad("dry_multiplier", format!("{} must be a finite number >= 0 (0 = off)", self.dry_multiplier));
+        }
+        if !(self.dry_base.is_finite() && self.dry_base >= 1.0) {
+            return bad("dry_base", format!("{} must be a finite number >= 1", self.dry_base));
+        }
+        if self.dry_allowed_length == 0 {
+            return bad("dry_allowed_length", "0 must be at least 1".into());
+        }
+        if self.dry_penalty_last_n < -1 {
+            return bad("dry_penalty_last_n", format!("{} must be -1 (all), 0 (off) or more", self.dry_penalty_last_n));
+        }
+        {
+            use crate::decoding::dry::{MAX_BREAKERS, MAX_BREAKER_CHARS};
+            let b = &self.dry_sequence_breakers;
+            if b.len() > MAX_BREAKERS {
+                return bad("dry_sequence_breakers", format!("{} breakers, at most {MAX_BREAKERS}", b.len()));
+            }
+            for (i, s) in b.iter().enumerate() {
+                let n = s.chars().count();
+                if n == 0 || n > MAX_BREAKER_CHARS {
+                    return bad(
+                        "dry_sequence_breakers",
+                        format!("breaker {i} has {n} characters: each has 1 to {MAX_BREAKER_CHARS}"),
+                    );
+                }
+            }
         }
         if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
             return bad("top_logprobs", format!("{n} is above {MAX_TOP_LOGPROBS}"));
@@ -322,12 +377,20 @@ pub struct TokenPicker {
     rng: StdRng,
     seen: Vec<u32>,
     generated: Vec<u32>,
+    /// DRY's breakers, when DRY is on.
+    dry: Option<std::sync::Arc<crate::decoding::dry::Breakers>>,
 }
 
 impl TokenPicker {
     pub fn new(opts: GenerationOptions, prompt: &[u32]) -> Self {
         let rng = StdRng::seed_from_u64(opts.seed);
-        Self { opts, rng, seen: prompt.to_vec(), generated: Vec::new(), last: None }
+        Self { opts, rng, seen: prompt.to_vec(), generated: Vec::new(), last: None, dry: None }
+    }
+
+    /// DRY on (when the options enable it), with the breakers of its options as tokens.
+    pub fn with_dry(mut self, breakers: Option<std::sync::Arc<crate::decoding::dry::Breakers>>) -> Self {
+        self.dry = breakers;
+        self
     }
 
     /// Picks the token after `logits` (f32 `[vocab]`); an error on NaN or infinite logits.
@@ -351,6 +414,9 @@ impl TokenPicker {
             });
         }
         apply_repetition_penalty(&mut logits, &self.seen, self.opts.repetition_penalty);
+        if let Some(b) = &self.dry {
+            crate::decoding::dry::apply(&mut logits, &self.seen, &self.opts.dry(), b);
+        }
         let next = match self.opts.logprobs {
             Some(top) => {
                 // The distribution before temperature and truncation: the sampler gets a copy.

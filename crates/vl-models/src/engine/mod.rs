@@ -143,6 +143,9 @@ pub(crate) struct Shared {
     compiler: CompilerCell,
     /// Bytes of the longest token's text (computed at the first long request).
     longest_token: std::sync::OnceLock<usize>,
+    /// Each token's text, and DRY's default breakers as tokens (at the first request with DRY).
+    token_texts: std::sync::OnceLock<Vec<String>>,
+    default_breakers: std::sync::OnceLock<Arc<crate::decoding::dry::Breakers>>,
 }
 
 pub struct Engine {
@@ -196,7 +199,18 @@ impl Engine {
         let longest_token = std::sync::OnceLock::new();
         let clips = (opts.clip_cache_bytes > 0).then(|| Mutex::new(ClipCache::new(opts.clip_cache_bytes)));
         let shared =
-            Arc::new(Shared { family, opts, features, clips, vision: Mutex::new(()), stats, compiler, longest_token });
+            Arc::new(Shared {
+                family,
+                opts,
+                features,
+                clips,
+                vision: Mutex::new(()),
+                stats,
+                compiler,
+                longest_token,
+                token_texts: Default::default(),
+                default_breakers: Default::default(),
+            });
         let (tx, rx) = mpsc::channel();
         let s = shared.clone();
         let worker = std::thread::Builder::new()
@@ -381,10 +395,12 @@ impl Engine {
             .enumerate()
             .map(|(i, guide)| Fork { choice: i + 1, seed: seed.wrapping_add(i as u64 + 1), guide })
             .collect();
+        let dry = dry_breakers(&self.shared, &prepared.options);
         let job = Job {
             prepared,
             encoded,
             guide,
+            dry,
             choice: 0,
             forks,
             stop: req.stop.clone(),
@@ -473,6 +489,26 @@ impl Engine {
         let completion = engine.run(prepared, encoded, vec![guide], req, on, generate_started)?.remove(0);
         let checkpoint_videos = completion.videos.iter().map(|v| engine.family().checkpoint_video_sizing(v)).collect();
         Ok(OneShot { completion, load_time, media_time, vision_time, storage, generate_started, checkpoint_videos })
+    }
+}
+
+/// DRY's sequence breakers as tokens when the request's options turn DRY on; the default list's
+/// built once per engine (a scan of the vocabulary).
+fn dry_breakers(s: &Shared, o: &crate::GenerationOptions) -> Option<Arc<crate::decoding::dry::Breakers>> {
+    use crate::decoding::dry::{Breakers, DEFAULT_BREAKERS};
+    if !o.dry().is_on() {
+        return None;
+    }
+    let tok = s.family.tokenizer();
+    let texts = s.token_texts.get_or_init(|| {
+        (0..tok.get_vocab_size(true) as u32).map(|id| tok.decode(&[id], false).unwrap_or_default()).collect()
+    });
+    let tokenize = |t: &str| tok.encode(t, false).map(|e| e.get_ids().to_vec()).unwrap_or_default();
+    let build = || Arc::new(Breakers::new(texts, &tokenize, &o.dry_sequence_breakers));
+    if o.dry_sequence_breakers.iter().map(String::as_str).eq(DEFAULT_BREAKERS) {
+        Some(s.default_breakers.get_or_init(build).clone())
+    } else {
+        Some(build())
     }
 }
 

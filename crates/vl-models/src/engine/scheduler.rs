@@ -321,6 +321,7 @@ impl<'f> Scheduler<'f> {
                     prepared,
                     encoded: parent.job.encoded.clone(),
                     guide: f.guide,
+                    dry: parent.job.dry.clone(),
                     choice: f.choice,
                     forks: vec![],
                     stop: parent.job.stop.clone(),

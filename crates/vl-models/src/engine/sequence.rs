@@ -61,6 +61,8 @@ pub(crate) struct Job {
     pub encoded: Encoded,
     /// The answer's constraint, compiled.
     pub guide: Option<Guide>,
+    /// DRY's sequence breakers as tokens, when the request turns DRY on.
+    pub dry: Option<Arc<crate::decoding::dry::Breakers>>,
     /// Which choice of its request this is (events carry it).
     pub choice: usize,
     /// The request's other choices, started from this one's prefill.
@@ -139,7 +141,7 @@ impl<'f> Seq<'f> {
         let p = &job.prepared;
         let n = p.ids.len();
         let budget = p.options.max_new_tokens.min(family.context().saturating_sub(n));
-        let picker = TokenPicker::new(p.options.clone(), &p.ids);
+        let picker = TokenPicker::new(p.options.clone(), &p.ids).with_dry(job.dry.clone());
         let hold = (!job.tools.is_empty()).then(CallHold::default);
         let out = StopFilter::new(job.stop.clone());
         let markers = family.reasoning().filter(|_| job.reasoning);
