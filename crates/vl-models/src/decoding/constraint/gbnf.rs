@@ -79,6 +79,12 @@ pub fn to_lark(src: &str) -> Result<String, String> {
 
 type Alts = Vec<Vec<Item>>;
 
+/// A repetition's least and most counts (None: unbounded).
+type Bounds = (u64, Option<u64>);
+
+/// A repetition as Lark text, the most copies it makes, and its bounds.
+type Repeat = (Option<String>, u64, Bounds);
+
 #[derive(Debug)]
 enum Atom {
     Text(String),
@@ -96,8 +102,8 @@ struct Item {
     repeat: Option<String>,
     /// The most copies a counted repetition makes (1 for none or a loop).
     times: u64,
-    /// The repetition's least and most counts (None: unbounded); (1, Some(1)) for none.
-    bounds: (u64, Option<u64>),
+    /// (1, Some(1)) for none.
+    bounds: Bounds,
 }
 
 struct Reader<'a> {
@@ -296,7 +302,7 @@ impl Reader<'_> {
 
     /// A repetition after an atom: its Lark text and the most copies it makes (1 for none, `*`,
     /// `+`, `?`: a loop is not copies).
-    fn repetition(&mut self) -> Result<(Option<String>, u64, (u64, Option<u64>)), String> {
+    fn repetition(&mut self) -> Result<Repeat, String> {
         let out = match self.peek() {
             Some(c @ (b'*' | b'+' | b'?')) => {
                 self.at += 1;
@@ -464,7 +470,7 @@ fn ends_before(ranges: &[(char, char)], negated: bool, next: Option<&Item>) -> b
 }
 
 /// A run of the class as one lexeme; never one that matches nothing (an optional one instead).
-fn run(ranges: &[(char, char)], negated: bool, (min, max): (u64, Option<u64>)) -> String {
+fn run(ranges: &[(char, char)], negated: bool, (min, max): Bounds) -> String {
     let c = class(ranges, negated);
     match (min, max) {
         (_, Some(0)) => "\"\"".into(),
