@@ -77,7 +77,10 @@ const HEADINGS: &[(&str, &[&str])] = &[
             "remote_media_timeout",
         ],
     ),
-    ("Performance", &["parallel", "kv_cache_mib", "no_prefix_cache", "image_cache_mib", "clip_cache_mib"]),
+    (
+        "Performance",
+        &["parallel", "kv_cache_mib", "no_prefix_cache", "image_cache_mib", "clip_cache_mib", "responses_store_mib"],
+    ),
     (
         "Server",
         &[

@@ -66,6 +66,10 @@ pub struct ServeArgs {
     /// again.
     #[arg(long, default_value_t = 256)]
     clip_cache_mib: usize,
+    /// `/v1/responses` answers kept for `previous_response_id` and `GET /v1/responses/{id}`, in
+    /// MiB (least recently used out first; 0 = none kept: `store: true` is refused).
+    #[arg(long, default_value_t = 64)]
+    responses_store_mib: usize,
     /// Seconds a request's videos may take to probe and decode, all of them together, before it
     /// is refused (0: no limit); long videos in one request would otherwise hold the server.
     #[arg(long, default_value_t = 120.0)]
@@ -234,6 +238,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         connections,
         aliases: args.aliases.clone(),
         strict_model_name: args.strict_model_name,
+        responses_store_bytes: args.responses_store_mib.saturating_mul(1 << 20),
     };
     vl_server::serve(engine, listener, config)?;
     Ok(())

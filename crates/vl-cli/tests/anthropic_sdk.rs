@@ -43,16 +43,7 @@ fn run_client(base: &str, mode: &str) -> Vec<String> {
 fn the_official_anthropic_sdk_gets_every_shape_it_expects() {
     let server = start("tiny-a", &["--api-key", "sekret"]);
     let passed = run_client(&server.base, "instruct");
-    let want = [
-        "text",
-        "image",
-        "stream helper",
-        "system",
-        "stop sequences",
-        "count_tokens",
-        "x-api-key",
-        "errors",
-    ];
+    let want = ["text", "image", "stream helper", "system", "stop sequences", "count_tokens", "x-api-key", "errors"];
     assert_eq!(passed, want);
     drop(server);
     let server = start("tiny-b", &["--api-key", "sekret"]);

@@ -111,11 +111,23 @@ fn a_broken_or_doubled_grammar_is_a_400_naming_its_field() {
         (json!({"structured_outputs": {"grammar": "start: nope\n"}}), "structured_outputs.grammar", "nope"),
         (json!({"structured_outputs": {"choice": []}}), "structured_outputs.choice", "non-empty list"),
         (json!({"structured_outputs": {"regex": "a", "choice": ["a"]}}), "structured_outputs.choice", "both"),
-        (json!({"structured_outputs": {"whitespace_pattern": " "}}), "structured_outputs.whitespace_pattern", "not supported"),
+        (
+            json!({"structured_outputs": {"whitespace_pattern": " "}}),
+            "structured_outputs.whitespace_pattern",
+            "not supported",
+        ),
         (json!({"structured_outputs": {}}), "structured_outputs", "must set one of"),
-        (json!({"grammar": "root ::= \"a\"\n", "response_format": {"type": "json_object"}}), "grammar", "both constrain"),
+        (
+            json!({"grammar": "root ::= \"a\"\n", "response_format": {"type": "json_object"}}),
+            "grammar",
+            "both constrain",
+        ),
         (json!({"grammar": {"type": "lark"}}), "grammar", "must be a string"),
-        (json!({"response_format": {"type": "grammar", "grammar": "root ::= \"a\"", "syntax": "ebnf"}}), "response_format.syntax", "not one of"),
+        (
+            json!({"response_format": {"type": "grammar", "grammar": "root ::= \"a\"", "syntax": "ebnf"}}),
+            "response_format.syntax",
+            "not one of",
+        ),
         (json!({"response_format": {"type": "regex", "pattern": "a"}}), "response_format.pattern", "not a known field"),
         (json!({"regex": "(a{300}){300}"}), "regex", "90000"),
     ];

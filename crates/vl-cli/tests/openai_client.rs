@@ -93,9 +93,9 @@ fn the_openai_client_gets_the_reference_answer() {
 
 /// `/v1/responses` through the client's Responses API: the reference's greedy answer as an
 /// `output_text`, streamed as typed events in order, a required function call and a JSON-schema
-/// answer that validate, and what needs stored state refused by name.
+/// answer that validate, and what it cannot serve refused by name.
 #[test]
-fn the_responses_api_answers_stateless_requests() {
+fn the_responses_api_answers_through_the_client() {
     use async_openai::types::responses::CreateResponse;
     let g = "tiny-a";
     let meta: Value =
@@ -206,10 +206,11 @@ fn the_responses_api_answers_stateless_requests() {
         let answer: Value = serde_json::from_str(v["output"][0]["content"][0]["text"].as_str().unwrap()).unwrap();
         assert!(jsonschema::is_valid(&schema, &answer), "{answer}");
 
-        // What needs stored state, or tools this server does not have: refused by name.
+        // A response never stored, state this server does not keep, tools it does not have:
+        // refused by name.
         for (field, x) in [
-            ("previous_response_id", json!("resp_1")),
-            ("store", json!(true)),
+            ("previous_response_id", json!("resp_999999")),
+            ("conversation", json!("conv_1")),
             ("tools", json!([{"type": "web_search"}])),
             ("background", json!(true)),
         ] {

@@ -48,6 +48,13 @@ impl<K: std::hash::Hash + Eq + Copy, V: Clone> ByteLru<K, V> {
         self.entries.insert(key, (value, size, self.tick));
     }
 
+    /// Takes the value of `key` out.
+    pub fn remove(&mut self, key: &K) -> Option<V> {
+        let (v, size, _) = self.entries.remove(key)?;
+        self.bytes -= size;
+        Some(v)
+    }
+
     pub fn bytes(&self) -> usize {
         self.bytes
     }

@@ -6,8 +6,8 @@
 mod common;
 
 use common::*;
-use vl_models::engine::{Constraint, Engine, EngineOptions, Finish, ModelOptions};
 use vl_models::constraint::GrammarSyntax;
+use vl_models::engine::{Constraint, Engine, EngineOptions, Finish, ModelOptions};
 
 fn engine() -> Engine {
     let opts = EngineOptions { model: ModelOptions { device: device(), ..Default::default() }, ..Default::default() };

@@ -391,7 +391,14 @@ async fn handle(app: &Arc<App>, body: Bytes) -> Result<Response, ApiError> {
     let (tx, mut rx) = mpsc::channel::<Msg>(RELAY_MESSAGES);
     submit(
         app,
-        Job { req: parsed.req, n: 1, one_call: parsed.one_call, format_field: parsed.format_field, tx, queued: Instant::now() },
+        Job {
+            req: parsed.req,
+            n: 1,
+            one_call: parsed.one_call,
+            format_field: parsed.format_field,
+            tx,
+            queued: Instant::now(),
+        },
     )?;
     let id = format!("msg_{:016x}", app.next_id.fetch_add(1, Ordering::Relaxed));
     let first = rx.recv().await.ok_or_else(engine_stopped)?;

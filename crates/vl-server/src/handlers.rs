@@ -30,6 +30,7 @@ pub(crate) fn routes(router: axum::Router<Arc<App>>) -> axum::Router<Arc<App>> {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(responses))
+        .route("/v1/responses/{id}", get(stored_response).delete(delete_response))
         .route("/v1/models", get(models))
         .route("/v1/models/{*name}", get(model))
         .route("/health", get(|| async { axum::Json(json!({"status": "ok"})) }))
@@ -89,7 +90,40 @@ async fn completions(State(app): State<Arc<App>>, req: axum::extract::Request) -
     endpoint(app, req, Kind::Text).await
 }
 
-/// `POST /v1/responses`: OpenAI's Responses API, stateless (`crate::responses`).
+fn no_stored_response(id: &str) -> Response {
+    ApiError::with(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "not_found",
+        format!("no stored response `{}` (not stored, evicted, or made before a restart)", escape_log(id)),
+    )
+    .into_response()
+}
+
+/// `GET /v1/responses/{id}`: a stored response object.
+async fn stored_response(
+    State(app): State<Arc<App>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    match app.responses.get(&id) {
+        Some(s) => axum::Json(s.response.clone()).into_response(),
+        None => no_stored_response(&id),
+    }
+}
+
+/// `DELETE /v1/responses/{id}`: forgets a stored response.
+async fn delete_response(
+    State(app): State<Arc<App>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    if app.responses.remove(&id) {
+        axum::Json(json!({"id": id, "object": "response", "deleted": true})).into_response()
+    } else {
+        no_stored_response(&id)
+    }
+}
+
+/// `POST /v1/responses`: OpenAI's Responses API (`crate::responses`).
 async fn responses(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
     endpoint(app, req, Kind::Responses).await
 }

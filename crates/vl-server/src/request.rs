@@ -403,8 +403,9 @@ fn grammar_text(text: &str, at: &str) -> Result<Constraint, ApiError> {
 /// the field.
 fn schema_value(s: &Value, at: &str) -> Result<Constraint, ApiError> {
     let schema = match s {
-        Value::String(text) => serde_json::from_str::<Value>(text)
-            .map_err(|e| ApiError::bad(format!("`{at}` is not valid JSON: {e}")))?,
+        Value::String(text) => {
+            serde_json::from_str::<Value>(text).map_err(|e| ApiError::bad(format!("`{at}` is not valid JSON: {e}")))?
+        }
         other => other.clone(),
     };
     if !schema.is_object() && !schema.is_boolean() {
@@ -416,9 +417,10 @@ fn schema_value(s: &Value, at: &str) -> Result<Constraint, ApiError> {
 
 /// A list of choices: non-empty strings.
 fn choices(v: &Value, at: &str) -> Result<Constraint, ApiError> {
-    let list = v.as_array().filter(|a| !a.is_empty()).ok_or_else(|| {
-        ApiError::bad(format!("`{at}` must be a non-empty list of strings"))
-    })?;
+    let list = v
+        .as_array()
+        .filter(|a| !a.is_empty())
+        .ok_or_else(|| ApiError::bad(format!("`{at}` must be a non-empty list of strings")))?;
     let mut out = Vec::with_capacity(list.len());
     for (i, c) in list.iter().enumerate() {
         match c.as_str() {
@@ -453,14 +455,15 @@ fn structured_outputs(so: &Value) -> Result<(Constraint, String), ApiError> {
             _ => return Err(ApiError::bad(format!("`structured_outputs.{k}` is not a known field"))),
         }
     }
-    let set: Vec<&str> = KINDS
-        .iter()
-        .copied()
-        .filter(|k| o.get(*k).is_some_and(|x| !x.is_null() && *x != Value::Bool(false)))
-        .collect();
+    let set: Vec<&str> =
+        KINDS.iter().copied().filter(|k| o.get(*k).is_some_and(|x| !x.is_null() && *x != Value::Bool(false))).collect();
     let kind = match set.as_slice() {
         [one] => *one,
-        [] => return Err(ApiError::bad("`structured_outputs` must set one of `json`, `regex`, `choice`, `grammar`, `json_object`")),
+        [] => {
+            return Err(ApiError::bad(
+                "`structured_outputs` must set one of `json`, `regex`, `choice`, `grammar`, `json_object`",
+            ))
+        }
         [a, b, ..] => {
             return Err(ApiError::bad(format!(
                 "`structured_outputs.{b}` and `structured_outputs.{a}` both constrain the answer: set one"
@@ -568,7 +571,9 @@ fn response_format(f: Option<&Value>) -> Result<Option<Constraint>, ApiError> {
         }
         Some(t) => bad(
             ".type",
-            &format!(" = {t:?} is not one of \"text\", \"json_object\", \"json_schema\", \"regex\", \"choice\", \"grammar\""),
+            &format!(
+                " = {t:?} is not one of \"text\", \"json_object\", \"json_schema\", \"regex\", \"choice\", \"grammar\""
+            ),
         ),
         None => bad(".type", " must be a string"),
     }

@@ -51,6 +51,9 @@ pub struct ServerConfig {
     /// any name is answered by the one model served (clients with a hard-coded model name work,
     /// as with llama-server and Ollama).
     pub strict_model_name: bool,
+    /// Bytes of stored `/v1/responses` answers kept (`store`, least recently used out first); 0
+    /// keeps none.
+    pub responses_store_bytes: usize,
 }
 
 /// The model id a `ServerConfig::default()` serves under.
@@ -75,6 +78,7 @@ impl Default for ServerConfig {
             connections: ConnectionLimits::default(),
             aliases: vec![],
             strict_model_name: false,
+            responses_store_bytes: 64 << 20,
         }
     }
 }
@@ -188,6 +192,8 @@ pub(crate) struct App {
     pub context: usize,
     pub metrics: Metrics,
     pub next_id: AtomicU64,
+    /// Stored `/v1/responses` answers.
+    pub responses: crate::responses::ResponseStore,
 }
 
 impl App {
@@ -199,6 +205,7 @@ impl App {
         workers: usize,
         jobs: std::sync::mpsc::SyncSender<Job>,
     ) -> Self {
+        let responses = crate::responses::ResponseStore::new(config.responses_store_bytes);
         Self {
             in_flight: AtomicUsize::new(0),
             workers,
@@ -209,6 +216,7 @@ impl App {
             jobs: std::sync::Mutex::new(Some(jobs)),
             metrics: Metrics::new(),
             next_id: AtomicU64::new(1),
+            responses,
         }
     }
 }

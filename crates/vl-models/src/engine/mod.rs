@@ -198,19 +198,18 @@ impl Engine {
         let compiler = std::sync::OnceLock::new();
         let longest_token = std::sync::OnceLock::new();
         let clips = (opts.clip_cache_bytes > 0).then(|| Mutex::new(ClipCache::new(opts.clip_cache_bytes)));
-        let shared =
-            Arc::new(Shared {
-                family,
-                opts,
-                features,
-                clips,
-                vision: Mutex::new(()),
-                stats,
-                compiler,
-                longest_token,
-                token_texts: Default::default(),
-                default_breakers: Default::default(),
-            });
+        let shared = Arc::new(Shared {
+            family,
+            opts,
+            features,
+            clips,
+            vision: Mutex::new(()),
+            stats,
+            compiler,
+            longest_token,
+            token_texts: Default::default(),
+            default_breakers: Default::default(),
+        });
         let (tx, rx) = mpsc::channel();
         let s = shared.clone();
         let worker = std::thread::Builder::new()

@@ -49,8 +49,8 @@ fn response(
         "parallel_tool_calls": true,
         "tool_choice": "auto",
         "tools": echo.tools,
-        "store": false,
-        "truncation": "disabled",
+        "store": echo.store,
+        "truncation": if echo.auto_truncation { "auto" } else { "disabled" },
         "usage": null,
         "metadata": {},
     });
@@ -58,6 +58,10 @@ fn response(
         if !["tools", "model"].contains(&k.as_str()) {
             r[k] = v.clone();
         }
+    }
+    if echo.auto_truncation {
+        // Ours: how many input messages `truncation: "auto"` dropped (oldest first).
+        r["truncated_input_messages"] = json!(echo.truncated);
     }
     if let Some(c) = c {
         if matches!(c.finish, Finish::Length | Finish::ContextFull) {
@@ -86,9 +90,28 @@ fn status_of(c: &Completion) -> &'static str {
     }
 }
 
-fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
-    json!({"type": "reasoning", "id": id, "status": status, "summary": [],
-           "content": [{"type": "reasoning_text", "text": text}]})
+/// A reasoning item; with `encrypted` (and its text complete) its opaque `encrypted_content`.
+fn reasoning_item(id: &str, text: &str, status: &str, encrypted: bool) -> Value {
+    let mut item = json!({"type": "reasoning", "id": id, "status": status, "summary": [],
+           "content": [{"type": "reasoning_text", "text": text}]});
+    if encrypted && status == "completed" {
+        item["encrypted_content"] = json!(super::parse::encrypt_reasoning(text));
+    }
+    item
+}
+
+/// Keeps a finished answer when its request asked (`store`): the response and the conversation
+/// it ends. A response over the store's bound is not kept, and says so (`store: false`).
+fn keep(app: &App, echo: &Echo, ids: &Ids, c: &Completion, r: &mut Value) {
+    if !echo.store {
+        return;
+    }
+    let mut messages = echo.history.clone();
+    messages.push(super::store::assistant_message(c, |i| format!("call_{}_{i}", ids.n)));
+    let kept = app.responses.put(ids.n, super::store::Stored { response: r.clone(), messages });
+    if !kept {
+        r["store"] = json!(false);
+    }
 }
 
 fn message_item(id: &str, text: &str, status: &str) -> Value {
@@ -106,10 +129,10 @@ fn call_item(ids: &Ids, i: usize, name: &str, arguments: &str, status: &str) -> 
 }
 
 /// Every output item of a finished answer.
-fn output(ids: &Ids, c: &Completion) -> Vec<Value> {
+fn output(ids: &Ids, c: &Completion, encrypted: bool) -> Vec<Value> {
     let mut items = vec![];
     if let Some(r) = &c.reasoning {
-        items.push(reasoning_item(&ids.item("rs", 0), r, "completed"));
+        items.push(reasoning_item(&ids.item("rs", 0), r, "completed", encrypted));
     }
     // A message unless the answer is only calls or only reasoning (one that is neither has an
     // empty message).
@@ -141,7 +164,9 @@ pub(crate) async fn answer(
                 let all = done?;
                 log_answer("/v1/responses", &all, started);
                 let c = &all[0];
-                let r = response(&app, &ids, &echo, created, status_of(c), output(&ids, c), Some(c));
+                let out = output(&ids, c, echo.encrypted);
+                let mut r = response(&app, &ids, &echo, created, status_of(c), out, Some(c));
+                keep(&app, &echo, &ids, c, &mut r);
                 return Ok(axum::Json(r).into_response());
             }
             msg = rx.recv().await.ok_or_else(engine_stopped)?;
@@ -152,7 +177,7 @@ pub(crate) async fn answer(
     }
     let (lines, out) = mpsc::channel::<TypedEvent>(64);
     tokio::spawn(async move {
-        let mut events = Events { lines, seq: 0 };
+        let mut events = Events { lines, seq: 0, encrypted: echo.encrypted };
         let start = response(&app, &ids, &echo, created, "in_progress", vec![], None);
         if !events.send("response.created", json!({"response": start.clone()})).await
             || !events.send("response.in_progress", json!({"response": start})).await
@@ -182,7 +207,7 @@ pub(crate) async fn answer(
                         let index = items.len();
                         let id = ids.item(if reasoning { "rs" } else { "msg" }, 0);
                         let item = if reasoning {
-                            reasoning_item(&id, "", "in_progress")
+                            reasoning_item(&id, "", "in_progress", false)
                         } else {
                             message_item(&id, "", "in_progress")
                         };
@@ -263,7 +288,8 @@ pub(crate) async fn answer(
                         items.push(done);
                     }
                     let status = status_of(c);
-                    let r = response(&app, &ids, &echo, created, status, items, Some(c));
+                    let mut r = response(&app, &ids, &echo, created, status, items, Some(c));
+                    keep(&app, &echo, &ids, c, &mut r);
                     let kind = if status == "completed" { "response.completed" } else { "response.incomplete" };
                     let _ = events.send(kind, json!({"response": r})).await;
                     return;
@@ -309,6 +335,8 @@ struct TypedEvent {
 struct Events {
     lines: mpsc::Sender<TypedEvent>,
     seq: u64,
+    /// Reasoning items carry their `encrypted_content`.
+    encrypted: bool,
 }
 
 impl Events {
@@ -325,7 +353,10 @@ impl Events {
         let OpenItem { index, id, reasoning, text } = open;
         let (item, ok) = if reasoning {
             let e = json!({"item_id": id, "output_index": index, "content_index": 0, "text": text});
-            (reasoning_item(&id, &text, "completed"), self.send("response.reasoning_text.done", e).await)
+            (
+                reasoning_item(&id, &text, "completed", self.encrypted),
+                self.send("response.reasoning_text.done", e).await,
+            )
         } else {
             let e = json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []});
             let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});

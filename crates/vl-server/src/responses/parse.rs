@@ -23,13 +23,40 @@ const PASSED: [&str; 10] = [
     "grounding",
 ];
 
-/// What the response object echoes of its request.
+/// What the response object echoes of its request, and what storing it needs.
 pub(crate) struct Echo {
     pub(super) fields: Map<String, Value>,
     /// The request's function tools in the Responses shape, echoed as sent.
     pub(super) tools: Vec<Value>,
     /// The reasoning block's closing token (counts the answer's reasoning tokens).
     pub(super) close: Option<u32>,
+    /// Keep the answer (`store`, default on when the server keeps responses).
+    pub(super) store: bool,
+    /// The conversation the answer continues, as chat messages without `instructions` (the
+    /// stored previous one's, then this input): stored with the answer.
+    pub(super) history: Vec<Value>,
+    /// `include: ["reasoning.encrypted_content"]`: reasoning items carry it.
+    pub(super) encrypted: bool,
+    /// `truncation: "auto"`, and the input messages it dropped.
+    pub(super) auto_truncation: bool,
+    pub(super) truncated: usize,
+}
+
+/// The prefix of the opaque `encrypted_content` this server writes: the reasoning text in
+/// base64 (not encrypted: it is the model's own text, round-tripped unchanged).
+const REASONING_PREFIX: &str = "vl1.";
+
+/// A reasoning text as the opaque `encrypted_content` of a reasoning item.
+pub(super) fn encrypt_reasoning(text: &str) -> String {
+    use base64::Engine as _;
+    format!("{REASONING_PREFIX}{}", base64::engine::general_purpose::STANDARD.encode(text))
+}
+
+/// The text of an `encrypted_content` this server wrote.
+fn decrypt_reasoning(e: &str) -> Option<String> {
+    use base64::Engine as _;
+    let bytes = base64::engine::general_purpose::STANDARD.decode(e.strip_prefix(REASONING_PREFIX)?).ok()?;
+    String::from_utf8(bytes).ok()
 }
 
 /// A Responses request: the chat request it stands for, parsed, and what its answer echoes.
@@ -44,6 +71,9 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<ResponsesRequest
     let Some(o) = v.as_object() else { return Err(ApiError::bad("the body must be a JSON object")) };
     let mut chat = Map::new();
     let mut fields = Map::new();
+    let mut store = app.responses.enabled();
+    let mut previous = None;
+    let (mut encrypted, mut auto_truncation) = (false, false);
     for (k, x) in o {
         let set = !x.is_null();
         match k.as_str() {
@@ -71,30 +101,63 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<ResponsesRequest
                     typed_field(so, "include_obfuscation", k, "a boolean", Value::as_bool)?;
                 }
             }
-            "store" if typed_field(o, k, "", "a boolean", Value::as_bool)? == Some(true) => {
-                return Err(ApiError::bad_at("store", "`store`: this server keeps no responses; send `store: false`"))
+            "store" => {
+                let asked = typed_field(o, k, "", "a boolean", Value::as_bool)?;
+                if asked == Some(true) && !app.responses.enabled() {
+                    return Err(ApiError::bad_at(
+                        "store",
+                        "`store`: this server keeps no responses (vl serve --responses-store-mib 0); send `store: false`",
+                    ));
+                }
+                store = asked.unwrap_or(app.responses.enabled());
             }
-            "store" => {}
             "background" if typed_field(o, k, "", "a boolean", Value::as_bool)? == Some(true) => {
                 return Err(ApiError::bad_at("background", "`background` responses are not supported"))
             }
             "background" => {}
             "truncation" => match opt_str(o, k, "")? {
                 None | Some("disabled") => {}
+                Some("auto") => auto_truncation = true,
                 Some(t) => {
                     return Err(ApiError::bad_at(
                         "truncation",
-                        format!("`truncation` = {t:?}: only \"disabled\" (a prompt over the context is refused)"),
+                        format!("`truncation` = {t:?} is not one of \"auto\", \"disabled\""),
                     ))
                 }
             },
-            "previous_response_id" | "conversation" if set => {
-                return Err(ApiError::bad(format!(
-                    "`{k}`: this server keeps no state; send the whole conversation as `input`"
-                )))
+            "previous_response_id" => {
+                if let Some(id) = opt_str(o, k, "")? {
+                    let Some(p) = app.responses.get(id) else {
+                        return Err(ApiError::bad(format!(
+                            "`previous_response_id`: no stored response `{}` (not stored, evicted past the server's --responses-store-mib, or made before a restart)",
+                            crate::guard::escape_log(id)
+                        )));
+                    };
+                    previous = Some(p);
+                }
             }
-            "include" if typed_field(o, k, "", "a list", Value::as_array)?.is_some_and(|a| !a.is_empty()) => {
-                return Err(ApiError::bad_at("include", format!("`include` = {x} is not supported")))
+            "conversation" if set => {
+                return Err(ApiError::bad(
+                    "`conversation`: this server keeps no conversation objects; continue a stored response with `previous_response_id`",
+                ))
+            }
+            "include" => {
+                for (i, what) in typed_field(o, k, "", "a list", Value::as_array)?.into_iter().flatten().enumerate() {
+                    match what.as_str() {
+                        Some("reasoning.encrypted_content") => encrypted = true,
+                        _ => {
+                            return Err(ApiError::bad_at(
+                                format!("include[{i}]"),
+                                format!("`include[{i}]` = {what} is not supported (only \"reasoning.encrypted_content\")"),
+                            ))
+                        }
+                    }
+                }
+            }
+            // Bounds calls of built-in tools, which this server has none of: it cannot change
+            // the answer.
+            "max_tool_calls" => {
+                typed_field(o, k, "", "an integer >= 1", |v| v.as_u64().filter(|&n| n >= 1))?;
             }
             "top_logprobs" if typed_field(o, k, "", "an integer in 0..=20", Value::as_u64)?.is_some_and(|n| n > 0) => {
                 return Err(ApiError::bad_at(
@@ -102,7 +165,7 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<ResponsesRequest
                     "`top_logprobs` is not supported on /v1/responses (use /v1/chat/completions)",
                 ))
             }
-            "previous_response_id" | "conversation" | "include" | "top_logprobs" => {}
+            "conversation" | "top_logprobs" => {}
             // `reasoning.effort`: the reasoning budget chat completions' `reasoning_effort` maps.
             "reasoning" if set => {
                 let r = typed_field(o, k, "", "an object", Value::as_object)?.expect("set");
@@ -125,13 +188,13 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<ResponsesRequest
                     chat.insert("reasoning_effort".into(), Value::String(e.into()));
                 }
             }
-            "max_tool_calls" | "prompt" | "context_management" if set => {
+            "prompt" | "context_management" if set => {
                 return Err(ApiError::bad(format!("`{k}` is not supported by this server")))
             }
-            "reasoning" | "max_tool_calls" | "prompt" | "context_management" => {}
+            "reasoning" | "prompt" | "context_management" => {}
             other => return Err(ApiError::bad_at(other, format!("unknown field `{other}`"))),
         }
-        if set && !matches!(k.as_str(), "input" | "stream" | "stream_options" | "store") {
+        if set && !matches!(k.as_str(), "input" | "stream" | "stream_options" | "store" | "truncation" | "include") {
             fields.insert(k.clone(), x.clone());
         }
     }
@@ -158,12 +221,54 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<ResponsesRequest
         chat.insert("tool_choice".into(), tool_choice(c)?);
     }
     let Messages { messages, paths } = messages(o.get("instructions"), o.get("input"))?;
-    chat.insert("messages".into(), Value::Array(messages));
-    let body = Value::Object(chat).to_string();
-    let renamed = |e: ApiError| e.map_message(|m| rename_paths(m, &paths));
-    let parsed = parse(app, typed(body.as_bytes()).map_err(renamed)?).map_err(renamed)?;
+    // The system message from `instructions` first, then the stored conversation (its own
+    // instructions are not carried over, as OpenAI's are not), then this input.
+    let system = usize::from(o.get("instructions").is_some_and(|i| !i.is_null()));
+    let mut history: Vec<Value> = previous.map(|p| p.messages.clone()).unwrap_or_default();
+    let earlier = history.len();
+    history.extend(messages[system..].iter().cloned());
+    let mut all_paths: Vec<String> = paths[..system].to_vec();
+    all_paths.extend(std::iter::repeat_n("previous_response_id".to_string(), earlier));
+    all_paths.extend(paths[system..].iter().cloned());
+    let mut truncated = 0;
+    let parsed = loop {
+        let mut chat = chat.clone();
+        let kept = &history[truncated..];
+        let msgs: Vec<Value> = messages[..system].iter().chain(kept).cloned().collect();
+        let mut paths: Vec<String> = all_paths[..system].to_vec();
+        paths.extend(all_paths[system + truncated..].iter().cloned());
+        chat.insert("messages".into(), Value::Array(msgs));
+        let body = Value::Object(chat).to_string();
+        let renamed = |e: ApiError| e.map_message(|m| rename_paths(m, &paths));
+        let parsed = parse(app, typed(body.as_bytes()).map_err(renamed)?).map_err(renamed)?;
+        if !auto_truncation {
+            break parsed;
+        }
+        // `truncation: "auto"`: the oldest turns out until the prompt fits the context with
+        // room for one answer token; a turn is a user message and what follows it.
+        // (Parsing runs off the runtime's threads: `handlers::parse_for`.)
+        let n = match app.engine.count_tokens(&parsed.req) {
+            Ok(n) if n < app.context => break parsed,
+            Ok(n) => n,
+            // Past the context (the count refuses it): as over.
+            Err(vl_models::Error::Limit { kind: vl_models::limits::LimitKind::Context, .. }) => app.context,
+            Err(e) => return Err(ApiError::from_engine(&e)),
+        };
+        let next_user = (truncated + 1..history.len()).find(|&i| history[i]["role"] == "user");
+        match next_user {
+            Some(i) => truncated = i,
+            None => {
+                return Err(ApiError::bad(format!(
+                    "`input`: the last turn alone is at least {n} tokens, over the context of {} (`truncation: \"auto\"` drops only earlier turns)",
+                    app.context
+                )))
+            }
+        }
+    };
     let close = app.engine.family().reasoning().map(|m| m.close_id);
-    Ok(ResponsesRequest { chat: parsed, echo: Echo { fields, tools, close } })
+    let history = history[truncated..].to_vec();
+    let echo = Echo { fields, tools, close, store, history, encrypted, auto_truncation, truncated };
+    Ok(ResponsesRequest { chat: parsed, echo })
 }
 
 /// `text.format` as a chat `response_format`: `{"type": "text" | "json_object"}` or `{"type":
@@ -173,8 +278,15 @@ fn text_format(t: &Value) -> Result<Option<Value>, ApiError> {
     if let Some(k) = o.keys().find(|k| !["format", "verbosity"].contains(&k.as_str())) {
         return Err(ApiError::bad(format!("`text.{k}` is not a known field")));
     }
-    if o.get("verbosity").is_some_and(|v| !v.is_null()) {
-        return Err(ApiError::bad("`text.verbosity` is not supported"));
+    // `medium` is the default and changes nothing; the others would change the answer.
+    match o.get("verbosity").filter(|v| !v.is_null()) {
+        None => {}
+        Some(v) if v == "medium" => {}
+        Some(v) => {
+            return Err(ApiError::bad(format!(
+                "`text.verbosity` = {v} is not supported: only \"medium\" (this server does not steer length)"
+            )))
+        }
     }
     let Some(f) = o.get("format").filter(|f| !f.is_null()) else { return Ok(None) };
     let Some(fo) = f.as_object() else { return Err(ApiError::bad("`text.format` must be an object with a `type`")) };
@@ -336,12 +448,15 @@ fn messages(instructions: Option<&Value>, input: Option<&Value>) -> Result<Messa
             "reasoning" => {
                 known_keys(o, &["type", "id", "summary", "content", "encrypted_content", "status"], &at)?;
                 item_strings(o, &["id", "status"], &at)?;
-                if o.get("encrypted_content").is_some_and(|e| !e.is_null()) {
-                    return Err(ApiError::bad_at(
-                        format!("{at}.encrypted_content"),
-                        format!("`{at}.encrypted_content`: this server cannot read encrypted reasoning; send its text"),
-                    ));
-                }
+                let sealed = match opt_str(o, "encrypted_content", &at)? {
+                    None => None,
+                    Some(e) => Some(decrypt_reasoning(e).ok_or_else(|| {
+                        ApiError::bad_at(
+                            format!("{at}.encrypted_content"),
+                            format!("`{at}.encrypted_content` is not reasoning this server wrote; send its text"),
+                        )
+                    })?),
+                };
                 for list in ["summary", "content"] {
                     let Some(parts) = typed_field(o, list, &at, "a list", Value::as_array)? else { continue };
                     for (j, p) in parts.iter().enumerate() {
@@ -362,7 +477,7 @@ fn messages(instructions: Option<&Value>, input: Option<&Value>) -> Result<Messa
                     .filter_map(|p| p.get("text").and_then(Value::as_str))
                     .collect::<Vec<_>>()
                     .join("\n");
-                reasoning = Some(text);
+                reasoning = Some(sealed.unwrap_or(text));
             }
             other => {
                 return Err(ApiError::bad(format!(

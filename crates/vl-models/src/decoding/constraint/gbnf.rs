@@ -55,7 +55,9 @@ pub fn to_lark(src: &str) -> Result<String, String> {
     for (name, _, _) in &rules {
         let base: String = format!(
             "r_{}",
-            name.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect::<String>()
+            name.chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
+                .collect::<String>()
         );
         let mut unique = base.clone();
         let mut i = 2;
@@ -69,9 +71,8 @@ pub fn to_lark(src: &str) -> Result<String, String> {
     let mut out = format!("start: {}\n", names["root"]);
     for (name, line, alts) in &rules {
         let mut body = String::new();
-        write_alts(alts, &names, &mut body).map_err(|used| {
-            format!("line {line}: rule `{name}` uses `{used}`, which is never defined")
-        })?;
+        write_alts(alts, &names, &mut body)
+            .map_err(|used| format!("line {line}: rule `{name}` uses `{used}`, which is never defined"))?;
         let _ = writeln!(out, "{}: {body}", names[name]);
     }
     Ok(out)
@@ -207,16 +208,15 @@ impl Reader<'_> {
                     let mut ranges = vec![];
                     loop {
                         match self.peek() {
-                            None | Some(b'\n') | Some(b'\r') => {
-                                return Err(self.error("unterminated character class"))
-                            }
+                            None | Some(b'\n') | Some(b'\r') => return Err(self.error("unterminated character class")),
                             Some(b']') => {
                                 self.at += 1;
                                 break;
                             }
                             _ => {
                                 let lo = self.char()?;
-                                let ranged = self.s.get(self.at + 1).is_some_and(|c| !matches!(c, b']' | b'\n' | b'\r'));
+                                let ranged =
+                                    self.s.get(self.at + 1).is_some_and(|c| !matches!(c, b']' | b'\n' | b'\r'));
                                 let hi = if self.peek() == Some(b'-') && ranged {
                                     self.at += 1;
                                     self.char()?
@@ -282,9 +282,9 @@ impl Reader<'_> {
             let total = repeat.saturating_mul(times);
             if total > MAX_REPEAT {
                 self.at = start;
-                return Err(self.error(&format!(
-                    "counted repetitions make up to {total} copies here, more than {MAX_REPEAT}"
-                )));
+                return Err(
+                    self.error(&format!("counted repetitions make up to {total} copies here, more than {MAX_REPEAT}"))
+                );
             }
             if let Atom::Group(alts) = &atom {
                 check_counts(alts, total).map_err(|n| {
@@ -418,7 +418,9 @@ fn write_alts(alts: &Alts, names: &BTreeMap<String, String>, out: &mut String) -
             }
             match &item.atom {
                 Atom::Text(t) => out.push_str(&serde_json::to_string(t).unwrap_or_default()),
-                Atom::Class(ranges, negated) if item.repeat.is_some() && ends_before(ranges, *negated, seq.get(j + 1)) => {
+                Atom::Class(ranges, negated)
+                    if item.repeat.is_some() && ends_before(ranges, *negated, seq.get(j + 1)) =>
+                {
                     // A run of the class that must end where the next text begins: one lexeme.
                     out.push_str(&run(ranges, *negated, item.bounds));
                     continue;
@@ -516,7 +518,8 @@ ws     ::= [ \t]?
 
     #[test]
     fn escapes_multiline_bodies_and_names_are_read_as_llama_cpp_reads_them() {
-        let g = "root ::=\n  \"a\\n\\x41\\u00e9\" (\n  x-y |\n  X_y\n  ) [^\\]\\\\]\nx-y ::= .\nX_y ::= \"\" | \"q\"{,3}\n";
+        let g =
+            "root ::=\n  \"a\\n\\x41\\u00e9\" (\n  x-y |\n  X_y\n  ) [^\\]\\\\]\nx-y ::= .\nX_y ::= \"\" | \"q\"{,3}\n";
         let lark = to_lark(g).unwrap();
         assert!(lark.contains(r#"r_root: "a\nAé" (r_x_y | r_x_y_2) /[^\x{5D}\x{5C}]/"#), "{lark}");
         assert!(lark.contains("r_x_y: /(?s:.)/\n"), "{lark}");
@@ -525,7 +528,8 @@ ws     ::= [ \t]?
 
     #[test]
     fn a_run_that_ends_before_fixed_text_is_one_lexeme_and_others_stay_per_character() {
-        let lark = to_lark("root ::= \"'\" [^'\\\\]* \"'\" [0-9]{0,3} \".\" [a-z]* \"x\" [a-z]+ \"!\"? \"?\"\n").unwrap();
+        let lark =
+            to_lark("root ::= \"'\" [^'\\\\]* \"'\" [0-9]{0,3} \".\" [a-z]* \"x\" [a-z]+ \"!\"? \"?\"\n").unwrap();
         assert_eq!(
             lark,
             "start: r_root\nr_root: \"'\" /[^\\x{27}\\x{5C}]+/? \"'\" /[0-9]{1,3}/? \".\" /[a-z]/* \"x\" /[a-z]/+ \"!\"? \"?\"\n"

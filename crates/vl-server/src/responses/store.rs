@@ -1,0 +1,90 @@
+//! Stored responses (`store`, on by default as OpenAI's is): each response object and the
+//! conversation it ended (its input after `instructions`, then its answer as an assistant
+//! message), by response number, in memory, bounded by bytes, least recently used out first
+//! (`ServerConfig::responses_store_bytes`). `previous_response_id` continues a stored
+//! conversation; `GET` / `DELETE /v1/responses/{id}` read and remove one.
+
+use std::sync::{Arc, Mutex};
+
+use serde_json::{json, Value};
+use vl_models::cache::ByteLru;
+use vl_models::engine::Completion;
+
+/// One stored response.
+pub(crate) struct Stored {
+    pub response: Value,
+    /// Chat messages: the conversation up to and with this response's answer (no system
+    /// message from `instructions`: a later response gives its own).
+    pub messages: Vec<Value>,
+}
+
+impl Stored {
+    /// Bytes it is counted as (its JSON text).
+    fn bytes(&self) -> usize {
+        self.response.to_string().len() + self.messages.iter().map(|m| m.to_string().len()).sum::<usize>()
+    }
+}
+
+pub(crate) struct ResponseStore {
+    limit: usize,
+    entries: Mutex<ByteLru<u64, Arc<Stored>>>,
+}
+
+impl ResponseStore {
+    pub fn new(limit: usize) -> Self {
+        Self { limit, entries: Mutex::new(ByteLru::new(limit)) }
+    }
+
+    /// Whether responses are kept at all (a limit above 0).
+    pub fn enabled(&self) -> bool {
+        self.limit > 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ByteLru<u64, Arc<Stored>>> {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps `s` as response `n` when it fits the store; whether it was kept.
+    pub fn put(&self, n: u64, s: Stored) -> bool {
+        let size = s.bytes();
+        if size > self.limit {
+            return false;
+        }
+        self.lock().put(n, Arc::new(s), size);
+        true
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<Stored>> {
+        let n = number(id)?;
+        self.lock().get(&n)
+    }
+
+    pub fn remove(&self, id: &str) -> bool {
+        number(id).is_some_and(|n| self.lock().remove(&n).is_some())
+    }
+}
+
+/// The number of a response id `resp_N`.
+fn number(id: &str) -> Option<u64> {
+    id.strip_prefix("resp_")?.parse().ok()
+}
+
+/// An answer as the assistant message a later turn's template sees.
+pub(crate) fn assistant_message(c: &Completion, call_id: impl Fn(usize) -> String) -> Value {
+    let mut m = json!({"role": "assistant", "content": c.text});
+    if let Some(r) = &c.reasoning {
+        m["reasoning_content"] = json!(r);
+    }
+    if !c.tool_calls.is_empty() {
+        m["tool_calls"] = c
+            .tool_calls
+            .iter()
+            .enumerate()
+            .map(|(i, t)| json!({"id": call_id(i), "type": "function", "function": {"name": t.name, "arguments": t.arguments}}))
+            .collect();
+        if c.text.is_empty() {
+            m["content"] = Value::Null;
+        }
+    }
+    m
+}

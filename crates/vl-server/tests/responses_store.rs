@@ -1,0 +1,146 @@
+//! Stored `/v1/responses` answers on tiny-a: `previous_response_id` continues a conversation
+//! with the same prompt as sending it whole (and without the earlier `instructions`), `GET` and
+//! `DELETE /v1/responses/{id}`, `store: false`, a server that keeps none, the opaque reasoning
+//! round trip, and `truncation: "auto"` dropping the oldest turns to fit the context.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use vl_server::ServerConfig;
+
+fn delete(s: &Server, path: &str) -> (u16, Value) {
+    let resp = match agent().delete(&format!("{}{path}", s.base)).call() {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("DELETE {path}: {e}"),
+    };
+    (resp.status(), json_body(resp))
+}
+
+fn text_of(r: &Value) -> String {
+    r["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["type"] == "message")
+        .map(|i| i["content"][0]["text"].as_str().unwrap())
+        .collect()
+}
+
+#[test]
+fn previous_response_id_continues_the_stored_conversation() {
+    let s = Server::start(ServerConfig::default());
+    let first =
+        json!({"model": "tiny-a", "instructions": "Be brief.", "input": "Name a colour.", "max_output_tokens": 6});
+    let (status, a) = post(&s, "/v1/responses", &first);
+    assert_eq!(status, 200, "{a}");
+    assert_eq!(a["store"], true, "stored by default: {a}");
+    let id = a["id"].as_str().unwrap().to_string();
+    // Read back as it was answered.
+    let (status, got) = get(&s, &format!("/v1/responses/{id}"));
+    assert_eq!((status, &got), (200, &a));
+
+    // The next turn from the stored one, against the same conversation sent whole (without the
+    // first turn's instructions, which are not carried over): the same prompt, the same answer.
+    let next = json!({"model": "tiny-a", "previous_response_id": id, "input": "Another?", "max_output_tokens": 6});
+    let (status, b) = post(&s, "/v1/responses", &next);
+    assert_eq!(status, 200, "{b}");
+    assert_eq!(b["previous_response_id"], id.as_str());
+    let whole = json!({"model": "tiny-a", "store": false, "max_output_tokens": 6, "input": [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": text_of(&a)},
+        {"role": "user", "content": "Another?"},
+    ]});
+    let (status, c) = post(&s, "/v1/responses", &whole);
+    assert_eq!(status, 200, "{c}");
+    assert_eq!(b["usage"]["input_tokens"], c["usage"]["input_tokens"], "{b}\n{c}");
+    assert_eq!(text_of(&b), text_of(&c));
+    assert_eq!(c["store"], false);
+    let (status, _) = get(&s, &format!("/v1/responses/{}", c["id"].as_str().unwrap()));
+    assert_eq!(status, 404, "store: false keeps nothing");
+    // A chain of three: the third turn sees both earlier ones.
+    let third =
+        json!({"model": "tiny-a", "previous_response_id": b["id"], "input": "And one more?", "max_output_tokens": 2});
+    let (status, t) = post(&s, "/v1/responses", &third);
+    assert_eq!(status, 200, "{t}");
+    assert!(t["usage"]["input_tokens"].as_u64() > b["usage"]["input_tokens"].as_u64(), "{t}");
+
+    // Deleted: gone for GET and for previous_response_id.
+    let (status, d) = delete(&s, &format!("/v1/responses/{id}"));
+    assert_eq!((status, &d), (200, &json!({"id": id, "object": "response", "deleted": true})));
+    assert_eq!(get(&s, &format!("/v1/responses/{id}")).0, 404);
+    assert_eq!(delete(&s, &format!("/v1/responses/{id}")).0, 404);
+    let (status, e) = post(&s, "/v1/responses", &next);
+    assert_eq!((status, &e["error"]["param"]), (400, &json!("previous_response_id")), "{e}");
+}
+
+#[test]
+fn a_server_that_keeps_no_responses_refuses_store_true() {
+    let s = Server::start(ServerConfig { responses_store_bytes: 0, ..Default::default() });
+    let body = json!({"model": "tiny-a", "input": "Hi", "max_output_tokens": 2});
+    let (status, r) = post(&s, "/v1/responses", &body);
+    assert_eq!((status, &r["store"]), (200, &json!(false)), "{r}");
+    let mut asked = body.clone();
+    asked["store"] = json!(true);
+    let (status, e) = post(&s, "/v1/responses", &asked);
+    assert_eq!((status, &e["error"]["param"]), (400, &json!("store")), "{e}");
+}
+
+#[test]
+fn reasoning_round_trips_as_opaque_content() {
+    let s = Server::start_model("tiny-q35", ServerConfig::default());
+    let body = json!({"model": "tiny-q35", "input": "Hi", "max_output_tokens": 24, "store": false,
+                      "reasoning": {"effort": "none"}, "include": ["reasoning.encrypted_content"]});
+    let (status, r) = post(&s, "/v1/responses", &body);
+    assert_eq!(status, 200, "{r}");
+    let item =
+        r["output"].as_array().unwrap().iter().find(|i| i["type"] == "reasoning").expect("a reasoning item").clone();
+    let sealed = item["encrypted_content"].as_str().expect("encrypted_content").to_string();
+    // Sent back alone (no text), it is the same reasoning as sent back with its text.
+    let turn = |reasoning: Value| {
+        json!({"model": "tiny-q35", "store": false, "max_output_tokens": 1, "input": [
+            {"role": "user", "content": "Hi"}, reasoning,
+            {"role": "assistant", "content": text_of(&r)}, {"role": "user", "content": "Again"}]})
+    };
+    let opaque =
+        post(&s, "/v1/responses", &turn(json!({"type": "reasoning", "summary": [], "encrypted_content": sealed})));
+    let plain =
+        post(&s, "/v1/responses", &turn(json!({"type": "reasoning", "summary": [], "content": item["content"]})));
+    assert_eq!(opaque.0, 200, "{}", opaque.1);
+    assert_eq!(opaque.1["usage"]["input_tokens"], plain.1["usage"]["input_tokens"]);
+    let (status, e) =
+        post(&s, "/v1/responses", &turn(json!({"type": "reasoning", "summary": [], "encrypted_content": "junk"})));
+    assert_eq!((status, &e["error"]["param"]), (400, &json!("input[1].encrypted_content")), "{e}");
+    let mut other = body.clone();
+    other["include"] = json!(["message.output_text.logprobs"]);
+    assert_eq!(post(&s, "/v1/responses", &other).1["error"]["param"], "include[0]");
+}
+
+#[test]
+fn truncation_auto_drops_the_oldest_turns_to_fit() {
+    let s = Server::start(ServerConfig::default());
+    // Three long turns (about 600 tokens each) and a short last one: over tiny-a's 2048.
+    let long = "alpha beta gamma delta ".repeat(150);
+    let mut input = vec![];
+    for i in 0..3 {
+        input.push(json!({"role": "user", "content": format!("{i}: {long}")}));
+        input.push(json!({"role": "assistant", "content": format!("{i}: {long}")}));
+    }
+    input.push(json!({"role": "user", "content": "Sum it up."}));
+    let body = |truncation: &str| json!({"model": "tiny-a", "store": false, "max_output_tokens": 2, "truncation": truncation, "input": input});
+    let (status, e) = post(&s, "/v1/responses", &body("disabled"));
+    assert_eq!(status, 400, "over the context: {e}");
+    let (status, r) = post(&s, "/v1/responses", &body("auto"));
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["truncation"], "auto");
+    let dropped = r["truncated_input_messages"].as_u64().unwrap();
+    // Whole turns (a user message and its answer) go, oldest first: 2 or 4 messages.
+    assert!(dropped == 2 || dropped == 4, "{r}");
+    assert!(r["usage"]["input_tokens"].as_u64().unwrap() < 2048);
+    // The same request with those turns left out by the client: the same prompt.
+    let kept: Vec<Value> = input[dropped as usize..].to_vec();
+    let (_, same) =
+        post(&s, "/v1/responses", &json!({"model": "tiny-a", "store": false, "max_output_tokens": 2, "input": kept}));
+    assert_eq!(same["usage"]["input_tokens"], r["usage"]["input_tokens"]);
+}
