@@ -144,3 +144,54 @@ fn truncation_auto_drops_the_oldest_turns_to_fit() {
         post(&s, "/v1/responses", &json!({"model": "tiny-a", "store": false, "max_output_tokens": 2, "input": kept}));
     assert_eq!(same["usage"]["input_tokens"], r["usage"]["input_tokens"]);
 }
+
+/// `top_logprobs` (and `include: ["message.output_text.logprobs"]`): the answer's
+/// log-probabilities on its `output_text`, equal to chat completions' for the same request,
+/// whole and streamed.
+#[test]
+fn top_logprobs_fill_the_output_text() {
+    let s = Server::start(ServerConfig::default());
+    let body = json!({"model": "tiny-a", "input": "Name a colour.", "max_output_tokens": 5, "store": false, "top_logprobs": 3});
+    let (status, r) = post(&s, "/v1/responses", &body);
+    assert_eq!(status, 200, "{r}");
+    let lps = r["output"][0]["content"][0]["logprobs"].as_array().unwrap().clone();
+    assert_eq!(lps.len(), 5, "{r}");
+    assert!(lps.iter().all(|e| e["top_logprobs"].as_array().unwrap().len() == 3), "{r}");
+    let chat = json!({"model": "tiny-a", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 5,
+                      "logprobs": true, "top_logprobs": 3});
+    let (_, c) = post(&s, "/v1/chat/completions", &chat);
+    // The same tokens and alternatives; the values within 1e-3 (the chat request's prompt may
+    // come partly from the prefix cache, a different order of sums).
+    let close = |a: &[Value], b: &[Value]| {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            assert_eq!((&x["token"], &x["bytes"]), (&y["token"], &y["bytes"]));
+            assert!((x["logprob"].as_f64().unwrap() - y["logprob"].as_f64().unwrap()).abs() < 1e-3, "{x} {y}");
+            let (tx, ty) = (x["top_logprobs"].as_array().unwrap(), y["top_logprobs"].as_array().unwrap());
+            assert_eq!(tx.iter().map(|t| &t["token"]).collect::<Vec<_>>(), ty.iter().map(|t| &t["token"]).collect::<Vec<_>>());
+        }
+    };
+    close(&lps, c["choices"][0]["logprobs"]["content"].as_array().unwrap());
+    // Streamed: the deltas' entries add up to the same.
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let text = agent()
+        .post(&format!("{}/v1/responses", s.base))
+        .send_string(&sb.to_string())
+        .unwrap()
+        .into_string()
+        .unwrap();
+    let mut streamed = vec![];
+    for d in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        let e: Value = serde_json::from_str(d).unwrap();
+        if e["type"] == "response.output_text.delta" {
+            streamed.extend(e["logprobs"].as_array().unwrap().iter().cloned());
+        }
+    }
+    close(&streamed, &lps);
+    let mut inc = body.clone();
+    inc.as_object_mut().unwrap().remove("top_logprobs");
+    inc["include"] = json!(["message.output_text.logprobs"]);
+    let (_, r) = post(&s, "/v1/responses", &inc);
+    assert_eq!(r["output"][0]["content"][0]["logprobs"].as_array().unwrap().len(), 5, "{r}");
+}

@@ -114,11 +114,11 @@ fn keep(app: &App, echo: &Echo, ids: &Ids, c: &Completion, r: &mut Value) {
     }
 }
 
-fn message_item(id: &str, text: &str, status: &str) -> Value {
+fn message_item(id: &str, text: &str, status: &str, logprobs: &[Value]) -> Value {
     let content = if status == "in_progress" {
         json!([])
     } else {
-        json!([{"type": "output_text", "text": text, "annotations": [], "logprobs": []}])
+        json!([{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}])
     };
     json!({"type": "message", "id": id, "status": status, "role": "assistant", "content": content})
 }
@@ -129,7 +129,8 @@ fn call_item(ids: &Ids, i: usize, name: &str, arguments: &str, status: &str) -> 
 }
 
 /// Every output item of a finished answer.
-fn output(ids: &Ids, c: &Completion, encrypted: bool) -> Vec<Value> {
+/// `logprobs`: the message's, OpenAI's entries (`{"token", "logprob", "bytes", "top_logprobs"}`).
+fn output(ids: &Ids, c: &Completion, encrypted: bool, logprobs: &[Value]) -> Vec<Value> {
     let mut items = vec![];
     if let Some(r) = &c.reasoning {
         items.push(reasoning_item(&ids.item("rs", 0), r, "completed", encrypted));
@@ -137,7 +138,7 @@ fn output(ids: &Ids, c: &Completion, encrypted: bool) -> Vec<Value> {
     // A message unless the answer is only calls or only reasoning (one that is neither has an
     // empty message).
     if !c.text.is_empty() || (c.tool_calls.is_empty() && c.reasoning.is_none()) {
-        items.push(message_item(&ids.item("msg", 0), &c.text, status_of(c)));
+        items.push(message_item(&ids.item("msg", 0), &c.text, status_of(c), logprobs));
     }
     for (i, call) in c.tool_calls.iter().enumerate() {
         items.push(call_item(ids, i, &call.name, &call.arguments, "completed"));
@@ -164,7 +165,8 @@ pub(crate) async fn answer(
                 let all = done?;
                 log_answer("/v1/responses", &all, started);
                 let c = &all[0];
-                let out = output(&ids, c, echo.encrypted);
+                let lps = if echo.logprobs { entries(&crate::answers::logprobs_json(&app, &c.logprobs)) } else { vec![] };
+                let out = output(&ids, c, echo.encrypted, &lps);
                 let mut r = response(&app, &ids, &echo, created, status_of(c), out, Some(c));
                 keep(&app, &echo, &ids, c, &mut r);
                 return Ok(axum::Json(r).into_response());
@@ -196,7 +198,7 @@ pub(crate) async fn answer(
                 },
             };
             match m {
-                Msg::Text { text: t, reasoning, .. } => {
+                Msg::Text { text: t, reasoning, logprobs, .. } => {
                     if open.as_ref().is_some_and(|o| o.reasoning != reasoning) {
                         let o = open.take().expect("checked");
                         if !events.close(&mut items, o, "completed").await {
@@ -209,7 +211,7 @@ pub(crate) async fn answer(
                         let item = if reasoning {
                             reasoning_item(&id, "", "in_progress", false)
                         } else {
-                            message_item(&id, "", "in_progress")
+                            message_item(&id, "", "in_progress", &[])
                         };
                         let mut ok = events
                             .send("response.output_item.added", json!({"output_index": index, "item": item}))
@@ -228,14 +230,16 @@ pub(crate) async fn answer(
                             return;
                         }
                         items.push(Value::Null);
-                        open = Some(OpenItem { index, id, reasoning, text: String::new() });
+                        open = Some(OpenItem { index, id, reasoning, text: String::new(), logprobs: vec![] });
                     }
                     let o = open.as_mut().expect("opened");
                     o.text.push_str(&t);
                     let kind = if reasoning { "response.reasoning_text.delta" } else { "response.output_text.delta" };
                     let mut e = json!({"item_id": o.id, "output_index": o.index, "content_index": 0, "delta": t});
                     if !reasoning {
-                        e["logprobs"] = json!([]);
+                        let piece = entries(&logprobs);
+                        e["logprobs"] = json!(piece);
+                        o.logprobs.extend(piece);
                     }
                     if !events.send(kind, e).await {
                         return;
@@ -253,7 +257,7 @@ pub(crate) async fn answer(
                     // calls has an empty one.
                     if items.is_empty() && c.tool_calls.is_empty() {
                         let index = items.len();
-                        let item = message_item(&ids.item("msg", 0), "", status_of(c));
+                        let item = message_item(&ids.item("msg", 0), "", status_of(c), &[]);
                         let _ = events
                             .send("response.output_item.added", json!({"output_index": index, "item": item.clone()}))
                             .await;
@@ -314,6 +318,11 @@ pub(crate) async fn answer(
         .into_response())
 }
 
+/// The entries of a chat `logprobs` object (`{"content": [...]}`; none for null).
+fn entries(chat: &Value) -> Vec<Value> {
+    chat["content"].as_array().cloned().unwrap_or_default()
+}
+
 /// The item a stream is writing: a message or a reasoning block.
 struct OpenItem {
     /// Its place in `output`.
@@ -323,6 +332,8 @@ struct OpenItem {
     reasoning: bool,
     /// Its text so far.
     text: String,
+    /// A message's log-probability entries so far (with `logprobs` asked).
+    logprobs: Vec<Value>,
 }
 
 /// One SSE event of the stream: its type (`event:`) and JSON body (`data:`).
@@ -350,7 +361,7 @@ impl Events {
 
     /// Closes the open item: its text's `done` event, then the item's.
     async fn close(&mut self, items: &mut [Value], open: OpenItem, status: &str) -> bool {
-        let OpenItem { index, id, reasoning, text } = open;
+        let OpenItem { index, id, reasoning, text, logprobs } = open;
         let (item, ok) = if reasoning {
             let e = json!({"item_id": id, "output_index": index, "content_index": 0, "text": text});
             (
@@ -358,12 +369,12 @@ impl Events {
                 self.send("response.reasoning_text.done", e).await,
             )
         } else {
-            let e = json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []});
-            let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
+            let e = json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": logprobs});
+            let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs});
             let p = json!({"item_id": id, "output_index": index, "content_index": 0, "part": part});
             let ok =
                 self.send("response.output_text.done", e).await && self.send("response.content_part.done", p).await;
-            (message_item(&id, &text, status), ok)
+            (message_item(&id, &text, status, &logprobs), ok)
         };
         items[index] = item.clone();
         ok && self.send("response.output_item.done", json!({"output_index": index, "item": item})).await

@@ -37,6 +37,9 @@ pub(crate) struct Echo {
     pub(super) history: Vec<Value>,
     /// `include: ["reasoning.encrypted_content"]`: reasoning items carry it.
     pub(super) encrypted: bool,
+    /// `top_logprobs` or `include: ["message.output_text.logprobs"]`: `output_text` carries the
+    /// answer's log-probabilities.
+    pub(super) logprobs: bool,
     /// `truncation: "auto"`, and the input messages it dropped.
     pub(super) auto_truncation: bool,
     pub(super) truncated: usize,
@@ -73,7 +76,7 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<ResponsesRequest
     let mut fields = Map::new();
     let mut store = app.responses.enabled();
     let mut previous = None;
-    let (mut encrypted, mut auto_truncation) = (false, false);
+    let (mut encrypted, mut auto_truncation, mut logprobs) = (false, false, false);
     for (k, x) in o {
         let set = !x.is_null();
         match k.as_str() {
@@ -145,10 +148,11 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<ResponsesRequest
                 for (i, what) in typed_field(o, k, "", "a list", Value::as_array)?.into_iter().flatten().enumerate() {
                     match what.as_str() {
                         Some("reasoning.encrypted_content") => encrypted = true,
+                        Some("message.output_text.logprobs") => logprobs = true,
                         _ => {
                             return Err(ApiError::bad_at(
                                 format!("include[{i}]"),
-                                format!("`include[{i}]` = {what} is not supported (only \"reasoning.encrypted_content\")"),
+                                format!("`include[{i}]` = {what} is not supported (only \"reasoning.encrypted_content\" and \"message.output_text.logprobs\")"),
                             ))
                         }
                     }
@@ -159,13 +163,15 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<ResponsesRequest
             "max_tool_calls" => {
                 typed_field(o, k, "", "an integer >= 1", |v| v.as_u64().filter(|&n| n >= 1))?;
             }
-            "top_logprobs" if typed_field(o, k, "", "an integer in 0..=20", Value::as_u64)?.is_some_and(|n| n > 0) => {
-                return Err(ApiError::bad_at(
-                    "top_logprobs",
-                    "`top_logprobs` is not supported on /v1/responses (use /v1/chat/completions)",
-                ))
+            // The answer's log-probabilities (with this many alternatives per token) on its
+            // `output_text`, as `include: ["message.output_text.logprobs"]` asks too.
+            "top_logprobs" => {
+                if let Some(n) = typed_field(o, k, "", "an integer in 0..=20", |v| v.as_u64().filter(|&n| n <= 20))? {
+                    chat.insert("top_logprobs".into(), n.into());
+                    logprobs = true;
+                }
             }
-            "conversation" | "top_logprobs" => {}
+            "conversation" => {}
             // `reasoning.effort`: the reasoning budget chat completions' `reasoning_effort` maps.
             "reasoning" if set => {
                 let r = typed_field(o, k, "", "an object", Value::as_object)?.expect("set");
@@ -197,6 +203,9 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<ResponsesRequest
         if set && !matches!(k.as_str(), "input" | "stream" | "stream_options" | "store" | "truncation" | "include") {
             fields.insert(k.clone(), x.clone());
         }
+    }
+    if logprobs {
+        chat.insert("logprobs".into(), Value::Bool(true));
     }
     if let Some(m) = o.get("max_output_tokens").filter(|m| !m.is_null()) {
         chat.insert("max_completion_tokens".into(), m.clone());
@@ -267,7 +276,7 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<ResponsesRequest
     };
     let close = app.engine.family().reasoning().map(|m| m.close_id);
     let history = history[truncated..].to_vec();
-    let echo = Echo { fields, tools, close, store, history, encrypted, auto_truncation, truncated };
+    let echo = Echo { fields, tools, close, store, history, encrypted, logprobs, auto_truncation, truncated };
     Ok(ResponsesRequest { chat: parsed, echo })
 }
 
