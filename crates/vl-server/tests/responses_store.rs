@@ -195,3 +195,22 @@ fn top_logprobs_fill_the_output_text() {
     let (_, r) = post(&s, "/v1/responses", &inc);
     assert_eq!(r["output"][0]["content"][0]["logprobs"].as_array().unwrap().len(), 5, "{r}");
 }
+
+/// The chat endpoint's extensions pass through `/v1/responses`: a grammar field holds the
+/// answer, the samplers are taken, and two constraints at once are refused naming both.
+#[test]
+fn responses_take_the_grammar_fields_and_samplers() {
+    let s = Server::start(ServerConfig::default());
+    let body = json!({"model": "tiny-a", "input": "Pick one.", "max_output_tokens": 8, "store": false,
+                      "temperature": 1.0, "seed": 2, "dry_multiplier": 0.5, "top_n_sigma": 2.0,
+                      "structured_outputs": {"choice": ["left", "right", "up"]}});
+    let (status, r) = post(&s, "/v1/responses", &body);
+    assert_eq!(status, 200, "{r}");
+    assert!(["left", "right", "up"].contains(&text_of(&r).as_str()), "{r}");
+    let mut both = body.clone();
+    both["text"] = json!({"format": {"type": "json_object"}});
+    let (status, e) = post(&s, "/v1/responses", &both);
+    assert_eq!(status, 400, "{e}");
+    let m = e["error"]["message"].as_str().unwrap();
+    assert!(m.contains("structured_outputs") && m.contains("text.format"), "{m}");
+}

@@ -9,8 +9,8 @@ use crate::request::{parse, typed, Parsed};
 use crate::state::App;
 
 /// Top-level fields passed on to the chat request under the same name (sampling extensions
-/// vLLM's Responses API also takes).
-const PASSED: [&str; 10] = [
+/// vLLM's Responses API also takes, llama-server's samplers, the grammar fields, ours).
+const PASSED: [&str; 24] = [
     "seed",
     "top_k",
     "min_p",
@@ -21,6 +21,20 @@ const PASSED: [&str; 10] = [
     "logit_bias",
     "chat_template_kwargs",
     "grounding",
+    "top_n_sigma",
+    "xtc_probability",
+    "xtc_threshold",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "dry_sequence_breakers",
+    "reasoning_budget",
+    "structured_outputs",
+    "grammar",
+    "json_schema",
+    "regex",
+    "ebnf",
 ];
 
 /// What the response object echoes of its request, and what storing it needs.
