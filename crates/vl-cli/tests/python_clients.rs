@@ -1,0 +1,52 @@
+//! The openai Python SDK and instructor (pinned in tools/py-clients) against `vl serve` on
+//! loopback, with an API key, on tiny-b: models, chat whole and streamed, the SDK's `parse`
+//! helper, `parallel_tool_calls: false`, a grammar through `extra_body`, instructor's JSON,
+//! JSON-schema, tools and Responses-tools modes, stored responses through the SDK, and an error's
+//! `param`. The checks are in `tests/py/openai_clients.py`; the venv comes from
+//! `tools/py-clients/setup` (.ci/run runs it first; the test touches no network).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::start;
+
+fn python() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let p = std::env::var_os("VL_PY_CLIENTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target/py-clients"))
+        .join("bin/python");
+    assert!(p.exists(), "{} is missing: run tools/py-clients/setup first (.ci/run does)", p.display());
+    p
+}
+
+#[test]
+fn the_openai_sdk_and_instructor_get_what_they_expect() {
+    let server = start("tiny-b", &["--api-key", "sekret"]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/openai_clients.py");
+    let out = Command::new(python())
+        .arg(script)
+        .args([&server.base, "sekret"])
+        .env("NO_PROXY", "127.0.0.1")
+        .output()
+        .expect("run the openai clients");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "the clients failed\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let passed: Vec<&str> = stdout.lines().filter_map(|l| l.strip_prefix("ok: ")).collect();
+    assert_eq!(
+        passed,
+        [
+            "models",
+            "chat",
+            "parse",
+            "one tool call",
+            "structured_outputs",
+            "instructor",
+            "instructor responses",
+            "responses",
+            "errors"
+        ]
+    );
+}
