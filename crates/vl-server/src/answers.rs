@@ -63,7 +63,7 @@ impl Answer {
         }
     }
 
-    fn whole_json(&self, all: &[Completion]) -> Value {
+    pub(crate) fn whole_json(&self, all: &[Completion]) -> Value {
         let object = if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
         let choices: Vec<Value> = all.iter().enumerate().map(|(i, c)| self.choice_json(i, c)).collect();
         json!({

@@ -43,6 +43,8 @@
 //! - `conn`: the accept loop (connection limit, header timeout, graceful shutdown).
 //! - `ui` (and `ui/` beside `src/`): the web chat at `/`, embedded in the binary.
 //! - `metrics`: Prometheus `/metrics`; `error`: OpenAI-shaped errors.
+//! - `embed`: `Chat`, the server's reading and answering of chat requests without HTTP, for
+//!   programs that embed the engine (the Python package).
 
 /// A line on stderr that never panics (a closed stderr is not an error worth dying for).
 macro_rules! note {
@@ -55,6 +57,7 @@ macro_rules! note {
 mod answers;
 mod anthropic;
 mod conn;
+mod embed;
 mod error;
 mod fields;
 mod guard;
@@ -71,6 +74,7 @@ mod state;
 mod ui;
 mod workers;
 
+pub use embed::{Chat, ChatRequest, RequestError};
 pub use guard::{check_api_key, cors_origins};
 pub use router::{serve, serve_until};
 pub use state::{
