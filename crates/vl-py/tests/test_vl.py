@@ -137,3 +137,15 @@ def test_tool_calls_come_back_with_their_arguments():
     call = r.tool_calls[0]
     assert call["name"] == "weather" and set(call["arguments"]) == {"city"}
     assert len(call["arguments"]["city"]) <= 10
+
+
+def test_the_readme_example_runs(monkeypatch, capsys):
+    """README's Python example, as written, from the checkout's root."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("```python\nimport vl\n") + len("```python\n")
+    code = readme[start:readme.index("```", start)]
+    assert len(code.strip().splitlines()) == 5
+    monkeypatch.chdir(ROOT)
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "'completion_tokens': 16" in printed
