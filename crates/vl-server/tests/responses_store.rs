@@ -113,7 +113,7 @@ fn reasoning_round_trips_as_opaque_content() {
         post(&s, "/v1/responses", &turn(json!({"type": "reasoning", "summary": [], "encrypted_content": "junk"})));
     assert_eq!((status, &e["error"]["param"]), (400, &json!("input[1].encrypted_content")), "{e}");
     let mut other = body.clone();
-    other["include"] = json!(["message.output_text.logprobs"]);
+    other["include"] = json!(["file_search_call.results"]);
     assert_eq!(post(&s, "/v1/responses", &other).1["error"]["param"], "include[0]");
 }
 
