@@ -7,25 +7,16 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use common::{goldens, start, start_dir, thinking_template, tiny_a_with_template};
 
-fn python() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let p = std::env::var_os("VL_PY_CLIENTS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target/py-clients"))
-        .join("bin/python");
-    assert!(p.exists(), "{} is missing: run tools/py-clients/setup first (.ci/run does)", p.display());
-    p
-}
 
 /// Runs the client script in `mode` against `base`; returns the checks it passed.
 fn run_client(base: &str, mode: &str) -> Vec<String> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/anthropic_client.py");
-    let out = Command::new(python())
+    let out = Command::new(common::py_clients_python())
         .arg(script)
         .args([base, "sekret", mode])
         .arg(goldens().join("tiny-a/cases/one_image.json"))

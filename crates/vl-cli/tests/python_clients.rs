@@ -7,26 +7,17 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use common::start;
 
-fn python() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let p = std::env::var_os("VL_PY_CLIENTS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target/py-clients"))
-        .join("bin/python");
-    assert!(p.exists(), "{} is missing: run tools/py-clients/setup first (.ci/run does)", p.display());
-    p
-}
 
 #[test]
 fn the_openai_sdk_and_instructor_get_what_they_expect() {
     let server = start("tiny-b", &["--api-key", "sekret"]);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/openai_clients.py");
-    let out = Command::new(python())
+    let out = Command::new(common::py_clients_python())
         .arg(script)
         .args([&server.base, "sekret"])
         .env("NO_PROXY", "127.0.0.1")

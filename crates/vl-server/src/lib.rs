@@ -27,7 +27,8 @@
 //!
 //! The modules:
 //! - `openai`: the request, typed; unknown fields refused with their name.
-//! - `request`: a typed request checked and made into an engine request.
+//! - `request`: a typed request checked and made into an engine request; `formats`: the
+//!   answer's format (`response_format`, `structured_outputs`, `grammar`, ...) as a constraint.
 //! - `responses/`: OpenAI's Responses API over the chat request it stands for (`parse`: the
 //!   request; `answer`: the response object and its typed events).
 //! - `media`: images and videos from data URLs, http(s) URLs and allowed local paths.
@@ -60,6 +61,7 @@ mod conn;
 mod embed;
 mod error;
 mod fields;
+mod formats;
 mod guard;
 mod handlers;
 mod job;

@@ -116,3 +116,16 @@ pub fn outcome(out: std::process::Output) -> (i32, String, String) {
 pub fn error_lines(stderr: &str) -> Vec<&str> {
     stderr.lines().filter(|l| l.starts_with("error:")).collect()
 }
+
+/// The Python of the SDK clients' venv (`tools/py-clients/setup`, which .ci/run runs first;
+/// `VL_PY_CLIENTS` names another venv).
+#[allow(dead_code)]
+pub fn py_clients_python() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let p = std::env::var_os("VL_PY_CLIENTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target/py-clients"))
+        .join("bin/python");
+    assert!(p.exists(), "{} is missing: run tools/py-clients/setup first (.ci/run does)", p.display());
+    p
+}
