@@ -584,3 +584,33 @@ fn hostile_chat_templates_are_bounded_in_time_output_and_recursion() {
         assert!(t.elapsed().as_secs() < 30, "{src}: {:?}", t.elapsed());
     }
 }
+
+/// Hostile grammars and sampler lists through `vl run`: each refused in one line naming the flag
+/// and the bound, before the model loads, within the memory bound.
+#[test]
+fn hostile_grammars_and_sampler_lists_are_refused_by_their_bound() {
+    let ck = checkpoint("tiny-a");
+    let ck = ck.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let huge = dir.path().join("huge.gbnf");
+    std::fs::write(&huge, format!("root ::= \"{}\"\n", "a".repeat(300 << 10))).unwrap();
+    let deep = dir.path().join("deep.gbnf");
+    std::fs::write(&deep, format!("root ::= {}\"a\"{}\n", "(".repeat(5000), ")".repeat(5000))).unwrap();
+    let copies = dir.path().join("copies.gbnf");
+    std::fs::write(&copies, "root ::= ((\"ab\"{100}){100}){100}\n").unwrap();
+    let (h, d, c) = (huge.to_str().unwrap(), deep.to_str().unwrap(), copies.to_str().unwrap());
+    let long = "x".repeat(41);
+    let many: Vec<String> = (0..33).flat_map(|i| ["--dry-sequence-breaker".to_string(), format!("b{i}")]).collect();
+    let mut too_many = vec!["run", "--model", ck, "--dry-multiplier", "1"];
+    too_many.extend(many.iter().map(String::as_str));
+    for (args, needles) in [
+        (vec!["run", "--model", ck, "--grammar", h], vec!["--grammar", "huge.gbnf"]),
+        (vec!["run", "--model", ck, "--grammar", d], vec!["--grammar", "nested more than 64"]),
+        (vec!["run", "--model", ck, "--grammar", c], vec!["--grammar", "more than 10000"]),
+        (vec!["run", "--model", ck, "--regex", "((a{100}){100}){100}"], vec!["--regex", "spells out"]),
+        (vec!["run", "--model", ck, "--dry-sequence-breaker", &long], vec!["--dry-sequence-breaker", "41 characters"]),
+        (too_many, vec!["--dry-sequence-breaker", "33 breakers"]),
+    ] {
+        fails(&args, &needles);
+    }
+}
