@@ -21,7 +21,12 @@ fn run_client(base: &str, mode: &str) -> Vec<String> {
         .args([base, "sekret", mode])
         .arg(goldens().join("tiny-a/cases/one_image.json"))
         .arg(goldens().join("images/square.png"))
-        .env("NO_PROXY", "127.0.0.1")
+        // Anything but loopback goes to a dead proxy: a client that reached for the network
+        // would fail the test.
+        .env("NO_PROXY", "127.0.0.1,localhost")
+        .env("HTTP_PROXY", "http://127.0.0.1:9")
+        .env("HTTPS_PROXY", "http://127.0.0.1:9")
+        .env("ALL_PROXY", "http://127.0.0.1:9")
         .output()
         .expect("run the anthropic client");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
