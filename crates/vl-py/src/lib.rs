@@ -135,6 +135,14 @@ impl Engine {
         done.map_err(|e| py_error(&e))
     }
 
+    /// A pooling body (JSON text) answered as `POST /v1/{endpoint}` answers it (`embeddings`,
+    /// `rerank`, `score`): the answer as JSON text.
+    fn pool(&self, py: Python<'_>, endpoint: &str, body: &str) -> PyResult<String> {
+        let chat = self.chat.clone();
+        let (endpoint, body) = (endpoint.to_string(), body.to_string());
+        py.detach(move || chat.pool(&endpoint, body.as_bytes()).map(|v| v.to_string())).map_err(|e| py_error(&e))
+    }
+
     /// A chat completions body answered piece by piece: an iterator of (choice, text,
     /// reasoning) pieces whose `result` is then the whole answer.
     fn stream(&self, py: Python<'_>, body: &str) -> PyResult<Stream> {

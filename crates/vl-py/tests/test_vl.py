@@ -149,3 +149,21 @@ def test_the_readme_example_runs(monkeypatch, capsys):
     exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out
     assert "'completion_tokens': 16" in printed
+
+
+def test_embed_and_rerank_give_the_references_values():
+    g = json.loads((GOLDENS / "tiny-embed" / "embeddings.json").read_text())
+    text = next(c for c in g["cases"] if c["case"] == "text")
+    e = vl.Engine(GOLDENS / "tiny-embed" / "checkpoint")
+    v, w = e.embed([text["texts"][0], text["texts"][0]])
+    assert max(abs(a - b) for a, b in zip(w, text["embedding"])) <= 1e-4
+    (cut,) = e.embed([text["texts"][0]], dimensions=text["dims"])
+    assert len(cut) == text["dims"]
+    assert max(abs(a - b) for a, b in zip(cut, text["truncated"])) <= 1e-4
+    with pytest.raises(vl.RequestError):
+        e.chat([{"role": "user", "content": "Hi"}], max_tokens=2)
+    s = json.loads((GOLDENS / "tiny-rerank" / "scores.json").read_text())
+    case = next(c for c in s["cases"] if c["case"] == "text")
+    r = vl.Engine(GOLDENS / "tiny-rerank" / "checkpoint")
+    (top,) = r.rerank(case["query"]["texts"][0], [case["document"]["texts"][0]])
+    assert top["index"] == 0 and abs(top["relevance_score"] - case["score"]) <= 1e-3

@@ -15,6 +15,8 @@ use crate::state::{now, App, ServerConfig};
 /// The server's reading of chat requests over one engine.
 pub struct Chat {
     app: Arc<App>,
+    /// The runtime the pooling answers run on (made at the first).
+    rt: std::sync::OnceLock<tokio::runtime::Runtime>,
 }
 
 /// A chat request read: the engine's request and what shapes its answer.
@@ -60,9 +62,10 @@ impl Chat {
     /// Reads requests as a server with `config` would (its media directory, remote media,
     /// limits and sampling defaults).
     pub fn new(engine: Arc<Engine>, config: ServerConfig) -> Self {
-        // No worker takes jobs: the caller runs the engine itself.
+        // No worker takes jobs: the callers run the engine themselves, as many at once as they
+        // like (the pooling answers count them against this bound).
         let (jobs, _) = std::sync::mpsc::sync_channel(0);
-        Self { app: Arc::new(App::new(engine, config, 1, jobs)) }
+        Self { app: Arc::new(App::new(engine, config, 1 << 20, jobs)), rt: std::sync::OnceLock::new() }
     }
 
     pub fn engine(&self) -> &Arc<Engine> {
@@ -79,6 +82,20 @@ impl Chat {
             one_call: parsed.one_call,
             format_field: parsed.format_field,
         })
+    }
+
+    /// A pooling body answered as `POST /v1/{endpoint}` answers it (`endpoint`: `embeddings`,
+    /// `rerank` or `score`), on the caller's thread.
+    pub fn pool(&self, endpoint: &str, body: &[u8]) -> Result<Value, RequestError> {
+        if self.rt.get().is_none() {
+            // A multi-threaded runtime: the answers move their blocking parts off its threads.
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().map_err(
+                |e| RequestError { message: format!("cannot start a runtime: {e}"), param: None, status: 500 },
+            )?;
+            let _ = self.rt.set(rt);
+        }
+        let rt = self.rt.get().expect("set above");
+        Ok(rt.block_on(crate::pooling::answer_json(&self.app, body, endpoint))?)
     }
 
     /// An engine error about `req` as the server would answer it.

@@ -182,6 +182,27 @@ async fn pool(app: &Arc<App>, reqs: Vec<Request>, what: &'static str) -> Result<
     out.map_err(|e| ApiError::from_engine(&e).map_message(|m| m.replace("inputs[", &format!("{what}["))))
 }
 
+/// A pooling body (`/v1/embeddings`, `/v1/rerank` or `/v1/score`, by `endpoint`) answered as
+/// the endpoint's JSON object, for embedders (`crate::Chat::pool`).
+pub(crate) async fn answer_json(app: &Arc<App>, body: &[u8], endpoint: &str) -> Result<Value, ApiError> {
+    let endpoint = match endpoint {
+        "embeddings" => Endpoint::Embeddings,
+        "rerank" => Endpoint::Rerank,
+        "score" => Endpoint::Score,
+        other => return Err(ApiError::bad(format!("no pooling endpoint {other:?}"))),
+    };
+    let o: Map<String, Value> = match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(o)) => o,
+        Ok(_) => return Err(ApiError::bad("the body must be a JSON object")),
+        Err(e) => return Err(ApiError::bad(format!("malformed JSON body: {e}"))),
+    };
+    match endpoint {
+        Endpoint::Embeddings => embed_answer(app, &o).await,
+        Endpoint::Rerank => rerank_answer(app, &o).await,
+        Endpoint::Score => score_answer(app, &o).await,
+    }
+}
+
 async fn handle(app: &Arc<App>, body: &[u8], endpoint: Endpoint) -> Result<Response, ApiError> {
     let o: Map<String, Value> = match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(o)) => o,

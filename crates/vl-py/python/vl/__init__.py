@@ -257,6 +257,43 @@ class Engine:
         """
         return _result(json.loads(self._engine.chat(_body(messages, options, False))))
 
+    def embed(self, inputs: Sequence[Any], *, dimensions: Optional[int] = None, instruction: Optional[str] = None,
+              **options: Any) -> List[List[float]]:
+        """Embeds each input with an embedding checkpoint (Qwen3-VL-Embedding), as
+        ``/v1/embeddings`` does: an input is a string, a list of token ids, an image part
+        (``{"type": "image", "image": X}``, X as for ``chat``), or a list of parts (an image and
+        its caption). ``dimensions`` truncates (Matryoshka) and re-normalises; ``instruction``
+        replaces the default system instruction. Returns one vector per input.
+
+            >>> v = Engine("goldens/tiny-embed/checkpoint").embed(["A cat sleeps on a sofa."])
+        """
+        def one(x: Any) -> Any:
+            if isinstance(x, list) and x and not all(isinstance(i, int) for i in x):
+                return {"content": [_part(p) if isinstance(p, dict) else {"type": "text", "text": p} for p in x]}
+            return _part(x)
+        if isinstance(inputs, (str, bytes)) or isinstance(inputs, dict):
+            raise RequestError("`inputs` must be a list (one entry per vector)")
+        body: Dict[str, Any] = dict(options)
+        body["input"] = [one(x) for x in inputs]
+        if dimensions is not None:
+            body["dimensions"] = dimensions
+        if instruction is not None:
+            body["instruction"] = instruction
+        raw = json.loads(self._engine.pool("embeddings", json.dumps(body)))
+        return [d["embedding"] for d in raw["data"]]
+
+    def rerank(self, query: Any, documents: Sequence[Any], *, top_n: Optional[int] = None,
+               instruction: Optional[str] = None) -> List[Dict[str, Any]]:
+        """Scores each document against the query with a reranker checkpoint
+        (Qwen3-VL-Reranker), as ``/v1/rerank`` does: ``[{"index", "relevance_score"}]``, best
+        first (``top_n`` of them). The query and documents take the forms ``embed`` takes."""
+        body: Dict[str, Any] = {"query": _part(query), "documents": [_part(d) for d in documents]}
+        if top_n is not None:
+            body["top_n"] = top_n
+        if instruction is not None:
+            body["instruction"] = instruction
+        return json.loads(self._engine.pool("rerank", json.dumps(body)))["results"]
+
     def stream(self, messages: Sequence[Dict[str, Any]], **options: Any) -> Stream:
         """``chat``, piece by piece:
 
