@@ -12,7 +12,6 @@ use std::process::Command;
 
 use common::{goldens, start, start_dir, thinking_template, tiny_a_with_template};
 
-
 /// Runs the client script in `mode` against `base`; returns the checks it passed.
 fn run_client(base: &str, mode: &str) -> Vec<String> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/anthropic_client.py");

@@ -13,7 +13,6 @@ use std::process::Command;
 
 use common::start;
 
-
 #[test]
 fn the_openai_sdk_and_instructor_get_what_they_expect() {
     let server = start("tiny-b", &["--api-key", "sekret"]);

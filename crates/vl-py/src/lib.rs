@@ -14,7 +14,12 @@ use pyo3::prelude::*;
 use vl_models::engine::{Delta, EngineOptions, ModelOptions};
 use vl_server::{Chat, ChatRequest, MediaDir, RequestError, ServerConfig};
 
-create_exception!(_vl, VlError, PyException, "An error from vl; its message is one line naming the field, file or limit.");
+create_exception!(
+    _vl,
+    VlError,
+    PyException,
+    "An error from vl; its message is one line naming the field, file or limit."
+);
 create_exception!(
     _vl,
     RequestError_,
@@ -25,7 +30,8 @@ create_exception!(
 /// A `VlError` (or, for a refused request, its `RequestError` subclass) with the message, and
 /// the field and HTTP status as attributes.
 fn py_error(e: &RequestError) -> PyErr {
-    let err = if e.status < 500 { RequestError_::new_err(e.message.clone()) } else { VlError::new_err(e.message.clone()) };
+    let err =
+        if e.status < 500 { RequestError_::new_err(e.message.clone()) } else { VlError::new_err(e.message.clone()) };
     Python::attach(|py| {
         let v = err.value(py);
         let _ = v.setattr("param", e.param.clone());
@@ -82,7 +88,11 @@ impl Engine {
             "cpu" => candle_core::Device::Cpu,
             "cuda" => candle_core::Device::new_cuda(0).map_err(load_error)?,
             "metal" => candle_core::Device::new_metal(0).map_err(load_error)?,
-            other => return Err(RequestError_::new_err(format!("device = {other:?} is not one of \"cpu\", \"cuda\", \"metal\""))),
+            other => {
+                return Err(RequestError_::new_err(format!(
+                    "device = {other:?} is not one of \"cpu\", \"cuda\", \"metal\""
+                )))
+            }
         };
         if parallel == 0 {
             return Err(RequestError_::new_err("parallel = 0: at least 1 sequence must decode at a time"));
@@ -232,7 +242,8 @@ impl Drop for Stream {
 #[pyfunction]
 #[pyo3(signature = (engine, host="127.0.0.1", port=8080, api_key=None))]
 fn serve(py: Python<'_>, engine: &Engine, host: &str, port: u16, api_key: Option<String>) -> PyResult<()> {
-    let listener = std::net::TcpListener::bind((host, port)).map_err(|e| VlError::new_err(format!("binding {host}:{port}: {e}")))?;
+    let listener = std::net::TcpListener::bind((host, port))
+        .map_err(|e| VlError::new_err(format!("binding {host}:{port}: {e}")))?;
     let config = ServerConfig { api_key, ..Default::default() };
     let e = engine.chat.engine().clone();
     py.detach(|| vl_server::serve(e, listener, config)).map_err(load_error)

@@ -89,9 +89,10 @@ impl Chat {
     pub fn pool(&self, endpoint: &str, body: &[u8]) -> Result<Value, RequestError> {
         if self.rt.get().is_none() {
             // A multi-threaded runtime: the answers move their blocking parts off its threads.
-            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().map_err(
-                |e| RequestError { message: format!("cannot start a runtime: {e}"), param: None, status: 500 },
-            )?;
+            let rt =
+                tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().map_err(|e| {
+                    RequestError { message: format!("cannot start a runtime: {e}"), param: None, status: 500 }
+                })?;
             let _ = self.rt.set(rt);
         }
         let rt = self.rt.get().expect("set above");

@@ -168,19 +168,18 @@ fn top_logprobs_fill_the_output_text() {
             assert_eq!((&x["token"], &x["bytes"]), (&y["token"], &y["bytes"]));
             assert!((x["logprob"].as_f64().unwrap() - y["logprob"].as_f64().unwrap()).abs() < 1e-3, "{x} {y}");
             let (tx, ty) = (x["top_logprobs"].as_array().unwrap(), y["top_logprobs"].as_array().unwrap());
-            assert_eq!(tx.iter().map(|t| &t["token"]).collect::<Vec<_>>(), ty.iter().map(|t| &t["token"]).collect::<Vec<_>>());
+            assert_eq!(
+                tx.iter().map(|t| &t["token"]).collect::<Vec<_>>(),
+                ty.iter().map(|t| &t["token"]).collect::<Vec<_>>()
+            );
         }
     };
     close(&lps, c["choices"][0]["logprobs"]["content"].as_array().unwrap());
     // Streamed: the deltas' entries add up to the same.
     let mut sb = body.clone();
     sb["stream"] = json!(true);
-    let text = agent()
-        .post(&format!("{}/v1/responses", s.base))
-        .send_string(&sb.to_string())
-        .unwrap()
-        .into_string()
-        .unwrap();
+    let text =
+        agent().post(&format!("{}/v1/responses", s.base)).send_string(&sb.to_string()).unwrap().into_string().unwrap();
     let mut streamed = vec![];
     for d in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
         let e: Value = serde_json::from_str(d).unwrap();

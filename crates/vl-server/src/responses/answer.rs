@@ -165,7 +165,8 @@ pub(crate) async fn answer(
                 let all = done?;
                 log_answer("/v1/responses", &all, started);
                 let c = &all[0];
-                let lps = if echo.logprobs { entries(&crate::answers::logprobs_json(&app, &c.logprobs)) } else { vec![] };
+                let lps =
+                    if echo.logprobs { entries(&crate::answers::logprobs_json(&app, &c.logprobs)) } else { vec![] };
                 let out = output(&ids, c, echo.encrypted, &lps);
                 let mut r = response(&app, &ids, &echo, created, status_of(c), out, Some(c));
                 keep(&app, &echo, &ids, c, &mut r);
@@ -369,7 +370,8 @@ impl Events {
                 self.send("response.reasoning_text.done", e).await,
             )
         } else {
-            let e = json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": logprobs});
+            let e =
+                json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": logprobs});
             let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs});
             let p = json!({"item_id": id, "output_index": index, "content_index": 0, "part": part});
             let ok =
