@@ -95,19 +95,19 @@ impl Chat {
                 })?;
             let _ = self.rt.set(rt);
         }
+        let endpoint = match endpoint {
+            "embeddings" => crate::pooling::Endpoint::Embeddings,
+            "rerank" => crate::pooling::Endpoint::Rerank,
+            "score" => crate::pooling::Endpoint::Score,
+            other => return Err(ApiError::bad(format!("no pooling endpoint {other:?}")).into()),
+        };
         let rt = self.rt.get().expect("set above");
         Ok(rt.block_on(crate::pooling::answer_json(&self.app, body, endpoint))?)
     }
 
     /// An engine error about `req` as the server would answer it.
     pub fn error(&self, req: &ChatRequest, e: &vl_models::Error) -> RequestError {
-        let api = ApiError::from_engine(e);
-        match (e, &req.format_field) {
-            (vl_models::Error::Input { what, .. }, Some(field)) if what == "response_format" => {
-                api.map_message(|m| m.replacen("response_format", field, 1)).into()
-            }
-            _ => api.into(),
-        }
+        ApiError::from_engine_for(e, req.format_field.as_deref()).into()
     }
 
     /// The answers as the server's `chat.completion` object (`want_logprobs`: the request asked

@@ -87,6 +87,17 @@ impl ApiError {
     pub(crate) fn body(&self) -> Value {
         json!({"error": {"message": self.message, "type": self.kind, "code": self.code, "param": self.param}})
     }
+    /// `from_engine` for a request whose answer format `format_field` set (`grammar`,
+    /// `structured_outputs.regex`, ...): the engine names the format `response_format` whichever
+    /// field set it, so its errors about the format name that field instead.
+    pub(crate) fn from_engine_for(e: &vl_models::Error, format_field: Option<&str>) -> Self {
+        match (e, format_field) {
+            (vl_models::Error::Input { what, .. }, Some(field)) if what == "response_format" => {
+                Self::from_engine(e).map_message(|m| m.replacen("response_format", field, 1))
+            }
+            _ => Self::from_engine(e),
+        }
+    }
     pub(crate) fn from_engine(e: &vl_models::Error) -> Self {
         let message = e.to_string().split_whitespace().collect::<Vec<_>>().join(" ");
         match e {
@@ -131,7 +142,7 @@ impl ApiError {
 /// message (`messages[2]`) or `n` / `stop`; `max_new_tokens` is the request's `max_tokens`. Other
 /// subjects (a template, an image file, the engine) are no request field.
 fn engine_param(what: &str) -> Option<String> {
-    const FIELDS: [&str; 26] = [
+    const FIELDS: [&str; 18] = [
         "messages",
         "tools",
         "tool_choice",
@@ -147,21 +158,13 @@ fn engine_param(what: &str) -> Option<String> {
         "presence_penalty",
         "frequency_penalty",
         "repetition_penalty",
-        "top_n_sigma",
-        "xtc_probability",
-        "xtc_threshold",
-        "dry_multiplier",
-        "dry_base",
-        "dry_allowed_length",
-        "dry_penalty_last_n",
-        "dry_sequence_breakers",
         "seed",
         "top_logprobs",
         "chat_template_kwargs",
     ];
     match what {
         "max_new_tokens" => Some("max_tokens".into()),
-        w if FIELDS.contains(&w) => Some(w.into()),
+        w if FIELDS.contains(&w) || crate::openai::LLAMA_SAMPLERS.contains(&w) => Some(w.into()),
         w if w.starts_with("messages[") || w.starts_with("tools[") => Some(w.into()),
         _ => None,
     }

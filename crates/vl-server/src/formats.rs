@@ -10,6 +10,9 @@ use vl_models::engine::Constraint;
 use crate::error::ApiError;
 use crate::openai::ChatCompletionRequest;
 
+/// The top-level fields besides `response_format` that set the answer's format.
+pub(crate) const FIELDS: [&str; 5] = ["structured_outputs", "grammar", "json_schema", "regex", "ebnf"];
+
 /// The answer's format and the field that set it: `response_format`, vLLM's
 /// `structured_outputs`, llama-server's `grammar` / `json_schema`, or SGLang's `regex` / `ebnf`.
 /// Two of them at once are refused, naming both.

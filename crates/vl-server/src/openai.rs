@@ -10,6 +10,19 @@
 use serde::Deserialize;
 use serde_json::Value;
 
+/// llama-server's samplers, named as it names them: chat completions and `/v1/responses` take
+/// them, and the engine's errors about them name them.
+pub(crate) const LLAMA_SAMPLERS: [&str; 8] = [
+    "top_n_sigma",
+    "xtc_probability",
+    "xtc_threshold",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "dry_sequence_breakers",
+];
+
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

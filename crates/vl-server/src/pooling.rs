@@ -124,7 +124,7 @@ async fn score(State(app): State<Arc<App>>, req: axum::extract::Request) -> Resp
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Endpoint {
+pub(crate) enum Endpoint {
     Embeddings,
     Rerank,
     Score,
@@ -182,20 +182,15 @@ async fn pool(app: &Arc<App>, reqs: Vec<Request>, what: &'static str) -> Result<
     out.map_err(|e| ApiError::from_engine(&e).map_message(|m| m.replace("inputs[", &format!("{what}["))))
 }
 
-/// A pooling body (`/v1/embeddings`, `/v1/rerank` or `/v1/score`, by `endpoint`) answered as
-/// the endpoint's JSON object, for embedders (`crate::Chat::pool`).
-pub(crate) async fn answer_json(app: &Arc<App>, body: &[u8], endpoint: &str) -> Result<Value, ApiError> {
-    let endpoint = match endpoint {
-        "embeddings" => Endpoint::Embeddings,
-        "rerank" => Endpoint::Rerank,
-        "score" => Endpoint::Score,
-        other => return Err(ApiError::bad(format!("no pooling endpoint {other:?}"))),
-    };
+/// A pooling body answered as `endpoint` answers it, as JSON (the server's handlers, and
+/// embedders through `crate::Chat::pool`).
+pub(crate) async fn answer_json(app: &Arc<App>, body: &[u8], endpoint: Endpoint) -> Result<Value, ApiError> {
     let o: Map<String, Value> = match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(o)) => o,
         Ok(_) => return Err(ApiError::bad("the body must be a JSON object")),
         Err(e) => return Err(ApiError::bad(format!("malformed JSON body: {e}"))),
     };
+    check_model(app, &o)?;
     match endpoint {
         Endpoint::Embeddings => embed_answer(app, &o).await,
         Endpoint::Rerank => rerank_answer(app, &o).await,
@@ -204,18 +199,7 @@ pub(crate) async fn answer_json(app: &Arc<App>, body: &[u8], endpoint: &str) -> 
 }
 
 async fn handle(app: &Arc<App>, body: &[u8], endpoint: Endpoint) -> Result<Response, ApiError> {
-    let o: Map<String, Value> = match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(o)) => o,
-        Ok(_) => return Err(ApiError::bad("the body must be a JSON object")),
-        Err(e) => return Err(ApiError::bad(format!("malformed JSON body: {e}"))),
-    };
-    check_model(app, &o)?;
-    let resp = match endpoint {
-        Endpoint::Embeddings => embed_answer(app, &o).await?,
-        Endpoint::Rerank => rerank_answer(app, &o).await?,
-        Endpoint::Score => score_answer(app, &o).await?,
-    };
-    Ok(axum::Json(resp).into_response())
+    Ok(axum::Json(answer_json(app, body, endpoint).await?).into_response())
 }
 
 /// `model`, when given, is a string; with `--strict-model-name` one of the served names.

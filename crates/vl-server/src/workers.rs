@@ -168,13 +168,7 @@ fn run(app: &App, job: &Job) -> Ran {
             }
             Ok(all)
         }
-        Ok(Err(e)) => Err(match (&e, &job.format_field) {
-            // The engine names the format `response_format` whichever field set it.
-            (vl_models::Error::Input { what, .. }, Some(field)) if what == "response_format" => {
-                ApiError::from_engine(&e).map_message(|m| m.replacen("response_format", field, 1))
-            }
-            _ => ApiError::from_engine(&e),
-        }),
+        Ok(Err(e)) => Err(ApiError::from_engine_for(&e, job.format_field.as_deref())),
         Err(_) => Err(ApiError::with(
             StatusCode::INTERNAL_SERVER_ERROR,
             "server_error",

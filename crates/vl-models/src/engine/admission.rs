@@ -27,10 +27,21 @@ pub(super) fn check_request(req: &Request) -> Result<()> {
 /// of the context, a request's text is measured against the vocabulary's longest token.
 const TEXT_BYTES_PER_TOKEN_CHECK: usize = 8;
 
+/// Each token's text, as one id decodes (special tokens included), by id: read once per engine
+/// where needed (the longest token, DRY's breakers).
+pub(super) fn token_texts(family: &dyn Family) -> Vec<String> {
+    let tok = family.tokenizer();
+    (0..tok.get_vocab_size(true) as u32).map(|id| tok.decode(&[id], false).unwrap_or_default()).collect()
+}
+
 /// Refuses a request whose text (messages and tools) could not fit the context even if every
 /// token were the vocabulary's longest, before it is tokenized (a 57 MB message would otherwise
-/// be tokenized first).
-pub(super) fn check_text_fits(family: &dyn Family, longest: &std::sync::OnceLock<usize>, req: &Request) -> Result<()> {
+/// be tokenized first). `texts`: the tokens' texts, read at the first long request.
+pub(super) fn check_text_fits(
+    family: &dyn Family,
+    texts: &std::sync::OnceLock<Vec<String>>,
+    req: &Request,
+) -> Result<()> {
     let text: usize = req
         .messages
         .iter()
@@ -46,14 +57,7 @@ pub(super) fn check_text_fits(family: &dyn Family, longest: &std::sync::OnceLock
     if text <= context.saturating_mul(TEXT_BYTES_PER_TOKEN_CHECK) {
         return Ok(());
     }
-    let longest = *longest.get_or_init(|| {
-        let tok = family.tokenizer();
-        (0..tok.get_vocab_size(true) as u32)
-            .map(|id| tok.decode(&[id], false).map_or(0, |s| s.len()))
-            .max()
-            .unwrap_or(1)
-            .max(1)
-    });
+    let longest = texts.get_or_init(|| token_texts(family)).iter().map(String::len).max().unwrap_or(1).max(1);
     let most = context.saturating_mul(longest);
     if text > most {
         return Err(Error::Limit {

@@ -141,9 +141,8 @@ pub(crate) struct Shared {
     pub stats: Mutex<EngineStats>,
     /// Compiles constraints; built at the first constrained request (about a second).
     compiler: CompilerCell,
-    /// Bytes of the longest token's text (computed at the first long request).
-    longest_token: std::sync::OnceLock<usize>,
-    /// Each token's text, and DRY's default breakers as tokens (at the first request with DRY).
+    /// Each token's text (`admission::token_texts`, read at the first request that needs it:
+    /// a long one, or one with DRY), and DRY's default breakers as tokens.
     token_texts: std::sync::OnceLock<Vec<String>>,
     default_breakers: std::sync::OnceLock<Arc<crate::decoding::dry::Breakers>>,
 }
@@ -196,7 +195,6 @@ impl Engine {
         let features = Mutex::new(ByteLru::new(opts.image_cache_bytes));
         let stats = Mutex::new(EngineStats { kv_budget_bytes: opts.kv_cache_bytes, ..Default::default() });
         let compiler = std::sync::OnceLock::new();
-        let longest_token = std::sync::OnceLock::new();
         let clips = (opts.clip_cache_bytes > 0).then(|| Mutex::new(ClipCache::new(opts.clip_cache_bytes)));
         let shared = Arc::new(Shared {
             family,
@@ -206,7 +204,6 @@ impl Engine {
             vision: Mutex::new(()),
             stats,
             compiler,
-            longest_token,
             token_texts: Default::default(),
             default_breakers: Default::default(),
         });
@@ -305,7 +302,7 @@ impl Engine {
         let generator = generator(&*self.shared.family)?;
         check_request(req)?;
         // Cheap checks first: text that cannot fit costs no tokenizing.
-        check_text_fits(&*self.shared.family, &self.shared.longest_token, req)?;
+        check_text_fits(&*self.shared.family, &self.shared.token_texts, req)?;
         // The constraint compiles first: a bad schema costs no media decoding.
         // Compiled once, its first token mask computed here (bounded), copied per choice.
         let guides = guides(&*self.shared.family, generator, &self.shared.compiler, req, n)?;
@@ -333,7 +330,7 @@ impl Engine {
         let at = |i: usize| move |e: Error| e.rename_input(|w| format!("inputs[{i}]: {w}"));
         let mut jobs = Vec::with_capacity(reqs.len());
         for (i, req) in reqs.iter().enumerate() {
-            check_text_fits(&*self.shared.family, &self.shared.longest_token, req).map_err(at(i))?;
+            check_text_fits(&*self.shared.family, &self.shared.token_texts, req).map_err(at(i))?;
             // Fields about an answer are refused, not ignored: a pooling model writes none.
             let answer_field = if req.constraint.is_some() {
                 Some("constraint")
@@ -363,7 +360,7 @@ impl Engine {
     /// The prompt tokens `req` would take (its template rendered, its media sized; images and
     /// videos are read and probed, not encoded), with the checks a request gets before any cost.
     pub fn count_tokens(&self, req: &Request) -> Result<usize> {
-        check_text_fits(&*self.shared.family, &self.shared.longest_token, req)?;
+        check_text_fits(&*self.shared.family, &self.shared.token_texts, req)?;
         check_request(req)?;
         Ok(self.shared.family.prepare(req, &self.media_context())?.ids.len())
     }
@@ -499,9 +496,7 @@ fn dry_breakers(s: &Shared, o: &crate::GenerationOptions) -> Option<Arc<crate::d
         return None;
     }
     let tok = s.family.tokenizer();
-    let texts = s.token_texts.get_or_init(|| {
-        (0..tok.get_vocab_size(true) as u32).map(|id| tok.decode(&[id], false).unwrap_or_default()).collect()
-    });
+    let texts = s.token_texts.get_or_init(|| admission::token_texts(&*s.family));
     let tokenize = |t: &str| tok.encode(t, false).map(|e| e.get_ids().to_vec()).unwrap_or_default();
     let build = || Arc::new(Breakers::new(texts, &tokenize, &o.dry_sequence_breakers));
     if o.dry_sequence_breakers.iter().map(String::as_str).eq(DEFAULT_BREAKERS) {

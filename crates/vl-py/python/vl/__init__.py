@@ -104,20 +104,9 @@ def _result(raw: Dict[str, Any]) -> ChatResult:
     return first
 
 
-def _sniff(data: bytes) -> str:
-    if data[:8] == b"\x89PNG\r\n\x1a\n":
-        return "image/png"
-    if data[:3] == b"\xff\xd8\xff":
-        return "image/jpeg"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "image/webp"
-    if data[:6] in (b"GIF87a", b"GIF89a"):
-        return "image/gif"
-    return "application/octet-stream"
-
-
 def _data_url(data: bytes) -> str:
-    return f"data:{_sniff(data)};base64,{base64.b64encode(data).decode()}"
+    # The server reads the image from its bytes: the media type is not needed.
+    return "data:application/octet-stream;base64," + base64.b64encode(data).decode()
 
 
 def _media(x: Any, what: str) -> str:

@@ -9,8 +9,9 @@ use crate::request::{parse, typed, Parsed};
 use crate::state::App;
 
 /// Top-level fields passed on to the chat request under the same name (sampling extensions
-/// vLLM's Responses API also takes, llama-server's samplers, the grammar fields, ours).
-const PASSED: [&str; 24] = [
+/// vLLM's Responses API also takes, ours); llama-server's samplers (`openai::LLAMA_SAMPLERS`) and
+/// the format fields (`formats::FIELDS`) pass too.
+const PASSED: [&str; 11] = [
     "seed",
     "top_k",
     "min_p",
@@ -21,22 +22,8 @@ const PASSED: [&str; 24] = [
     "logit_bias",
     "chat_template_kwargs",
     "grounding",
-    "top_n_sigma",
-    "xtc_probability",
-    "xtc_threshold",
-    "dry_multiplier",
-    "dry_base",
-    "dry_allowed_length",
-    "dry_penalty_last_n",
-    "dry_sequence_breakers",
     "reasoning_budget",
-    "structured_outputs",
-    "grammar",
-    "json_schema",
-    "regex",
-    "ebnf",
 ];
-
 /// What the response object echoes of its request, and what storing it needs.
 pub(crate) struct Echo {
     pub(super) fields: Map<String, Value>,
@@ -105,7 +92,10 @@ pub(crate) fn parse_responses(app: &App, body: &[u8]) -> Result<ResponsesRequest
                 chat.insert(k.clone(), x.clone());
             }
             "input" | "instructions" | "tools" | "tool_choice" | "text" | "max_output_tokens" => {}
-            k if PASSED.contains(&k) => {
+            k if PASSED.contains(&k)
+                || crate::openai::LLAMA_SAMPLERS.contains(&k)
+                || crate::formats::FIELDS.contains(&k) =>
+            {
                 chat.insert(k.into(), x.clone());
             }
             // Accepted and ignored: they cannot change the answer (typed all the same).

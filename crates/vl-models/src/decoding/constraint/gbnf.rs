@@ -29,7 +29,8 @@ pub fn to_lark(src: &str) -> Result<String, String> {
     let mut defined: BTreeMap<String, usize> = BTreeMap::new();
     p.space(true);
     while !p.done() {
-        let line = p.line();
+        // Where the rule begins (its line is counted only for an error).
+        let start = p.at;
         let name = p.name().ok_or_else(|| p.error("expected a rule name"))?;
         p.space(false);
         if !p.eat("::=") {
@@ -41,10 +42,11 @@ pub fn to_lark(src: &str) -> Result<String, String> {
             return Err(p.error("expected the end of the line"));
         }
         p.space(true);
-        if let Some(first) = defined.insert(name.clone(), line) {
+        if let Some(first) = defined.insert(name.clone(), start) {
+            let (line, first) = (line_at(src, start), line_at(src, first));
             return Err(format!("line {line}: rule `{name}` is defined twice (first at line {first})"));
         }
-        rules.push((name, line, alts));
+        rules.push((name, start, alts));
     }
     if !defined.contains_key("root") {
         return Err("no `root` rule: the answer is what `root` matches".into());
@@ -69,10 +71,11 @@ pub fn to_lark(src: &str) -> Result<String, String> {
         names.insert(name.clone(), unique);
     }
     let mut out = format!("start: {}\n", names["root"]);
-    for (name, line, alts) in &rules {
+    for (name, start, alts) in &rules {
         let mut body = String::new();
-        write_alts(alts, &names, &mut body)
-            .map_err(|used| format!("line {line}: rule `{name}` uses `{used}`, which is never defined"))?;
+        write_alts(alts, &names, &mut body).map_err(|used| {
+            format!("line {}: rule `{name}` uses `{used}`, which is never defined", line_at(src, *start))
+        })?;
         let _ = writeln!(out, "{}: {body}", names[name]);
     }
     Ok(out)
@@ -133,7 +136,7 @@ impl Reader<'_> {
     }
 
     fn line(&self) -> usize {
-        self.src[..self.at].matches('\n').count() + 1
+        line_at(self.src, self.at)
     }
 
     fn error(&self, what: &str) -> String {
@@ -387,6 +390,11 @@ impl Reader<'_> {
         self.at += len;
         Ok(c)
     }
+}
+
+/// The line (from 1) of byte `at` of `src`.
+fn line_at(src: &str, at: usize) -> usize {
+    src[..at].matches('\n').count() + 1
 }
 
 /// Refuses counted repetitions inside a group that multiply past `MAX_REPEAT` with `outer`.
