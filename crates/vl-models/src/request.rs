@@ -110,8 +110,11 @@ pub struct Request {
     pub messages: Vec<ChatMessage>,
     pub options: GenerationOptions,
     /// Generation stops before any of these strings would be emitted (the string is not part
-    /// of the answer).
+    /// of the answer, unless `include_stop`).
     pub stop: Vec<String>,
+    /// The stop string that ended the answer is kept at its end (vLLM's
+    /// `include_stop_str_in_output`, SGLang's `no_stop_trim`).
+    pub include_stop: bool,
     /// Function definitions the model may call (OpenAI's `tools`: `{"type": "function",
     /// "function": {"name", "description", "parameters"}}`), rendered by the chat template.
     /// With tools, an answer's `<tool_call>` blocks become `Completion::tool_calls` and are not

@@ -86,6 +86,25 @@ pub struct ChatCompletionRequest {
     /// becomes).
     pub reasoning_effort: Option<String>,
     pub reasoning_budget: Option<u64>,
+    /// vLLM's and SGLang's: the answer goes on past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: Option<bool>,
+    /// vLLM's `include_stop_str_in_output` and SGLang's `no_stop_trim`: the stop string that
+    /// ended the answer stays at its end.
+    pub include_stop_str_in_output: Option<bool>,
+    pub no_stop_trim: Option<bool>,
+    /// vLLM's and SGLang's decoding switches, which their routers (vllm-router, sglang-router)
+    /// write into every request they forward: accepted at the value that is this server's
+    /// behaviour (`ROUTER_DEFAULTS`), refused at any other by `check_supported`.
+    pub skip_special_tokens: Option<bool>,
+    /// vLLM's: how special tokens are joined when written, which they never are here
+    /// (`skip_special_tokens: true`): either value gives the same answer, so both are accepted.
+    pub spaces_between_special_tokens: Option<bool>,
+    pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<bool>,
+    pub separate_reasoning: Option<bool>,
+    pub stream_reasoning: Option<bool>,
+    pub include_reasoning: Option<bool>,
+    pub return_hidden_states: Option<bool>,
     // Not implemented: refused by `check_supported` when they ask for anything.
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
@@ -204,7 +223,31 @@ pub struct FunctionIn {
     pub arguments: Option<Value>,
 }
 
+/// The peers' decoding switches this server accepts at one value only: what it does.
+pub(crate) const ROUTER_DEFAULTS: [(&str, bool, &str); 7] = [
+    ("skip_special_tokens", true, "special tokens are never written into the answer's text"),
+    ("add_generation_prompt", true, "the assistant's turn is always opened after the messages"),
+    ("continue_final_message", false, "the answer is always a new assistant turn"),
+    ("separate_reasoning", true, "a reasoning block is always answered apart (`reasoning_content`)"),
+    ("stream_reasoning", true, "a reasoning block is always streamed as it is written"),
+    ("include_reasoning", true, "a reasoning block is always answered (`reasoning_content`)"),
+    ("return_hidden_states", false, "hidden states are not returned (use /v1/embeddings)"),
+];
+
 impl ChatCompletionRequest {
+    /// The value of each of `ROUTER_DEFAULTS`' switches the client sent.
+    fn router_switches(&self) -> [Option<bool>; 7] {
+        [
+            self.skip_special_tokens,
+            self.add_generation_prompt,
+            self.continue_final_message,
+            self.separate_reasoning,
+            self.stream_reasoning,
+            self.include_reasoning,
+            self.return_hidden_states,
+        ]
+    }
+
     /// The first field asked of this server that it does not implement, as a message naming it.
     pub fn check_supported(&self) -> Option<String> {
         let present = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
@@ -237,6 +280,11 @@ impl ChatCompletionRequest {
         }
         if let Some(v) = self.verbosity.as_deref().filter(|v| *v != "medium") {
             return Some(format!("`verbosity` = {v:?} is not supported: only \"medium\" (the default) is"));
+        }
+        for ((name, only, why), sent) in ROUTER_DEFAULTS.iter().zip(self.router_switches()) {
+            if sent.is_some_and(|b| b != *only) {
+                return Some(format!("`{name}` = {} is not supported: only {only} is ({why})", !only));
+            }
         }
         for (name, v) in [("audio", &self.audio), ("web_search_options", &self.web_search_options)] {
             if present(v) {

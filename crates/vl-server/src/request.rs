@@ -223,6 +223,7 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
         o.seed = s.value();
     }
     o.logit_bias = logit_bias;
+    o.ignore_eos = v.ignore_eos.unwrap_or(false);
     if let Some(b) = reasoning_budget(v.reasoning_effort.as_deref(), v.reasoning_budget)? {
         o.reasoning_budget = Some(b);
     }
@@ -237,6 +238,7 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
     }
     o.validate().map_err(|e| ApiError::from_engine(&e))?;
     let stop = v.stop.map(|s| s.into_vec()).unwrap_or_default();
+    let include_stop = v.include_stop_str_in_output.unwrap_or(false) || v.no_stop_trim.unwrap_or(false);
     if stop.len() > MAX_STOPS || stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
         return Err(ApiError::bad(format!(
             "`stop`: at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_BYTES} bytes"
@@ -342,7 +344,7 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
         grounding_minimum(app, &mut messages);
     }
     Ok(Parsed {
-        req: Request { messages, options: o, stop, tools, constraint, prompt: None, template_kwargs },
+        req: Request { messages, options: o, stop, include_stop, tools, constraint, prompt: None, template_kwargs },
         n,
         stream,
         include_usage,

@@ -48,6 +48,10 @@ pub struct GenerationOptions {
     pub seed: u64,
     /// Generation stops after emitting one of these.
     pub eos_token_ids: Vec<u32>,
+    /// Generation goes on past end-of-sequence tokens, to `max_new_tokens` or a stop string
+    /// (vLLM's and SGLang's `ignore_eos`, for benchmarks); a constraint still ends the answer
+    /// where its grammar does.
+    pub ignore_eos: bool,
     /// OpenAI's `logit_bias`: (token, bias in [-100, 100]) added to the token's logit before
     /// sampling; -100 bans the token.
     pub logit_bias: Vec<(u32, f32)>,
@@ -115,6 +119,7 @@ impl Default for GenerationOptions {
             frequency_penalty: 0.0,
             seed: 0,
             eos_token_ids: vec![],
+            ignore_eos: false,
             logit_bias: vec![],
             logprobs: None,
             reasoning_budget: None,
@@ -445,9 +450,9 @@ impl TokenPicker {
         self.last.take()
     }
 
-    /// Whether `token` ends the answer (an eos id).
+    /// Whether `token` ends the answer (an eos id, unless `ignore_eos`).
     pub fn is_eos(&self, token: u32) -> bool {
-        self.opts.eos_token_ids.contains(&token)
+        !self.opts.ignore_eos && self.opts.eos_token_ids.contains(&token)
     }
 
     /// Tokens picked so far.

@@ -334,7 +334,7 @@ impl Engine {
             // Fields about an answer are refused, not ignored: a pooling model writes none.
             let answer_field = if req.constraint.is_some() {
                 Some("constraint")
-            } else if !req.stop.is_empty() {
+            } else if !req.stop.is_empty() || req.include_stop {
                 Some("stop")
             } else {
                 None
@@ -400,6 +400,7 @@ impl Engine {
             choice: 0,
             forks,
             stop: req.stop.clone(),
+            include_stop: req.include_stop,
             tools: req.tools.clone(),
             // A raw prompt's answer is text as written.
             reasoning: req.prompt.is_none(),

@@ -325,6 +325,7 @@ impl<'f> Scheduler<'f> {
                     choice: f.choice,
                     forks: vec![],
                     stop: parent.job.stop.clone(),
+                    include_stop: parent.job.include_stop,
                     tools: parent.job.tools.clone(),
                     reasoning: parent.job.reasoning,
                     events: parent.job.events.clone(),

@@ -68,6 +68,8 @@ pub(crate) struct Job {
     /// The request's other choices, started from this one's prefill.
     pub forks: Vec<Fork>,
     pub stop: Vec<String>,
+    /// The stop string that ended the answer is kept (`Request::include_stop`).
+    pub include_stop: bool,
     /// The request's tool definitions (OpenAI's shape); empty without tools.
     pub tools: Vec<serde_json::Value>,
     /// The answer's reasoning block is split off (`Family::reasoning`).
@@ -143,7 +145,7 @@ impl<'f> Seq<'f> {
         let budget = p.options.max_new_tokens.min(family.context().saturating_sub(n));
         let picker = TokenPicker::new(p.options.clone(), &p.ids).with_dry(job.dry.clone());
         let hold = (!job.tools.is_empty()).then(CallHold::default);
-        let out = StopFilter::new(job.stop.clone());
+        let out = StopFilter::new(job.stop.clone(), job.include_stop);
         let markers = family.reasoning().filter(|_| job.reasoning);
         let opened = markers.is_some_and(|m| m.opened_by(family.tokenizer(), &p.ids));
         let split = markers.map(|m| Split::new(m, opened));
