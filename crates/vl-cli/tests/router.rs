@@ -1,6 +1,8 @@
-//! Replicas behind a router: three `vl serve` replicas of tiny-a behind vLLM's production-stack
-//! router (`vllm-router`, pinned in tools/py-clients) with its consistent-hash policy on a
-//! conversation key (the `X-Session-ID` header), all on loopback. Twelve conversations of five
+//! Replicas behind a router: three `vl serve` replicas of tiny-a behind each of two routers
+//! (pinned in tools/py-clients), all on loopback: vLLM's production-stack router (`vllm-router`)
+//! with its consistent-hash policy on a conversation key (the `X-Session-ID` header), and
+//! SGLang's (`sglang-router`) with its cache-aware policy (a prefix tree of the requests' text:
+//! no key from the client). Twelve conversations of five
 //! turns are asked together, a turn at a time; during the third turn one replica is killed. Every
 //! request is answered (the router retries the killed replica's on the others), every later turn
 //! of a conversation whose replica lives is served from its prefix (its cached tokens cover the
@@ -58,14 +60,27 @@ fn agent() -> ureq::Agent {
     ureq::AgentBuilder::new().timeout(Duration::from_secs(120)).build()
 }
 
+/// A router and the policy it runs.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    /// vllm-router, `consistent_hash` on the `X-Session-ID` header.
+    Vllm,
+    /// sglang-router, `cache_aware`.
+    Sglang,
+}
+
 /// The router in front of `workers`, once it answers `/workers` with all of them healthy.
-fn router(workers: &[&Server]) -> Router {
+fn router(kind: Kind, workers: &[&Server]) -> Router {
     let port = free_port();
     let log = tempfile::NamedTempFile::new().unwrap();
     let mut cmd = Command::new(common::py_clients_python());
-    cmd.args(["-m", "vllm_router.launch_router", "--worker-urls"]);
+    let (module, policy, quiet) = match kind {
+        Kind::Vllm => ("vllm_router.launch_router", "consistent_hash", "warning"),
+        Kind::Sglang => ("sglang_router.launch_router", "cache_aware", "warn"),
+    };
+    cmd.args(["-m", module, "--worker-urls"]);
     cmd.args(workers.iter().map(|w| w.base.as_str()));
-    cmd.args(["--policy", "consistent_hash", "--host", "127.0.0.1"]);
+    cmd.args(["--policy", policy, "--host", "127.0.0.1"]);
     cmd.args(["--port", &port.to_string(), "--prometheus-host", "127.0.0.1"]);
     cmd.args(["--prometheus-port", &free_port().to_string()]);
     // A dead replica is found within a second or two, and a request it held is retried for
@@ -73,7 +88,7 @@ fn router(workers: &[&Server]) -> Router {
     // minute apart, 0.66 s of retries) the retries all go to the dead replica.
     cmd.args(["--health-check-interval-secs", "1", "--health-failure-threshold", "1"]);
     cmd.args(["--retry-max-retries", "5", "--retry-initial-backoff-ms", "200", "--retry-backoff-multiplier", "2"]);
-    cmd.args(["--log-level", "warning"]);
+    cmd.args(["--log-level", quiet]);
     let child = cmd
         .env("NO_PROXY", "127.0.0.1,localhost")
         .env("HTTP_PROXY", "http://127.0.0.1:9")
@@ -107,11 +122,25 @@ fn healthy_workers(r: &Router) -> Vec<String> {
         .collect()
 }
 
-/// A conversation's next user message (distinct from its first token on: no two conversations
-/// share a prefix past the template's first tokens).
+/// A conversation's next user message: the first carries a note of its own (60 words, picked
+/// by a generator seeded with the conversation's number), as a conversation about a document
+/// does; no two conversations share a prefix past the template's first tokens.
 fn user_turn(c: usize, t: usize) -> String {
-    const WORDS: [&str; 6] = ["river", "stone", "maple", "quartz", "harbor", "glacier"];
-    format!("Conversation {c} ({}): turn {t}, tell me about {}.", c * 7919, WORDS[(c + t) % WORDS.len()])
+    const WORDS: [&str; 12] = [
+        "river", "stone", "maple", "quartz", "harbor", "glacier", "ember", "violet", "tundra", "saffron", "cloud",
+        "anchor",
+    ];
+    if t > 0 {
+        return format!("Turn {t}: tell me more about {}.", WORDS[(c + t) % WORDS.len()]);
+    }
+    let mut x = c as u64 * 0x9E37_79B9_7F4A_7C15 + 1;
+    let note: Vec<&str> = (0..60)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            WORDS[(x >> 33) as usize % WORDS.len()]
+        })
+        .collect();
+    format!("Conversation {c}. A note: {}. What is it about?", note.join(" "))
 }
 
 /// One turn: (the answer's text, prompt tokens, cached prompt tokens), or what went wrong.
@@ -159,9 +188,18 @@ fn converse(base: &str, during: &mut dyn FnMut(usize), context: &dyn Fn() -> Str
 
 #[test]
 fn three_replicas_behind_vllm_router_keep_conversations_on_their_prefix_and_survive_a_kill() {
+    replicas_behind(Kind::Vllm);
+}
+
+#[test]
+fn three_replicas_behind_sglang_router_keep_conversations_on_their_prefix_and_survive_a_kill() {
+    replicas_behind(Kind::Sglang);
+}
+
+fn replicas_behind(kind: Kind) {
     let args = ["--parallel", "2"];
     let mut replicas = vec![start("tiny-a", &args), start("tiny-a", &args), start("tiny-a", &args)];
-    let r = router(&replicas.iter().collect::<Vec<_>>());
+    let r = router(kind, &replicas.iter().collect::<Vec<_>>());
     let mut killed = String::new();
     let mut kill = |t: usize| {
         if t != KILL_AT {
@@ -216,7 +254,10 @@ fn three_replicas_behind_vllm_router_keep_conversations_on_their_prefix_and_surv
             if t == KILL_AT + 1 {
                 continue;
             }
-            assert!(hit, "conversation {c}, turn {t}: {cached} cached tokens, the previous prompt had {prev_prompt}");
+            assert!(
+                hit,
+                "{kind:?}: conversation {c}, turn {t}: {cached} cached tokens, the previous prompt had {prev_prompt}"
+            );
         }
     }
     let moved = moved.len();
