@@ -348,3 +348,57 @@ fn the_fields_routers_forward_are_honoured_or_refused() {
         assert!(m.starts_with(&format!("`{field}` = {value} is not supported")), "{m}");
     }
 }
+
+/// deploy/kubernetes/vl.yaml passes the Kubernetes API's schemas strictly (kubernetes-validate,
+/// pinned in tools/py-clients), a copy with a misspelled field does not, and every flag the
+/// manifest gives `vl serve` and vllm-router is one they take.
+#[test]
+fn the_kubernetes_manifests_pass_the_api_schemas_and_name_real_flags() {
+    let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/kubernetes/vl.yaml");
+    let python = common::py_clients_python();
+    let validate = |path: &std::path::Path| {
+        Command::new(python.with_file_name("kubernetes-validate"))
+            .args(["--strict", "--quiet"])
+            .arg(path)
+            .output()
+            .expect("run kubernetes-validate (tools/py-clients)")
+    };
+    let out = validate(&manifest);
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let broken = dir.path().join("broken.yaml");
+    std::fs::write(&broken, text.replacen("readinessProbe:", "readinesProbe:", 1)).unwrap();
+    let out = validate(&broken);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("'readinesProbe' was unexpected"));
+
+    // The containers' command lines as the manifest gives them (the router's from its module on).
+    let script = "import json, sys, yaml\n\
+        for d in yaml.safe_load_all(open(sys.argv[1])):\n\
+        \x20   if d['kind'] == 'Deployment':\n\
+        \x20       c = d['spec']['template']['spec']['containers'][0]\n\
+        \x20       words = c.get('args', []) + ' '.join(c.get('command', [])).split()\n\
+        \x20       if 'vllm_router.launch_router' in words:\n\
+        \x20           words = words[words.index('vllm_router.launch_router'):]\n\
+        \x20       print(json.dumps({'name': c['name'], 'words': words}))\n";
+    let out = Command::new(&python).args(["-c", script]).arg(&manifest).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let help = |cmd: &mut Command| String::from_utf8(cmd.output().unwrap().stdout).unwrap();
+    let vl_help = help(Command::new(env!("CARGO_BIN_EXE_vl")).args(["serve", "--help"]));
+    let router_help = help(Command::new(&python).args(["-m", "vllm_router.launch_router", "--help"]));
+    let mut checked = 0;
+    for line in String::from_utf8(out.stdout).unwrap().lines() {
+        let c: Value = serde_json::from_str(line).unwrap();
+        let help = if c["name"] == "vl" { &vl_help } else { &router_help };
+        for w in c["words"].as_array().unwrap().iter().filter_map(Value::as_str).filter(|w| w.starts_with("--")) {
+            assert!(
+                help.contains(&format!("{w} ")) || help.contains(&format!("{w}\n")),
+                "{}: {w} is not a flag",
+                c["name"]
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 15, "{checked} flags checked");
+}
