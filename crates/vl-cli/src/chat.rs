@@ -116,7 +116,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let options = args.sampling.options()?;
     let dev = args.load.model.device()?;
     let dtype = args.load.model.dtype(&dev);
-    let dir = crate::hub::resolve(&args.load.model.model)?;
+    let dir = vl_models::hub::resolve(&args.load.model.model)?;
     let limits = args.load.limits.image_limits();
     let video = args.load.media.video_options()?;
     let quant = args.load.model.quant_of(&dir, dtype)?;

@@ -3,7 +3,6 @@
 mod chat;
 mod flags;
 mod help;
-mod hub;
 mod models;
 mod pool;
 mod reasoning;
@@ -148,7 +147,7 @@ fn main() -> ExitCode {
         Command::Embed(args) => pool::embed(args),
         Command::Rerank(args) => pool::rerank(args),
         Command::Inspect { model, mmproj, json } => {
-            hub::resolve_cached(&model).and_then(|dir| inspect(&dir, mmproj.as_deref(), json))
+            vl_models::hub::resolve_cached(&model).and_then(|dir| inspect(&dir, mmproj.as_deref(), json))
         }
         Command::Models { command } => models::run(command),
         Command::Quantize { model, quantize, out, force } => quantize_cmd(&model, &quantize, &out, force),
@@ -215,7 +214,7 @@ fn quantize_cmd(model: &str, quantize: &str, out: &std::path::Path, force: bool)
         "q4k_m" => Recipe::Q4KM,
         other => anyhow::bail!("--quantize {other}: expected q4k, q5k, q6k, q8 or q4k_m"),
     };
-    let dir = hub::resolve(model)?;
+    let dir = vl_models::hub::resolve(model)?;
     let t = std::time::Instant::now();
     let mut n = 0usize;
     let w = vl_models::registry::quantize(&dir, recipe, out, force, &mut |_| n += 1)?;

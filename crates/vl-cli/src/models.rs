@@ -9,7 +9,7 @@ use anyhow::{bail, Result};
 use clap::Subcommand;
 use serde_json::{json, Value};
 
-use crate::hub::{self, is_gguf, is_mmproj, quant_of};
+use vl_models::hub::{self, is_gguf, is_mmproj, quant_of};
 
 #[derive(Subcommand)]
 pub enum ModelsCommand {

@@ -77,7 +77,7 @@ pub struct RerankArgs {
 fn engine(load: &LoadArgs) -> Result<Engine> {
     let dev = load.model.device()?;
     let dtype = load.model.dtype(&dev);
-    let dir = crate::hub::resolve(&load.model.model)?;
+    let dir = vl_models::hub::resolve(&load.model.model)?;
     let video = load.media.video_options()?;
     let quant = load.model.quant_of(&dir, dtype)?;
     let opts = EngineOptions { model: load.model_options(dev, dtype, quant, video), ..Default::default() };

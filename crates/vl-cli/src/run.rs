@@ -196,7 +196,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     let boxes_out = args.draw_boxes.as_deref().map(|p| BoxesOut::create(p, &inputs, args.force)).transpose()?;
     let dev = args.load.model.device()?;
     let dtype = args.load.model.dtype(&dev);
-    let dir = crate::hub::resolve(&args.load.model.model)?;
+    let dir = vl_models::hub::resolve(&args.load.model.model)?;
     let logits_out = args.logits_out.as_deref().map(LogitsOut::create).transpose()?;
     let limits = args.load.limits.image_limits();
     let gguf = vl_models::gguf::is_gguf(&dir);

@@ -179,7 +179,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let connections = connection_limits(&args)?;
     let dev = args.load.model.device()?;
     let dtype = args.load.model.dtype(&dev);
-    let dir = crate::hub::resolve(&args.load.model.model)?;
+    let dir = vl_models::hub::resolve(&args.load.model.model)?;
     let mut defaults = match args.sampling.as_str() {
         "greedy" => GenerationOptions::default(),
         "model" => model_sampling(&dir)?,

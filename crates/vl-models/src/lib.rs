@@ -54,6 +54,7 @@ pub mod engine;
 pub mod error;
 pub mod family;
 pub mod formats;
+pub mod hub;
 pub mod limits;
 pub mod media;
 pub mod progress;

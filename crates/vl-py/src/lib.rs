@@ -115,12 +115,24 @@ impl Engine {
         }
         let dir = MediaDir::new(std::path::Path::new(media_dir.unwrap_or("/")))
             .map_err(|e| RequestError_::new_err(format!("media_dir: {e}")))?;
-        let (model, mmproj) = (std::path::PathBuf::from(model), mmproj.map(std::path::PathBuf::from));
-        let engine = py
-            .detach(|| vl_models::engine::Engine::open(&model, mmproj.as_deref(), opts))
-            .map_err(|e| load_error(format!("{}: {e}", model.display())))?;
+        let mmproj = mmproj.map(std::path::PathBuf::from);
+        // A directory, a .gguf file, or a hub id (`Qwen/Qwen3-VL-2B-Instruct`, or
+        // `repo:Q4_K_M` for a GGUF pair): from the local Hugging Face cache, downloaded when
+        // absent, as `vl run --model` does.
+        let name = model.to_string();
+        let (model, engine) = py.detach(|| {
+            let dir = vl_models::hub::resolve(&name).map_err(|e| load_error(format!("{e:#}")))?;
+            let engine = vl_models::engine::Engine::open(&dir, mmproj.as_deref(), opts)
+                .map_err(|e| load_error(format!("{}: {e}", dir.display())))?;
+            Ok::<_, PyErr>((dir, engine))
+        })?;
         let config = ServerConfig {
-            id: model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "vl".into()),
+            // A hub id as given; a path by its last part.
+            id: if vl_models::hub::looks_like_hub_id(&name) && !std::path::Path::new(&name).exists() {
+                name.clone()
+            } else {
+                model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "vl".into())
+            },
             allowed_media_dir: Some(dir),
             remote_media: allow_remote_media.then(|| std::time::Duration::from_secs(20)),
             ..Default::default()

@@ -164,3 +164,24 @@ def test_embed_and_rerank_give_the_references_values():
     r = vl.Engine(GOLDENS / "tiny-rerank" / "checkpoint")
     (top,) = r.rerank(case["query"]["texts"][0], [case["document"]["texts"][0]])
     assert top["index"] == 0 and abs(top["relevance_score"] - case["score"]) <= 1e-3
+
+
+def test_a_hub_id_loads_from_the_local_cache(tmp_path, monkeypatch):
+    # A private Hugging Face cache holding tiny/qwen3-vl-a (links to tiny-a's files), laid out
+    # as huggingface_hub and hf-hub lay one out; offline, so nothing is fetched.
+    snap = tmp_path / "hub" / "models--tiny--qwen3-vl-a" / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("0123abcd")
+    for f in (GOLDENS / "tiny-a" / "checkpoint").iterdir():
+        (snap / f.name).symlink_to(f.resolve())
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    engine = vl.Engine("tiny/qwen3-vl-a", parallel=1)
+    r = engine.chat(ask(SQUARE), max_tokens=N)
+    assert r.text == WANT
+    assert r.raw["model"] == "tiny/qwen3-vl-a"
+    with pytest.raises(vl.VlError) as e:
+        vl.Engine("tiny/not-cached")
+    assert "tiny/not-cached is not in the local Hugging Face cache" in str(e.value)
+    assert "HF_HUB_OFFLINE is set" in str(e.value)

@@ -190,7 +190,10 @@ class Engine:
     """A model loaded for answering, resident until the object is dropped.
 
     ``model``: a checkpoint directory (safetensors), a GGUF file (with ``mmproj`` or an
-    ``mmproj*.gguf`` beside it) or a directory holding one. ``quantize``: ``None`` keeps the
+    ``mmproj*.gguf`` beside it) or a directory holding one, or a Hugging Face hub id
+    (``"Qwen/Qwen3-VL-2B-Instruct"``, or ``"repo:Q4_K_M"`` for a GGUF pair) taken from the local
+    Hugging Face cache and downloaded when absent (``HF_HUB_OFFLINE=1``: the cache only), as
+    ``vl run --model`` does. ``quantize``: ``None`` keeps the
     weights as stored; ``"q4k"``, ``"q5k"``, ``"q6k"`` or ``"q8"`` quantizes the text decoder at
     load. ``device``: ``"cpu"``, or ``"cuda"`` / ``"metal"`` in builds with those features.
     ``parallel``: sequences decoded together. ``kv_cache_mib``: the KV cache budget (default: a

@@ -201,7 +201,7 @@ fn cached(model: &str) -> Option<PathBuf> {
         return None;
     }
     if have(INDEX) {
-        let text = vl_models::limits::read_text(&dir.join(INDEX), vl_models::limits::MAX_METADATA_FILE_BYTES).ok()?;
+        let text = crate::limits::read_text(&dir.join(INDEX), crate::limits::MAX_METADATA_FILE_BYTES).ok()?;
         let index: serde_json::Value = serde_json::from_str(&text).ok()?;
         let shards = index["weight_map"].as_object()?;
         if !shards.values().filter_map(|v| v.as_str()).all(have) {
@@ -224,7 +224,7 @@ fn download(model: &str) -> Result<PathBuf> {
     }
     match repo.get(INDEX) {
         Ok(index) => {
-            let text = vl_models::limits::read_text(&index, vl_models::limits::MAX_METADATA_FILE_BYTES)?;
+            let text = crate::limits::read_text(&index, crate::limits::MAX_METADATA_FILE_BYTES)?;
             let v: serde_json::Value = serde_json::from_str(&text)?;
             let mut shards: Vec<&str> =
                 v["weight_map"].as_object().context("weight_map")?.values().filter_map(|s| s.as_str()).collect();
