@@ -198,7 +198,7 @@ fn three_replicas_behind_sglang_router_keep_conversations_on_their_prefix_and_su
 
 fn replicas_behind(kind: Kind) {
     let args = ["--parallel", "2"];
-    let mut replicas = vec![start("tiny-a", &args), start("tiny-a", &args), start("tiny-a", &args)];
+    let mut replicas = [start("tiny-a", &args), start("tiny-a", &args), start("tiny-a", &args)];
     let r = router(kind, &replicas.iter().collect::<Vec<_>>());
     let mut killed = String::new();
     let mut kill = |t: usize| {
