@@ -7,7 +7,8 @@
 //! request is answered (the router retries the killed replica's on the others), every later turn
 //! of a conversation whose replica lives is served from its prefix (its cached tokens cover the
 //! previous turn's prompt), every conversation is again from its fifth turn (the router rebuilds
-//! its ring at the fourth), and every answer equals a single server's.
+//! its ring at the fourth), every answer equals a single server's, and an answer streamed
+//! through the router (SSE) equals the whole one.
 
 mod common;
 
@@ -226,6 +227,25 @@ fn replicas_behind(kind: Kind) {
     };
     let routed = converse(&r.base, &mut kill, &|| r.log());
     assert_eq!(healthy_workers(&r).len(), 2, "{}", r.log());
+
+    // An answer streamed through the router (SSE) is the same answer, piece by piece.
+    let body = json!({"model": "tiny-a", "messages": [{"role": "user", "content": user_turn(0, 0)}],
+        "max_tokens": 24, "stream": true});
+    let sse = agent()
+        .post(&format!("{}/v1/chat/completions", r.base))
+        .set("Content-Type", "application/json")
+        .set("X-Session-ID", "conversation-0")
+        .send_string(&body.to_string())
+        .unwrap()
+        .into_string()
+        .unwrap();
+    let mut streamed = String::new();
+    for line in sse.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|l| *l != "[DONE]") {
+        let v: Value = serde_json::from_str(line).unwrap();
+        streamed.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+    }
+    assert!(sse.trim_end().ends_with("data: [DONE]"), "{kind:?}: {sse}");
+    assert_eq!(streamed, routed[0][0].0, "{kind:?}: the streamed answer differs from the whole one");
 
     // A single server's answers to the same conversations.
     let single = start("tiny-a", &[]);
