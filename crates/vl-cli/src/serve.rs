@@ -222,7 +222,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         Engine::open(&dir, args.load.model.mmproj.as_deref(), opts)
             .with_context(|| format!("model {}", dir.display()))?,
     );
-    let precision = if args.load.model.vision_bf16() { ", vision products on bf16 AMX tiles" } else { "" };
+    let precision = if args.load.model.vision_bf16() { ", vision products in bf16" } else { "" };
     note!("loaded {} in {:.1}s{precision}", dir.display(), t.elapsed().as_secs_f64());
     let config = ServerConfig {
         id,

@@ -124,7 +124,7 @@ fn json_output_and_logits_out() {
     assert!(d < 1e-3, "logits-out differs from the reference by {d}");
 }
 
-/// `--vision-precision bf16`: on a CPU with AMX, the answer's last logits stay within the bf16
+/// `--vision-precision bf16`: on a CPU with AMX or AVX512-BF16, the answer's last logits stay within the bf16
 /// path's bound of the reference (f32) and the JSON says which precision ran; elsewhere one clear
 /// line naming AMX-BF16. Non-f32 compute is refused on every CPU.
 #[test]

@@ -221,7 +221,7 @@ fn bf16_stored_weights_upcast_per_block_equal_the_f32_load_exactly() {
     assert_eq!(checkpoint("tiny-a").1.vision_float_dtype(), DType::F32);
 }
 
-/// `--vision-precision bf16`: every linear on bf16 products (AMX tiles). Its bound against the
+/// `--vision-precision bf16`: every linear on bf16 products (AMX tiles, or AVX512-BF16). Its bound against the
 /// reference's f32 intermediates, measured on these goldens (docs/parity.md): the largest
 /// difference over all probes and intermediates, relative to the intermediate's largest value.
 /// Without AMX the conversion is refused with a message that says so.
@@ -231,7 +231,7 @@ fn bf16_products_stay_within_their_bound_of_the_f32_reference() {
     for g in GEOMETRIES {
         let bf16 = tower(g, DType::F32).into_bf16_products();
         if !vl_nn::bf16::available() {
-            let e = bf16.expect_err("no AMX here: refused").to_string();
+            let e = bf16.expect_err("no AMX or AVX512-BF16 here: refused").to_string();
             assert!(e.contains("AMX-BF16"), "{e}");
             continue;
         }

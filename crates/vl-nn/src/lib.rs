@@ -33,9 +33,15 @@ pub mod stored_tiles;
 pub mod testing;
 
 /// The reduced-precision products (`--vision-precision bf16`): bf16 operands with f32 sums on
-/// AMX tiles.
+/// AMX tiles, or with AVX512-BF16's `vdpbf16ps` where there is no AMX (the dense products; the
+/// attention's then stay f32).
 pub mod bf16 {
-    pub use crate::cpu::amx_bf16 as available;
+    /// Whether this CPU runs them (AMX-BF16 tiles granted by the OS, or AVX512-BF16).
+    pub fn available() -> bool {
+        crate::amx::products_available()
+    }
+    /// Whether it runs them on AMX tiles (then the attention's products too, head dimension 64).
+    pub use crate::cpu::amx_bf16 as tiles;
 }
 
 pub use attention::{causal_gqa_attention, SegmentRotaryAttention};

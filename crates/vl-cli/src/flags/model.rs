@@ -36,9 +36,10 @@ pub enum DtypeArg {
 pub enum VisionPrecisionArg {
     /// f32 products: the reference's numbers (vision features within 1e-4 of the goldens).
     F32,
-    /// bf16 products with f32 sums on AMX tiles (Intel Xeon since Sapphire Rapids, Linux): the
-    /// linears and (head dimension 64) the attention's products; ~2.5x faster products,
-    /// features within the bound in docs/parity.md. Refused elsewhere.
+    /// bf16 products with f32 sums: on AMX tiles (Intel Xeon since Sapphire Rapids, Linux) the
+    /// linears and (head dimension 64) the attention's products, ~2.5x faster products; with
+    /// AVX512-BF16 and no AMX (AMD Zen 4 and later) the linears; features within the bound in
+    /// docs/parity.md. Refused elsewhere.
     Bf16,
 }
 
@@ -77,8 +78,8 @@ pub struct ModelArgs {
     /// Where to compute: cpu, or a GPU (metal, cuda: a build with that cargo feature).
     #[arg(long, value_enum, default_value = "cpu")]
     pub device: DeviceArg,
-    /// Precision of the vision tower's products (CPU, f32 compute): f32, or bf16 on AMX tiles
-    /// (faster images, reduced precision; docs/parity.md has its bound).
+    /// Precision of the vision tower's products (CPU, f32 compute): f32, or bf16 on AMX tiles or
+    /// AVX512-BF16 (faster images, reduced precision; docs/parity.md has its bound).
     #[arg(long, value_enum, default_value = "f32")]
     pub vision_precision: VisionPrecisionArg,
     /// Quantize the text decoder's linears, embeddings and lm_head at load (CPU decoding speed).

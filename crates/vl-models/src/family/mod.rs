@@ -55,9 +55,10 @@ pub struct ModelOptions {
     pub dtype: DType,
     pub device: Device,
     pub quant: Option<QuantType>,
-    /// Run the vision tower's linears (and, at head dimension 64, its attention products) on bf16
-    /// operands with f32 sums (AMX tiles; reduced precision, bound in
-    /// docs/parity.md) instead of f32. CPU, f32 compute, AMX-BF16 only: refused elsewhere.
+    /// Run the vision tower's linears (and, on AMX at head dimension 64, its attention products)
+    /// on bf16 operands with f32 sums (AMX tiles, or AVX512-BF16; reduced precision, bound in
+    /// docs/parity.md) instead of f32. CPU, f32 compute, AMX-BF16 or AVX512-BF16 only: refused
+    /// elsewhere.
     pub vision_bf16: bool,
     /// Server-wide image budget (defaults from preprocessor_config.json); a request may ask for
     /// less, never more.

@@ -640,7 +640,7 @@ fn check_vision_precision(opts: &ModelOptions) -> Result<()> {
     }
     if !vl_nn::bf16::available() {
         return refuse(
-            "needs AMX-BF16 tiles granted by Linux on x86_64 (Intel Xeon since Sapphire Rapids); this CPU or OS has none"
+            "needs AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake) or AMX-BF16 tiles granted by Linux (Intel Xeon since Sapphire Rapids) on x86_64; this CPU or OS has neither"
                 .into(),
         );
     }

@@ -150,8 +150,9 @@ impl VisionTower {
     }
 
     /// The tower with every linear (patch embedding, blocks, mergers) on bf16 products:
-    /// `vl_nn::bf16`, AMX tiles, weights rounded to bf16 here, activations at each product, f32
-    /// sums; at head dimension 64 the attention's two products too (its softmax in f32); norms,
+    /// `vl_nn::bf16` (AMX tiles, or AVX512-BF16), weights rounded to bf16 here, activations at
+    /// each product, f32 sums; on AMX at head dimension 64 the attention's two products too (its
+    /// softmax in f32); norms,
     /// GELU and residuals stay f32. For f32 compute on a CPU whose
     /// `vl_nn::bf16::available()`; an error saying what is missing otherwise. Converted block by
     /// block, each original dropped as its copy is made (the transient is one block).

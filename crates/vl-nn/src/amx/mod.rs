@@ -1,5 +1,7 @@
 //! Dense products (and the segment attention's two products) with bf16 operands and f32 sums on AMX tiles (x86_64 CPUs with AMX-BF16:
-//! Intel Xeon since Sapphire Rapids), for the reduced-precision path (`--vision-precision bf16`).
+//! Intel Xeon since Sapphire Rapids), for the reduced-precision path (`--vision-precision bf16`);
+//! on CPUs with AVX512-BF16 and no AMX (AMD Zen 4 and Zen 5), the dense products with
+//! `vdpbf16ps` on the same operands (`dpbf16`) and the attention in f32.
 //!
 //! The weights are rounded to bf16 once, at load, and each call's activations as they are packed
 //! (both round to nearest even, as torch's `.to(torch.bfloat16)`); the tiles multiply the bf16
@@ -34,6 +36,7 @@
 pub(crate) mod attention;
 #[cfg(target_arch = "x86_64")]
 mod config;
+pub(crate) mod dpbf16;
 #[cfg(target_arch = "x86_64")]
 mod matmul;
 mod pack;
@@ -42,6 +45,39 @@ pub(crate) use crate::cpu::amx_bf16 as available;
 #[cfg(target_arch = "x86_64")]
 pub(crate) use matmul::tile;
 pub(crate) use pack::{pack_rows, pack_weights_t, packed_weight_shape};
+
+/// Whether this CPU runs the dense bf16 products: on AMX tiles, else with AVX512-BF16's
+/// `vdpbf16ps` (`dpbf16`; the same operands, products and f32 sums).
+pub(crate) fn products_available() -> bool {
+    available() || dpbf16::available()
+}
+
+/// A dense product's output tile (`matmul::tile`'s contract) on AMX where the CPU has it, else
+/// with `vdpbf16ps`.
+///
+/// # Safety
+/// `products_available()`, and `matmul::tile`'s other conditions.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn product_tile(
+    rows: &[u16],
+    k: usize,
+    panels: &[u32],
+    n: usize,
+    bias: Option<&[f32]>,
+    y: *mut f32,
+    r: (usize, usize),
+    c: (usize, usize),
+) {
+    // SAFETY: the caller's contract; each kernel checks its own operands' sizes.
+    unsafe {
+        if available() {
+            tile(rows, k, panels, n, bias, y, r, c)
+        } else {
+            dpbf16::tile(rows, k, panels, n, bias, y, r, c)
+        }
+    }
+}
 
 /// Output columns per panel: two 16-column tiles.
 pub(crate) const NR: usize = 32;

@@ -69,15 +69,16 @@ impl Dense {
 
     /// The same layer computing with bf16 operands (`amx`): the weights rounded to bf16
     /// once, here, the activations at each call, sums in f32; the bias stays f32. For CPU f32
-    /// compute on CPUs where `amx::available()` (AMX); elsewhere an error naming what is missing.
+    /// compute on CPUs where `amx::products_available()` (AMX tiles, else AVX512-BF16); elsewhere
+    /// an error naming what is missing.
     pub fn to_bf16(&self) -> Result<Self> {
         if self.bf16 {
             return Ok(self.clone());
         }
         let unsupported = |why: &str| Error::Unsupported(format!("bf16 products: {why}"));
-        if !crate::amx::available() {
+        if !crate::amx::products_available() {
             return Err(unsupported(
-                "they need AMX-BF16 tiles granted by Linux on x86_64 (Intel Xeon since Sapphire Rapids); this CPU or OS has none",
+                "they need AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake) or AMX-BF16 tiles granted by Linux (Intel Xeon since Sapphire Rapids) on x86_64; this CPU or OS has neither",
             ));
         }
         if !self.w.device().is_cpu() {
@@ -211,7 +212,7 @@ impl Dense {
         if !all_f32
             || x.rank() == 0
             || (self.panels && !crate::panels::available())
-            || (self.bf16 && !crate::amx::available())
+            || (self.bf16 && !crate::amx::products_available())
         {
             return Ok(None);
         }
@@ -300,11 +301,20 @@ impl Dense {
                 let mut packed = Vec::new();
                 crate::amx::pack_rows(xs, m, k, &mut packed);
                 for_each_tile(m, n, bf16_tiles(m, n, threads), |(r0, r1), (c0, c1)| {
-                    // SAFETY: `amx::available()` checked above; this item owns rows r0..r1
+                    // SAFETY: `amx::products_available()` checked above; this item owns rows r0..r1
                     // (r0 a multiple of the group), columns c0..c1 (c0 of the panel) of the
                     // m x n output; the packed rows and panels cover m rows and n columns.
                     unsafe {
-                        crate::amx::tile(&packed, k, wp, n, bias_row.as_deref(), out_ptr.get(), (r0, r1), (c0, c1))
+                        crate::amx::product_tile(
+                            &packed,
+                            k,
+                            wp,
+                            n,
+                            bias_row.as_deref(),
+                            out_ptr.get(),
+                            (r0, r1),
+                            (c0, c1),
+                        )
                     };
                     finish((r0, r1), (c0, c1));
                 });
@@ -653,9 +663,9 @@ mod tests {
         let w = crate::testing::randn(131, 0.1, (n, k)).unwrap();
         let b = crate::testing::randn(132, 1.0, n).unwrap();
         let dense = Dense::from_linear(&Linear::new(w.clone(), Some(b.clone()))).unwrap().to_bf16();
-        if !crate::amx::available() {
+        if !crate::amx::products_available() {
             let e = dense.unwrap_err().to_string();
-            assert!(e.contains("AMX-BF16"), "{e}");
+            assert!(e.contains("AVX512-BF16") && e.contains("AMX-BF16"), "{e}");
             return;
         }
         let dense = dense.unwrap();
