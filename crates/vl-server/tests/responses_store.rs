@@ -37,6 +37,12 @@ fn previous_response_id_continues_the_stored_conversation() {
     assert_eq!(status, 200, "{a}");
     assert_eq!(a["store"], true, "stored by default: {a}");
     let id = a["id"].as_str().unwrap().to_string();
+    // Unguessable: 128 bits in hex, not a counter (one API key reads every stored response).
+    let hex = id.strip_prefix("resp_").unwrap();
+    assert!(hex.len() == 32 && hex.chars().all(|c| c.is_ascii_hexdigit()), "{id}");
+    for guess in ["resp_1", "resp_0", "resp_2"] {
+        assert_eq!(get(&s, &format!("/v1/responses/{guess}")).0, 404);
+    }
     // Read back as it was answered.
     let (status, got) = get(&s, &format!("/v1/responses/{id}"));
     assert_eq!((status, &got), (200, &a));

@@ -108,7 +108,7 @@ fn keep(app: &App, echo: &Echo, ids: &Ids, c: &Completion, r: &mut Value) {
     }
     let mut messages = echo.history.clone();
     messages.push(super::store::assistant_message(c, |i| format!("call_{}_{i}", ids.n)));
-    let kept = app.responses.put(ids.n, super::store::Stored { response: r.clone(), messages });
+    let kept = app.responses.put(&ids.response, super::store::Stored { response: r.clone(), messages });
     if !kept {
         r["store"] = json!(false);
     }
@@ -156,7 +156,8 @@ pub(crate) async fn answer(
     started: Instant,
     n: u64,
 ) -> Result<Response, ApiError> {
-    let ids = Ids { response: format!("resp_{n}"), n };
+    // Unguessable: a stored response is read by its id alone (one `--api-key` for all clients).
+    let ids = Ids { response: super::store::new_id(), n };
     let created = now();
     if !stream {
         let mut msg = first;

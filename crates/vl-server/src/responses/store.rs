@@ -1,6 +1,6 @@
 //! Stored responses (`store`, on by default as OpenAI's is): each response object and the
 //! conversation it ended (its input after `instructions`, then its answer as an assistant
-//! message), by response number, in memory, bounded by bytes, least recently used out first
+//! message), by response id (128 random bits: unguessable), in memory, bounded by bytes, least recently used out first
 //! (`ServerConfig::responses_store_bytes`). `previous_response_id` continues a stored
 //! conversation; `GET` / `DELETE /v1/responses/{id}` read and remove one.
 
@@ -27,7 +27,7 @@ impl Stored {
 
 pub(crate) struct ResponseStore {
     limit: usize,
-    entries: Mutex<ByteLru<u64, Arc<Stored>>>,
+    entries: Mutex<ByteLru<u128, Arc<Stored>>>,
 }
 
 impl ResponseStore {
@@ -40,33 +40,40 @@ impl ResponseStore {
         self.limit > 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, ByteLru<u64, Arc<Stored>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ByteLru<u128, Arc<Stored>>> {
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Keeps `s` as response `n` when it fits the store; whether it was kept.
-    pub fn put(&self, n: u64, s: Stored) -> bool {
+    /// Keeps `s` as response `id` (one `new_id` made) when it fits the store; whether it was
+    /// kept.
+    pub fn put(&self, id: &str, s: Stored) -> bool {
         let size = s.bytes();
+        let Some(key) = key(id) else { return false };
         if size > self.limit {
             return false;
         }
-        self.lock().put(n, Arc::new(s), size);
+        self.lock().put(key, Arc::new(s), size);
         true
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<Stored>> {
-        let n = number(id)?;
-        self.lock().get(&n)
+        self.lock().get(&key(id)?)
     }
 
     pub fn remove(&self, id: &str) -> bool {
-        number(id).is_some_and(|n| self.lock().remove(&n).is_some())
+        key(id).is_some_and(|k| self.lock().remove(&k).is_some())
     }
 }
 
-/// The number of a response id `resp_N`.
-fn number(id: &str) -> Option<u64> {
-    id.strip_prefix("resp_")?.parse().ok()
+/// A new response id: `resp_` and 128 random bits in hex (the thread's CSPRNG).
+pub(crate) fn new_id() -> String {
+    format!("resp_{:032x}", rand::random::<u128>())
+}
+
+/// The 128 bits of a response id made by `new_id`.
+fn key(id: &str) -> Option<u128> {
+    let hex = id.strip_prefix("resp_").filter(|h| h.len() == 32)?;
+    u128::from_str_radix(hex, 16).ok()
 }
 
 /// An answer as the assistant message a later turn's template sees.
