@@ -12,7 +12,7 @@ use serde_json::Value;
 
 /// llama-server's samplers, named as it names them: chat completions and `/v1/responses` take
 /// them, and the engine's errors about them name them.
-pub(crate) const LLAMA_SAMPLERS: [&str; 8] = [
+pub(crate) const LLAMA_SAMPLERS: [&str; 11] = [
     "top_n_sigma",
     "xtc_probability",
     "xtc_threshold",
@@ -21,6 +21,9 @@ pub(crate) const LLAMA_SAMPLERS: [&str; 8] = [
     "dry_allowed_length",
     "dry_penalty_last_n",
     "dry_sequence_breakers",
+    "mirostat",
+    "mirostat_tau",
+    "mirostat_eta",
 ];
 
 /// `POST /v1/chat/completions`.
@@ -49,6 +52,10 @@ pub struct ChatCompletionRequest {
     pub dry_allowed_length: Option<u64>,
     pub dry_penalty_last_n: Option<i64>,
     pub dry_sequence_breakers: Option<Vec<String>>,
+    /// llama-server's mirostat (0 off, 1, 2) with its target surprise and learning rate.
+    pub mirostat: Option<u64>,
+    pub mirostat_tau: Option<f64>,
+    pub mirostat_eta: Option<f64>,
     /// Any 64-bit integer, signed or not.
     pub seed: Option<Seed>,
     pub stop: Option<Stop>,

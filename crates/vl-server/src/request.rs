@@ -219,6 +219,34 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
     if let Some(b) = v.dry_sequence_breakers {
         o.dry_sequence_breakers = b;
     }
+    if let Some(m) = v.mirostat {
+        o.mirostat = u8::try_from(m).unwrap_or(u8::MAX);
+    }
+    if let Some(t) = v.mirostat_tau {
+        o.mirostat_tau = t;
+    }
+    if let Some(e) = v.mirostat_eta {
+        o.mirostat_eta = e;
+    }
+    if o.mirostat != 0 {
+        // Mirostat cuts the candidates itself: a truncation sampler the client set is refused
+        // (by `validate`, naming it), the server's defaults for them are dropped.
+        if v.top_k.is_none_or(|k| k == -1) {
+            o.top_k = 0;
+        }
+        if v.top_p.is_none() {
+            o.top_p = 1.0;
+        }
+        if v.min_p.is_none() {
+            o.min_p = 0.0;
+        }
+        if v.top_n_sigma.is_none() {
+            o.top_n_sigma = 0.0;
+        }
+        if v.xtc_probability.is_none() {
+            o.xtc_probability = 0.0;
+        }
+    }
     if let Some(s) = &v.seed {
         o.seed = s.value();
     }

@@ -215,6 +215,55 @@ fn top_n_sigma_and_xtc_are_taken_by_their_llama_server_names() {
 /// reference's greedy answer (which repeats itself), a seeded DRY answer is the same twice, and
 /// a value out of range is a 400 naming the field.
 #[test]
+fn mirostat_is_taken_by_its_llama_server_names() {
+    // A server whose defaults sample with top-k and top-p (as `--sampling model` sets them):
+    // mirostat drops them unless the request sets one, which is refused by name.
+    let defaults = vl_models::sampling::GenerationOptions { top_k: 20, top_p: 0.8, ..Default::default() };
+    let s = Server::start(ServerConfig { defaults, ..ServerConfig::default() });
+    let want = golden();
+    // At a target of 0.01 bits of surprise only the likeliest token is a candidate: the
+    // reference's greedy answer, at temperature 1; the same request without mirostat samples
+    // something else.
+    let mut body = one_image(want.tokens);
+    body["temperature"] = json!(1.0);
+    body["seed"] = json!(11);
+    let (status, v) = post(&s, "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_ne!(v["choices"][0]["message"]["content"], want.text.as_str(), "{v}");
+    body["mirostat"] = json!(2);
+    body["mirostat_tau"] = json!(0.01);
+    body["mirostat_eta"] = json!(0.01);
+    let (status, v) = post(&s, "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want.text.as_str(), "{v}");
+
+    let mut body = one_image(8);
+    body["temperature"] = json!(1.0);
+    body["seed"] = json!(11);
+    body["mirostat"] = json!(2);
+    body["mirostat_tau"] = json!(4.0);
+    body["mirostat_eta"] = json!(0.2);
+    let first = post(&s, "/v1/chat/completions", &body);
+    assert_eq!(first.0, 200, "{}", first.1);
+    // Seeded: the same answer again.
+    assert_eq!(post(&s, "/v1/chat/completions", &body).1["choices"], first.1["choices"]);
+    // Mirostat 1 as well.
+    body["mirostat"] = json!(1);
+    assert_eq!(post(&s, "/v1/chat/completions", &body).0, 200);
+    for (field, value, param) in [
+        ("top_p", json!(0.9), "mirostat"),
+        ("mirostat", json!(3), "mirostat"),
+        ("mirostat_tau", json!(0.0), "mirostat_tau"),
+        ("mirostat_eta", json!(1.5), "mirostat_eta"),
+    ] {
+        let mut body = body.clone();
+        body[field] = value;
+        let (status, v) = post(&s, "/v1/chat/completions", &body);
+        assert_eq!((status, &v["error"]["param"]), (400, &json!(param)), "{field}: {v}");
+    }
+}
+
+#[test]
 fn dry_is_taken_by_its_llama_server_names() {
     let s = Server::start(ServerConfig::default());
     let want = golden();

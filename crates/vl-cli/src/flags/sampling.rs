@@ -73,6 +73,16 @@ pub struct SamplingArgs<D: Defaults> {
     /// XTC's probability threshold, in (0, 1].
     #[arg(long, default_value_t = 0.1, value_name = "P")]
     pub xtc_threshold: f64,
+    /// llama.cpp's mirostat: 0 off, 1 (Mirostat), 2 (Mirostat 2.0); it replaces top-k, top-p,
+    /// min-p, top-n-sigma and XTC (which must be off), with --temperature above 0.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub mirostat: u8,
+    /// Mirostat's target surprise, in bits.
+    #[arg(long, default_value_t = 5.0, value_name = "TAU")]
+    pub mirostat_tau: f64,
+    /// Mirostat's learning rate, in (0, 1].
+    #[arg(long, default_value_t = 0.1, value_name = "ETA")]
+    pub mirostat_eta: f64,
     /// llama.cpp's DRY: a token that would extend a repetition of the prompt and answer longer
     /// than --dry-allowed-length has its logit lowered by this times --dry-base to the power of
     /// the excess (0 = off).
@@ -115,6 +125,9 @@ impl<D: Defaults> SamplingArgs<D> {
             top_n_sigma: self.top_n_sigma,
             xtc_probability: self.xtc_probability,
             xtc_threshold: self.xtc_threshold,
+            mirostat: self.mirostat,
+            mirostat_tau: self.mirostat_tau,
+            mirostat_eta: self.mirostat_eta,
             dry_multiplier: self.dry_multiplier,
             dry_base: self.dry_base,
             dry_allowed_length: self.dry_allowed_length,

@@ -46,6 +46,13 @@ pub struct GenerationOptions {
     /// OpenAI's: subtracted per occurrence in the generated tokens (0 = off, in [-2, 2]).
     pub frequency_penalty: f64,
     pub seed: u64,
+    /// llama.cpp's mirostat: 0 off, 1 (Mirostat), 2 (Mirostat 2.0). On, it replaces the
+    /// truncation samplers (top-k, top-p, min-p, top-n-sigma, XTC must be off): after the
+    /// temperature, the candidates are cut to a surprise that tracks `mirostat_tau` (bits) at
+    /// the learning rate `mirostat_eta`. Penalties, DRY, logit_bias and masks apply before.
+    pub mirostat: u8,
+    pub mirostat_tau: f64,
+    pub mirostat_eta: f64,
     /// Generation stops after emitting one of these.
     pub eos_token_ids: Vec<u32>,
     /// Generation goes on past end-of-sequence tokens, to `max_new_tokens` or a stop string
@@ -118,6 +125,9 @@ impl Default for GenerationOptions {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: 0,
+            mirostat: 0,
+            mirostat_tau: 5.0,
+            mirostat_eta: 0.1,
             eos_token_ids: vec![],
             ignore_eos: false,
             logit_bias: vec![],
@@ -199,6 +209,30 @@ impl GenerationOptions {
                         format!("breaker {i} has {n} characters: each has 1 to {MAX_BREAKER_CHARS}"),
                     );
                 }
+            }
+        }
+        if self.mirostat > 2 {
+            return bad("mirostat", format!("{} must be 0 (off), 1 or 2", self.mirostat));
+        }
+        if !(self.mirostat_tau.is_finite() && self.mirostat_tau > 0.0 && self.mirostat_tau <= 100.0) {
+            return bad("mirostat_tau", format!("{} must be in (0, 100] (bits of surprise)", self.mirostat_tau));
+        }
+        if !(self.mirostat_eta.is_finite() && self.mirostat_eta > 0.0 && self.mirostat_eta <= 1.0) {
+            return bad("mirostat_eta", format!("{} must be in (0, 1]", self.mirostat_eta));
+        }
+        if self.mirostat != 0 {
+            let on = [
+                ("top_k", self.top_k != 0),
+                ("top_p", self.top_p != 1.0),
+                ("min_p", self.min_p != 0.0),
+                ("top_n_sigma", self.top_n_sigma != 0.0),
+                ("xtc_probability", self.xtc_probability != 0.0),
+            ];
+            if let Some((name, _)) = on.iter().find(|(_, on)| *on) {
+                return bad(
+                    "mirostat",
+                    format!("does not combine with {name} (mirostat cuts the candidates itself, as llama.cpp's does): leave {name} off"),
+                );
             }
         }
         if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
@@ -362,6 +396,66 @@ fn sample_processed(mut l: Vec<f32>, opts: &GenerationOptions, rng: &mut StdRng)
     *idx.last().unwrap() as u32
 }
 
+/// Candidates that were left after mirostat's cut at most (llama.cpp's `m` for Mirostat 1's
+/// estimate of the distribution's exponent).
+const MIROSTAT_M: usize = 100;
+
+/// llama.cpp's mirostat after the penalties: the temperature, the candidates sorted and
+/// normalized, cut (Mirostat 1: to the top k that its Zipf estimate gives for the target surprise
+/// `mu`; Mirostat 2: to those whose surprise, -log2 p, is at most `mu`; at least one), the draw
+/// from the renormalized rest, then `mu` moved by eta times the picked token's surprise minus tau.
+fn mirostat(mut l: Vec<f32>, opts: &GenerationOptions, mu: &mut f64, rng: &mut StdRng) -> u32 {
+    if opts.temperature < GREEDY_BELOW {
+        return argmax(&l);
+    }
+    let t = opts.temperature as f32;
+    l.iter_mut().for_each(|x| *x /= t);
+    let mut idx: Vec<usize> = (0..l.len()).filter(|&i| l[i] > f32::NEG_INFINITY).collect();
+    if idx.is_empty() {
+        return argmax(&l);
+    }
+    idx.sort_unstable_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+    let normalized = |idx: &[usize]| {
+        let max = l[idx[0]];
+        let p: Vec<f64> = idx.iter().map(|&i| ((l[i] - max) as f64).exp()).collect();
+        let total: f64 = p.iter().sum();
+        p.into_iter().map(|x| x / total).collect::<Vec<f64>>()
+    };
+    let p = normalized(&idx);
+    let keep = if opts.mirostat == 1 {
+        let (mut tb, mut tt) = (0.0, 0.0);
+        for i in 0..(MIROSTAT_M - 1).min(p.len() - 1) {
+            let ti = ((i + 2) as f64 / (i + 1) as f64).ln();
+            let bi = (p[i] / p[i + 1]).ln();
+            tb += ti * bi;
+            tt += ti * ti;
+        }
+        let s = tb / tt;
+        let eps = s - 1.0;
+        let k = ((eps * 2f64.powf(*mu)) / (1.0 - (l.len() as f64).powf(-eps))).powf(1.0 / s);
+        if k.is_finite() {
+            k as usize
+        } else {
+            1
+        }
+    } else {
+        p.iter().take_while(|&&x| -x.log2() <= *mu).count()
+    };
+    idx.truncate(keep.clamp(1, idx.len()));
+    let p = normalized(&idx);
+    let mut r = rng.random::<f64>();
+    let mut k = p.len() - 1;
+    for (j, x) in p.iter().enumerate() {
+        r -= x;
+        if r <= 0.0 {
+            k = j;
+            break;
+        }
+    }
+    *mu -= opts.mirostat_eta * (-p[k].log2() - opts.mirostat_tau);
+    idx[k] as u32
+}
+
 fn argmax(l: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in l.iter().enumerate() {
@@ -384,12 +478,15 @@ pub struct TokenPicker {
     generated: Vec<u32>,
     /// DRY's breakers, when DRY is on.
     dry: Option<std::sync::Arc<crate::decoding::dry::Breakers>>,
+    /// Mirostat's target surprise now (2 tau at the start).
+    mu: f64,
 }
 
 impl TokenPicker {
     pub fn new(opts: GenerationOptions, prompt: &[u32]) -> Self {
         let rng = StdRng::seed_from_u64(opts.seed);
-        Self { opts, rng, seen: prompt.to_vec(), generated: Vec::new(), last: None, dry: None }
+        let mu = 2.0 * opts.mirostat_tau;
+        Self { opts, rng, seen: prompt.to_vec(), generated: Vec::new(), last: None, dry: None, mu }
     }
 
     /// DRY on (when the options enable it), with the breakers of its options as tokens.
@@ -422,14 +519,21 @@ impl TokenPicker {
         if let Some(b) = &self.dry {
             crate::decoding::dry::apply(&mut logits, &self.seen, &self.opts.dry(), b);
         }
+        let draw = |l: Vec<f32>, me: &mut Self| {
+            if me.opts.mirostat != 0 {
+                mirostat(l, &me.opts, &mut me.mu, &mut me.rng)
+            } else {
+                sample_processed(l, &me.opts, &mut me.rng)
+            }
+        };
         let next = match self.opts.logprobs {
             Some(top) => {
                 // The distribution before temperature and truncation: the sampler gets a copy.
-                let next = sample_processed(logits.clone(), &self.opts, &mut self.rng);
+                let next = draw(logits.clone(), self);
                 self.last = Some(logprob_of(&logits, next, top));
                 next
             }
-            None => sample_processed(logits, &self.opts, &mut self.rng),
+            None => draw(logits, self),
         };
         self.generated.push(next);
         self.seen.push(next);
@@ -604,5 +708,57 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(1);
         let o = GenerationOptions { top_p: 0.7, ..opts() };
         assert!((0..100).all(|_| sample(&l, &[], &o, &mut rng) == 1));
+    }
+
+    #[test]
+    fn mirostat_2_cuts_at_its_target_surprise_and_moves_it() {
+        // p = 1/2, 1/4, 1/8, 1/8: surprises 1, 2, 3, 3 bits. tau 0.75: mu starts at 1.5, so
+        // only the first token is a candidate; each pick's surprise (0 after the cut) moves mu
+        // up by eta x 0.75 = 0.075, and at the 8th pick (mu 2.025 >= 2) the second one joins.
+        let logits: Vec<f32> = [0.5f32, 0.25, 0.125, 0.125].iter().map(|p| p.ln()).collect();
+        let o = GenerationOptions { temperature: 1.0, mirostat: 2, mirostat_tau: 0.75, ..opts() };
+        o.validate().unwrap();
+        let mut picker = TokenPicker::new(o, &[]);
+        for step in 0..7 {
+            assert_eq!(picker.pick(logits.clone()).unwrap(), 0, "step {step}");
+        }
+        assert!((picker.mu - 2.025).abs() < 1e-9, "{}", picker.mu);
+        let next = picker.pick(logits.clone()).unwrap();
+        // Renormalized over the two: 2/3 and 1/3.
+        let surprise = if next == 0 { -(2f64 / 3.0).log2() } else { -(1f64 / 3.0).log2() };
+        assert!(next < 2);
+        assert!((picker.mu - (2.025 - 0.1 * (surprise - 0.75))).abs() < 1e-9, "{}", picker.mu);
+    }
+
+    #[test]
+    fn mirostat_1_keeps_the_top_k_of_its_zipf_estimate() {
+        // p_i proportional to 1/(i+1)^2 over 1000 tokens: the estimated exponent is exactly 2,
+        // so k = (2^mu / (1 - 1000^-1))^(1/2). tau 0.1 (mu 0.2): k = 1.07, the first token, and
+        // mu moves to 0.2 + 0.1 x 0.1. tau 3 (mu 6): k = 8.004, the first pick among the top 8.
+        let logits: Vec<f32> = (0..1000).map(|i| -2.0 * ((i + 1) as f32).ln()).collect();
+        let o = GenerationOptions { temperature: 1.0, mirostat: 1, mirostat_tau: 0.1, ..opts() };
+        let mut picker = TokenPicker::new(o, &[]);
+        assert_eq!(picker.pick(logits.clone()).unwrap(), 0);
+        assert!((picker.mu - 0.21).abs() < 1e-9, "{}", picker.mu);
+        let mut firsts = std::collections::BTreeSet::new();
+        for seed in 0..50 {
+            let o = GenerationOptions { temperature: 1.0, mirostat: 1, mirostat_tau: 3.0, seed, ..opts() };
+            firsts.insert(TokenPicker::new(o, &[]).pick(logits.clone()).unwrap());
+        }
+        assert!(firsts.iter().all(|&t| t < 8) && firsts.len() > 1, "{firsts:?}");
+    }
+
+    #[test]
+    fn mirostat_is_refused_with_a_truncation_sampler_and_out_of_range() {
+        for (o, what) in [
+            (GenerationOptions { mirostat: 2, top_p: 0.9, ..opts() }, "top_p"),
+            (GenerationOptions { mirostat: 1, top_k: 20, ..opts() }, "top_k"),
+            (GenerationOptions { mirostat: 3, ..opts() }, "0 (off), 1 or 2"),
+            (GenerationOptions { mirostat: 2, mirostat_tau: 0.0, ..opts() }, "(0, 100]"),
+            (GenerationOptions { mirostat: 2, mirostat_eta: 2.0, ..opts() }, "(0, 1]"),
+        ] {
+            let e = o.validate().unwrap_err().to_string();
+            assert!(e.contains(what), "{e}");
+        }
     }
 }
