@@ -323,23 +323,32 @@ pub fn apply_repetition_penalty(l: &mut [f32], seen: &[u32], penalty: f64) {
     }
 }
 
-/// `sample` after the repetition penalty: temperature, top-n-sigma, top-k, top-p, min-p, XTC,
-/// the draw.
-fn sample_processed(mut l: Vec<f32>, opts: &GenerationOptions, rng: &mut StdRng) -> u32 {
+/// The logits divided by the temperature and the candidates' ids sorted by logit, descending
+/// (ties by id, for determinism; banned or masked tokens, -inf, are no candidates); or the
+/// argmax, where the temperature is greedy or nothing is a candidate.
+fn tempered(mut l: Vec<f32>, opts: &GenerationOptions) -> std::result::Result<(Vec<f32>, Vec<usize>), u32> {
     // Below GREEDY_BELOW the division overflows f32 (1e-300 is 0 in f32): greedy, as vLLM does
     // under its 1e-5.
     if opts.temperature < GREEDY_BELOW {
-        return argmax(&l);
+        return Err(argmax(&l));
     }
     let t = opts.temperature as f32;
     l.iter_mut().for_each(|x| *x /= t);
-    // Candidates sorted by logit, descending (ties by id, for determinism); banned or masked
-    // tokens (-inf) are no candidates.
     let mut idx: Vec<usize> = (0..l.len()).filter(|&i| l[i] > f32::NEG_INFINITY).collect();
     if idx.is_empty() {
-        return argmax(&l);
+        return Err(argmax(&l));
     }
     idx.sort_unstable_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+    Ok((l, idx))
+}
+
+/// `sample` after the repetition penalty: temperature, top-n-sigma, top-k, top-p, min-p, XTC,
+/// the draw.
+fn sample_processed(l: Vec<f32>, opts: &GenerationOptions, rng: &mut StdRng) -> u32 {
+    let (l, mut idx) = match tempered(l, opts) {
+        Ok(c) => c,
+        Err(greedy) => return greedy,
+    };
     if opts.top_n_sigma > 0.0 {
         // Over the candidates' (tempered) logits: the set is the same at any temperature.
         let n = idx.len() as f64;
@@ -404,17 +413,11 @@ const MIROSTAT_M: usize = 100;
 /// normalized, cut (Mirostat 1: to the top k that its Zipf estimate gives for the target surprise
 /// `mu`; Mirostat 2: to those whose surprise, -log2 p, is at most `mu`; at least one), the draw
 /// from the renormalized rest, then `mu` moved by eta times the picked token's surprise minus tau.
-fn mirostat(mut l: Vec<f32>, opts: &GenerationOptions, mu: &mut f64, rng: &mut StdRng) -> u32 {
-    if opts.temperature < GREEDY_BELOW {
-        return argmax(&l);
-    }
-    let t = opts.temperature as f32;
-    l.iter_mut().for_each(|x| *x /= t);
-    let mut idx: Vec<usize> = (0..l.len()).filter(|&i| l[i] > f32::NEG_INFINITY).collect();
-    if idx.is_empty() {
-        return argmax(&l);
-    }
-    idx.sort_unstable_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+fn mirostat(l: Vec<f32>, opts: &GenerationOptions, mu: &mut f64, rng: &mut StdRng) -> u32 {
+    let (l, mut idx) = match tempered(l, opts) {
+        Ok(c) => c,
+        Err(greedy) => return greedy,
+    };
     let normalized = |idx: &[usize]| {
         let max = l[idx[0]];
         let p: Vec<f64> = idx.iter().map(|&i| ((l[i] - max) as f64).exp()).collect();
