@@ -101,7 +101,7 @@ pub struct ChatCompletionRequest {
     pub no_stop_trim: Option<bool>,
     /// vLLM's and SGLang's decoding switches, which their routers (vllm-router, sglang-router)
     /// write into every request they forward: accepted at the value that is this server's
-    /// behaviour (`ROUTER_DEFAULTS`), refused at any other by `check_supported`.
+    /// behaviour, refused at any other by `check_supported`.
     pub skip_special_tokens: Option<bool>,
     /// vLLM's: how special tokens are joined when written, which they never are here
     /// (`skip_special_tokens: true`): either value gives the same answer, so both are accepted.
@@ -230,31 +230,7 @@ pub struct FunctionIn {
     pub arguments: Option<Value>,
 }
 
-/// The peers' decoding switches this server accepts at one value only: what it does.
-pub(crate) const ROUTER_DEFAULTS: [(&str, bool, &str); 7] = [
-    ("skip_special_tokens", true, "special tokens are never written into the answer's text"),
-    ("add_generation_prompt", true, "the assistant's turn is always opened after the messages"),
-    ("continue_final_message", false, "the answer is always a new assistant turn"),
-    ("separate_reasoning", true, "a reasoning block is always answered apart (`reasoning_content`)"),
-    ("stream_reasoning", true, "a reasoning block is always streamed as it is written"),
-    ("include_reasoning", true, "a reasoning block is always answered (`reasoning_content`)"),
-    ("return_hidden_states", false, "hidden states are not returned (use /v1/embeddings)"),
-];
-
 impl ChatCompletionRequest {
-    /// The value of each of `ROUTER_DEFAULTS`' switches the client sent.
-    fn router_switches(&self) -> [Option<bool>; 7] {
-        [
-            self.skip_special_tokens,
-            self.add_generation_prompt,
-            self.continue_final_message,
-            self.separate_reasoning,
-            self.stream_reasoning,
-            self.include_reasoning,
-            self.return_hidden_states,
-        ]
-    }
-
     /// The first field asked of this server that it does not implement, as a message naming it.
     pub fn check_supported(&self) -> Option<String> {
         let present = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
@@ -288,8 +264,42 @@ impl ChatCompletionRequest {
         if let Some(v) = self.verbosity.as_deref().filter(|v| *v != "medium") {
             return Some(format!("`verbosity` = {v:?} is not supported: only \"medium\" (the default) is"));
         }
-        for ((name, only, why), sent) in ROUTER_DEFAULTS.iter().zip(self.router_switches()) {
-            if sent.is_some_and(|b| b != *only) {
+        // The peers' decoding switches accepted at one value only: what this server does.
+        for (name, sent, only, why) in [
+            (
+                "skip_special_tokens",
+                self.skip_special_tokens,
+                true,
+                "special tokens are never written into the answer's text",
+            ),
+            (
+                "add_generation_prompt",
+                self.add_generation_prompt,
+                true,
+                "the assistant's turn is always opened after the messages",
+            ),
+            ("continue_final_message", self.continue_final_message, false, "the answer is always a new assistant turn"),
+            (
+                "separate_reasoning",
+                self.separate_reasoning,
+                true,
+                "a reasoning block is always answered apart (`reasoning_content`)",
+            ),
+            ("stream_reasoning", self.stream_reasoning, true, "a reasoning block is always streamed as it is written"),
+            (
+                "include_reasoning",
+                self.include_reasoning,
+                true,
+                "a reasoning block is always answered (`reasoning_content`)",
+            ),
+            (
+                "return_hidden_states",
+                self.return_hidden_states,
+                false,
+                "hidden states are not returned (use /v1/embeddings)",
+            ),
+        ] {
+            if sent.is_some_and(|b| b != only) {
                 return Some(format!("`{name}` = {} is not supported: only {only} is ({why})", !only));
             }
         }

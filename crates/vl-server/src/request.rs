@@ -220,7 +220,10 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
         o.dry_sequence_breakers = b;
     }
     if let Some(m) = v.mirostat {
-        o.mirostat = u8::try_from(m).unwrap_or(u8::MAX);
+        o.mirostat = u8::try_from(m)
+            .ok()
+            .filter(|&m| m <= 2)
+            .ok_or_else(|| ApiError::bad_at("mirostat", format!("`mirostat` = {m} must be 0 (off), 1 or 2")))?;
     }
     if let Some(t) = v.mirostat_tau {
         o.mirostat_tau = t;

@@ -6,6 +6,7 @@
 pub mod constraint;
 pub mod dry;
 pub mod grounding;
+pub mod mirostat;
 pub mod reasoning;
 pub mod sampling;
 pub mod stream;

@@ -405,60 +405,6 @@ fn sample_processed(l: Vec<f32>, opts: &GenerationOptions, rng: &mut StdRng) -> 
     *idx.last().unwrap() as u32
 }
 
-/// Candidates that were left after mirostat's cut at most (llama.cpp's `m` for Mirostat 1's
-/// estimate of the distribution's exponent).
-const MIROSTAT_M: usize = 100;
-
-/// llama.cpp's mirostat after the penalties: the temperature, the candidates sorted and
-/// normalized, cut (Mirostat 1: to the top k that its Zipf estimate gives for the target surprise
-/// `mu`; Mirostat 2: to those whose surprise, -log2 p, is at most `mu`; at least one), the draw
-/// from the renormalized rest, then `mu` moved by eta times the picked token's surprise minus tau.
-fn mirostat(l: Vec<f32>, opts: &GenerationOptions, mu: &mut f64, rng: &mut StdRng) -> u32 {
-    let (l, mut idx) = match tempered(l, opts) {
-        Ok(c) => c,
-        Err(greedy) => return greedy,
-    };
-    let normalized = |idx: &[usize]| {
-        let max = l[idx[0]];
-        let p: Vec<f64> = idx.iter().map(|&i| ((l[i] - max) as f64).exp()).collect();
-        let total: f64 = p.iter().sum();
-        p.into_iter().map(|x| x / total).collect::<Vec<f64>>()
-    };
-    let p = normalized(&idx);
-    let keep = if opts.mirostat == 1 {
-        let (mut tb, mut tt) = (0.0, 0.0);
-        for i in 0..(MIROSTAT_M - 1).min(p.len() - 1) {
-            let ti = ((i + 2) as f64 / (i + 1) as f64).ln();
-            let bi = (p[i] / p[i + 1]).ln();
-            tb += ti * bi;
-            tt += ti * ti;
-        }
-        let s = tb / tt;
-        let eps = s - 1.0;
-        let k = ((eps * 2f64.powf(*mu)) / (1.0 - (l.len() as f64).powf(-eps))).powf(1.0 / s);
-        if k.is_finite() {
-            k as usize
-        } else {
-            1
-        }
-    } else {
-        p.iter().take_while(|&&x| -x.log2() <= *mu).count()
-    };
-    idx.truncate(keep.clamp(1, idx.len()));
-    let p = normalized(&idx);
-    let mut r = rng.random::<f64>();
-    let mut k = p.len() - 1;
-    for (j, x) in p.iter().enumerate() {
-        r -= x;
-        if r <= 0.0 {
-            k = j;
-            break;
-        }
-    }
-    *mu -= opts.mirostat_eta * (-p[k].log2() - opts.mirostat_tau);
-    idx[k] as u32
-}
-
 fn argmax(l: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in l.iter().enumerate() {
@@ -524,7 +470,15 @@ impl TokenPicker {
         }
         let draw = |l: Vec<f32>, me: &mut Self| {
             if me.opts.mirostat != 0 {
-                mirostat(l, &me.opts, &mut me.mu, &mut me.rng)
+                let params = crate::decoding::mirostat::Params {
+                    version: me.opts.mirostat,
+                    tau: me.opts.mirostat_tau,
+                    eta: me.opts.mirostat_eta,
+                };
+                match tempered(l, &me.opts) {
+                    Ok((l, idx)) => crate::decoding::mirostat::pick(&l, idx, &params, &mut me.mu, &mut me.rng),
+                    Err(greedy) => greedy,
+                }
             } else {
                 sample_processed(l, &me.opts, &mut me.rng)
             }
@@ -711,44 +665,6 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(1);
         let o = GenerationOptions { top_p: 0.7, ..opts() };
         assert!((0..100).all(|_| sample(&l, &[], &o, &mut rng) == 1));
-    }
-
-    #[test]
-    fn mirostat_2_cuts_at_its_target_surprise_and_moves_it() {
-        // p = 1/2, 1/4, 1/8, 1/8: surprises 1, 2, 3, 3 bits. tau 0.75: mu starts at 1.5, so
-        // only the first token is a candidate; each pick's surprise (0 after the cut) moves mu
-        // up by eta x 0.75 = 0.075, and at the 8th pick (mu 2.025 >= 2) the second one joins.
-        let logits: Vec<f32> = [0.5f32, 0.25, 0.125, 0.125].iter().map(|p| p.ln()).collect();
-        let o = GenerationOptions { temperature: 1.0, mirostat: 2, mirostat_tau: 0.75, ..opts() };
-        o.validate().unwrap();
-        let mut picker = TokenPicker::new(o, &[]);
-        for step in 0..7 {
-            assert_eq!(picker.pick(logits.clone()).unwrap(), 0, "step {step}");
-        }
-        assert!((picker.mu - 2.025).abs() < 1e-9, "{}", picker.mu);
-        let next = picker.pick(logits.clone()).unwrap();
-        // Renormalized over the two: 2/3 and 1/3.
-        let surprise = if next == 0 { -(2f64 / 3.0).log2() } else { -(1f64 / 3.0).log2() };
-        assert!(next < 2);
-        assert!((picker.mu - (2.025 - 0.1 * (surprise - 0.75))).abs() < 1e-9, "{}", picker.mu);
-    }
-
-    #[test]
-    fn mirostat_1_keeps_the_top_k_of_its_zipf_estimate() {
-        // p_i proportional to 1/(i+1)^2 over 1000 tokens: the estimated exponent is exactly 2,
-        // so k = (2^mu / (1 - 1000^-1))^(1/2). tau 0.1 (mu 0.2): k = 1.07, the first token, and
-        // mu moves to 0.2 + 0.1 x 0.1. tau 3 (mu 6): k = 8.004, the first pick among the top 8.
-        let logits: Vec<f32> = (0..1000).map(|i| -2.0 * ((i + 1) as f32).ln()).collect();
-        let o = GenerationOptions { temperature: 1.0, mirostat: 1, mirostat_tau: 0.1, ..opts() };
-        let mut picker = TokenPicker::new(o, &[]);
-        assert_eq!(picker.pick(logits.clone()).unwrap(), 0);
-        assert!((picker.mu - 0.21).abs() < 1e-9, "{}", picker.mu);
-        let mut firsts = std::collections::BTreeSet::new();
-        for seed in 0..50 {
-            let o = GenerationOptions { temperature: 1.0, mirostat: 1, mirostat_tau: 3.0, seed, ..opts() };
-            firsts.insert(TokenPicker::new(o, &[]).pick(logits.clone()).unwrap());
-        }
-        assert!(firsts.iter().all(|&t| t < 8) && firsts.len() > 1, "{firsts:?}");
     }
 
     #[test]
