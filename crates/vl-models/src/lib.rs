@@ -68,7 +68,7 @@ pub mod request;
 pub mod state;
 pub mod vectors;
 
-pub use decoding::{constraint, grounding, reasoning, sampling, stream, template, tool_calls};
+pub use decoding::{constraint, grounding, reasoning, sampling, speculative, stream, template, tool_calls};
 pub use engine::{Engine, EngineBuilder, EngineOptions, ModelOptions};
 pub use error::{Error, Result};
 pub use formats::{affine, checkpoint, gguf, mapped};

@@ -204,6 +204,21 @@ pub struct Completion {
     pub logprobs: Vec<TokenLogprob>,
     /// KV cache bytes the sequence held at its end.
     pub kv_cache_bytes: usize,
+    /// How its tokens were decoded: forward passes, drafted and forced tokens.
+    pub steps: StepReport,
+}
+
+/// How an answer's tokens were decoded (`GenerationOptions::speculative`, `forced_tokens`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepReport {
+    /// Decode forward passes it took part in (the prefill not counted).
+    pub forward_passes: usize,
+    /// Tokens drafted (`speculative`) and fed for verification.
+    pub drafted: usize,
+    /// Drafted tokens the verification kept.
+    pub accepted: usize,
+    /// Tokens a constraint forced, written without sampling.
+    pub forced: usize,
 }
 
 /// An image as the engine read it: its size as displayed (after EXIF orientation) and as the

@@ -74,6 +74,14 @@ impl Recurrent {
     }
 }
 
+/// A state's position and recurrent layers' tensors at one point (`SeqState::checkpoint`).
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    len: usize,
+    /// Per layer: a recurrent layer's tensors, None for an attention layer.
+    recurrent: Vec<Option<Vec<Tensor>>>,
+}
+
 /// What one decoder layer keeps between steps.
 #[derive(Debug, Clone)]
 pub enum LayerState {
@@ -227,6 +235,52 @@ impl SeqState {
         }
         Ok(())
     }
+    /// Whether any layer is recurrent (its state cannot be cut back to any position).
+    pub fn has_recurrent(&self) -> bool {
+        self.layers.iter().any(|l| matches!(l, LayerState::Recurrent(_)))
+    }
+    /// Where it stands now, to come back to after positions that may be taken back (drafted
+    /// tokens being verified): the recurrent layers' states (shared tensors, no copy).
+    pub fn checkpoint(&self) -> Checkpoint {
+        let recurrent = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Recurrent(r) => Some(r.tensors.clone()),
+                LayerState::Kv(_) => None,
+            })
+            .collect();
+        Checkpoint { len: self.len(), recurrent }
+    }
+    /// Takes back positions past `len`: exactly to `len` where every layer can be cut there
+    /// (`restorable`), else to `checkpoint` (taken at `len` or before, this state grown from it
+    /// since). Returns the positions it holds after; the caller feeds the rest again.
+    pub fn take_back(&mut self, len: usize, checkpoint: Option<&Checkpoint>) -> Result<usize> {
+        if self.len() <= len {
+            return Ok(self.len());
+        }
+        if self.restorable(len) == len {
+            self.rewind(len)?;
+            return Ok(len);
+        }
+        let Some(cp) = checkpoint.filter(|c| c.len <= len && c.recurrent.len() == self.layers.len()) else {
+            return Err(Error::Internal {
+                message: format!("a sequence's state cannot be brought back to position {len}"),
+            });
+        };
+        for (l, saved) in self.layers.iter_mut().zip(&cp.recurrent) {
+            match (l, saved) {
+                (LayerState::Kv(c), None) => c.truncate(cp.len),
+                (LayerState::Recurrent(r), Some(t)) => {
+                    r.snapshots.retain(|(p, _)| *p <= cp.len);
+                    r.tensors = t.clone();
+                    r.len = cp.len;
+                }
+                _ => return Err(Error::Internal { message: "a checkpoint of another state".into() }),
+            }
+        }
+        Ok(cp.len)
+    }
     /// Empties every layer, keeping nothing.
     pub fn release(&mut self) {
         for l in &mut self.layers {
@@ -309,5 +363,39 @@ mod tests {
         assert_eq!((kv.num_layers(), kv.restorable(7), kv.capacity()), (3, 0, 0));
         let only_recurrent = SeqState::new(vec![LayerState::Recurrent(Recurrent::default())]);
         assert_eq!(only_recurrent.capacity(), usize::MAX);
+    }
+
+    #[test]
+    fn drafted_positions_are_taken_back_by_truncation_or_to_the_checkpoint() {
+        // Attention only: cut back to any position, no checkpoint needed.
+        let mut kv = SeqState::kv(1);
+        for x in [1.0, 2.0, 3.0] {
+            let k = Tensor::new(&[[[x]]], &Device::Cpu).unwrap();
+            kv.kv_mut(0).unwrap().append(&k, &k).unwrap();
+        }
+        assert!(!kv.has_recurrent());
+        assert_eq!(kv.take_back(1, None).unwrap(), 1);
+        // A recurrent layer: back to the checkpoint, the accepted positions to be fed again.
+        let mut s = SeqState::new(vec![LayerState::Kv(KvCache::new()), LayerState::Recurrent(Recurrent::default())]);
+        step(&mut s, 1.0);
+        step(&mut s, 2.0);
+        let cp = s.checkpoint();
+        for x in [4.0, 8.0, 16.0] {
+            step(&mut s, x);
+        }
+        assert_eq!(s.len(), 5);
+        assert!(s.take_back(4, None).is_err(), "no snapshot at 4 and no checkpoint");
+        assert_eq!(s.take_back(4, Some(&cp)).unwrap(), 2);
+        assert_eq!(s.len(), 2);
+        assert_eq!(value(&s.recurrent_mut(1).unwrap().tensors[0]), 3.0);
+        step(&mut s, 4.0);
+        assert_eq!(value(&s.recurrent_mut(1).unwrap().tensors[0]), 7.0);
+        // Its current length: nothing to take back.
+        assert_eq!(s.take_back(3, Some(&cp)).unwrap(), 3);
+        // A checkpoint later than the position asked for cannot serve.
+        step(&mut s, 1.0);
+        let late = s.checkpoint();
+        step(&mut s, 1.0);
+        assert!(s.take_back(2, Some(&late)).is_err());
     }
 }

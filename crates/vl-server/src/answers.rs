@@ -364,6 +364,7 @@ mod tests {
             first_logits: vec![],
             logprobs: vec![],
             kv_cache_bytes: 0,
+            steps: Default::default(),
         }
     }
 

@@ -647,6 +647,7 @@ mod tests {
             first_logits: vec![],
             logprobs: vec![],
             kv_cache_bytes: 0,
+            steps: Default::default(),
         };
         let mut all = vec![answer(vec![call("a"), call("b"), call("c")]), answer(vec![]), answer(vec![call("d")])];
         keep_one_call(&mut all);

@@ -69,6 +69,13 @@ pub struct GenerationOptions {
     /// the engine writes a newline and the family's closing marker for the model and the answer
     /// follows (llama.cpp's reasoning budget); 0 closes it at once. None: unbounded.
     pub reasoning_budget: Option<usize>,
+    /// Drafted tokens verified in one forward pass (`speculative`): the answer is the same,
+    /// in fewer steps when drafts are accepted. Off by default.
+    pub speculative: crate::decoding::speculative::Speculative,
+    /// Where a constraint allows one continuation only, its tokens are written without sampling
+    /// and fed in one forward pass (llguidance's fast-forward tokens, in its canonical
+    /// tokenization). On by default.
+    pub forced_tokens: bool,
 }
 
 /// Temperatures below this are greedy decoding.
@@ -133,6 +140,8 @@ impl Default for GenerationOptions {
             logit_bias: vec![],
             logprobs: None,
             reasoning_budget: None,
+            speculative: Default::default(),
+            forced_tokens: true,
         }
     }
 }
@@ -151,6 +160,7 @@ impl GenerationOptions {
     /// Checks every option's range; the message names the option and its value.
     pub fn validate(&self) -> Result<()> {
         let bad = |what: &str, message: String| Err(Error::Input { what: what.into(), message });
+        self.speculative.validate()?;
         if self.max_new_tokens == 0 {
             return bad("max_new_tokens", "0: at least one token must be generated".into());
         }

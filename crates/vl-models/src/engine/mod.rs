@@ -35,8 +35,8 @@ use crate::family::{Family, Generator, Pooled, Prepared, Source, Task};
 pub use crate::family::{ModelOptions, DEFAULT_MAX_IMAGE_TOKENS, DEFAULT_MAX_VIDEO_PIXELS};
 use crate::media::{ClipCache, MediaContext, VisionOutput};
 pub use crate::request::{
-    ChatMessage, Completion, Constraint, Delta, Finish, ImageReport, Part, Request, TokenLogprob, ToolCall, VideoData,
-    VideoReport,
+    ChatMessage, Completion, Constraint, Delta, Finish, ImageReport, Part, Request, StepReport, TokenLogprob, ToolCall,
+    VideoData, VideoReport,
 };
 pub use crate::vectors::{normalized, truncated};
 use admission::{check_fits, check_request, check_text_fits, generator, guides, CompilerCell};
@@ -124,6 +124,11 @@ pub struct EngineStats {
     pub decode_rows: u64,
     /// Sequences preempted (their cache dropped, prefilled again later) for KV memory.
     pub preemptions: u64,
+    /// Of the answers ended: tokens drafted for verification (`speculative`), drafted tokens
+    /// kept, and tokens a constraint forced (written without sampling).
+    pub draft_tokens: u64,
+    pub accepted_draft_tokens: u64,
+    pub forced_tokens: u64,
     pub image_cache_bytes: usize,
     pub image_cache_entries: usize,
 }

@@ -46,6 +46,8 @@ struct Scheduler<'f> {
     decode_steps: u64,
     decode_rows: u64,
     preemptions: u64,
+    /// Drafted, accepted and forced tokens of the answers ended so far.
+    steps: crate::request::StepReport,
 }
 
 /// The scheduler thread's body: runs until the engine closes the queue and nothing is left.
@@ -68,6 +70,7 @@ pub(crate) fn run(shared: &Shared, rx: mpsc::Receiver<Command>) {
         decode_steps: 0,
         decode_rows: 0,
         preemptions: 0,
+        steps: Default::default(),
     };
     loop {
         if s.waiting.is_empty() && s.running.is_empty() {
@@ -132,6 +135,9 @@ impl<'f> Scheduler<'f> {
 
     fn finish(&mut self, mut seq: Seq<'f>, finish: Finish) {
         let result = seq.complete(finish);
+        self.steps.drafted += seq.steps.drafted;
+        self.steps.accepted += seq.steps.accepted;
+        self.steps.forced += seq.steps.forced;
         if self.shared.opts.prefix_cache && result.is_ok() {
             // What the cache holds: the prompt, then each generated token fed to it.
             let mut ident = std::mem::take(&mut seq.ident);
@@ -232,7 +238,8 @@ impl<'f> Scheduler<'f> {
             }
             any = true;
             let logits = seq.held.take().expect("held");
-            if let Some(outcome) = seq.accept(logits).transpose() {
+            let out = seq.accept(logits);
+            if let Some(outcome) = seq.go_on(out).transpose() {
                 done.push((i, outcome));
             }
         }
@@ -385,6 +392,8 @@ impl<'f> Scheduler<'f> {
                 Some(j) => {
                     let mut v = self.running.remove(j);
                     v.state = SeqState::default();
+                    v.verified.clear();
+                    v.checkpoint = None;
                     v.reserved = 0;
                     v.phase = Phase::Waiting;
                     self.waiting.push_front(v);
@@ -401,8 +410,25 @@ impl<'f> Scheduler<'f> {
         }
     }
 
-    /// One token for every decoding sequence (not paused), in one batched call; false when there
-    /// was none.
+    /// The tokens to verify after sequence `i`'s pending one (`Seq::drafts`), within its KV
+    /// blocks or one more the budget has room for.
+    fn drafts_for(&mut self, i: usize) -> Vec<u32> {
+        let mut drafts = self.running[i].drafts();
+        if drafts.is_empty() {
+            return drafts;
+        }
+        let state = &self.running[i].state;
+        let mut room = state.capacity().saturating_sub(state.len() + 1);
+        if drafts.len() > room && self.make_room(BLOCK * self.per_position) {
+            room += BLOCK;
+        }
+        drafts.truncate(room);
+        drafts
+    }
+
+    /// One forward pass for every decoding sequence (not paused), batched: each feeds the
+    /// tokens its state lacks (a recurrent state taken back after a rejected draft), its
+    /// pending token and the tokens to verify after it. False when there was none.
     fn decode_step(&mut self) -> bool {
         self.grow_caches();
         let rows: Vec<usize> = (0..self.running.len())
@@ -414,10 +440,31 @@ impl<'f> Scheduler<'f> {
         if rows.is_empty() {
             return false;
         }
-        let tokens: Vec<u32> = rows.iter().map(|&i| self.running[i].pending.expect("filtered")).collect();
+        // Per sequence: the tokens fed, how many lead rows are fed again (no pick), the drafts.
+        let mut feeds: Vec<(Vec<u32>, usize, Vec<u32>)> = Vec::with_capacity(rows.len());
+        for &i in &rows {
+            let drafts = self.drafts_for(i);
+            let seq = &mut self.running[i];
+            if !drafts.is_empty() && seq.state.has_recurrent() {
+                seq.checkpoint = Some(seq.state.checkpoint());
+            }
+            let again = seq.ids.len() - seq.state.len();
+            let mut input = seq.ids[seq.state.len()..].to_vec();
+            input.push(seq.pending.expect("filtered"));
+            input.extend_from_slice(&drafts);
+            feeds.push((input, again, drafts));
+        }
+        let single = feeds.iter().all(|(input, ..)| input.len() == 1);
         let mut states: Vec<&mut SeqState> =
             self.running.iter_mut().enumerate().filter(|(i, _)| rows.contains(i)).map(|(_, s)| &mut s.state).collect();
-        let logits = self.generator.decode(&tokens, &mut states).and_then(|l| Ok(l.to_vec2::<f32>()?));
+        let logits = if single {
+            let tokens: Vec<u32> = feeds.iter().map(|(input, ..)| input[0]).collect();
+            self.generator.decode(&tokens, &mut states)
+        } else {
+            let inputs: Vec<Vec<u32>> = feeds.iter().map(|(input, ..)| input.clone()).collect();
+            self.generator.extend(&inputs, &mut states)
+        }
+        .and_then(|l| Ok(l.to_vec2::<f32>()?));
         drop(states);
         self.decode_steps += 1;
         self.decode_rows += rows.len() as u64;
@@ -434,12 +481,12 @@ impl<'f> Scheduler<'f> {
                 return true;
             }
         };
+        let mut logits = logits.into_iter();
         let mut done = Vec::new();
-        for (&i, row) in rows.iter().zip(logits) {
+        for (&i, (input, again, drafts)) in rows.iter().zip(feeds) {
+            let mine: VecDeque<Vec<f32>> = logits.by_ref().take(input.len()).skip(again).collect();
             let seq = &mut self.running[i];
-            let fed = seq.pending.take().expect("filtered");
-            seq.ids.push(fed);
-            if let Some(outcome) = seq.accept(row).transpose() {
+            if let Some(outcome) = seq.take_step(drafts, mine).transpose() {
                 done.push((i, outcome));
             }
         }
@@ -459,6 +506,9 @@ impl<'f> Scheduler<'f> {
             decode_steps: self.decode_steps,
             decode_rows: self.decode_rows,
             preemptions: self.preemptions,
+            draft_tokens: self.steps.drafted as u64,
+            accepted_draft_tokens: self.steps.accepted as u64,
+            forced_tokens: self.steps.forced as u64,
             ..*st
         };
     }

@@ -2,6 +2,7 @@
 //! token picker, streaming, stop strings, tool-call hold, reasoning split, constraint), and
 //! what the scheduler and the caller exchange about it (`Job`, `Fork`, `Event`).
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -13,7 +14,8 @@ use crate::error::Result;
 use crate::family::{Family, Identity, Prepared};
 use crate::reasoning::Split;
 use crate::sampling::{TokenLogprob, TokenPicker};
-use crate::state::SeqState;
+use crate::request::StepReport;
+use crate::state::{Checkpoint, SeqState};
 use crate::stream::StreamDecoder;
 use crate::tool_calls::{split_tool_calls, CallHold};
 
@@ -123,8 +125,18 @@ pub(super) struct Seq<'f> {
     /// What closes the reasoning block once `reasoning_budget` is spent (a newline and the
     /// closing marker); empty without a budget, or once queued.
     pub(super) close_block: Vec<u32>,
-    /// Tokens the engine writes next for the model, whatever its logits (the close above).
-    pub(super) forced: std::collections::VecDeque<u32>,
+    /// Tokens the engine writes next for the model, whatever its logits: the close above, or
+    /// the tokens a constraint forces (already consumed by its guide).
+    pub(super) forced: VecDeque<u32>,
+    /// Drafted (or forced) tokens fed in the last forward pass, each with the logits after it,
+    /// kept while the picked tokens equal them (`go_on`).
+    pub(super) verified: VecDeque<(u32, Vec<f32>)>,
+    /// The state before drafted tokens were fed, when it has recurrent layers (which cannot be
+    /// cut back to any position).
+    pub(super) checkpoint: Option<Checkpoint>,
+    pub(super) steps: StepReport,
+    /// The verified tokens are drafts (counted as accepted when kept), not forced ones.
+    pub(super) drafted_rows: bool,
     /// Tokens it may generate: max_new_tokens within the context.
     pub(super) budget: usize,
     pub(super) cached_tokens: usize,
@@ -177,7 +189,11 @@ impl<'f> Seq<'f> {
             split,
             thinking_until,
             close_block,
-            forced: std::collections::VecDeque::new(),
+            forced: VecDeque::new(),
+            verified: VecDeque::new(),
+            checkpoint: None,
+            steps: StepReport::default(),
+            drafted_rows: false,
             budget,
             cached_tokens: 0,
             prefill_time: Duration::ZERO,
@@ -214,7 +230,8 @@ impl<'f> Seq<'f> {
     pub(super) fn accept(&mut self, logits: Vec<f32>) -> Result<Option<Finish>> {
         let step = self.picker.generated().len();
         let constrained = self.thinking_until.is_none();
-        if constrained {
+        // A forced token needs no mask (the one being computed is for the position after it).
+        if constrained && self.forced.is_empty() {
             if let Some(mut task) = self.mask_task.take() {
                 if !task.ready() {
                     // Not computed yet: wait out of the decode steps, the others go on.
@@ -230,16 +247,25 @@ impl<'f> Seq<'f> {
         if self.thinking_until.is_some() && spent && self.forced.is_empty() && !self.close_block.is_empty() {
             self.forced = std::mem::take(&mut self.close_block).into();
         }
+        let fast_forward = self.picker.options().forced_tokens;
+        let mut sampled = true;
         let next = match self.job.guide.as_mut().filter(|_| constrained) {
             _ if !self.forced.is_empty() => {
                 let t = self.forced.pop_front().expect("not empty");
                 self.picker.force(&logits, t);
+                sampled = false;
                 t
             }
             Some(g) => {
                 let mask = g.mask()?;
                 let next = self.picker.pick_among(logits, Some(mask.as_slice()))?;
                 g.consume(next)?;
+                if fast_forward && !g.is_done() {
+                    // What the grammar allows one way only follows without sampling.
+                    let forced = g.take_forced()?;
+                    self.steps.forced += forced.len();
+                    self.forced.extend(forced);
+                }
                 next
             }
             None => self.picker.pick(logits)?,
@@ -274,22 +300,95 @@ impl<'f> Seq<'f> {
                 return Ok(Some(Finish::Stop));
             }
         }
-        // The grammar can go no further: the answer is complete.
-        if constrained && self.job.guide.as_ref().is_some_and(Guide::is_done) {
+        // The grammar can go no further (its forced tokens written): the answer is complete.
+        if constrained && self.forced.is_empty() && self.job.guide.as_ref().is_some_and(Guide::is_done) {
             return Ok(Some(Finish::Stop));
         }
         if step + 1 >= self.budget {
             let full = self.budget < self.picker.options().max_new_tokens;
             return Ok(Some(if full { Finish::ContextFull } else { Finish::Length }));
         }
-        // The next mask is computed while the next forward pass runs.
-        if constrained {
-            if let Some(g) = self.job.guide.take() {
-                self.mask_task = Some(g.next_mask());
+        // The next mask (after the forced tokens) is computed while the next forward pass runs.
+        if constrained && sampled {
+            match self.job.guide.take() {
+                Some(g) if g.is_done() => self.job.guide = Some(g),
+                Some(g) => self.mask_task = Some(g.next_mask()),
+                None => {}
             }
         }
         self.pending = Some(next);
         Ok(None)
+    }
+
+    /// Tokens to verify after the pending one in the next forward pass: the forced ones, else
+    /// drafts (`GenerationOptions::speculative`); none while its state lacks fed tokens, and
+    /// never past its token budget.
+    pub(super) fn drafts(&self) -> Vec<u32> {
+        let Some(pending) = self.pending else { return vec![] };
+        if self.state.len() != self.ids.len() {
+            return vec![];
+        }
+        let room = self.budget.saturating_sub(self.picker.generated().len());
+        if !self.forced.is_empty() {
+            return self.forced.iter().take(room.min(crate::speculative::MAX_DRAFT)).copied().collect();
+        }
+        let spec = &self.picker.options().speculative;
+        if spec.method == crate::speculative::Method::Off || room == 0 {
+            return vec![];
+        }
+        let mut history = Vec::with_capacity(self.ids.len() + 1);
+        history.extend_from_slice(&self.ids);
+        history.push(pending);
+        spec.draft(&history, room)
+    }
+
+    /// Takes a forward pass's rows: `rows[0]` the logits after the pending token, `rows[j]`
+    /// after `drafts[j - 1]`. Returns the finish when the answer ends here.
+    pub(super) fn take_step(&mut self, drafts: Vec<u32>, mut rows: VecDeque<Vec<f32>>) -> Result<Option<Finish>> {
+        let fed = self.pending.take().expect("a fed sequence has a pending token");
+        self.ids.push(fed);
+        self.steps.forward_passes += 1;
+        // Drafts, not forced tokens (those are never wrong).
+        self.drafted_rows = self.forced.is_empty();
+        if self.drafted_rows {
+            self.steps.drafted += drafts.len();
+        }
+        let first = rows.pop_front().expect("a row per fed token");
+        self.verified = drafts.into_iter().zip(rows).collect();
+        let out = self.accept(first);
+        self.go_on(out)
+    }
+
+    /// After a pick (`out`): while the picked token is the next verified one, feeds it and
+    /// picks from the logits after it. Once it stops (another token, the end, or a mask to
+    /// wait for), the rest is dropped and the state cut back to the fed tokens.
+    pub(super) fn go_on(&mut self, mut out: Result<Option<Finish>>) -> Result<Option<Finish>> {
+        while matches!(out, Ok(None)) && self.held.is_none() {
+            match (self.pending, self.verified.front()) {
+                (Some(p), Some(&(d, _))) if p == d => {
+                    let (_, row) = self.verified.pop_front().expect("front");
+                    self.pending = None;
+                    self.ids.push(d);
+                    if self.drafted_rows {
+                        self.steps.accepted += 1;
+                    }
+                    out = self.accept(row);
+                }
+                _ => break,
+            }
+        }
+        if self.held.is_some() && matches!(out, Ok(None)) {
+            return out;
+        }
+        self.verified.clear();
+        if self.state.len() > self.ids.len() {
+            let cp = self.checkpoint.take();
+            if let Err(e) = self.state.take_back(self.ids.len(), cp.as_ref()) {
+                return Err(e);
+            }
+        }
+        self.checkpoint = None;
+        out
     }
 
     /// The request field its constraint stands for, in errors.
@@ -372,6 +471,7 @@ impl<'f> Seq<'f> {
             first_logits: std::mem::take(&mut self.first_logits),
             logprobs: std::mem::take(&mut self.logprobs),
             kv_cache_bytes: self.state.bytes(),
+            steps: self.steps,
         })
     }
 }

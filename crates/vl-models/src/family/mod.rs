@@ -227,6 +227,31 @@ pub trait Generator: Send + Sync {
     /// One decoding step for several sequences: `tokens[i]` goes into `states[i]`. Returns f32
     /// logits [rows, vocab]; row `i` equals that sequence's alone.
     fn decode(&self, tokens: &[u32], states: &mut [&mut SeqState]) -> Result<Tensor>;
+    /// Several new positions for each of several sequences (tokens being verified, or fed
+    /// again): `tokens[i]` (at least one) go into `states[i]` in order. Returns f32 logits
+    /// [total rows, vocab], sequence after sequence, each row the logits after its token, equal
+    /// to what `decode` gives feeding them one at a time. This default does exactly that; a
+    /// family overrides it with one forward pass over every row.
+    fn extend(&self, tokens: &[Vec<u32>], states: &mut [&mut SeqState]) -> Result<Tensor> {
+        let longest = tokens.iter().map(Vec::len).max().unwrap_or(0);
+        let mut rows: Vec<Vec<Tensor>> = vec![Vec::new(); tokens.len()];
+        for j in 0..longest {
+            let live: Vec<usize> = (0..tokens.len()).filter(|&i| tokens[i].len() > j).collect();
+            let step: Vec<u32> = live.iter().map(|&i| tokens[i][j]).collect();
+            let mut refs: Vec<&mut SeqState> = states
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| live.contains(i))
+                .map(|(_, s)| &mut **s)
+                .collect();
+            let logits = self.decode(&step, &mut refs)?;
+            for (r, &i) in live.iter().enumerate() {
+                rows[i].push(logits.narrow(0, r, 1)?);
+            }
+        }
+        let all: Vec<Tensor> = rows.into_iter().flatten().collect();
+        Ok(Tensor::cat(&all, 0)?)
+    }
 }
 
 /// What each pooled row is.

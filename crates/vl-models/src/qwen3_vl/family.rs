@@ -498,6 +498,10 @@ impl Generator for Qwen3Vl {
     fn decode(&self, tokens: &[u32], caches: &mut [&mut SeqState]) -> Result<Tensor> {
         super::model::TextSide { cfg: &self.config, text: self.text()? }.decode_rows(tokens, caches)
     }
+
+    fn extend(&self, tokens: &[Vec<u32>], caches: &mut [&mut SeqState]) -> Result<Tensor> {
+        super::model::TextSide { cfg: &self.config, text: self.text()? }.extend_rows(tokens, caches)
+    }
 }
 
 /// Bytes the weights of a checkpoint hold once loaded as `opts` asks: the text decoder's

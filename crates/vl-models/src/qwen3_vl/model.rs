@@ -350,7 +350,30 @@ impl TextSide<'_> {
         }
         let positions: Vec<[i64; 3]> = caches.iter().map(|c| [c.len() as i64 + c.position_offset; 3]).collect();
         let x = self.text.embed(tokens)?;
-        let h = self.text.forward_rows(&x, &positions, caches)?;
+        let h = self.text.forward_rows(&x, &positions, caches, &vec![1; tokens.len()])?;
+        self.text.logits(&h)
+    }
+
+    /// Several new positions for each of several sequences in one forward pass: `tokens[i]`
+    /// continue `caches[i]` at its next positions. Returns f32 logits [total rows, vocab],
+    /// sequence after sequence (`Generator::extend`).
+    pub fn extend_rows(&self, tokens: &[Vec<u32>], caches: &mut [&mut TextCache]) -> Result<Tensor> {
+        let max = self.cfg.text.max_position_embeddings;
+        let mut positions = Vec::new();
+        for (c, t) in caches.iter().zip(tokens) {
+            if c.len() + t.len() > max {
+                return Err(Error::Input {
+                    what: "generation".into(),
+                    message: format!("context of {max} tokens is full ({} cached, {} more)", c.len(), t.len()),
+                });
+            }
+            let next = c.len() as i64 + c.position_offset;
+            positions.extend((0..t.len() as i64).map(|j| [next + j; 3]));
+        }
+        let lens: Vec<usize> = tokens.iter().map(Vec::len).collect();
+        let flat: Vec<u32> = tokens.concat();
+        let x = self.text.embed(&flat)?;
+        let h = self.text.forward_rows(&x, &positions, caches, &lens)?;
         self.text.logits(&h)
     }
 

@@ -120,30 +120,40 @@ impl Attention {
         self.output(&out, gate.as_ref())
     }
 
-    /// One new position for each of several sequences: row `i` of `x` ([rows, hidden]) belongs
-    /// to `caches[i]`. The projections multiply all rows at once (the weights are read once for
-    /// the batch); each row attends to its own cache.
-    fn forward_rows(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, caches: &mut [&mut KvCache]) -> Result<Tensor> {
+    /// New positions for each of several sequences: `lens[i]` consecutive rows of `x`
+    /// ([rows, hidden]) belong to `caches[i]`. The projections multiply all rows at once (the
+    /// weights are read once for the batch); each sequence's rows attend causally to its own
+    /// cache.
+    fn forward_rows(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        caches: &mut [&mut KvCache],
+        lens: &[usize],
+    ) -> Result<Tensor> {
         let (n, _) = x.dims2()?;
-        if caches.len() != n {
+        if caches.len() != lens.len() || lens.iter().sum::<usize>() != n {
             return Err(Error::Input {
                 what: "batch".into(),
-                message: format!("{n} rows for {} caches", caches.len()),
+                message: format!("{n} rows for {} caches of {lens:?} rows", caches.len()),
             });
         }
         let hd = self.head_dim;
         let (q, k, v, gate) = self.qkv(x, cos, sin)?;
         let out = if let [cache] = caches {
-            // One sequence: its row as it is (no slicing, no join).
+            // One sequence: its rows as they are (no slicing, no join).
             let (ck, cv) = cache.append(&k, &v)?;
             causal_gqa_attention(&q, &ck, &cv, PREFILL_QUERY_BLOCK)?
         } else {
-            let mut outs = Vec::with_capacity(n);
-            for (i, cache) in caches.iter_mut().enumerate() {
-                let (ck, cv) = cache.append(&k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?)?;
-                let qi = q.narrow(1, i, 1)?.contiguous()?;
-                // [heads, 1, hd] each
+            let mut outs = Vec::with_capacity(lens.len());
+            let mut at = 0;
+            for (cache, &len) in caches.iter_mut().zip(lens) {
+                let (ck, cv) = cache.append(&k.narrow(1, at, len)?, &v.narrow(1, at, len)?)?;
+                let qi = q.narrow(1, at, len)?.contiguous()?;
+                // [heads, len, hd] each
                 outs.push(causal_gqa_attention(&qi, &ck, &cv, PREFILL_QUERY_BLOCK)?);
+                at += len;
             }
             Tensor::cat(&outs, 1)?
         };
@@ -281,30 +291,32 @@ impl DecoderLayer {
         Ok((&x + self.mlp.forward(&self.post_attn_norm.forward(&x)?)?)?)
     }
 
-    /// Layer `i` on one new row per sequence (row `j` of `x` continues `states[j]`).
+    /// Layer `i` on new rows of several sequences (`lens[j]` consecutive rows of `x` continue
+    /// `states[j]`).
     fn forward_rows(
         &self,
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
         states: &mut [&mut TextCache],
+        lens: &[usize],
         i: usize,
     ) -> Result<Tensor> {
         let h = self.input_norm.forward(x)?;
         let mixed = match &self.attn {
             Mixer::Attention(a) => {
                 let mut caches: Vec<&mut KvCache> = states.iter_mut().map(|c| c.kv_mut(i)).collect::<Result<_>>()?;
-                a.forward_rows(&h, cos, sin, &mut caches)?
+                a.forward_rows(&h, cos, sin, &mut caches, lens)?
             }
             Mixer::Linear(l) => {
                 let prev: Vec<Option<vl_nn::DeltaState>> =
                     states.iter_mut().map(|c| delta_state(c, i)).collect::<Result<_>>()?;
                 let refs: Vec<Option<&vl_nn::DeltaState>> = prev.iter().map(Option::as_ref).collect();
-                let (y, new) = l.forward(&h, &vec![1; states.len()], &refs)?;
+                let (y, new) = l.forward(&h, lens, &refs)?;
                 drop(prev);
-                for (c, (w, s)) in states.iter_mut().zip(new) {
+                for ((c, (w, s)), &n) in states.iter_mut().zip(new).zip(lens) {
                     let r = c.recurrent_mut(i)?;
-                    let len = r.len() + 1;
+                    let len = r.len() + n;
                     r.set(vec![w, s], len);
                 }
                 y
@@ -532,16 +544,22 @@ impl TextModel {
         Ok(self.norm.forward(&x)?)
     }
 
-    /// One new position for each of several sequences (batched decode): row `i` of `x`
-    /// ([rows, hidden]) sits at `positions[i]` and appends to `caches[i]`. Returns the
-    /// final-normed hidden states [rows, hidden], each equal to what `forward` gives that row
-    /// alone.
-    pub fn forward_rows(&self, x: &Tensor, positions: &[[i64; 3]], caches: &mut [&mut TextCache]) -> Result<Tensor> {
+    /// New positions for several sequences (batched decode, drafted tokens verified): `lens[i]`
+    /// consecutive rows of `x` ([rows, hidden]) append to `caches[i]`, row `r` at
+    /// `positions[r]`. Returns the final-normed hidden states [rows, hidden], each equal to what
+    /// `forward` gives that sequence's rows alone.
+    pub fn forward_rows(
+        &self,
+        x: &Tensor,
+        positions: &[[i64; 3]],
+        caches: &mut [&mut TextCache],
+        lens: &[usize],
+    ) -> Result<Tensor> {
         let (n, _) = x.dims2()?;
-        if positions.len() != n || caches.len() != n {
+        if positions.len() != n || caches.len() != lens.len() || lens.iter().sum::<usize>() != n {
             return Err(Error::Input {
                 what: "batch".into(),
-                message: format!("{n} rows, {} positions, {} caches", positions.len(), caches.len()),
+                message: format!("{n} rows, {} positions, {} caches of {lens:?} rows", positions.len(), caches.len()),
             });
         }
         for c in caches.iter_mut() {
@@ -553,7 +571,7 @@ impl TextModel {
         let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
         let mut x = x.clone();
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward_rows(&x, &cos, &sin, caches, i)?;
+            x = layer.forward_rows(&x, &cos, &sin, caches, lens, i)?;
         }
         Ok(self.norm.forward(&x)?)
     }

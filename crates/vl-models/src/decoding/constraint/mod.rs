@@ -361,6 +361,18 @@ impl Guide {
         self.m.consume_token(token).map(|_| ()).map_err(|e| failed(&what, &e.to_string()))
     }
 
+    /// The tokens the grammar forces next (llguidance's fast-forward tokens, in the tokenizer's
+    /// canonical tokenization), consumed: the answer writes them without sampling. Empty when
+    /// the next token is a choice.
+    pub fn take_forced(&mut self) -> Result<Vec<u32>> {
+        self.ready = None;
+        let forced = self.m.consume_ff_tokens();
+        if let Some(e) = self.m.get_error() {
+            return Err(failed(&self.what, &e));
+        }
+        Ok(forced)
+    }
+
     /// The grammar can go no further: the answer is complete.
     pub fn is_done(&self) -> bool {
         self.m.is_stopped()
