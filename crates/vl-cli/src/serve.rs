@@ -88,6 +88,8 @@ pub struct ServeArgs {
     /// server closes it and the answer follows; 0 closes it at once. Unbounded when not given.
     #[arg(long, value_name = "N")]
     reasoning_budget: Option<usize>,
+    #[command(flatten)]
+    speculative: crate::flags::SpeculativeArgs,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (401 otherwise). Also
     /// read from the VL_API_KEY environment variable. Visible ASCII only (what a header carries).
     #[arg(long, env = "VL_API_KEY", hide_env_values = true)]
@@ -186,6 +188,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         other => anyhow::bail!("--sampling {other}: expected `greedy` or `model`"),
     };
     defaults.reasoning_budget = args.reasoning_budget;
+    args.speculative.apply(&mut defaults)?;
     let allowed_media_dir = args
         .allowed_media_dir
         .as_ref()

@@ -42,3 +42,45 @@ pub(crate) fn typed_field<'a, T>(
         }),
     }
 }
+
+/// The `speculative` field: a method name, or an object of the method and its bounds (each
+/// absent one the server's default).
+pub(crate) fn speculative(
+    v: &Value,
+    default: &vl_models::speculative::Speculative,
+) -> Result<vl_models::speculative::Speculative, ApiError> {
+    use vl_models::speculative::Method;
+    let bad = |m: String| ApiError::bad_at("speculative", m);
+    let method = |s: &str| Method::parse(s).map_err(|e| bad(format!("`speculative`: {e}")));
+    let mut out = default.clone();
+    match v {
+        Value::String(s) => out.method = method(s)?,
+        Value::Object(o) => {
+            for (k, x) in o {
+                let number = || {
+                    x.as_u64()
+                        .map(|n| n as usize)
+                        .ok_or_else(|| bad(format!("`speculative.{k}` must be an integer, got {x}")))
+                };
+                match k.as_str() {
+                    "method" => {
+                        out.method = method(
+                            x.as_str().ok_or_else(|| bad(format!("`speculative.method` must be a string, got {x}")))?,
+                        )?
+                    }
+                    "draft_max" => out.draft_max = number()?,
+                    "ngram_min" => out.ngram_min = number()?,
+                    "ngram_max" => out.ngram_max = number()?,
+                    other => {
+                        return Err(bad(format!(
+                            "`speculative.{other}` is not a field: expected method, draft_max, ngram_min, ngram_max"
+                        )))
+                    }
+                }
+            }
+        }
+        other => return Err(bad(format!("`speculative` must be a method name or an object, got {other}"))),
+    }
+    out.validate().map_err(|e| bad(format!("`speculative.{e}`")))?;
+    Ok(out)
+}

@@ -93,6 +93,13 @@ pub struct ChatCompletionRequest {
     /// becomes).
     pub reasoning_effort: Option<String>,
     pub reasoning_budget: Option<u64>,
+    /// Ours: speculative decoding for this request, `"ngram"` / `"off"` or `{"method": "ngram",
+    /// "draft_max": N, "ngram_min": N, "ngram_max": N}` (the server's `--speculative` flags are
+    /// the defaults); checked in `request::speculative`.
+    pub speculative: Option<Value>,
+    /// Ours: a constraint's forced tokens written without sampling (default true;
+    /// `--no-forced-tokens` sets the server's default to false).
+    pub forced_tokens: Option<bool>,
     /// vLLM's and SGLang's: the answer goes on past end-of-sequence tokens (benchmarks).
     pub ignore_eos: Option<bool>,
     /// vLLM's `include_stop_str_in_output` and SGLang's `no_stop_trim`: the stop string that

@@ -255,6 +255,12 @@ pub(crate) fn parse(app: &App, v: ChatCompletionRequest) -> Result<Parsed, ApiEr
     }
     o.logit_bias = logit_bias;
     o.ignore_eos = v.ignore_eos.unwrap_or(false);
+    if let Some(s) = &v.speculative {
+        o.speculative = crate::fields::speculative(s, &o.speculative)?;
+    }
+    if let Some(f) = v.forced_tokens {
+        o.forced_tokens = f;
+    }
     if let Some(b) = reasoning_budget(v.reasoning_effort.as_deref(), v.reasoning_budget)? {
         o.reasoning_budget = Some(b);
     }

@@ -1,12 +1,14 @@
 //! The flag groups `run`, `chat` and `serve` share, each a clap `Args` struct flattened into the
 //! commands (its flags' headings are `help.rs`'s): `model` (which model, on what device, in what
 //! precision), `media` (image budgets, video sampling), `limits` (image file and pixel limits),
-//! `sampling` (`run` and `chat`'s generation flags); `LoadArgs` the first three together.
+//! `sampling` (`run` and `chat`'s generation flags), `speculative` (drafts and forced tokens, in
+//! `sampling` and `serve`); `LoadArgs` the first three together.
 
 pub mod limits;
 pub mod media;
 pub mod model;
 pub mod sampling;
+pub mod speculative;
 
 use candle_core::{DType, Device};
 use clap::Args;
@@ -17,6 +19,7 @@ pub use limits::LimitArgs;
 pub use media::{check_media, Budget, MediaArgs};
 pub use model::{ModelArgs, QuantSource};
 pub use sampling::{ChatDefaults, RunDefaults, SamplingArgs};
+pub use speculative::SpeculativeArgs;
 
 /// How to find and load a model and size its inputs: the flags `run`, `serve` and `chat` share.
 #[derive(Debug, Args)]

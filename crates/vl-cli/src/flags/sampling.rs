@@ -106,6 +106,8 @@ pub struct SamplingArgs<D: Defaults> {
     /// the answer follows; 0 closes the block at once. Unbounded when not given.
     #[arg(long, value_name = "N")]
     pub reasoning_budget: Option<usize>,
+    #[command(flatten)]
+    pub speculative: super::SpeculativeArgs,
     #[arg(skip)]
     defaults: PhantomData<D>,
 }
@@ -139,6 +141,8 @@ impl<D: Defaults> SamplingArgs<D> {
             },
             ..Default::default()
         };
+        let mut options = options;
+        self.speculative.apply(&mut options)?;
         options.validate().map_err(|e| {
             let flag = e.to_string().replace('_', "-").replace("dry-sequence-breakers", "dry-sequence-breaker");
             anyhow::anyhow!("--{flag}")

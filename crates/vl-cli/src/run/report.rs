@@ -87,6 +87,12 @@ impl Report<'_> {
                 "time_to_first_token_s": r.ttft,
             },
             "kv_cache_bytes": shot.completion.kv_cache_bytes,
+            "steps": {
+                "forward_passes": shot.completion.steps.forward_passes,
+                "drafted": shot.completion.steps.drafted,
+                "accepted": shot.completion.steps.accepted,
+                "forced": shot.completion.steps.forced,
+            },
             "peak_rss_bytes": peak_rss(),
         })
     }
@@ -97,7 +103,7 @@ impl Report<'_> {
         let r = Rates::of(shot, self.started);
         let (stop, quantized) = (stop_reason(c.finish), &self.quantized);
         format!(
-            "[load {:.2}s | media {:.2}s | vision {:.2}s{} ({} images, {} videos, {} tokens) | prefill {} tokens {:.2}s, {:.1} tok/s | decode {} tokens, {:.1} tok/s | stop: {stop} | quantized: {quantized} | peak RSS {}]",
+            "[load {:.2}s | media {:.2}s | vision {:.2}s{} ({} images, {} videos, {} tokens) | prefill {} tokens {:.2}s, {:.1} tok/s | decode {} tokens, {:.1} tok/s{} | stop: {stop} | quantized: {quantized} | peak RSS {}]",
             (self.before_load + shot.load_time).as_secs_f64(),
             shot.media_time.as_secs_f64(),
             shot.vision_time.as_secs_f64(),
@@ -110,6 +116,7 @@ impl Report<'_> {
             r.prefill_tps,
             c.token_ids.len(),
             r.decode_tps,
+            steps(&c.steps),
             peak_rss().map_or("n/a".into(), |b| format!("{:.0} MiB", b as f64 / 1048576.0)),
         )
     }
@@ -137,6 +144,21 @@ impl Rates {
         let ttft = (shot.generate_started - started + c.time_to_first_token).as_secs_f64();
         Rates { prefill_s, prefill_tps, decode_s, decode_tps, ttft }
     }
+}
+
+/// ", N passes (drafts kept/drafted, F forced)" when drafts or forced tokens took part.
+fn steps(s: &vl_models::engine::StepReport) -> String {
+    let mut out = String::new();
+    if s.drafted > 0 || s.forced > 0 {
+        out = format!(" in {} passes", s.forward_passes);
+    }
+    if s.drafted > 0 {
+        out.push_str(&format!(", drafts {}/{} kept", s.accepted, s.drafted));
+    }
+    if s.forced > 0 {
+        out.push_str(&format!(", {} forced", s.forced));
+    }
+    out
 }
 
 /// Why the answer ended, as `--json` and the stats line say it.

@@ -238,12 +238,8 @@ pub trait Generator: Send + Sync {
         for j in 0..longest {
             let live: Vec<usize> = (0..tokens.len()).filter(|&i| tokens[i].len() > j).collect();
             let step: Vec<u32> = live.iter().map(|&i| tokens[i][j]).collect();
-            let mut refs: Vec<&mut SeqState> = states
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| live.contains(i))
-                .map(|(_, s)| &mut **s)
-                .collect();
+            let mut refs: Vec<&mut SeqState> =
+                states.iter_mut().enumerate().filter(|(i, _)| live.contains(i)).map(|(_, s)| &mut **s).collect();
             let logits = self.decode(&step, &mut refs)?;
             for (r, &i) in live.iter().enumerate() {
                 rows[i].push(logits.narrow(0, r, 1)?);
