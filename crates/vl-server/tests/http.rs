@@ -298,3 +298,51 @@ fn dry_is_taken_by_its_llama_server_names() {
         assert_eq!((status, &v["error"]["param"]), (400, &json!(field)), "{v}");
     }
 }
+
+#[test]
+fn speculative_and_forced_tokens_are_request_fields() {
+    // A server whose default drafts n-grams: the answer is the reference's, with the request's
+    // own `speculative` or without; bad values are 400s naming the field.
+    let mut defaults = vl_models::sampling::GenerationOptions::default();
+    defaults.speculative.method = vl_models::speculative::Method::Ngram;
+    let s = Server::start(ServerConfig { defaults, ..ServerConfig::default() });
+    let want = golden();
+    for spec in [None, Some(json!("off")), Some(json!("ngram")), Some(json!({"method": "ngram", "draft_max": 3, "ngram_min": 1}))]
+    {
+        let mut body = one_image(want.tokens);
+        if let Some(v) = &spec {
+            body["speculative"] = v.clone();
+        }
+        let (status, v) = post(&s, "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{spec:?}: {v}");
+        assert_eq!(v["choices"][0]["message"]["content"], want.text.as_str(), "{spec:?}");
+    }
+    // A JSON answer with and without forced tokens: valid either way.
+    for forced in [true, false] {
+        let mut body = one_image(60);
+        body["forced_tokens"] = json!(forced);
+        body["response_format"] = json!({"type": "json_schema", "json_schema": {"name": "k", "schema":
+            {"type": "object", "properties": {"kind": {"enum": ["a_long_value_name", "another_one"]}},
+             "required": ["kind"], "additionalProperties": false}}});
+        let (status, v) = post(&s, "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        let answer: Value = serde_json::from_str(v["choices"][0]["message"]["content"].as_str().unwrap()).unwrap();
+        assert!(["a_long_value_name", "another_one"].contains(&answer["kind"].as_str().unwrap()), "{answer}");
+    }
+    for bad in [
+        json!("eagle"),
+        json!("draft"),
+        json!(7),
+        json!({"method": "ngram", "draft_max": 0}),
+        json!({"method": "ngram", "ngram_min": 9}),
+        json!({"window": 3}),
+    ] {
+        let mut body = one_image(2);
+        body["speculative"] = bad.clone();
+        let (status, v) = post(&s, "/v1/chat/completions", &body);
+        assert_eq!((status, &v["error"]["param"]), (400, &json!("speculative")), "{bad}: {v}");
+    }
+    let mut body = one_image(2);
+    body["forced_tokens"] = json!("yes");
+    assert_eq!(post(&s, "/v1/chat/completions", &body).0, 400);
+}
