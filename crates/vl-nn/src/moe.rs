@@ -103,7 +103,7 @@ impl SparseMoe {
     /// expert of a prompt through `SwiGluExpert::forward` / `forward_compact` (candle's
     /// products; on AVX-512 VNNI CPUs `stored_tiles`, so there the compact and repacked settings
     /// multiply alike and the test comparing them compares one kernel with itself). A decode step's few rows (up to
-    /// `stored::MAX_ROWS` in all) take the stored blocks whatever this says.
+    /// `stored::SMALL_ROWS` in all) take the stored blocks whatever this says.
     /// `default_stored_rows()` by default.
     pub fn set_stored_rows(&mut self, rows: usize) {
         self.stored_rows = rows;
@@ -145,9 +145,10 @@ impl SparseMoe {
         // stored blocks, all in two parallel regions, never repacked; the rest candle's tiles.
         let n_rows = rows.dim(0)?;
         let stored_path = rows.dtype() == DType::F32 && rows.device().is_cpu() && crate::stored::available();
-        let mut most = match (stored_path, n_rows <= crate::stored::MAX_ROWS) {
+        let mut most = match (stored_path, n_rows <= crate::stored::SMALL_ROWS) {
             (false, _) => 0,
-            // A decode step's few rows always (`QLinear::forward` takes them there too).
+            // A decode step's few rows always, drafted tokens being verified with them
+            // (`QLinear::forward` takes them there too).
             (true, true) => usize::MAX,
             (true, false) => self.stored_rows,
         };
@@ -385,7 +386,7 @@ mod tests {
             let router = crate::testing::randn(9, 1.0, (e, h)).unwrap();
             let mut moe = SparseMoe::new(router, experts.clone(), 3).unwrap();
             moe.set_compact(true);
-            for rows in (1..=crate::stored::MAX_ROWS).chain([13, 40]) {
+            for rows in (1..=crate::stored::MAX_ROWS).chain([13, crate::stored::SMALL_ROWS, 40]) {
                 let x = crate::testing::randn(70 + rows as u64, 1.0, (rows, h)).unwrap();
                 let routes = moe.route(&x).unwrap();
                 let mut by_expert: Vec<(Vec<u32>, Vec<f32>)> = vec![(vec![], vec![]); e];
@@ -396,7 +397,7 @@ mod tests {
                     }
                 }
                 let pick: Vec<usize> = (0..e).filter(|&ex| !by_expert[ex].0.is_empty()).collect();
-                let fused = if rows <= crate::stored::MAX_ROWS {
+                let fused = if rows <= crate::stored::SMALL_ROWS {
                     let fused = moe.forward_stored(&x, &by_expert, &pick).unwrap().expect("the fused path applies");
                     assert_eq!(moe.forward(&x).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), fused);
                     fused
@@ -425,7 +426,7 @@ mod tests {
                     }
                     // A prompt's rows add the stored experts' outputs first, then the others':
                     // the order of a row's few f32 sums differs, so a few ulp.
-                    let tol = if rows <= crate::stored::MAX_ROWS { 1e-6 } else { 1e-5 };
+                    let tol = if rows <= crate::stored::SMALL_ROWS { 1e-6 } else { 1e-5 };
                     for (a, b) in fused[r * h..(r + 1) * h].iter().zip(&want) {
                         max = max.max(b.abs());
                         assert!(

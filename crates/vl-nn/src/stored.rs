@@ -23,8 +23,13 @@ use candle_core::quantized::k_quants::{BlockQ8K, GgmlType};
 
 use crate::cpu::SendPtr;
 
-/// Input rows one product takes here; more go to candle's tiles (their weight reuse wins).
-pub const MAX_ROWS: usize = 4;
+/// Input rows one pass over a weight row's blocks takes (the kernels' accumulators per row).
+pub const MAX_ROWS: usize = 8;
+/// Input rows one product takes here, in passes of `MAX_ROWS` over each weight row (read again
+/// from L1): a decode step's batch, or drafted tokens being verified. Each row's result is bit
+/// for bit the same whatever the row count. More rows go to the tiles (`stored_tiles`: their
+/// weight reuse wins).
+pub const SMALL_ROWS: usize = 16;
 const QK: usize = 256;
 const Q4K_BYTES: usize = 144;
 const Q6K_BYTES: usize = 210;
@@ -77,7 +82,7 @@ pub fn available() -> bool {
     false
 }
 
-/// `x` ([m, k] row-major, m <= MAX_ROWS) times each weight transposed: `weights[i]` is
+/// `x` ([m, k] row-major, m <= SMALL_ROWS) times each weight transposed: `weights[i]` is
 /// `(kind, bytes, n)`, the stored blocks of an `[n, k]` matrix. Returns each product `[m, n]`
 /// row-major, or None where the kernel does not apply (CPU features, m, k, byte counts).
 pub fn matmul(weights: &[(Blocks, &[u8], usize)], x: &[f32], m: usize, k: usize) -> Option<Vec<Vec<f32>>> {
@@ -130,7 +135,7 @@ fn q8_bytes(q8: &[BlockQ8K]) -> &[u8] {
 
 /// `matmul` with several inputs of the same width k, in one parallel region: `weights[i]` is
 /// `(kind, bytes, n, input)`, an `[n, k]` matrix multiplying `inputs[input]`, `(x, m)`: m rows of
-/// k (m <= MAX_ROWS). Each input is quantized once, however many weights it meets (e.g. the
+/// k (m <= SMALL_ROWS). Each input is quantized once, however many weights it meets (e.g. the
 /// gate and up products of every expert a decode step routes to, each on its own rows).
 /// Returns each product `[m, n]` row-major, or None where the kernel does not apply.
 pub(crate) fn matmul_each(
@@ -141,7 +146,7 @@ pub(crate) fn matmul_each(
     if !available() || k == 0 || !k.is_multiple_of(QK) {
         return None;
     }
-    if inputs.iter().any(|&(x, m)| m == 0 || m > MAX_ROWS || x.len() != m * k) {
+    if inputs.iter().any(|&(x, m)| m == 0 || m > SMALL_ROWS || x.len() != m * k) {
         return None;
     }
     let kb = k / QK;
@@ -172,22 +177,30 @@ pub(crate) fn matmul_each(
             let first = (item - starts[w]) * ITEM_ROWS;
             let out = ptrs[w];
             for row in first..(first + ITEM_ROWS).min(n) {
-                let mut dots = [0f32; MAX_ROWS];
-                // SAFETY: AVX-512 F/BW (and so AVX2, FMA, F16C) checked by `available`; the
-                // row's blocks lie in `blocks` (length checked above), the input's q8, reordered
-                // values and pairs hold m rows of kb blocks (the latter two for Q4_K weights).
-                unsafe {
-                    let w = blocks.as_ptr().add(row * kb * kind.bytes());
-                    match kind {
-                        Blocks::Q4K => {
-                            row_dots_m(w, kb, (q8.as_ptr(), x.reordered.as_ptr(), x.pairs.as_ptr()), m, &mut dots)
+                // Passes of up to MAX_ROWS input rows over the weight row.
+                for r0 in (0..m).step_by(MAX_ROWS) {
+                    let mr = MAX_ROWS.min(m - r0);
+                    let mut dots = [0f32; MAX_ROWS];
+                    // SAFETY: AVX-512 F/BW (and so AVX2, FMA, F16C) checked by `available`; the
+                    // row's blocks lie in `blocks` (length checked above), the input's q8,
+                    // reordered values and pairs hold m rows of kb blocks (the latter two for
+                    // Q4_K weights), of which rows r0..r0 + mr are read.
+                    unsafe {
+                        let w = blocks.as_ptr().add(row * kb * kind.bytes());
+                        let q8 = q8.as_ptr().add(r0 * kb * Q8K_BYTES);
+                        match kind {
+                            Blocks::Q4K => {
+                                let re = x.reordered.as_ptr().add(r0 * kb * QK);
+                                row_dots_m(w, kb, (q8, re, x.pairs.as_ptr().add(r0 * kb * 8)), mr, &mut dots)
+                            }
+                            Blocks::Q6K => q6k_dots_m(w, kb, q8, mr, &mut dots),
                         }
-                        Blocks::Q6K => q6k_dots_m(w, kb, q8.as_ptr(), m, &mut dots),
+                    };
+                    for (r, d) in dots.iter().take(mr).enumerate() {
+                        // SAFETY: each (r, row) is written by this item alone, inside the m x n
+                        // output.
+                        unsafe { *out.get().add((r0 + r) * n + row) = *d };
                     }
-                };
-                for (r, d) in dots.iter().take(m).enumerate() {
-                    // SAFETY: each (r, row) is written by this item alone, inside the m x n output.
-                    unsafe { *out.get().add(r * n + row) = *d };
                 }
             }
         }
@@ -307,7 +320,11 @@ unsafe fn row_dots_m(
             1 => row_dots::<1>(w, kb, q8, re, pairs, dots),
             2 => row_dots::<2>(w, kb, q8, re, pairs, dots),
             3 => row_dots::<3>(w, kb, q8, re, pairs, dots),
-            _ => row_dots::<4>(w, kb, q8, re, pairs, dots),
+            4 => row_dots::<4>(w, kb, q8, re, pairs, dots),
+            5 => row_dots::<5>(w, kb, q8, re, pairs, dots),
+            6 => row_dots::<6>(w, kb, q8, re, pairs, dots),
+            7 => row_dots::<7>(w, kb, q8, re, pairs, dots),
+            _ => row_dots::<8>(w, kb, q8, re, pairs, dots),
         }
     }
 }
@@ -435,7 +452,11 @@ unsafe fn q6k_dots_m(w: *const u8, kb: usize, q8: *const u8, m: usize, dots: &mu
             1 => q6k_dots::<1>(w, kb, q8, dots),
             2 => q6k_dots::<2>(w, kb, q8, dots),
             3 => q6k_dots::<3>(w, kb, q8, dots),
-            _ => q6k_dots::<4>(w, kb, q8, dots),
+            4 => q6k_dots::<4>(w, kb, q8, dots),
+            5 => q6k_dots::<5>(w, kb, q8, dots),
+            6 => q6k_dots::<6>(w, kb, q8, dots),
+            7 => q6k_dots::<7>(w, kb, q8, dots),
+            _ => q6k_dots::<8>(w, kb, q8, dots),
         }
     }
 }
@@ -489,13 +510,38 @@ mod tests {
     }
 
     #[test]
+    fn each_row_is_bit_for_bit_its_product_alone() {
+        // Drafted tokens are verified with the token before them in one product: each row must
+        // be exactly what decoding it alone gives, however many rows share the pass.
+        if !available() {
+            eprintln!("no AVX-512 BW here: the kernel is not used, nothing to compare");
+            return;
+        }
+        for (kind, dtype) in [(Blocks::Q4K, GgmlDType::Q4K), (Blocks::Q6K, GgmlDType::Q6K)] {
+            let (n, k) = (24, 512);
+            let w = crate::testing::randn(5, 0.05, (n, k)).unwrap();
+            let q = QTensor::quantize(&w, dtype).unwrap();
+            let bytes = q.data().unwrap();
+            for m in [2, 5, 8, 9, SMALL_ROWS] {
+                let xs = crate::testing::randn(6 + m as u64, 1.0, (m, k)).unwrap().flatten_all().unwrap();
+                let xs = xs.to_vec1::<f32>().unwrap();
+                let all = matmul(&[(kind, &bytes, n)], &xs, m, k).unwrap().remove(0);
+                for r in 0..m {
+                    let one = matmul(&[(kind, &bytes, n)], &xs[r * k..(r + 1) * k], 1, k).unwrap().remove(0);
+                    assert_eq!(&all[r * n..(r + 1) * n], &one[..], "{kind:?}, {m} rows: row {r}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn products_match_candles_on_the_same_blocks() {
         if !available() {
             eprintln!("no AVX-512 BW here: the kernel is not used, nothing to compare");
             return;
         }
         for (kind, dtype) in [(Blocks::Q4K, GgmlDType::Q4K), (Blocks::Q6K, GgmlDType::Q6K)] {
-            for (m, n, k) in [(1, 40, 512), (3, 16, 256), (4, 33, 768), (2, 1, 1024)] {
+            for (m, n, k) in [(1, 40, 512), (3, 16, 256), (4, 33, 768), (2, 1, 1024), (8, 17, 512), (13, 20, 256)] {
                 let w = crate::testing::randn(11 + n as u64, 0.05, (n, k)).unwrap();
                 let x = crate::testing::randn(12 + m as u64, 1.0, (m, k)).unwrap();
                 let q = QTensor::quantize(&w, dtype).unwrap();
@@ -515,9 +561,10 @@ mod tests {
                 assert!(err <= 0.02 * scale.max(1.0), "{kind:?} ({m},{n},{k}) off the f32 product by {err}");
             }
         }
-        let t = Tensor::zeros((5, 256), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let rows = SMALL_ROWS + 1;
+        let t = Tensor::zeros((rows, 256), candle_core::DType::F32, &Device::Cpu).unwrap();
         let xs = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        assert!(matmul(&[(Blocks::Q4K, &[0u8; 144], 1)], &xs, 5, 256).is_none(), "more rows than MAX_ROWS");
+        assert!(matmul(&[(Blocks::Q4K, &[0u8; 144], 1)], &xs, rows, 256).is_none(), "more rows than SMALL_ROWS");
         assert!(matmul(&[(Blocks::Q6K, &[0u8; 144], 1)], &xs[..256], 1, 256).is_none(), "bytes are not whole blocks");
     }
 }

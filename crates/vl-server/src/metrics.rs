@@ -38,6 +38,9 @@ pub(crate) struct Metrics {
     pub(crate) decode_rows: Gauge,
     pub(crate) preemptions: Gauge,
     pub(crate) kept_prefixes: Gauge,
+    pub(crate) draft_tokens: Gauge,
+    pub(crate) accepted_draft_tokens: Gauge,
+    pub(crate) forced_tokens: Gauge,
 }
 
 impl Metrics {
@@ -63,6 +66,9 @@ impl Metrics {
             decode_rows: Gauge::default(),
             preemptions: Gauge::default(),
             kept_prefixes: Gauge::default(),
+            draft_tokens: Gauge::default(),
+            accepted_draft_tokens: Gauge::default(),
+            forced_tokens: Gauge::default(),
         };
         let mut m = m;
         let r = &mut m.registry;
@@ -92,6 +98,9 @@ impl Metrics {
         );
         r.register("preemptions", "Sequences preempted for KV memory", m.preemptions.clone());
         r.register("kept_prefixes", "Finished conversations' caches kept for prefix reuse", m.kept_prefixes.clone());
+        r.register("draft_tokens", "Tokens drafted for verification (speculative)", m.draft_tokens.clone());
+        r.register("accepted_draft_tokens", "Drafted tokens the verification kept", m.accepted_draft_tokens.clone());
+        r.register("forced_tokens", "Tokens a constraint forced, written without sampling", m.forced_tokens.clone());
         m
     }
 
@@ -115,6 +124,9 @@ impl Metrics {
         set(&self.decode_rows, st.decode_rows);
         set(&self.preemptions, st.preemptions);
         set(&self.kept_prefixes, st.cached_prefixes as u64);
+        set(&self.draft_tokens, st.draft_tokens);
+        set(&self.accepted_draft_tokens, st.accepted_draft_tokens);
+        set(&self.forced_tokens, st.forced_tokens);
         let mut text = String::new();
         if encode(&mut text, &self.registry).is_err() {
             return StatusCode::INTERNAL_SERVER_ERROR.into_response();

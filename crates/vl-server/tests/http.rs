@@ -307,8 +307,12 @@ fn speculative_and_forced_tokens_are_request_fields() {
     defaults.speculative.method = vl_models::speculative::Method::Ngram;
     let s = Server::start(ServerConfig { defaults, ..ServerConfig::default() });
     let want = golden();
-    for spec in [None, Some(json!("off")), Some(json!("ngram")), Some(json!({"method": "ngram", "draft_max": 3, "ngram_min": 1}))]
-    {
+    for spec in [
+        None,
+        Some(json!("off")),
+        Some(json!("ngram")),
+        Some(json!({"method": "ngram", "draft_max": 3, "ngram_min": 1})),
+    ] {
         let mut body = one_image(want.tokens);
         if let Some(v) = &spec {
             body["speculative"] = v.clone();
@@ -345,4 +349,11 @@ fn speculative_and_forced_tokens_are_request_fields() {
     let mut body = one_image(2);
     body["forced_tokens"] = json!("yes");
     assert_eq!(post(&s, "/v1/chat/completions", &body).0, 400);
+    let metrics = agent().get(&format!("{}/metrics", s.base)).call().unwrap().into_string().unwrap();
+    let value = |name: &str| -> u64 {
+        let line = metrics.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("{name}: {metrics}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert!(value("vl_draft_tokens ") >= value("vl_accepted_draft_tokens "), "{metrics}");
+    assert!(value("vl_forced_tokens ") > 0, "{metrics}");
 }

@@ -17,7 +17,7 @@ pub struct SpeculativeArgs {
     /// same (greedy, or sampled with a seed); `draft` and `mtp` are not available yet.
     #[arg(long, value_name = "METHOD", default_value = "off")]
     pub speculative: String,
-    /// Tokens drafted at most per step (1 to 32).
+    /// Tokens drafted at most per step (1 to 15).
     #[arg(long, value_name = "N", default_value_t = Speculative::default().draft_max)]
     pub draft_max: usize,
     /// The shortest n-gram `ngram` looks up (it tries the longest first).

@@ -39,8 +39,10 @@ impl Method {
     }
 }
 
-/// Most tokens drafted per step (`draft_max`).
-pub const MAX_DRAFT: usize = 32;
+/// Most tokens drafted per step (`draft_max`): with the token before them, the rows one
+/// product on the stored quantized blocks takes (`vl_nn::stored::SMALL_ROWS`), whose results are
+/// bit for bit those of one row at a time.
+pub const MAX_DRAFT: usize = vl_nn::stored::SMALL_ROWS - 1;
 /// Longest n-gram looked up.
 pub const MAX_NGRAM: usize = 16;
 

@@ -441,9 +441,15 @@ impl<'f> Scheduler<'f> {
             return false;
         }
         // Per sequence: the tokens fed, how many lead rows are fed again (no pick), the drafts.
+        // Drafts fill the step up to `SMALL_ROWS` rows in all: the products whose rows are bit
+        // for bit those of one row at a time (a batch of many sequences drafts little).
+        let needed: usize = rows.iter().map(|&i| self.running[i].ids.len() - self.running[i].state.len() + 1).sum();
+        let mut spare = vl_nn::stored::SMALL_ROWS.saturating_sub(needed);
         let mut feeds: Vec<(Vec<u32>, usize, Vec<u32>)> = Vec::with_capacity(rows.len());
         for &i in &rows {
-            let drafts = self.drafts_for(i);
+            let mut drafts = if spare > 0 { self.drafts_for(i) } else { vec![] };
+            drafts.truncate(spare);
+            spare -= drafts.len();
             let seq = &mut self.running[i];
             if !drafts.is_empty() && seq.state.has_recurrent() {
                 seq.checkpoint = Some(seq.state.checkpoint());

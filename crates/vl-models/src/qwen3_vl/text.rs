@@ -141,18 +141,25 @@ impl Attention {
         }
         let hd = self.head_dim;
         let (q, k, v, gate) = self.qkv(x, cos, sin)?;
-        let out = if let [cache] = caches {
-            // One sequence: its rows as they are (no slicing, no join).
+        let out = if let ([cache], [1]) = (&mut *caches, lens) {
+            // One sequence, one row: as it is (no slicing, no join).
             let (ck, cv) = cache.append(&k, &v)?;
             causal_gqa_attention(&q, &ck, &cv, PREFILL_QUERY_BLOCK)?
         } else {
-            let mut outs = Vec::with_capacity(lens.len());
+            let mut outs = Vec::with_capacity(n);
             let mut at = 0;
             for (cache, &len) in caches.iter_mut().zip(lens) {
                 let (ck, cv) = cache.append(&k.narrow(1, at, len)?, &v.narrow(1, at, len)?)?;
-                let qi = q.narrow(1, at, len)?.contiguous()?;
-                // [heads, len, hd] each
-                outs.push(causal_gqa_attention(&qi, &ck, &cv, PREFILL_QUERY_BLOCK)?);
+                let total = ck.dim(1)?;
+                // Row by row with the decode kernel, each seeing the keys up to its own position:
+                // the logits of drafted tokens are then bit for bit those decoding them one at a
+                // time gives, so verification keeps exactly the answer decoding would write.
+                for j in 0..len {
+                    let seen = total - len + j + 1;
+                    let qj = q.narrow(1, at + j, 1)?.contiguous()?;
+                    // [heads, 1, hd] each
+                    outs.push(causal_gqa_attention(&qj, &ck.narrow(1, 0, seen)?, &cv.narrow(1, 0, seen)?, 1)?);
+                }
                 at += len;
             }
             Tensor::cat(&outs, 1)?

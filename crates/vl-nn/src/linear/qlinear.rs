@@ -145,13 +145,13 @@ impl QLinear {
     }
 
     /// Every layer's product with `x` on the stored blocks, when all are stored Q4_K / Q6_K on a
-    /// CPU that runs the kernel for x's row count: `stored::matmul` for up to `stored::MAX_ROWS`
-    /// rows (a decode step), `stored_tiles::matmul_each` for more (no repacked copy; Q4_K only
+    /// CPU that runs the kernel for x's row count: `stored::matmul` for up to `stored::SMALL_ROWS`
+    /// rows (a decode step, drafted tokens verified), `stored_tiles::matmul_each` for more (no repacked copy; Q4_K only
     /// while candle's AMX path was not asked for, `allow_amx`); None otherwise.
     fn stored_products(layers: &[&QLinear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
         let k = x.dim(candle_core::D::Minus1)?;
         let rows = x.elem_count() / k.max(1);
-        let few = rows <= crate::stored::MAX_ROWS;
+        let few = rows <= crate::stored::SMALL_ROWS;
         let runs = if few { crate::stored::available() } else { crate::stored_tiles::available() };
         if rows == 0 || !x.device().is_cpu() || !runs {
             return Ok(None);
