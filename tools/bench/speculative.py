@@ -3,15 +3,19 @@
 answer, alternating rounds, medians).
 
   tools/bench/speculative.py target/bench-2b [--rounds 3] [--tokens 96] [--vl target/release/vl]
+      [--only ngram|forced|repeat]
 
 1. The verify step's cost: the same greedy answer with n-gram drafts off and at --draft-max k
    (1, 2, 4, 8). Per run: decode tok/s, forward passes, rows per pass, drafts kept. The cost of a
    pass of 1 + k rows against one row gives the speed-up any acceptance rate a would bring:
    E(a, k) = (1 - a^(k+1)) / (1 - a) tokens per pass, over the pass's relative cost. (Random
    weights fall into loops, which n-gram drafts predict: a repeating answer, not a real one.)
-2. Forced tokens on a JSON schema (an invoice: keys, enums, bounded numbers and strings): the
-   same request with and without --no-forced-tokens, answers per second and tokens per second
-   of the decode phase. Its effect does not depend on the weights.
+2. Forced tokens on a JSON schema (an invoice: keys, enums, bounded numbers and strings), with
+   the default bounded whitespace and compact (`x-guidance`): the same request with and without
+   --no-forced-tokens, decode tokens per second and answers per second. Its effect does not
+   depend on the weights.
+3. An answer the drafts predict (one token made certain by logit_bias, through a warm `vl
+   serve`): n-gram drafts off, at draft_max 4 and 8.
 """
 
 import argparse
@@ -67,10 +71,73 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--vl", default="target/release/vl")
+    ap.add_argument("--only", choices=["ngram", "forced", "repeat"])
     a = ap.parse_args()
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     print(f"CPU: {cpu}, {os.cpu_count()} threads; model {a.model}; {a.rounds} rounds, cold processes\n")
 
+    if a.only in (None, "ngram"):
+        ngram(a)
+    if a.only in (None, "forced"):
+        forced_tokens(a)
+    if a.only in (None, "repeat"):
+        repeating(a)
+
+
+def repeating(a):
+    # 3. An answer n-gram drafts predict: one token made certain by logit_bias (through `vl
+    # serve`, warm), the acceptance an answer that repeats its prompt verbatim approaches.
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([a.vl, "serve", "--model", a.model, "--port", str(port), "--host", "127.0.0.1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(base + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+
+        def post(spec):
+            body = {"messages": [{"role": "user", "content": "Copy this document word for word: " + DOCUMENT}],
+                    "max_tokens": a.tokens, "temperature": 0, "logit_bias": {"3751": 100}, "speculative": spec}
+            req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            t = time.perf_counter()
+            v = json.load(urllib.request.urlopen(req, timeout=600))
+            return time.perf_counter() - t, v["usage"]["completion_tokens"], v["choices"][0]["message"]["content"]
+
+        post("off")  # warm
+        specs = ["off", {"method": "ngram", "draft_max": 4}, {"method": "ngram", "draft_max": 8}]
+        times = {i: [] for i in range(len(specs))}
+        texts = {}
+        for r in range(a.rounds):
+            for i, spec in enumerate(specs):
+                t, n, text = post(spec)
+                times[i].append(t)
+                texts[i] = (n, text)
+                print(f"round {r} {spec}: {t:.2f}s for {n} tokens", file=sys.stderr)
+        print("\n| repeating answer (logit_bias, warm server) | tokens | request s (median) | tok/s | vs off |")
+        print("|---|---|---|---|---|")
+        off = statistics.median(times[0])
+        for i, spec in enumerate(specs):
+            m = statistics.median(times[i])
+            name = spec if isinstance(spec, str) else f"ngram, draft_max {spec['draft_max']}"
+            print(f"| {name} | {texts[i][0]} | {m:.2f} | {texts[i][0] / m:.2f} | {off / m:.2f}x |")
+        print(f"\nanswers identical: {all(texts[i] == texts[0] for i in texts)}")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def ngram(a):
     # 1. n-gram drafts: the cost of verifying k drafted tokens.
     prompt = ["--prompt", "Copy this document word for word: " + DOCUMENT]
     ks = [0, 1, 2, 4, 8]
@@ -106,33 +173,39 @@ def main():
             cells.append(f"{per_pass / (cost[k] / cost[0]):.2f}x")
         print(f"| {acc} | " + " | ".join(cells) + " |")
 
-    # 2. Forced tokens on a schema.
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(SCHEMA, f)
-        schema = f.name
-    base = ["--prompt", "Extract the invoice as JSON: " + DOCUMENT, "--json-schema", schema]
-    forced = {True: [], False: []}
-    try:
-        for r in range(a.rounds):
-            for on in (False, True):
-                j = run(a.vl, a.model, 400, base + ([] if on else ["--no-forced-tokens"]))
-                json.loads(j["text"])  # the answer is JSON
-                forced[on].append(j)
-                print(f"round {r} forced={on}: {j['timings']['decode_s']:.2f}s {j['steps']}", file=sys.stderr)
-    finally:
-        os.unlink(schema)
-    print("\n| forced tokens | tokens | forced | forward passes | answer decode s (median) | answers/s | tok/s |")
-    print("|---|---|---|---|---|---|---|")
-    med = {}
-    for on in (False, True):
-        js = forced[on]
-        s = js[0]["steps"]
-        d = statistics.median(j["timings"]["decode_s"] + j["timings"]["prefill_s"] for j in js)
-        n = js[0]["generated_tokens"]
-        med[on] = (d, n)
-        print(f"| {'on' if on else 'off'} | {n} | {s['forced']} | {s['forward_passes']} | {d:.2f} | {1 / d:.3f} | {n / d:.2f} |")
-    print(f"\nanswers per second, on / off: {med[False][0] / med[True][0]:.2f}x; "
-          f"tokens per second: {(med[True][1] / med[True][0]) / (med[False][1] / med[False][0]):.2f}x")
+
+def forced_tokens(a):
+    # 2. Forced tokens on a schema: with the default bounded whitespace, and compact (the
+    # schema's own `x-guidance` options: no whitespace but the separators).
+    compact = dict(SCHEMA)
+    compact["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    print("\n| schema | forced tokens | tokens | forced | forward passes | decode s (median) | decode tok/s | answers/s (prefill + decode) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, schema_json in [("bounded whitespace", SCHEMA), ("compact (x-guidance)", compact)]:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(schema_json, f)
+            schema = f.name
+        base = ["--prompt", "Extract the invoice as JSON: " + DOCUMENT, "--json-schema", schema]
+        forced = {True: [], False: []}
+        try:
+            for r in range(a.rounds):
+                for on in (False, True):
+                    j = run(a.vl, a.model, 400, base + ([] if on else ["--no-forced-tokens"]))
+                    json.loads(j["text"])  # the answer is JSON
+                    forced[on].append(j)
+                    print(f"round {r} {name} forced={on}: {j['timings']['decode_s']:.2f}s {j['steps']}", file=sys.stderr)
+        finally:
+            os.unlink(schema)
+        med = {}
+        for on in (False, True):
+            js = forced[on]
+            s = js[0]["steps"]
+            d = statistics.median(j["timings"]["decode_s"] for j in js)
+            whole = statistics.median(j["timings"]["decode_s"] + j["timings"]["prefill_s"] for j in js)
+            n = js[0]["generated_tokens"]
+            med[on] = (d, n, whole)
+            print(f"| {name} | {'on' if on else 'off'} | {n} | {s['forced']} | {s['forward_passes']} | {d:.2f} | {(n - 1) / d:.2f} | {1 / whole:.3f} |")
+        print(f"| {name} | on / off | | | | | {((med[True][1] - 1) / med[True][0]) / ((med[False][1] - 1) / med[False][0]):.2f}x | {med[False][2] / med[True][2]:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ pub struct Speculative {
 
 impl Default for Speculative {
     fn default() -> Self {
-        Self { method: Method::Off, draft_max: 8, ngram_min: 2, ngram_max: 4 }
+        Self { method: Method::Off, draft_max: 4, ngram_min: 2, ngram_max: 4 }
     }
 }
 
