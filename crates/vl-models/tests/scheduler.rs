@@ -285,6 +285,36 @@ fn preemption_recomputes_and_every_answer_stays_exact() {
 }
 
 #[test]
+fn drafts_on_a_recurrent_state_are_taken_back_to_the_checkpoint_and_fed_again() {
+    // The stub verifies drafts through the seam's default `extend` (one decode step per row);
+    // a rejected draft takes its recurrent layer back to the checkpoint before the drafts, and
+    // the accepted tokens are fed again: the layers' agreement check and the closed form catch
+    // a state restored wrongly. Alone, then three choices preempted under a small budget.
+    let spec = vl_models::speculative::Speculative {
+        method: vl_models::speculative::Method::Ngram,
+        draft_max: 5,
+        ngram_min: 1,
+        ngram_max: 3,
+    };
+    let (e, _) = engine(EngineOptions { prefix_cache: false, ..Default::default() }, Duration::ZERO);
+    let p = prompt(20, 3);
+    let mut req = request(&p, 130);
+    req.options.speculative = spec.clone();
+    let c = e.generate(&req, &mut |_| true).unwrap();
+    assert_eq!(c.token_ids, expected(&p, 130));
+    let s = c.steps;
+    assert!(s.accepted > 0 && s.drafted > s.accepted, "{s:?}");
+    assert!(s.forward_passes < 130, "{s:?}");
+    let budget = 5 * 64 * PER_POSITION + SLACK;
+    let opts = EngineOptions { kv_cache_bytes: budget, prefix_cache: false, parallel: 3, ..Default::default() };
+    let (e, _) = engine(opts, Duration::ZERO);
+    for c in e.generate_n(&req, 3, &mut |_, _, _| true).unwrap() {
+        assert_eq!(c.token_ids, expected(&p, 130));
+    }
+    assert!(e.stats().preemptions > 0);
+}
+
+#[test]
 fn a_prompt_that_can_never_fit_the_kv_budget_is_refused_and_one_that_cannot_fit_now_waits() {
     let opts = EngineOptions { kv_cache_bytes: 64 * PER_POSITION + SLACK, prefix_cache: false, ..Default::default() };
     let (e, log) = engine(opts, Duration::from_millis(2));
