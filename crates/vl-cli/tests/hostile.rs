@@ -369,6 +369,11 @@ fn bad_flags_are_refused_with_the_flag_and_value() {
         (vec!["--min-pixels", "100000000"], vec!["--min-pixels", "100000000"]),
         (vec!["--min-pixels", "200000", "--max-pixels", "100000"], vec!["--min-pixels", "200000", "100000"]),
         (vec!["--max-pixels", "0"], vec!["--max-pixels", "0"]),
+        (vec!["--speculative", "ngram", "--draft-max", "16"], vec!["--draft-max", "16 must be in 1..=15"]),
+        (vec!["--speculative", "ngram", "--ngram-min", "5"], vec!["--ngram-min", "5 must be in 1..=4"]),
+        (vec!["--ngram-max", "17"], vec!["--ngram-max", "17 must be in 1..=16"]),
+        (vec!["--speculative", "draft"], vec!["--speculative", "`draft` is not available yet"]),
+        (vec!["--speculative", "eagle3"], vec!["--speculative", "`eagle3`"]),
     ];
     for (flags, needles) in cases {
         let mut args = vec!["run", "--model", &ck, "--image", &img];

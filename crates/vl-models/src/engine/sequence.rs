@@ -383,9 +383,7 @@ impl<'f> Seq<'f> {
         self.verified.clear();
         if self.state.len() > self.ids.len() {
             let cp = self.checkpoint.take();
-            if let Err(e) = self.state.take_back(self.ids.len(), cp.as_ref()) {
-                return Err(e);
-            }
+            self.state.take_back(self.ids.len(), cp.as_ref())?;
         }
         self.checkpoint = None;
         out
