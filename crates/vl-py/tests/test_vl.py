@@ -78,6 +78,19 @@ def test_a_json_schema_answer_validates(engine):
     assert r.text in ("left", "right")
 
 
+def test_drafts_and_forced_tokens_are_keyword_arguments(engine):
+    # n-gram drafts change no answer; a bad method is refused by name.
+    for spec in ("ngram", {"method": "ngram", "draft_max": 3, "ngram_min": 1}):
+        r = engine.chat(ask(SQUARE), max_tokens=N, temperature=0, speculative=spec)
+        assert r.text == WANT, spec
+    r = engine.chat([{"role": "user", "content": "Pick."}], max_tokens=40, temperature=0, forced_tokens=False,
+                    structured_outputs={"choice": ["a_long_left_answer", "a_long_right_answer"]})
+    assert r.text in ("a_long_left_answer", "a_long_right_answer")
+    with pytest.raises(vl.RequestError) as e:
+        engine.chat(ask(SQUARE), max_tokens=2, speculative="eagle")
+    assert e.value.param == "speculative"
+
+
 def test_threads_are_answered_together_with_equal_answers(engine):
     out = [None] * 6
     def work(i):
