@@ -186,6 +186,7 @@ fn check(text: &str) {
 
 #[test]
 fn forced_tokens_are_written_without_sampling_in_fewer_passes() {
+    let mut drafted_beside = 0;
     for g in ["tiny-a", "tiny-q35"] {
         let e = engine(g, 1);
         for seed in 0..4u64 {
@@ -214,11 +215,15 @@ fn forced_tokens_are_written_without_sampling_in_fewer_passes() {
                 "{g} seed {seed}: {s:?}, {generated} tokens: forced tokens fed one pass each"
             );
             assert!(without.steps.forward_passes + 1 >= without.token_ids.len(), "{:?}", without.steps);
-            // With drafts on too, the forced tokens still lead and the answer is the same.
+            // With drafts on too (after the forced tokens, in the same pass), the answer is the
+            // same.
             let (both, _) = run(&e, &with(req.clone(), ngram(4)));
             assert_eq!(both.token_ids, with_forced.token_ids, "{g} seed {seed}: drafts beside forced tokens");
+            assert_eq!(both.steps.forced, s.forced, "{g} seed {seed}");
+            drafted_beside += both.steps.drafted;
         }
     }
+    assert!(drafted_beside > 0, "no draft ever followed forced tokens");
 }
 
 #[test]

@@ -130,13 +130,11 @@ pub(super) struct Seq<'f> {
     pub(super) forced: VecDeque<u32>,
     /// Drafted (or forced) tokens fed in the last forward pass, each with the logits after it,
     /// kept while the picked tokens equal them (`go_on`).
-    pub(super) verified: VecDeque<(u32, Vec<f32>)>,
+    pub(super) verified: VecDeque<Verified>,
     /// The state before drafted tokens were fed, when it has recurrent layers (which cannot be
     /// cut back to any position).
     pub(super) checkpoint: Option<Checkpoint>,
     pub(super) steps: StepReport,
-    /// The verified tokens are drafts (counted as accepted when kept), not forced ones.
-    pub(super) drafted_rows: bool,
     /// Tokens it may generate: max_new_tokens within the context.
     pub(super) budget: usize,
     pub(super) cached_tokens: usize,
@@ -193,7 +191,6 @@ impl<'f> Seq<'f> {
             verified: VecDeque::new(),
             checkpoint: None,
             steps: StepReport::default(),
-            drafted_rows: false,
             budget,
             cached_tokens: 0,
             prefill_time: Duration::ZERO,
@@ -320,26 +317,27 @@ impl<'f> Seq<'f> {
         Ok(None)
     }
 
-    /// Tokens to verify after the pending one in the next forward pass: the forced ones, else
-    /// drafts (`GenerationOptions::speculative`); none while its state lacks fed tokens, and
-    /// never past its token budget.
+    /// Tokens to verify after the pending one in the next forward pass: the forced ones, then
+    /// drafts (`GenerationOptions::speculative`) after them (a JSON key forced, its value copied
+    /// from the prompt); none while its state lacks fed tokens, never past its token budget nor
+    /// `MAX_DRAFT`.
     pub(super) fn drafts(&self) -> Vec<u32> {
         let Some(pending) = self.pending else { return vec![] };
         if self.state.len() != self.ids.len() {
             return vec![];
         }
-        let room = self.budget.saturating_sub(self.picker.generated().len());
-        if !self.forced.is_empty() {
-            return self.forced.iter().take(room.min(crate::speculative::MAX_DRAFT)).copied().collect();
-        }
+        let room = self.budget.saturating_sub(self.picker.generated().len()).min(crate::speculative::MAX_DRAFT);
+        let mut out: Vec<u32> = self.forced.iter().take(room).copied().collect();
         let spec = &self.picker.options().speculative;
-        if spec.method == crate::speculative::Method::Off || room == 0 {
-            return vec![];
+        if spec.method == crate::speculative::Method::Off || out.len() < self.forced.len() || out.len() == room {
+            return out;
         }
-        let mut history = Vec::with_capacity(self.ids.len() + 1);
+        let mut history = Vec::with_capacity(self.ids.len() + 1 + out.len());
         history.extend_from_slice(&self.ids);
         history.push(pending);
-        spec.draft(&history, room)
+        history.extend_from_slice(&out);
+        out.extend(spec.draft(&history, room - out.len()));
+        out
     }
 
     /// Takes a forward pass's rows: `rows[0]` the logits after the pending token, `rows[j]`
@@ -348,13 +346,16 @@ impl<'f> Seq<'f> {
         let fed = self.pending.take().expect("a fed sequence has a pending token");
         self.ids.push(fed);
         self.steps.forward_passes += 1;
-        // Drafts, not forced tokens (those are never wrong).
-        self.drafted_rows = self.forced.is_empty();
-        if self.drafted_rows {
-            self.steps.drafted += drafts.len();
-        }
+        // The forced tokens lead; the rest are drafts (counted, and counted as kept when kept).
+        let forced = self.forced.len().min(drafts.len());
+        self.steps.drafted += drafts.len() - forced;
         let first = rows.pop_front().expect("a row per fed token");
-        self.verified = drafts.into_iter().zip(rows).collect();
+        self.verified = drafts
+            .into_iter()
+            .zip(rows)
+            .enumerate()
+            .map(|(j, (token, logits))| Verified { token, logits, drafted: j >= forced })
+            .collect();
         let out = self.accept(first);
         self.go_on(out)
     }
@@ -365,14 +366,12 @@ impl<'f> Seq<'f> {
     pub(super) fn go_on(&mut self, mut out: Result<Option<Finish>>) -> Result<Option<Finish>> {
         while matches!(out, Ok(None)) && self.held.is_none() {
             match (self.pending, self.verified.front()) {
-                (Some(p), Some(&(d, _))) if p == d => {
-                    let (_, row) = self.verified.pop_front().expect("front");
+                (Some(p), Some(v)) if p == v.token => {
+                    let v = self.verified.pop_front().expect("front");
                     self.pending = None;
-                    self.ids.push(d);
-                    if self.drafted_rows {
-                        self.steps.accepted += 1;
-                    }
-                    out = self.accept(row);
+                    self.ids.push(v.token);
+                    self.steps.accepted += usize::from(v.drafted);
+                    out = self.accept(v.logits);
                 }
                 _ => break,
             }
@@ -472,6 +471,14 @@ impl<'f> Seq<'f> {
             steps: self.steps,
         })
     }
+}
+
+/// A token fed after the pending one in a forward pass, with the logits after it.
+pub(super) struct Verified {
+    token: u32,
+    logits: Vec<f32>,
+    /// Drafted (`speculative`), not forced by the constraint.
+    drafted: bool,
 }
 
 /// Answers the choices a sequence would have started, when it ends before its prefill did.
