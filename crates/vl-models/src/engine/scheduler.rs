@@ -440,12 +440,13 @@ impl<'f> Scheduler<'f> {
         if rows.is_empty() {
             return false;
         }
-        // Per sequence: the tokens fed, how many lead rows are fed again (no pick), the drafts.
-        // Drafts fill the step up to `SMALL_ROWS` rows in all: the products whose rows are bit
+        // Per sequence: the tokens fed (those its state lacks, the pending one, the drafts) and
+        // the drafts. Drafts fill the step up to `SMALL_ROWS` rows in all: the products whose rows are bit
         // for bit those of one row at a time (a batch of many sequences drafts little).
         let needed: usize = rows.iter().map(|&i| self.running[i].ids.len() - self.running[i].state.len() + 1).sum();
         let mut spare = vl_nn::stored::SMALL_ROWS.saturating_sub(needed);
-        let mut feeds: Vec<(Vec<u32>, usize, Vec<u32>)> = Vec::with_capacity(rows.len());
+        let mut inputs: Vec<Vec<u32>> = Vec::with_capacity(rows.len());
+        let mut all_drafts: Vec<Vec<u32>> = Vec::with_capacity(rows.len());
         for &i in &rows {
             let mut drafts = if spare > 0 { self.drafts_for(i) } else { vec![] };
             drafts.truncate(spare);
@@ -454,20 +455,19 @@ impl<'f> Scheduler<'f> {
             if !drafts.is_empty() && seq.state.has_recurrent() {
                 seq.checkpoint = Some(seq.state.checkpoint());
             }
-            let again = seq.ids.len() - seq.state.len();
             let mut input = seq.ids[seq.state.len()..].to_vec();
             input.push(seq.pending.expect("filtered"));
             input.extend_from_slice(&drafts);
-            feeds.push((input, again, drafts));
+            inputs.push(input);
+            all_drafts.push(drafts);
         }
-        let single = feeds.iter().all(|(input, ..)| input.len() == 1);
+        let single = inputs.iter().all(|input| input.len() == 1);
         let mut states: Vec<&mut SeqState> =
             self.running.iter_mut().enumerate().filter(|(i, _)| rows.contains(i)).map(|(_, s)| &mut s.state).collect();
         let logits = if single {
-            let tokens: Vec<u32> = feeds.iter().map(|(input, ..)| input[0]).collect();
+            let tokens: Vec<u32> = inputs.iter().map(|input| input[0]).collect();
             self.generator.decode(&tokens, &mut states)
         } else {
-            let inputs: Vec<Vec<u32>> = feeds.iter().map(|(input, ..)| input.clone()).collect();
             self.generator.extend(&inputs, &mut states)
         }
         .and_then(|l| Ok(l.to_vec2::<f32>()?));
@@ -489,7 +489,9 @@ impl<'f> Scheduler<'f> {
         };
         let mut logits = logits.into_iter();
         let mut done = Vec::new();
-        for (&i, (input, again, drafts)) in rows.iter().zip(feeds) {
+        for ((&i, input), drafts) in rows.iter().zip(&inputs).zip(all_drafts) {
+            // The lead rows fed again (a state taken back) pick nothing.
+            let again = input.len() - 1 - drafts.len();
             let mine: VecDeque<Vec<f32>> = logits.by_ref().take(input.len()).skip(again).collect();
             let seq = &mut self.running[i];
             if let Some(outcome) = seq.take_step(drafts, mine).transpose() {
