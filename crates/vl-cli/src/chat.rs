@@ -123,7 +123,8 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     // The clip cache at its default: the history, videos included, is sent again every turn.
     let opts = EngineOptions { model: args.load.model_options(dev, dtype, quant, video), ..Default::default() };
     let t = Instant::now();
-    let engine = Engine::open(&dir, args.load.model.mmproj.as_deref(), opts)
+    let draft = args.sampling.speculative.open_draft(&args.load.model, &opts.model)?;
+    let engine = Engine::open_with_draft(&dir, args.load.model.mmproj.as_deref(), draft, opts)
         .with_context(|| format!("model {}", dir.display()))?;
     let interactive = std::io::stdin().is_terminal();
     // Ctrl-C while an answer is written stops that answer (the terminal is not in raw mode

@@ -55,6 +55,7 @@ const HEADINGS: &[(&str, &[&str])] = &[
             "dry_penalty_last_n",
             "dry_sequence_breakers",
             "speculative",
+            "draft_model",
             "draft_max",
             "ngram_min",
             "ngram_max",

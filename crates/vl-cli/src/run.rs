@@ -317,6 +317,8 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     let template_kwargs = args.reasoning.chat_template_kwargs.clone().unwrap_or_default();
     let req = Request { messages, options, constraint, template_kwargs, ..Default::default() };
 
+    // The draft model loads whole (it is small beside the model), before the model's stages.
+    let draft = args.sampling.speculative.open_draft(&args.load.model, &opts.model)?;
     let mut printer = crate::reasoning::Printer::new(&args.reasoning, std::io::stdout().is_terminal());
     let mut stdout = std::io::stdout().lock();
     let mut write_err: Option<std::io::Error> = None;
@@ -336,7 +338,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         }
         true
     };
-    let result = Engine::answer_once(family, opts, &req, &mut on_text);
+    let result = Engine::answer_once(family, draft, opts, &req, &mut on_text);
     progress.finish();
     let shot = result.map_err(|e| match e {
         vl_models::Error::Limit {

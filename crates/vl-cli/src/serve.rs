@@ -221,8 +221,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     };
     let id = args.served_model_name.clone().unwrap_or_else(|| args.load.model.model.clone());
     let t = Instant::now();
+    let draft = args.speculative.open_draft(&args.load.model, &opts.model)?;
     let engine = Arc::new(
-        Engine::open(&dir, args.load.model.mmproj.as_deref(), opts)
+        Engine::open_with_draft(&dir, args.load.model.mmproj.as_deref(), draft, opts)
             .with_context(|| format!("model {}", dir.display()))?,
     );
     let precision = if args.load.model.vision_bf16() { ", vision products in bf16" } else { "" };

@@ -354,6 +354,8 @@ fn absurd_config_values_are_refused_before_allocating() {
 #[test]
 fn bad_flags_are_refused_with_the_flag_and_value() {
     let ck = checkpoint("tiny-a").display().to_string();
+    let q35 = checkpoint("tiny-q35").display().to_string();
+    let embed = checkpoint("tiny-embed").display().to_string();
     let img = image("square.png");
     let cases: Vec<(Vec<&str>, Vec<&str>)> = vec![
         (vec!["--temperature", "NaN"], vec!["--temperature", "NaN"]),
@@ -372,7 +374,11 @@ fn bad_flags_are_refused_with_the_flag_and_value() {
         (vec!["--speculative", "ngram", "--draft-max", "16"], vec!["--draft-max", "16 must be in 1..=15"]),
         (vec!["--speculative", "ngram", "--ngram-min", "5"], vec!["--ngram-min", "5 must be in 1..=4"]),
         (vec!["--ngram-max", "17"], vec!["--ngram-max", "17 must be in 1..=16"]),
-        (vec!["--speculative", "draft"], vec!["--speculative", "`draft` is not available yet"]),
+        (vec!["--speculative", "draft"], vec!["--speculative draft", "--draft-model"]),
+        (vec!["--speculative", "mtp"], vec!["--speculative", "`mtp` is not available yet"]),
+        (vec!["--draft-model", "/nonexistent/draft"], vec!["--draft-model", "/nonexistent/draft"]),
+        (vec!["--draft-model", &q35], vec!["draft model", "its tokenizer has 248"]),
+        (vec!["--draft-model", &embed], vec!["draft model", "pools"]),
         (vec!["--speculative", "eagle3"], vec!["--speculative", "`eagle3`"]),
     ];
     for (flags, needles) in cases {

@@ -45,7 +45,7 @@ fn an_image_answer_reports_media_vision_blocks_and_prefill() {
     let log = Arc::new(Log(Mutex::new(vec![])));
     let shot = {
         let _g = vl_models::progress::install(log.clone());
-        Engine::answer_once(family, opts, &req, &mut |_| true).unwrap()
+        Engine::answer_once(family, None, opts, &req, &mut |_| true).unwrap()
     };
     let observer = log;
     let log = observer.0.lock().unwrap().clone();

@@ -1,6 +1,6 @@
 //! How tokens are decoded, the flags `run`, `chat` and `serve` share: speculative decoding
-//! (`--speculative ngram`, `--draft-max`, `--ngram-min`, `--ngram-max`) and a constraint's
-//! forced tokens (`--no-forced-tokens`). Neither changes an answer's distribution; they change
+//! (`--speculative ngram|draft`, `--draft-model`, `--draft-max`, `--ngram-min`, `--ngram-max`)
+//! and a constraint's forced tokens (`--no-forced-tokens`). Neither changes an answer's distribution; they change
 //! how many forward passes it takes. For `serve` they are the defaults a request's own
 //! `speculative` and `forced_tokens` fields override.
 
@@ -11,12 +11,19 @@ use vl_models::speculative::{Method, Speculative};
 
 #[derive(Debug, Args)]
 pub struct SpeculativeArgs {
-    /// Draft tokens and verify them with the next one in a single forward pass: `ngram` (prompt
-    /// lookup: what followed the answer's last tokens earlier in the prompt or the answer; pays
-    /// where the answer repeats its prompt: documents, code, edits) or `off`. The answer is the
-    /// same (greedy, or sampled with a seed); `draft` and `mtp` are not available yet.
-    #[arg(long, value_name = "METHOD", default_value = "off")]
-    pub speculative: String,
+    /// Draft tokens and verify them with the next one in a single forward pass: `draft` (the
+    /// greedy picks of `--draft-model`), `ngram` (prompt lookup: what followed the answer's last
+    /// tokens earlier in the prompt or the answer; pays where the answer repeats its prompt:
+    /// documents, code, edits) or `off`. The answer is the same (greedy, or sampled with a
+    /// seed); `mtp` is not available yet. Default: `draft` with `--draft-model`, else `off`.
+    #[arg(long, value_name = "METHOD")]
+    pub speculative: Option<String>,
+    /// A smaller model of the same tokenizer that drafts for `--speculative draft` (a
+    /// directory, a hub id or a GGUF file, loaded with the model's device, dtype and
+    /// quantization rule), e.g. Qwen3-VL-2B for 8B or 32B. It sees the images and videos
+    /// through its own vision tower.
+    #[arg(long, value_name = "MODEL")]
+    pub draft_model: Option<String>,
     /// Tokens drafted at most per step (1 to 15).
     #[arg(long, value_name = "N", default_value_t = Speculative::default().draft_max)]
     pub draft_max: usize,
@@ -36,10 +43,35 @@ pub struct SpeculativeArgs {
 impl SpeculativeArgs {
     /// Sets `o`'s `speculative` and `forced_tokens`; a value out of range names its flag.
     pub fn apply(&self, o: &mut GenerationOptions) -> Result<()> {
-        let method = Method::parse(&self.speculative).map_err(|e| anyhow::anyhow!("--speculative {e}"))?;
+        let method = match &self.speculative {
+            Some(m) => Method::parse(m).map_err(|e| anyhow::anyhow!("--speculative {e}"))?,
+            None if self.draft_model.is_some() => Method::Draft,
+            None => Method::Off,
+        };
+        if method == Method::Draft && self.draft_model.is_none() {
+            anyhow::bail!("--speculative draft: needs a draft model (--draft-model MODEL)");
+        }
         o.speculative =
             Speculative { method, draft_max: self.draft_max, ngram_min: self.ngram_min, ngram_max: self.ngram_max };
         o.forced_tokens = !self.no_forced_tokens;
         o.speculative.validate().map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))
+    }
+
+    /// The `--draft-model`, loaded whole with `base`'s device and dtype and the quantization
+    /// `model`'s flags choose for its files; None without one.
+    pub fn open_draft(
+        &self,
+        model: &super::ModelArgs,
+        base: &vl_models::engine::ModelOptions,
+    ) -> Result<Option<Box<dyn vl_models::family::Family>>> {
+        use anyhow::Context;
+        let Some(name) = &self.draft_model else { return Ok(None) };
+        let dir = vl_models::hub::resolve(name).with_context(|| format!("--draft-model {name}"))?;
+        let (quant, _) = model.quant_choice(&dir, base.dtype)?;
+        let opts = vl_models::engine::ModelOptions { quant, ..base.clone() };
+        let source = vl_models::family::Source { model: &dir, mmproj: None, progress: None };
+        let family =
+            vl_models::registry::open(&source, &opts).with_context(|| format!("--draft-model {}", dir.display()))?;
+        Ok(Some(family))
     }
 }

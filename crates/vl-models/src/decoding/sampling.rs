@@ -415,7 +415,7 @@ fn sample_processed(l: Vec<f32>, opts: &GenerationOptions, rng: &mut StdRng) -> 
     *idx.last().unwrap() as u32
 }
 
-fn argmax(l: &[f32]) -> u32 {
+pub(crate) fn argmax(l: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in l.iter().enumerate() {
         if x > l[best] {

@@ -1,6 +1,7 @@
 //! Speculative decoding's draft side, model-agnostic: the options a request or a command sets,
 //! and prompt lookup (n-gram drafts: the tokens that followed the latest earlier occurrence of
-//! the answer's last few tokens, in the prompt or the answer).
+//! the answer's last few tokens, in the prompt or the answer). Drafts from a second model
+//! (`Method::Draft`) are the engine's (`engine/draft.rs`): it holds that model.
 //!
 //! Drafts are verified by the scheduler in one batched forward pass with the token before them:
 //! each drafted token is kept while the token the sampler picks from the previous row's logits
@@ -19,22 +20,27 @@ pub enum Method {
     Off,
     /// Prompt lookup: n-gram matches in the prompt and the answer so far.
     Ngram,
+    /// A draft model's greedy picks: a smaller checkpoint of the same tokenizer the engine
+    /// loaded beside the model (`--draft-model`).
+    Draft,
 }
 
 impl Method {
-    /// `off` or `ngram`; `draft` and `mtp` are named as not built yet.
+    /// `off`, `ngram` or `draft`; `mtp` is named as not built yet.
     pub fn parse(s: &str) -> std::result::Result<Self, String> {
         match s {
             "off" | "none" => Ok(Self::Off),
             "ngram" => Ok(Self::Ngram),
-            "draft" | "mtp" => Err(format!("`{s}` is not available yet: use `ngram` or `off`")),
-            other => Err(format!("`{other}` is not a speculative method: expected `ngram` or `off`")),
+            "draft" => Ok(Self::Draft),
+            "mtp" => Err(format!("`{s}` is not available yet: use `draft`, `ngram` or `off`")),
+            other => Err(format!("`{other}` is not a speculative method: expected `draft`, `ngram` or `off`")),
         }
     }
     pub fn name(self) -> &'static str {
         match self {
             Self::Off => "off",
             Self::Ngram => "ngram",
+            Self::Draft => "draft",
         }
     }
 }
@@ -81,10 +87,11 @@ impl Speculative {
     }
 
     /// Up to `limit` (and `draft_max`) tokens to verify after `history` (the prompt, the answer
-    /// so far and the token about to be fed); empty when off or nothing matches.
+    /// so far and the token about to be fed); empty when off or nothing matches, and for a
+    /// draft model (the engine runs it).
     pub fn draft(&self, history: &[u32], limit: usize) -> Vec<u32> {
         match self.method {
-            Method::Off => vec![],
+            Method::Off | Method::Draft => vec![],
             Method::Ngram => ngram_draft(history, self.ngram_min, self.ngram_max, self.draft_max.min(limit)),
         }
     }
@@ -158,7 +165,8 @@ mod tests {
         assert!(named(Speculative { ngram_min: 5, ngram_max: 4, ..ok.clone() }).contains("ngram_min"));
         assert!(named(Speculative { ngram_max: MAX_NGRAM + 1, ..ok.clone() }).contains("ngram_max"));
         assert_eq!(Method::parse("ngram"), Ok(Method::Ngram));
-        assert!(Method::parse("draft").unwrap_err().contains("not available yet"));
+        assert_eq!(Method::parse("draft"), Ok(Method::Draft));
+        assert!(Method::parse("mtp").unwrap_err().contains("not available yet"));
         assert!(Method::parse("eagle").unwrap_err().contains("`eagle`"));
         assert!(ok.draft(&[1, 2, 1], 0).is_empty());
         assert!(Speculative::default().draft(&[1, 2, 1, 2], 4).is_empty());

@@ -14,9 +14,13 @@
 //!   the vision tower (bounded by bytes). The tower runs for one request at a time, in the
 //!   caller's thread, beside the decoding.
 //!
+//! - Speculative decoding (`speculative`): drafted tokens (n-gram lookup, a draft model loaded
+//!   beside the model: `draft`) verified in one forward pass, the answer unchanged.
+//!
 //! A callback that returns `false` cancels that request only.
 
 mod admission;
+mod draft;
 mod pool;
 mod prefix;
 mod scheduler;
@@ -40,6 +44,7 @@ pub use crate::request::{
 };
 pub use crate::vectors::{normalized, truncated};
 use admission::{check_fits, check_request, check_text_fits, generator, guides, CompilerCell};
+pub use draft::check_pair as check_draft_pair;
 use sequence::{Command, Event, Fork, Job};
 
 /// Sequences decoded together unless told otherwise. On a 2-core CPU decode is bound by reading
@@ -136,6 +141,8 @@ pub struct EngineStats {
 /// What the scheduler thread and the callers share.
 pub(crate) struct Shared {
     pub family: Box<dyn Family>,
+    /// The draft model requests with `speculative: draft` draft with.
+    draft: Option<draft::Draft>,
     pub opts: EngineOptions,
     /// Vision features by media key.
     features: Mutex<ByteLru<u64, VisionOutput>>,
@@ -175,19 +182,36 @@ impl Engine {
 
     /// A builder for the common case: the model, then what to change of the defaults.
     pub fn builder(model: impl Into<std::path::PathBuf>) -> EngineBuilder {
-        EngineBuilder { model: model.into(), mmproj: None, opts: EngineOptions::default() }
+        EngineBuilder { model: model.into(), mmproj: None, draft: None, opts: EngineOptions::default() }
     }
 
     /// Loads `model`: a checkpoint directory or GGUF files (a .gguf file, or a directory holding
     /// one, and its vision projector: `mmproj`, or the `mmproj*.gguf` beside it), with the family
     /// its files name.
     pub fn open(model: &Path, mmproj: Option<&Path>, opts: EngineOptions) -> Result<Self> {
+        Self::open_with_draft(model, mmproj, None, opts)
+    }
+
+    /// `open`, with a draft model (`Method::Draft`): a loaded checkpoint of the same tokenizer,
+    /// usually a smaller one of the same family (`check_draft_pair`).
+    pub fn open_with_draft(
+        model: &Path,
+        mmproj: Option<&Path>,
+        draft: Option<Box<dyn Family>>,
+        opts: EngineOptions,
+    ) -> Result<Self> {
         let family = crate::registry::open(&Source { model, mmproj, progress: None }, &opts.model)?;
-        Self::from_family(family, opts)
+        Self::from_families(family, draft, opts)
     }
 
     /// An engine over a loaded model; starts the scheduler thread.
     pub fn from_family(family: Box<dyn Family>, opts: EngineOptions) -> Result<Self> {
+        Self::from_families(family, None, opts)
+    }
+
+    /// An engine over a loaded model and, optionally, the draft model its requests with
+    /// `speculative: draft` draft with (refused when the two do not pair: `check_draft_pair`).
+    pub fn from_families(family: Box<dyn Family>, draft: Option<Box<dyn Family>>, opts: EngineOptions) -> Result<Self> {
         if opts.parallel == 0 || opts.prefill_chunk == 0 {
             return Err(Error::Input {
                 what: "engine options".into(),
@@ -201,8 +225,10 @@ impl Engine {
         let stats = Mutex::new(EngineStats { kv_budget_bytes: opts.kv_cache_bytes, ..Default::default() });
         let compiler = std::sync::OnceLock::new();
         let clips = (opts.clip_cache_bytes > 0).then(|| Mutex::new(ClipCache::new(opts.clip_cache_bytes)));
+        let draft = draft.map(|d| draft::Draft::new(&*family, d, opts.image_cache_bytes)).transpose()?;
         let shared = Arc::new(Shared {
             family,
+            draft,
             opts,
             features,
             clips,
@@ -223,6 +249,11 @@ impl Engine {
 
     pub fn family(&self) -> &dyn Family {
         &*self.shared.family
+    }
+
+    /// The draft model, when one was loaded.
+    pub fn draft_family(&self) -> Option<&dyn Family> {
+        self.shared.draft.as_ref().map(|d| &*d.family)
     }
 
     /// The model's context in tokens.
@@ -311,10 +342,14 @@ impl Engine {
         // The constraint compiles first: a bad schema costs no media decoding.
         // Compiled once, its first token mask computed here (bounded), copied per choice.
         let guides = guides(&*self.shared.family, generator, &self.shared.compiler, req, n)?;
-        let prepared = self.shared.family.prepare(req, &self.media_context())?;
-        check_fits(generator, self.shared.opts.kv_cache_bytes, &prepared)?;
         let s = &self.shared;
-        let encoded = encode(&*s.family, &prepared, &s.features, &s.vision)?;
+        let draft = drafter(s.draft.as_ref(), req)?;
+        let prepared = s.family.prepare(req, &self.media_context())?;
+        check_fits(generator, s.opts.kv_cache_bytes, &prepared)?;
+        let mut encoded = encode(&*s.family, &prepared, &s.features, &s.vision)?;
+        if let Some(d) = draft {
+            encoded.draft = Some(encode(&*d.family, &prepared, &d.features, &s.vision)?.features);
+        }
         self.run(prepared, encoded, guides, req, on, t0)
     }
 
@@ -451,13 +486,19 @@ impl Engine {
     /// checked and its prompt length counted before any weight is read; the vision tower is
     /// loaded, encodes the media and is released before the text weights are read (the two never
     /// peak together); then the answer comes from the engine's own path.
+    ///
+    /// A `draft` model (loaded whole) drafts for a request with `speculative: draft`; it encodes
+    /// the media after the model's tower is released.
     pub fn answer_once(
         family: Box<dyn Family>,
+        draft: Option<Box<dyn Family>>,
         opts: EngineOptions,
         req: &Request,
         on: &mut dyn FnMut(&Delta<'_>) -> bool,
     ) -> Result<OneShot> {
         let generator = generator(&*family)?;
+        let draft = draft.map(|d| draft::Draft::new(&*family, d, 0)).transpose()?;
+        let drafts = drafter(draft.as_ref(), req)?.is_some();
         check_text_fits(&*family, &std::sync::OnceLock::new(), req)?;
         // The constraint compiles first (a bad schema costs nothing else).
         let guide = guides(&*family, generator, &CompilerCell::new(), req, 1)?.remove(0);
@@ -481,16 +522,36 @@ impl Engine {
             // Every medium once: a repeat within the prompt is a hit.
             encoded = encode(&*family, &prepared, &Mutex::new(ByteLru::new(usize::MAX)), &Mutex::new(()))?;
         }
-        let vision_time = encoded.time;
         family.finish_loading()?;
+        if let Some(d) = draft.as_ref().filter(|_| drafts) {
+            let features = encode(&*d.family, &prepared, &Mutex::new(ByteLru::new(usize::MAX)), &Mutex::new(()))?;
+            encoded.time += features.time;
+            encoded.draft = Some(features.features);
+        }
+        let vision_time = encoded.time;
         let load_time = t0.elapsed().saturating_sub(vision_time + media_time);
         let storage = family.storage();
         let opts = EngineOptions { prefix_cache: false, image_cache_bytes: 0, parallel: 1, ..opts };
-        let engine = Self::from_family(family, opts)?;
+        let engine = Self::from_families(family, draft.map(|d| d.family), opts)?;
         let generate_started = Instant::now();
         let completion = engine.run(prepared, encoded, vec![guide], req, on, generate_started)?.remove(0);
         let checkpoint_videos = completion.videos.iter().map(|v| engine.family().checkpoint_video_sizing(v)).collect();
         Ok(OneShot { completion, load_time, media_time, vision_time, storage, generate_started, checkpoint_videos })
+    }
+}
+
+/// The draft model `req` drafts with (`speculative: draft`); refused, naming the field, when the
+/// engine holds none; None for any other method.
+fn drafter<'a>(draft: Option<&'a draft::Draft>, req: &Request) -> Result<Option<&'a draft::Draft>> {
+    if req.options.speculative.method != crate::speculative::Method::Draft {
+        return Ok(None);
+    }
+    match draft {
+        Some(d) => Ok(Some(d)),
+        None => Err(Error::Input {
+            what: "speculative".into(),
+            message: "`draft` needs a draft model, and this engine loaded none (`--draft-model`)".into(),
+        }),
     }
 }
 
@@ -565,6 +626,7 @@ impl Drop for Engine {
 pub struct EngineBuilder {
     model: std::path::PathBuf,
     mmproj: Option<std::path::PathBuf>,
+    draft: Option<std::path::PathBuf>,
     opts: EngineOptions,
 }
 
@@ -591,9 +653,21 @@ impl EngineBuilder {
         self.opts = opts;
         self
     }
+    /// A draft model for `speculative: draft` (a checkpoint of the same tokenizer, loaded with
+    /// the same options; a GGUF one finds its mmproj beside it).
+    pub fn draft_model(mut self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.draft = Some(path.into());
+        self
+    }
     /// Loads the model (every file checked first) and starts the engine.
     pub fn build(self) -> Result<Engine> {
-        Engine::open(&self.model, self.mmproj.as_deref(), self.opts)
+        let draft = match &self.draft {
+            Some(p) => {
+                Some(crate::registry::open(&Source { model: p, mmproj: None, progress: None }, &self.opts.model)?)
+            }
+            None => None,
+        };
+        Engine::open_with_draft(&self.model, self.mmproj.as_deref(), draft, self.opts)
     }
 }
 
@@ -611,6 +685,9 @@ pub struct PoolOutput {
 #[derive(Default, Clone)]
 pub(crate) struct Encoded {
     pub features: Vec<VisionOutput>,
+    /// The draft model's features of the same media, when the request drafts with it (empty
+    /// without media).
+    pub draft: Option<Vec<VisionOutput>>,
     pub time: Duration,
     pub image_hits: usize,
     pub video_hits: usize,

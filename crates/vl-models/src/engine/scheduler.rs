@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use vl_nn::kv_cache::{blocks_for, BLOCK};
 
+use super::draft::{self, DraftSeq};
 use super::prefix::PrefixStore;
 use super::sequence::{orphan_forks, Command, Event, Fork, Job, Phase, Seq};
 use super::{lock, EngineStats, Finish, Shared};
@@ -34,6 +35,11 @@ use crate::state::SeqState;
 struct Scheduler<'f> {
     family: &'f dyn Family,
     generator: &'f dyn Generator,
+    /// The draft model's generating half (`speculative: draft`), and its state's KV bytes per
+    /// position and fixed bytes.
+    draft: Option<&'f dyn Generator>,
+    draft_per_position: usize,
+    draft_fixed: usize,
     shared: &'f Shared,
     waiting: VecDeque<Seq<'f>>,
     running: Vec<Seq<'f>>,
@@ -57,9 +63,13 @@ pub(crate) fn run(shared: &Shared, rx: mpsc::Receiver<Command>) {
         Task::Generate(g) => g,
         Task::Pool(p) => return super::pool::run_pooling(p, &rx),
     };
+    let draft = shared.draft.as_ref().map(|d| d.generator());
     let mut s = Scheduler {
         family,
         generator,
+        draft,
+        draft_per_position: draft.map_or(0, |d| d.kv_bytes_per_position()),
+        draft_fixed: draft.map_or(0, |d| d.fixed_state_bytes()),
         shared,
         waiting: VecDeque::new(),
         running: Vec::new(),
@@ -185,7 +195,10 @@ impl<'f> Scheduler<'f> {
     fn admit(&mut self) {
         while self.running.len() < self.shared.opts.parallel {
             let Some(seq) = self.waiting.front() else { return };
-            let need = blocks_for(seq.ids.len() + 1) * self.per_position + self.fixed;
+            let mut need = blocks_for(seq.ids.len() + 1) * self.per_position + self.fixed;
+            if seq.job.encoded.draft.is_some() {
+                need += blocks_for(seq.ids.len() + 1) * self.draft_per_position + self.draft_fixed;
+            }
             let running: usize = self.running.iter().map(Seq::held_bytes).sum();
             if running + need > self.budget() {
                 if self.running.is_empty() {
@@ -213,6 +226,7 @@ impl<'f> Scheduler<'f> {
                     continue;
                 }
             }
+            seq.draft = self.draft.filter(|_| seq.job.encoded.draft.is_some()).map(DraftSeq::new);
             let more = need.saturating_sub(seq.state.bytes());
             self.make_room(more);
             seq.reserved = need;
@@ -269,8 +283,14 @@ impl<'f> Scheduler<'f> {
         let t = Instant::now();
         let p = &seq.job.prepared;
         crate::progress::report("prefill", "tokens", seq.state.len(), seq.ids.len());
-        let result =
+        let mut result =
             self.generator.prefill(&seq.ids, seq.prompt_len, &p.media, &seq.job.encoded.features, &mut seq.state, end);
+        // The draft's chunk beside it (catching up a prefix the model reused, a chunk a step).
+        if let (Ok(_), Some(d)) = (&result, self.draft) {
+            if let Err(e) = draft::catch_up(d, seq, end, chunk) {
+                result = Err(e);
+            }
+        }
         crate::progress::report("prefill", "tokens", end, seq.ids.len());
         // A point a later prompt sharing this prefix may restore (recurrent layers' snapshots).
         if result.is_ok() {
@@ -342,6 +362,8 @@ impl<'f> Scheduler<'f> {
                 };
                 let mut seq = Seq::new(Box::new(job), self.family);
                 seq.cached_tokens = parent.cached_tokens;
+                // Its draft catches up at its decode steps.
+                seq.draft = self.draft.filter(|_| seq.job.encoded.draft.is_some()).map(DraftSeq::new);
                 (seq, parent.state.fork(), parent.state.bytes())
             };
             let fits = self.running.len() < self.shared.opts.parallel && self.make_room(bytes);
@@ -392,6 +414,7 @@ impl<'f> Scheduler<'f> {
                 Some(j) => {
                     let mut v = self.running.remove(j);
                     v.state = SeqState::default();
+                    v.draft = None;
                     v.verified.clear();
                     v.checkpoint = None;
                     v.reserved = 0;
@@ -410,20 +433,89 @@ impl<'f> Scheduler<'f> {
         }
     }
 
-    /// The tokens to verify after sequence `i`'s pending one (`Seq::drafts`), within its KV
-    /// blocks or one more the budget has room for.
-    fn drafts_for(&mut self, i: usize) -> Vec<u32> {
+    /// The tokens to verify after sequence `i`'s pending one (`Seq::drafts`), and how many more
+    /// its draft model is to propose (`Seq::model_draft_room`): `spare` rows at most, within
+    /// its KV blocks or one more the budget has room for.
+    fn plan_drafts(&mut self, i: usize, spare: usize) -> (Vec<u32>, usize) {
         let mut drafts = self.running[i].drafts();
-        if drafts.is_empty() {
-            return drafts;
+        drafts.truncate(spare);
+        let want = self.running[i].model_draft_room(drafts.len()).min(spare - drafts.len());
+        if drafts.is_empty() && want == 0 {
+            return (drafts, 0);
         }
         let state = &self.running[i].state;
         let mut room = state.capacity().saturating_sub(state.len() + 1);
-        if drafts.len() > room && self.make_room(BLOCK * self.per_position) {
+        if drafts.len() + want > room && self.make_room(BLOCK * self.per_position) {
             room += BLOCK;
         }
         drafts.truncate(room);
-        drafts
+        let want = want.min(room - drafts.len());
+        (drafts, want)
+    }
+
+    /// The draft model's proposals for the rows that want some (`plans[r].1`), appended to their
+    /// drafts. A draft lagging more than `draft::CATCH_UP` tokens behind its sequence prefills a
+    /// chunk first, and proposes nothing this step if it still lags; so does one whose growth
+    /// the budget has no room for. An error names the sequences it stopped.
+    fn draft_step(
+        &mut self,
+        rows: &[usize],
+        plans: &mut [(Vec<u32>, usize)],
+    ) -> std::result::Result<(), (Vec<usize>, String)> {
+        let Some(g) = self.draft else { return Ok(()) };
+        let chunk = self.shared.opts.prefill_chunk;
+        let mut who = Vec::new();
+        for (r, &i) in rows.iter().enumerate() {
+            if plans[r].1 == 0 {
+                continue;
+            }
+            let lag = |s: &Seq| s.ids.len().saturating_sub(s.draft.as_ref().map_or(0, |d| d.state.len()));
+            if lag(&self.running[i]) > draft::CATCH_UP {
+                let seq = &mut self.running[i];
+                let end = seq.ids.len();
+                draft::catch_up(g, seq, end, chunk).map_err(|e| (vec![i], e.to_string()))?;
+            }
+            let seq = &self.running[i];
+            let behind = lag(seq);
+            let d = seq.draft.as_ref().expect("a sequence drafting with a model has its draft");
+            if d.state.len() > seq.ids.len() {
+                // Not cut back yet (its sequence waited for a mask): it drafts next step.
+                plans[r].1 = 0;
+                continue;
+            }
+            let grown = d.state.len() + behind + plans[r].0.len() + plans[r].1;
+            let more = blocks_for(grown).saturating_sub(d.state.capacity()) * self.draft_per_position;
+            if behind > draft::CATCH_UP || (more > 0 && !self.make_room(more)) {
+                plans[r].1 = 0;
+                continue;
+            }
+            who.push(r);
+        }
+        if who.is_empty() {
+            return Ok(());
+        }
+        let vocab = self.family.vocab_size();
+        let eos = self.generator.eos_token_ids();
+        let mut work = Vec::with_capacity(who.len());
+        let mut idx = who.iter().map(|&r| rows[r]).peekable();
+        for (i, seq) in self.running.iter_mut().enumerate() {
+            if idx.peek() != Some(&i) {
+                continue;
+            }
+            idx.next();
+            let r = rows.iter().position(|&x| x == i).expect("a row");
+            let d = seq.draft.as_mut().expect("checked above");
+            let mut feed = seq.ids[d.state.len()..].to_vec();
+            feed.push(seq.pending.expect("a fed sequence"));
+            feed.extend_from_slice(&plans[r].0);
+            work.push(draft::Work { draft: d, feed, want: plans[r].1 });
+        }
+        let proposed =
+            draft::propose(g, vocab, eos, work).map_err(|e| (who.iter().map(|&r| rows[r]).collect(), e.to_string()))?;
+        for (&r, tokens) in who.iter().zip(proposed) {
+            plans[r].0.extend(tokens);
+        }
+        Ok(())
     }
 
     /// One forward pass for every decoding sequence (not paused), batched: each feeds the
@@ -445,12 +537,23 @@ impl<'f> Scheduler<'f> {
         // for bit those of one row at a time (a batch of many sequences drafts little).
         let needed: usize = rows.iter().map(|&i| self.running[i].ids.len() - self.running[i].state.len() + 1).sum();
         let mut spare = vl_nn::stored::SMALL_ROWS.saturating_sub(needed);
+        let mut plans = Vec::with_capacity(rows.len());
+        for &i in &rows {
+            let plan = if spare > 0 { self.plan_drafts(i, spare) } else { (vec![], 0) };
+            spare -= plan.0.len() + plan.1;
+            plans.push(plan);
+        }
+        if let Err((stopped, msg)) = self.draft_step(&rows, &mut plans) {
+            // The draft's states of those sequences are in an unknown state: they fail.
+            for &i in stopped.iter().rev() {
+                let seq = self.running.remove(i);
+                self.fail(seq, crate::Error::Internal { message: format!("the draft model failed: {msg}") });
+            }
+            return true;
+        }
         let mut inputs: Vec<Vec<u32>> = Vec::with_capacity(rows.len());
         let mut all_drafts: Vec<Vec<u32>> = Vec::with_capacity(rows.len());
-        for &i in &rows {
-            let mut drafts = if spare > 0 { self.drafts_for(i) } else { vec![] };
-            drafts.truncate(spare);
-            spare -= drafts.len();
+        for (&i, (drafts, _)) in rows.iter().zip(plans) {
             let seq = &mut self.running[i];
             if !drafts.is_empty() && seq.state.has_recurrent() {
                 seq.checkpoint = Some(seq.state.checkpoint());
@@ -494,7 +597,8 @@ impl<'f> Scheduler<'f> {
             let again = input.len() - 1 - drafts.len();
             let mine: VecDeque<Vec<f32>> = logits.by_ref().take(input.len()).skip(again).collect();
             let seq = &mut self.running[i];
-            if let Some(outcome) = seq.take_step(drafts, mine).transpose() {
+            let outcome = seq.take_step(drafts, mine).and_then(|f| draft::sync(seq).map(|()| f));
+            if let Some(outcome) = outcome.transpose() {
                 done.push((i, outcome));
             }
         }

@@ -134,6 +134,8 @@ pub(super) struct Seq<'f> {
     /// The state before drafted tokens were fed, when it has recurrent layers (which cannot be
     /// cut back to any position).
     pub(super) checkpoint: Option<Checkpoint>,
+    /// The draft model's side, while admitted, when the request drafts with one.
+    pub(super) draft: Option<super::draft::DraftSeq>,
     pub(super) steps: StepReport,
     /// Tokens it may generate: max_new_tokens within the context.
     pub(super) budget: usize,
@@ -190,6 +192,7 @@ impl<'f> Seq<'f> {
             forced: VecDeque::new(),
             verified: VecDeque::new(),
             checkpoint: None,
+            draft: None,
             steps: StepReport::default(),
             budget,
             cached_tokens: 0,
@@ -205,7 +208,7 @@ impl<'f> Seq<'f> {
 
     /// Bytes it holds or was admitted to hold, whichever is more.
     pub(super) fn held_bytes(&self) -> usize {
-        self.state.bytes().max(self.reserved)
+        (self.state.bytes() + self.draft.as_ref().map_or(0, |d| d.state.bytes())).max(self.reserved)
     }
 
     pub(super) fn cancelled(&self) -> bool {
@@ -326,7 +329,7 @@ impl<'f> Seq<'f> {
         if self.state.len() != self.ids.len() {
             return vec![];
         }
-        let room = self.budget.saturating_sub(self.picker.generated().len()).min(crate::speculative::MAX_DRAFT);
+        let room = self.draft_budget();
         let mut out: Vec<u32> = self.forced.iter().take(room).copied().collect();
         let spec = &self.picker.options().speculative;
         if spec.method == crate::speculative::Method::Off || out.len() < self.forced.len() || out.len() == room {
@@ -338,6 +341,25 @@ impl<'f> Seq<'f> {
         history.extend_from_slice(&out);
         out.extend(spec.draft(&history, room - out.len()));
         out
+    }
+
+    /// How many tokens its draft model may propose after `fixed` tokens to verify (`drafts`):
+    /// none unless it drafts with a model and every forced token is among them; within
+    /// `draft_max`, its token budget and `MAX_DRAFT` in all.
+    pub(super) fn model_draft_room(&self, fixed: usize) -> usize {
+        let spec = &self.picker.options().speculative;
+        let ready = self.draft.is_some() && self.pending.is_some() && self.state.len() == self.ids.len();
+        if spec.method != crate::speculative::Method::Draft || !ready || fixed < self.forced.len() {
+            return 0;
+        }
+        spec.draft_max.min(self.draft_budget().saturating_sub(fixed))
+    }
+
+    /// Tokens it may verify after the pending one: one less than the tokens it may still pick
+    /// (the last pick ends the answer, whatever it is), within `MAX_DRAFT`.
+    fn draft_budget(&self) -> usize {
+        let left = self.budget.saturating_sub(self.picker.generated().len());
+        left.saturating_sub(1).min(crate::speculative::MAX_DRAFT)
     }
 
     /// Takes a forward pass's rows: `rows[0]` the logits after the pending token, `rows[j]`
