@@ -3,7 +3,10 @@ safetensors like the hub release, with the real tokenizer, chat template, prepro
 generation configs: what a user downloads, minus the trained values. For benchmarks only (the
 text it generates is noise); nothing is downloaded.
 
-    tools/bench/make-checkpoint OUT_DIR [--seed N]
+    tools/bench/make-checkpoint OUT_DIR [--seed N] [--draft]
+
+`--draft` writes a smaller model of the same family, tokenizer and processor (0.3B: 12 layers of
+1024, a 6-block tower), a draft for `--speculative draft` beside the 2B.
 """
 import argparse
 import importlib.util
@@ -20,7 +23,23 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 TEMPLATE = ROOT / "crates/vl-models/src/qwen3_vl/chat_template.jinja"
 
 
-def config():
+def config(draft=False):
+    if draft:
+        return Qwen3VLConfig(
+            text_config=dict(
+                vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=12,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=128, max_position_embeddings=262144,
+                rms_norm_eps=1e-6, tie_word_embeddings=True,
+                rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20],
+                                     mrope_interleaved=True),
+            ),
+            vision_config=dict(
+                depth=6, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=1024,
+                num_position_embeddings=2304, deepstack_visual_indexes=[1, 3, 5], patch_size=16,
+                temporal_patch_size=2, spatial_merge_size=2, in_channels=3,
+            ),
+            tie_word_embeddings=True,
+        )
     # Qwen/Qwen3-VL-2B-Instruct's config.json (crates/vl-models/src/qwen3_vl/presets.rs).
     return Qwen3VLConfig(
         text_config=dict(
@@ -80,13 +99,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=2024)
+    ap.add_argument("--draft", action="store_true", help="the 0.3B draft geometry")
     args = ap.parse_args()
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     with torch.device("meta"):
-        model = Qwen3VLForConditionalGeneration(config())
+        model = Qwen3VLForConditionalGeneration(config(args.draft))
     model = model.to_empty(device="cpu").to(torch.bfloat16)
     model.tie_weights()  # to_empty unties: the hub checkpoint stores no lm_head.weight
     randomize(model, gen)

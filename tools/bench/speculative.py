@@ -3,7 +3,7 @@
 answer, alternating rounds, medians).
 
   tools/bench/speculative.py target/bench-2b [--rounds 3] [--tokens 96] [--vl target/release/vl]
-      [--only ngram|forced|repeat]
+      [--only ngram|forced|repeat|draft] [--draft target/bench-draft]
 
 1. The verify step's cost: the same greedy answer with n-gram drafts off and at --draft-max k
    (1, 2, 4, 8). Per run: decode tok/s, forward passes, rows per pass, drafts kept. The cost of a
@@ -16,6 +16,11 @@ answer, alternating rounds, medians).
    depend on the weights.
 3. An answer the drafts predict (one token made certain by logit_bias, through a warm `vl
    serve`): n-gram drafts off, at draft_max 4 and 8.
+4. With --draft (a smaller random checkpoint of the family: `tools/bench/make-checkpoint DIR
+   --draft`): the draft alone, the model alone, and the model with `--draft-model` at k = 1, 2,
+   4, 8. Random weights agree on nothing, so every draft is rejected: each pass's cost (k draft
+   passes and a verify pass of 1 + k rows) against a plain step is measured whole, and gives the
+   speed-up at any acceptance rate as in 1.
 """
 
 import argparse
@@ -71,7 +76,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--vl", default="target/release/vl")
-    ap.add_argument("--only", choices=["ngram", "forced", "repeat"])
+    ap.add_argument("--only", choices=["ngram", "forced", "repeat", "draft"])
+    ap.add_argument("--draft", help="a draft checkpoint (section 4)")
     a = ap.parse_args()
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     print(f"CPU: {cpu}, {os.cpu_count()} threads; model {a.model}; {a.rounds} rounds, cold processes\n")
@@ -82,6 +88,47 @@ def main():
         forced_tokens(a)
     if a.only in (None, "repeat"):
         repeating(a)
+    if a.draft and a.only in (None, "draft"):
+        draft_model(a)
+
+
+def draft_model(a):
+    # 4. A draft model: the cost of a pass that drafts k tokens with it and verifies them.
+    prompt = ["--prompt", "Copy this document word for word: " + DOCUMENT]
+    ks = [0, 1, 2, 4, 8]
+    runs = {k: [] for k in ks}
+    alone = []
+    for r in range(a.rounds):
+        j = run(a.vl, a.draft, a.tokens, prompt)
+        alone.append(j)
+        print(f"round {r} draft alone: {j['timings']['decode_tokens_per_s']:.2f} tok/s", file=sys.stderr)
+        for k in ks:
+            extra = prompt + (["--draft-model", a.draft, "--draft-max", str(k)] if k else [])
+            j = run(a.vl, a.model, a.tokens, extra)
+            runs[k].append(j)
+            print(f"round {r} k={k}: {j['timings']['decode_tokens_per_s']:.2f} tok/s, {j['steps']}", file=sys.stderr)
+    same = all(runs[k][0]["token_ids"] == runs[0][0]["token_ids"] for k in ks)
+    d = statistics.median(j["timings"]["decode_tokens_per_s"] for j in alone)
+    print(f"\ndraft alone ({a.draft}): {d:.2f} tok/s decode (median)\n")
+    print("| draft_max k | decode tok/s (median) | forward passes | drafts kept | ms per pass | pass cost vs k=0 |")
+    print("|---|---|---|---|---|---|")
+    cost = {}
+    for k in ks:
+        med = statistics.median(j["timings"]["decode_tokens_per_s"] for j in runs[k])
+        s = runs[k][0]["steps"]
+        ms = statistics.median(1000 * j["timings"]["decode_s"] / max(j["steps"]["forward_passes"], 1) for j in runs[k])
+        cost[k] = ms
+        kept = f"{s['accepted']}/{s['drafted']}" if k else "-"
+        print(f"| {k or 'off'} | {med:.2f} | {s['forward_passes']} | {kept} | {ms:.1f} | {ms / cost[0]:.2f} |")
+    print(f"\nanswers identical across k: {same}\n")
+    print("| acceptance a | " + " | ".join(f"k={k}" for k in ks[1:]) + " |")
+    print("|---|" + "---|" * (len(ks) - 1))
+    for acc in [0.5, 0.7, 0.8, 0.9]:
+        cells = []
+        for k in ks[1:]:
+            per_pass = (1 - acc ** (k + 1)) / (1 - acc)
+            cells.append(f"{per_pass / (cost[k] / cost[0]):.2f}x")
+        print(f"| {acc} | " + " | ".join(cells) + " |")
 
 
 def repeating(a):

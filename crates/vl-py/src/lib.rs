@@ -69,7 +69,8 @@ fn quant(name: &str) -> PyResult<vl_nn::QuantType> {
 impl Engine {
     #[new]
     #[pyo3(signature = (model, *, mmproj=None, quantize=None, device="cpu", parallel=4, kv_cache_mib=None,
-                        prefix_cache=true, image_cache_mib=256, media_dir=None, allow_remote_media=false))]
+                        prefix_cache=true, image_cache_mib=256, media_dir=None, allow_remote_media=false,
+                        draft_model=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -83,6 +84,7 @@ impl Engine {
         image_cache_mib: usize,
         media_dir: Option<&str>,
         allow_remote_media: bool,
+        draft_model: Option<&str>,
     ) -> PyResult<Self> {
         let device = match device {
             "cpu" => candle_core::Device::Cpu,
@@ -120,9 +122,21 @@ impl Engine {
         // `repo:Q4_K_M` for a GGUF pair): from the local Hugging Face cache, downloaded when
         // absent, as `vl run --model` does.
         let name = model.to_string();
+        let draft_name = draft_model.map(str::to_string);
         let (model, engine) = py.detach(|| {
             let dir = vl_models::hub::resolve(&name).map_err(|e| load_error(format!("{e:#}")))?;
-            let engine = vl_models::engine::Engine::open(&dir, mmproj.as_deref(), opts)
+            // The draft model (`speculative="draft"`), loaded with the model's options.
+            let draft = match &draft_name {
+                Some(d) => {
+                    let ddir = vl_models::hub::resolve(d).map_err(|e| load_error(format!("draft_model: {e:#}")))?;
+                    let source = vl_models::family::Source { model: &ddir, mmproj: None, progress: None };
+                    let family = vl_models::registry::open(&source, &opts.model)
+                        .map_err(|e| load_error(format!("draft_model {}: {e}", ddir.display())))?;
+                    Some(family)
+                }
+                None => None,
+            };
+            let engine = vl_models::engine::Engine::open_with_draft(&dir, mmproj.as_deref(), draft, opts)
                 .map_err(|e| load_error(format!("{}: {e}", dir.display())))?;
             Ok::<_, PyErr>((dir, engine))
         })?;

@@ -86,9 +86,17 @@ def test_drafts_and_forced_tokens_are_keyword_arguments(engine):
     r = engine.chat([{"role": "user", "content": "Pick."}], max_tokens=40, temperature=0, forced_tokens=False,
                     structured_outputs={"choice": ["a_long_left_answer", "a_long_right_answer"]})
     assert r.text in ("a_long_left_answer", "a_long_right_answer")
-    with pytest.raises(vl.RequestError) as e:
-        engine.chat(ask(SQUARE), max_tokens=2, speculative="eagle")
-    assert e.value.param == "speculative"
+    for bad in ("eagle", "draft"):  # this engine loaded no draft model
+        with pytest.raises(vl.RequestError) as e:
+            engine.chat(ask(SQUARE), max_tokens=2, speculative=bad)
+        assert e.value.param == "speculative", bad
+
+
+def test_a_draft_model_drafts_when_asked():
+    drafted = vl.Engine(GOLDENS / "tiny-a" / "checkpoint", parallel=1, draft_model=GOLDENS / "tiny-b" / "checkpoint")
+    for spec in ("draft", {"method": "draft", "draft_max": 6}):
+        r = drafted.chat(ask(SQUARE), max_tokens=N, temperature=0, speculative=spec)
+        assert r.text == WANT, spec
 
 
 def test_threads_are_answered_together_with_equal_answers(engine):

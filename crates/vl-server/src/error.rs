@@ -142,8 +142,9 @@ impl ApiError {
 /// message (`messages[2]`) or `n` / `stop`; `max_new_tokens` is the request's `max_tokens`. Other
 /// subjects (a template, an image file, the engine) are no request field.
 fn engine_param(what: &str) -> Option<String> {
-    const FIELDS: [&str; 18] = [
+    const FIELDS: [&str; 19] = [
         "messages",
+        "speculative",
         "tools",
         "tool_choice",
         "response_format",

@@ -55,8 +55,14 @@ fn model_object(app: &App, name: &str) -> Value {
         Some(vl_models::family::Pooled::Embedding { .. }) => "embedding",
         Some(vl_models::family::Pooled::Score) => "reranker",
     };
+    // The `speculative` methods its requests may ask for.
+    let speculative = match (kind, app.engine.draft_family()) {
+        ("chat", Some(_)) => json!(["off", "ngram", "draft"]),
+        ("chat", None) => json!(["off", "ngram"]),
+        _ => json!([]),
+    };
     json!({"id": name, "object": "model", "created": app.created, "owned_by": "vl", "context_length": app.context,
-           "kind": kind, "endpoints": crate::pooling::endpoints(app)})
+           "kind": kind, "endpoints": crate::pooling::endpoints(app), "speculative": speculative})
 }
 
 /// `GET /v1/models`: the served model's id, then its aliases.

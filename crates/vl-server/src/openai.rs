@@ -93,9 +93,10 @@ pub struct ChatCompletionRequest {
     /// becomes).
     pub reasoning_effort: Option<String>,
     pub reasoning_budget: Option<u64>,
-    /// Ours: speculative decoding for this request, `"ngram"` / `"off"` or `{"method": "ngram",
-    /// "draft_max": N, "ngram_min": N, "ngram_max": N}` (the server's `--speculative` flags are
-    /// the defaults); checked in `request::speculative`.
+    /// Ours: speculative decoding for this request, `"ngram"` / `"draft"` (a server started with
+    /// `--draft-model`) / `"off"` or `{"method": "ngram", "draft_max": N, "ngram_min": N,
+    /// "ngram_max": N}` (the server's `--speculative` flags are the defaults); checked in
+    /// `request::speculative`.
     pub speculative: Option<Value>,
     /// Ours: a constraint's forced tokens written without sampling (default true;
     /// `--no-forced-tokens` sets the server's default to false).

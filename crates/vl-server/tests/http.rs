@@ -356,4 +356,50 @@ fn speculative_and_forced_tokens_are_request_fields() {
     };
     assert!(value("vl_draft_tokens ") >= value("vl_accepted_draft_tokens "), "{metrics}");
     assert!(value("vl_forced_tokens ") > 0, "{metrics}");
+    let (_, models) = get(&s, "/v1/models");
+    assert_eq!(models["data"][0]["speculative"], json!(["off", "ngram"]), "{models}");
+}
+
+#[test]
+fn a_server_with_a_draft_model_drafts_when_asked() {
+    // tiny-b drafts for tiny-a: the answer is the reference's, streamed or whole.
+    let ck = |g: &str| goldens().join(g).join("checkpoint");
+    let engine = vl_models::engine::Engine::builder(ck("tiny-a")).draft_model(ck("tiny-b")).build().unwrap();
+    let s = Server::start_engine(engine, "tiny-a", ServerConfig::default());
+    let want = golden();
+    for spec in [json!("draft"), json!({"method": "draft", "draft_max": 6}), json!("off")] {
+        let mut body = one_image(want.tokens);
+        body["speculative"] = spec.clone();
+        let (status, v) = post(&s, "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{spec}: {v}");
+        assert_eq!(v["choices"][0]["message"]["content"], want.text.as_str(), "{spec}");
+        body["stream"] = json!(true);
+        assert_eq!(streamed_text(&s, &body), want.text, "{spec} streamed");
+    }
+    let (_, models) = get(&s, "/v1/models");
+    assert_eq!(models["data"][0]["speculative"], json!(["off", "ngram", "draft"]), "{models}");
+    let metrics = agent().get(&format!("{}/metrics", s.base)).call().unwrap().into_string().unwrap();
+    assert!(metrics.lines().any(|l| l.starts_with("vl_draft_tokens ") && !l.ends_with(" 0")), "{metrics}");
+}
+
+/// The content of a streamed chat answer to `body` (its `stream` set), the deltas joined.
+fn streamed_text(s: &Server, body: &Value) -> String {
+    let resp = agent()
+        .post(&format!("{}/v1/chat/completions", s.base))
+        .set("Content-Type", "application/json")
+        .send_string(&body.to_string())
+        .expect("a streamed answer");
+    let mut text = String::new();
+    for line in BufReader::new(resp.into_reader()).lines() {
+        let line = line.unwrap();
+        match line.strip_prefix("data: ") {
+            Some("[DONE]") => break,
+            Some(d) => {
+                let c: Value = serde_json::from_str(d).unwrap();
+                text.push_str(c["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+            }
+            None => {}
+        }
+    }
+    text
 }

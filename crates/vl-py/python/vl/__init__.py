@@ -200,7 +200,9 @@ class Engine:
     share of the machine's memory). ``prefix_cache``: reuse the prompts' common prefixes.
     ``image_cache_mib``: vision features kept for repeated images. ``media_dir``: local media
     paths are read only under it (default ``/``: any file this process can read).
-    ``allow_remote_media``: fetch http(s) image and video URLs.
+    ``allow_remote_media``: fetch http(s) image and video URLs. ``draft_model``: a smaller
+    checkpoint of the same tokenizer (a path or a hub id) loaded beside the model, which drafts
+    for requests with ``speculative="draft"``.
 
         >>> engine = Engine("goldens/tiny-a/checkpoint", parallel=2)
         >>> engine.context
@@ -220,6 +222,7 @@ class Engine:
         image_cache_mib: int = 256,
         media_dir: "str | os.PathLike[str] | None" = None,
         allow_remote_media: bool = False,
+        draft_model: "str | os.PathLike[str] | None" = None,
     ) -> None:
         self._engine = _Engine(
             os.fspath(model),
@@ -232,6 +235,7 @@ class Engine:
             image_cache_mib=image_cache_mib,
             media_dir=None if media_dir is None else os.path.abspath(media_dir),
             allow_remote_media=allow_remote_media,
+            draft_model=None if draft_model is None else os.fspath(draft_model),
         )
 
     @property

@@ -53,6 +53,7 @@ class Engine:
         image_cache_mib: int = 256,
         media_dir: str | os.PathLike[str] | None = None,
         allow_remote_media: bool = False,
+        draft_model: str | os.PathLike[str] | None = None,
     ) -> None: ...
     @property
     def context(self) -> int: ...

@@ -40,7 +40,11 @@ impl Server {
 
     /// The checkpoint directory `dir` served under the id `name`.
     pub fn start_dir(dir: &std::path::Path, name: &str, config: ServerConfig) -> Self {
-        let engine = Engine::builder(dir).build().expect("the checkpoint loads");
+        Self::start_engine(Engine::builder(dir).build().expect("the checkpoint loads"), name, config)
+    }
+
+    /// `engine` served under the id `name`.
+    pub fn start_engine(engine: Engine, name: &str, config: ServerConfig) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
