@@ -42,14 +42,7 @@ fn with(mut r: Request, spec: Speculative) -> Request {
 }
 
 fn run(e: &Engine, r: &Request) -> (Completion, String) {
-    let mut streamed = String::new();
-    let c = e
-        .generate(r, &mut |p| {
-            streamed.push_str(p);
-            true
-        })
-        .unwrap();
-    (c, streamed)
+    answer_streamed(e, r)
 }
 
 fn same(what: &str, off: &(Completion, String), on: &(Completion, String)) {

@@ -251,16 +251,7 @@ fn requests_decoded_together_answer_as_each_would_alone() {
                 .iter()
                 .map(|r| {
                     let e = &batched;
-                    s.spawn(move || {
-                        let mut streamed = String::new();
-                        let c = e
-                            .generate(r, &mut |p| {
-                                streamed.push_str(p);
-                                true
-                            })
-                            .unwrap();
-                        (c, streamed)
-                    })
+                    s.spawn(move || answer_streamed(e, r))
                 })
                 .collect();
             let e = &batched;

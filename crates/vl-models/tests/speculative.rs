@@ -30,14 +30,7 @@ fn with(mut r: Request, spec: Speculative) -> Request {
 }
 
 fn run(e: &Engine, r: &Request) -> (Completion, String) {
-    let mut streamed = String::new();
-    let c = e
-        .generate(r, &mut |p| {
-            streamed.push_str(p);
-            true
-        })
-        .unwrap();
-    (c, streamed)
+    answer_streamed(e, r)
 }
 
 /// The same request with drafts and without: equal ids, text, finish and streamed text.

@@ -17,11 +17,10 @@ use std::sync::Mutex;
 
 use candle_core::Tensor;
 
-use super::sequence::Seq;
 use crate::cache::ByteLru;
 use crate::error::{Error, Result};
 use crate::family::{Family, Generator, Task};
-use crate::media::VisionOutput;
+use crate::media::{Media, VisionOutput};
 use crate::state::{Checkpoint, SeqState};
 
 /// Tokens a draft may lag behind its sequence and still catch up in the drafting pass; past
@@ -93,34 +92,40 @@ impl DraftSeq {
     }
 }
 
-/// Prefills one chunk (at most `chunk` positions) of the draft of `seq` towards `end` (at most
-/// its ids); nothing when it is there or the sequence drafts with no model.
-pub(super) fn catch_up(g: &dyn Generator, seq: &mut Seq<'_>, end: usize, chunk: usize) -> Result<()> {
-    let Some(features) = &seq.job.encoded.draft else { return Ok(()) };
-    let Some(d) = seq.draft.as_mut() else { return Ok(()) };
-    let end = end.min(seq.ids.len());
-    if d.state.len() > end {
-        d.state.take_back(end, None)?;
-    }
-    if d.state.len() == end {
-        return Ok(());
-    }
-    let to = (d.state.len() + chunk).min(end);
-    g.prefill(&seq.ids, seq.prompt_len, &seq.job.prepared.media, features, &mut d.state, to)?;
-    Ok(())
+/// What a sequence's draft is prefilled from: its ids (`prompt_len` of them the prompt), the
+/// prompt's media and the draft's features of them.
+pub(super) struct Prompt<'a> {
+    pub ids: &'a [u32],
+    pub prompt_len: usize,
+    pub media: &'a [Media],
+    pub features: &'a [VisionOutput],
 }
 
-/// After a verification: the draft's state cut back to the tokens the sequence kept (to its
-/// checkpoint where it cannot be cut there; the rest is fed again next step).
-pub(super) fn sync(seq: &mut Seq<'_>) -> Result<()> {
-    let len = seq.ids.len();
-    if let Some(d) = seq.draft.as_mut() {
-        let cp = d.checkpoint.take();
-        if d.state.len() > len {
-            d.state.take_back(len, cp.as_ref())?;
+impl DraftSeq {
+    /// Prefills one chunk (at most `chunk` positions) towards `end` (at most the ids); nothing
+    /// when it is there.
+    pub fn catch_up(&mut self, g: &dyn Generator, p: &Prompt<'_>, end: usize, chunk: usize) -> Result<()> {
+        let end = end.min(p.ids.len());
+        if self.state.len() > end {
+            self.state.take_back(end, None)?;
         }
+        if self.state.len() == end {
+            return Ok(());
+        }
+        let to = (self.state.len() + chunk).min(end);
+        g.prefill(p.ids, p.prompt_len, p.media, p.features, &mut self.state, to)?;
+        Ok(())
     }
-    Ok(())
+
+    /// After a verification: its state cut back to the `len` tokens its sequence kept (to its
+    /// checkpoint where it cannot be cut there; the rest is fed again next step).
+    pub fn sync(&mut self, len: usize) -> Result<()> {
+        let cp = self.checkpoint.take();
+        if self.state.len() > len {
+            self.state.take_back(len, cp.as_ref())?;
+        }
+        Ok(())
+    }
 }
 
 /// One sequence's drafting this step: its draft, the tokens fed first (what the draft lacks,

@@ -287,7 +287,7 @@ impl<'f> Scheduler<'f> {
             self.generator.prefill(&seq.ids, seq.prompt_len, &p.media, &seq.job.encoded.features, &mut seq.state, end);
         // The draft's chunk beside it (catching up a prefix the model reused, a chunk a step).
         if let (Ok(_), Some(d)) = (&result, self.draft) {
-            if let Err(e) = draft::catch_up(d, seq, end, chunk) {
+            if let Err(e) = seq.draft_catch_up(d, end, chunk) {
                 result = Err(e);
             }
         }
@@ -473,7 +473,7 @@ impl<'f> Scheduler<'f> {
             if lag(&self.running[i]) > draft::CATCH_UP {
                 let seq = &mut self.running[i];
                 let end = seq.ids.len();
-                draft::catch_up(g, seq, end, chunk).map_err(|e| (vec![i], e.to_string()))?;
+                seq.draft_catch_up(g, end, chunk).map_err(|e| (vec![i], e.to_string()))?;
             }
             let seq = &self.running[i];
             let behind = lag(seq);
@@ -597,7 +597,7 @@ impl<'f> Scheduler<'f> {
             let again = input.len() - 1 - drafts.len();
             let mine: VecDeque<Vec<f32>> = logits.by_ref().take(input.len()).skip(again).collect();
             let seq = &mut self.running[i];
-            let outcome = seq.take_step(drafts, mine).and_then(|f| draft::sync(seq).map(|()| f));
+            let outcome = seq.take_step(drafts, mine).and_then(|f| seq.draft_sync().map(|()| f));
             if let Some(outcome) = outcome.transpose() {
                 done.push((i, outcome));
             }

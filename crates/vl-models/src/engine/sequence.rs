@@ -355,6 +355,25 @@ impl<'f> Seq<'f> {
         spec.draft_max.min(self.draft_budget().saturating_sub(fixed))
     }
 
+    /// Prefills a chunk of its draft model's state towards `end` (`DraftSeq::catch_up`); nothing
+    /// when it drafts with no model.
+    pub(super) fn draft_catch_up(&mut self, g: &dyn crate::family::Generator, end: usize, chunk: usize) -> Result<()> {
+        let (Some(features), Some(d)) = (&self.job.encoded.draft, self.draft.as_mut()) else { return Ok(()) };
+        let p = super::draft::Prompt {
+            ids: &self.ids,
+            prompt_len: self.prompt_len,
+            media: &self.job.prepared.media,
+            features,
+        };
+        d.catch_up(g, &p, end, chunk)
+    }
+
+    /// Its draft's state cut back to the tokens it kept (`DraftSeq::sync`).
+    pub(super) fn draft_sync(&mut self) -> Result<()> {
+        let len = self.ids.len();
+        self.draft.as_mut().map_or(Ok(()), |d| d.sync(len))
+    }
+
     /// Tokens it may verify after the pending one: one less than the tokens it may still pick
     /// (the last pick ends the answer, whatever it is), within `MAX_DRAFT`.
     fn draft_budget(&self) -> usize {

@@ -224,3 +224,18 @@ pub fn greedy(
     }
     Ok((out, false))
 }
+
+/// `e`'s answer to `r`, and the text its streamed pieces add up to.
+pub fn answer_streamed(
+    e: &vl_models::engine::Engine,
+    r: &vl_models::engine::Request,
+) -> (vl_models::engine::Completion, String) {
+    let mut streamed = String::new();
+    let c = e
+        .generate(r, &mut |p| {
+            streamed.push_str(p);
+            true
+        })
+        .unwrap();
+    (c, streamed)
+}
