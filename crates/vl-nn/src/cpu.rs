@@ -46,6 +46,23 @@ pub fn amx_bf16() -> bool {
     }
 }
 
+/// Whether this CPU has AVX512-VNNI (`vpdpbusd`) besides AVX-512 F/BW, and this build may use it;
+/// `VL_NO_VNNI=1` says no (to compare the two kernels on one machine). Asked once.
+pub fn has_avx512_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| {
+            has_avx512()
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+                && std::env::var_os("VL_NO_VNNI").is_none_or(|v| v.is_empty() || v == "0")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// Whether this CPU has AMX-TILE and AMX-INT8 (CPUID leaf 7, what candle checks before its own
 /// AMX products of quantized weights). Asked once.
 pub(crate) fn has_amx_int8() -> bool {
