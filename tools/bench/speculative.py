@@ -110,20 +110,28 @@ def draft_model(a):
     same = all(runs[k][0]["token_ids"] == runs[0][0]["token_ids"] for k in ks)
     d = statistics.median(j["timings"]["decode_tokens_per_s"] for j in alone)
     print(f"\ndraft alone ({a.draft}): {d:.2f} tok/s decode (median)\n")
-    print("| draft_max k | decode tok/s (median) | forward passes | drafts kept | ms per pass | pass cost vs k=0 |")
-    print("|---|---|---|---|---|---|")
+    cost_tables(runs, ks, same, [0.5, 0.7, 0.8, 0.9])
+
+
+def cost_tables(runs, ks, same, rates):
+    """Per k: decode tok/s, passes, rows per pass, drafts kept, ms per pass and its cost
+    against k = 0 (medians over the rounds); then the speed-up each acceptance rate would give."""
+    print("| draft_max k | decode tok/s (median) | forward passes | rows per pass | drafts kept | ms per pass | pass cost vs k=0 |")
+    print("|---|---|---|---|---|---|---|")
     cost = {}
     for k in ks:
         med = statistics.median(j["timings"]["decode_tokens_per_s"] for j in runs[k])
         s = runs[k][0]["steps"]
+        passes = max(s["forward_passes"], 1)
         ms = statistics.median(1000 * j["timings"]["decode_s"] / max(j["steps"]["forward_passes"], 1) for j in runs[k])
         cost[k] = ms
         kept = f"{s['accepted']}/{s['drafted']}" if k else "-"
-        print(f"| {k or 'off'} | {med:.2f} | {s['forward_passes']} | {kept} | {ms:.1f} | {ms / cost[0]:.2f} |")
+        rows = (passes + s["drafted"]) / passes
+        print(f"| {k or 'off'} | {med:.2f} | {passes} | {rows:.2f} | {kept} | {ms:.1f} | {ms / cost[0]:.2f} |")
     print(f"\nanswers identical across k: {same}\n")
     print("| acceptance a | " + " | ".join(f"k={k}" for k in ks[1:]) + " |")
     print("|---|" + "---|" * (len(ks) - 1))
-    for acc in [0.5, 0.7, 0.8, 0.9]:
+    for acc in rates:
         cells = []
         for k in ks[1:]:
             per_pass = (1 - acc ** (k + 1)) / (1 - acc)
@@ -198,27 +206,7 @@ def ngram(a):
             print(f"round {r} k={k}: {t['decode_tokens_per_s']:.2f} tok/s, {s}", file=sys.stderr)
     ids = {k: runs[k][0]["token_ids"] for k in ks}
     same = all(ids[k] == ids[0] for k in ks)
-    print(f"| draft_max k | decode tok/s (median) | forward passes | rows per pass | drafts kept | ms per pass | pass cost vs k=0 |")
-    print("|---|---|---|---|---|---|---|")
-    cost = {}
-    for k in ks:
-        med = statistics.median(j["timings"]["decode_tokens_per_s"] for j in runs[k])
-        s = runs[k][0]["steps"]
-        passes = max(s["forward_passes"], 1)
-        ms = statistics.median(1000 * j["timings"]["decode_s"] / max(j["steps"]["forward_passes"], 1) for j in runs[k])
-        cost[k] = ms
-        kept = f"{s['accepted']}/{s['drafted']}" if k else "-"
-        rows = (passes + s["drafted"]) / passes
-        print(f"| {k or 'off'} | {med:.2f} | {passes} | {rows:.2f} | {kept} | {ms:.1f} | {ms / cost[0]:.2f} |")
-    print(f"\nanswers identical across k: {same}\n")
-    print("| acceptance a | " + " | ".join(f"k={k}" for k in ks[1:]) + " |")
-    print("|---|" + "---|" * (len(ks) - 1))
-    for acc in [0.3, 0.5, 0.7, 0.9]:
-        cells = []
-        for k in ks[1:]:
-            per_pass = (1 - acc ** (k + 1)) / (1 - acc)
-            cells.append(f"{per_pass / (cost[k] / cost[0]):.2f}x")
-        print(f"| {acc} | " + " | ".join(cells) + " |")
+    cost_tables(runs, ks, same, [0.3, 0.5, 0.7, 0.9])
 
 
 def forced_tokens(a):
