@@ -1,0 +1,107 @@
+//! The tests of `stored`: each row bit for bit its product alone, and products against
+//! candle's on the same blocks, on each kernel this CPU runs.
+
+use super::*;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+
+/// The kernels this CPU runs: `row_dots`, and `row_dots_vnni` where it has VNNI.
+fn kernels() -> Vec<bool> {
+    #[cfg(target_arch = "x86_64")]
+    let vnni = is_x86_feature_detected!("avx512vnni");
+    #[cfg(not(target_arch = "x86_64"))]
+    let vnni = false;
+    [false, true].into_iter().filter(|&v| !v || vnni).collect()
+}
+
+fn matmul_on(weights: &[(Blocks, &[u8], usize)], x: &[f32], m: usize, k: usize, vnni: bool) -> Option<Vec<Vec<f32>>> {
+    let each: Vec<(Blocks, &[u8], usize, usize)> = weights.iter().map(|&(kind, b, n)| (kind, b, n, 0)).collect();
+    matmul_each_on(&each, &[(x, m)], k, vnni)
+}
+
+/// candle's product of `x` [m, k] with the stored blocks of `q` (its Q8_K rows, its
+/// vec_dot), on the compact blocks.
+fn candles(q: &QTensor, xs: &[f32], (m, k, n): (usize, usize, usize)) -> Vec<f32> {
+    use candle_core::quantized::k_quants::{matmul, BlockQ4K, BlockQ6K};
+    let bytes = q.data().unwrap();
+    let mut want = vec![0f32; m * n];
+    // SAFETY: the bytes are a Vec of the tensor's blocks (QTensor::quantize), whole blocks.
+    unsafe {
+        match q.dtype() {
+            GgmlDType::Q4K => {
+                let b = std::slice::from_raw_parts(bytes.as_ptr() as *const BlockQ4K, bytes.len() / Q4K_BYTES);
+                matmul((m, k, n), xs, b, &mut want).unwrap()
+            }
+            _ => {
+                let b = std::slice::from_raw_parts(bytes.as_ptr() as *const BlockQ6K, bytes.len() / Q6K_BYTES);
+                matmul((m, k, n), xs, b, &mut want).unwrap()
+            }
+        }
+    }
+    want
+}
+
+#[test]
+fn each_row_is_bit_for_bit_its_product_alone() {
+    // Drafted tokens are verified with the token before them in one product: each row must
+    // be exactly what decoding it alone gives, however many rows share the pass.
+    if !available() {
+        eprintln!("no AVX-512 BW here: the kernel is not used, nothing to compare");
+        return;
+    }
+    for (kind, dtype) in [(Blocks::Q4K, GgmlDType::Q4K), (Blocks::Q6K, GgmlDType::Q6K)] {
+        let (n, k) = (24, 512);
+        let w = crate::testing::randn(5, 0.05, (n, k)).unwrap();
+        let q = QTensor::quantize(&w, dtype).unwrap();
+        let bytes = q.data().unwrap();
+        for m in [2, 5, 8, 9, SMALL_ROWS] {
+            let xs = crate::testing::randn(6 + m as u64, 1.0, (m, k)).unwrap().flatten_all().unwrap();
+            let xs = xs.to_vec1::<f32>().unwrap();
+            for vnni in kernels() {
+                let all = matmul_on(&[(kind, &bytes, n)], &xs, m, k, vnni).unwrap().remove(0);
+                for r in 0..m {
+                    let x = &xs[r * k..(r + 1) * k];
+                    let one = matmul_on(&[(kind, &bytes, n)], x, 1, k, vnni).unwrap().remove(0);
+                    assert_eq!(&all[r * n..(r + 1) * n], &one[..], "{kind:?}, vnni {vnni}, {m} rows: row {r}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn products_match_candles_on_the_same_blocks() {
+    if !available() {
+        eprintln!("no AVX-512 BW here: the kernel is not used, nothing to compare");
+        return;
+    }
+    for (kind, dtype) in [(Blocks::Q4K, GgmlDType::Q4K), (Blocks::Q6K, GgmlDType::Q6K)] {
+        for (m, n, k) in [(1, 40, 512), (3, 16, 256), (4, 33, 768), (2, 1, 1024), (8, 17, 512), (13, 20, 256)] {
+            let w = crate::testing::randn(11 + n as u64, 0.05, (n, k)).unwrap();
+            let x = crate::testing::randn(12 + m as u64, 1.0, (m, k)).unwrap();
+            let q = QTensor::quantize(&w, dtype).unwrap();
+            let bytes = q.data().unwrap();
+            let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let want = candles(&q, &xs, (m, k, n));
+            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let deq = q.dequantize(&Device::Cpu).unwrap();
+            let exact = x.matmul(&deq.t().unwrap()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for vnni in kernels() {
+                let got = matmul_on(&[(kind, &bytes, n), (kind, &bytes, n)], &xs, m, k, vnni).unwrap();
+                assert_eq!(got[0], got[1]);
+                for (i, (g, w)) in got[0].iter().zip(&want).enumerate() {
+                    let at = format!("{kind:?} vnni {vnni} ({m},{n},{k}) [{i}]");
+                    assert!((g - w).abs() <= 1e-5 * scale.max(1.0), "{at}: {g} vs {w}");
+                }
+                // And close to the f32 product of the dequantized weight (the Q8_K rounding of x).
+                let err = got[0].iter().zip(&exact).fold(0f32, |a, (g, e)| a.max((g - e).abs()));
+                assert!(err <= 0.02 * scale.max(1.0), "{kind:?} ({m},{n},{k}) off the f32 product by {err}");
+            }
+        }
+    }
+    let rows = SMALL_ROWS + 1;
+    let t = Tensor::zeros((rows, 256), candle_core::DType::F32, &Device::Cpu).unwrap();
+    let xs = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert!(matmul(&[(Blocks::Q4K, &[0u8; 144], 1)], &xs, rows, 256).is_none(), "more rows than SMALL_ROWS");
+    assert!(matmul(&[(Blocks::Q6K, &[0u8; 144], 1)], &xs[..256], 1, 256).is_none(), "bytes are not whole blocks");
+}
