@@ -11,13 +11,12 @@
 
 use std::path::Path;
 
-use candle_core::Tensor;
-
 use crate::error::{Error, Result};
-use crate::family::{Family, FamilyEntry, ModelOptions, PoolInput, Pooled, Pooler, Prepared, Source, Task};
+use crate::family::{Family, FamilyEntry, Generator, ModelOptions, PoolInput, Pooled, Pooler, Prepared, Source, Task};
 use crate::media::MediaContext;
 use crate::qwen3_vl::family::Qwen3Vl;
 use crate::request::{ChatMessage, Part, Request};
+use crate::state::SeqState;
 
 /// The registry's entry for Qwen3-VL-Embedding.
 pub static ENTRY: FamilyEntry = FamilyEntry {
@@ -170,14 +169,19 @@ impl Pooler for Qwen3VlEmbedding {
     fn pooled(&self) -> Pooled {
         Pooled::Embedding { dims: self.inner.hidden_size() }
     }
-    fn pool(&self, inputs: &[PoolInput<'_>]) -> Result<Vec<Vec<f32>>> {
-        inputs
-            .iter()
-            .map(|i| {
-                let h: Tensor = self.inner.last_hidden(i.ids, i.media, i.features)?;
-                Ok(crate::vectors::normalized(h.to_vec1::<f32>()?))
-            })
-            .collect()
+    fn new_state(&self) -> SeqState {
+        Generator::new_state(&self.inner)
+    }
+    fn kv_bytes_per_position(&self) -> usize {
+        Generator::kv_bytes_per_position(&self.inner)
+    }
+    fn prefill(&self, inputs: &[PoolInput<'_>], states: &mut [&mut SeqState], ends: &[usize]) -> Result<()> {
+        self.inner.prefill_rows(inputs, states, ends).map(drop)
+    }
+    fn pool(&self, inputs: &[PoolInput<'_>], states: &mut [&mut SeqState]) -> Result<Vec<Vec<f32>>> {
+        let ends: Vec<usize> = inputs.iter().map(|i| i.ids.len()).collect();
+        let rows = self.inner.prefill_rows(inputs, states, &ends)?.to_vec2::<f32>()?;
+        Ok(rows.into_iter().map(crate::vectors::normalized).collect())
     }
 }
 

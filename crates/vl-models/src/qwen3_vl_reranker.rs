@@ -20,6 +20,7 @@ use crate::family::{Family, FamilyEntry, Generator, ModelOptions, PoolInput, Poo
 use crate::media::MediaContext;
 use crate::qwen3_vl::family::Qwen3Vl;
 use crate::request::{ChatMessage, Part, Request};
+use crate::state::SeqState;
 
 /// The registry's entry for Qwen3-VL-Reranker.
 pub static ENTRY: FamilyEntry = FamilyEntry {
@@ -202,19 +203,27 @@ impl Pooler for Qwen3VlReranker {
     fn pooled(&self) -> Pooled {
         Pooled::Score
     }
-    fn pool(&self, inputs: &[PoolInput<'_>]) -> Result<Vec<Vec<f32>>> {
-        inputs
+    fn new_state(&self) -> SeqState {
+        Generator::new_state(&self.inner)
+    }
+    fn kv_bytes_per_position(&self) -> usize {
+        Generator::kv_bytes_per_position(&self.inner)
+    }
+    fn prefill(&self, inputs: &[PoolInput<'_>], states: &mut [&mut SeqState], ends: &[usize]) -> Result<()> {
+        self.inner.prefill_rows(inputs, states, ends).map(drop)
+    }
+    fn pool(&self, inputs: &[PoolInput<'_>], states: &mut [&mut SeqState]) -> Result<Vec<Vec<f32>>> {
+        let ends: Vec<usize> = inputs.iter().map(|i| i.ids.len()).collect();
+        let hidden = self.inner.prefill_rows(inputs, states, &ends)?;
+        let logits = self.inner.logits(&hidden)?.to_vec2::<f32>()?;
+        logits
             .iter()
-            .map(|i| {
-                let mut state = self.inner.new_state();
-                state.reserve(i.ids.len());
-                let logits = self
-                    .inner
-                    .prefill(i.ids, i.ids.len(), i.media, i.features, &mut state, i.ids.len())?
-                    .ok_or_else(|| Error::Internal { message: "the prefill returned no logits".into() })?
-                    .to_dtype(candle_core::DType::F32)?
-                    .flatten_all()?;
-                let at = |id: u32| -> Result<f64> { Ok(logits.get(id as usize)?.to_scalar::<f32>()? as f64) };
+            .map(|row| {
+                let at = |id: u32| -> Result<f64> {
+                    row.get(id as usize).map(|&x| x as f64).ok_or_else(|| Error::Internal {
+                        message: format!("token {id} is past the model's {} logits", row.len()),
+                    })
+                };
                 let x = at(self.tokens.yes)? - self.tokens.no.map(at).transpose()?.unwrap_or(0.0);
                 Ok(vec![(1.0 / (1.0 + (-x).exp())) as f32])
             })

@@ -57,6 +57,16 @@ fn scores_match_the_official_reranker() {
     // A case alone scores as it did in the batch.
     let alone = engine.pool(&reqs[4..5]).unwrap();
     assert!((alone[0].values[0] - out[4].values[0]).abs() <= 1e-6);
+    // The batch shared the system turn and instruction (prefilled once); each case alone,
+    // prefilled whole without the prefix cache, scores the same.
+    assert!(out.iter().filter(|o| o.cached_tokens >= 8).count() >= 2);
+    let opts = EngineOptions { prefix_cache: false, ..Default::default() };
+    let plain = Engine::load(&goldens().join("tiny-rerank/checkpoint"), opts).unwrap();
+    for (r, batched) in reqs.iter().zip(&out) {
+        let one = plain.pool(std::slice::from_ref(r)).unwrap();
+        assert_eq!(one[0].cached_tokens, 0);
+        assert!((one[0].values[0] - batched.values[0]).abs() <= 1e-5, "{} vs {}", one[0].values[0], batched.values[0]);
+    }
     // It writes no text, and a request without a document is refused by name.
     let err = engine.generate(&reqs[0], &mut |_| true).unwrap_err().to_string();
     assert!(err.contains("is a reranker model"), "{err}");

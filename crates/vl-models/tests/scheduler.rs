@@ -401,7 +401,9 @@ fn a_kept_prefix_comes_back_from_the_last_recurrent_snapshot_it_shares() {
 struct StubPooler {
     inner: Stub,
     score: bool,
+    /// Prompts in each pooling call, and the prefix ends of each prefix prefill.
     batches: Arc<Mutex<Vec<usize>>>,
+    prefixes: Arc<Mutex<Vec<Vec<usize>>>>,
 }
 
 impl Family for StubPooler {
@@ -445,27 +447,87 @@ impl Pooler for StubPooler {
             Pooled::Embedding { dims: 2 }
         }
     }
-    fn pool(&self, inputs: &[PoolInput<'_>]) -> Result<Vec<Vec<f32>>> {
+    fn new_state(&self) -> SeqState {
+        Generator::new_state(&self.inner)
+    }
+    fn kv_bytes_per_position(&self) -> usize {
+        PER_POSITION
+    }
+    fn prefill(&self, inputs: &[PoolInput<'_>], states: &mut [&mut SeqState], ends: &[usize]) -> Result<()> {
+        self.prefixes.lock().unwrap().push(ends.to_vec());
+        for ((i, s), &end) in inputs.iter().zip(states.iter_mut()).zip(ends) {
+            let start = s.len();
+            self.inner.feed(s, &i.ids[start..end])?;
+        }
+        Ok(())
+    }
+    // Its rows come from the state: a kept prefix that is not the prompt's start shows.
+    fn pool(&self, inputs: &[PoolInput<'_>], states: &mut [&mut SeqState]) -> Result<Vec<Vec<f32>>> {
         self.batches.lock().unwrap().push(inputs.len());
-        Ok(inputs
+        inputs
             .iter()
-            .map(|i| {
-                let sum = i.ids.iter().map(|&t| t as f32).sum::<f32>();
-                let len = i.ids.len() as f32;
-                if self.score {
-                    vec![sum / len]
-                } else {
-                    vec![sum, len]
-                }
+            .zip(states.iter_mut())
+            .map(|(i, s)| {
+                let start = s.len();
+                self.inner.feed(s, &i.ids[start..])?;
+                let sum = s.recurrent_mut(1)?.tensors[0].to_vec1::<f32>()?[0];
+                let len = s.len() as f32;
+                Ok(if self.score { vec![sum / len] } else { vec![sum, len] })
             })
-            .collect())
+            .collect()
     }
 }
 
 fn pooler(score: bool) -> (Engine, Arc<Mutex<Vec<usize>>>) {
-    let batches = Arc::new(Mutex::new(vec![]));
-    let stub = StubPooler { inner: Stub::new(Duration::ZERO).0, score, batches: batches.clone() };
-    (Engine::from_family(Box::new(stub), EngineOptions::default()).unwrap(), batches)
+    let (e, batches, _) = pooler_with(score, EngineOptions::default());
+    (e, batches)
+}
+
+type Shared<T> = Arc<Mutex<Vec<T>>>;
+
+fn pooler_with(score: bool, opts: EngineOptions) -> (Engine, Shared<usize>, Shared<Vec<usize>>) {
+    let (batches, prefixes) = (Arc::new(Mutex::new(vec![])), Arc::new(Mutex::new(vec![])));
+    let stub =
+        StubPooler { inner: Stub::new(Duration::ZERO).0, score, batches: batches.clone(), prefixes: prefixes.clone() };
+    (Engine::from_family(Box::new(stub), opts).unwrap(), batches, prefixes)
+}
+
+#[test]
+fn prompts_that_share_a_prefix_are_pooled_from_one_prefill_of_it() {
+    // Five prompts: a 12-position head, then tails of their own.
+    let head: Vec<u32> = (1..13).collect();
+    let prompts: Vec<Vec<u32>> = (0..5u32).map(|i| [head.clone(), vec![20 + i; 1 + i as usize]].concat()).collect();
+    let want = |p: &[u32]| vec![p.iter().sum::<u32>() as f32, p.len() as f32];
+    let reqs: Vec<Request> = prompts.iter().map(|p| request(p, 1)).collect();
+    let (e, batches, prefixes) = pooler_with(false, EngineOptions::default());
+    let out = e.pool(&reqs).unwrap();
+    for (o, p) in out.iter().zip(&prompts) {
+        assert_eq!(o.values, want(p));
+        assert_eq!(o.cached_tokens, 12);
+    }
+    // The head prefilled once, then the five tails in one call.
+    assert_eq!(*prefixes.lock().unwrap(), [vec![12]]);
+    assert_eq!(*batches.lock().unwrap(), [5]);
+    // A later prompt with the head is served from the kept prefix, with no prefix prefill.
+    let later = [head.clone(), vec![25, 26]].concat();
+    let out = e.pool(&[request(&later, 1)]).unwrap();
+    assert_eq!((out[0].values.clone(), out[0].cached_tokens), (want(&later), 12));
+    assert_eq!(prefixes.lock().unwrap().len(), 1);
+    // A prompt alone that shares a prefix with a recent one: kept for the next.
+    let other: Vec<u32> = (13..28).collect();
+    let (a, b) = ([other.clone(), vec![1]].concat(), [other.clone(), vec![2]].concat());
+    assert_eq!(e.pool(&[request(&a, 1)]).unwrap()[0].cached_tokens, 0);
+    let out = e.pool(&[request(&b, 1)]).unwrap();
+    assert_eq!((out[0].values.clone(), out[0].cached_tokens), (want(&b), 15));
+    assert_eq!(prefixes.lock().unwrap().last(), Some(&vec![15]));
+    // Without the prefix cache: the same rows, every prompt prefilled whole.
+    let opts = EngineOptions { prefix_cache: false, ..Default::default() };
+    let (e, _, prefixes) = pooler_with(false, opts);
+    let out = e.pool(&reqs).unwrap();
+    for (o, p) in out.iter().zip(&prompts) {
+        assert_eq!((o.values.clone(), o.cached_tokens), (want(p), 0));
+    }
+    assert!(prefixes.lock().unwrap().is_empty());
 }
 
 #[test]

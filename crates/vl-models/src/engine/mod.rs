@@ -677,6 +677,9 @@ pub struct PoolOutput {
     /// The embedding (`Pooled::Embedding`) or the one score (`Pooled::Score`).
     pub values: Vec<f32>,
     pub prompt_tokens: usize,
+    /// Prompt positions served from a prefix the engine kept (prefilled once for the prompts
+    /// that share it: an instruction, a query).
+    pub cached_tokens: usize,
     pub image_tokens: usize,
     pub video_tokens: usize,
 }

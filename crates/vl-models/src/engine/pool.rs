@@ -1,27 +1,47 @@
 //! A pooling model's loop (embedding, reranker): the prompts that wait go through the model
-//! together, up to `POOL_BATCH_TOKENS` positions a call, taken in turn from each caller so that
-//! one caller's thousands of prompts do not hold up another's few; each caller gets its rows
-//! once all of its prompts are pooled.
+//! together in one forward pass, up to `POOL_BATCH_TOKENS` positions and the KV budget a call,
+//! taken in turn from each caller so that one caller's thousands of prompts do not hold up
+//! another's few; each caller gets its rows once all of its prompts are pooled.
+//!
+//! Prompts share prefixes: the instruction's system turn, a reranker's query before each
+//! document. A prefix that prompts of one call share (or that one prompt shares with a recent
+//! one) is prefilled once, kept in a prefix store, and each prompt prefills only the rest of it.
 
 use std::collections::VecDeque;
 use std::sync::mpsc;
 
+use super::prefix::{reusable, PrefixStore};
 use super::sequence::{Command, Event, PoolJob};
-use crate::family::{PoolInput, Pooler};
+use crate::error::Result;
+use crate::family::{Identity, PoolInput, Pooler};
+use crate::state::SeqState;
 
 /// Prompt positions pooled in one call at most (a single longer prompt goes alone).
-const POOL_BATCH_TOKENS: usize = 16_384;
+const POOL_BATCH_TOKENS: usize = 4096;
+/// A shared prefix shorter than this is prefilled with each prompt.
+const MIN_SHARED: usize = 8;
+/// Recent prompts remembered by what their first positions hold, so that a prefix a later
+/// prompt shares with one of them is kept.
+const RECENT: usize = 64;
+const RECENT_POSITIONS: usize = 1024;
+
+/// How the loop runs: the engine's KV budget, and whether shared prefixes are kept.
+pub(super) struct PoolSettings {
+    pub budget: usize,
+    pub reuse: bool,
+}
 
 /// A caller's prompts, pooled so far up to `next`.
 struct Active {
     job: Box<PoolJob>,
     next: usize,
-    rows: Vec<Vec<f32>>,
+    /// Each pooled prompt's row and the positions a kept prefix served.
+    rows: Vec<(Vec<f32>, usize)>,
 }
 
 /// Which prompts the next call pools: (caller, prompt), one from each caller in turn, until the
-/// next would pass `POOL_BATCH_TOKENS` (the first is always taken).
-fn pick(active: &VecDeque<Active>) -> Vec<(usize, usize)> {
+/// next would pass `max_tokens` (the first is always taken).
+fn pick(active: &VecDeque<Active>, max_tokens: usize) -> Vec<(usize, usize)> {
     let mut picks = vec![];
     let mut taken = vec![0usize; active.len()];
     let mut tokens = 0usize;
@@ -30,7 +50,7 @@ fn pick(active: &VecDeque<Active>) -> Vec<(usize, usize)> {
         for (c, a) in active.iter().enumerate() {
             let i = a.next + taken[c];
             let Some((p, _)) = a.job.inputs.get(i) else { continue };
-            if !picks.is_empty() && tokens + p.ids.len() > POOL_BATCH_TOKENS {
+            if !picks.is_empty() && tokens + p.ids.len() > max_tokens {
                 return picks;
             }
             tokens += p.ids.len();
@@ -44,8 +64,122 @@ fn pick(active: &VecDeque<Active>) -> Vec<(usize, usize)> {
     }
 }
 
+/// The positions `ident` may take from a prefix of `len` positions it shares: never all of it
+/// (its last row is pooled), never ending inside a media placeholder run.
+fn cut(ident: &[Identity], len: usize) -> usize {
+    reusable(&ident[..len.min(ident.len())], ident)
+}
+
+/// The prefixes worth prefilling once for a call's prompts: (prompt, length), one for each run
+/// of prompts that share at least `MIN_SHARED` positions (what all of the run shares), and for
+/// a prompt that shares none in the call, what it shares with a `recent` one.
+fn shared_prefixes(idents: &[&[Identity]], recent: &VecDeque<Vec<Identity>>) -> Vec<(usize, usize)> {
+    let key = |x: &[Identity]| x.iter().map(|i| (i.token, i.media)).collect::<Vec<_>>();
+    let mut order: Vec<usize> = (0..idents.len()).collect();
+    order.sort_by_cached_key(|&i| key(idents[i]));
+    let common = |a: &[Identity], b: &[Identity]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    let mut out = vec![];
+    let mut run = vec![order.first().copied().unwrap_or(0)];
+    let mut shared = usize::MAX;
+    for k in 1..=order.len() {
+        let next = order.get(k).map(|&j| (j, common(idents[run[run.len() - 1]], idents[j])));
+        match next {
+            Some((j, c)) if c >= MIN_SHARED => {
+                run.push(j);
+                shared = shared.min(c);
+            }
+            _ => {
+                if run.len() > 1 {
+                    // The member with the longest prompt carries the prefix.
+                    let &i = run.iter().max_by_key(|&&i| idents[i].len()).unwrap_or(&run[0]);
+                    out.push((i, cut(idents[i], shared)));
+                } else if let Some(&i) = run.first().filter(|_| !idents.is_empty()) {
+                    let best = recent.iter().map(|r| reusable(r, idents[i])).max().unwrap_or(0);
+                    out.push((i, best));
+                }
+                run = next.map(|(j, _)| vec![j]).unwrap_or_default();
+                shared = usize::MAX;
+            }
+        }
+    }
+    out.retain(|&(_, len)| len >= MIN_SHARED);
+    out
+}
+
+/// The loop's state between calls.
+struct Pooling<'p> {
+    pooler: &'p dyn Pooler,
+    per_position: usize,
+    settings: PoolSettings,
+    store: PrefixStore,
+    recent: VecDeque<Vec<Identity>>,
+}
+
+impl Pooling<'_> {
+    /// Prompts a call may take: the batch's KV within the budget.
+    fn max_tokens(&self) -> usize {
+        POOL_BATCH_TOKENS.min(self.settings.budget / self.per_position.max(1)).max(1)
+    }
+
+    /// Pools one call's prompts in one forward pass (after one pass for the shared prefixes the
+    /// store lacks).
+    fn call(&mut self, inputs: &[PoolInput<'_>], idents: &[&[Identity]]) -> Result<Vec<(Vec<f32>, usize)>> {
+        let need: usize = inputs.iter().map(|i| vl_nn::kv_cache::blocks_for(i.ids.len()) * self.per_position).sum();
+        while self.store.bytes() + need > self.settings.budget && self.store.evict() {}
+        if self.settings.reuse {
+            self.keep_prefixes(inputs, idents)?;
+        }
+        let mut states = Vec::with_capacity(inputs.len());
+        for ident in idents {
+            let kept = if self.settings.reuse { self.store.copy(ident)? } else { None };
+            states.push(kept.map_or_else(|| self.pooler.new_state(), |(s, _)| s));
+        }
+        let cached: Vec<usize> = states.iter().map(SeqState::len).collect();
+        let mut refs: Vec<&mut SeqState> = states.iter_mut().collect();
+        let rows = self.pooler.pool(inputs, &mut refs)?;
+        if self.settings.reuse {
+            for ident in idents {
+                if self.recent.len() == RECENT {
+                    self.recent.pop_front();
+                }
+                self.recent.push_back(ident[..ident.len().min(RECENT_POSITIONS)].to_vec());
+            }
+        }
+        Ok(rows.into_iter().zip(cached).collect())
+    }
+
+    /// Prefills the shared prefixes the store cannot serve, in one pass, and keeps them.
+    fn keep_prefixes(&mut self, inputs: &[PoolInput<'_>], idents: &[&[Identity]]) -> Result<()> {
+        let builds: Vec<(usize, usize)> = shared_prefixes(idents, &self.recent)
+            .into_iter()
+            .filter(|&(i, len)| self.store.serves(&idents[i][..len + 1]) < len)
+            .collect();
+        if builds.is_empty() {
+            return Ok(());
+        }
+        let mut states = Vec::with_capacity(builds.len());
+        for &(i, len) in &builds {
+            let kept = self.store.copy(&idents[i][..len + 1])?;
+            states.push(kept.map_or_else(|| self.pooler.new_state(), |(s, _)| s));
+        }
+        let chosen: Vec<PoolInput<'_>> = builds.iter().map(|&(i, _)| inputs[i]).collect();
+        let ends: Vec<usize> = builds.iter().map(|&(_, len)| len).collect();
+        let mut refs: Vec<&mut SeqState> = states.iter_mut().collect();
+        self.pooler.prefill(&chosen, &mut refs, &ends)?;
+        for ((i, len), mut state) in builds.into_iter().zip(states) {
+            state.mark();
+            self.store.put(idents[i][..len].to_vec(), state);
+        }
+        while self.store.bytes() > self.settings.budget / 4 && self.store.evict() {}
+        Ok(())
+    }
+}
+
 /// The loop of a pooling model: runs until every sender is gone.
-pub(super) fn run_pooling(pooler: &dyn Pooler, rx: &mpsc::Receiver<Command>) {
+pub(super) fn run_pooling(pooler: &dyn Pooler, rx: &mpsc::Receiver<Command>, settings: PoolSettings) {
+    let per_position = pooler.kv_bytes_per_position();
+    let mut pooling =
+        Pooling { pooler, per_position, settings, store: PrefixStore::default(), recent: VecDeque::new() };
     let mut active: VecDeque<Active> = VecDeque::new();
     loop {
         if active.is_empty() {
@@ -57,7 +191,7 @@ pub(super) fn run_pooling(pooler: &dyn Pooler, rx: &mpsc::Receiver<Command>) {
         while let Ok(c) = rx.try_recv() {
             active.push_back(Active { job: pool_job(c), next: 0, rows: vec![] });
         }
-        let picks = pick(&active);
+        let picks = pick(&active, pooling.max_tokens());
         let inputs: Vec<PoolInput<'_>> = picks
             .iter()
             .map(|&(c, i)| {
@@ -65,8 +199,9 @@ pub(super) fn run_pooling(pooler: &dyn Pooler, rx: &mpsc::Receiver<Command>) {
                 PoolInput { ids: &p.ids, media: &p.media, features: &e.features }
             })
             .collect();
-        let pooled = if inputs.is_empty() { Ok(vec![]) } else { pooler.pool(&inputs) };
-        drop(inputs);
+        let idents: Vec<&[Identity]> = picks.iter().map(|&(c, i)| active[c].job.inputs[i].0.ident.as_slice()).collect();
+        let pooled = if inputs.is_empty() { Ok(vec![]) } else { pooling.call(&inputs, &idents) };
+        drop((inputs, idents));
         let failed = match pooled {
             Ok(rows) if rows.len() == picks.len() => {
                 for (&(c, _), row) in picks.iter().zip(rows) {
@@ -94,9 +229,10 @@ pub(super) fn run_pooling(pooler: &dyn Pooler, rx: &mpsc::Receiver<Command>) {
                     .inputs
                     .iter()
                     .zip(a.rows)
-                    .map(|((p, _), values)| super::PoolOutput {
+                    .map(|((p, _), (values, cached_tokens))| super::PoolOutput {
                         values,
                         prompt_tokens: p.ids.len(),
+                        cached_tokens,
                         image_tokens: p.image_tokens,
                         video_tokens: p.video_tokens,
                     })
@@ -139,15 +275,62 @@ mod tests {
         // A caller of 40 prompts of 1,000 positions and one of a single short prompt: the first
         // call holds the short one, and no call passes the budget.
         let mut active: VecDeque<Active> = [caller(&[1000; 40]), caller(&[10])].into();
-        let first = pick(&active);
+        let first = pick(&active, 16_384);
         assert!(first.contains(&(1, 0)), "{first:?}");
         assert_eq!(first.len(), 17, "{first:?}");
         // In each caller's own order, from where it stands.
         active[0].next = 30;
         active.pop_back();
-        assert_eq!(pick(&active), (30..40).map(|i| (0, i)).collect::<Vec<_>>());
+        assert_eq!(pick(&active, 16_384), (30..40).map(|i| (0, i)).collect::<Vec<_>>());
         // A prompt longer than the budget goes alone.
         let long: VecDeque<Active> = [caller(&[POOL_BATCH_TOKENS + 1, 5])].into();
-        assert_eq!(pick(&long), [(0, 0)]);
+        assert_eq!(pick(&long, POOL_BATCH_TOKENS), [(0, 0)]);
+    }
+
+    fn text(tokens: &[u32]) -> Vec<Identity> {
+        tokens.iter().map(|&t| Identity::text(t)).collect()
+    }
+
+    #[test]
+    fn prompts_that_share_a_prefix_have_it_prefilled_once() {
+        let system: Vec<u32> = (100..112).collect();
+        let with = |rest: &[u32]| text(&[system.as_slice(), rest].concat());
+        // Three prompts share the 12-position system turn, two of them 3 more; one shares
+        // nothing: one prefix, of what all three share, carried by the longest.
+        let a = with(&[1, 2, 3, 4]);
+        let b = with(&[1, 2, 3, 5, 6]);
+        let c = with(&[7]);
+        let d = text(&[9; 20]);
+        let idents: Vec<&[Identity]> = vec![&a, &d, &b, &c];
+        assert_eq!(shared_prefixes(&idents, &VecDeque::new()), [(2, 12)]);
+        // Two runs: each its own prefix.
+        let e = text(&[9; 25]);
+        let idents: Vec<&[Identity]> = vec![&a, &d, &b, &e];
+        let mut got = shared_prefixes(&idents, &VecDeque::new());
+        got.sort_unstable();
+        // d is all within e: e carries 20 positions, of which d takes all but its last.
+        assert_eq!(got, [(2, 15), (3, 20)]);
+        // Fewer than MIN_SHARED positions shared: nothing.
+        let short = |t: u32| text(&[1, 2, 3, t, t, t, t, t, t, t]);
+        let (f, g) = (short(4), short(5));
+        assert!(shared_prefixes(&[&f, &g], &VecDeque::new()).is_empty());
+        // A prompt alone in its call shares with a recent one.
+        let recent: VecDeque<Vec<Identity>> = [d.clone(), a.clone()].into();
+        assert_eq!(shared_prefixes(&[&c], &recent), [(0, 12)]);
+        assert!(shared_prefixes(&[&c], &VecDeque::new()).is_empty());
+    }
+
+    #[test]
+    fn a_shared_prefix_never_ends_inside_an_image() {
+        // Both prompts hold the same image (key 9) after 10 text positions, then differ: the
+        // prefix takes the image whole; cut where only part of the run is shared, it backs off
+        // to the text before it.
+        let image = |n: usize| vec![Identity { token: 7, media: 9 }; n];
+        let head = text(&(100..110).collect::<Vec<_>>());
+        let a = [head.clone(), image(4), text(&[1])].concat();
+        let b = [head.clone(), image(4), text(&[2])].concat();
+        let got = shared_prefixes(&[&a, &b], &VecDeque::new());
+        assert_eq!(got.iter().map(|p| p.1).collect::<Vec<_>>(), [14]);
+        assert_eq!(cut(&a, 12), 10);
     }
 }

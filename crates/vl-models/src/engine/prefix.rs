@@ -64,6 +64,23 @@ impl PrefixStore {
         Ok(Some((e.state.copy_prefix(common)?, common)))
     }
 
+    /// Positions of `ident` the best entry can serve (what `copy` would give).
+    pub fn serves(&self, ident: &[Identity]) -> usize {
+        self.entries.iter().map(|e| e.state.restorable(reusable(&e.ident, ident))).max().unwrap_or(0)
+    }
+
+    /// Like `take`, but the entry always stays (a prefix many prompts share): a copy of the
+    /// most of `ident` an entry serves, with the positions it serves.
+    pub fn copy(&mut self, ident: &[Identity]) -> Result<Option<(SeqState, usize)>> {
+        let best =
+            self.entries.iter().enumerate().map(|(i, e)| (e.state.restorable(reusable(&e.ident, ident)), i)).max();
+        let Some((common, i)) = best.filter(|&(c, _)| c > 0) else { return Ok(None) };
+        self.tick += 1;
+        let e = &mut self.entries[i];
+        e.used = self.tick;
+        Ok(Some((e.state.copy_prefix(common)?, common)))
+    }
+
     /// Keeps a finished sequence's state; entries it extends are dropped (it serves them all).
     pub fn put(&mut self, ident: Vec<Identity>, state: SeqState) {
         if state.is_empty() || ident.len() != state.len() {

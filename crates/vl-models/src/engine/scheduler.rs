@@ -61,7 +61,11 @@ pub(crate) fn run(shared: &Shared, rx: mpsc::Receiver<Command>) {
     let family = &*shared.family;
     let generator = match family.task() {
         Task::Generate(g) => g,
-        Task::Pool(p) => return super::pool::run_pooling(p, &rx),
+        Task::Pool(p) => {
+            let settings =
+                super::pool::PoolSettings { budget: shared.opts.kv_cache_bytes, reuse: shared.opts.prefix_cache };
+            return super::pool::run_pooling(p, &rx, settings);
+        }
     };
     let draft = shared.draft.as_ref().map(|d| d.generator());
     let mut s = Scheduler {

@@ -267,12 +267,22 @@ pub struct PoolInput<'a> {
     pub features: &'a [VisionOutput],
 }
 
-/// A model that pools: each prompt becomes one row (a vector or a score) in one forward pass,
-/// no decoding. The engine batches the prompts that wait together.
+/// A model that pools: each prompt becomes one row (a vector or a score) from its prefill, no
+/// decoding. The engine batches the prompts that wait into one forward pass, and serves the
+/// prefixes they share (an instruction, a query) from states it prefilled once.
 pub trait Pooler: Send + Sync {
     fn pooled(&self) -> Pooled;
-    /// One row per input, in order (`Pooled::Score`: rows of one value).
-    fn pool(&self, inputs: &[PoolInput<'_>]) -> Result<Vec<Vec<f32>>>;
+    /// An empty state for one prompt.
+    fn new_state(&self) -> SeqState;
+    /// KV cache bytes one position of one prompt takes.
+    fn kv_bytes_per_position(&self) -> usize;
+    /// Prefills `inputs[i]`'s positions `states[i].len()..ends[i]` into `states[i]`, all in one
+    /// forward pass (prefixes that other prompts share).
+    fn prefill(&self, inputs: &[PoolInput<'_>], states: &mut [&mut SeqState], ends: &[usize]) -> Result<()>;
+    /// Prefills the rest of each prompt into its state (empty, or holding a prefix of that
+    /// prompt) in one forward pass, and pools it: one row per input, in order
+    /// (`Pooled::Score`: rows of one value).
+    fn pool(&self, inputs: &[PoolInput<'_>], states: &mut [&mut SeqState]) -> Result<Vec<Vec<f32>>>;
 }
 
 /// `FamilyEntry::quantize`: (checkpoint directory, recipe, output directory, overwrite, progress)

@@ -12,7 +12,9 @@ use super::plan::VISION_PREFIX;
 use super::video_processor::{VideoOptions, VideoProcessor};
 use super::{ModelDir, Processor, Prompt, QuantLoad, Qwen3VlConfig, TextModel, VisionTower, Weights};
 use crate::error::{Error, Result};
-use crate::family::{Family, FamilyEntry, Generator, ImageSizing, ModelOptions, Prepared, Sizing, Source, Task};
+use crate::family::{
+    Family, FamilyEntry, Generator, ImageSizing, ModelOptions, PoolInput, Prepared, Sizing, Source, Task,
+};
 use crate::media::{Media, MediaContext, MediaKind, VisionOutput};
 use crate::request::{Request, VideoReport};
 use crate::state::SeqState;
@@ -322,14 +324,39 @@ impl Qwen3Vl {
 }
 
 impl Qwen3Vl {
-    /// The final-normed hidden state `[hidden]` (f32) of a whole prompt's last position, from a
-    /// fresh state (what an embedding model pools).
-    pub fn last_hidden(&self, ids: &[u32], media: &[Media], features: &[VisionOutput]) -> Result<Tensor> {
-        let mut state = self.new_state();
-        state.reserve(ids.len());
-        let out = self.prefill_to(ids, None, media, features, &mut state, ids.len())?;
-        let n = out.hidden.dim(0)?;
-        Ok(out.hidden.narrow(0, n - 1, 1)?.squeeze(0)?.to_dtype(DType::F32)?)
+    /// Prompts pooled together: `inputs[i]` is prefilled from `states[i].len()` (empty, or a
+    /// prefix it shares with other prompts) to `ends[i]`, all in one forward pass. Returns the
+    /// final-normed hidden rows `[inputs, hidden]` (f32) of each `ends[i] - 1` (what an
+    /// embedding model pools; `logits` of them, what a reranker scores).
+    pub fn prefill_rows(
+        &self,
+        inputs: &[PoolInput<'_>],
+        states: &mut [&mut SeqState],
+        ends: &[usize],
+    ) -> Result<Tensor> {
+        let text = self.text()?;
+        let items: Vec<_> = inputs
+            .iter()
+            .map(|i| {
+                let of = |kind: MediaKind| {
+                    let parts: Vec<&VisionOutput> =
+                        i.media.iter().zip(i.features).filter(|(m, _)| m.kind == kind).map(|(_, f)| f).collect();
+                    VisionOutput::concat(&parts)
+                };
+                let prompt = Prompt { input_ids: i.ids.to_vec(), images: None, videos: None, generated_from: None };
+                (prompt, of(MediaKind::Image), of(MediaKind::Video))
+            })
+            .collect();
+        for (s, &end) in states.iter_mut().zip(ends) {
+            s.reserve(end);
+        }
+        let model = super::model::TextSide { cfg: &self.config, text };
+        Ok(model.prefill_rows(&items, states, ends)?.to_dtype(DType::F32)?)
+    }
+
+    /// f32 logits `[rows, vocab]` of final-normed hidden rows.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.text()?.logits(&hidden.to_dtype(self.text()?.dtype())?)
     }
 
     /// Prefills `ids[state.len()..end]` with the prompt's media features (`generated_from`: where

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 use super::config::Qwen3VlConfig;
 use super::plan::{check_plan, plan_for, VISION_PREFIX};
 use super::positions::{mrope_positions, token_types, TokenType};
-use super::text::{DeepStack, QuantLoad, TextCache, TextModel};
+use super::text::{Attend, DeepStack, QuantLoad, TextCache, TextModel};
 use super::vision::{VisionOutput, VisionTower};
 use super::weights::Weights;
 use crate::error::{Error, Result};
@@ -196,6 +196,17 @@ pub struct TextSide<'a> {
     pub text: &'a TextModel,
 }
 
+/// One prompt chunk's decoder input (`TextSide::chunk_rows`).
+struct ChunkRows {
+    /// Input rows [end - start, hidden].
+    x: Tensor,
+    positions: Vec<[i64; 3]>,
+    /// Rows of `x` that hold media, ascending, and the DeepStack levels' rows for them.
+    visual_rows: Vec<u32>,
+    levels: Vec<Tensor>,
+    rope_delta: i64,
+}
+
 impl TextSide<'_> {
     /// `prefill_from` for the positions `cache.len()..end` only (a chunk of a long prompt; the
     /// next chunk continues from the cache). Chunks give the same cache and rows as one prefill.
@@ -208,8 +219,75 @@ impl TextSide<'_> {
         end: usize,
         trace: &mut dyn FnMut(usize, &Tensor),
     ) -> Result<PrefillOutput> {
+        let rows = self.chunk_rows(prompt, images, videos, cache.len(), end)?;
+        let deepstack =
+            (!rows.visual_rows.is_empty()).then_some(DeepStack { positions: &rows.visual_rows, levels: &rows.levels });
+        let hidden = self.text.forward(&rows.x, &rows.positions, cache, deepstack, trace)?;
+        cache.position_offset = rows.rope_delta;
+        Ok(PrefillOutput { hidden, rope_delta: rows.rope_delta, prompt_len: prompt.input_ids.len() })
+    }
+
+    /// Several prompts' chunks in one forward pass: `items[i]` (a prompt and its image and
+    /// video features) is prefilled from `caches[i].len()` to `ends[i]`, its rows attending as
+    /// its own prefill would. Returns the final-normed hidden rows `[items, hidden]` of each
+    /// chunk's last position (what pooling models read), in the model's dtype.
+    pub fn prefill_rows(
+        &self,
+        items: &[(Prompt, Option<VisionOutput>, Option<VisionOutput>)],
+        caches: &mut [&mut TextCache],
+        ends: &[usize],
+    ) -> Result<Tensor> {
+        if items.len() != caches.len() || items.len() != ends.len() || items.is_empty() {
+            return Err(Error::Input {
+                what: "batch".into(),
+                message: format!("{} prompts, {} states, {} ends", items.len(), caches.len(), ends.len()),
+            });
+        }
+        let mut parts = Vec::with_capacity(items.len());
+        for ((prompt, images, videos), (cache, &end)) in items.iter().zip(caches.iter().zip(ends)) {
+            parts.push(self.chunk_rows(prompt, images.as_ref(), videos.as_ref(), cache.len(), end)?);
+        }
+        let lens: Vec<usize> = parts.iter().map(|p| p.positions.len()).collect();
+        let x = Tensor::cat(&parts.iter().map(|p| &p.x).collect::<Vec<_>>(), 0)?;
+        let positions: Vec<[i64; 3]> = parts.iter().flat_map(|p| p.positions.iter().copied()).collect();
+        // DeepStack rows of every chunk, relative to the batch; each level joined over chunks.
+        let mut visual_rows = Vec::new();
+        let mut base = 0u32;
+        for p in &parts {
+            visual_rows.extend(p.visual_rows.iter().map(|r| r + base));
+            base += p.positions.len() as u32;
+        }
+        let with: Vec<&ChunkRows> = parts.iter().filter(|p| !p.visual_rows.is_empty()).collect();
+        let n_levels = with.iter().map(|p| p.levels.len()).min().unwrap_or(0);
+        let levels: Vec<Tensor> = (0..n_levels)
+            .map(|k| Tensor::cat(&with.iter().map(|p| &p.levels[k]).collect::<Vec<_>>(), 0))
+            .collect::<candle_core::Result<_>>()?;
+        let deepstack = (!visual_rows.is_empty()).then_some(DeepStack { positions: &visual_rows, levels: &levels });
+        let hidden = self.text.forward_rows(&x, &positions, caches, &lens, deepstack, Attend::AsPrefill)?;
+        for (cache, p) in caches.iter_mut().zip(&parts) {
+            cache.position_offset = p.rope_delta;
+        }
+        let last: Vec<u32> = lens
+            .iter()
+            .scan(0u32, |at, &n| {
+                *at += n as u32;
+                Some(*at - 1)
+            })
+            .collect();
+        Ok(hidden.index_select(&Tensor::from_vec(last, items.len(), hidden.device())?, 0)?)
+    }
+
+    /// The decoder's input for positions `start..end` of `prompt`: embeddings with the media
+    /// rows substituted, their M-RoPE positions, and the DeepStack rows among them.
+    fn chunk_rows(
+        &self,
+        prompt: &Prompt,
+        images: Option<&VisionOutput>,
+        videos: Option<&VisionOutput>,
+        start: usize,
+        end: usize,
+    ) -> Result<ChunkRows> {
         let ids = &prompt.input_ids;
-        let start = cache.len();
         if end <= start || end > ids.len() {
             return Err(Error::Input {
                 what: "prefill".into(),
@@ -330,11 +408,7 @@ impl TextSide<'_> {
                 visual_rows.iter_mut().for_each(|r| *r -= start as u32);
             }
         }
-        let positions = &positions[start..end];
-        let deepstack = (!visual_rows.is_empty()).then_some(DeepStack { positions: &visual_rows, levels: &levels });
-        let hidden = self.text.forward(&x, positions, cache, deepstack, trace)?;
-        cache.position_offset = rope_delta;
-        Ok(PrefillOutput { hidden, rope_delta, prompt_len: ids.len() })
+        Ok(ChunkRows { x, positions: positions[start..end].to_vec(), visual_rows, levels, rope_delta })
     }
 
     /// One decoding step for several sequences at once: `tokens[i]` is fed to `caches[i]` at
@@ -350,7 +424,7 @@ impl TextSide<'_> {
         }
         let positions: Vec<[i64; 3]> = caches.iter().map(|c| [c.len() as i64 + c.position_offset; 3]).collect();
         let x = self.text.embed(tokens)?;
-        let h = self.text.forward_rows(&x, &positions, caches, &vec![1; tokens.len()])?;
+        let h = self.text.forward_rows(&x, &positions, caches, &vec![1; tokens.len()], None, Attend::AsDecoding)?;
         self.text.logits(&h)
     }
 
@@ -373,7 +447,7 @@ impl TextSide<'_> {
         let lens: Vec<usize> = tokens.iter().map(Vec::len).collect();
         let flat: Vec<u32> = tokens.concat();
         let x = self.text.embed(&flat)?;
-        let h = self.text.forward_rows(&x, &positions, caches, &lens)?;
+        let h = self.text.forward_rows(&x, &positions, caches, &lens, None, Attend::AsDecoding)?;
         self.text.logits(&h)
     }
 

@@ -123,7 +123,8 @@ impl Attention {
     /// New positions for each of several sequences: `lens[i]` consecutive rows of `x`
     /// ([rows, hidden]) belong to `caches[i]`. The projections multiply all rows at once (the
     /// weights are read once for the batch); each sequence's rows attend causally to its own
-    /// cache.
+    /// cache: row by row with the decode kernel (`Attend::AsDecoding`), or in query blocks as a
+    /// prompt's prefill does (`Attend::AsPrefill`).
     fn forward_rows(
         &self,
         x: &Tensor,
@@ -131,6 +132,7 @@ impl Attention {
         sin: &Tensor,
         caches: &mut [&mut KvCache],
         lens: &[usize],
+        attend: Attend,
     ) -> Result<Tensor> {
         let (n, _) = x.dims2()?;
         if caches.len() != lens.len() || lens.iter().sum::<usize>() != n {
@@ -150,6 +152,12 @@ impl Attention {
             let mut at = 0;
             for (cache, &len) in caches.iter_mut().zip(lens) {
                 let (ck, cv) = cache.append(&k.narrow(1, at, len)?, &v.narrow(1, at, len)?)?;
+                if attend == Attend::AsPrefill {
+                    let qs = q.narrow(1, at, len)?.contiguous()?;
+                    outs.push(causal_gqa_attention(&qs, &ck, &cv, PREFILL_QUERY_BLOCK)?);
+                    at += len;
+                    continue;
+                }
                 let total = ck.dim(1)?;
                 // Row by row with the decode kernel, each seeing the keys up to its own position:
                 // the logits of drafted tokens are then bit for bit those decoding them one at a
@@ -308,12 +316,13 @@ impl DecoderLayer {
         states: &mut [&mut TextCache],
         lens: &[usize],
         i: usize,
+        attend: Attend,
     ) -> Result<Tensor> {
         let h = self.input_norm.forward(x)?;
         let mixed = match &self.attn {
             Mixer::Attention(a) => {
                 let mut caches: Vec<&mut KvCache> = states.iter_mut().map(|c| c.kv_mut(i)).collect::<Result<_>>()?;
-                a.forward_rows(&h, cos, sin, &mut caches, lens)?
+                a.forward_rows(&h, cos, sin, &mut caches, lens, attend)?
             }
             Mixer::Linear(l) => {
                 let prev: Vec<Option<vl_nn::DeltaState>> =
@@ -332,6 +341,16 @@ impl DecoderLayer {
         let x = (x + mixed)?;
         Ok((&x + self.mlp.forward(&self.post_attn_norm.forward(&x)?)?)?)
     }
+}
+
+/// How `TextModel::forward_rows` attends a sequence's rows to its cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attend {
+    /// Row by row with the decode kernel: each row's output is bit for bit what decoding its
+    /// token alone gives (drafted tokens verified, batched decode steps).
+    AsDecoding,
+    /// In query blocks, as one sequence's prefill attends (prompts pooled together).
+    AsPrefill,
 }
 
 /// DeepStack rows to add after the first decoder layers: `levels[k]` ([visual, hidden]) is added
@@ -551,16 +570,19 @@ impl TextModel {
         Ok(self.norm.forward(&x)?)
     }
 
-    /// New positions for several sequences (batched decode, drafted tokens verified): `lens[i]`
-    /// consecutive rows of `x` ([rows, hidden]) append to `caches[i]`, row `r` at
-    /// `positions[r]`. Returns the final-normed hidden states [rows, hidden], each equal to what
-    /// `forward` gives that sequence's rows alone.
+    /// New positions for several sequences (batched decode, drafted tokens verified, prompts
+    /// pooled together): `lens[i]` consecutive rows of `x` ([rows, hidden]) append to
+    /// `caches[i]`, row `r` at `positions[r]`; `deepstack` rows are relative to `x`. Returns the
+    /// final-normed hidden states [rows, hidden], each equal to what `forward` gives that
+    /// sequence's rows alone (to rounding with `Attend::AsPrefill`).
     pub fn forward_rows(
         &self,
         x: &Tensor,
         positions: &[[i64; 3]],
         caches: &mut [&mut TextCache],
         lens: &[usize],
+        deepstack: Option<DeepStack<'_>>,
+        attend: Attend,
     ) -> Result<Tensor> {
         let (n, _) = x.dims2()?;
         if positions.len() != n || caches.len() != lens.len() || lens.iter().sum::<usize>() != n {
@@ -576,9 +598,20 @@ impl TextModel {
         }
         let (cos, sin) = self.rope.cos_sin(positions, &self.device)?;
         let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
+        let visual = match deepstack {
+            Some(ds) if !ds.positions.is_empty() => {
+                Some((Tensor::from_slice(ds.positions, ds.positions.len(), &self.device)?, ds.levels))
+            }
+            _ => None,
+        };
         let mut x = x.clone();
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward_rows(&x, &cos, &sin, caches, lens, i)?;
+            x = layer.forward_rows(&x, &cos, &sin, caches, lens, i, attend)?;
+            if let Some((rows, levels)) = &visual {
+                if let Some(level) = levels.get(i) {
+                    x = x.index_add(rows, &level.to_dtype(self.dtype)?, 0)?;
+                }
+            }
         }
         Ok(self.norm.forward(&x)?)
     }
