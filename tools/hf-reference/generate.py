@@ -990,7 +990,7 @@ def thinking_goldens(out):
 EMBED_INSTRUCTION = "Represent the user's input."
 
 
-def embed_conversation(instruction, texts=(), images=()):
+def embed_conversation(instruction, texts=(), images=(), videos=()):
     """The official prompt of Qwen3-VL-Embedding (QwenLM/Qwen3-VL-Embedding
     `src/models/qwen3_vl_embedding.py`, `format_model_input`): the instruction (a period added
     when it does not end with punctuation) as the system message; the user turn's videos, then
@@ -999,7 +999,8 @@ def embed_conversation(instruction, texts=(), images=()):
     instruction = (instruction or EMBED_INSTRUCTION).strip()
     if instruction and not unicodedata.category(instruction[-1]).startswith("P"):
         instruction += "."
-    content = [{"type": "image", "image": n} for n in images] + [{"type": "text", "text": t} for t in texts]
+    content = ([{"type": "video", "video": n, "fps": EMBED_FPS, "max_frames": EMBED_MAX_FRAMES} for n in videos]
+               + [{"type": "image", "image": n} for n in images] + [{"type": "text", "text": t} for t in texts])
     if not content:
         content = [{"type": "text", "text": "NULL"}]
     return [{"role": "system", "content": [{"type": "text", "text": instruction}]},
@@ -1063,6 +1064,92 @@ def embedding_goldens(out):
         "prompt": "format_model_input of QwenLM/Qwen3-VL-Embedding src/models/qwen3_vl_embedding.py, ported as embed_conversation",
         "vector": "F.normalize(Qwen3VLForConditionalGeneration.model(**inputs).last_hidden_state[0, -1]), float32",
         "truncated": "F.normalize(vector[:d])"}})
+
+
+# The official embedder's video file settings (QwenLM/Qwen3-VL-Embedding
+# src/models/qwen3_vl_embedding.py: FPS, MAX_FRAMES, given to qwen-vl-utils as `fps` and
+# `max_frames`; no pixel keys, so qwen-vl-utils' own per-frame bounds apply).
+EMBED_FPS = 1
+EMBED_MAX_FRAMES = 64
+
+
+def qwen_vl_utils_video(frames, video_fps, fps=EMBED_FPS, max_frames=EMBED_MAX_FRAMES, patch=16):
+    """`fetch_video` of qwen-vl-utils (QwenLM/Qwen3-VL qwen-vl-utils/src/qwen_vl_utils/
+    vision_process.py: `smart_nframes`, the frame indices, the per-frame `smart_resize` and the
+    torchvision resize), ported for decoded frames (uint8 [T, H, W, 3]): returns the resized
+    float video [n, 3, h, w] and its metadata (fps, frames_indices, total_num_frames)."""
+    import torchvision.transforms.functional as TF
+    from torchvision.transforms import InterpolationMode
+    factor, frame_factor = patch * 2, 2
+    total = len(frames)
+    # smart_nframes with `fps` and `max_frames` given (FPS_MIN_FRAMES = 4).
+    min_frames = math.ceil(4 / frame_factor) * frame_factor
+    max_frames = math.floor(max_frames / frame_factor) * frame_factor
+    n = min(min(max(total / video_fps * fps, min_frames), max_frames), total)
+    n = math.floor(n / frame_factor) * frame_factor
+    assert frame_factor <= n <= total, n
+    idx = torch.linspace(0, total - 1, n).round().long()
+    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)[idx]
+    # Per-frame bounds: VIDEO_MIN_TOKEN_NUM 128, VIDEO_MAX_TOKEN_NUM 768, total_pixels' default
+    # MODEL_SEQ_LEN (128000) x factor^2 x 0.9.
+    min_pixels = 128 * factor * factor
+    total_pixels = 128000 * factor * factor * 0.9
+    max_pixels = max(min(768 * factor * factor, total_pixels / n * frame_factor), int(min_pixels * 1.05))
+    _, _, height, width = video.shape
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar, w_bar = math.floor(height / beta / factor) * factor, math.floor(width / beta / factor) * factor
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    video = TF.resize(video, [h_bar, w_bar], interpolation=InterpolationMode.BICUBIC, antialias=True).float()
+    meta = {"fps": video_fps, "frames_indices": idx.tolist(), "total_num_frames": total}
+    return video, meta
+
+
+def embedding_video_goldens(out):
+    """goldens/tiny-embed/videos.json: embeddings of video inputs as the official embedder makes
+    them from a video file: qwen-vl-utils sizes the clip (`qwen_vl_utils_video`), the processor
+    runs with `do_resize=False, do_sample_frames=False` and the metadata (as `_preprocess_inputs`
+    calls it), then the same pooling as `embedding_goldens`. The clips are goldens/videos' lossless
+    probe clips, decoded by ffmpeg."""
+    ck = out / "tiny-embed" / "checkpoint"
+    proc = Qwen3VLProcessor.from_pretrained(ck)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(ck, torch_dtype=torch.float32).eval()
+    cases = [
+        ("video", None, ["What happens in the clip?"], "fps15"),
+        ("odd_frames", "Find clips like this one", [], "odd5"),
+        ("long", None, [], "long"),
+    ]
+    results = []
+    for name, instruction, texts, clip in cases:
+        n, fps, w, h, fname = VIDEO_CLIPS[clip]
+        raw = subprocess.run(["ffmpeg", "-v", "error", "-i", str(out / "videos" / fname), "-f", "rawvideo",
+                              "-pix_fmt", "rgb24", "-"], capture_output=True, check=True).stdout
+        frames = np.frombuffer(raw, dtype=np.uint8).reshape(n, h, w, 3)
+        video, meta = qwen_vl_utils_video(frames, fps)
+        conv = embed_conversation(instruction, texts, videos=[fname])
+        text = proc.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        batch = proc(text=[text], videos=[video], video_metadata=[meta], do_resize=False, do_sample_frames=False,
+                     return_tensors="pt")
+        with torch.no_grad():
+            hidden = model.model(**batch).last_hidden_state[0, -1]
+        v = torch.nn.functional.normalize(hidden, p=2, dim=-1)
+        results.append({"case": name, "instruction": instruction, "texts": texts, "video": fname,
+                        "frames": meta["frames_indices"], "resized": list(video.shape[2:]),
+                        "grid": batch["video_grid_thw"][0].tolist(), "prompt": text,
+                        "ids": batch["input_ids"][0].tolist(), "embedding": v.tolist()})
+        print(name, "frames", meta["frames_indices"], "resized", list(video.shape[2:]))
+    (out / "tiny-embed" / "videos.json").write_text(json.dumps({"cases": results}, indent=1) + "\n")
+    write_provenance(out, {"tiny-embed-videos": {
+        "generator": "tools/hf-reference/generate --embedding-video", "weights": "tiny-embed (tiny-a linked)",
+        "sizing": "fetch_video of QwenLM/Qwen3-VL qwen-vl-utils/src/qwen_vl_utils/vision_process.py "
+                  "(fps 1, max_frames 64 as QwenLM/Qwen3-VL-Embedding src/models/qwen3_vl_embedding.py passes them), "
+                  "ported as qwen_vl_utils_video; torchvision bicubic antialias",
+        "processor": "Qwen3VLProcessor(text, videos, video_metadata, do_resize=False, do_sample_frames=False)",
+        "vector": "F.normalize(Qwen3VLForConditionalGeneration.model(**inputs).last_hidden_state[0, -1]), float32"}})
 
 
 RERANK_SYSTEM = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
@@ -1171,6 +1258,8 @@ def main():
     ap.add_argument("--thinking", action="store_true", help="only write goldens/thinking (Thinking template)")
     ap.add_argument("--embedding", action="store_true", help="only write goldens/tiny-embed (Qwen3-VL-Embedding)")
     ap.add_argument("--reranker", action="store_true", help="only write goldens/tiny-rerank (Qwen3-VL-Reranker)")
+    ap.add_argument("--embedding-video", action="store_true",
+                    help="only write goldens/tiny-embed/videos.json (video embeddings, qwen-vl-utils sizing)")
     ap.add_argument("--moe", action="store_true", help="only write goldens/tiny-moe (the MoE family)")
     ap.add_argument("--qwen35", action="store_true",
                     help="only write goldens/tiny-q35 and goldens/tokenizer-q35 (the Qwen3.5 family)")
@@ -1189,6 +1278,9 @@ def main():
         return
     if args.reranker:
         reranker_goldens(out)
+        return
+    if args.embedding_video:
+        embedding_video_goldens(out)
         return
     if args.qwen35 or args.qwen35_moe:
         import qwen35

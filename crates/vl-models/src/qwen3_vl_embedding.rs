@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::family::{Family, FamilyEntry, Generator, ModelOptions, PoolInput, Pooled, Pooler, Prepared, Source, Task};
 use crate::media::MediaContext;
 use crate::qwen3_vl::family::Qwen3Vl;
+use crate::qwen3_vl::video_processor::ClipSizing;
 use crate::request::{ChatMessage, Part, Request};
 use crate::state::SeqState;
 
@@ -35,9 +36,19 @@ pub static ENTRY: FamilyEntry = FamilyEntry {
 pub const DEFAULT_INSTRUCTION: &str = "Represent the user's input.";
 /// The official image budget's top (qwen-vl-utils' bound for the embedding models).
 pub const MAX_PIXELS: usize = 1800 * 32 * 32;
+/// The official video sampling: frames a second, and at most this many.
+pub const VIDEO_FPS: f64 = 1.0;
+pub const VIDEO_MAX_FRAMES: usize = 64;
 
 fn open_entry(source: &Source<'_>, opts: &ModelOptions, staged: bool) -> Result<Box<dyn Family>> {
     check_pooling(source.model)?;
+    let inner = open_official(source, opts, staged)?;
+    Ok(Box::new(Qwen3VlEmbedding { inner }))
+}
+
+/// The Qwen3-VL checkpoint under an embedding or reranker head, with the official code's media
+/// defaults unless the engine is told otherwise.
+pub(crate) fn open_official(source: &Source<'_>, opts: &ModelOptions, staged: bool) -> Result<Qwen3Vl> {
     // The official code sizes images within [MIN_PIXELS, MAX_PIXELS] (qwen-vl-utils), then the
     // checkpoint's processor within its own bounds: the two together are the checkpoint's budget
     // capped at 1,800 tokens (its minimum is above 4 tokens in every released checkpoint).
@@ -45,8 +56,13 @@ fn open_entry(source: &Source<'_>, opts: &ModelOptions, staged: bool) -> Result<
     if opts.max_pixels.is_none() {
         opts.max_image_tokens = Some(MAX_PIXELS / (32 * 32));
     }
-    let inner = crate::qwen3_vl::family::open(source, &opts, staged)?;
-    Ok(Box::new(Qwen3VlEmbedding { inner }))
+    // Videos as the official code reads a video file: 1 frame a second, at most 64, sized by
+    // qwen-vl-utils (an even count of frames, each within 128 to 768 tokens).
+    opts.video.fps = opts.video.fps.or(Some(VIDEO_FPS));
+    opts.video.max_frames = opts.video.max_frames.or(Some(VIDEO_MAX_FRAMES));
+    let mut inner = crate::qwen3_vl::family::open(source, &opts, staged)?;
+    inner.size_videos(ClipSizing::QwenVlUtils);
+    Ok(inner)
 }
 
 /// `1_Pooling/config.json` (the Pooling module's path in `modules.json`) must ask for the last

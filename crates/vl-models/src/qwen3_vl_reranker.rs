@@ -49,11 +49,7 @@ struct ScoreTokens {
 }
 
 fn open_entry(source: &Source<'_>, opts: &ModelOptions, staged: bool) -> Result<Box<dyn Family>> {
-    let mut opts = opts.clone();
-    if opts.max_pixels.is_none() {
-        opts.max_image_tokens = Some(crate::qwen3_vl_embedding::MAX_PIXELS / (32 * 32));
-    }
-    let inner = crate::qwen3_vl::family::open(source, &opts, staged)?;
+    let inner = crate::qwen3_vl_embedding::open_official(source, opts, staged)?;
     let tokens = score_tokens(source.model, inner.tokenizer(), inner.vocab_size())?;
     Ok(Box::new(Qwen3VlReranker { inner, tokens }))
 }

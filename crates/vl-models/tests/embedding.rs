@@ -106,3 +106,32 @@ fn sentence_transformer_files_decide_the_family_and_unknown_heads_are_refused() 
     let err = Engine::load(dir.path(), EngineOptions::default()).err().unwrap().to_string();
     assert!(err.contains("\"/etc\"") && err.contains("leaves the checkpoint"), "{err}");
 }
+
+/// Videos as the official embedder reads a video file (goldens/tiny-embed/videos.json, made by
+/// `tools/hf-reference/generate --embedding-video`): 1 frame a second, an even count, each frame
+/// sized alone by qwen-vl-utils' bounds (an odd 5-frame clip takes 4; 48x48 frames grow to 128
+/// tokens or more). The prompt's ids (its timestamps and pads) equal the reference's, and the
+/// vector is within 1e-4 per component.
+#[test]
+fn video_embeddings_match_the_official_sizing() {
+    let golden = read_json(&goldens().join("tiny-embed/videos.json"));
+    let engine = Engine::load(&goldens().join("tiny-embed/checkpoint"), EngineOptions::default()).unwrap();
+    for case in golden["cases"].as_array().unwrap() {
+        let name = case["case"].as_str().unwrap();
+        let mut parts = vec![Part::video_file(goldens().join("videos").join(case["video"].as_str().unwrap()))];
+        parts.extend(case["texts"].as_array().unwrap().iter().map(|t| Part::text(t.as_str().unwrap())));
+        let mut messages = vec![];
+        if let Some(i) = case["instruction"].as_str() {
+            messages.push(ChatMessage::text("system", i));
+        }
+        messages.push(ChatMessage::user(parts));
+        let req = Request { messages, ..Default::default() };
+        let ids: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+        assert_eq!(engine.count_tokens(&req).unwrap(), ids.len(), "{name}: prompt length");
+        let got = &engine.pool(std::slice::from_ref(&req)).unwrap()[0];
+        let want: Vec<f32> = case["embedding"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+        let worst = got.values.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        println!("{name}: {} video tokens, max |diff| {worst:.2e}", got.video_tokens);
+        assert!(worst <= 1e-4, "{name}: max |diff| {worst:e}");
+    }
+}

@@ -286,6 +286,12 @@ impl Qwen3Vl {
         &self.processor
     }
 
+    /// How videos are counted and sized from now on (the embedding models' official code sizes
+    /// them as qwen-vl-utils does).
+    pub fn size_videos(&mut self, sizing: super::video_processor::ClipSizing) {
+        self.processor.videos.config.sizing = sizing;
+    }
+
     fn vision_tower(&self) -> Result<Arc<VisionTower>> {
         let mut slot = self.vision.lock().unwrap_or_else(|p| p.into_inner());
         let failed = VisionSlot::Absent("model".into(), "the vision tower failed to load".into());

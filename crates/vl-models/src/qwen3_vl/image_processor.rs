@@ -396,7 +396,7 @@ impl ImageProcessor {
 /// Bicubic (Catmull-Rom, a = -0.5) convolution resize in Pillow's order: the horizontal pass
 /// first, rounded to u8, then the vertical pass. (fast_image_resize alone runs the vertical pass
 /// first for u8 images, which moves values near sharp edges by several levels.)
-fn resize_bicubic(img: &RgbImage, w: usize, h: usize) -> Result<Vec<u8>> {
+pub(crate) fn resize_bicubic(img: &RgbImage, w: usize, h: usize) -> Result<Vec<u8>> {
     let err = |e: String| Error::Input { what: "image".into(), message: format!("resize: {e}") };
     let opts = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::CatmullRom));
     let mut resizer = Resizer::new();
@@ -409,15 +409,47 @@ fn resize_bicubic(img: &RgbImage, w: usize, h: usize) -> Result<Vec<u8>> {
     Ok(dst.into_vec())
 }
 
+/// The same bicubic filter (antialiased when shrinking) in f32, rounded to u8 once at the end:
+/// what torchvision's `resize(uint8 frames, BICUBIC, antialias=True)` gives on the CPU, which
+/// qwen-vl-utils sizes video frames with (Pillow rounds between its two passes).
+pub(crate) fn resize_bicubic_rounded_once(img: &RgbImage, w: usize, h: usize) -> Result<Vec<u8>> {
+    let err = |e: String| Error::Input { what: "video".into(), message: format!("resize: {e}") };
+    let opts = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::CatmullRom));
+    let (w0, h0) = img.dimensions();
+    let bytes: Vec<u8> = img.as_raw().iter().flat_map(|&v| (v as f32).to_ne_bytes()).collect();
+    let src = FirImage::from_vec_u8(w0, h0, bytes, PixelType::F32x3).map_err(|e| err(e.to_string()))?;
+    let mut dst = FirImage::new(w as u32, h as u32, PixelType::F32x3);
+    Resizer::new().resize(&src, &mut dst, &opts).map_err(|e| err(e.to_string()))?;
+    Ok(dst
+        .buffer()
+        .chunks_exact(4)
+        .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]).round_ties_even().clamp(0.0, 255.0) as u8)
+        .collect())
+}
+
+/// How a frame or image is brought to its size (`normalized_planes_by`).
+pub(crate) type ResizeFn = fn(&RgbImage, usize, usize) -> Result<Vec<u8>>;
+
 /// Resized to (h, w) (bicubic, unless already that size), rescaled and normalized: channel-first
 /// float planes [3, h, w].
 pub(crate) fn normalized_planes(img: &RgbImage, h: usize, w: usize, c: &PreprocessorConfig) -> Result<Vec<f32>> {
+    normalized_planes_by(img, h, w, c, resize_bicubic)
+}
+
+/// `normalized_planes` with another resize.
+pub(crate) fn normalized_planes_by(
+    img: &RgbImage,
+    h: usize,
+    w: usize,
+    c: &PreprocessorConfig,
+    resize: ResizeFn,
+) -> Result<Vec<f32>> {
     let (w0, h0) = (img.width() as usize, img.height() as usize);
     let resized;
     let rgb: &[u8] = if (h, w) == (h0, w0) {
         img.as_raw()
     } else {
-        resized = resize_bicubic(img, w, h)?;
+        resized = resize(img, w, h)?;
         &resized
     };
     let plane = h * w;

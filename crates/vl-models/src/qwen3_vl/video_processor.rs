@@ -13,7 +13,10 @@ use candle_core::{Device, Tensor};
 use image::RgbImage;
 use serde::Deserialize;
 
-use super::image_processor::{normalized_planes, patchify, PreprocessorConfig, MAX_ASPECT_RATIO, MAX_PIXEL_BUDGET};
+use super::image_processor::{
+    normalized_planes_by, patchify, resize_bicubic, resize_bicubic_rounded_once, PreprocessorConfig, ResizeFn,
+    MAX_ASPECT_RATIO, MAX_PIXEL_BUDGET,
+};
 use super::model::VisionInput;
 use crate::error::{Error, Result};
 use crate::limits::{self, MAX_METADATA_FILE_BYTES};
@@ -49,7 +52,29 @@ pub struct VideoConfig {
     pub cap_pixels_per_frame: bool,
     /// The per-frame token ceiling the cap applies.
     pub max_video_tokens: usize,
+    /// How frames are counted and sized.
+    pub sizing: ClipSizing,
 }
+
+/// How a clip's frames are counted and sized.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ClipSizing {
+    /// `Qwen3VLVideoProcessor` (transformers): `int(total / source_fps * fps)` frames within
+    /// [min_frames, max_frames], the pixel bounds over the clip's frames x height x width.
+    #[default]
+    Processor,
+    /// qwen-vl-utils' `fetch_video` (QwenLM/Qwen3-VL `qwen-vl-utils/src/qwen_vl_utils/
+    /// vision_process.py`), what the Qwen3-VL-Embedding code sizes a video file with before its
+    /// processor (whose resize is off): an even number of frames,
+    /// `floor_even(min(max(total / source_fps * fps, min_frames), max_frames, total))`, and
+    /// each frame sized alone by the image `smart_resize` within [128, max_video_tokens]
+    /// tokens, the top lowered to the frame's share of the clip budget (`max_pixels / frames`,
+    /// never under 1.05 x the bottom).
+    QwenVlUtils,
+}
+
+/// qwen-vl-utils' fewest tokens of a frame (`VIDEO_MIN_TOKEN_NUM`).
+const QWEN_VL_UTILS_MIN_FRAME_TOKENS: usize = 128;
 
 impl Default for VideoConfig {
     /// `Qwen3VLVideoProcessor`'s class defaults.
@@ -63,6 +88,7 @@ impl Default for VideoConfig {
             do_sample_frames: true,
             cap_pixels_per_frame: false,
             max_video_tokens: 768,
+            sizing: ClipSizing::Processor,
         }
     }
 }
@@ -97,6 +123,7 @@ impl VideoConfig {
             do_sample_frames: raw.do_sample_frames.unwrap_or(d.do_sample_frames),
             cap_pixels_per_frame: raw.cap_pixels_per_frame.unwrap_or(d.cap_pixels_per_frame),
             max_video_tokens: raw.max_video_tokens.unwrap_or(d.max_video_tokens),
+            sizing: d.sizing,
         };
         cfg.check().map_err(|(f, m)| Error::Config { path: path.to_path_buf(), field: f.into(), message: m })?;
         Ok(cfg)
@@ -205,6 +232,18 @@ impl VideoProcessor {
             }
             return Ok((0..total).collect());
         }
+        if c.sizing == ClipSizing::QwenVlUtils {
+            let (least, most) = (c.min_frames.div_ceil(2) * 2, c.max_frames / 2 * 2);
+            let n = (total as f64 / source_fps * c.fps).max(least as f64).min(most as f64).min(total as f64);
+            let n = (n / 2.0).floor() as usize * 2;
+            if n < 2 {
+                return Err(Error::Input {
+                    what: "video".into(),
+                    message: format!("{total} frame(s) at max_frames {}: a video needs at least 2", c.max_frames),
+                });
+            }
+            return Ok(linspace_round(total - 1, n));
+        }
         let n = (total as f64 / source_fps * c.fps) as usize;
         let n = n.max(c.min_frames).min(c.max_frames).min(total);
         Ok(linspace_round(total - 1, n))
@@ -219,7 +258,12 @@ impl VideoProcessor {
         let b = &c.base;
         let n = indices.len();
         let (factor, tp) = (b.factor(), b.temporal_patch_size);
-        let (h, w) = if b.do_resize {
+        let (h, w) = if b.do_resize && c.sizing == ClipSizing::QwenVlUtils {
+            let least = QWEN_VL_UTILS_MIN_FRAME_TOKENS * factor * factor;
+            let share = (c.max_video_tokens * factor * factor).min(b.max_pixels / n);
+            super::image_processor::smart_resize(height, width, factor, least, share.max(least * 105 / 100))
+                .map_err(|e| e.rename_input(|_| "video".into()))?
+        } else if b.do_resize {
             let mut max_pixels = b.max_pixels;
             if c.cap_pixels_per_frame {
                 let frame_cap = c.max_video_tokens * factor * factor;
@@ -270,6 +314,9 @@ impl VideoProcessor {
     /// `process_source` with the source's plan already made (`plan_source`).
     pub fn process_planned(&self, src: &VideoSource, plan: VideoPlan) -> Result<ProcessedVideo> {
         let mut builder = Patches::new(&self.config.base, &plan);
+        if self.config.sizing == ClipSizing::QwenVlUtils {
+            builder.resize = resize_bicubic_rounded_once;
+        }
         src.read_frames(&plan.indices, &mut |_, frame| builder.push(frame))?;
         Ok(ProcessedVideo { pixels: builder.finish(), plan })
     }
@@ -292,6 +339,7 @@ impl VideoProcessor {
 struct Patches<'a> {
     cfg: &'a PreprocessorConfig,
     size: (usize, usize),
+    resize: ResizeFn,
     pending: Vec<Vec<f32>>,
     out: Vec<f32>,
 }
@@ -300,12 +348,12 @@ impl<'a> Patches<'a> {
     fn new(cfg: &'a PreprocessorConfig, plan: &VideoPlan) -> Self {
         let (h, w) = plan.resized;
         let capacity = plan.grid[0] * cfg.temporal_patch_size * 3 * h * w;
-        Self { cfg, size: plan.resized, pending: Vec::new(), out: Vec::with_capacity(capacity) }
+        Self { cfg, size: plan.resized, resize: resize_bicubic, pending: Vec::new(), out: Vec::with_capacity(capacity) }
     }
 
     fn push(&mut self, frame: &RgbImage) -> Result<()> {
         let (h, w) = self.size;
-        self.pending.push(normalized_planes(frame, h, w, self.cfg)?);
+        self.pending.push(normalized_planes_by(frame, h, w, self.cfg, self.resize)?);
         if self.pending.len() == self.cfg.temporal_patch_size {
             self.flush();
         }
@@ -463,6 +511,28 @@ mod tests {
         assert_eq!(smart_resize_video(4, 20, 100, 2, 32, 4096, 1 << 24).unwrap(), (32, 160));
         let one = smart_resize_video(1, 64, 64, 2, 32, 4096, 1 << 24).unwrap_err().to_string();
         assert!(one.contains("1 frame(s) sampled; a video needs at least 2"), "{one}");
+    }
+
+    #[test]
+    fn qwen_vl_utils_sizing_counts_even_frames_and_sizes_each_alone() {
+        let mut cfg = VideoConfig { fps: 1.0, max_frames: 64, sizing: ClipSizing::QwenVlUtils, ..Default::default() };
+        cfg.base.max_pixels = 25_165_824; // the released checkpoints' clip budget
+        let p = VideoProcessor::new(cfg);
+        // smart_nframes by hand: 5 s at 1 fps -> 5 -> floor_even 4; 3 frames -> min(max(3, 4), 3)
+        // -> 2; 200 s -> 64; one frame cannot make a pair.
+        assert_eq!(p.sample_indices(5, 1.0).unwrap(), [0, 1, 3, 4]);
+        assert_eq!(p.sample_indices(3, 1.0).unwrap(), [0, 2]);
+        assert_eq!(p.sample_indices(200, 1.0).unwrap().len(), 64);
+        assert_eq!(p.sample_indices(45, 15.0).unwrap(), [0, 15, 29, 44]);
+        assert!(p.sample_indices(1, 1.0).is_err());
+        // Each frame alone: 48x48 grows to at least 128 tokens of 32x32 (ceil(48 x 7.54 / 32) =
+        // 12 a side); 1920x1080 shrinks to at most 768 tokens (beta = sqrt(2073600 / 786432)).
+        assert_eq!(p.plan(60, 10.0, 48, 48).unwrap().resized, (384, 384));
+        assert_eq!(p.plan(8, 2.0, 1080, 1920).unwrap().resized, (640, 1152));
+        // The clip budget's share lowers the top: 6 frames of a 1.5M-pixel budget, 250k each.
+        let mut small = p.clone();
+        small.config.base.max_pixels = 1_500_000;
+        assert_eq!(small.plan(6, 1.0, 1080, 1920).unwrap().resized, (352, 640));
     }
 
     #[test]
