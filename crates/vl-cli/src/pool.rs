@@ -183,6 +183,7 @@ pub fn embed(args: EmbedArgs) -> Result<()> {
         secs,
         out.len() as f64 / secs
     );
+    note!("{} of the prompt tokens from kept prefixes", cached(&out));
     if vectors.len() > 1 && vectors.len() <= 16 {
         note!("cosine similarities:");
         for (i, a) in vectors.iter().enumerate() {
@@ -196,6 +197,11 @@ pub fn embed(args: EmbedArgs) -> Result<()> {
 
 fn tokens(out: &[PoolOutput]) -> usize {
     out.iter().map(|p| p.prompt_tokens).sum()
+}
+
+/// Prompt positions served from prefixes the engine kept (shared instructions and queries).
+fn cached(out: &[PoolOutput]) -> usize {
+    out.iter().map(|p| p.cached_tokens).sum()
 }
 
 pub fn rerank(args: RerankArgs) -> Result<()> {
@@ -223,6 +229,7 @@ pub fn rerank(args: RerankArgs) -> Result<()> {
     let engine = engine(&args.load)?;
     let instruction = args.instruction.as_deref();
     let t = Instant::now();
+    let tokens_of;
     let scores: Vec<f32> = match engine.pooled() {
         Some(Pooled::Score) => {
             let reqs: Vec<Request> = docs
@@ -234,13 +241,16 @@ pub fn rerank(args: RerankArgs) -> Result<()> {
                     )
                 })
                 .collect();
-            engine.pool(&reqs)?.iter().map(|p| p.values[0]).collect()
+            let out = engine.pool(&reqs)?;
+            tokens_of = (tokens(&out), cached(&out));
+            out.iter().map(|p| p.values[0]).collect()
         }
         // An embedding model ranks by cosine similarity.
         Some(Pooled::Embedding { .. }) => {
             let mut reqs = vec![request(instruction, vec![ChatMessage::user(query.clone())])];
             reqs.extend(docs.iter().map(|(_, d)| Request::user(vec![d.clone()])));
             let out = engine.pool(&reqs)?;
+            tokens_of = (tokens(&out), cached(&out));
             out[1..].iter().map(|d| out[0].values.iter().zip(&d.values).map(|(x, y)| x * y).sum()).collect()
         }
         None => return Err(refuse_kind(&engine, "a reranker or an embedding model")),
@@ -263,5 +273,6 @@ pub fn rerank(args: RerankArgs) -> Result<()> {
     }
     stdout.flush()?;
     note!("{} documents scored in {:.2} s", docs.len(), secs);
+    note!("{} prompt tokens, {} of them from kept prefixes", tokens_of.0, tokens_of.1);
     Ok(())
 }

@@ -379,6 +379,7 @@ fn bad_flags_are_refused_with_the_flag_and_value() {
         (vec!["--draft-model", "/nonexistent/draft"], vec!["--draft-model", "/nonexistent/draft"]),
         (vec!["--draft-model", &q35], vec!["draft model", "its tokenizer has 248"]),
         (vec!["--draft-model", &embed], vec!["draft model", "pools"]),
+        (vec!["--draft-model", &ck, "--speculative", "ngram"], vec!["--draft-model", "--speculative ngram"]),
         (vec!["--speculative", "eagle3"], vec!["--speculative", "`eagle3`"]),
     ];
     for (flags, needles) in cases {

@@ -211,19 +211,18 @@ impl Pooler for Qwen3VlReranker {
     fn pool(&self, inputs: &[PoolInput<'_>], states: &mut [&mut SeqState]) -> Result<Vec<Vec<f32>>> {
         let ends: Vec<usize> = inputs.iter().map(|i| i.ids.len()).collect();
         let hidden = self.inner.prefill_rows(inputs, states, &ends)?;
-        let logits = self.inner.logits(&hidden)?.to_vec2::<f32>()?;
-        logits
+        let logits = self.inner.logits(&hidden)?;
+        // Only the two scored columns leave the device (ids checked against the vocabulary at
+        // load).
+        let ids = [self.tokens.yes, self.tokens.no.unwrap_or(self.tokens.yes)];
+        let picked = logits.index_select(&candle_core::Tensor::new(&ids, logits.device())?, 1)?.to_vec2::<f32>()?;
+        Ok(picked
             .iter()
-            .map(|row| {
-                let at = |id: u32| -> Result<f64> {
-                    row.get(id as usize).map(|&x| x as f64).ok_or_else(|| Error::Internal {
-                        message: format!("token {id} is past the model's {} logits", row.len()),
-                    })
-                };
-                let x = at(self.tokens.yes)? - self.tokens.no.map(at).transpose()?.unwrap_or(0.0);
-                Ok(vec![(1.0 / (1.0 + (-x).exp())) as f32])
+            .map(|r| {
+                let x = r[0] as f64 - if self.tokens.no.is_some() { r[1] as f64 } else { 0.0 };
+                vec![(1.0 / (1.0 + (-x).exp())) as f32]
             })
-            .collect()
+            .collect())
     }
 }
 

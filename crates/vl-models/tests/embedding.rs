@@ -56,11 +56,11 @@ fn embeddings_match_the_official_pooling() {
         let worst = cut.iter().zip(&want_cut).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(worst <= 1e-4, "{name}: truncated to {d}: {worst:e}");
     }
-    // The cases with the default instruction share its turn: prefilled once, and every case
-    // above was pooled from it.
+    // The cases with the default instruction share its turn: prefilled once (charged to the
+    // one that carried it), and the others above were pooled from it.
     let default = cases.iter().filter(|c| c["instruction"].is_null()).count();
     let served = out.iter().filter(|o| o.cached_tokens >= 8).count();
-    assert!(default >= 3 && served >= default, "{served} of {default} prompts served a shared prefix");
+    assert!(default >= 3 && served + 1 >= default, "{served} of {default} prompts served a shared prefix");
     // It writes no text.
     let err = engine.generate(&reqs[0], &mut |_| true).unwrap_err().to_string();
     assert!(err.contains("is an embedding model"), "{err}");

@@ -501,9 +501,10 @@ fn prompts_that_share_a_prefix_are_pooled_from_one_prefill_of_it() {
     let reqs: Vec<Request> = prompts.iter().map(|p| request(p, 1)).collect();
     let (e, batches, prefixes) = pooler_with(false, EngineOptions::default());
     let out = e.pool(&reqs).unwrap();
-    for (o, p) in out.iter().zip(&prompts) {
+    // The longest carried the head (it is charged for it); the other four were served it.
+    for (i, (o, p)) in out.iter().zip(&prompts).enumerate() {
         assert_eq!(o.values, want(p));
-        assert_eq!(o.cached_tokens, 12);
+        assert_eq!(o.cached_tokens, if i == 4 { 0 } else { 12 }, "prompt {i}");
     }
     // The head prefilled once, then the five tails in one call.
     assert_eq!(*prefixes.lock().unwrap(), [vec![12]]);
@@ -515,11 +516,14 @@ fn prompts_that_share_a_prefix_are_pooled_from_one_prefill_of_it() {
     assert_eq!(prefixes.lock().unwrap().len(), 1);
     // A prompt alone that shares a prefix with a recent one: kept for the next.
     let other: Vec<u32> = (13..28).collect();
-    let (a, b) = ([other.clone(), vec![1]].concat(), [other.clone(), vec![2]].concat());
+    let (a, b, c) = ([other.clone(), vec![1]].concat(), [other.clone(), vec![2]].concat(), [other, vec![3]].concat());
     assert_eq!(e.pool(&[request(&a, 1)]).unwrap()[0].cached_tokens, 0);
     let out = e.pool(&[request(&b, 1)]).unwrap();
-    assert_eq!((out[0].values.clone(), out[0].cached_tokens), (want(&b), 15));
+    assert_eq!((out[0].values.clone(), out[0].cached_tokens), (want(&b), 0));
     assert_eq!(prefixes.lock().unwrap().last(), Some(&vec![15]));
+    let out = e.pool(&[request(&c, 1)]).unwrap();
+    assert_eq!((out[0].values.clone(), out[0].cached_tokens), (want(&c), 15));
+    assert_eq!(prefixes.lock().unwrap().len(), 2);
     // Without the prefix cache: the same rows, every prompt prefilled whole.
     let opts = EngineOptions { prefix_cache: false, ..Default::default() };
     let (e, _, prefixes) = pooler_with(false, opts);

@@ -355,7 +355,8 @@ fn encoded(v: &[f32], base64: bool) -> Value {
 
 fn usage(out: &[PoolOutput]) -> Value {
     let tokens: usize = out.iter().map(|p| p.prompt_tokens).sum();
-    json!({"prompt_tokens": tokens, "total_tokens": tokens})
+    let cached: usize = out.iter().map(|p| p.cached_tokens).sum();
+    json!({"prompt_tokens": tokens, "total_tokens": tokens, "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
 async fn embed_answer(app: &Arc<App>, o: &Map<String, Value>) -> Result<Value, ApiError> {

@@ -50,6 +50,10 @@ fn embeddings_in_every_input_shape_match_the_reference() {
     assert!(worst(&floats(&r["data"][0]["embedding"]), &floats(&text["embedding"])) <= 1e-4);
     let tokens = r["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
     assert!(tokens > text["ids"].as_array().unwrap().len(), "{r}");
+    // Two inputs with the default instruction share its turn: prefilled once, and reported.
+    let (status, r) = post(&s, "/v1/embeddings", &json!({"input": ["a cat", "a dog on a mat"]}));
+    assert_eq!(status, 200, "{r}");
+    assert!(r["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() >= 16, "{r}");
     // The instruction, and one string alone.
     let (status, r) = post(
         &s,

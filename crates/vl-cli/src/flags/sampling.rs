@@ -143,6 +143,7 @@ impl<D: Defaults> SamplingArgs<D> {
         };
         let mut options = options;
         self.speculative.apply(&mut options)?;
+        self.speculative.check_draft_used(&options)?;
         options.validate().map_err(|e| {
             let flag = e.to_string().replace('_', "-").replace("dry-sequence-breakers", "dry-sequence-breaker");
             anyhow::anyhow!("--{flag}")

@@ -57,6 +57,18 @@ impl SpeculativeArgs {
         o.speculative.validate().map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))
     }
 
+    /// For one answer at a time (`run`, `chat`): a `--draft-model` that `--speculative` does not
+    /// use is refused rather than loaded for nothing (`serve` keeps it for requests that ask).
+    pub fn check_draft_used(&self, o: &GenerationOptions) -> Result<()> {
+        if self.draft_model.is_some() && o.speculative.method != Method::Draft {
+            anyhow::bail!(
+                "--draft-model drafts only for --speculative draft, not --speculative {}: leave one of them out",
+                self.speculative.as_deref().unwrap_or("off")
+            );
+        }
+        Ok(())
+    }
+
     /// The `--draft-model`, loaded whole with `base`'s device and dtype and the quantization
     /// `model`'s flags choose for its files; None without one.
     pub fn open_draft(

@@ -40,8 +40,9 @@ struct Active {
 }
 
 /// Which prompts the next call pools: (caller, prompt), one from each caller in turn, until the
-/// next would pass `max_tokens` (the first is always taken).
-fn pick(active: &VecDeque<Active>, max_tokens: usize) -> Vec<(usize, usize)> {
+/// next would pass `max_positions` KV positions (each prompt's rounded up to whole KV blocks;
+/// the first is always taken).
+fn pick(active: &VecDeque<Active>, max_positions: usize) -> Vec<(usize, usize)> {
     let mut picks = vec![];
     let mut taken = vec![0usize; active.len()];
     let mut tokens = 0usize;
@@ -50,10 +51,11 @@ fn pick(active: &VecDeque<Active>, max_tokens: usize) -> Vec<(usize, usize)> {
         for (c, a) in active.iter().enumerate() {
             let i = a.next + taken[c];
             let Some((p, _)) = a.job.inputs.get(i) else { continue };
-            if !picks.is_empty() && tokens + p.ids.len() > max_tokens {
+            let positions = vl_nn::kv_cache::blocks_for(p.ids.len());
+            if !picks.is_empty() && tokens + positions > max_positions {
                 return picks;
             }
-            tokens += p.ids.len();
+            tokens += positions;
             picks.push((c, i));
             taken[c] += 1;
             progress = true;
@@ -116,8 +118,8 @@ struct Pooling<'p> {
 }
 
 impl Pooling<'_> {
-    /// Prompts a call may take: the batch's KV within the budget.
-    fn max_tokens(&self) -> usize {
+    /// KV positions a call may take: the batch's KV within the budget.
+    fn max_positions(&self) -> usize {
         POOL_BATCH_TOKENS.min(self.settings.budget / self.per_position.max(1)).max(1)
     }
 
@@ -126,17 +128,29 @@ impl Pooling<'_> {
     fn call(&mut self, inputs: &[PoolInput<'_>], idents: &[&[Identity]]) -> Result<Vec<(Vec<f32>, usize)>> {
         let need: usize = inputs.iter().map(|i| vl_nn::kv_cache::blocks_for(i.ids.len()) * self.per_position).sum();
         while self.store.bytes() + need > self.settings.budget && self.store.evict() {}
-        if self.settings.reuse {
-            self.keep_prefixes(inputs, idents)?;
-        }
+        // A prefix that fails to build is only work not saved: the prompts are pooled whole (and
+        // a fault of the model shows there).
+        let built = if self.settings.reuse { self.keep_prefixes(inputs, idents).unwrap_or_default() } else { vec![] };
         let mut states = Vec::with_capacity(inputs.len());
         for ident in idents {
             let kept = if self.settings.reuse { self.store.copy(ident)? } else { None };
             states.push(kept.map_or_else(|| self.pooler.new_state(), |(s, _)| s));
         }
-        let cached: Vec<usize> = states.iter().map(SeqState::len).collect();
+        // Positions computed for another prompt or an earlier call: a prefix built in this call
+        // is charged to the prompt that carried it.
+        let cached: Vec<usize> = states
+            .iter()
+            .enumerate()
+            .map(|(i, s)| built.iter().find(|b| b.0 == i).map_or(s.len(), |b| b.1.min(s.len())))
+            .collect();
         let mut refs: Vec<&mut SeqState> = states.iter_mut().collect();
         let rows = self.pooler.pool(inputs, &mut refs)?;
+        if rows.len() != inputs.len() {
+            return Err(crate::Error::Internal {
+                message: format!("the model pooled {} rows for {} prompts", rows.len(), inputs.len()),
+            });
+        }
+        while self.store.bytes() > self.settings.budget / 4 && self.store.evict() {}
         if self.settings.reuse {
             for ident in idents {
                 if self.recent.len() == RECENT {
@@ -148,18 +162,26 @@ impl Pooling<'_> {
         Ok(rows.into_iter().zip(cached).collect())
     }
 
-    /// Prefills the shared prefixes the store cannot serve, in one pass, and keeps them.
-    fn keep_prefixes(&mut self, inputs: &[PoolInput<'_>], idents: &[&[Identity]]) -> Result<()> {
+    /// Prefills, in one pass, the shared prefixes the store cannot serve (or serves at least
+    /// `MIN_SHARED` positions fewer of), within a quarter of the KV budget each, and keeps them.
+    /// Returns (prompt that carried it, positions the store gave it) for each.
+    fn keep_prefixes(&mut self, inputs: &[PoolInput<'_>], idents: &[&[Identity]]) -> Result<Vec<(usize, usize)>> {
+        let most = self.settings.budget / 4;
         let builds: Vec<(usize, usize)> = shared_prefixes(idents, &self.recent)
             .into_iter()
-            .filter(|&(i, len)| self.store.serves(&idents[i][..len + 1]) < len)
+            .filter(|&(i, len)| {
+                let fits = vl_nn::kv_cache::blocks_for(len) * self.per_position <= most;
+                fits && self.store.serves(&idents[i][..len + 1]) + MIN_SHARED <= len
+            })
             .collect();
         if builds.is_empty() {
-            return Ok(());
+            return Ok(vec![]);
         }
         let mut states = Vec::with_capacity(builds.len());
+        let mut given = Vec::with_capacity(builds.len());
         for &(i, len) in &builds {
             let kept = self.store.copy(&idents[i][..len + 1])?;
+            given.push((i, kept.as_ref().map_or(0, |k| k.1)));
             states.push(kept.map_or_else(|| self.pooler.new_state(), |(s, _)| s));
         }
         let chosen: Vec<PoolInput<'_>> = builds.iter().map(|&(i, _)| inputs[i]).collect();
@@ -170,13 +192,18 @@ impl Pooling<'_> {
             state.mark();
             self.store.put(idents[i][..len].to_vec(), state);
         }
-        while self.store.bytes() > self.settings.budget / 4 && self.store.evict() {}
-        Ok(())
+        Ok(given)
     }
 }
 
-/// The loop of a pooling model: runs until every sender is gone.
-pub(super) fn run_pooling(pooler: &dyn Pooler, rx: &mpsc::Receiver<Command>, settings: PoolSettings) {
+/// The loop of a pooling model: runs until every sender is gone. After each call `publish`
+/// sees the kept prefixes' bytes, positions and count.
+pub(super) fn run_pooling(
+    pooler: &dyn Pooler,
+    rx: &mpsc::Receiver<Command>,
+    settings: PoolSettings,
+    publish: &dyn Fn(usize, usize, usize),
+) {
     let per_position = pooler.kv_bytes_per_position();
     let mut pooling =
         Pooling { pooler, per_position, settings, store: PrefixStore::default(), recent: VecDeque::new() };
@@ -191,7 +218,7 @@ pub(super) fn run_pooling(pooler: &dyn Pooler, rx: &mpsc::Receiver<Command>, set
         while let Ok(c) = rx.try_recv() {
             active.push_back(Active { job: pool_job(c), next: 0, rows: vec![] });
         }
-        let picks = pick(&active, pooling.max_tokens());
+        let picks = pick(&active, pooling.max_positions());
         let inputs: Vec<PoolInput<'_>> = picks
             .iter()
             .map(|&(c, i)| {
@@ -199,9 +226,22 @@ pub(super) fn run_pooling(pooler: &dyn Pooler, rx: &mpsc::Receiver<Command>, set
                 PoolInput { ids: &p.ids, media: &p.media, features: &e.features }
             })
             .collect();
-        let idents: Vec<&[Identity]> = picks.iter().map(|&(c, i)| active[c].job.inputs[i].0.ident.as_slice()).collect();
+        // A prompt whose identities do not cover its ids (a family that leaves them out) shares
+        // nothing.
+        let idents: Vec<&[Identity]> = picks
+            .iter()
+            .map(|&(c, i)| {
+                let p = &active[c].job.inputs[i].0;
+                if p.ident.len() == p.ids.len() {
+                    p.ident.as_slice()
+                } else {
+                    &[]
+                }
+            })
+            .collect();
         let pooled = if inputs.is_empty() { Ok(vec![]) } else { pooling.call(&inputs, &idents) };
         drop((inputs, idents));
+        publish(pooling.store.bytes(), pooling.store.positions(), pooling.store.len());
         let failed = match pooled {
             Ok(rows) if rows.len() == picks.len() => {
                 for (&(c, _), row) in picks.iter().zip(rows) {
@@ -277,7 +317,7 @@ mod tests {
         let mut active: VecDeque<Active> = [caller(&[1000; 40]), caller(&[10])].into();
         let first = pick(&active, 16_384);
         assert!(first.contains(&(1, 0)), "{first:?}");
-        assert_eq!(first.len(), 17, "{first:?}");
+        assert_eq!(first.len(), 16, "{first:?}");
         // In each caller's own order, from where it stands.
         active[0].next = 30;
         active.pop_back();

@@ -64,7 +64,14 @@ pub(crate) fn run(shared: &Shared, rx: mpsc::Receiver<Command>) {
         Task::Pool(p) => {
             let settings =
                 super::pool::PoolSettings { budget: shared.opts.kv_cache_bytes, reuse: shared.opts.prefix_cache };
-            return super::pool::run_pooling(p, &rx, settings);
+            let publish = |bytes, positions, prefixes| {
+                let mut st = lock(&shared.stats);
+                st.kv_cache_bytes = bytes;
+                st.kv_budget_bytes = shared.opts.kv_cache_bytes;
+                st.cached_positions = positions;
+                st.cached_prefixes = prefixes;
+            };
+            return super::pool::run_pooling(p, &rx, settings, &publish);
         }
     };
     let draft = shared.draft.as_ref().map(|d| d.generator());
