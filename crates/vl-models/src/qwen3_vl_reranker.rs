@@ -16,7 +16,7 @@
 use std::path::Path;
 
 use crate::error::{Error, Result};
-use crate::family::{Family, FamilyEntry, Generator, ModelOptions, PoolInput, Pooled, Pooler, Prepared, Source, Task};
+use crate::family::{Family, FamilyEntry, ModelOptions, PoolInput, Pooled, Pooler, Prepared, Source, Task};
 use crate::media::MediaContext;
 use crate::qwen3_vl::family::Qwen3Vl;
 use crate::request::{ChatMessage, Part, Request};
@@ -199,15 +199,7 @@ impl Pooler for Qwen3VlReranker {
     fn pooled(&self) -> Pooled {
         Pooled::Score
     }
-    fn new_state(&self) -> SeqState {
-        Generator::new_state(&self.inner)
-    }
-    fn kv_bytes_per_position(&self) -> usize {
-        Generator::kv_bytes_per_position(&self.inner)
-    }
-    fn prefill(&self, inputs: &[PoolInput<'_>], states: &mut [&mut SeqState], ends: &[usize]) -> Result<()> {
-        self.inner.prefill_rows(inputs, states, ends).map(drop)
-    }
+    crate::qwen3_vl::forward_pool_states_to_inner!();
     fn pool(&self, inputs: &[PoolInput<'_>], states: &mut [&mut SeqState]) -> Result<Vec<Vec<f32>>> {
         let ends: Vec<usize> = inputs.iter().map(|i| i.ids.len()).collect();
         let hidden = self.inner.prefill_rows(inputs, states, &ends)?;

@@ -71,3 +71,25 @@ macro_rules! forward_family_to_inner {
     };
 }
 pub(crate) use forward_family_to_inner;
+
+/// The `Pooler` methods about states that a pooling family built on Qwen3-VL's code forwards to
+/// its `inner: Qwen3Vl` (its `pooled` and `pool` are its own).
+macro_rules! forward_pool_states_to_inner {
+    () => {
+        fn new_state(&self) -> crate::state::SeqState {
+            crate::family::Generator::new_state(&self.inner)
+        }
+        fn kv_bytes_per_position(&self) -> usize {
+            crate::family::Generator::kv_bytes_per_position(&self.inner)
+        }
+        fn prefill(
+            &self,
+            inputs: &[crate::family::PoolInput<'_>],
+            states: &mut [&mut crate::state::SeqState],
+            ends: &[usize],
+        ) -> crate::error::Result<()> {
+            self.inner.prefill_rows(inputs, states, ends).map(drop)
+        }
+    };
+}
+pub(crate) use forward_pool_states_to_inner;
