@@ -307,12 +307,11 @@ impl DecoderLayer {
     }
 
     /// Layer `i` on new rows of several sequences (`lens[j]` consecutive rows of `x` continue
-    /// `states[j]`).
+    /// `states[j]`), rotated by `(cos, sin)`.
     fn forward_rows(
         &self,
         x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
         states: &mut [&mut TextCache],
         lens: &[usize],
         i: usize,
@@ -606,7 +605,7 @@ impl TextModel {
         };
         let mut x = x.clone();
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward_rows(&x, &cos, &sin, caches, lens, i, attend)?;
+            x = layer.forward_rows(&x, (&cos, &sin), caches, lens, i, attend)?;
             if let Some((rows, levels)) = &visual {
                 if let Some(level) = levels.get(i) {
                     x = x.index_add(rows, &level.to_dtype(self.dtype)?, 0)?;
