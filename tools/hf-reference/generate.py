@@ -1142,7 +1142,10 @@ def embedding_video_goldens(out):
                         "grid": batch["video_grid_thw"][0].tolist(), "prompt": text,
                         "ids": batch["input_ids"][0].tolist(), "embedding": v.tolist()})
         print(name, "frames", meta["frames_indices"], "resized", list(video.shape[2:]))
-    (out / "tiny-embed" / "videos.json").write_text(json.dumps({"cases": results}, indent=1) + "\n")
+    dest = out / "tiny-embed" / "videos.json"
+    tmp = dest.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"cases": results}, indent=1) + "\n")
+    os.replace(tmp, dest)
     write_provenance(out, {"tiny-embed-videos": {
         "generator": "tools/hf-reference/generate --embedding-video", "weights": "tiny-embed (tiny-a linked)",
         "sizing": "fetch_video of QwenLM/Qwen3-VL qwen-vl-utils/src/qwen_vl_utils/vision_process.py "

@@ -64,6 +64,34 @@ const PREFETCH: usize = 4096;
 /// on llama.cpp's Q4_K_M, 3 rounds: 2B 15.1-15.3 -> 19.4-19.7 tok/s, the MoE's 8 layers
 /// 31.9-33.4 -> 41.3-42.0; 8 and 16 KiB alike there too (2B 19.9 / 20.4 against 19.6 / 20.0).
 const FAR: usize = 8192;
+
+/// One Q4_K block at `blk` (a `*const u8`), as both AVX-512 row kernels read it: its lines
+/// prefetched (`PREFETCH` ahead into L1, `FAR` into L2), d and dmin (two f16 widened together),
+/// the packed minimums, the 8 sub-block scales widened to i16 in a zmm's low half, and the four
+/// 64-byte nibble planes (`low` masks a byte's nibble). A macro, not a function: the callers'
+/// `#[target_feature]` code inlines it.
+macro_rules! q4k_block {
+    ($blk:expr, $low:expr) => {{
+        let blk: *const u8 = $blk;
+        for line in 0..3 {
+            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + 64 * line) as *const i8);
+            _mm_prefetch::<_MM_HINT_T1>(blk.wrapping_add(FAR + 64 * line) as *const i8);
+        }
+        let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(blk as *const i32)));
+        let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1)));
+        let a = std::ptr::read_unaligned(blk.add(4) as *const [u32; 3]);
+        let (sc, mn) = scales_mins([u32::from_le(a[0]), u32::from_le(a[1]), u32::from_le(a[2])]);
+        let sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
+        let mut q4 = [_mm512_setzero_si512(); 4];
+        for p in 0..2 {
+            let bytes = _mm512_loadu_si512(blk.add(16 + 64 * p) as *const __m512i);
+            q4[2 * p] = _mm512_and_si512(bytes, $low);
+            q4[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), $low);
+        }
+        (d, dmin, mn, sc16, q4)
+    }};
+}
+
 /// Output rows per work item.
 const ITEM_ROWS: usize = 16;
 
@@ -277,24 +305,8 @@ unsafe fn row_dots<const M: usize>(
         let mut acc = [_mm512_setzero_ps(); M];
         let mut mins = [_mm_setzero_ps(); M];
         for b in 0..kb {
-            let blk = w.add(b * Q4K_BYTES);
-            for line in 0..3 {
-                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + 64 * line) as *const i8);
-                _mm_prefetch::<_MM_HINT_T1>(blk.wrapping_add(FAR + 64 * line) as *const i8);
-            }
-            // d and dmin, two f16, widened together.
-            let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(blk as *const i32)));
-            let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1)));
-            let a = std::ptr::read_unaligned(blk.add(4) as *const [u32; 3]);
-            let (sc, mn) = scales_mins([u32::from_le(a[0]), u32::from_le(a[1]), u32::from_le(a[2])]);
-            let sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
+            let (d, dmin, mn, sc16, q4) = q4k_block!(w.add(b * Q4K_BYTES), low);
             let mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64));
-            let mut q4 = [_mm512_setzero_si512(); 4];
-            for p in 0..2 {
-                let bytes = _mm512_loadu_si512(blk.add(16 + 64 * p) as *const __m512i);
-                q4[2 * p] = _mm512_and_si512(bytes, low);
-                q4[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-            }
             let scale = [
                 _mm512_permutexvar_epi16(picks[0], sc16),
                 _mm512_permutexvar_epi16(picks[1], sc16),
@@ -363,22 +375,7 @@ unsafe fn row_dots_vnni<const M: usize>(
         let mut acc = [_mm512_setzero_ps(); M];
         let mut mins = [_mm256_setzero_ps(); M];
         for b in 0..kb {
-            let blk = w.add(b * Q4K_BYTES);
-            for line in 0..3 {
-                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + 64 * line) as *const i8);
-                _mm_prefetch::<_MM_HINT_T1>(blk.wrapping_add(FAR + 64 * line) as *const i8);
-            }
-            let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(blk as *const i32)));
-            let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1)));
-            let a = std::ptr::read_unaligned(blk.add(4) as *const [u32; 3]);
-            let (sc, mn) = scales_mins([u32::from_le(a[0]), u32::from_le(a[1]), u32::from_le(a[2])]);
-            let sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
-            let mut q4 = [_mm512_setzero_si512(); 4];
-            for p in 0..2 {
-                let bytes = _mm512_loadu_si512(blk.add(16 + 64 * p) as *const __m512i);
-                q4[2 * p] = _mm512_and_si512(bytes, low);
-                q4[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-            }
+            let (d, dmin, mn, sc16, q4) = q4k_block!(w.add(b * Q4K_BYTES), low);
             let s01 = _mm512_permutexvar_epi16(order01, sc16);
             let s23 = _mm512_permutexvar_epi16(order23, sc16);
             // dmin x each sub-block's min, met by each row's scaled sub-block sums.
