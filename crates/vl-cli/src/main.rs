@@ -212,7 +212,10 @@ fn quantize_cmd(model: &str, quantize: &str, out: &std::path::Path, force: bool)
         "q6k" => Recipe::Uniform(QuantType::Q6K),
         "q8" | "q8_0" => Recipe::Uniform(QuantType::Q8_0),
         "q4k_m" => Recipe::Q4KM,
-        other => anyhow::bail!("--quantize {other}: expected q4k, q5k, q6k, q8 or q4k_m"),
+        "bf16" => Recipe::Float(candle_core::DType::BF16),
+        "f16" => Recipe::Float(candle_core::DType::F16),
+        "f32" => Recipe::Float(candle_core::DType::F32),
+        other => anyhow::bail!("--quantize {other}: expected q4k, q5k, q6k, q8, q4k_m, bf16, f16 or f32"),
     };
     let dir = vl_models::hub::resolve(model)?;
     let t = std::time::Instant::now();
@@ -252,6 +255,10 @@ fn quantize_values() -> clap::builder::PossibleValuesParser {
         PossibleValue::new("q8").alias("q8_0").help("Q8_0 for every matrix (8.5 bits a weight)"),
         PossibleValue::new("q4k_m")
             .help("llama.cpp's Q4_K_M mix: mostly Q4_K; Q6_K for the output and some layers' attn_v, ffn_down"),
+        PossibleValue::new("bf16")
+            .help("no blocks: every matrix in bf16, as llama.cpp's converter writes --outtype bf16"),
+        PossibleValue::new("f16").help("no blocks: every matrix in f16 (--outtype f16)"),
+        PossibleValue::new("f32").help("no blocks: every matrix in f32 (--outtype f32)"),
     ])
 }
 

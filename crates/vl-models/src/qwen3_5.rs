@@ -11,12 +11,13 @@
 //! `block_count`, skipped; the layer pattern from `recurrent_layers`; value heads in the
 //! converter's tiled order; plus the `qwen3vl_merger` mmproj). MoE (`qwen3_5_moe`, `MOE_ENTRY`):
 //! checkpoint directories and `qwen35moe` GGUF files (the pattern from `recurrent_layers`: the
-//! converter writes `full_attention_interval` 4 whatever the config said). Not yet: MLX
-//! conversions and `vl quantize`, each refused by name.
+//! converter writes `full_attention_interval` 4 whatever the config said). `vl quantize` writes
+//! the GGUF pair as llama.cpp's converter and llama-quantize do (`qwen3_vl::gguf_hybrid`). Not
+//! yet: MLX conversions.
 
 use std::path::Path;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::family::{FamilyEntry, ModelOptions, Source};
 
 /// The registry's entry for Qwen3.5.
@@ -57,13 +58,10 @@ fn inspect_entry(source: &Source<'_>, json: bool) -> Result<String> {
 
 fn quantize_entry(
     model: &Path,
-    _recipe: crate::gguf::Recipe,
-    _out: &Path,
-    _overwrite: bool,
-    _progress: &mut dyn FnMut(&str),
+    recipe: crate::gguf::Recipe,
+    out: &Path,
+    overwrite: bool,
+    progress: &mut dyn FnMut(&str),
 ) -> Result<crate::gguf::Written> {
-    Err(Error::Input {
-        what: model.display().to_string(),
-        message: "vl quantize does not write Qwen3.5 (qwen35) GGUF files yet; load the checkpoint with --quantize q4k|q8_0 instead".into(),
-    })
+    crate::qwen3_vl::family::quantize_entry(model, recipe, out, overwrite, progress)
 }

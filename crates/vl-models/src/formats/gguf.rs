@@ -573,6 +573,9 @@ pub enum Recipe {
     /// llama.cpp's Q4_K_M: Q4_K, with the output (or the tied embedding table) in Q6_K, and
     /// attn_v and ffn_down in Q6_K on the layers `use_more_bits` picks (llama-quant.cpp).
     Q4KM,
+    /// No blocks: every matrix in this float type (F32, F16 or BF16), the norms, the DeltaNet
+    /// convolution and the routers in F32, as llama.cpp's converter writes with `--outtype`.
+    Float(candle_core::DType),
 }
 
 impl Recipe {
@@ -585,6 +588,9 @@ impl Recipe {
             Recipe::Uniform(vl_nn::QuantType::Q6K) => "Q6_K",
             Recipe::Uniform(vl_nn::QuantType::Q8_0) => "Q8_0",
             Recipe::Uniform(q) => q.name(),
+            Recipe::Float(candle_core::DType::BF16) => "BF16",
+            Recipe::Float(candle_core::DType::F16) => "F16",
+            Recipe::Float(_) => "F32",
         }
     }
 
@@ -597,11 +603,24 @@ impl Recipe {
             Recipe::Uniform(vl_nn::QuantType::Q6K) => 18,
             Recipe::Uniform(vl_nn::QuantType::Q8_0) => 7,
             Recipe::Uniform(_) => 0,
+            Recipe::Float(candle_core::DType::BF16) => 32,
+            Recipe::Float(candle_core::DType::F16) => 1,
+            Recipe::Float(_) => 0,
         }
     }
 
-    /// The block type of a text tensor (llama.cpp name) of `layer` among `layers`, in a model of
-    /// `experts` routed experts per layer (1: dense), as llama-quantize picks it.
+    /// The float type every matrix is written in, for `Float`; None for the block recipes.
+    pub fn float(self) -> Option<candle_core::DType> {
+        match self {
+            Recipe::Float(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// The block type of a text tensor (llama.cpp name) of `layer` among `layers` (the file's
+    /// blocks, an MTP block included), in a model of `experts` routed experts per layer (1:
+    /// dense), as llama-quantize picks it; None for `Float`. A hybrid model's DeltaNet `attn_qkv`
+    /// counts as its layer's `attn_v` (llama-quant.cpp's `category_is_attn_v`).
     pub(crate) fn text_type(
         self,
         name: &str,
@@ -609,30 +628,35 @@ impl Recipe {
         layers: usize,
         tied: bool,
         experts: usize,
-    ) -> vl_nn::QuantType {
-        let Recipe::Uniform(q) = self else {
-            let more_bits =
-                |i: usize| i < layers / 8 || i >= 7 * layers / 8 || (i as i64 - (layers / 8) as i64) % 3 == 2;
-            if name == "output.weight" || (tied && name == "token_embd.weight") {
-                return vl_nn::QuantType::Q6K;
-            }
-            // llama.cpp's rule for 8-expert models (Mixtral's): attention K and V in Q8_0, its
-            // output in Q5_K.
-            if experts == 8 {
-                if name.ends_with("attn_v.weight") || name.ends_with("attn_k.weight") {
-                    return vl_nn::QuantType::Q8_0;
+    ) -> Option<vl_nn::QuantType> {
+        let attn_v = name.ends_with("attn_v.weight") || name.ends_with("attn_qkv.weight");
+        let q = match self {
+            Recipe::Uniform(q) => q,
+            Recipe::Float(_) => return None,
+            Recipe::Q4KM => {
+                let more_bits =
+                    |i: usize| i < layers / 8 || i >= 7 * layers / 8 || (i as i64 - (layers / 8) as i64) % 3 == 2;
+                if name == "output.weight" || (tied && name == "token_embd.weight") {
+                    return Some(vl_nn::QuantType::Q6K);
                 }
-                if name.ends_with("attn_output.weight") {
-                    return vl_nn::QuantType::Q5K;
+                // llama.cpp's rule for 8-expert models (Mixtral's): attention K and V in Q8_0, its
+                // output in Q5_K.
+                if experts == 8 {
+                    if attn_v || name.ends_with("attn_k.weight") {
+                        return Some(vl_nn::QuantType::Q8_0);
+                    }
+                    if name.ends_with("attn_output.weight") {
+                        return Some(vl_nn::QuantType::Q5K);
+                    }
                 }
+                // `ffn_down` and the experts' `ffn_down_exps` alike.
+                if (attn_v || name.contains("ffn_down")) && layer.is_some_and(more_bits) {
+                    return Some(vl_nn::QuantType::Q6K);
+                }
+                vl_nn::QuantType::Q4K
             }
-            // `ffn_down` and the experts' `ffn_down_exps` alike.
-            if (name.ends_with("attn_v.weight") || name.contains("ffn_down")) && layer.is_some_and(more_bits) {
-                return vl_nn::QuantType::Q6K;
-            }
-            return vl_nn::QuantType::Q4K;
         };
-        q
+        Some(q)
     }
 }
 

@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use vl_nn::linear::quantize_rows;
 use vl_nn::QuantType;
 
+use super::gguf_hybrid;
 use super::gguf_names::{text_name, vision_name};
 use super::plan::{Group, VISION_PREFIX};
 use super::preflight::ModelDir;
@@ -41,12 +42,13 @@ fn float_tensor(t: &Tensor, d: GgmlDType) -> Result<QTensor> {
     Ok(QTensor::quantize(&t.to_dtype(DType::F32)?.contiguous()?, d)?)
 }
 
-/// Where a text tensor of the file comes from: a checkpoint tensor as it is, or a fused expert
+/// Where a text tensor of the file comes from: a checkpoint tensor as it is, a fused expert
 /// tensor (`rows`: `Some(k)` takes the k-th `out`-row half of `gate_up_proj`, `None` all of
-/// `down_proj`).
+/// `down_proj`), or one tensor per expert (the Qwen3.5 MoE hub), stacked.
 enum Source {
     Plain(String),
     Experts { key: String, rows: Option<usize> },
+    PerExpert(Vec<String>),
 }
 
 /// A text tensor as llama.cpp's file holds it: name, decoder layer, shape `[.., out, in]`.
@@ -57,10 +59,18 @@ struct Output {
     source: Source,
 }
 
-/// The text tensors of the file, in the plan's order. Fused experts become llama.cpp's
-/// `ffn_gate_exps` / `ffn_up_exps` `[E, moe_inter, hidden]` and `ffn_down_exps`
-/// `[E, hidden, moe_inter]`. A MoE checkpoint with dense layers among the sparse ones is refused:
-/// llama.cpp's `qwen3vlmoe` has routed experts in every layer, so no file of it holds one.
+/// `<base>.experts.<e>.<part>.weight` -> (`<base>.experts.<part>.weight`, e).
+fn per_expert_key(key: &str) -> Option<(String, usize)> {
+    let (base, rest) = key.rsplit_once(".experts.")?;
+    let (e, part) = rest.split_once('.')?;
+    Some((format!("{base}.experts.{part}"), e.parse().ok()?))
+}
+
+/// The text tensors of the file, in the plan's order, then Qwen3.5's MTP head (`mtp.*`) as the
+/// block after the decoder's. Fused experts become llama.cpp's `ffn_gate_exps` /
+/// `ffn_up_exps` `[E, moe_inter, hidden]` and `ffn_down_exps` `[E, hidden, moe_inter]`, and so do
+/// experts stored one tensor each. A MoE checkpoint with dense layers among the sparse ones is
+/// refused: llama.cpp's `qwen3vlmoe` has routed experts in every layer, so no file of it holds one.
 fn text_outputs(model: &ModelDir) -> Result<Vec<Output>> {
     let cfg = &model.config;
     let t = &cfg.text;
@@ -77,21 +87,73 @@ fn text_outputs(model: &ModelDir) -> Result<Vec<Output>> {
         }
     }
     let no_name = |key: &str| Error::Input { what: key.into(), message: "no llama.cpp name for this tensor".into() };
-    let mut out = Vec::new();
+    let layers = t.num_hidden_layers;
+    let hybrid = t.hybrid.is_some();
+    let name_of = |key: &str| -> Result<(String, Option<usize>)> {
+        let (name, layer) = text_name(key).ok_or_else(|| no_name(&gguf_hybrid::checkpoint_key(key, layers)))?;
+        // Qwen3.5's norm after attention keeps its own name (Qwen3-VL's is `ffn_norm`).
+        Ok(match name.strip_suffix(".ffn_norm.weight") {
+            Some(b) if hybrid => (format!("{b}.post_attention_norm.weight"), layer),
+            _ => (name, layer),
+        })
+    };
+    // The plan, then the MTP head's layers as the decoder layers after the last would be named.
+    let mut plan: Vec<_> = model.plan.clone();
+    let mut mtp_top = vec![];
+    if hybrid {
+        for (k, e) in model.weights.entries() {
+            if let Some(key) = gguf_hybrid::as_decoder_key(k, layers) {
+                plan.push(super::plan::PlannedTensor {
+                    key,
+                    shape: e.shape.clone(),
+                    group: Group::Text,
+                    required: true,
+                    alt_shape: None,
+                });
+            } else if let Some(name) = gguf_hybrid::mtp_top_name(k, layers) {
+                mtp_top.push(Output {
+                    name,
+                    layer: Some(layers),
+                    shape: e.shape.clone(),
+                    source: Source::Plain(k.clone()),
+                });
+            }
+        }
+    }
+    let mut out: Vec<Output> = Vec::new();
+    // Experts stored one tensor each: the stacked tensor's index in `out`, by its key.
+    let mut stacked = std::collections::HashMap::<String, usize>::new();
     // The plan with the experts stacked per matrix, as the file holds them; a checkpoint that
     // fuses them (transformers, the hub) gives each from its fused tensor.
-    for p in super::plan::split_experts(model.plan.clone()) {
+    for p in super::plan::split_experts(plan) {
         if p.group == Group::Vision || (p.group == Group::LmHead && cfg.tie_word_embeddings) {
             continue;
         }
-        let (name, layer) = text_name(&p.key).ok_or_else(|| no_name(&p.key))?;
-        let source = match model.weights.get(&p.key) {
+        let stored = gguf_hybrid::checkpoint_key(&p.key, layers);
+        if let Some((key, _)) = per_expert_key(&p.key) {
+            if let Some(&i) = stacked.get(&key) {
+                let o = &mut out[i];
+                o.shape[0] += 1;
+                if let Source::PerExpert(keys) = &mut o.source {
+                    keys.push(stored);
+                }
+                continue;
+            }
+            let (name, layer) = name_of(&key)?;
+            stacked.insert(key, out.len());
+            let shape = [&[1], p.shape.as_slice()].concat();
+            out.push(Output { name, layer, shape, source: Source::PerExpert(vec![stored]) });
+            continue;
+        }
+        let (name, layer) = name_of(&p.key)?;
+        let source = match model.weights.get(&stored) {
             Some(_) => None,
-            None => fused_source(&p.key),
+            None => fused_source(&stored),
         };
-        let source = source.unwrap_or_else(|| Source::Plain(p.key.clone()));
+        let source = source.unwrap_or(Source::Plain(stored));
         out.push(Output { name, layer, shape: p.shape, source });
     }
+    out.extend(mtp_top);
     Ok(out)
 }
 
@@ -121,7 +183,7 @@ fn quantize_stacked(w: &Tensor, q: QuantType) -> Result<QTensor> {
 }
 
 /// Token strings and types (llama.cpp: 1 normal, 3 control, 4 user-defined, 5 unused) and the
-/// merges, from the checkpoint's tokenizer.json.
+/// merges, from the checkpoint's tokenizer.json, typed as llama.cpp's converter types them.
 fn vocabulary(dir: &Path, vocab_size: usize) -> Result<(Vec<String>, Vec<i32>, Vec<String>)> {
     let path = dir.join("tokenizer.json");
     let json: serde_json::Value = serde_json::from_str(&read_text(&path, MAX_METADATA_FILE_BYTES)?)
@@ -138,7 +200,7 @@ fn vocabulary(dir: &Path, vocab_size: usize) -> Result<(Vec<String>, Vec<i32>, V
     for t in json["added_tokens"].as_array().into_iter().flatten() {
         let (Some(id), Some(s)) = (t["id"].as_u64(), t["content"].as_str()) else { continue };
         if let Some(slot) = tokens.get_mut(id as usize) {
-            *slot = Some((s.to_string(), if t["special"].as_bool() == Some(true) { 3 } else { 4 }));
+            *slot = Some((s.to_string(), if t["special"].as_bool() == Some(true) || looks_special(s) { 3 } else { 4 }));
         }
     }
     let (strings, types) =
@@ -156,6 +218,15 @@ fn vocabulary(dir: &Path, vocab_size: usize) -> Result<(Vec<String>, Vec<i32>, V
         })
         .collect::<Result<_>>()?;
     Ok((strings, types, merges))
+}
+
+/// An added token the converter marks as control although the tokenizer does not call it special
+/// (`does_token_look_special`: `<|...|>` and a few other models' forms).
+fn looks_special(t: &str) -> bool {
+    ["<pad>", "<mask>", "<2mass>", "[@BOS@]"].contains(&t)
+        || (t.starts_with("<|") && t.ends_with("|>"))
+        || (t.starts_with("<\u{ff5c}") && t.ends_with("\u{ff5c}>"))
+        || (t.starts_with("<unused") && t.ends_with('>'))
 }
 
 /// The temporary name `path` is written under until both files are complete.
@@ -231,11 +302,13 @@ pub fn save(
     let mut fell_back_to = std::collections::BTreeMap::<String, usize>::new();
     let (mut left_float, mut narrow_rows) = (0, std::collections::BTreeSet::new());
     let experts = cfg.text.moe.as_ref().map_or(1, |m| m.num_experts);
-    for o in &outputs {
-        if o.shape.len() < 2 || o.name.ends_with("ffn_gate_inp.weight") {
+    // The file's blocks: the decoder's, then the MTP head's.
+    let blocks = outputs.iter().filter_map(|o| o.layer).max().map_or(cfg.text.num_hidden_layers, |l| l + 1);
+    for o in outputs.iter().filter(|o| is_matrix(o)) {
+        let Some(want) = recipe.text_type(&o.name, o.layer, blocks, cfg.tie_word_embeddings, experts) else {
+            *stored.entry(float_name(recipe.float().unwrap_or(DType::F32))).or_default() += 1;
             continue;
-        }
-        let want = recipe.text_type(&o.name, o.layer, cfg.text.num_hidden_layers, cfg.tie_word_embeddings, experts);
+        };
         let cols = o.shape[o.shape.len() - 1];
         let got = fallback(want, cols);
         if got != Some(want) {
@@ -259,25 +332,32 @@ pub fn save(
                 "applies to no tensor of {}: its rows hold {} values, which fill neither its blocks of {} nor a fallback type's; nothing written",
                 model.dir.display(),
                 rows.join(", "),
-                recipe.text_type("blk.0.attn_q.weight", Some(0), 1, false, 1).block()
+                recipe.text_type("blk.0.attn_q.weight", Some(0), 1, false, 1).map_or(1, |q| q.block())
             ),
         });
     }
     let t = &cfg.text;
     let read_as = model.weights.text_float_dtype();
-    let text_float = match read_as {
-        DType::BF16 => GgmlDType::BF16,
-        DType::F16 => GgmlDType::F16,
-        _ => GgmlDType::F32,
-    };
+    let text_float = ggml_float(read_as);
 
     // Text model.
     let mut tensors = Vec::new();
     // The fused gate/up experts, read once for the two tensors cut from them.
     let mut fused: Option<(String, Tensor)> = None;
+    let hybrid = t.hybrid.as_ref();
     for o in &outputs {
         let w = match &o.source {
-            Source::Plain(key) => model.weights.load(key, read_as, &dev)?,
+            Source::Plain(key) => {
+                let w = model.weights.load(key, read_as, &dev)?;
+                match hybrid {
+                    Some(h) => gguf_hybrid::rewrite(key, w, h)?,
+                    None => w,
+                }
+            }
+            Source::PerExpert(keys) => {
+                let each = keys.iter().map(|k| model.weights.load(k, read_as, &dev)).collect::<Result<Vec<_>>>()?;
+                Tensor::stack(&each, 0)?
+            }
             Source::Experts { key, rows } => {
                 if fused.as_ref().is_none_or(|(k, _)| k != key) {
                     let t = model.weights.load(key, read_as, &dev)?;
@@ -292,17 +372,19 @@ pub fn save(
                 }
             }
         };
-        let q = if w.rank() >= 2 && !o.name.ends_with("ffn_gate_inp.weight") {
+        let q = if is_matrix(o) {
             let cols = w.dims()[w.rank() - 1];
-            let want = recipe.text_type(&o.name, o.layer, t.num_hidden_layers, cfg.tie_word_embeddings, experts);
-            match fallback(want, cols) {
-                Some(q) => quantize_stacked(&w, q)?,
-                // No block type fits the row: kept in the checkpoint's float type, as the
-                // runtime keeps such a layer dense.
-                None => float_tensor(&w, text_float)?,
+            match recipe.text_type(&o.name, o.layer, blocks, cfg.tie_word_embeddings, experts) {
+                None => float_tensor(&w, ggml_float(recipe.float().unwrap_or(DType::F32)))?,
+                Some(want) => match fallback(want, cols) {
+                    Some(q) => quantize_stacked(&w, q)?,
+                    // No block type fits the row: kept in the checkpoint's float type, as the
+                    // runtime keeps such a layer dense.
+                    None => float_tensor(&w, text_float)?,
+                },
             }
         } else {
-            // Norms, and the router (llama.cpp keeps `ffn_gate_inp` in f32).
+            // Norms, the routers and the DeltaNet convolution, in f32 as llama.cpp keeps them.
             f32_tensor(&w)?
         };
         progress(&o.name);
@@ -312,7 +394,12 @@ pub fn save(
     let (tokens, types, merges) = vocabulary(&model.dir, t.vocab_size)?;
     let s = |v: &str| Value::String(v.into());
     let u = |v: usize| Value::U32(v as u32);
-    let arch = if t.moe.is_some() { "qwen3vlmoe" } else { "qwen3vl" };
+    let arch = match (hybrid.is_some(), t.moe.is_some()) {
+        (false, false) => "qwen3vl",
+        (false, true) => "qwen3vlmoe",
+        (true, false) => "qwen35",
+        (true, true) => "qwen35moe",
+    };
     let a = |k: &str| format!("{arch}.{k}");
     let mut meta = vec![
         ("general.architecture".to_string(), s(arch)),
@@ -320,10 +407,9 @@ pub fn save(
         ("general.name".into(), s(&base)),
         ("general.file_type".into(), Value::U32(recipe.file_type())),
         ("general.quantization_version".into(), Value::U32(2)),
-        (a("block_count"), u(t.num_hidden_layers)),
+        (a("block_count"), u(blocks)),
         (a("context_length"), u(t.max_position_embeddings)),
         (a("embedding_length"), u(t.hidden_size)),
-        (a("feed_forward_length"), u(t.intermediate_size)),
         (a("attention.head_count"), u(t.num_attention_heads)),
         (a("attention.head_count_kv"), u(t.num_key_value_heads)),
         (
@@ -334,15 +420,22 @@ pub fn save(
         (a("attention.layer_norm_rms_epsilon"), Value::F32(t.rms_norm_eps as f32)),
         (a("attention.key_length"), u(t.head_dim)),
         (a("attention.value_length"), u(t.head_dim)),
-        (a("n_deepstack_layers"), u(cfg.vision.deepstack_visual_indexes.len())),
         ("tokenizer.ggml.model".to_string(), s("gpt2")),
-        ("tokenizer.ggml.pre".into(), s("qwen2")),
+        ("tokenizer.ggml.pre".into(), s(if hybrid.is_some() { "qwen35" } else { "qwen2" })),
         ("tokenizer.ggml.tokens".into(), Value::Array(tokens.into_iter().map(Value::String).collect())),
         ("tokenizer.ggml.token_type".into(), Value::Array(types.into_iter().map(Value::I32).collect())),
         ("tokenizer.ggml.merges".into(), Value::Array(merges.into_iter().map(Value::String).collect())),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
         ("tokenizer.ggml.add_eos_token".into(), Value::Bool(false)),
     ];
+    // Qwen3.5 MoE files carry no dense width (its converter writes none).
+    if !(hybrid.is_some() && t.moe.is_some()) {
+        meta.push((a("feed_forward_length"), u(t.intermediate_size)));
+    }
+    match hybrid {
+        Some(h) => meta.extend(gguf_hybrid::metadata(cfg, h, blocks - t.num_hidden_layers, arch)),
+        None => meta.push((a("n_deepstack_layers"), u(cfg.vision.deepstack_visual_indexes.len()))),
+    }
     if let Some(m) = &t.moe {
         meta.push((a("expert_count"), u(m.num_experts)));
         meta.push((a("expert_used_count"), u(m.top_k)));
@@ -359,8 +452,8 @@ pub fn save(
     let text_count = tensors.len();
     drop(tensors);
 
-    // Vision projector in the checkpoint's float type (norms, biases and the position table f32,
-    // as llama.cpp writes them).
+    // Vision projector in the checkpoint's float type (norms, biases, the patch embedding and the
+    // position table f32, as llama.cpp's converter writes them).
     let v = &cfg.vision;
     let mut tensors = Vec::new();
     for p in &model.plan {
@@ -370,9 +463,10 @@ pub fn save(
         let key = p.key.strip_prefix(&format!("{VISION_PREFIX}.")).unwrap_or(&p.key).to_string();
         let w = model.weights.load(&p.key, DType::F32, &dev)?;
         if key == "patch_embed.proj.weight" {
-            // The Conv3D kernel [out, in, 2, kh, kw] as two temporal Conv2D slices.
+            // The Conv3D kernel [out, in, 2, kh, kw] as two temporal Conv2D slices, in f32 as
+            // the converter keeps them.
             for (k, name) in ["v.patch_embd.weight", "v.patch_embd.weight.1"].iter().enumerate() {
-                tensors.push((name.to_string(), float_tensor(&w.narrow(2, k, 1)?.squeeze(2)?, vdtype)?));
+                tensors.push((name.to_string(), f32_tensor(&w.narrow(2, k, 1)?.squeeze(2)?)?));
             }
             progress("v.patch_embd.weight");
             continue;
@@ -447,6 +541,24 @@ fn ggml_name(q: QuantType) -> &'static str {
     }
 }
 
+/// Whether a text tensor is a matrix llama-quantize would quantize: 2-D or more, not a router
+/// (`ffn_gate_inp`, and the shared expert's gate, whose one row ggml counts as 1-D) and not the
+/// DeltaNet convolution.
+fn is_matrix(o: &Output) -> bool {
+    o.shape.len() >= 2
+        && !o.name.ends_with("ffn_gate_inp.weight")
+        && !o.name.ends_with("ffn_gate_inp_shexp.weight")
+        && !o.name.ends_with("ssm_conv1d.weight")
+}
+
+fn ggml_float(d: DType) -> GgmlDType {
+    match d {
+        DType::BF16 => GgmlDType::BF16,
+        DType::F16 => GgmlDType::F16,
+        _ => GgmlDType::F32,
+    }
+}
+
 fn float_name(d: DType) -> String {
     match d {
         DType::BF16 => "BF16".into(),
@@ -464,27 +576,28 @@ mod tests {
         // The published 2B Q4_K_M: 14 of 28 attn_v and 14 of 28 ffn_down in Q6_K, the tied
         // embedding table Q6_K, the rest Q4_K.
         let r = Recipe::Q4KM;
-        let q6: Vec<usize> =
-            (0..28).filter(|&i| r.text_type("blk.0.attn_v.weight", Some(i), 28, true, 1) == QuantType::Q6K).collect();
+        let q6: Vec<usize> = (0..28)
+            .filter(|&i| r.text_type("blk.0.attn_v.weight", Some(i), 28, true, 1) == Some(QuantType::Q6K))
+            .collect();
         assert_eq!(q6, vec![0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27]);
-        assert_eq!(r.text_type("token_embd.weight", None, 28, true, 1), QuantType::Q6K);
-        assert_eq!(r.text_type("token_embd.weight", None, 28, false, 1), QuantType::Q4K);
-        assert_eq!(r.text_type("blk.3.attn_q.weight", Some(3), 28, true, 1), QuantType::Q4K);
+        assert_eq!(r.text_type("token_embd.weight", None, 28, true, 1), Some(QuantType::Q6K));
+        assert_eq!(r.text_type("token_embd.weight", None, 28, false, 1), Some(QuantType::Q4K));
+        assert_eq!(r.text_type("blk.3.attn_q.weight", Some(3), 28, true, 1), Some(QuantType::Q4K));
         // MoE (30B-A3B: 48 layers, 128 experts): the experts' ffn_down_exps follow ffn_down's
         // layer rule; the 8-expert rule (Mixtral's) moves attention K/V to Q8_0, its output to
         // Q5_K, and applies to 8 experts only.
         let down: Vec<usize> = (0..48)
             .filter(|&i| {
-                r.text_type(&format!("blk.{i}.ffn_down_exps.weight"), Some(i), 48, false, 128) == QuantType::Q6K
+                r.text_type(&format!("blk.{i}.ffn_down_exps.weight"), Some(i), 48, false, 128) == Some(QuantType::Q6K)
             })
             .collect();
         assert_eq!(down.len(), 24, "{down:?}");
         assert_eq!(&down[..8], &[0, 1, 2, 3, 4, 5, 8, 11]);
-        assert_eq!(r.text_type("blk.4.ffn_gate_exps.weight", Some(4), 48, false, 128), QuantType::Q4K);
-        assert_eq!(r.text_type("blk.6.attn_v.weight", Some(6), 48, false, 128), QuantType::Q4K);
-        assert_eq!(r.text_type("blk.3.attn_v.weight", Some(3), 48, false, 8), QuantType::Q8_0);
-        assert_eq!(r.text_type("blk.3.attn_k.weight", Some(3), 48, false, 8), QuantType::Q8_0);
-        assert_eq!(r.text_type("blk.3.attn_output.weight", Some(3), 48, false, 8), QuantType::Q5K);
+        assert_eq!(r.text_type("blk.4.ffn_gate_exps.weight", Some(4), 48, false, 128), Some(QuantType::Q4K));
+        assert_eq!(r.text_type("blk.6.attn_v.weight", Some(6), 48, false, 128), Some(QuantType::Q4K));
+        assert_eq!(r.text_type("blk.3.attn_v.weight", Some(3), 48, false, 8), Some(QuantType::Q8_0));
+        assert_eq!(r.text_type("blk.3.attn_k.weight", Some(3), 48, false, 8), Some(QuantType::Q8_0));
+        assert_eq!(r.text_type("blk.3.attn_output.weight", Some(3), 48, false, 8), Some(QuantType::Q5K));
         assert_eq!(fallback(QuantType::Q4K, 32), Some(QuantType::Q5_0));
         assert_eq!(fallback(QuantType::Q6K, 96), Some(QuantType::Q8_0));
         assert_eq!(fallback(QuantType::Q8_0, 48), None);

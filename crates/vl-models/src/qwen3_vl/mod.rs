@@ -4,6 +4,7 @@ pub mod config;
 pub mod family;
 mod ffn;
 pub mod gguf;
+mod gguf_hybrid;
 mod gguf_names;
 pub mod gguf_write;
 pub mod image_processor;
