@@ -7,7 +7,13 @@ The published Qwen3.5-2B config is not in this repository's reach (no download):
 and width are what llama.cpp's `qwen35` loader calls 2B (24 layers, hidden not 1024:
 src/models/qwen35.cpp of the pinned sdist); the rest is chosen, stated in `config()`.
 
-    tools/bench/make-checkpoint-q35 OUT_DIR [--seed N]
+    tools/bench/make-checkpoint-q35 OUT_DIR [--seed N] [--small]
+
+`--small`: a geometry small enough to convert and quantize in seconds whose rows still fill
+256-value blocks, with fewer key heads than value heads (the converter reorders value heads):
+hidden 512, 4 layers (3 DeltaNet, 1 full attention), DeltaNet 2 key / 4 value heads of 128,
+attention 4 heads / 2 kv of 256, mlp 1536, a 2-block vision tower of 256. For `vl quantize`
+against llama.cpp's converter and llama-quantize (docs/qwen35.md).
 """
 import argparse
 import json
@@ -34,6 +40,11 @@ TEXT = dict(vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hid
 VISION = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
               num_position_embeddings=2304, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
               in_channels=3)
+
+
+SMALL_TEXT = dict(TEXT, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4)
+SMALL_VISION = dict(VISION, depth=2, hidden_size=256, intermediate_size=512, num_heads=4, out_hidden_size=512)
 
 
 def config():
@@ -93,7 +104,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=20261205)
+    ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
+    if args.small:
+        TEXT.update(SMALL_TEXT)
+        VISION.update(SMALL_VISION)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
