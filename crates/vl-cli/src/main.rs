@@ -80,9 +80,10 @@ enum Command {
         /// A local model directory or a Hugging Face hub id.
         #[arg(long)]
         model: String,
-        /// The text model's block type (the vision projector stays in floats). A matrix whose rows
-        /// fill no block of it falls back per tensor, as llama.cpp's quantize does (q4k to Q5_0,
-        /// q5k to Q5_1, q6k to Q8_0, then floats); the file keeps the requested type's name.
+        /// The text model's block type, or a float type that quantizes nothing (the vision
+        /// projector stays in floats). A matrix whose rows fill no block of it falls back per
+        /// tensor, as llama.cpp's quantize does (q4k to Q5_0, q5k to Q5_1, q6k to Q8_0, then
+        /// floats); the file keeps the requested type's name.
         #[arg(long, value_parser = quantize_values())]
         quantize: String,
         /// The output directory (created when missing).

@@ -87,7 +87,8 @@ mod tests {
     fn every_width_roundtrips_exactly() {
         for bits in SUPPORTED_BITS {
             let (rows, cols, group) = (3, 64, 32);
-            let vals: Vec<u32> = (0..rows * cols).map(|i| ((i as u32).wrapping_mul(2654435761u32) >> 7) % (1 << bits)).collect();
+            let vals: Vec<u32> =
+                (0..rows * cols).map(|i| ((i as u32).wrapping_mul(2654435761u32) >> 7) % (1 << bits)).collect();
             let mut packed = Vec::new();
             for r in 0..rows {
                 packed.extend(pack(&vals[r * cols..(r + 1) * cols], bits));
