@@ -7,6 +7,11 @@
 //! was resized to (Qwen2.5-VL used absolute pixels of the resized image instead). A family says
 //! which convention its checkpoints follow (`Coords`); the parser is the same for both.
 //!
+//! GUI-grounding checkpoints built on Qwen3-VL and Qwen3.5 (UI-Venus-1.5 and -2) answer with a
+//! bare list instead: `[x,y]` (a point), `[x1,y1,x2,y2]` or `[x1,y1],[x2,y2]` (a box), in the
+//! same 0..1000 space, and `[-1,-1]` when nothing in the image matches; an answer without JSON
+//! entries is read that way.
+//!
 //! The parser takes what real checkpoints give: a fence or none, a list or one object, objects
 //! nested in a wrapper (`{"objects": [...]}`), text around the JSON, and a list cut off by the
 //! token limit (the complete entries are kept, the cut one is reported). A coordinate outside
@@ -93,7 +98,54 @@ pub fn parse(text: &str, coords: Coords) -> Parsed {
     if cut && (text.contains("bbox_2d") || text.contains("point_2d")) {
         out.notes.push("the answer ends inside an entry (cut off?): that entry ignored".into());
     }
+    if out.shapes.is_empty() && out.notes.is_empty() {
+        bare_lists(text, coords, &mut out);
+    }
     out
+}
+
+/// The bracketed lists of numbers in `text` (`[x,y]`, `[x1,y1,x2,y2]`; two points in a row,
+/// `[x1,y1],[x2,y2]`, are one box), as GUI-grounding checkpoints answer. All -1 says nothing
+/// matches: noted, no shape.
+fn bare_lists(text: &str, coords: Coords, out: &mut Parsed) {
+    let mut lists: Vec<(usize, usize, Vec<f64>)> = Vec::new();
+    let mut rest = text;
+    let mut offset = 0;
+    while let Some(open) = rest.find('[') {
+        let Some(len) = rest[open..].find(']') else { break };
+        let inner = &rest[open + 1..open + len];
+        let nums: Option<Vec<f64>> = inner.split(',').map(|x| x.trim().parse::<f64>().ok()).collect();
+        if let Some(nums) = nums.filter(|n| n.len() == 2 || n.len() == 4) {
+            lists.push((offset + open, offset + open + len + 1, nums));
+        }
+        offset += open + 1;
+        rest = &rest[open + 1..];
+        if lists.len() > 2 * MAX_SHAPES {
+            break;
+        }
+    }
+    let mut i = 0;
+    while i < lists.len() && out.shapes.len() < MAX_SHAPES {
+        let (_, end, nums) = &lists[i];
+        // Two points joined by a comma: a box's corners.
+        let next = lists
+            .get(i + 1)
+            .filter(|(start, _, n)| nums.len() == 2 && n.len() == 2 && text[*end..*start].trim() == ",");
+        let nums = match next {
+            Some((_, _, n)) => {
+                i += 1;
+                [nums.as_slice(), n.as_slice()].concat()
+            }
+            None => nums.clone(),
+        };
+        i += 1;
+        if nums.iter().all(|&x| x == -1.0) {
+            out.notes.push(format!("the answer is {}: nothing in the image matches", short(&format!("{nums:?}"))));
+            continue;
+        }
+        let key = if nums.len() == 4 { "bbox_2d" } else { "point_2d" };
+        push_shape(key, nums, None, coords, out);
+    }
 }
 
 /// Every outermost `{...}` in `text` that parses as JSON, in order, and whether the text ends
@@ -161,38 +213,43 @@ fn collect(v: &Value, coords: Coords, out: &mut Parsed, depth: usize) {
             let label = label(o);
             let want = if key == "bbox_2d" { 4 } else { 2 };
             let nums: Option<Vec<f64>> = o[key].as_array().map(|a| a.iter().filter_map(Value::as_f64).collect());
-            let Some(mut nums) = nums.filter(|n| n.len() == want && o[key].as_array().is_some_and(|a| a.len() == want))
+            let Some(nums) = nums.filter(|n| n.len() == want && o[key].as_array().is_some_and(|a| a.len() == want))
             else {
                 out.notes.push(format!("`{key}` = {} is not {want} numbers: ignored", short(&o[key].to_string())));
                 return;
             };
-            if nums.iter().any(|x| !x.is_finite()) {
-                out.notes.push(format!("`{key}` has a non-finite value: ignored"));
-                return;
-            }
-            let hi = match coords {
-                Coords::Relative(s) => s,
-                Coords::Resized => f64::INFINITY,
-            };
-            if nums.iter().any(|&x| x < 0.0 || x > hi) {
-                out.notes.push(format!(
-                    "`{key}` = {} is outside 0..{}: clamped",
-                    short(&o[key].to_string()),
-                    if hi.is_finite() { hi.to_string() } else { "the image".into() }
-                ));
-                nums.iter_mut().for_each(|x| *x = x.clamp(0.0, hi));
-            }
-            let geometry = if want == 4 {
-                let [x1, y1, x2, y2] = [nums[0], nums[1], nums[2], nums[3]];
-                // Corners in either order.
-                Geometry::Box([x1.min(x2), y1.min(y2), x1.max(x2), y1.max(y2)])
-            } else {
-                Geometry::Point([nums[0], nums[1]])
-            };
-            out.shapes.push(Shape { geometry, label });
+            push_shape(key, nums, label, coords, out);
         }
         _ => {}
     }
+}
+
+/// A box (4 numbers) or point (2) of an answer, finite, clamped to the coordinate range (noted).
+fn push_shape(key: &str, mut nums: Vec<f64>, label: Option<String>, coords: Coords, out: &mut Parsed) {
+    if nums.iter().any(|x| !x.is_finite()) {
+        out.notes.push(format!("`{key}` has a non-finite value: ignored"));
+        return;
+    }
+    let hi = match coords {
+        Coords::Relative(s) => s,
+        Coords::Resized => f64::INFINITY,
+    };
+    if nums.iter().any(|&x| x < 0.0 || x > hi) {
+        out.notes.push(format!(
+            "`{key}` = {} is outside 0..{}: clamped",
+            short(&format!("{nums:?}")),
+            if hi.is_finite() { hi.to_string() } else { "the image".into() }
+        ));
+        nums.iter_mut().for_each(|x| *x = x.clamp(0.0, hi));
+    }
+    let geometry = if nums.len() == 4 {
+        let [x1, y1, x2, y2] = [nums[0], nums[1], nums[2], nums[3]];
+        // Corners in either order.
+        Geometry::Box([x1.min(x2), y1.min(y2), x1.max(x2), y1.max(y2)])
+    } else {
+        Geometry::Point([nums[0], nums[1]])
+    };
+    out.shapes.push(Shape { geometry, label });
 }
 
 /// An entry's label: `label`, else another short string field (`text_content`, `name`, ...).
@@ -333,6 +390,32 @@ mod tests {
         assert_eq!(p.shapes[1].label, None);
     }
 
+    /// UI-Venus-1.5 / -2's answers (inclusionAI/UI-Venus, `models/grounding/ui_venus2_gd.py`:
+    /// a point `[x,y]` in 0..1000, boxes as four numbers or two points, `[-1,-1]` for no match).
+    #[test]
+    fn bare_lists_as_gui_grounding_checkpoints_answer() {
+        let p = parse("[512,88]", Q3);
+        assert_eq!(p.shapes, vec![Shape { geometry: Geometry::Point([512.0, 88.0]), label: None }]);
+        assert!(p.notes.is_empty(), "{:?}", p.notes);
+        let p = parse("<think>\nthe button [1, 2] is at</think>\n[10, 20, 300, 40.5]", Q3);
+        assert_eq!(boxes(&p), vec![[10.0, 20.0, 300.0, 40.5]]);
+        let p = parse("[300,40],[10,20]", Q3);
+        assert_eq!(boxes(&p), vec![[10.0, 20.0, 300.0, 40.0]]);
+        let p = parse("[[1,2],[3,4]] and [5, 6]", Q3);
+        assert_eq!(boxes(&p), vec![[1.0, 2.0, 3.0, 4.0]]);
+        assert_eq!(p.shapes[1].geometry, Geometry::Point([5.0, 6.0]));
+        let p = parse("[-1,-1]", Q3);
+        assert!(p.shapes.is_empty());
+        assert!(p.notes[0].contains("nothing in the image matches"), "{:?}", p.notes);
+        let p = parse("[1200, 5]", Q3);
+        assert_eq!(p.shapes[0].geometry, Geometry::Point([1000.0, 5.0]));
+        assert!(p.notes[0].contains("clamped"), "{:?}", p.notes);
+        // Lists of other lengths and words are not coordinates; JSON entries win over lists.
+        assert!(parse("[1, 2, 3] [a, b]", Q3).shapes.is_empty());
+        let p = parse(r#"{"point_2d": [7, 8]} [1, 2]"#, Q3);
+        assert_eq!(p.shapes, vec![Shape { geometry: Geometry::Point([7.0, 8.0]), label: None }]);
+    }
+
     #[test]
     fn truncated_list_keeps_complete_entries() {
         let a = "```json\n[{\"bbox_2d\": [1, 2, 3, 4], \"label\": \"a\"}, {\"bbox_2d\": [5, 6, 7, 8], \"label\": \"b\"}, {\"bbox_2d\": [9, 10";
@@ -384,6 +467,8 @@ mod tests {
             "Locate every cat. Report bbox coordinates in JSON format.",
             "Outline each person with a Bounding Box",
             "Point to the button, output point_2d",
+            // UI-Venus-2's grounding prompt.
+            "Output the center point of the position corresponding to the following instruction: \nOpen settings. \n\nThe output should just be the coordinates of a point, in the format [x,y].",
         ] {
             assert!(looks_like_grounding(p), "{p}");
         }
