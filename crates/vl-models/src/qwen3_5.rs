@@ -12,8 +12,9 @@
 //! converter's tiled order; plus the `qwen3vl_merger` mmproj). MoE (`qwen3_5_moe`, `MOE_ENTRY`):
 //! checkpoint directories and `qwen35moe` GGUF files (the pattern from `recurrent_layers`: the
 //! converter writes `full_attention_interval` 4 whatever the config said). `vl quantize` writes
-//! the GGUF pair as llama.cpp's converter and llama-quantize do (`qwen3_vl::gguf_hybrid`). Not
-//! yet: MLX conversions.
+//! the GGUF pair as llama.cpp's converter and llama-quantize do (`qwen3_vl::gguf_hybrid`).
+//! mlx-vlm's conversions load too: their decoder norms stored with +1
+//! (`HybridConfig::norms_plus_one`), the convolution as [C, K, 1] (`Storage::KernelFirst`).
 
 use std::path::Path;
 

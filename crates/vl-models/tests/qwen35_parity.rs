@@ -455,3 +455,35 @@ fn a_reasoning_budget_closes_the_block_and_the_answer_follows() {
         assert!(!c.text.is_empty(), "budget {budget}: no answer after the block");
     }
 }
+
+/// mlx-vlm's conversion of a Qwen3.5 checkpoint (`goldens/tiny-q35-mlx4`: 4-bit affine, group
+/// 64; its `sanitize` stores the decoder norms with +1 and the DeltaNet convolution as
+/// [C, K, 1]): prompt logits within 1e-3 of the reference run on the exactly dequantized weights,
+/// and through the engine (dequantized exactly, `quant: None`) the reference's greedy answers.
+#[test]
+fn an_mlx_conversion_matches_the_dequantized_reference() {
+    let dir = goldens().join("tiny-q35-mlx4/checkpoint");
+    let m = Qwen3VlModel::load(&dir, DType::F32, &device()).unwrap();
+    assert!(m.config().text.hybrid.as_ref().is_some_and(|h| h.norms_plus_one));
+    let engine = load_engine(&dir, EngineOptions { prefix_cache: false, ..Default::default() });
+    assert_eq!(engine.family().name(), "qwen3_5");
+    for name in ["no_think", "one_image"] {
+        let (want, meta) = case_of("tiny-q35-mlx4", name);
+        let p = golden_prompt(&want);
+        let mut cache = m.new_cache();
+        let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
+        let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
+        println!("tiny-q35-mlx4/{name}: last logits max|diff| {d:.2e}");
+        assert!(d <= tol(LOGIT_TOL), "{name}: {d:e}");
+        let ids = greedy_ids(&meta);
+        let req = Request {
+            messages: chat_messages(&meta["messages"]),
+            options: vl_models::GenerationOptions { max_new_tokens: ids.len(), ..Default::default() },
+            template_kwargs: meta["template_kwargs"].as_object().cloned().unwrap_or_default(),
+            ..Default::default()
+        };
+        let c = engine.generate(&req, &mut |_| true).unwrap();
+        assert_eq!(c.prompt_tokens as u64, meta["num_tokens"].as_u64().unwrap(), "{name}");
+        assert_eq!(c.token_ids, ids, "{name}");
+    }
+}

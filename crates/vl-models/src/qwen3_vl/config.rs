@@ -263,6 +263,19 @@ pub struct HybridConfig {
     /// llama.cpp's `qwen35` layout (its converter's rewrites): value heads tiled across key
     /// heads, the decoder norms stored with their +1, `A_log` stored as -exp(A_log).
     pub gguf_layout: bool,
+    /// The decoder norms are stored with their +1 added (llama.cpp's converter and mlx-vlm's
+    /// `sanitize` both add it; transformers' checkpoints do not).
+    pub norms_plus_one: bool,
+}
+
+impl Qwen3VlConfig {
+    /// What the checkpoint's layout says beyond config.json: mlx-vlm's Qwen3.5 conversions store
+    /// the decoder norms with their +1 (its `sanitize`).
+    pub fn follow_layout(&mut self, weights: &super::weights::Weights) {
+        if let (Some(h), super::weights::Layout::MlxCommunity) = (self.text.hybrid.as_mut(), weights.layout) {
+            h.norms_plus_one = true;
+        }
+    }
 }
 
 impl HybridConfig {
@@ -696,6 +709,7 @@ fn hybrid_config(t: &RawText, b: &Bounds, path: &Path) -> Result<HybridConfig> {
         key_head_dim: size("linear_key_head_dim", t.linear_key_head_dim, 128, MAX_HEAD_DIM)?,
         value_head_dim: size("linear_value_head_dim", t.linear_value_head_dim, 128, MAX_HEAD_DIM)?,
         gguf_layout: false,
+        norms_plus_one: false,
     };
     if !h.value_heads.is_multiple_of(h.key_heads) {
         return Err(field_err(

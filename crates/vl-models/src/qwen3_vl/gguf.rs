@@ -196,6 +196,7 @@ impl GgufModel {
             key_head_dim: t.usize(&k("ssm.state_size"), 1024)?,
             value_head_dim: inner / v_heads,
             gguf_layout: true,
+            norms_plus_one: true,
         };
         Ok((layers, h, t.usize(&k("rope.dimension_count"), 1024)?))
     }

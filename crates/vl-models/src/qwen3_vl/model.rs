@@ -59,8 +59,9 @@ impl Qwen3VlModel {
     /// Loads a model directory (HF or MLX-community layout; MLX-quantized weights are
     /// dequantized exactly), quantizing the text decoder to `quant` when given.
     pub fn load_quantized(dir: &Path, dtype: DType, device: &Device, quant: Option<vl_nn::QuantType>) -> Result<Self> {
-        let cfg = Qwen3VlConfig::from_dir(dir)?;
+        let mut cfg = Qwen3VlConfig::from_dir(dir)?;
         let w = Arc::new(Weights::open(dir)?);
+        cfg.follow_layout(&w);
         check_plan(&plan_for(&cfg, &w), &w)?;
         let read_as = w.text_float_dtype();
         let vision = VisionTower::load(&cfg.vision, w.var_builder(dtype, device, None).pp(VISION_PREFIX))?;

@@ -29,8 +29,9 @@ pub struct ModelDir {
 
 impl ModelDir {
     pub fn open(dir: &Path) -> Result<Self> {
-        let config = Qwen3VlConfig::from_dir(dir)?;
+        let mut config = Qwen3VlConfig::from_dir(dir)?;
         let weights = Arc::new(Weights::open(dir)?);
+        config.follow_layout(&weights);
         let plan = plan_for(&config, &weights);
         let plan_report = check_plan(&plan, &weights)?;
         let processor = Processor::from_dir(dir)?;

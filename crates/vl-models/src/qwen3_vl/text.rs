@@ -212,9 +212,9 @@ impl Mixer {
 }
 
 /// Whether the decoder's RMSNorms add 1 to their stored weights at load (Qwen3.5 from
-/// safetensors; llama.cpp's converter stores them with the 1 added).
+/// transformers' safetensors; llama.cpp's converter and mlx-vlm store them with the 1 added).
 fn unit_offset_norms(cfg: &TextConfig) -> bool {
-    cfg.hybrid.as_ref().is_some_and(|h| !h.gguf_layout)
+    cfg.hybrid.as_ref().is_some_and(|h| !h.norms_plus_one)
 }
 
 /// A Gated DeltaNet layer's weights (`linear_attn.*`).

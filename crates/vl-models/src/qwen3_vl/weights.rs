@@ -56,6 +56,9 @@ pub enum Storage {
     Affine { bits: usize, group: usize },
     /// A 5-D conv weight stored (out, t, h, w, in) instead of (out, in, t, h, w).
     ChannelsLast,
+    /// A depthwise 1-D conv weight stored [channels, kernel, 1] instead of [channels, 1, kernel]
+    /// (mlx-vlm's Qwen3.5 DeltaNet convolution).
+    KernelFirst,
 }
 
 #[derive(Debug, Clone)]
@@ -204,6 +207,15 @@ impl Weights {
                     shape = vec![shape[0], shape[4], shape[1], shape[2], shape[3]];
                     Storage::ChannelsLast
                 }
+                None if layout == Layout::MlxCommunity
+                    && hf_key(key).ends_with(".linear_attn.conv1d.weight")
+                    && shape.len() == 3
+                    && shape[2] == 1
+                    && shape[1] != 1 =>
+                {
+                    shape = vec![shape[0], 1, shape[1]];
+                    Storage::KernelFirst
+                }
                 None => Storage::Plain,
             };
             if !matches!(storage, Storage::Affine { .. }) && !is_float(dtype) {
@@ -288,6 +300,7 @@ impl Weights {
         let t = match &e.storage {
             Storage::Plain => self.ck.load(&e.stored_key, dev)?,
             Storage::ChannelsLast => self.ck.load(&e.stored_key, dev)?.permute((0, 4, 1, 2, 3))?.contiguous()?,
+            Storage::KernelFirst => self.ck.load(&e.stored_key, dev)?.permute((0, 2, 1))?.contiguous()?,
             Storage::Affine { bits, group } => {
                 let module = &e.stored_key[..e.stored_key.len() - ".weight".len()];
                 let f32s = |k: &str| -> Result<Vec<f32>> {

@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""MLX side of goldens/tiny-q35-mlx4 (run by tools/hf-reference/generate-mlx-q35): mlx_vlm's CLI
+converts the float Qwen3.5 source (4-bit affine, group 64), then every tensor is written back in
+transformers' layout for the reference run: quantized ones dequantized exactly (mx.dequantize in
+float32),
+and mlx-vlm's `sanitize` (mlx_vlm/models/qwen3_5/qwen3_5.py) undone: the decoder norms it stores
+with +1 (input/post-attention layernorms, the final norm, q/k norms; not the DeltaNet's gated norm)
+get it taken off, the DeltaNet convolution goes back from [C, K, 1] to [C, 1, K] and the patch
+embedding from channels-last to channels-first.
+
+    tools/mlx-reference/.venv/bin/python tools/mlx-reference/convert_q35.py SRC GOLDENS CACHE
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from safetensors.numpy import save_file
+
+NAME = "tiny-q35-mlx4"
+PREFIXES = [("vision_tower.", "model.visual."), ("language_model.model.", "model.language_model."),
+            ("language_model.lm_head.", "lm_head.")]
+SHIFTED = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight", ".q_norm.weight",
+           ".k_norm.weight")
+
+
+def hf_key(k):
+    for a, b in PREFIXES:
+        if k.startswith(a):
+            return b + k[len(a):]
+    return k
+
+
+def main(src, out_root, cache):
+    ck = Path(out_root) / NAME / "checkpoint"
+    if ck.parent.exists():
+        shutil.rmtree(ck.parent)
+    subprocess.run([sys.executable, "-m", "mlx_vlm", "convert", "--hf-path", src, "--mlx-path", str(ck),
+                    "-q", "--q-bits", "4", "--q-group-size", "64"], check=True)
+    # The tokenizer is goldens/tokenizer-q35's (linked, not stored twice).
+    (ck / "tokenizer.json").unlink()
+    os.symlink(os.path.join("..", "..", "tokenizer-q35", "tokenizer.json"), ck / "tokenizer.json")
+    (ck / "README.md").unlink(missing_ok=True)
+    cfg = json.loads((ck / "config.json").read_text())
+    weights = {}
+    for f in sorted(ck.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    dense = {}
+    for k, v in weights.items():
+        if k.endswith(".scales") or k.endswith(".biases"):
+            continue
+        m = k[: -len(".weight")] if k.endswith(".weight") else None
+        if m is not None and f"{m}.scales" in weights:
+            q = cfg["quantization"].get(m, cfg["quantization"])
+            # In float32: with the checkpoint's bf16 scales and biases mx.dequantize would round
+            # each weight to bf16, which is not the model the stored values describe.
+            scales, biases = weights[f"{m}.scales"].astype(mx.float32), weights[f"{m}.biases"].astype(mx.float32)
+            w = mx.dequantize(v, scales, biases, group_size=q["group_size"], bits=q["bits"])
+            arr = np.array(w.astype(mx.float32))
+        else:
+            arr = np.array(v.astype(mx.float32))
+        key = hf_key(k)
+        if key.startswith("model.language_model.") and key.endswith(SHIFTED):
+            arr = arr - np.float32(1.0)
+        if key.endswith(".linear_attn.conv1d.weight") and arr.shape[-1] == 1:
+            arr = np.ascontiguousarray(np.moveaxis(arr, 2, 1))
+        if key == "model.visual.patch_embed.proj.weight" and arr.ndim == 5:
+            arr = np.ascontiguousarray(arr.transpose(0, 4, 1, 2, 3))
+        dense[key] = arr
+    Path(cache).mkdir(parents=True, exist_ok=True)
+    save_file(dense, str(Path(cache) / f"{NAME}-dequantized.safetensors"))
+    print(f"{NAME}: {sum(1 for k in weights if k.endswith('.scales'))} quantized tensors of {len(dense)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
