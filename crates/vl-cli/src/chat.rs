@@ -121,7 +121,11 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let video = args.load.media.video_options()?;
     let quant = args.load.model.quant_of(&dir, dtype)?;
     // The clip cache at its default: the history, videos included, is sent again every turn.
-    let opts = EngineOptions { model: args.load.model_options(dev, dtype, quant, video), ..Default::default() };
+    let opts = EngineOptions {
+        model: args.load.model_options(dev, dtype, quant, video),
+        kv_cache_bytes: args.load.limits.kv_cache_bytes()?,
+        ..Default::default()
+    };
     let t = Instant::now();
     let draft = args.sampling.speculative.open_draft(&args.load.model, &opts.model)?;
     let engine = Engine::open_with_draft(&dir, args.load.model.mmproj.as_deref(), draft, opts)

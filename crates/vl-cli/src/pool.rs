@@ -80,7 +80,11 @@ fn engine(load: &LoadArgs) -> Result<Engine> {
     let dir = vl_models::hub::resolve(&load.model.model)?;
     let video = load.media.video_options()?;
     let quant = load.model.quant_of(&dir, dtype)?;
-    let opts = EngineOptions { model: load.model_options(dev, dtype, quant, video), ..Default::default() };
+    let opts = EngineOptions {
+        model: load.model_options(dev, dtype, quant, video),
+        kv_cache_bytes: load.limits.kv_cache_bytes()?,
+        ..Default::default()
+    };
     let t = Instant::now();
     let engine =
         Engine::open(&dir, load.model.mmproj.as_deref(), opts).with_context(|| format!("model {}", dir.display()))?;

@@ -210,7 +210,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         clip_cache_bytes: 0,
         prefix_cache: false,
         parallel: 1,
-        kv_cache_bytes: vl_models::engine::default_kv_cache_bytes(),
+        kv_cache_bytes: args.load.limits.kv_cache_bytes()?,
         prefill_chunk: vl_models::engine::DEFAULT_PREFILL_CHUNK,
     };
 
@@ -342,11 +342,14 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     progress.finish();
     let shot = result.map_err(|e| match e {
         vl_models::Error::Limit {
-            kind: vl_models::limits::LimitKind::Context | vl_models::limits::LimitKind::KvCache,
+            kind: kind @ (vl_models::limits::LimitKind::Context | vl_models::limits::LimitKind::KvCache),
             message,
             ..
         } => {
             let mut hints = vec![];
+            if kind == vl_models::limits::LimitKind::KvCache {
+                hints.push("raise the budget with --kv-cache-mib N");
+            }
             if !args.images.is_empty() {
                 hints.push("lower --max-image-tokens (or --max-pixels)");
             }

@@ -43,11 +43,6 @@ pub struct ServeArgs {
     /// running sequence's row at once, so the weights are read once per step for all of them.
     #[arg(long, default_value_t = vl_models::engine::DEFAULT_PARALLEL)]
     parallel: usize,
-    /// KV cache budget in MiB, running sequences and kept prefixes together (default: a quarter
-    /// of the machine's memory). A request whose prompt cannot fit in it is refused with 503; one
-    /// that cannot fit now waits.
-    #[arg(long)]
-    kv_cache_mib: Option<usize>,
     /// Local image paths (and file:// URLs) are read only under this directory.
     #[arg(long)]
     allowed_media_dir: Option<PathBuf>,
@@ -167,9 +162,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     if args.parallel == 0 || args.parallel > MAX_PARALLEL {
         anyhow::bail!("--parallel {}: must be in 1..={MAX_PARALLEL}", args.parallel);
     }
-    if args.kv_cache_mib == Some(0) {
-        anyhow::bail!("--kv-cache-mib 0: the KV cache needs at least one block");
-    }
+    let kv_cache_bytes = args.load.limits.kv_cache_bytes()?;
     if let Some(key) = &args.api_key {
         vl_server::check_api_key(key).map_err(|e| anyhow::anyhow!("--api-key (or VL_API_KEY): {e}"))?;
     }
@@ -214,9 +207,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         clip_cache_bytes: args.clip_cache_mib.saturating_mul(1 << 20),
         prefix_cache: !args.no_prefix_cache,
         parallel: args.parallel,
-        kv_cache_bytes: args
-            .kv_cache_mib
-            .map_or_else(vl_models::engine::default_kv_cache_bytes, |m| m.saturating_mul(1 << 20)),
+        kv_cache_bytes,
         prefill_chunk: vl_models::engine::DEFAULT_PREFILL_CHUNK,
     };
     let id = args.served_model_name.clone().unwrap_or_else(|| args.load.model.model.clone());

@@ -402,6 +402,14 @@ fn bad_flags_are_refused_with_the_flag_and_value() {
         &["from 1 image", "context of 2048", "--max-pixels"],
     );
     println!("context-overflowing budget: peak RSS {} MiB", o.peak_rss >> 20);
+    // The KV budget: 0 is refused; a prompt whose cache exceeds it is refused naming the flag that
+    // raises it (1,510 tokens of tiny-q35 need 1.5 MiB).
+    fails(&["run", "--model", &ck, "--image", &img, "--kv-cache-mib", "0"], &["--kv-cache-mib 0"]);
+    let long = vec!["river"; 1500].join(" ");
+    fails(
+        &["run", "--model", &q35, "--prompt", &long, "--kv-cache-mib", "1", "--max-new-tokens", "2"],
+        &["1510 tokens", "1.5 MiB", "budget of 1.0 MiB", "--kv-cache-mib"],
+    );
     // --logits-out to an unwritable place fails first, with plain text.
     let o = fails(
         &["run", "--model", &ck, "--logits-out", "/no/such/dir/logits.safetensors"],
