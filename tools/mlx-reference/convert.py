@@ -79,6 +79,23 @@ def predicate_for(rules, bits, group):
     return predicate
 
 
+def float_tensors(weights, cfg):
+    """(stored key, float32 array, quantized?) of every tensor but the scales and biases, the
+    quantized ones dequantized with mx.dequantize (its scales and biases in float32: with bf16 ones
+    it rounds each weight to bf16, which is not the model the stored values describe)."""
+    for k, v in weights.items():
+        if k.endswith(".scales") or k.endswith(".biases"):
+            continue
+        m = k[: -len(".weight")] if k.endswith(".weight") else None
+        if m is not None and f"{m}.scales" in weights:
+            q = cfg["quantization"].get(m, cfg["quantization"])
+            scales, biases = weights[f"{m}.scales"].astype(mx.float32), weights[f"{m}.biases"].astype(mx.float32)
+            w = mx.dequantize(v, scales, biases, group_size=q["group_size"], bits=q["bits"])
+            yield k, np.array(w.astype(mx.float32)), True
+        else:
+            yield k, np.array(v.astype(mx.float32)), False
+
+
 def load_all(ck):
     weights = {}
     for f in sorted(ck.glob("*.safetensors")):
@@ -141,21 +158,13 @@ def main(src, out_root, cache, names):
         weights = load_all(ck)
         dense = {}
         pinned = {}
-        for k, v in weights.items():
-            if k.endswith(".scales") or k.endswith(".biases"):
-                continue
-            m = k[: -len(".weight")] if k.endswith(".weight") else None
-            if m is not None and f"{m}.scales" in weights:
-                q = cfg["quantization"].get(m, cfg["quantization"])
-                w = mx.dequantize(v, weights[f"{m}.scales"], weights[f"{m}.biases"],
-                                  group_size=q["group_size"], bits=q["bits"])
-                arr = np.array(w.astype(mx.float32))
+        for k, arr, quantized in float_tensors(weights, cfg):
+            if quantized:
                 if hf_key(k).endswith("layers.0.self_attn.o_proj.weight") or hf_key(k).endswith("layers.1.mlp.down_proj.weight"):
                     pinned[hf_key(k)] = arr
                 if hf_key(k).endswith("embed_tokens.weight"):
                     pinned[hf_key(k) + "[:64]"] = arr[:64].copy()
             else:
-                arr = np.array(v.astype(mx.float32))
                 if hf_key(k) == "model.visual.patch_embed.proj.weight" and arr.ndim == 5:
                     arr = np.ascontiguousarray(arr.transpose(0, 4, 1, 2, 3))
             dense[hf_key(k)] = arr

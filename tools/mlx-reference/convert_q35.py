@@ -17,22 +17,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 from safetensors.numpy import save_file
 
+from convert import float_tensors, hf_key, load_all
+
 NAME = "tiny-q35-mlx4"
-PREFIXES = [("vision_tower.", "model.visual."), ("language_model.model.", "model.language_model."),
-            ("language_model.lm_head.", "lm_head.")]
 SHIFTED = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight", ".q_norm.weight",
            ".k_norm.weight")
-
-
-def hf_key(k):
-    for a, b in PREFIXES:
-        if k.startswith(a):
-            return b + k[len(a):]
-    return k
 
 
 def main(src, out_root, cache):
@@ -46,23 +38,9 @@ def main(src, out_root, cache):
     os.symlink(os.path.join("..", "..", "tokenizer-q35", "tokenizer.json"), ck / "tokenizer.json")
     (ck / "README.md").unlink(missing_ok=True)
     cfg = json.loads((ck / "config.json").read_text())
-    weights = {}
-    for f in sorted(ck.glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
     dense = {}
-    for k, v in weights.items():
-        if k.endswith(".scales") or k.endswith(".biases"):
-            continue
-        m = k[: -len(".weight")] if k.endswith(".weight") else None
-        if m is not None and f"{m}.scales" in weights:
-            q = cfg["quantization"].get(m, cfg["quantization"])
-            # In float32: with the checkpoint's bf16 scales and biases mx.dequantize would round
-            # each weight to bf16, which is not the model the stored values describe.
-            scales, biases = weights[f"{m}.scales"].astype(mx.float32), weights[f"{m}.biases"].astype(mx.float32)
-            w = mx.dequantize(v, scales, biases, group_size=q["group_size"], bits=q["bits"])
-            arr = np.array(w.astype(mx.float32))
-        else:
-            arr = np.array(v.astype(mx.float32))
+    weights = load_all(ck)
+    for k, arr, _ in float_tensors(weights, cfg):
         key = hf_key(k)
         if key.startswith("model.language_model.") and key.endswith(SHIFTED):
             arr = arr - np.float32(1.0)
