@@ -106,7 +106,7 @@ pub(super) fn metadata(cfg: &Qwen3VlConfig, h: &HybridConfig, mtp: usize, arch: 
     // The converter writes the config's interval (4 when absent); llama.cpp reads
     // `recurrent_layers` first, which is always written here.
     let every = (2..=h.linear.len())
-        .find(|&k| h.linear.iter().enumerate().all(|(i, &lin)| lin == !(i + 1).is_multiple_of(k)))
+        .find(|&k| h.linear.iter().enumerate().all(|(i, &lin)| lin != (i + 1).is_multiple_of(k)))
         .unwrap_or(4);
     let mut meta = vec![
         (a("ssm.conv_kernel"), u(h.conv_kernel)),
