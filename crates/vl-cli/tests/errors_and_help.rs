@@ -52,7 +52,7 @@ fn usage_errors_carry_clap_s_suggestions_and_the_subcommand_s_help() {
 
     let (code, _, err) = vl(&["quantize", "--model", "m", "--out", "o", "--quantize", "q3k"]);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("[possible values: q4k, q5k, q6k, q8, q4k_m]"), "{err}");
+    assert!(err.contains("[possible values: q4k, q5k, q6k, q8, q4k_m, bf16, f16, f32]"), "{err}");
 }
 
 #[test]
