@@ -108,18 +108,28 @@ pub fn parse(text: &str, coords: Coords) -> Parsed {
 /// `[x1,y1],[x2,y2]`, are one box), as GUI-grounding checkpoints answer. All -1 says nothing
 /// matches: noted, no shape.
 fn bare_lists(text: &str, coords: Coords, out: &mut Parsed) {
+    // A list holds only number characters, so each `[` is looked past by at most this many bytes:
+    // the scan stays linear in the answer, whatever brackets it holds.
+    const MAX_LIST_BYTES: usize = 128;
+    let bytes = text.as_bytes();
     let mut lists: Vec<(usize, usize, Vec<f64>)> = Vec::new();
-    let mut rest = text;
-    let mut offset = 0;
-    while let Some(open) = rest.find('[') {
-        let Some(len) = rest[open..].find(']') else { break };
-        let inner = &rest[open + 1..open + len];
-        let nums: Option<Vec<f64>> = inner.split(',').map(|x| x.trim().parse::<f64>().ok()).collect();
-        if let Some(nums) = nums.filter(|n| n.len() == 2 || n.len() == 4) {
-            lists.push((offset + open, offset + open + len + 1, nums));
+    let mut from = 0;
+    while let Some(p) = text[from..].find('[') {
+        let open = from + p;
+        from = open + 1;
+        let body = bytes[open + 1..]
+            .iter()
+            .take(MAX_LIST_BYTES)
+            .take_while(|b| b"0123456789+-.,eE \t\r\n".contains(b))
+            .count();
+        let close = open + 1 + body;
+        if bytes.get(close) != Some(&b']') {
+            continue;
         }
-        offset += open + 1;
-        rest = &rest[open + 1..];
+        let nums: Option<Vec<f64>> = text[open + 1..close].split(',').map(|x| x.trim().parse::<f64>().ok()).collect();
+        if let Some(nums) = nums.filter(|n| n.len() == 2 || n.len() == 4) {
+            lists.push((open, close + 1, nums));
+        }
         if lists.len() > 2 * MAX_SHAPES {
             break;
         }
