@@ -106,6 +106,21 @@ impl LayerState {
     }
 }
 
+/// Final hidden rows kept at most per sequence (`SeqState::keep_hidden`): a draft head reads
+/// them at the end of each prefill chunk and each decode step, so a sequence holds a chunk's
+/// worth; past this the oldest go (its head then starts later).
+pub const MAX_HIDDEN_ROWS: usize = 8192;
+
+/// The model's final hidden rows of recent positions, for a draft head that reads them
+/// (Qwen3.5's multi-token prediction): rows of positions `start..start + n`, with the positions
+/// (one per rotary axis) the model ran them at.
+#[derive(Debug, Clone)]
+struct Hidden {
+    start: usize,
+    rows: Tensor,
+    positions: Vec<[i64; 3]>,
+}
+
 /// One sequence's state: a `LayerState` per decoder layer, and where decoding continues.
 #[derive(Debug, Clone, Default)]
 pub struct SeqState {
@@ -113,12 +128,15 @@ pub struct SeqState {
     /// Where decoding continues: the next position is `len() + position_offset` (a family with
     /// multi-axis positions sets it at prefill; Qwen3-VL's M-RoPE `rope_delta`).
     pub position_offset: i64,
+    /// Whether the family records its final hidden rows here (`record_hidden`).
+    keep_hidden: bool,
+    hidden: Option<Hidden>,
 }
 
 impl SeqState {
     /// A state of these layers, empty.
     pub fn new(layers: Vec<LayerState>) -> Self {
-        Self { layers, position_offset: 0 }
+        Self { layers, position_offset: 0, keep_hidden: false, hidden: None }
     }
     /// `n` attention layers, empty.
     pub fn kv(n: usize) -> Self {
@@ -160,10 +178,79 @@ impl SeqState {
             .min()
             .unwrap_or(usize::MAX)
     }
-    /// Bytes held: KV rows allocated, recurrent states and their snapshots.
+    /// Bytes held: KV rows allocated, recurrent states and their snapshots, kept hidden rows.
     pub fn bytes(&self) -> usize {
-        self.layers.iter().map(LayerState::bytes).sum()
+        let hidden = self.hidden.as_ref().map_or(0, |h| h.rows.elem_count() * h.rows.dtype().size_in_bytes());
+        self.layers.iter().map(LayerState::bytes).sum::<usize>() + hidden
     }
+    /// Asks the family to record its final hidden rows (`record_hidden`) from now on, for a
+    /// draft head; off drops what is kept.
+    pub fn keep_hidden(&mut self, on: bool) {
+        self.keep_hidden = on;
+        if !on {
+            self.hidden = None;
+        }
+    }
+    pub fn keeps_hidden(&self) -> bool {
+        self.keep_hidden
+    }
+    /// A family's forward pass records its final hidden rows `rows` ([n, hidden]) of positions
+    /// `start..start + n`, run at `positions`, when asked (`keep_hidden`); they replace kept
+    /// rows from `start` on. At most `MAX_HIDDEN_ROWS` are kept, the latest.
+    pub fn record_hidden(&mut self, start: usize, rows: &Tensor, positions: &[[i64; 3]]) -> Result<()> {
+        if !self.keep_hidden {
+            return Ok(());
+        }
+        let n = rows.dim(0)?;
+        if n != positions.len() {
+            return Err(Error::Internal { message: format!("{n} hidden rows for {} positions", positions.len()) });
+        }
+        let mut next = match self.hidden.take() {
+            Some(h) if start > h.start && start <= h.start + h.positions.len() => {
+                let keep = start - h.start;
+                let mut all = h.positions[..keep].to_vec();
+                all.extend_from_slice(positions);
+                Hidden { start: h.start, rows: Tensor::cat(&[&h.rows.narrow(0, 0, keep)?, rows], 0)?, positions: all }
+            }
+            _ => Hidden { start, rows: rows.clone(), positions: positions.to_vec() },
+        };
+        let over = next.positions.len().saturating_sub(MAX_HIDDEN_ROWS);
+        if over > 0 {
+            next.rows = next.rows.narrow(0, over, MAX_HIDDEN_ROWS)?;
+            next.positions.drain(..over);
+            next.start += over;
+        }
+        self.hidden = Some(next);
+        Ok(())
+    }
+    /// The positions whose hidden rows are kept: `start..end` (empty when none).
+    pub fn hidden_span(&self) -> std::ops::Range<usize> {
+        self.hidden.as_ref().map_or(0..0, |h| h.start..h.start + h.positions.len())
+    }
+    /// The kept hidden rows of positions `from..to` (within `hidden_span`) and their positions.
+    pub fn hidden_rows(&self, from: usize, to: usize) -> Result<(Tensor, Vec<[i64; 3]>)> {
+        let span = self.hidden_span();
+        let h = self.hidden.as_ref().filter(|_| span.start <= from && from < to && to <= span.end).ok_or_else(|| {
+            Error::Internal { message: format!("hidden rows {from}..{to} asked, {span:?} kept") }
+        })?;
+        let (a, b) = (from - h.start, to - h.start);
+        Ok((h.rows.narrow(0, a, b - a)?, h.positions[a..b].to_vec()))
+    }
+    /// Drops the kept hidden rows of positions before `pos` (a draft head has read them).
+    pub fn forget_hidden_before(&mut self, pos: usize) -> Result<()> {
+        let Some(h) = self.hidden.as_mut() else { return Ok(()) };
+        let drop = pos.saturating_sub(h.start).min(h.positions.len());
+        if drop == h.positions.len() {
+            self.hidden = None;
+        } else if drop > 0 {
+            // A copy, so that the rows read go with their storage.
+            h.rows = h.rows.narrow(0, drop, h.positions.len() - drop)?.contiguous()?.copy()?;
+            h.positions.drain(..drop);
+            h.start += drop;
+        }
+        Ok(())
+    }
+
     /// Grows the KV caches to room for `positions` in all, by whole blocks.
     pub fn reserve(&mut self, positions: usize) {
         for l in &mut self.layers {
@@ -212,7 +299,13 @@ impl SeqState {
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(SeqState { layers, position_offset: self.position_offset })
+        // Kept hidden rows of the positions copied (a fork's head drafts from them).
+        let hidden = self.hidden.as_ref().and_then(|h| {
+            let n = len.saturating_sub(h.start).min(h.positions.len());
+            let rows = h.rows.narrow(0, 0, n).ok()?;
+            (n > 0).then(|| Hidden { start: h.start, rows, positions: h.positions[..n].to_vec() })
+        });
+        Ok(SeqState { layers, position_offset: self.position_offset, keep_hidden: self.keep_hidden, hidden })
     }
     /// A copy of all of it (a choice forked from one prefill).
     pub fn fork(&self) -> Result<SeqState> {
@@ -283,6 +376,7 @@ impl SeqState {
     }
     /// Empties every layer, keeping nothing.
     pub fn release(&mut self) {
+        self.hidden = None;
         for l in &mut self.layers {
             match l {
                 LayerState::Kv(c) => c.reset(),

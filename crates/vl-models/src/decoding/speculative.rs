@@ -1,7 +1,8 @@
 //! Speculative decoding's draft side, model-agnostic: the options a request or a command sets,
 //! and prompt lookup (n-gram drafts: the tokens that followed the latest earlier occurrence of
 //! the answer's last few tokens, in the prompt or the answer). Drafts from a second model
-//! (`Method::Draft`) are the engine's (`engine/draft.rs`): it holds that model.
+//! (`Method::Draft`) are the engine's (`engine/draft.rs`): it holds that model; so are those of
+//! the model's own multi-token-prediction head (`Method::Mtp`, `engine/head.rs`).
 //!
 //! Drafts are verified by the scheduler in one batched forward pass with the token before them:
 //! each drafted token is kept while the token the sampler picks from the previous row's logits
@@ -23,17 +24,19 @@ pub enum Method {
     /// A draft model's greedy picks: a smaller checkpoint of the same tokenizer the engine
     /// loaded beside the model (`--draft-model`).
     Draft,
+    /// The model's own multi-token-prediction head's greedy picks (Qwen3.5's `mtp.*`).
+    Mtp,
 }
 
 impl Method {
-    /// `off`, `ngram` or `draft`; `mtp` is named as not built yet.
+    /// `off`, `ngram`, `draft` or `mtp`.
     pub fn parse(s: &str) -> std::result::Result<Self, String> {
         match s {
             "off" | "none" => Ok(Self::Off),
             "ngram" => Ok(Self::Ngram),
             "draft" => Ok(Self::Draft),
-            "mtp" => Err(format!("`{s}` is not available yet: use `draft`, `ngram` or `off`")),
-            other => Err(format!("`{other}` is not a speculative method: expected `draft`, `ngram` or `off`")),
+            "mtp" => Ok(Self::Mtp),
+            other => Err(format!("`{other}` is not a speculative method: expected `mtp`, `draft`, `ngram` or `off`")),
         }
     }
     pub fn name(self) -> &'static str {
@@ -41,6 +44,7 @@ impl Method {
             Self::Off => "off",
             Self::Ngram => "ngram",
             Self::Draft => "draft",
+            Self::Mtp => "mtp",
         }
     }
 }
@@ -88,10 +92,10 @@ impl Speculative {
 
     /// Up to `limit` (and `draft_max`) tokens to verify after `history` (the prompt, the answer
     /// so far and the token about to be fed); empty when off or nothing matches, and for a
-    /// draft model (the engine runs it).
+    /// draft model or head (the engine runs them).
     pub fn draft(&self, history: &[u32], limit: usize) -> Vec<u32> {
         match self.method {
-            Method::Off | Method::Draft => vec![],
+            Method::Off | Method::Draft | Method::Mtp => vec![],
             Method::Ngram => ngram_draft(history, self.ngram_min, self.ngram_max, self.draft_max.min(limit)),
         }
     }

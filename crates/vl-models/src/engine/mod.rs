@@ -21,6 +21,7 @@
 
 mod admission;
 mod draft;
+mod head;
 mod pool;
 mod prefix;
 mod scheduler;
@@ -344,6 +345,9 @@ impl Engine {
         let guides = guides(&*self.shared.family, generator, &self.shared.compiler, req, n)?;
         let s = &self.shared;
         let draft = drafter(s.draft.as_ref(), req)?;
+        if req.options.speculative.method == crate::speculative::Method::Mtp && generator.draft_head().is_none() {
+            return Err(scheduler::no_head());
+        }
         let prepared = s.family.prepare(req, &self.media_context())?;
         check_fits(generator, s.opts.kv_cache_bytes, &prepared)?;
         let mut encoded = encode(&*s.family, &prepared, &s.features, &s.vision)?;

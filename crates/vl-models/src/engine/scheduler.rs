@@ -25,11 +25,12 @@ use std::time::{Duration, Instant};
 use vl_nn::kv_cache::{blocks_for, BLOCK};
 
 use super::draft::{self, DraftSeq};
+use super::head::{self, HeadSeq};
 use super::prefix::PrefixStore;
 use super::sequence::{orphan_forks, Command, Event, Fork, Job, Phase, Seq};
 use super::{lock, EngineStats, Finish, Shared};
 use crate::error::Result;
-use crate::family::{Family, Generator, Identity, Task};
+use crate::family::{DraftHead, Family, Generator, Identity, Task};
 use crate::state::SeqState;
 
 struct Scheduler<'f> {
@@ -210,6 +211,16 @@ impl<'f> Scheduler<'f> {
             if seq.job.encoded.draft.is_some() {
                 need += blocks_for(seq.ids.len() + 1) * self.draft_per_position + self.draft_fixed;
             }
+            if seq.uses_head() {
+                match self.head() {
+                    Some(h) => need += blocks_for(seq.ids.len() + 1) * h.kv_bytes_per_position(),
+                    None => {
+                        let seq = self.waiting.pop_front().expect("front exists");
+                        self.fail(seq, no_head());
+                        continue;
+                    }
+                }
+            }
             let running: usize = self.running.iter().map(Seq::held_bytes).sum();
             if running + need > self.budget() {
                 if self.running.is_empty() {
@@ -238,6 +249,8 @@ impl<'f> Scheduler<'f> {
                 }
             }
             seq.draft = self.draft.filter(|_| seq.job.encoded.draft.is_some()).map(DraftSeq::new);
+            seq.head = self.head().filter(|_| seq.uses_head()).map(HeadSeq::new);
+            seq.state.keep_hidden(seq.head.is_some());
             let more = need.saturating_sub(seq.state.bytes());
             self.make_room(more);
             seq.reserved = need;
@@ -299,6 +312,12 @@ impl<'f> Scheduler<'f> {
         // The draft's chunk beside it (catching up a prefix the model reused, a chunk a step).
         if let (Ok(_), Some(d)) = (&result, self.draft) {
             if let Err(e) = seq.draft_catch_up(d, end, chunk) {
+                result = Err(e);
+            }
+        }
+        // The head's entries of the chunk's positions.
+        if let (Ok(_), Some(h)) = (&result, self.generator.draft_head()) {
+            if let Err(e) = seq.head_catch_up(h, self.family.vocab_size()) {
                 result = Err(e);
             }
         }
@@ -373,8 +392,9 @@ impl<'f> Scheduler<'f> {
                 };
                 let mut seq = Seq::new(Box::new(job), self.family);
                 seq.cached_tokens = parent.cached_tokens;
-                // Its draft catches up at its decode steps.
+                // Its draft catches up at its decode steps; its head from the rows the copy kept.
                 seq.draft = self.draft.filter(|_| seq.job.encoded.draft.is_some()).map(DraftSeq::new);
+                seq.head = self.head().filter(|_| seq.uses_head()).map(HeadSeq::new);
                 (seq, parent.state.fork(), parent.state.bytes())
             };
             let fits = self.running.len() < self.shared.opts.parallel && self.make_room(bytes);
@@ -426,6 +446,7 @@ impl<'f> Scheduler<'f> {
                     let mut v = self.running.remove(j);
                     v.state = SeqState::default();
                     v.draft = None;
+                    v.head = None;
                     v.verified.clear();
                     v.checkpoint = None;
                     v.reserved = 0;
@@ -477,7 +498,7 @@ impl<'f> Scheduler<'f> {
         let chunk = self.shared.opts.prefill_chunk;
         let mut who = Vec::new();
         for (r, &i) in rows.iter().enumerate() {
-            if plans[r].1 == 0 {
+            if plans[r].1 == 0 || self.running[i].draft.is_none() {
                 continue;
             }
             let lag = |s: &Seq| s.ids.len().saturating_sub(s.draft.as_ref().map_or(0, |d| d.state.len()));
@@ -529,6 +550,54 @@ impl<'f> Scheduler<'f> {
         Ok(())
     }
 
+    /// The model's draft head's proposals for the rows that want some and draft with it,
+    /// appended to their drafts; a head whose growth the budget has no room for proposes nothing
+    /// this step. An error names the sequences it stopped.
+    fn head_step(
+        &mut self,
+        rows: &[usize],
+        plans: &mut [(Vec<u32>, usize)],
+    ) -> std::result::Result<(), (Vec<usize>, String)> {
+        let Some(h) = self.generator.draft_head() else { return Ok(()) };
+        let per_position = h.kv_bytes_per_position();
+        let mut who = Vec::new();
+        for (r, &i) in rows.iter().enumerate() {
+            let seq = &self.running[i];
+            let Some(head) = seq.head.as_ref().filter(|_| plans[r].1 > 0) else { continue };
+            let grown = seq.ids.len() + 1 + plans[r].0.len() + plans[r].1;
+            let more = blocks_for(grown).saturating_sub(head.state.capacity()) * per_position;
+            if more > 0 && !self.make_room(more) {
+                plans[r].1 = 0;
+                continue;
+            }
+            who.push(r);
+        }
+        if who.is_empty() {
+            return Ok(());
+        }
+        let vocab = self.family.vocab_size();
+        let eos = self.generator.eos_token_ids();
+        let mut work = Vec::with_capacity(who.len());
+        let mut idx = who.iter().map(|&r| rows[r]).peekable();
+        for (i, seq) in self.running.iter_mut().enumerate() {
+            if idx.peek() != Some(&i) {
+                continue;
+            }
+            idx.next();
+            let r = rows.iter().position(|&x| x == i).expect("a row");
+            let mut tokens = seq.ids.clone();
+            tokens.push(seq.pending.expect("a fed sequence"));
+            let head = seq.head.as_mut().expect("checked above");
+            work.push(head::Work { head, model: &mut seq.state, tokens, forced: plans[r].0.clone(), want: plans[r].1 });
+        }
+        let proposed =
+            head::propose(h, vocab, eos, work).map_err(|e| (who.iter().map(|&r| rows[r]).collect(), e.to_string()))?;
+        for (&r, tokens) in who.iter().zip(proposed) {
+            plans[r].0.extend(tokens);
+        }
+        Ok(())
+    }
+
     /// One forward pass for every decoding sequence (not paused), batched: each feeds the
     /// tokens its state lacks (a recurrent state taken back after a rejected draft), its
     /// pending token and the tokens to verify after it. False when there was none.
@@ -559,6 +628,13 @@ impl<'f> Scheduler<'f> {
             for &i in stopped.iter().rev() {
                 let seq = self.running.remove(i);
                 self.fail(seq, crate::Error::Internal { message: format!("the draft model failed: {msg}") });
+            }
+            return true;
+        }
+        if let Err((stopped, msg)) = self.head_step(&rows, &mut plans) {
+            for &i in stopped.iter().rev() {
+                let seq = self.running.remove(i);
+                self.fail(seq, crate::Error::Internal { message: format!("the draft head failed: {msg}") });
             }
             return true;
         }
@@ -617,6 +693,11 @@ impl<'f> Scheduler<'f> {
         true
     }
 
+    /// The model's draft head (`speculative: mtp`), once its decoder is loaded.
+    fn head(&self) -> Option<&'f dyn DraftHead> {
+        self.generator.draft_head()
+    }
+
     fn publish(&self) {
         let mut st = lock(&self.shared.stats);
         *st = EngineStats {
@@ -634,5 +715,15 @@ impl<'f> Scheduler<'f> {
             forced_tokens: self.steps.forced as u64,
             ..*st
         };
+    }
+}
+
+/// Why a request drafting with the model's head is refused by a model without one.
+pub(super) fn no_head() -> crate::Error {
+    crate::Error::Input {
+        what: "speculative".into(),
+        message: "`mtp` needs the model's multi-token-prediction head, and this model has none \
+                  (Qwen3.5 checkpoints carry one as `mtp.*`; use `draft`, `ngram` or `off`)"
+            .into(),
     }
 }

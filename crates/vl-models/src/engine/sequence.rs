@@ -136,6 +136,8 @@ pub(super) struct Seq<'f> {
     pub(super) checkpoint: Option<Checkpoint>,
     /// The draft model's side, while admitted, when the request drafts with one.
     pub(super) draft: Option<super::draft::DraftSeq>,
+    /// The model's draft head's side, while admitted, when the request drafts with it.
+    pub(super) head: Option<super::head::HeadSeq>,
     pub(super) steps: StepReport,
     /// Tokens it may generate: max_new_tokens within the context.
     pub(super) budget: usize,
@@ -193,6 +195,7 @@ impl<'f> Seq<'f> {
             verified: VecDeque::new(),
             checkpoint: None,
             draft: None,
+            head: None,
             steps: StepReport::default(),
             budget,
             cached_tokens: 0,
@@ -208,7 +211,13 @@ impl<'f> Seq<'f> {
 
     /// Bytes it holds or was admitted to hold, whichever is more.
     pub(super) fn held_bytes(&self) -> usize {
-        (self.state.bytes() + self.draft.as_ref().map_or(0, |d| d.state.bytes())).max(self.reserved)
+        let drafts = self.draft.as_ref().map_or(0, |d| d.state.bytes()) + self.head.as_ref().map_or(0, |h| h.state.bytes());
+        (self.state.bytes() + drafts).max(self.reserved)
+    }
+
+    /// Whether it drafts with the model's own head (`speculative: mtp`).
+    pub(super) fn uses_head(&self) -> bool {
+        self.picker.options().speculative.method == crate::speculative::Method::Mtp
     }
 
     pub(super) fn cancelled(&self) -> bool {
@@ -343,13 +352,19 @@ impl<'f> Seq<'f> {
         out
     }
 
-    /// How many tokens its draft model may propose after `fixed` tokens to verify (`drafts`):
-    /// none unless it drafts with a model and every forced token is among them; within
+    /// How many tokens its draft model or head may propose after `fixed` tokens to verify
+    /// (`drafts`): none unless it drafts with one and every forced token is among them; within
     /// `draft_max`, its token budget and `MAX_DRAFT` in all.
     pub(super) fn model_draft_room(&self, fixed: usize) -> usize {
+        use crate::speculative::Method;
         let spec = &self.picker.options().speculative;
-        let ready = self.draft.is_some() && self.pending.is_some() && self.state.len() == self.ids.len();
-        if spec.method != crate::speculative::Method::Draft || !ready || fixed < self.forced.len() {
+        let drafter = match spec.method {
+            Method::Draft => self.draft.is_some(),
+            Method::Mtp => self.head.is_some(),
+            Method::Off | Method::Ngram => false,
+        };
+        let ready = drafter && self.pending.is_some() && self.state.len() == self.ids.len();
+        if !ready || fixed < self.forced.len() {
             return 0;
         }
         spec.draft_max.min(self.draft_budget().saturating_sub(fixed))
@@ -366,6 +381,16 @@ impl<'f> Seq<'f> {
             features,
         };
         d.catch_up(g, &p, end, chunk)
+    }
+
+    /// Its head caught up with the rows its model state kept (after a prefill chunk); nothing
+    /// when it drafts with no head.
+    pub(super) fn head_catch_up(&mut self, h: &dyn crate::family::DraftHead, vocab: usize) -> Result<()> {
+        let Some(head) = self.head.as_mut() else { return Ok(()) };
+        let mut tokens = self.ids.clone();
+        tokens.extend(self.pending);
+        let work = super::head::Work { head, model: &mut self.state, tokens, forced: vec![], want: 0 };
+        super::head::propose(h, vocab, &[], vec![work]).map(|_| ())
     }
 
     /// Its draft's state cut back to the tokens it kept (`DraftSeq::sync`).

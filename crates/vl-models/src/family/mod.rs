@@ -248,6 +248,38 @@ pub trait Generator: Send + Sync {
         let all: Vec<Tensor> = rows.into_iter().flatten().collect();
         Ok(Tensor::cat(&all, 0)?)
     }
+    /// A draft head the model carries (Qwen3.5's multi-token prediction, `speculative: mtp`);
+    /// None when it has none. A sequence drafting with it keeps its final hidden rows
+    /// (`SeqState::keep_hidden`): `prefill`, `decode` and `extend` record them.
+    fn draft_head(&self) -> Option<&dyn DraftHead> {
+        None
+    }
+}
+
+/// A model's own draft head: one decoder layer over the model's final hidden row at a position
+/// and the embedding of the token after it, whose output predicts the token after that
+/// (DeepSeek-V3's and Qwen3.5's multi-token prediction). It keeps a KV cache of its own (a
+/// `SeqState` of one attention layer).
+pub trait DraftHead: Send + Sync {
+    /// KV bytes one position of its state takes.
+    fn kv_bytes_per_position(&self) -> usize;
+    /// An empty state for one sequence.
+    fn new_state(&self) -> SeqState;
+    /// New entries for several sequences in one pass: `lens[i]` consecutive rows belong to
+    /// `states[i]`; row r combines `hidden` row r (the model's final hidden row at a position,
+    /// or the head's own output row for a further draft) with `tokens[r]` (the token after that
+    /// position), at rotary `positions[r]`. Returns the head's output rows [rows, hidden] (what
+    /// a further draft reads as its hidden row) and the f32 logits [picks, vocab] of the rows
+    /// `picks`.
+    fn forward(
+        &self,
+        tokens: &[u32],
+        hidden: &Tensor,
+        positions: &[[i64; 3]],
+        states: &mut [&mut SeqState],
+        lens: &[usize],
+        picks: &[u32],
+    ) -> Result<(Tensor, Tensor)>;
 }
 
 /// What each pooled row is.

@@ -535,6 +535,34 @@ impl Generator for Qwen3Vl {
     fn extend(&self, tokens: &[Vec<u32>], caches: &mut [&mut SeqState]) -> Result<Tensor> {
         super::model::TextSide { cfg: &self.config, text: self.text()? }.extend_rows(tokens, caches)
     }
+
+    fn draft_head(&self) -> Option<&dyn crate::family::DraftHead> {
+        self.text().ok().filter(|t| t.has_mtp()).map(|_| self as &dyn crate::family::DraftHead)
+    }
+}
+
+/// Qwen3.5's multi-token-prediction head (`qwen3_vl/mtp.rs`).
+impl crate::family::DraftHead for Qwen3Vl {
+    fn kv_bytes_per_position(&self) -> usize {
+        let c = &self.config.text;
+        2 * c.num_key_value_heads * c.head_dim * self.dtype.size_in_bytes()
+    }
+
+    fn new_state(&self) -> SeqState {
+        SeqState::kv(1)
+    }
+
+    fn forward(
+        &self,
+        tokens: &[u32],
+        hidden: &Tensor,
+        positions: &[[i64; 3]],
+        states: &mut [&mut SeqState],
+        lens: &[usize],
+        picks: &[u32],
+    ) -> Result<(Tensor, Tensor)> {
+        self.text()?.mtp_forward(tokens, hidden, positions, states, lens, picks)
+    }
 }
 
 /// Bytes the weights of a checkpoint hold once loaded as `opts` asks: the text decoder's

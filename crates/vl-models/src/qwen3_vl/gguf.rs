@@ -502,11 +502,19 @@ impl GgufModel {
         let mut pre: Prequantized = HashMap::new();
         let mut experts: PreExperts = HashMap::new();
         for (name, info) in &self.text.content.tensor_infos {
-            if self.is_mtp(name) {
-                continue;
-            }
-            let Some(hf) = text_key(name) else {
-                return Err(bad(&self.text.path, format!("unexpected tensor {name} in a Qwen3-VL text model")));
+            let hf = if self.is_mtp(name) {
+                // The MTP block: the head's tensors under their checkpoint keys (`mtp.*`).
+                match super::gguf_hybrid::mtp_key(name, cfg.text.num_hidden_layers) {
+                    Some(k) => k,
+                    None => continue,
+                }
+            } else {
+                match text_key(name) {
+                    Some(k) => k,
+                    None => {
+                        return Err(bad(&self.text.path, format!("unexpected tensor {name} in a Qwen3-VL text model")))
+                    }
+                }
             };
             if let Some(t) = self.text.float_tensor(name, dev)? {
                 floats.insert(hf, t.to_dtype(dtype)?);

@@ -52,6 +52,17 @@ pub(super) fn checkpoint_key(key: &str, layers: usize) -> String {
     }
 }
 
+/// The checkpoint key of a tensor of llama.cpp's MTP block (`blk.<layers>.*`): its `nextn.*`
+/// tensors are the head's own, the rest its decoder layer's; None for one the head does not
+/// read.
+pub(super) fn mtp_key(name: &str, layers: usize) -> Option<String> {
+    let rest = name.strip_prefix(&format!("blk.{layers}."))?;
+    if rest.starts_with("nextn.") {
+        return MTP_TOP.iter().find(|(_, n)| *n == rest).map(|(k, _)| k.to_string());
+    }
+    Some(checkpoint_key(&super::gguf_names::text_key(name)?, layers)).filter(|k| k.starts_with(MTP_LAYERS))
+}
+
 /// `t` with its value heads along `dim` (0 or 1; `head` values each) moved from grouped by key
 /// head ([k0 v0..v(r-1), k1 v0..]) to tiled ([k0 v0, k1 v0, .., k0 v1, ..]).
 fn tile_heads(t: &Tensor, dim: usize, key_heads: usize, head: usize) -> Result<Tensor> {

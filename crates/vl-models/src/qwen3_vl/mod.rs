@@ -10,6 +10,7 @@ pub mod gguf_write;
 pub mod image_processor;
 pub mod inspect;
 mod linears;
+pub mod mtp;
 pub mod model;
 pub mod plan;
 pub mod positions;

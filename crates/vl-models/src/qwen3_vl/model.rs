@@ -220,11 +220,13 @@ impl TextSide<'_> {
         end: usize,
         trace: &mut dyn FnMut(usize, &Tensor),
     ) -> Result<PrefillOutput> {
-        let rows = self.chunk_rows(prompt, images, videos, cache.len(), end)?;
+        let start = cache.len();
+        let rows = self.chunk_rows(prompt, images, videos, start, end)?;
         let deepstack =
             (!rows.visual_rows.is_empty()).then_some(DeepStack { positions: &rows.visual_rows, levels: &rows.levels });
         let hidden = self.text.forward(&rows.x, &rows.positions, cache, deepstack, trace)?;
         cache.position_offset = rows.rope_delta;
+        cache.record_hidden(start, &hidden, &rows.positions)?;
         Ok(PrefillOutput { hidden, rope_delta: rows.rope_delta, prompt_len: prompt.input_ids.len() })
     }
 
@@ -424,8 +426,11 @@ impl TextSide<'_> {
             });
         }
         let positions: Vec<[i64; 3]> = caches.iter().map(|c| [c.len() as i64 + c.position_offset; 3]).collect();
+        let starts: Vec<usize> = caches.iter().map(|c| c.len()).collect();
         let x = self.text.embed(tokens)?;
-        let h = self.text.forward_rows(&x, &positions, caches, &vec![1; tokens.len()], None, Attend::AsDecoding)?;
+        let lens = vec![1; tokens.len()];
+        let h = self.text.forward_rows(&x, &positions, caches, &lens, None, Attend::AsDecoding)?;
+        record_rows(caches, &starts, &lens, &h, &positions)?;
         self.text.logits(&h)
     }
 
@@ -446,9 +451,11 @@ impl TextSide<'_> {
             positions.extend((0..t.len() as i64).map(|j| [next + j; 3]));
         }
         let lens: Vec<usize> = tokens.iter().map(Vec::len).collect();
+        let starts: Vec<usize> = caches.iter().map(|c| c.len()).collect();
         let flat: Vec<u32> = tokens.concat();
         let x = self.text.embed(&flat)?;
         let h = self.text.forward_rows(&x, &positions, caches, &lens, None, Attend::AsDecoding)?;
+        record_rows(caches, &starts, &lens, &h, &positions)?;
         self.text.logits(&h)
     }
 
@@ -457,4 +464,23 @@ impl TextSide<'_> {
         let h = state.hidden.narrow(0, state.hidden.dim(0)? - 1, 1)?;
         Ok(self.text.logits(&h)?.squeeze(0)?)
     }
+}
+
+/// Each state's final hidden rows of a batched pass (`lens[i]` consecutive rows of `h` from its
+/// position `starts[i]`), kept where a draft head reads them (`SeqState::record_hidden`).
+fn record_rows(
+    caches: &mut [&mut TextCache],
+    starts: &[usize],
+    lens: &[usize],
+    h: &Tensor,
+    positions: &[[i64; 3]],
+) -> Result<()> {
+    let mut at = 0;
+    for ((c, &start), &n) in caches.iter_mut().zip(starts).zip(lens) {
+        if c.keeps_hidden() {
+            c.record_hidden(start, &h.narrow(0, at, n)?, &positions[at..at + n])?;
+        }
+        at += n;
+    }
+    Ok(())
 }

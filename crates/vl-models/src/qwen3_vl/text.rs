@@ -19,7 +19,7 @@ const PREFILL_QUERY_BLOCK: usize = 512;
 
 /// An RMSNorm; `unit_offset`: Qwen3.5's, which multiplies by (1 + weight) (the sum taken in
 /// f32 at load).
-fn rms_norm(dim: usize, eps: f64, vb: VarBuilder, unit_offset: bool) -> Result<RmsNorm> {
+pub(super) fn rms_norm(dim: usize, eps: f64, vb: VarBuilder, unit_offset: bool) -> Result<RmsNorm> {
     if !unit_offset {
         return Ok(candle_nn::rms_norm(dim, eps, vb)?);
     }
@@ -213,7 +213,7 @@ impl Mixer {
 
 /// Whether the decoder's RMSNorms add 1 to their stored weights at load (Qwen3.5 from
 /// transformers' safetensors; llama.cpp's converter and mlx-vlm store them with the 1 added).
-fn unit_offset_norms(cfg: &TextConfig) -> bool {
+pub(super) fn unit_offset_norms(cfg: &TextConfig) -> bool {
     cfg.hybrid.as_ref().is_some_and(|h| !h.norms_plus_one)
 }
 
@@ -263,7 +263,7 @@ fn delta_state(state: &mut TextCache, i: usize) -> Result<Option<vl_nn::DeltaSta
 }
 
 #[derive(Debug, Clone)]
-struct DecoderLayer {
+pub(super) struct DecoderLayer {
     input_norm: RmsNorm,
     attn: Mixer,
     post_attn_norm: RmsNorm,
@@ -272,9 +272,14 @@ struct DecoderLayer {
 
 impl DecoderLayer {
     fn load(cfg: &TextConfig, i: usize, vb: VarBuilder, qt: LoadPlan) -> Result<Self> {
+        Self::load_kind(cfg, i, cfg.is_linear(i), vb, qt)
+    }
+
+    /// Layer `i`'s MLP kind, a Gated DeltaNet mixer when `linear` (else attention).
+    pub(super) fn load_kind(cfg: &TextConfig, i: usize, linear: bool, vb: VarBuilder, qt: LoadPlan) -> Result<Self> {
         let mlp = Ffn::load(cfg, i, vb.pp("mlp"), qt)?;
         let offset = unit_offset_norms(cfg);
-        let attn = if cfg.is_linear(i) {
+        let attn = if linear {
             Mixer::Linear(delta_net(cfg, vb.pp("linear_attn"), qt)?)
         } else {
             Mixer::Attention(Attention::load(cfg, vb.pp("self_attn"), qt)?)
@@ -285,6 +290,17 @@ impl DecoderLayer {
             post_attn_norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"), offset)?,
             mlp,
         })
+    }
+
+    /// Its linears but the routed experts (repacked at load).
+    pub(super) fn linears(&self) -> Vec<&QLinear> {
+        let mut all = self.attn.linears();
+        all.extend(self.mlp.dense_linears());
+        all
+    }
+
+    pub(super) fn mlp_mut(&mut self) -> &mut Ffn {
+        &mut self.mlp
     }
 
     /// Layer `i` on `x` [new, hidden], continuing `state`.
@@ -308,7 +324,7 @@ impl DecoderLayer {
 
     /// Layer `i` on new rows of several sequences (`lens[j]` consecutive rows of `x` continue
     /// `states[j]`), rotated by `(cos, sin)`.
-    fn forward_rows(
+    pub(super) fn forward_rows(
         &self,
         x: &Tensor,
         (cos, sin): (&Tensor, &Tensor),
@@ -386,6 +402,8 @@ pub struct TextModel {
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     lm_head: QLinear,
+    /// Qwen3.5's multi-token-prediction head, when the checkpoint carries one.
+    mtp: Option<super::mtp::MtpHead>,
     rope: MultiAxisRope,
     dtype: DType,
     device: Device,
@@ -434,10 +452,13 @@ impl TextModel {
         let mut layers: Vec<DecoderLayer> = (0..cfg.num_hidden_layers)
             .map(|i| DecoderLayer::load(cfg, i, tvb.pp(format!("layers.{i}")), plan))
             .collect::<Result<_>>()?;
-        let compact = compact_experts(layers.iter().map(|l| &l.mlp))?;
+        let has_mtp = cfg.hybrid.is_some()
+            && (vb.contains_tensor(super::mtp::FC_KEY) || plan.pre.is_some_and(|p| p.contains_key(super::mtp::FC_KEY)));
+        let mut mtp = has_mtp.then(|| super::mtp::MtpHead::load(cfg, vb.clone(), plan)).transpose()?;
+        let compact = compact_experts(layers.iter().map(|l| &l.mlp).chain(mtp.as_ref().map(|m| &m.layer().mlp)))?;
         let stored_rows = stored_expert_rows()?;
-        for l in &mut layers {
-            if let Ffn::Sparse(m, _) = &mut l.mlp {
+        for mlp in layers.iter_mut().map(|l| &mut l.mlp).chain(mtp.as_mut().map(|m| m.layer_mut().mlp_mut())) {
+            if let Ffn::Sparse(m, _) = mlp {
                 m.set_compact(compact);
                 m.set_stored_rows(stored_rows);
             }
@@ -449,6 +470,7 @@ impl TextModel {
             layers,
             norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, tvb.pp("norm"), unit_offset_norms(cfg))?,
             lm_head,
+            mtp,
             rope: MultiAxisRope::new(cfg.rotary_dim, cfg.rope_theta, [s[0], s[1], s[2]]),
             dtype: vb.dtype(),
             device: vb.device().clone(),
@@ -471,8 +493,10 @@ impl TextModel {
             all.push(&self.lm_head);
         }
         for l in &self.layers {
-            all.extend(l.attn.linears());
-            all.extend(l.mlp.dense_linears());
+            all.extend(l.linears());
+        }
+        if let Some(m) = &self.mtp {
+            all.extend(m.linears());
         }
         Ok(vl_nn::linear::prepare_all(&all)?)
     }
@@ -499,7 +523,56 @@ impl TextModel {
         out.extend(experts.into_iter().map(|(s, b)| ("routed experts".to_string(), s, b)));
         out.push(("token embeddings".into(), self.embed.storage(), self.embed.weight_bytes()));
         out.push(("lm_head".into(), self.lm_head.storage(), self.lm_head.weight_bytes()));
+        if let Some(m) = &self.mtp {
+            let bytes = m.linears().iter().map(|q| q.weight_bytes()).sum::<usize>();
+            out.push(("MTP head".into(), m.linears()[0].storage(), bytes));
+        }
         out
+    }
+
+    /// Whether the checkpoint's multi-token-prediction head was loaded.
+    pub fn has_mtp(&self) -> bool {
+        self.mtp.is_some()
+    }
+
+    /// The multi-token-prediction head on new rows of several sequences (`DraftHead::forward`):
+    /// row r joins `hidden` row r with the embedding of `tokens[r]` at `positions[r]`; `lens[i]`
+    /// rows continue `states[i]`. Returns its output rows and the f32 logits of rows `picks`.
+    pub fn mtp_forward(
+        &self,
+        tokens: &[u32],
+        hidden: &Tensor,
+        positions: &[[i64; 3]],
+        states: &mut [&mut TextCache],
+        lens: &[usize],
+        picks: &[u32],
+    ) -> Result<(Tensor, Tensor)> {
+        let head = self.mtp.as_ref().ok_or_else(|| Error::Input {
+            what: "speculative".into(),
+            message: "the checkpoint has no multi-token-prediction head (mtp.*)".into(),
+        })?;
+        let n = tokens.len();
+        if hidden.dim(0)? != n || positions.len() != n || lens.iter().sum::<usize>() != n || states.len() != lens.len()
+        {
+            return Err(Error::Internal {
+                message: format!("MTP rows: {n} tokens, {} hidden, {} positions, lens {lens:?}", hidden.dim(0)?, positions.len()),
+            });
+        }
+        for s in states.iter_mut() {
+            if s.num_layers() != 1 {
+                **s = TextCache::kv(1);
+            }
+        }
+        let (cos, sin) = self.rope.cos_sin(positions, &self.device)?;
+        let (cos, sin) = (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?);
+        let attend = if lens.iter().all(|&l| l == 1) { Attend::AsDecoding } else { Attend::AsPrefill };
+        let out = head.forward(&self.embed(tokens)?, hidden, (&cos, &sin), states, lens, attend)?;
+        let logits = if picks.is_empty() {
+            Tensor::zeros((0, self.cfg.vocab_size), DType::F32, &self.device)?
+        } else {
+            self.logits(&out.index_select(&Tensor::from_slice(picks, picks.len(), &self.device)?, 0)?)?
+        };
+        Ok((out, logits))
     }
 
     pub fn dtype(&self) -> DType {
