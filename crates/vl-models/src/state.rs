@@ -230,9 +230,11 @@ impl SeqState {
     /// The kept hidden rows of positions `from..to` (within `hidden_span`) and their positions.
     pub fn hidden_rows(&self, from: usize, to: usize) -> Result<(Tensor, Vec<[i64; 3]>)> {
         let span = self.hidden_span();
-        let h = self.hidden.as_ref().filter(|_| span.start <= from && from < to && to <= span.end).ok_or_else(|| {
-            Error::Internal { message: format!("hidden rows {from}..{to} asked, {span:?} kept") }
-        })?;
+        let h = self
+            .hidden
+            .as_ref()
+            .filter(|_| span.start <= from && from < to && to <= span.end)
+            .ok_or_else(|| Error::Internal { message: format!("hidden rows {from}..{to} asked, {span:?} kept") })?;
         let (a, b) = (from - h.start, to - h.start);
         Ok((h.rows.narrow(0, a, b - a)?, h.positions[a..b].to_vec()))
     }
@@ -491,5 +493,48 @@ mod tests {
         let late = s.checkpoint();
         step(&mut s, 1.0);
         assert!(s.take_back(2, Some(&late)).is_err());
+    }
+
+    #[test]
+    fn kept_hidden_rows_are_replaced_from_where_a_pass_starts_and_forgotten_once_read() {
+        let rows = |from: usize, to: usize| {
+            let v: Vec<f32> = (from..to).map(|p| p as f32).collect();
+            (
+                Tensor::from_vec(v, (to - from, 1), &Device::Cpu).unwrap(),
+                (from..to).map(|p| [p as i64; 3]).collect::<Vec<_>>(),
+            )
+        };
+        let values = |s: &SeqState, a: usize, b: usize| {
+            s.hidden_rows(a, b).unwrap().0.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        };
+        let mut s = SeqState::kv(1);
+        let (r, p) = rows(0, 4);
+        s.record_hidden(0, &r, &p).unwrap();
+        assert_eq!(s.hidden_span(), 0..0, "not asked to keep them");
+        s.keep_hidden(true);
+        s.record_hidden(0, &r, &p).unwrap();
+        // A later pass from position 2 (rows taken back) replaces rows 2.. and appends.
+        let (r, p) = rows(2, 6);
+        s.record_hidden(2, &(r + 10.0).unwrap(), &p).unwrap();
+        assert_eq!(s.hidden_span(), 0..6);
+        assert_eq!(values(&s, 1, 4), vec![1.0, 12.0, 13.0]);
+        assert!(s.hidden_rows(3, 7).is_err());
+        s.forget_hidden_before(3).unwrap();
+        assert_eq!(s.hidden_span(), 3..6);
+        // A fork keeps the rows of the positions it copies.
+        let fork = s.copy_prefix(0).unwrap();
+        assert!(fork.keeps_hidden());
+        assert_eq!(fork.hidden_span(), 0..0);
+        // A pass that leaves a gap starts the rows anew.
+        let (r, p) = rows(9, 10);
+        s.record_hidden(9, &r, &p).unwrap();
+        assert_eq!(s.hidden_span(), 9..10);
+        // At most MAX_HIDDEN_ROWS, the latest.
+        let (r, p) = rows(10, 10 + MAX_HIDDEN_ROWS);
+        s.record_hidden(10, &r, &p).unwrap();
+        assert_eq!(s.hidden_span(), 10..10 + MAX_HIDDEN_ROWS);
+        assert!(s.bytes() >= MAX_HIDDEN_ROWS * 4);
+        s.keep_hidden(false);
+        assert_eq!((s.hidden_span(), s.bytes()), (0..0, 0));
     }
 }

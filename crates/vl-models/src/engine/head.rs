@@ -111,18 +111,17 @@ pub(super) fn propose(h: &dyn DraftHead, vocab: usize, eos: &[u32], mut work: Ve
             picks.push(tokens.len() as u32 - 1);
         }
     }
-    let last_rows: Vec<usize> = lens.iter().scan(0, |at, &n| {
-        *at += n;
-        Some(*at - 1)
-    }).collect();
+    let last_rows: Vec<usize> = lens
+        .iter()
+        .scan(0, |at, &n| {
+            *at += n;
+            Some(*at - 1)
+        })
+        .collect();
     let hidden = Tensor::cat(&hidden, 0)?;
     let (outputs, logits) = {
-        let mut states: Vec<&mut SeqState> = work
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| plan[*i].is_some())
-            .map(|(_, w)| &mut w.head.state)
-            .collect();
+        let mut states: Vec<&mut SeqState> =
+            work.iter_mut().enumerate().filter(|(i, _)| plan[*i].is_some()).map(|(_, w)| &mut w.head.state).collect();
         h.forward(&tokens, &hidden, &positions, &mut states, &lens, &picks)?
     };
     // Where the catch-up stopped, and what is known after it.
@@ -169,12 +168,8 @@ pub(super) fn propose(h: &dyn DraftHead, vocab: usize, eos: &[u32], mut work: Ve
             .collect();
         let (outputs, logits) = {
             let ids: Vec<usize> = chains.iter().map(|c| c.i).collect();
-            let mut states: Vec<&mut SeqState> = work
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| ids.contains(i))
-                .map(|(_, w)| &mut w.head.state)
-                .collect();
+            let mut states: Vec<&mut SeqState> =
+                work.iter_mut().enumerate().filter(|(i, _)| ids.contains(i)).map(|(_, w)| &mut w.head.state).collect();
             h.forward(&tokens, &hidden, &positions, &mut states, &vec![1; chains.len()], &picks)?
         };
         let mut picked = argmax_rows(&logits)?.into_iter();
@@ -222,4 +217,122 @@ fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
     }
     let rows = logits.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
     Ok(rows.iter().map(|r| crate::sampling::argmax(r)).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use candle_core::{Device, Tensor};
+
+    use super::*;
+
+    /// A head that records what it is fed: row r's hidden value, token and position; its output
+    /// row is the hidden value + 100 (so a fed-back row is told apart), and it picks the token
+    /// after the one fed (mod `VOCAB`).
+    #[derive(Default)]
+    struct Recorder {
+        calls: Mutex<Vec<Vec<(f32, u32, i64)>>>,
+    }
+
+    const VOCAB: usize = 50;
+
+    impl DraftHead for Recorder {
+        fn kv_bytes_per_position(&self) -> usize {
+            4
+        }
+        fn new_state(&self) -> SeqState {
+            SeqState::kv(1)
+        }
+        fn forward(
+            &self,
+            tokens: &[u32],
+            hidden: &Tensor,
+            positions: &[[i64; 3]],
+            states: &mut [&mut SeqState],
+            lens: &[usize],
+            picks: &[u32],
+        ) -> Result<(Tensor, Tensor)> {
+            let h: Vec<f32> = hidden.flatten_all()?.to_vec1()?;
+            self.calls
+                .lock()
+                .unwrap()
+                .push(h.iter().zip(tokens).zip(positions).map(|((&h, &t), p)| (h, t, p[0])).collect());
+            let mut at = 0;
+            for (s, &n) in states.iter_mut().zip(lens) {
+                let k = Tensor::zeros((1, n, 1), candle_core::DType::F32, &Device::Cpu)?;
+                s.kv_mut(0)?.append(&k, &k)?;
+                at += n;
+            }
+            assert_eq!(at, tokens.len());
+            let out = (hidden + 100.0)?;
+            let mut logits = vec![0f32; picks.len() * VOCAB];
+            for (k, &r) in picks.iter().enumerate() {
+                logits[k * VOCAB + (tokens[r as usize] as usize + 1) % VOCAB] = 1.0;
+            }
+            Ok((out, Tensor::from_vec(logits, (picks.len(), VOCAB), &Device::Cpu)?))
+        }
+    }
+
+    /// A model state that kept hidden rows of positions `from..to`, each its position's value.
+    fn kept(model: &mut SeqState, from: usize, to: usize) {
+        let rows: Vec<f32> = (from..to).map(|p| p as f32).collect();
+        let positions: Vec<[i64; 3]> = (from..to).map(|p| [p as i64 + 7; 3]).collect();
+        model.record_hidden(from, &Tensor::from_vec(rows, (to - from, 1), &Device::Cpu).unwrap(), &positions).unwrap();
+    }
+
+    #[test]
+    fn entries_pair_each_row_with_the_token_after_it_and_drafts_go_on_from_the_heads_row() {
+        let h = Recorder::default();
+        let mut model = SeqState::kv(1);
+        model.keep_hidden(true);
+        let mut head = HeadSeq::new(&h);
+        // A prefill chunk of positions 0..6 of tokens 10..16: the head's entries 0..5 (position
+        // 5 waits for the token after it).
+        kept(&mut model, 0, 6);
+        let tokens: Vec<u32> = (10..16).collect();
+        let w = Work { head: &mut head, model: &mut model, tokens: tokens.clone(), forced: vec![], want: 0 };
+        assert!(propose(&h, VOCAB, &[], vec![w]).unwrap()[0].is_empty());
+        let fed = h.calls.lock().unwrap().pop().unwrap();
+        assert_eq!(fed, (0..5).map(|p| (p as f32, 11 + p as u32, p as i64 + 7)).collect::<Vec<_>>());
+        assert_eq!((head.start, head.state.len()), (0, 5));
+        // Decoding: pending token 20 after position 5; a forced token 30, then 3 drafts.
+        let mut t = tokens.clone();
+        t.push(20);
+        let w = Work { head: &mut head, model: &mut model, tokens: t, forced: vec![30], want: 3 };
+        let drafts = propose(&h, VOCAB, &[33], vec![w]).unwrap().remove(0);
+        let calls = std::mem::take(&mut *h.calls.lock().unwrap());
+        // Catch-up: position 5 with the pending token; then the forced token on the head's own
+        // row (5 + 100) one position on, then the drafts, each on the previous row; the pick
+        // after 32 is an end token (33): the drafts stop before it.
+        assert_eq!(calls[0], vec![(5.0, 20, 12)]);
+        assert_eq!(calls[1], vec![(105.0, 30, 13)]);
+        assert_eq!(calls[2], vec![(205.0, 31, 14)]);
+        assert_eq!(calls[3], vec![(305.0, 32, 15)]);
+        assert_eq!((drafts, calls.len()), (vec![31, 32], 4));
+        // Three wanted, the third not fed (its row would be needed by a fourth only).
+        let mut t = tokens.clone();
+        t.push(20);
+        let w = Work { head: &mut head, model: &mut model, tokens: t, forced: vec![], want: 3 };
+        assert_eq!(propose(&h, VOCAB, &[], vec![w]).unwrap()[0], vec![21, 22, 23]);
+        assert_eq!(std::mem::take(&mut *h.calls.lock().unwrap()).len(), 3);
+        // The drafting entries are cut back: entries of known tokens only.
+        assert_eq!((head.start, head.state.len()), (0, 6));
+        // The next step: the verification kept 20 and 30; rows of 6..8 recorded by it.
+        kept(&mut model, 6, 9);
+        let mut t: Vec<u32> = tokens.clone();
+        t.extend([20, 30, 41]);
+        let w = Work { head: &mut head, model: &mut model, tokens: t, forced: vec![], want: 1 };
+        assert_eq!(propose(&h, VOCAB, &[], vec![w]).unwrap()[0], vec![42]);
+        let fed = h.calls.lock().unwrap().pop().unwrap();
+        assert_eq!(fed, vec![(6.0, 30, 13), (7.0, 41, 14)], "rows 6 and 7; row 8 is a rejected draft's");
+        // A gap (a restored prefix: rows from 20 on only) restarts the head there.
+        let mut model = SeqState::kv(1);
+        model.keep_hidden(true);
+        kept(&mut model, 20, 23);
+        let t: Vec<u32> = (0..24).collect();
+        let w = Work { head: &mut head, model: &mut model, tokens: t, forced: vec![], want: 2 };
+        assert_eq!(propose(&h, VOCAB, &[], vec![w]).unwrap()[0], vec![24, 25]);
+        assert_eq!((head.start, head.state.len()), (20, 3));
+    }
 }

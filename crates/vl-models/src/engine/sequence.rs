@@ -211,7 +211,8 @@ impl<'f> Seq<'f> {
 
     /// Bytes it holds or was admitted to hold, whichever is more.
     pub(super) fn held_bytes(&self) -> usize {
-        let drafts = self.draft.as_ref().map_or(0, |d| d.state.bytes()) + self.head.as_ref().map_or(0, |h| h.state.bytes());
+        let drafts =
+            self.draft.as_ref().map_or(0, |d| d.state.bytes()) + self.head.as_ref().map_or(0, |h| h.state.bytes());
         (self.state.bytes() + drafts).max(self.reserved)
     }
 

@@ -555,7 +555,11 @@ impl TextModel {
         if hidden.dim(0)? != n || positions.len() != n || lens.iter().sum::<usize>() != n || states.len() != lens.len()
         {
             return Err(Error::Internal {
-                message: format!("MTP rows: {n} tokens, {} hidden, {} positions, lens {lens:?}", hidden.dim(0)?, positions.len()),
+                message: format!(
+                    "MTP rows: {n} tokens, {} hidden, {} positions, lens {lens:?}",
+                    hidden.dim(0)?,
+                    positions.len()
+                ),
             });
         }
         for s in states.iter_mut() {
