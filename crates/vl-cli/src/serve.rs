@@ -217,6 +217,12 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         Engine::open_with_draft(&dir, args.load.model.mmproj.as_deref(), draft, opts)
             .with_context(|| format!("model {}", dir.display()))?,
     );
+    if defaults.speculative.method == vl_models::speculative::Method::Mtp && !engine.has_draft_head() {
+        anyhow::bail!(
+            "--speculative mtp: {} has no multi-token-prediction head (Qwen3.5 checkpoints carry one as mtp.*)",
+            dir.display()
+        );
+    }
     let precision = if args.load.model.vision_bf16() { ", vision products in bf16" } else { "" };
     note!("loaded {} in {:.1}s{precision}", dir.display(), t.elapsed().as_secs_f64());
     let config = ServerConfig {

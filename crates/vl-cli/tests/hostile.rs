@@ -375,7 +375,7 @@ fn bad_flags_are_refused_with_the_flag_and_value() {
         (vec!["--speculative", "ngram", "--ngram-min", "5"], vec!["--ngram-min", "5 must be in 1..=4"]),
         (vec!["--ngram-max", "17"], vec!["--ngram-max", "17 must be in 1..=16"]),
         (vec!["--speculative", "draft"], vec!["--speculative draft", "--draft-model"]),
-        (vec!["--speculative", "mtp"], vec!["--speculative", "`mtp` is not available yet"]),
+        (vec!["--speculative", "mtp"], vec!["speculative", "multi-token-prediction head"]),
         (vec!["--draft-model", "/nonexistent/draft"], vec!["--draft-model", "/nonexistent/draft"]),
         (vec!["--draft-model", &q35], vec!["draft model", "its tokenizer has 248"]),
         (vec!["--draft-model", &embed], vec!["draft model", "pools"]),

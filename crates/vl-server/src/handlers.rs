@@ -56,11 +56,16 @@ fn model_object(app: &App, name: &str) -> Value {
         Some(vl_models::family::Pooled::Score) => "reranker",
     };
     // The `speculative` methods its requests may ask for.
-    let speculative = match (kind, app.engine.draft_family()) {
-        ("chat", Some(_)) => json!(["off", "ngram", "draft"]),
-        ("chat", None) => json!(["off", "ngram"]),
-        _ => json!([]),
-    };
+    let mut speculative = vec![];
+    if kind == "chat" {
+        speculative.extend(["off", "ngram"]);
+        if app.engine.draft_family().is_some() {
+            speculative.push("draft");
+        }
+        if app.engine.has_draft_head() {
+            speculative.push("mtp");
+        }
+    }
     json!({"id": name, "object": "model", "created": app.created, "owned_by": "vl", "context_length": app.context,
            "kind": kind, "endpoints": crate::pooling::endpoints(app), "speculative": speculative})
 }

@@ -336,6 +336,7 @@ fn speculative_and_forced_tokens_are_request_fields() {
     for bad in [
         json!("eagle"),
         json!("draft"),
+        json!("mtp"),
         json!(7),
         json!({"method": "ngram", "draft_max": 0}),
         json!({"method": "ngram", "ngram_min": 9}),
@@ -378,6 +379,33 @@ fn a_server_with_a_draft_model_drafts_when_asked() {
     }
     let (_, models) = get(&s, "/v1/models");
     assert_eq!(models["data"][0]["speculative"], json!(["off", "ngram", "draft"]), "{models}");
+    let metrics = agent().get(&format!("{}/metrics", s.base)).call().unwrap().into_string().unwrap();
+    assert!(metrics.lines().any(|l| l.starts_with("vl_draft_tokens ") && !l.ends_with(" 0")), "{metrics}");
+}
+
+#[test]
+fn a_qwen35_server_drafts_with_its_own_head_when_asked() {
+    // tiny-q35 carries an `mtp.*` head: `speculative: "mtp"` drafts with it and the answer is the
+    // one without, streamed or whole.
+    let ck = goldens().join("tiny-q35").join("checkpoint");
+    let engine = vl_models::engine::Engine::builder(ck).build().unwrap();
+    let s = Server::start_engine(engine, "tiny-q35", ServerConfig::default());
+    let body = json!({"model": "tiny-q35", "max_tokens": 24, "temperature": 0,
+                      "messages": [{"role": "user", "content": "Name three colours."}]});
+    let (status, off) = post(&s, "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{off}");
+    let want = off["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    for spec in [json!("mtp"), json!({"method": "mtp", "draft_max": 3})] {
+        let mut body = body.clone();
+        body["speculative"] = spec.clone();
+        let (status, v) = post(&s, "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{spec}: {v}");
+        assert_eq!(v["choices"][0]["message"]["content"], want.as_str(), "{spec}");
+        body["stream"] = json!(true);
+        assert_eq!(streamed_text(&s, &body), want, "{spec} streamed");
+    }
+    let (_, models) = get(&s, "/v1/models");
+    assert_eq!(models["data"][0]["speculative"], json!(["off", "ngram", "mtp"]), "{models}");
     let metrics = agent().get(&format!("{}/metrics", s.base)).call().unwrap().into_string().unwrap();
     assert!(metrics.lines().any(|l| l.starts_with("vl_draft_tokens ") && !l.ends_with(" 0")), "{metrics}");
 }

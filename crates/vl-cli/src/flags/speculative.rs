@@ -1,5 +1,5 @@
 //! How tokens are decoded, the flags `run`, `chat` and `serve` share: speculative decoding
-//! (`--speculative ngram|draft`, `--draft-model`, `--draft-max`, `--ngram-min`, `--ngram-max`)
+//! (`--speculative mtp|draft|ngram`, `--draft-model`, `--draft-max`, `--ngram-min`, `--ngram-max`)
 //! and a constraint's forced tokens (`--no-forced-tokens`). Neither changes an answer's distribution; they change
 //! how many forward passes it takes. For `serve` they are the defaults a request's own
 //! `speculative` and `forced_tokens` fields override.
@@ -11,11 +11,12 @@ use vl_models::speculative::{Method, Speculative};
 
 #[derive(Debug, Args)]
 pub struct SpeculativeArgs {
-    /// Draft tokens and verify them with the next one in a single forward pass: `draft` (the
-    /// greedy picks of `--draft-model`), `ngram` (prompt lookup: what followed the answer's last
-    /// tokens earlier in the prompt or the answer; pays where the answer repeats its prompt:
+    /// Draft tokens and verify them with the next one in a single forward pass: `mtp` (the
+    /// greedy picks of the model's own multi-token-prediction head: Qwen3.5 checkpoints),
+    /// `draft` (those of `--draft-model`), `ngram` (prompt lookup: what followed the answer's
+    /// last tokens earlier in the prompt or the answer; pays where the answer repeats its prompt:
     /// documents, code, edits) or `off`. The answer is the same (greedy, or sampled with a
-    /// seed); `mtp` is not available yet. Default: `draft` with `--draft-model`, else `off`.
+    /// seed). Default: `draft` with `--draft-model`, else `off`.
     #[arg(long, value_name = "METHOD")]
     pub speculative: Option<String>,
     /// A smaller model of the same tokenizer that drafts for `--speculative draft` (a

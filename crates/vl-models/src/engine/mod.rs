@@ -257,6 +257,12 @@ impl Engine {
         self.shared.draft.as_ref().map(|d| &*d.family)
     }
 
+    /// Whether the model carries a draft head of its own (`speculative: mtp`: Qwen3.5's
+    /// multi-token prediction, loaded from its `mtp.*` tensors).
+    pub fn has_draft_head(&self) -> bool {
+        matches!(self.shared.family.task(), Task::Generate(g) if g.draft_head().is_some())
+    }
+
     /// The model's context in tokens.
     pub fn context(&self) -> usize {
         self.shared.family.context()
