@@ -26,6 +26,9 @@ pub struct Recurrent {
     len: usize,
     /// (position, state after it), ascending, at most `MAX_SNAPSHOTS`.
     snapshots: Vec<(usize, Vec<Tensor>)>,
+    /// (position, state after it) within the last pass (drafted tokens verified together),
+    /// ascending: the points that pass may be taken back to. Replaced by each step.
+    trail: Vec<(usize, Vec<Tensor>)>,
 }
 
 impl Recurrent {
@@ -40,10 +43,17 @@ impl Recurrent {
     pub fn set(&mut self, tensors: Vec<Tensor>, len: usize) {
         self.tensors = tensors;
         self.len = len;
+        self.trail.clear();
+    }
+    /// `set`, with the states after earlier positions of the same pass (`trail`: (position,
+    /// state), ascending, before `len`) that it may be taken back to.
+    pub fn set_with_trail(&mut self, tensors: Vec<Tensor>, len: usize, trail: Vec<(usize, Vec<Tensor>)>) {
+        self.set(tensors, len);
+        self.trail = trail;
     }
     fn bytes(&self) -> usize {
         let size = |ts: &[Tensor]| ts.iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum::<usize>();
-        size(&self.tensors) + self.snapshots.iter().map(|(_, s)| size(s)).sum::<usize>()
+        size(&self.tensors) + self.snapshots.iter().chain(&self.trail).map(|(_, s)| size(s)).sum::<usize>()
     }
     /// Keeps the current state as a point to restore (nothing before the first position).
     fn snapshot(&mut self) {
@@ -58,7 +68,7 @@ impl Recurrent {
     }
     /// Whether the state at `len` can be had: the current one, a snapshot, or the empty start.
     fn can_restore(&self, len: usize) -> bool {
-        len == 0 || len == self.len || self.snapshots.iter().any(|(p, _)| *p == len)
+        len == 0 || len == self.len || self.snapshots.iter().chain(&self.trail).any(|(p, _)| *p == len)
     }
     /// The state at `len` (see `can_restore`); later snapshots are dropped.
     fn restored(&self, len: usize) -> Option<Recurrent> {
@@ -67,10 +77,10 @@ impl Recurrent {
         } else if len == self.len {
             self.tensors.clone()
         } else {
-            self.snapshots.iter().find(|(p, _)| *p == len)?.1.clone()
+            self.snapshots.iter().chain(&self.trail).find(|(p, _)| *p == len)?.1.clone()
         };
         let snapshots = self.snapshots.iter().filter(|(p, _)| *p <= len).cloned().collect();
-        Some(Recurrent { tensors, len, snapshots })
+        Some(Recurrent { tensors, len, snapshots, trail: vec![] })
     }
 }
 
@@ -368,8 +378,7 @@ impl SeqState {
                 (LayerState::Kv(c), None) => c.truncate(cp.len),
                 (LayerState::Recurrent(r), Some(t)) => {
                     r.snapshots.retain(|(p, _)| *p <= cp.len);
-                    r.tensors = t.clone();
-                    r.len = cp.len;
+                    r.set(t.clone(), cp.len);
                 }
                 _ => return Err(Error::Internal { message: "a checkpoint of another state".into() }),
             }
@@ -488,6 +497,21 @@ mod tests {
         assert_eq!(value(&s.recurrent_mut(1).unwrap().tensors[0]), 7.0);
         // Its current length: nothing to take back.
         assert_eq!(s.take_back(3, Some(&cp)).unwrap(), 3);
+        // A pass that kept the states after its rows (`set_with_trail`: drafted tokens verified
+        // together) is taken back to any of them exactly, without a checkpoint.
+        let base = value(&s.recurrent_mut(1).unwrap().tensors[0]);
+        let len = s.len();
+        let t = |x: f32| vec![Tensor::new(&[x], &Device::Cpu).unwrap()];
+        let trail = vec![(len + 1, t(base + 1.0)), (len + 2, t(base + 3.0))];
+        s.recurrent_mut(1).unwrap().set_with_trail(t(base + 7.0), len + 3, trail);
+        for x in [1f32, 2.0, 4.0] {
+            let k = Tensor::new(&[[[x]]], &Device::Cpu).unwrap();
+            s.kv_mut(0).unwrap().append(&k, &k).unwrap();
+        }
+        assert_eq!(s.restorable(len + 2), len + 2);
+        assert_eq!(s.take_back(len + 2, None).unwrap(), len + 2);
+        assert_eq!(value(&s.recurrent_mut(1).unwrap().tensors[0]), base + 3.0);
+        assert_eq!(s.restorable(len + 1), 0, "the trail goes with the step taken back");
         // A checkpoint later than the position asked for cannot serve.
         step(&mut s, 1.0);
         let late = s.checkpoint();

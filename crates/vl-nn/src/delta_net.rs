@@ -10,7 +10,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::kernels::delta::{causal_conv1d_silu, gated_delta_rule, DeltaShape};
+use crate::kernels::delta::{causal_conv1d_silu, gated_delta_rule_trail, DeltaShape};
 use crate::QLinear;
 
 /// Widths of a Gated DeltaNet layer.
@@ -130,10 +130,25 @@ impl GatedDeltaNet {
         segments: &[usize],
         states: &[Option<&DeltaState>],
     ) -> Result<(Tensor, Vec<DeltaState>)> {
+        let (y, new, _) = self.forward_trail(x, segments, states, &vec![0; segments.len()])?;
+        Ok((y, new))
+    }
+
+    /// `forward`, also returning, per sequence `i`, the states after its rows
+    /// `segments[i] - 1 - keep[i] .. segments[i] - 1` (`keep[i]` < `segments[i]`, or 0): the
+    /// points drafted tokens verified in one pass may be taken back to.
+    pub fn forward_trail(
+        &self,
+        x: &Tensor,
+        segments: &[usize],
+        states: &[Option<&DeltaState>],
+        keep: &[usize],
+    ) -> Result<(Tensor, Vec<DeltaState>, Vec<Vec<DeltaState>>)> {
         let (rows, _) = x.dims2()?;
         let sh = self.shape;
         let r = sh.rule;
-        if segments.iter().sum::<usize>() != rows || states.len() != segments.len() {
+        let bad_keep = keep.len() != segments.len() || keep.iter().zip(segments).any(|(&k, &n)| k > 0 && k >= n);
+        if segments.iter().sum::<usize>() != rows || states.len() != segments.len() || bad_keep {
             return Err(Error::Shape {
                 layer: "GatedDeltaNet",
                 message: format!("{rows} rows for segments {segments:?} and {} states", states.len()),
@@ -147,6 +162,7 @@ impl GatedDeltaNet {
         let mut mixed = Vec::with_capacity(rows * cd);
         let mut windows = Vec::with_capacity(segments.len());
         let mut rules = Vec::with_capacity(segments.len());
+        let mut trail_windows: Vec<Vec<Vec<f32>>> = Vec::with_capacity(segments.len());
         let mut start = 0;
         for (&n, state) in segments.iter().zip(states) {
             let (mut win, rule) = match state {
@@ -164,13 +180,20 @@ impl GatedDeltaNet {
                     ),
                 });
             }
-            mixed.extend(causal_conv1d_silu(
-                &qkv[start * cd..(start + n) * cd],
-                cd,
-                &self.conv,
-                sh.conv_kernel,
-                &mut win,
-            ));
+            let seg = &qkv[start * cd..(start + n) * cd];
+            // The windows after the kept rows: the last kernel - 1 inputs up to each.
+            let mut all_in = Vec::new();
+            if keep[windows.len()] > 0 {
+                all_in.extend_from_slice(&win);
+                all_in.extend_from_slice(seg);
+            }
+            let first = n.saturating_sub(1 + keep[windows.len()]);
+            let kept_windows: Vec<Vec<f32>> = (first..n.saturating_sub(1))
+                .filter(|_| keep[windows.len()] > 0)
+                .map(|j| all_in[(j + 1) * cd..(j + 1) * cd + win_len].to_vec())
+                .collect();
+            mixed.extend(causal_conv1d_silu(seg, cd, &self.conv, sh.conv_kernel, &mut win));
+            trail_windows.push(kept_windows);
             windows.push(win);
             rules.push(rule);
             start += n;
@@ -199,7 +222,8 @@ impl GatedDeltaNet {
             beta[i] = 1.0 / (1.0 + (-b[i]).exp());
         }
         let mut o = vec![0f32; rows * vw];
-        gated_delta_rule(r, segments, &q, &k, &v, &g, &beta, &mut rules, &mut o);
+        let mut trails: Vec<Vec<f32>> = keep.iter().map(|&m| vec![0f32; m * r.state_len()]).collect();
+        gated_delta_rule_trail(r, segments, &q, &k, &v, &g, &beta, &mut rules, &mut o, &mut trails);
         // Gated RMSNorm per head: norm(o) * weight * silu(z).
         for (oh, zh) in o.chunks_exact_mut(r.v_dim).zip(z.chunks_exact(r.v_dim)) {
             let inv = 1.0 / (oh.iter().map(|x| x * x).sum::<f32>() / r.v_dim as f32 + self.eps).sqrt();
@@ -220,6 +244,21 @@ impl GatedDeltaNet {
                 ))
             })
             .collect::<Result<_>>()?;
-        Ok((y, new_states))
+        let kept = trail_windows
+            .into_iter()
+            .zip(trails)
+            .map(|(ws, t)| {
+                ws.into_iter()
+                    .zip(t.chunks_exact(r.state_len().max(1)))
+                    .map(|(w, s)| {
+                        Ok((
+                            Tensor::from_vec(w, (sh.conv_kernel - 1, cd), &cpu)?,
+                            Tensor::from_vec(s.to_vec(), (r.v_heads, r.k_dim, r.v_dim), &cpu)?,
+                        ))
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<_>>()?;
+        Ok((y, new_states, kept))
     }
 }

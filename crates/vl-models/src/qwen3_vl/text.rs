@@ -343,12 +343,17 @@ impl DecoderLayer {
                 let prev: Vec<Option<vl_nn::DeltaState>> =
                     states.iter_mut().map(|c| delta_state(c, i)).collect::<Result<_>>()?;
                 let refs: Vec<Option<&vl_nn::DeltaState>> = prev.iter().map(Option::as_ref).collect();
-                let (y, new) = l.forward(&h, lens, &refs)?;
+                // Rows verified together (drafted tokens) keep the state after each but the
+                // last, so that the sequence can be taken back to any of them.
+                let keep: Vec<usize> =
+                    lens.iter().map(|&n| if attend == Attend::AsDecoding && n > 1 { n - 1 } else { 0 }).collect();
+                let (y, new, kept) = l.forward_trail(&h, lens, &refs, &keep)?;
                 drop(prev);
-                for ((c, (w, s)), &n) in states.iter_mut().zip(new).zip(lens) {
+                for (((c, (w, s)), &n), kept) in states.iter_mut().zip(new).zip(lens).zip(kept) {
                     let r = c.recurrent_mut(i)?;
-                    let len = r.len() + n;
-                    r.set(vec![w, s], len);
+                    let before = r.len();
+                    let trail = kept.into_iter().enumerate().map(|(j, (w, s))| (before + 1 + j, vec![w, s])).collect();
+                    r.set_with_trail(vec![w, s], before + n, trail);
                 }
                 y
             }

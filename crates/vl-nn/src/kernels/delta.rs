@@ -45,6 +45,27 @@ pub fn gated_delta_rule(
     states: &mut [Vec<f32>],
     out: &mut [f32],
 ) {
+    let mut none: Vec<Vec<f32>> = vec![Vec::new(); segments.len()];
+    gated_delta_rule_trail(shape, segments, q, k, v, g, beta, states, out, &mut none);
+}
+
+/// `gated_delta_rule`, also keeping the states after rows before each sequence's last: for
+/// sequence `s`, `trails[s]` (`t * state_len()` floats, `t` < `segments[s]`) receives the states
+/// after its rows `segments[s] - 1 - t .. segments[s] - 1`, in order (the state after its last
+/// row is `states[s]`). Drafted tokens verified in one pass are so taken back to any of them.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_delta_rule_trail(
+    shape: DeltaShape,
+    segments: &[usize],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    states: &mut [Vec<f32>],
+    out: &mut [f32],
+    trails: &mut [Vec<f32>],
+) {
     let DeltaShape { k_heads, v_heads, k_dim, v_dim, tiled } = shape;
     let rows: usize = segments.iter().sum();
     let (kw, vw) = (k_heads * k_dim, v_heads * v_dim);
@@ -52,6 +73,15 @@ pub fn gated_delta_rule(
     assert!(q.len() == rows * kw && k.len() == rows * kw && v.len() == rows * vw && out.len() == rows * vw);
     assert!(g.len() == rows * v_heads && beta.len() == rows * v_heads);
     assert!(states.iter().all(|s| s.len() == shape.state_len()));
+    assert!(trails.len() == segments.len());
+    let kept: Vec<usize> = trails.iter().map(|t| t.len() / shape.state_len()).collect();
+    assert!(trails
+        .iter()
+        .zip(segments)
+        .zip(&kept)
+        .all(|((t, &n), &m)| t.len() == m * shape.state_len() && (m < n || m == 0)));
+    let trail_ptrs: Vec<SendPtr<f32>> = trails.iter_mut().map(|t| SendPtr(t.as_mut_ptr())).collect();
+    let state_len = shape.state_len();
     let starts: Vec<usize> = segments.iter().scan(0, |acc, &n| Some(std::mem::replace(acc, *acc + n))).collect();
     let rep = v_heads / k_heads;
     let state_ptrs: Vec<SendPtr<f32>> = states.iter_mut().map(|s| SendPtr(s.as_mut_ptr())).collect();
@@ -75,6 +105,21 @@ pub fn gated_delta_rule(
                 let b = beta[t * v_heads + h];
                 let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(t * vw + h * v_dim), v_dim) };
                 step(st, qt, kt, vt, decay, b, delta, o);
+                // Row j of the sequence's last `kept[s] + 1` but the last: its state kept.
+                let j = t - starts[s];
+                let first = segments[s] - 1 - kept[s];
+                if kept[s] > 0 && j >= first && j + 1 < segments[s] {
+                    // SAFETY: head h's `head_len` floats of trail entry j - first of sequence s
+                    // (inside `trails[s]`, sized `kept[s] * state_len` as asserted), written by
+                    // this item alone.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            trail_ptrs[s].get().add((j - first) * state_len + h * head_len),
+                            head_len,
+                        )
+                    };
+                    dst.copy_from_slice(st);
+                }
             }
         },
     );
@@ -222,5 +267,32 @@ mod tests {
         // Row 0 sees only itself: silu(w[c, last] * x[0, c]).
         let y = w[kern - 1] * x[0];
         assert!((whole[0] - y / (1.0 + (-y).exp())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn the_trail_holds_the_state_after_each_kept_row() {
+        // Two sequences of 5 and 3 rows; the first keeps the states after its rows 1..4, the
+        // second none: each equals the naive recurrence run to that row.
+        let sh = DeltaShape { k_heads: 2, v_heads: 4, k_dim: 6, v_dim: 5, tiled: false };
+        let n = 8;
+        let (q, k, v) = (rnd(n * 12, 11), rnd(n * 12, 12), rnd(n * 20, 13));
+        let g: Vec<f32> = rnd(n * 4, 14).iter().map(|x| -x.abs()).collect();
+        let b: Vec<f32> = rnd(n * 4, 15).iter().map(|x| x + 0.5).collect();
+        let s0 = rnd(sh.state_len(), 16);
+        let mut states = vec![s0.clone(), s0.clone()];
+        let mut out = vec![0f32; n * 20];
+        let mut trails = vec![vec![0f32; 3 * sh.state_len()], vec![]];
+        gated_delta_rule_trail(sh, &[5, 3], &q, &k, &v, &g, &b, &mut states, &mut out, &mut trails);
+        for (j, row) in (1..4).enumerate() {
+            let mut want = s0.clone();
+            naive(sh, row + 1, &q, &k, &v, &g, &b, &mut want);
+            let got = &trails[0][j * sh.state_len()..][..sh.state_len()];
+            let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(d < 1e-5, "row {row}: {d}");
+        }
+        let mut plain = vec![s0.clone(), s0];
+        let mut out2 = vec![0f32; n * 20];
+        gated_delta_rule(sh, &[5, 3], &q, &k, &v, &g, &b, &mut plain, &mut out2);
+        assert_eq!((plain, out2), (states, out), "keeping a trail changes nothing else");
     }
 }
