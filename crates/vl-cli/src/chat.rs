@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
+use vl_models::engine::{ChatMessage, Engine, EngineOptions, ModelOptions, Part, Request, VideoData};
 use vl_models::limits::LimitKind;
 
 use crate::flags::{check_media, ChatDefaults, LoadArgs, SamplingArgs};
@@ -122,7 +122,10 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let quant = args.load.model.quant_of(&dir, dtype)?;
     // The clip cache at its default: the history, videos included, is sent again every turn.
     let opts = EngineOptions {
-        model: args.load.model_options(dev, dtype, quant, video),
+        model: ModelOptions {
+            draft_vocab: args.sampling.speculative.draft_vocab.map(|n| n as usize),
+            ..args.load.model_options(dev, dtype, quant, video)
+        },
         kv_cache_bytes: args.load.limits.kv_cache_bytes()?,
         ..Default::default()
     };

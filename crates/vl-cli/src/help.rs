@@ -57,6 +57,7 @@ const HEADINGS: &[(&str, &[&str])] = &[
             "speculative",
             "draft_model",
             "draft_max",
+            "draft_vocab",
             "ngram_min",
             "ngram_max",
             "no_forced_tokens",

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use vl_models::engine::{ChatMessage, Engine, EngineOptions, Part, Request, VideoData};
+use vl_models::engine::{ChatMessage, Engine, EngineOptions, ModelOptions, Part, Request, VideoData};
 use vl_models::limits::LimitKind;
 
 use crate::flags::model::QuantArg;
@@ -205,7 +205,10 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
     }
     let (quant, quant_source) = args.load.model.quant_choice(&dir, dtype)?;
     let opts = EngineOptions {
-        model: args.load.model_options(dev, dtype, quant, video),
+        model: ModelOptions {
+            draft_vocab: args.sampling.speculative.draft_vocab.map(|n| n as usize),
+            ..args.load.model_options(dev, dtype, quant, video)
+        },
         image_cache_bytes: usize::MAX,
         clip_cache_bytes: 0,
         prefix_cache: false,

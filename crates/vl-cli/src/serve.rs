@@ -201,6 +201,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 confined: true,
                 ..Default::default()
             },
+            draft_vocab: args.speculative.draft_vocab.map(|n| n as usize),
             ..args.load.model_options(dev, dtype, quant, video)
         },
         image_cache_bytes: args.image_cache_mib << 20,

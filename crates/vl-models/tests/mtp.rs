@@ -241,7 +241,7 @@ fn the_head_matches_the_reference() {
             let to = (at + 37).min(n);
             let (hidden, positions) = cache.hidden_rows(at, to).unwrap();
             let (o, _) =
-                m.text().mtp_forward(&next[at..to], &hidden, &positions, &mut [&mut head], &[to - at], &[]).unwrap();
+                m.text().mtp_forward(&next[at..to], &hidden, &positions, &mut [&mut head], &[to - at], &[], None).unwrap();
             rows.push(m.text().logits(&o).unwrap().index_select(&sampled, 1).unwrap());
             outs.push(o);
             at = to;
@@ -257,7 +257,7 @@ fn the_head_matches_the_reference() {
         // The second draft: the head's own row fed back, one position on.
         let (_, positions) = cache.hidden_rows(n - 1, n).unwrap();
         let pos = [positions[0].map(|a| a + 1)];
-        let (_, chain) = m.text().mtp_forward(&[d1], &last_row, &pos, &mut [&mut head], &[1], &[0]).unwrap();
+        let (_, chain) = m.text().mtp_forward(&[d1], &last_row, &pos, &mut [&mut head], &[1], &[0], None).unwrap();
         let chain = chain.squeeze(0).unwrap();
         let d_chain = max_abs_diff(&chain, &want["chain.logits"]);
         assert_eq!(

@@ -25,6 +25,12 @@ pub struct SpeculativeArgs {
     /// through its own vision tower.
     #[arg(long, value_name = "MODEL")]
     pub draft_model: Option<String>,
+    /// `mtp` drafts among the first N token ids only (Qwen's BPE ranks its frequent tokens
+    /// first): the head's vocabulary product, most of a draft's cost, shrinks by the vocabulary
+    /// over N; drafts of rarer tokens are lost, answers never change. Default: the whole
+    /// vocabulary.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub draft_vocab: Option<u32>,
     /// Tokens drafted at most per step (1 to 15).
     #[arg(long, value_name = "N", default_value_t = Speculative::default().draft_max)]
     pub draft_max: usize,

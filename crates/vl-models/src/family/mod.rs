@@ -75,6 +75,11 @@ pub struct ModelOptions {
     /// checkpoint's own). Default `DEFAULT_MAX_VIDEO_PIXELS`.
     pub video_pixel_cap: Option<usize>,
     pub video_limits: VideoLimits,
+    /// A draft head's picks (`speculative: mtp`) among the first this many token ids only
+    /// (BPE vocabularies rank their frequent merges first): its lm_head product shrinks by the
+    /// vocabulary over this; drafts of rarer tokens are lost, answers never change. None: the
+    /// whole vocabulary.
+    pub draft_vocab: Option<usize>,
 }
 
 impl Default for ModelOptions {
@@ -91,6 +96,7 @@ impl Default for ModelOptions {
             video: VideoOptions::default(),
             video_pixel_cap: Some(DEFAULT_MAX_VIDEO_PIXELS),
             video_limits: VideoLimits::default(),
+            draft_vocab: None,
         }
     }
 }

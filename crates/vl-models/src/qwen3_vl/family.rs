@@ -130,6 +130,9 @@ pub struct Qwen3Vl {
     checkpoint: Checkpoint,
     /// Tensors the load reads (0 for GGUF, which reports none).
     tensors: usize,
+    /// `ModelOptions::draft_vocab`, and the lm_head's first rows it makes (at the first draft).
+    draft_vocab: Option<usize>,
+    draft_lm_head: OnceLock<vl_nn::QLinear>,
 }
 
 /// The processors with the checkpoint's own pixel budgets.
@@ -268,6 +271,8 @@ impl Qwen3Vl {
             text_loader: Mutex::new(Some(text)),
             checkpoint,
             tensors: 0,
+            draft_vocab: opts.draft_vocab,
+            draft_lm_head: OnceLock::new(),
         };
         if !staged {
             if matches!(*m.vision.lock().unwrap_or_else(|p| p.into_inner()), VisionSlot::Pending(_)) {
@@ -561,7 +566,17 @@ impl crate::family::DraftHead for Qwen3Vl {
         lens: &[usize],
         picks: &[u32],
     ) -> Result<(Tensor, Tensor)> {
-        self.text()?.mtp_forward(tokens, hidden, positions, states, lens, picks)
+        let text = self.text()?;
+        let head = match self.draft_vocab.filter(|&n| n < self.config.text.vocab_size) {
+            Some(n) => {
+                if self.draft_lm_head.get().is_none() {
+                    let _ = self.draft_lm_head.set(text.lm_head_first_rows(n)?);
+                }
+                self.draft_lm_head.get()
+            }
+            None => None,
+        };
+        text.mtp_forward(tokens, hidden, positions, states, lens, picks, head)
     }
 }
 

@@ -535,6 +535,11 @@ impl TextModel {
         out
     }
 
+    /// The lm_head of the first `n` tokens only (drafts picked among them).
+    pub fn lm_head_first_rows(&self, n: usize) -> Result<QLinear> {
+        Ok(self.lm_head.first_rows(n)?)
+    }
+
     /// Whether the checkpoint's multi-token-prediction head was loaded.
     pub fn has_mtp(&self) -> bool {
         self.mtp.is_some()
@@ -542,7 +547,9 @@ impl TextModel {
 
     /// The multi-token-prediction head on new rows of several sequences (`DraftHead::forward`):
     /// row r joins `hidden` row r with the embedding of `tokens[r]` at `positions[r]`; `lens[i]`
-    /// rows continue `states[i]`. Returns its output rows and the f32 logits of rows `picks`.
+    /// rows continue `states[i]`. Returns its output rows and the f32 logits of rows `picks`
+    /// (by `lm_head` when given: the first rows of the model's, `lm_head_first_rows`).
+    #[allow(clippy::too_many_arguments)]
     pub fn mtp_forward(
         &self,
         tokens: &[u32],
@@ -551,6 +558,7 @@ impl TextModel {
         states: &mut [&mut TextCache],
         lens: &[usize],
         picks: &[u32],
+        lm_head: Option<&QLinear>,
     ) -> Result<(Tensor, Tensor)> {
         let head = self.mtp.as_ref().ok_or_else(|| Error::Input {
             what: "speculative".into(),
@@ -579,7 +587,11 @@ impl TextModel {
         let logits = if picks.is_empty() {
             Tensor::zeros((0, self.cfg.vocab_size), DType::F32, &self.device)?
         } else {
-            self.logits(&out.index_select(&Tensor::from_slice(picks, picks.len(), &self.device)?, 0)?)?
+            let rows = out.index_select(&Tensor::from_slice(picks, picks.len(), &self.device)?, 0)?;
+            match lm_head {
+                Some(h) => h.forward(&rows)?.to_dtype(DType::F32)?,
+                None => self.logits(&rows)?,
+            }
         };
         Ok((out, logits))
     }

@@ -236,6 +236,43 @@ impl QLinear {
         }
     }
 
+    /// The layer of its first `n` output rows only (a copy of those rows' weights, stored as they
+    /// are): a product over part of a vocabulary, e.g. drafts picked among its first `n` tokens.
+    pub fn first_rows(&self, n: usize) -> Result<QLinear> {
+        let out = |dims: &[usize]| dims.first().copied().unwrap_or(0);
+        match self {
+            QLinear::Dense(l) => {
+                let n = n.min(out(l.weight().dims()));
+                let w = l.weight().narrow(0, 0, n)?.copy()?;
+                let b = l.bias().map(|b| b.narrow(0, 0, n)).transpose()?;
+                Ok(QLinear::Dense(Linear::new(w, b)))
+            }
+            QLinear::Quant { w, qtype, bias } => {
+                let w = match w {
+                    QMatMul::QTensor(t) => {
+                        let dims = t.shape().dims().to_vec();
+                        let n = n.min(out(&dims));
+                        let row_bytes = t.storage_size_in_bytes() / out(&dims).max(1);
+                        let data = t.data()?;
+                        let mut cut = dims.clone();
+                        cut[0] = n;
+                        let q = candle_core::quantized::ggml_file::qtensor_from_ggml(
+                            t.dtype(),
+                            &data[..n * row_bytes],
+                            cut,
+                            &t.device(),
+                        )?;
+                        QMatMul::from_qtensor(q)?
+                    }
+                    QMatMul::Tensor(t) => QMatMul::Tensor(t.narrow(0, 0, n.min(out(t.dims())))?.copy()?),
+                    QMatMul::TensorF16(t) => QMatMul::TensorF16(t.narrow(0, 0, n.min(out(t.dims())))?.copy()?),
+                };
+                let bias = bias.as_ref().map(|b| b.narrow(0, 0, n.min(b.dim(0)?))).transpose()?;
+                Ok(QLinear::Quant { w, qtype: *qtype, bias })
+            }
+        }
+    }
+
     /// "f32", "bf16", "q4k", ...
     pub fn storage(&self) -> String {
         match self {
@@ -353,6 +390,22 @@ mod tests {
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    #[test]
+    fn the_first_rows_of_a_layer_give_the_first_outputs() {
+        let w = crate::testing::randn(3, 0.05, (40, 512)).unwrap();
+        let x = crate::testing::randn(4, 1.0, (3, 512)).unwrap();
+        for q in [None, Some(QuantType::Q4K), Some(QuantType::Q8_0)] {
+            let l = QLinear::new(Linear::new(w.clone(), None), q).unwrap();
+            let cut = l.first_rows(24).unwrap();
+            assert_eq!(cut.storage(), l.storage());
+            let want = l.forward(&x).unwrap().narrow(1, 0, 24).unwrap();
+            let got = cut.forward(&x).unwrap();
+            assert_eq!(got.dims(), [3, 24]);
+            assert!(max_diff(&got, &want) < 1e-5, "{q:?}: {}", max_diff(&got, &want));
+            assert_eq!(l.first_rows(99).unwrap().forward(&x).unwrap().dims(), [3, 40]);
+        }
     }
 
     #[test]
