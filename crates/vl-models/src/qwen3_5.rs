@@ -6,9 +6,10 @@
 //! `qwen3_vl` family's code, whose config carries the layer pattern (`TextConfig::hybrid`) and
 //! whose decoder builds a DeltaNet mixer for each linear layer and a recurrent `LayerState` for it.
 //!
-//! Loaded: checkpoint directories (safetensors, sharded or not; the `mtp.*` head skipped, as
-//! transformers skips it) and llama.cpp's GGUF pairs (`qwen35` text: its MTP block, counted in
-//! `block_count`, skipped; the layer pattern from `recurrent_layers`; value heads in the
+//! Loaded: checkpoint directories (safetensors, sharded or not; the `mtp.*` head, which
+//! transformers skips, loaded for `speculative: mtp`: `qwen3_vl/mtp.rs`) and llama.cpp's GGUF
+//! pairs (`qwen35` text: its MTP block, counted in `block_count`, read as that head; the layer
+//! pattern from `recurrent_layers`; value heads in the
 //! converter's tiled order; plus the `qwen3vl_merger` mmproj). MoE (`qwen3_5_moe`, `MOE_ENTRY`):
 //! checkpoint directories and `qwen35moe` GGUF files (the pattern from `recurrent_layers`: the
 //! converter writes `full_attention_interval` 4 whatever the config said). `vl quantize` writes

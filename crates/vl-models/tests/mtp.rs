@@ -240,8 +240,10 @@ fn the_head_matches_the_reference() {
         while at < n {
             let to = (at + 37).min(n);
             let (hidden, positions) = cache.hidden_rows(at, to).unwrap();
-            let (o, _) =
-                m.text().mtp_forward(&next[at..to], &hidden, &positions, &mut [&mut head], &[to - at], &[], None).unwrap();
+            let (o, _) = m
+                .text()
+                .mtp_forward(&next[at..to], &hidden, &positions, &mut [&mut head], &[to - at], &[], None)
+                .unwrap();
             rows.push(m.text().logits(&o).unwrap().index_select(&sampled, 1).unwrap());
             outs.push(o);
             at = to;

@@ -222,7 +222,7 @@ impl GatedDeltaNet {
             beta[i] = 1.0 / (1.0 + (-b[i]).exp());
         }
         let mut o = vec![0f32; rows * vw];
-        let mut trails: Vec<Vec<f32>> = keep.iter().map(|&m| vec![0f32; m * r.state_len()]).collect();
+        let mut trails: Vec<Vec<Vec<f32>>> = keep.iter().map(|&m| vec![vec![0f32; r.state_len()]; m]).collect();
         gated_delta_rule_trail(r, segments, &q, &k, &v, &g, &beta, &mut rules, &mut o, &mut trails);
         // Gated RMSNorm per head: norm(o) * weight * silu(z).
         for (oh, zh) in o.chunks_exact_mut(r.v_dim).zip(z.chunks_exact(r.v_dim)) {
@@ -249,11 +249,11 @@ impl GatedDeltaNet {
             .zip(trails)
             .map(|(ws, t)| {
                 ws.into_iter()
-                    .zip(t.chunks_exact(r.state_len().max(1)))
+                    .zip(t)
                     .map(|(w, s)| {
                         Ok((
                             Tensor::from_vec(w, (sh.conv_kernel - 1, cd), &cpu)?,
-                            Tensor::from_vec(s.to_vec(), (r.v_heads, r.k_dim, r.v_dim), &cpu)?,
+                            Tensor::from_vec(s, (r.v_heads, r.k_dim, r.v_dim), &cpu)?,
                         ))
                     })
                     .collect::<Result<Vec<_>>>()

@@ -170,7 +170,7 @@ mod tests {
         assert!(named(Speculative { ngram_max: MAX_NGRAM + 1, ..ok.clone() }).contains("ngram_max"));
         assert_eq!(Method::parse("ngram"), Ok(Method::Ngram));
         assert_eq!(Method::parse("draft"), Ok(Method::Draft));
-        assert!(Method::parse("mtp").unwrap_err().contains("not available yet"));
+        assert_eq!(Method::parse("mtp"), Ok(Method::Mtp));
         assert!(Method::parse("eagle").unwrap_err().contains("`eagle`"));
         assert!(ok.draft(&[1, 2, 1], 0).is_empty());
         assert!(Speculative::default().draft(&[1, 2, 1, 2], 4).is_empty());

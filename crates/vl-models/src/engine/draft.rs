@@ -199,7 +199,7 @@ pub(super) fn propose(g: &dyn Generator, vocab: usize, eos: &[u32], mut work: Ve
 
 /// Adds `t` to `drafts` unless it ends the answer or the model has no row for it; whether to
 /// draft on after it.
-fn take(drafts: &mut Vec<u32>, t: u32, want: usize, vocab: usize, eos: &[u32]) -> bool {
+pub(super) fn take(drafts: &mut Vec<u32>, t: u32, want: usize, vocab: usize, eos: &[u32]) -> bool {
     if t as usize >= vocab || eos.contains(&t) || drafts.len() >= want {
         return false;
     }

@@ -20,6 +20,7 @@
 
 use candle_core::Tensor;
 
+use super::draft::take;
 use crate::error::Result;
 use crate::family::DraftHead;
 use crate::state::SeqState;
@@ -198,16 +199,6 @@ pub(super) fn propose(h: &dyn DraftHead, vocab: usize, eos: &[u32], mut work: Ve
         w.model.forget_hidden_before(caught[i].saturating_sub(1))?;
     }
     Ok(out)
-}
-
-/// Adds `t` to `drafts` unless it ends the answer or the model has no row for it; whether to
-/// draft on after it.
-fn take(drafts: &mut Vec<u32>, t: u32, want: usize, vocab: usize, eos: &[u32]) -> bool {
-    if t as usize >= vocab || eos.contains(&t) || drafts.len() >= want {
-        return false;
-    }
-    drafts.push(t);
-    drafts.len() < want
 }
 
 /// The index of the largest logit of each row (the first of equals).

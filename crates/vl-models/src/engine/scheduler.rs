@@ -392,9 +392,14 @@ impl<'f> Scheduler<'f> {
                 };
                 let mut seq = Seq::new(Box::new(job), self.family);
                 seq.cached_tokens = parent.cached_tokens;
-                // Its draft catches up at its decode steps; its head from the rows the copy kept.
+                // Its draft catches up at its decode steps; its head is a copy of the parent's
+                // (which caught up with the prompt).
                 seq.draft = self.draft.filter(|_| seq.job.encoded.draft.is_some()).map(DraftSeq::new);
-                seq.head = self.head().filter(|_| seq.uses_head()).map(HeadSeq::new);
+                seq.head = match (self.head().filter(|_| seq.uses_head()), &parent.head) {
+                    (Some(_), Some(h)) => h.state.fork().ok().map(|state| HeadSeq { state, start: h.start }),
+                    (Some(h), None) => Some(HeadSeq::new(h)),
+                    (None, _) => None,
+                };
                 (seq, parent.state.fork(), parent.state.bytes())
             };
             let fits = self.running.len() < self.shared.opts.parallel && self.make_room(bytes);

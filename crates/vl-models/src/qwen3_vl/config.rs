@@ -78,7 +78,8 @@ const IGNORED_TEXT: &[&str] = &[
     // transformers (4.57 and 5.x alike) renormalizes the top-k weights whatever this says.
     "norm_topk_prob",
     "sliding_window",
-    // Qwen3.5: the multi-token-prediction head (`mtp.*` tensors), which transformers skips.
+    // Qwen3.5: the multi-token-prediction head (`mtp.*` tensors), which transformers skips; its
+    // one layer loads from the tensors themselves (`qwen3_vl/mtp.rs`).
     "mtp_num_hidden_layers",
     "mtp_use_dedicated_embeddings",
 ];

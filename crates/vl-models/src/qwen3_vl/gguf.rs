@@ -138,7 +138,7 @@ impl GgufModel {
     }
 
     /// A tensor of the multi-token-prediction block that llama.cpp's converter appends after the
-    /// decoder's (`blk.N` with N past the layers: Qwen3.5's `mtp.*`), which is not read.
+    /// decoder's (`blk.N` with N past the layers: Qwen3.5's `mtp.*`), read as the MTP head.
     fn is_mtp(&self, name: &str) -> bool {
         name.strip_prefix("blk.")
             .and_then(|r| r.split_once('.'))

@@ -227,7 +227,8 @@ pub fn check_plan(plan: &[PlannedTensor], ck: &Weights) -> Result<PlanReport> {
             Some(_) => {}
         }
     }
-    // Qwen3.5's multi-token-prediction head (`mtp.*`) is skipped, as transformers skips it.
+    // Qwen3.5's multi-token-prediction head (`mtp.*`) is not the plan's (transformers skips it);
+    // the decoder loads it when present (`qwen3_vl/mtp.rs`).
     let unexpected: Vec<String> =
         ck.entries().keys().filter(|k| !planned.contains(k.as_str()) && !k.starts_with(MTP_PREFIX)).cloned().collect();
     report.ignored.extend(ck.entries().keys().filter(|k| k.starts_with(MTP_PREFIX)).cloned());

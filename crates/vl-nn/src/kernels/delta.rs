@@ -45,14 +45,14 @@ pub fn gated_delta_rule(
     states: &mut [Vec<f32>],
     out: &mut [f32],
 ) {
-    let mut none: Vec<Vec<f32>> = vec![Vec::new(); segments.len()];
+    let mut none: Vec<Vec<Vec<f32>>> = vec![Vec::new(); segments.len()];
     gated_delta_rule_trail(shape, segments, q, k, v, g, beta, states, out, &mut none);
 }
 
 /// `gated_delta_rule`, also keeping the states after rows before each sequence's last: for
-/// sequence `s`, `trails[s]` (`t * state_len()` floats, `t` < `segments[s]`) receives the states
-/// after its rows `segments[s] - 1 - t .. segments[s] - 1`, in order (the state after its last
-/// row is `states[s]`). Drafted tokens verified in one pass are so taken back to any of them.
+/// sequence `s`, `trails[s]` (`t` < `segments[s]` buffers of `state_len()` floats) receives the
+/// states after its rows `segments[s] - 1 - t .. segments[s] - 1`, in order (the state after its
+/// last row is `states[s]`). Drafted tokens verified in one pass are so taken back to any of them.
 #[allow(clippy::too_many_arguments)]
 pub fn gated_delta_rule_trail(
     shape: DeltaShape,
@@ -64,7 +64,7 @@ pub fn gated_delta_rule_trail(
     beta: &[f32],
     states: &mut [Vec<f32>],
     out: &mut [f32],
-    trails: &mut [Vec<f32>],
+    trails: &mut [Vec<Vec<f32>>],
 ) {
     let DeltaShape { k_heads, v_heads, k_dim, v_dim, tiled } = shape;
     let rows: usize = segments.iter().sum();
@@ -74,14 +74,13 @@ pub fn gated_delta_rule_trail(
     assert!(g.len() == rows * v_heads && beta.len() == rows * v_heads);
     assert!(states.iter().all(|s| s.len() == shape.state_len()));
     assert!(trails.len() == segments.len());
-    let kept: Vec<usize> = trails.iter().map(|t| t.len() / shape.state_len()).collect();
+    let kept: Vec<usize> = trails.iter().map(Vec::len).collect();
     assert!(trails
         .iter()
         .zip(segments)
-        .zip(&kept)
-        .all(|((t, &n), &m)| t.len() == m * shape.state_len() && (m < n || m == 0)));
-    let trail_ptrs: Vec<SendPtr<f32>> = trails.iter_mut().map(|t| SendPtr(t.as_mut_ptr())).collect();
-    let state_len = shape.state_len();
+        .all(|(t, &n)| (t.len() < n || t.is_empty()) && t.iter().all(|e| e.len() == shape.state_len())));
+    let trail_ptrs: Vec<Vec<SendPtr<f32>>> =
+        trails.iter_mut().map(|t| t.iter_mut().map(|e| SendPtr(e.as_mut_ptr())).collect()).collect();
     let starts: Vec<usize> = segments.iter().scan(0, |acc, &n| Some(std::mem::replace(acc, *acc + n))).collect();
     let rep = v_heads / k_heads;
     let state_ptrs: Vec<SendPtr<f32>> = states.iter_mut().map(|s| SendPtr(s.as_mut_ptr())).collect();
@@ -109,14 +108,10 @@ pub fn gated_delta_rule_trail(
                 let j = t - starts[s];
                 let first = segments[s] - 1 - kept[s];
                 if kept[s] > 0 && j >= first && j + 1 < segments[s] {
-                    // SAFETY: head h's `head_len` floats of trail entry j - first of sequence s
-                    // (inside `trails[s]`, sized `kept[s] * state_len` as asserted), written by
-                    // this item alone.
+                    // SAFETY: head h's `head_len` floats of trail entry j - first of sequence s (a
+                    // buffer of `state_len()` floats, as asserted), written by this item alone.
                     let dst = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            trail_ptrs[s].get().add((j - first) * state_len + h * head_len),
-                            head_len,
-                        )
+                        std::slice::from_raw_parts_mut(trail_ptrs[s][j - first].get().add(h * head_len), head_len)
                     };
                     dst.copy_from_slice(st);
                 }
@@ -281,12 +276,12 @@ mod tests {
         let s0 = rnd(sh.state_len(), 16);
         let mut states = vec![s0.clone(), s0.clone()];
         let mut out = vec![0f32; n * 20];
-        let mut trails = vec![vec![0f32; 3 * sh.state_len()], vec![]];
+        let mut trails = vec![vec![vec![0f32; sh.state_len()]; 3], vec![]];
         gated_delta_rule_trail(sh, &[5, 3], &q, &k, &v, &g, &b, &mut states, &mut out, &mut trails);
         for (j, row) in (1..4).enumerate() {
             let mut want = s0.clone();
             naive(sh, row + 1, &q, &k, &v, &g, &b, &mut want);
-            let got = &trails[0][j * sh.state_len()..][..sh.state_len()];
+            let got = &trails[0][j];
             let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(d < 1e-5, "row {row}: {d}");
         }
