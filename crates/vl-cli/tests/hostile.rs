@@ -388,7 +388,9 @@ fn bad_flags_are_refused_with_the_flag_and_value() {
         fails(&args, &needles);
     }
     // Values that are not numbers are usage errors: one line, exit code 2.
-    for (flag, value) in [("--min-pixels", "1e12"), ("--temperature", "warm"), ("--max-new-tokens", "many")] {
+    for (flag, value) in
+        [("--min-pixels", "1e12"), ("--temperature", "warm"), ("--max-new-tokens", "many"), ("--draft-vocab", "0")]
+    {
         let o = run_vl(&["run", "--model", &ck, "--image", &img, flag, value], Out::Piped);
         assert_eq!(o.code, 2, "{flag} {value}: {}", o.stderr);
         let err = o.stderr.trim_end();
