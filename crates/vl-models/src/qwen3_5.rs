@@ -7,7 +7,7 @@
 //! whose decoder builds a DeltaNet mixer for each linear layer and a recurrent `LayerState` for it.
 //!
 //! Loaded: checkpoint directories (safetensors, sharded or not; the `mtp.*` head, which
-//! transformers skips, loaded for `speculative: mtp`: `qwen3_vl/mtp.rs`) and llama.cpp's GGUF
+//! transformers skips, loaded for `speculative: mtp`: `qwen3_vl/text.rs`, `MtpHead`) and llama.cpp's GGUF
 //! pairs (`qwen35` text: its MTP block, counted in `block_count`, read as that head; the layer
 //! pattern from `recurrent_layers`; value heads in the
 //! converter's tiled order; plus the `qwen3vl_merger` mmproj). MoE (`qwen3_5_moe`, `MOE_ENTRY`):

@@ -79,7 +79,7 @@ const IGNORED_TEXT: &[&str] = &[
     "norm_topk_prob",
     "sliding_window",
     // Qwen3.5: the multi-token-prediction head (`mtp.*` tensors), which transformers skips; its
-    // one layer loads from the tensors themselves (`qwen3_vl/mtp.rs`).
+    // one layer loads from the tensors themselves (`qwen3_vl/text.rs`, `MtpHead`).
     "mtp_num_hidden_layers",
     "mtp_use_dedicated_embeddings",
 ];

@@ -546,7 +546,7 @@ impl Generator for Qwen3Vl {
     }
 }
 
-/// Qwen3.5's multi-token-prediction head (`qwen3_vl/mtp.rs`).
+/// Qwen3.5's multi-token-prediction head (`qwen3_vl/text.rs`, `MtpHead`).
 impl crate::family::DraftHead for Qwen3Vl {
     fn kv_bytes_per_position(&self) -> usize {
         let c = &self.config.text;

@@ -11,7 +11,6 @@ pub mod image_processor;
 pub mod inspect;
 mod linears;
 pub mod model;
-pub mod mtp;
 pub mod plan;
 pub mod positions;
 pub mod preflight;

@@ -228,7 +228,7 @@ pub fn check_plan(plan: &[PlannedTensor], ck: &Weights) -> Result<PlanReport> {
         }
     }
     // Qwen3.5's multi-token-prediction head (`mtp.*`) is not the plan's (transformers skips it);
-    // the decoder loads it when present (`qwen3_vl/mtp.rs`).
+    // the decoder loads it when present (`qwen3_vl/text.rs`, `MtpHead`).
     let unexpected: Vec<String> =
         ck.entries().keys().filter(|k| !planned.contains(k.as_str()) && !k.starts_with(MTP_PREFIX)).cloned().collect();
     report.ignored.extend(ck.entries().keys().filter(|k| k.starts_with(MTP_PREFIX)).cloned());

@@ -19,7 +19,7 @@ const PREFILL_QUERY_BLOCK: usize = 512;
 
 /// An RMSNorm; `unit_offset`: Qwen3.5's, which multiplies by (1 + weight) (the sum taken in
 /// f32 at load).
-pub(super) fn rms_norm(dim: usize, eps: f64, vb: VarBuilder, unit_offset: bool) -> Result<RmsNorm> {
+fn rms_norm(dim: usize, eps: f64, vb: VarBuilder, unit_offset: bool) -> Result<RmsNorm> {
     if !unit_offset {
         return Ok(candle_nn::rms_norm(dim, eps, vb)?);
     }
@@ -213,7 +213,7 @@ impl Mixer {
 
 /// Whether the decoder's RMSNorms add 1 to their stored weights at load (Qwen3.5 from
 /// transformers' safetensors; llama.cpp's converter and mlx-vlm store them with the 1 added).
-pub(super) fn unit_offset_norms(cfg: &TextConfig) -> bool {
+fn unit_offset_norms(cfg: &TextConfig) -> bool {
     cfg.hybrid.as_ref().is_some_and(|h| !h.norms_plus_one)
 }
 
@@ -263,7 +263,7 @@ fn delta_state(state: &mut TextCache, i: usize) -> Result<Option<vl_nn::DeltaSta
 }
 
 #[derive(Debug, Clone)]
-pub(super) struct DecoderLayer {
+struct DecoderLayer {
     input_norm: RmsNorm,
     attn: Mixer,
     post_attn_norm: RmsNorm,
@@ -408,7 +408,7 @@ pub struct TextModel {
     norm: RmsNorm,
     lm_head: QLinear,
     /// Qwen3.5's multi-token-prediction head, when the checkpoint carries one.
-    mtp: Option<super::mtp::MtpHead>,
+    mtp: Option<MtpHead>,
     rope: MultiAxisRope,
     dtype: DType,
     device: Device,
@@ -458,8 +458,8 @@ impl TextModel {
             .map(|i| DecoderLayer::load(cfg, i, tvb.pp(format!("layers.{i}")), plan))
             .collect::<Result<_>>()?;
         let has_mtp = cfg.hybrid.is_some()
-            && (vb.contains_tensor(super::mtp::FC_KEY) || plan.pre.is_some_and(|p| p.contains_key(super::mtp::FC_KEY)));
-        let mut mtp = has_mtp.then(|| super::mtp::MtpHead::load(cfg, vb.clone(), plan)).transpose()?;
+            && (vb.contains_tensor(MTP_FC_KEY) || plan.pre.is_some_and(|p| p.contains_key(MTP_FC_KEY)));
+        let mut mtp = has_mtp.then(|| MtpHead::load(cfg, vb.clone(), plan)).transpose()?;
         let compact = compact_experts(layers.iter().map(|l| &l.mlp).chain(mtp.as_ref().map(|m| &m.layer().mlp)))?;
         let stored_rows = stored_expert_rows()?;
         for mlp in layers.iter_mut().map(|l| &mut l.mlp).chain(mtp.as_mut().map(|m| m.layer_mut().mlp_mut())) {
@@ -712,5 +712,74 @@ impl TextModel {
     /// Logits [n, vocab] in f32 from final-normed hidden states.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         Ok(self.lm_head.forward(hidden)?.to_dtype(DType::F32)?)
+    }
+}
+
+/// The checkpoint key whose presence says a checkpoint carries Qwen3.5's MTP head.
+pub const MTP_FC_KEY: &str = "mtp.fc.weight";
+
+/// Qwen3.5's multi-token-prediction head (`mtp.*`, which transformers skips), as vLLM's
+/// `qwen3_5_mtp.py` runs it: for a position p, the model's final (normed) hidden row h_p and the
+/// token x_{p+1} after it become `fc(concat(pre_fc_norm_embedding(embed(x_{p+1})),
+/// pre_fc_norm_hidden(h_p)))`, which one full-attention decoder layer (gated attention, M-RoPE at
+/// p's position, its own KV cache; the model's MLP kind, routed experts for MoE) and `norm` turn
+/// into a row whose logits (the model's lm_head) predict x_{p+2}. A further draft feeds that
+/// output row back as h, with the drafted token, one position on.
+#[derive(Debug, Clone)]
+struct MtpHead {
+    fc: QLinear,
+    pre_embedding: RmsNorm,
+    pre_hidden: RmsNorm,
+    layer: DecoderLayer,
+    norm: RmsNorm,
+}
+
+impl MtpHead {
+    /// The head from `vb` at the checkpoint root (`mtp.*`): its layer `mtp.layers.0` (the
+    /// released checkpoints have one, `mtp_num_hidden_layers` 1).
+    pub(super) fn load(cfg: &TextConfig, vb: VarBuilder, plan: LoadPlan) -> Result<Self> {
+        let (d, eps, offset) = (cfg.hidden_size, cfg.rms_norm_eps, unit_offset_norms(cfg));
+        let vb = vb.pp("mtp");
+        Ok(Self {
+            fc: linear_no_bias(2 * d, d, vb.pp("fc"), plan)?,
+            pre_embedding: rms_norm(d, eps, vb.pp("pre_fc_norm_embedding"), offset)?,
+            pre_hidden: rms_norm(d, eps, vb.pp("pre_fc_norm_hidden"), offset)?,
+            // Its MLP is the decoder's kind: numbered past the decoder's layers.
+            layer: DecoderLayer::load_kind(cfg, cfg.num_hidden_layers, false, vb.pp("layers.0"), plan)?,
+            norm: rms_norm(d, eps, vb.pp("norm"), offset)?,
+        })
+    }
+
+    pub(super) fn layer(&self) -> &DecoderLayer {
+        &self.layer
+    }
+
+    pub(super) fn layer_mut(&mut self) -> &mut DecoderLayer {
+        &mut self.layer
+    }
+
+    pub(super) fn linears(&self) -> Vec<&QLinear> {
+        let mut all = vec![&self.fc];
+        all.extend(self.layer.linears());
+        all
+    }
+
+    /// The head's output rows [rows, hidden] for embeddings `embedded` ([rows, hidden], the
+    /// tokens after each position) and hidden rows `hidden`, rotated by `(cos, sin)`; `lens[i]`
+    /// rows continue `states[i]` (one attention layer).
+    pub(super) fn forward(
+        &self,
+        embedded: &Tensor,
+        hidden: &Tensor,
+        rope: (&Tensor, &Tensor),
+        states: &mut [&mut TextCache],
+        lens: &[usize],
+        attend: Attend,
+    ) -> Result<Tensor> {
+        let e = self.pre_embedding.forward(embedded)?;
+        let h = self.pre_hidden.forward(&hidden.to_dtype(e.dtype())?)?;
+        let x = self.fc.forward(&Tensor::cat(&[&e, &h], 1)?)?;
+        let x = self.layer.forward_rows(&x, rope, states, lens, 0, attend)?;
+        Ok(self.norm.forward(&x)?)
     }
 }
