@@ -25,6 +25,7 @@ pub mod linear;
 mod merger;
 pub mod moe;
 pub mod panels;
+mod q8k;
 mod quant;
 mod rope;
 pub mod stored;

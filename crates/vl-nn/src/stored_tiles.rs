@@ -9,7 +9,7 @@
 //! stay in L1 while every input row meets it: the unpacking costs a few hundred instructions
 //! per tile, the products (`vpdpbusd`, 64 of them per input row) tens of thousands.
 //!
-//! Each input row is quantized to Q8_K as candle and ggml do (`BlockQ8K::from_float`); a lane of
+//! Each input row is quantized to Q8_K as candle and ggml do (`crate::q8k`); a lane of
 //! the products is one output row, so the sums need no horizontal reduction. Per 32-value (Q4_K)
 //! or 16-value (Q6_K) sub-block, the integer dot is widened and scaled by the weight's sub-block
 //! scale; the Q4_K mins and the Q6_K offset of 32 come off through the Q8_K block sums.
@@ -71,7 +71,7 @@ impl Input {
                         std::slice::from_raw_parts_mut(sums_at.get().add(r * kb * 16), kb * 16),
                     )
                 };
-                BlockQ8K::from_float(&x[r * k..(r + 1) * k], blocks);
+                crate::q8k::quantize(&x[r * k..(r + 1) * k], blocks);
                 for (b, o) in out.chunks_exact_mut(16).enumerate() {
                     // SAFETY: block b of the row's kb blocks (see `block`).
                     let s: [i16; 16] =
