@@ -19,7 +19,7 @@
 //!   bits 0-1, 2-3, 4-5, 6-7 above; value = d * scale * (q - 32).
 //! - Q8_K (292 bytes): f32 d, 256 i8, 16 i16 sums of 16 values each.
 
-use candle_core::quantized::k_quants::{BlockQ8K, GgmlType};
+use candle_core::quantized::k_quants::{BlockQ8K, GgmlType as _};
 
 use crate::cpu::SendPtr;
 
@@ -92,6 +92,81 @@ macro_rules! q4k_block {
     }};
 }
 
+/// The VNNI kernels' layout of a block's 256 products: four 64-byte vectors T_c (c = 0..4),
+/// each i32 lane of which holds 4 values of one sub-block, the same sub-block in all four, so one
+/// lane's `vpdpbusd` sums over the four make a sub-block's partial sum, scaled per lane once a
+/// block (`row_dots_vnni`, `q6k_dots_vnni`). The weight's vectors as unpacked, S_k (k = 0..4),
+/// go through a 4 x 4 transpose of i32 within each 128-bit lane (`transpose4!`): T_c's lane
+/// 4i + k is S_k's lane 4i + c. `vnni_order(q6)[o]` is the value (0..256 in the block) the
+/// input byte o (= 64c + 4 lane + t) must hold to meet the weight's byte there.
+/// - Q4_K: S_0..S_4 are the low and high nibbles of stored bytes 0..64, then of 64..128; stored
+///   byte b's low nibble is value 64 (b / 32) + b % 32, its high nibble 32 more.
+/// - Q6_K: S_k is values 64k..64k + 64 in order (`q6k_block!`).
+const fn vnni_order(q6: bool) -> [u8; QK] {
+    let mut order = [0u8; QK];
+    let mut o = 0;
+    while o < QK {
+        let (c, lane, t) = (o / 64, (o % 64) / 4, o % 4);
+        let (i, k) = (lane / 4, lane % 4);
+        // Byte p of S_k.
+        let p = 16 * i + 4 * c + t;
+        order[o] = if q6 {
+            64 * k + p
+        } else {
+            let b = 64 * (k / 2) + p;
+            64 * (b / 32) + 32 * (k % 2) + b % 32
+        } as u8;
+        o += 1;
+    }
+    order
+}
+const Q4K_VNNI_ORDER: [u8; QK] = vnni_order(false);
+const Q6K_VNNI_ORDER: [u8; QK] = vnni_order(true);
+
+/// The sub-block each i32 lane of the VNNI layout sums (32 values a sub-block for Q4_K, 16 for
+/// Q6_K), as `vpermd` indices into the block's scales.
+const fn lane_subblocks(q6: bool) -> [i32; 16] {
+    let order = vnni_order(q6);
+    let mut lanes = [0i32; 16];
+    let mut l = 0;
+    while l < 16 {
+        lanes[l] = (order[4 * l] as usize / if q6 { 16 } else { 32 }) as i32;
+        l += 1;
+    }
+    lanes
+}
+const Q4K_LANE_SUBBLOCK: [i32; 16] = lane_subblocks(false);
+/// Which of a Q8_K block's 16 sums (of 16 consecutive values) each lane of `Q4K_VNNI_ORDER`
+/// meets: a lane's 16 values are one such run.
+const Q4K_LANE_SUMS: [usize; 16] = {
+    let mut lanes = [0usize; 16];
+    let mut l = 0;
+    while l < 16 {
+        lanes[l] = Q4K_VNNI_ORDER[4 * l] as usize / 16;
+        l += 1;
+    }
+    lanes
+};
+const Q6K_LANE_SUBBLOCK: [i32; 16] = lane_subblocks(true);
+
+/// The 4 x 4 transpose of i32 within each 128-bit lane of four vectors: out[c]'s lane 4i + k is
+/// in[k]'s lane 4i + c (see `vnni_order`). A macro for the callers' `#[target_feature]` code.
+macro_rules! transpose4 {
+    ($s:expr) => {{
+        let s: [__m512i; 4] = $s;
+        let t0 = _mm512_unpacklo_epi32(s[0], s[1]);
+        let t1 = _mm512_unpackhi_epi32(s[0], s[1]);
+        let t2 = _mm512_unpacklo_epi32(s[2], s[3]);
+        let t3 = _mm512_unpackhi_epi32(s[2], s[3]);
+        [
+            _mm512_unpacklo_epi64(t0, t2),
+            _mm512_unpackhi_epi64(t0, t2),
+            _mm512_unpacklo_epi64(t1, t3),
+            _mm512_unpackhi_epi64(t1, t3),
+        ]
+    }};
+}
+
 /// Output rows per work item.
 const ITEM_ROWS: usize = 16;
 
@@ -119,46 +194,86 @@ pub fn matmul(weights: &[(Blocks, &[u8], usize)], x: &[f32], m: usize, k: usize)
 }
 
 /// One activation matrix quantized once for every weight it multiplies: its Q8_K blocks and,
-/// for Q4_K weights, its values reordered and sub-block sums (see `row_dots`).
+/// for Q4_K weights (and for Q6_K ones with VNNI), its values reordered to meet the weight's
+/// vectors and the per-block terms the kernels add.
 struct Input {
     m: usize,
     q8: Vec<BlockQ8K>,
+    /// For Q4_K weights: each block's values in the order `row_dots` meets the stored nibbles,
+    /// or with VNNI in `Q4K_VNNI_ORDER`.
     reordered: Vec<i8>,
+    /// For Q4_K weights: each block's 8 sub-block sums (`row_dots`).
     pairs: Vec<i16>,
-    /// With VNNI: each block's 8 sub-block sums as f32 times the block's scale (`row_dots_vnni`).
-    scaled_pairs: Vec<f32>,
+    /// With VNNI, for Q4_K weights: for each i32 lane of `Q4K_VNNI_ORDER`, the block's scale x the
+    /// sum of the 16 values the lane meets (the mins' term; `row_dots_vnni`).
+    lane_sums: Vec<f32>,
+    /// With VNNI, for Q6_K weights: each block's values in `Q6K_VNNI_ORDER`, and for each i32
+    /// lane of that layout -32 x the block's scale x its sub-block's sum (the quants' offset;
+    /// `q6k_dots_vnni`).
+    reordered6: Vec<i8>,
+    offsets6: Vec<f32>,
 }
 
 impl Input {
-    fn new(x: &[f32], m: usize, k: usize, q4k: bool, vnni: bool) -> Self {
+    fn new(x: &[f32], m: usize, k: usize, (q4k, q6k): (bool, bool), vnni: bool) -> Self {
         let kb = k / QK;
         let mut q8 = vec![BlockQ8K::zeros(); m * kb];
         for (row, blocks) in x.chunks_exact(k).zip(q8.chunks_exact_mut(kb)) {
-            BlockQ8K::from_float(row, blocks);
+            crate::q8k::quantize(row, blocks);
         }
-        // For Q4_K only: each Q8_K block's sums of its 8 sub-blocks of 32 (the mins' term; at
-        // most 32 x 128, an i16), and its values in the order Q4_K stores its nibbles (see
-        // `row_dots`): of each 128, values 0-31, 64-95, 32-63, 96-127.
-        let blocks = if q4k { m * kb } else { 0 };
-        let mut pairs = Vec::with_capacity(blocks * 8);
-        let mut reordered = Vec::with_capacity(blocks * QK);
-        for blk in q8_bytes(&q8).chunks_exact(Q8K_BYTES).take(blocks) {
-            let sum = |i: usize| i16::from_le_bytes([blk[4 + QK + 2 * i], blk[4 + QK + 2 * i + 1]]);
-            pairs.extend((0..8).map(|s| sum(2 * s) + sum(2 * s + 1)));
-            for half in 0..2 {
-                for from in [0, 64, 32, 96] {
-                    let at = 4 + half * 128 + from;
-                    reordered.extend(blk[at..at + 32].iter().map(|&v| v as i8));
+        let bytes = q8_bytes(&q8);
+        let d = |blk: &[u8]| f32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]]);
+        let sum16 = |blk: &[u8], i: usize| i16::from_le_bytes([blk[4 + QK + 2 * i], blk[4 + QK + 2 * i + 1]]);
+        let reorder = |order: &[u8; QK], out: &mut Vec<i8>| {
+            out.resize(m * kb * QK, 0);
+            for (blk, to) in bytes.chunks_exact(Q8K_BYTES).zip(out.chunks_exact_mut(QK)) {
+                // A u8 index into 256 values: no bounds checks in the loop.
+                let values: &[u8; QK] = blk[4..4 + QK].try_into().expect("a Q8_K block holds 256 values");
+                for (o, &v) in to.iter_mut().zip(order) {
+                    *o = values[v as usize] as i8;
+                }
+            }
+        };
+        let (mut reordered, mut pairs, mut lane_sums) = (vec![], vec![], vec![]);
+        if q4k {
+            // Each Q8_K block's sums of its 8 sub-blocks of 32 (the mins' term; at most 32 x
+            // 128, an i16).
+            pairs.reserve(m * kb * 8);
+            for blk in bytes.chunks_exact(Q8K_BYTES) {
+                pairs.extend((0..8).map(|s| sum16(blk, 2 * s) + sum16(blk, 2 * s + 1)));
+            }
+            reordered.reserve(m * kb * QK);
+            if vnni {
+                reorder(&Q4K_VNNI_ORDER, &mut reordered);
+                lane_sums.reserve(m * kb * 16);
+                for blk in bytes.chunks_exact(Q8K_BYTES) {
+                    let yd = d(blk);
+                    lane_sums.extend(Q4K_LANE_SUMS.iter().map(|&g| yd * f32::from(sum16(blk, g))));
+                }
+            } else {
+                // The order Q4_K stores its nibbles in (see `row_dots`): of each 128, values
+                // 0-31, 64-95, 32-63, 96-127.
+                for blk in bytes.chunks_exact(Q8K_BYTES) {
+                    for half in 0..2 {
+                        for from in [0, 64, 32, 96] {
+                            let at = 4 + half * 128 + from;
+                            reordered.extend(blk[at..at + 32].iter().map(|&v| v as i8));
+                        }
+                    }
                 }
             }
         }
-        let scaled_pairs = if vnni {
-            let d = |i: usize| f32::from_le_bytes(q8_bytes(&q8)[i * Q8K_BYTES..i * Q8K_BYTES + 4].try_into().unwrap());
-            pairs.iter().enumerate().map(|(j, &p)| d(j / 8) * f32::from(p)).collect()
-        } else {
-            vec![]
-        };
-        Input { m, q8, reordered, pairs, scaled_pairs }
+        let (mut reordered6, mut offsets6) = (vec![], vec![]);
+        if q6k && vnni {
+            reordered6.reserve(m * kb * QK);
+            reorder(&Q6K_VNNI_ORDER, &mut reordered6);
+            offsets6.reserve(m * kb * 16);
+            for blk in bytes.chunks_exact(Q8K_BYTES) {
+                let minus = -32.0 * d(blk);
+                offsets6.extend(Q6K_LANE_SUBBLOCK.iter().map(|&s| minus * f32::from(sum16(blk, s as usize))));
+            }
+        }
+        Input { m, q8, reordered, pairs, lane_sums, reordered6, offsets6 }
     }
 }
 
@@ -203,7 +318,10 @@ fn matmul_each_on(
     let quantized: Vec<Input> = inputs
         .iter()
         .enumerate()
-        .map(|(i, &(x, m))| Input::new(x, m, k, weights.iter().any(|w| w.3 == i && w.0 == Blocks::Q4K), vnni))
+        .map(|(i, &(x, m))| {
+            let meets = |kind| weights.iter().any(|w| w.3 == i && w.0 == kind);
+            Input::new(x, m, k, (meets(Blocks::Q4K), meets(Blocks::Q6K)), vnni)
+        })
         .collect();
     let mut outs: Vec<Vec<f32>> = weights.iter().map(|&(_, _, n, i)| vec![0f32; quantized[i].m * n]).collect();
     let ptrs: Vec<SendPtr<f32>> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
@@ -223,33 +341,47 @@ fn matmul_each_on(
             let (m, q8) = (x.m, q8_bytes(&x.q8));
             let first = (item - starts[w]) * ITEM_ROWS;
             let out = ptrs[w];
-            for row in first..(first + ITEM_ROWS).min(n) {
-                // Passes of up to MAX_ROWS input rows over the weight row.
-                for r0 in (0..m).step_by(MAX_ROWS) {
-                    let mr = MAX_ROWS.min(m - r0);
-                    let mut dots = [0f32; MAX_ROWS];
+            let end = (first + ITEM_ROWS).min(n);
+            // With VNNI, weight rows go two at a time (`row_dots_vnni`, `q6k_dots_vnni`: each load
+            // of the input meets both); a lone last row goes as its own pair and is written once.
+            let step = if vnni { 2 } else { 1 };
+            // Passes of up to MAX_ROWS input rows over the item's weight rows: a pass's inputs
+            // stay in L1 while it meets each weight row (the rows, fewer bytes, come again from
+            // L2 for the next pass). With one weight row after another instead, two passes of 8
+            // rows of 2048 thrashed L1: 16 rows took 3x 8 rows' time on a Zen 4.
+            for r0 in (0..m).step_by(MAX_ROWS) {
+                let mr = MAX_ROWS.min(m - r0);
+                for row in (first..end).step_by(step) {
+                    let rows = [row, (row + step - 1).min(end - 1)];
+                    let mut dots = [[0f32; MAX_ROWS]; 2];
                     // SAFETY: AVX-512 F/BW (and so AVX2, FMA, F16C) checked by `available`, VNNI
-                    // by the caller when `vnni`; the
-                    // row's blocks lie in `blocks` (length checked above), the input's q8,
-                    // reordered values and pairs hold m rows of kb blocks (the latter two for
-                    // Q4_K weights), of which rows r0..r0 + mr are read.
+                    // by the caller when `vnni`; the weight rows' blocks lie in `blocks` (length
+                    // checked above), the input's q8 and, for its weights' kinds and kernels,
+                    // reordered values and sums (`Input::new`) hold m rows of kb blocks, of which
+                    // rows r0..r0 + mr are read.
                     unsafe {
-                        let w = blocks.as_ptr().add(row * kb * kind.bytes());
+                        let at = |row: usize| blocks.as_ptr().add(row * kb * kind.bytes());
                         let q8 = q8.as_ptr().add(r0 * kb * Q8K_BYTES);
                         match kind {
                             Blocks::Q4K => {
                                 let re = x.reordered.as_ptr().add(r0 * kb * QK);
                                 let pairs = x.pairs.as_ptr().add(r0 * kb * 8);
-                                let scaled = x.scaled_pairs.as_ptr().wrapping_add(r0 * kb * 8);
-                                row_dots_m(w, kb, (q8, re, pairs, scaled), mr, vnni, &mut dots)
+                                let sums = x.lane_sums.as_ptr().wrapping_add(r0 * kb * 16);
+                                row_dots_m([at(rows[0]), at(rows[1])], kb, (q8, re, pairs, sums), mr, vnni, &mut dots)
                             }
-                            Blocks::Q6K => q6k_dots_m(w, kb, q8, mr, &mut dots),
+                            Blocks::Q6K => {
+                                let re = x.reordered6.as_ptr().wrapping_add(r0 * kb * QK);
+                                let offsets = x.offsets6.as_ptr().wrapping_add(r0 * kb * 16);
+                                q6k_dots_m([at(rows[0]), at(rows[1])], kb, (q8, re, offsets), mr, vnni, &mut dots)
+                            }
                         }
                     };
-                    for (r, d) in dots.iter().take(mr).enumerate() {
-                        // SAFETY: each (r, row) is written by this item alone, inside the m x n
-                        // output.
-                        unsafe { *out.get().add((r0 + r) * n + row) = *d };
+                    for (j, &row) in rows.iter().enumerate().take(if rows[1] == rows[0] { 1 } else { 2 }) {
+                        for (r, d) in dots[j].iter().take(mr).enumerate() {
+                            // SAFETY: each (r, row) is written by this item alone, inside the m x n
+                            // output.
+                            unsafe { *out.get().add((r0 + r) * n + row) = *d };
+                        }
                     }
                 }
             }
@@ -336,109 +468,101 @@ unsafe fn row_dots<const M: usize>(
     }
 }
 
-/// `row_dots` with AVX512-VNNI: each 64 products of a sub-block pair in one `vpdpbusd` (the
-/// sums of 4, at most 4 x 15 x 128, fit an i16), two such sums packed to i16 and multiplied by
-/// their sub-blocks' scales in one `vpmaddwd`: 8 multiplies a block and row where `row_dots`
-/// takes 12 (the multiply ports, not the reads, bound a product of several rows). Its sums are
-/// grouped otherwise than `row_dots`'s: a machine uses one kernel or the other for every row
-/// count, so each row stays bit for bit its product alone.
+/// `row_dots` for two weight rows at once with AVX512-VNNI, on the layout of `vnni_order`: per
+/// block, weight row and input row, four `vpdpbusd` chained into one vector whose lanes each sum
+/// 16 values of one sub-block (at most 16 x 15 x 128), converted once and scaled per lane by
+/// d x the lane's sub-block scale x the input's block scale, less dmin x the lane's min x the
+/// input's sums for the lane (`Input::lane_sums`). Each load of the input meets both weight rows,
+/// and a row's sums are the same whichever row it is paired with. `row_dots` instead scales each
+/// pair of sub-blocks in i16 (`maddubs` + `madd` per 64 products), and its sums are grouped
+/// otherwise: a machine uses one kernel or the other for every row count, so each row stays bit
+/// for bit its product alone.
 ///
 /// # Safety
-/// As for `row_dots`, and the CPU has AVX512-VNNI.
+/// As for `row_dots` for each of `w` (with `re` in `Q4K_VNNI_ORDER` and `sums` an `Input`'s
+/// `lane_sums`), and the CPU has AVX512-VNNI.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn row_dots_vnni<const M: usize>(
-    w: *const u8,
+    w: [*const u8; 2],
     kb: usize,
     q8: *const u8,
     re: *const i8,
-    scaled: *const f32,
-    dots: &mut [f32; MAX_ROWS],
+    sums: *const f32,
+    dots: &mut [[f32; MAX_ROWS]; 2],
 ) {
     // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         use std::arch::x86_64::*;
         let low = _mm512_set1_epi8(0x0f);
-        // `vpdpbusd` of q4[c] gives i32 lanes 0-7 of sub-block a_c, 8-15 of b_c ((a, b) = (0, 2),
-        // (1, 3), (4, 6), (5, 7) for c = 0..4, as in `row_dots`). `vpackssdw` of c = 0 and 1 puts,
-        // in each 128-bit lane L, four i16 of c = 0 then four of c = 1, from their lanes 4L..4L+3:
-        // sub-blocks 0 (L < 2) or 2, then 1 or 3. The scales follow that order.
-        let order = |first: i16| {
-            let mut idx = [0i16; 32];
-            for (i, v) in idx.iter_mut().enumerate() {
-                let (lane, within) = (i / 8, i % 8);
-                *v = first + if within < 4 { 0 } else { 1 } + if lane < 2 { 0 } else { 2 };
-            }
-            _mm512_loadu_si512(idx.as_ptr() as *const __m512i)
-        };
-        let (order01, order23) = (order(0), order(4));
-        let mut acc = [_mm512_setzero_ps(); M];
-        let mut mins = [_mm256_setzero_ps(); M];
+        let lane_subblock = _mm512_loadu_si512(Q4K_LANE_SUBBLOCK.as_ptr() as *const __m512i);
+        let mut acc = [[_mm512_setzero_ps(); M]; 2];
         for b in 0..kb {
-            let (d, dmin, mn, sc16, q4) = q4k_block!(w.add(b * Q4K_BYTES), low);
-            let s01 = _mm512_permutexvar_epi16(order01, sc16);
-            let s23 = _mm512_permutexvar_epi16(order23, sc16);
-            // dmin x each sub-block's min, met by each row's scaled sub-block sums.
-            let mins8 = _mm256_mul_ps(
-                _mm256_set1_ps(dmin),
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mn as i64))),
-            );
+            let mut q = [[_mm512_setzero_si512(); 4]; 2];
+            let mut dsc = [_mm512_setzero_ps(); 2];
+            let mut dmn = [_mm512_setzero_ps(); 2];
+            for j in 0..2 {
+                let (d, dmin, mn, sc16, q4) = q4k_block!(w[j].add(b * Q4K_BYTES), low);
+                q[j] = transpose4!(q4);
+                let lanes = |v: __m512i| _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(lane_subblock, v));
+                dsc[j] = _mm512_mul_ps(_mm512_set1_ps(d), lanes(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(sc16))));
+                dmn[j] = _mm512_mul_ps(_mm512_set1_ps(dmin), lanes(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128(mn as i64))));
+            }
             for r in 0..M {
                 let i = r * kb + b;
-                let yd = std::ptr::read_unaligned(q8.add(i * Q8K_BYTES) as *const f32);
+                let yd = _mm512_set1_ps(std::ptr::read_unaligned(q8.add(i * Q8K_BYTES) as *const f32));
                 let yq = re.add(i * QK);
-                let y = |c: usize| _mm512_loadu_si512(yq.add(64 * c) as *const __m512i);
-                let zero = _mm512_setzero_si512();
-                let dp = [
-                    _mm512_dpbusd_epi32(zero, q4[0], y(0)),
-                    _mm512_dpbusd_epi32(zero, q4[1], y(1)),
-                    _mm512_dpbusd_epi32(zero, q4[2], y(2)),
-                    _mm512_dpbusd_epi32(zero, q4[3], y(3)),
-                ];
-                let sum = _mm512_add_epi32(
-                    _mm512_madd_epi16(_mm512_packs_epi32(dp[0], dp[1]), s01),
-                    _mm512_madd_epi16(_mm512_packs_epi32(dp[2], dp[3]), s23),
-                );
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * yd), acc[r]);
-                mins[r] = _mm256_fmadd_ps(_mm256_loadu_ps(scaled.add(i * 8)), mins8, mins[r]);
+                let ys = _mm512_loadu_ps(sums.add(i * 16));
+                let mut sum = [_mm512_setzero_si512(); 2];
+                for c in 0..4 {
+                    let y = _mm512_loadu_si512(yq.add(64 * c) as *const __m512i);
+                    for j in 0..2 {
+                        sum[j] = _mm512_dpbusd_epi32(sum[j], q[j][c], y);
+                    }
+                }
+                for j in 0..2 {
+                    let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), _mm512_mul_ps(dsc[j], yd), acc[j][r]);
+                    acc[j][r] = _mm512_fnmadd_ps(dmn[j], ys, a);
+                }
             }
         }
-        for r in 0..M {
-            let m = _mm_add_ps(_mm256_castps256_ps128(mins[r]), _mm256_extractf128_ps(mins[r], 1));
-            let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-            let m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
-            dots[r] = _mm512_reduce_add_ps(acc[r]) - _mm_cvtss_f32(m);
+        for j in 0..2 {
+            for r in 0..M {
+                dots[j][r] = _mm512_reduce_add_ps(acc[j][r]);
+            }
         }
     }
 }
 
-/// `row_dots` (or `row_dots_vnni` when `vnni`) for m rows.
+/// `row_dots` (or `row_dots_vnni` when `vnni`) for m input rows: `dots[j]` is weight row
+/// `w[j]`'s, for both with VNNI and for `w[0]` alone without.
 ///
 /// # Safety
 /// As for `row_dots` with M = `m` (1 to `MAX_ROWS`), and for `row_dots_vnni` when `vnni`.
 #[cfg(target_arch = "x86_64")]
 unsafe fn row_dots_m(
-    w: *const u8,
+    w: [*const u8; 2],
     kb: usize,
-    (q8, re, pairs, scaled): (*const u8, *const i8, *const i16, *const f32),
+    (q8, re, pairs, sums): (*const u8, *const i8, *const i16, *const f32),
     m: usize,
     vnni: bool,
-    dots: &mut [f32; MAX_ROWS],
+    dots: &mut [[f32; MAX_ROWS]; 2],
 ) {
     // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         if vnni {
             return match m {
-                1 => row_dots_vnni::<1>(w, kb, q8, re, scaled, dots),
-                2 => row_dots_vnni::<2>(w, kb, q8, re, scaled, dots),
-                3 => row_dots_vnni::<3>(w, kb, q8, re, scaled, dots),
-                4 => row_dots_vnni::<4>(w, kb, q8, re, scaled, dots),
-                5 => row_dots_vnni::<5>(w, kb, q8, re, scaled, dots),
-                6 => row_dots_vnni::<6>(w, kb, q8, re, scaled, dots),
-                7 => row_dots_vnni::<7>(w, kb, q8, re, scaled, dots),
-                _ => row_dots_vnni::<8>(w, kb, q8, re, scaled, dots),
+                1 => row_dots_vnni::<1>(w, kb, q8, re, sums, dots),
+                2 => row_dots_vnni::<2>(w, kb, q8, re, sums, dots),
+                3 => row_dots_vnni::<3>(w, kb, q8, re, sums, dots),
+                4 => row_dots_vnni::<4>(w, kb, q8, re, sums, dots),
+                5 => row_dots_vnni::<5>(w, kb, q8, re, sums, dots),
+                6 => row_dots_vnni::<6>(w, kb, q8, re, sums, dots),
+                7 => row_dots_vnni::<7>(w, kb, q8, re, sums, dots),
+                _ => row_dots_vnni::<8>(w, kb, q8, re, sums, dots),
             };
         }
+        let (w, dots) = (w[0], &mut dots[0]);
         match m {
             1 => row_dots::<1>(w, kb, q8, re, pairs, dots),
             2 => row_dots::<2>(w, kb, q8, re, pairs, dots),
@@ -452,6 +576,43 @@ unsafe fn row_dots_m(
     }
 }
 
+/// One Q6_K block at `blk` (a `*const u8`), as both Q6_K row kernels read it: its lines
+/// prefetched, d, the 16 i8 scales widened to i16, and its four 64-value vectors of 6-bit quants,
+/// values 64v..64v + 64 in order (bits 4-5 from the pair bytes). A macro for the callers'
+/// `#[target_feature]` code.
+macro_rules! q6k_block {
+    ($blk:expr) => {{
+        let blk: *const u8 = $blk;
+        let low = _mm512_set1_epi8(0x0f);
+        let pair = _mm512_set1_epi8(0x30);
+        // The high bit pairs each 64 values take, moved to bits 4-5 with one 16-bit shift per half
+        // of the vector (the bits a shift carries into the neighbouring byte are masked off): for
+        // vector 2h, bits 0-1 (values 0-31) and 2-3 (32-63); for vector 2h + 1, bits 4-5 and 6-7.
+        let up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+        let down = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+        for line in 0..4 {
+            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + 64 * line) as *const i8);
+            _mm_prefetch::<_MM_HINT_T1>(blk.wrapping_add(FAR + 64 * line) as *const i8);
+        }
+        let (ql, qh, scales) = (blk, blk.add(128), blk.add(192));
+        let d =
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(blk.add(208) as *const u16) as i32)));
+        let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(scales as *const __m128i));
+        let mut q6 = [_mm512_setzero_si512(); 4];
+        for h in 0..2 {
+            // Low bytes 64h..64h+64: their low nibbles are values 128h + 0..64 in order, their
+            // high nibbles 128h + 64..128; the pair bytes 32h..32h+32 serve both halves.
+            let l = _mm512_loadu_si512(ql.add(64 * h) as *const __m512i);
+            let hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(qh.add(32 * h) as *const __m256i));
+            let b0 = _mm512_and_si512(_mm512_sllv_epi16(hb, up), pair);
+            let b1 = _mm512_and_si512(_mm512_srlv_epi16(hb, down), pair);
+            q6[2 * h] = _mm512_or_si512(_mm512_and_si512(l, low), b0);
+            q6[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low), b1);
+        }
+        (d, sc16, q6)
+    }};
+}
+
 /// One Q6_K weight row (kb blocks at `w`) dotted with M Q8_K rows (M * kb blocks at `q8`).
 ///
 /// # Safety
@@ -463,77 +624,21 @@ unsafe fn q6k_dots<const M: usize>(w: *const u8, kb: usize, q8: *const u8, dots:
     // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         use std::arch::x86_64::*;
-        let low = _mm512_set1_epi8(0x0f);
-        let pair = _mm512_set1_epi8(0x30);
-        // The high bit pairs each 64 values take, moved to bits 4-5 with one 16-bit shift per half
-        // of the vector (the bits a shift carries into the neighbouring byte are masked off): for
-        // vector 2h, bits 0-1 (values 0-31) and 2-3 (32-63); for vector 2h + 1, bits 4-5 and 6-7.
-        let up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-        let down = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
         // Vector v (values 64v..64v+64) takes scales 4v..4v+4, one per 8 i16 lanes of its products.
         let pick = |v: i16| {
-            _mm512_set_epi16(
-                4 * v + 3,
-                4 * v + 3,
-                4 * v + 3,
-                4 * v + 3,
-                4 * v + 3,
-                4 * v + 3,
-                4 * v + 3,
-                4 * v + 3,
-                4 * v + 2,
-                4 * v + 2,
-                4 * v + 2,
-                4 * v + 2,
-                4 * v + 2,
-                4 * v + 2,
-                4 * v + 2,
-                4 * v + 2,
-                4 * v + 1,
-                4 * v + 1,
-                4 * v + 1,
-                4 * v + 1,
-                4 * v + 1,
-                4 * v + 1,
-                4 * v + 1,
-                4 * v + 1,
-                4 * v,
-                4 * v,
-                4 * v,
-                4 * v,
-                4 * v,
-                4 * v,
-                4 * v,
-                4 * v,
-            )
+            let mut idx = [0i16; 32];
+            for (i, x) in idx.iter_mut().enumerate() {
+                *x = 4 * v + (i / 8) as i16;
+            }
+            _mm512_loadu_si512(idx.as_ptr() as *const __m512i)
         };
         let picks = [pick(0), pick(1), pick(2), pick(3)];
         let mut acc = [_mm512_setzero_ps(); M];
         let mut offs = [_mm256_setzero_ps(); M];
         for b in 0..kb {
-            let blk = w.add(b * Q6K_BYTES);
-            for line in 0..4 {
-                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + 64 * line) as *const i8);
-                _mm_prefetch::<_MM_HINT_T1>(blk.wrapping_add(FAR + 64 * line) as *const i8);
-            }
-            let (ql, qh, scales) = (blk, blk.add(128), blk.add(192));
-            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-                std::ptr::read_unaligned(blk.add(208) as *const u16) as i32,
-            )));
-            let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(scales as *const __m128i));
+            let (d, sc16, q6) = q6k_block!(w.add(b * Q6K_BYTES));
             let sc512 = _mm512_castsi256_si512(sc16);
-            let mut q6 = [_mm512_setzero_si512(); 4];
             let mut scale = [_mm512_setzero_si512(); 4];
-            for h in 0..2 {
-                // Low bytes 64h..64h+64: their low nibbles are values 128h + 0..64 in order, their
-                // high nibbles 128h + 64..128; the pair bytes 32h..32h+32 serve both halves.
-                let l = _mm512_loadu_si512(ql.add(64 * h) as *const __m512i);
-                let hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(qh.add(32 * h) as *const __m256i));
-                let b0 = _mm512_and_si512(_mm512_sllv_epi16(hb, up), pair);
-                let b1 = _mm512_and_si512(_mm512_srlv_epi16(hb, down), pair);
-                q6[2 * h] = _mm512_or_si512(_mm512_and_si512(l, low), b0);
-                q6[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low), b1);
-            }
             for v in 0..4 {
                 scale[v] = _mm512_permutexvar_epi16(picks[v], sc512);
             }
@@ -563,14 +668,93 @@ unsafe fn q6k_dots<const M: usize>(w: *const u8, kb: usize, q8: *const u8, dots:
     }
 }
 
-/// `q6k_dots` for m rows.
+/// `q6k_dots` for two weight rows at once with AVX512-VNNI, on the layout of `vnni_order`: one
+/// i32 lane a sub-block of 16 (four `vpdpbusd` chained, at most 16 x 63 x 128), converted once a
+/// block and row, plus the row's offset term for the lane (an `Input`'s `offsets6`), times the
+/// row's block scale, then times d x the lane's scale. Each load of the input meets both weight
+/// rows. Grouped otherwise than `q6k_dots`: a machine uses one or the other for every row count.
 ///
 /// # Safety
-/// As for `q6k_dots` with M = `m` (1 to `MAX_ROWS`).
+/// As for `q6k_dots` for each of `w`, with `re` (`Q6K_VNNI_ORDER`) and `offsets` (16 a block)
+/// readable for the M x kb blocks, and the CPU has AVX512-VNNI.
 #[cfg(target_arch = "x86_64")]
-unsafe fn q6k_dots_m(w: *const u8, kb: usize, q8: *const u8, m: usize, dots: &mut [f32; MAX_ROWS]) {
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn q6k_dots_vnni<const M: usize>(
+    w: [*const u8; 2],
+    kb: usize,
+    (q8, re, offsets): (*const u8, *const i8, *const f32),
+    dots: &mut [[f32; MAX_ROWS]; 2],
+) {
     // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
+        use std::arch::x86_64::*;
+        let lane_subblock = _mm512_loadu_si512(Q6K_LANE_SUBBLOCK.as_ptr() as *const __m512i);
+        let mut acc = [[_mm512_setzero_ps(); M]; 2];
+        for b in 0..kb {
+            let mut q = [[_mm512_setzero_si512(); 4]; 2];
+            let mut dsc = [_mm512_setzero_ps(); 2];
+            for j in 0..2 {
+                let (d, sc16, q6) = q6k_block!(w[j].add(b * Q6K_BYTES));
+                q[j] = transpose4!(q6);
+                let sc32 = _mm512_permutexvar_epi32(lane_subblock, _mm512_cvtepi16_epi32(sc16));
+                dsc[j] = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sc32));
+            }
+            for r in 0..M {
+                let i = r * kb + b;
+                let yd = _mm512_set1_ps(std::ptr::read_unaligned(q8.add(i * Q8K_BYTES) as *const f32));
+                let yq = re.add(i * QK);
+                let off = _mm512_loadu_ps(offsets.add(i * 16));
+                let mut sum = [_mm512_setzero_si512(); 2];
+                for c in 0..4 {
+                    let y = _mm512_loadu_si512(yq.add(64 * c) as *const __m512i);
+                    for j in 0..2 {
+                        sum[j] = _mm512_dpbusd_epi32(sum[j], q[j][c], y);
+                    }
+                }
+                for j in 0..2 {
+                    let t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), yd, off);
+                    acc[j][r] = _mm512_fmadd_ps(t, dsc[j], acc[j][r]);
+                }
+            }
+        }
+        for j in 0..2 {
+            for r in 0..M {
+                dots[j][r] = _mm512_reduce_add_ps(acc[j][r]);
+            }
+        }
+    }
+}
+
+/// `q6k_dots` (or `q6k_dots_vnni` when `vnni`) for m input rows: `dots[j]` is weight row
+/// `w[j]`'s, for both with VNNI and for `w[0]` alone without.
+///
+/// # Safety
+/// As for `q6k_dots` with M = `m` (1 to `MAX_ROWS`), and for `q6k_dots_vnni` when `vnni`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn q6k_dots_m(
+    w: [*const u8; 2],
+    kb: usize,
+    (q8, re, offsets): (*const u8, *const i8, *const f32),
+    m: usize,
+    vnni: bool,
+    dots: &mut [[f32; MAX_ROWS]; 2],
+) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        let x = (q8, re, offsets);
+        if vnni {
+            return match m {
+                1 => q6k_dots_vnni::<1>(w, kb, x, dots),
+                2 => q6k_dots_vnni::<2>(w, kb, x, dots),
+                3 => q6k_dots_vnni::<3>(w, kb, x, dots),
+                4 => q6k_dots_vnni::<4>(w, kb, x, dots),
+                5 => q6k_dots_vnni::<5>(w, kb, x, dots),
+                6 => q6k_dots_vnni::<6>(w, kb, x, dots),
+                7 => q6k_dots_vnni::<7>(w, kb, x, dots),
+                _ => q6k_dots_vnni::<8>(w, kb, x, dots),
+            };
+        }
+        let (w, dots) = (w[0], &mut dots[0]);
         match m {
             1 => q6k_dots::<1>(w, kb, q8, dots),
             2 => q6k_dots::<2>(w, kb, q8, dots),
@@ -587,7 +771,14 @@ unsafe fn q6k_dots_m(w: *const u8, kb: usize, q8: *const u8, m: usize, dots: &mu
 /// # Safety
 /// Never to be called: `available` is false off x86-64 (the body is unreachable).
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn q6k_dots_m(_w: *const u8, _kb: usize, _q8: *const u8, _m: usize, _dots: &mut [f32; MAX_ROWS]) {
+unsafe fn q6k_dots_m(
+    _w: [*const u8; 2],
+    _kb: usize,
+    _q8: (*const u8, *const i8, *const f32),
+    _m: usize,
+    _vnni: bool,
+    _dots: &mut [[f32; MAX_ROWS]; 2],
+) {
     unreachable!("`available` is false off x86-64")
 }
 
@@ -595,12 +786,12 @@ unsafe fn q6k_dots_m(_w: *const u8, _kb: usize, _q8: *const u8, _m: usize, _dots
 /// Never to be called: `available` is false off x86-64 (the body is unreachable).
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn row_dots_m(
-    _w: *const u8,
+    _w: [*const u8; 2],
     _kb: usize,
     _q8: (*const u8, *const i8, *const i16, *const f32),
     _m: usize,
     _vnni: bool,
-    _dots: &mut [f32; MAX_ROWS],
+    _dots: &mut [[f32; MAX_ROWS]; 2],
 ) {
     unreachable!("`available` is false off x86-64")
 }
