@@ -1,5 +1,6 @@
-//! Times products of a few rows through many distinct Q4_K weights in turn, past the L3 (the
-//! way a decode step streams a model's layers), on `vl_nn::stored`; prints each run's rate.
+//! Times products of a few rows through many distinct Q4_K (or Q6_K) weights in turn, past the
+//! L3 (the way a decode step streams a model's layers), on `vl_nn::stored`; prints each run's
+//! rate.
 //! `cargo run --release -p vl-nn --example stream_time [ROWS] [IN] [OUT] [COUNT] [RUNS]`
 //! (`VL_QTYPE=q6k` for Q6_K weights; `VL_NO_VNNI=1` for the kernels without `vpdpbusd`).
 fn main() {

@@ -94,6 +94,10 @@ mod tests {
 
     #[test]
     fn blocks_are_bit_for_bit_candles() {
+        #[cfg(target_arch = "x86_64")]
+        if !(crate::cpu::has_avx512() && is_x86_feature_detected!("avx512bw")) {
+            eprintln!("no AVX-512 BW here: `quantize` is candle's own loop");
+        }
         // Random rows at several scales, halves exactly (ties round away from zero), a row whose
         // largest magnitude appears with both signs, zeros, NaN and infinities.
         let mut x = crate::testing::randn(3, 2.0, (12, QK)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -112,6 +116,11 @@ mod tests {
         }
         for v in &mut x[8 * QK..9 * QK] {
             *v *= 1e20;
+        }
+        // A largest magnitude so small that -127 / max overflows to -inf: nonzero values go to
+        // +-inf and clamp, zeros (0 x inf) are NaN and go to 0.
+        for (i, v) in x[9 * QK..10 * QK].iter_mut().enumerate() {
+            *v = if i % 3 == 0 { 0.0 } else { 1e-38 * (i as f32 - 128.0).signum() };
         }
         let blocks = x.len() / QK;
         let mut want = vec![BlockQ8K::zeros(); blocks];

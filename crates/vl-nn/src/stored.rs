@@ -99,8 +99,9 @@ macro_rules! q4k_block {
 /// go through a 4 x 4 transpose of i32 within each 128-bit lane (`transpose4!`): T_c's lane
 /// 4i + k is S_k's lane 4i + c. `vnni_order(q6)[o]` is the value (0..256 in the block) the
 /// input byte o (= 64c + 4 lane + t) must hold to meet the weight's byte there.
-/// - Q4_K: S_0..S_4 are the low and high nibbles of stored bytes 0..64, then of 64..128; stored
-///   byte b's low nibble is value 64 (b / 32) + b % 32, its high nibble 32 more.
+/// - Q4_K: S_0..S_4 are the low and high nibbles of nibble bytes 0..64, then of 64..128 (the
+///   block's bytes 16.. past d, dmin and the scales); nibble byte b's low nibble is value
+///   64 (b / 32) + b % 32, its high nibble 32 more.
 /// - Q6_K: S_k is values 64k..64k + 64 in order (`q6k_block!`).
 const fn vnni_order(q6: bool) -> [u8; QK] {
     let mut order = [0u8; QK];
@@ -167,6 +168,39 @@ macro_rules! transpose4 {
     }};
 }
 
+/// `$f::<M>(args)` for M = `$m` (1 to `MAX_ROWS`; more takes `MAX_ROWS`): the kernels' row
+/// counts are const generics, so their accumulators live in registers.
+macro_rules! by_rows {
+    ($m:expr, $f:ident($($a:expr),*)) => {
+        match $m {
+            1 => $f::<1>($($a),*),
+            2 => $f::<2>($($a),*),
+            3 => $f::<3>($($a),*),
+            4 => $f::<4>($($a),*),
+            5 => $f::<5>($($a),*),
+            6 => $f::<6>($($a),*),
+            7 => $f::<7>($($a),*),
+            _ => $f::<8>($($a),*),
+        }
+    };
+}
+
+/// The i32 sums of one input block (256 bytes at `yq`, in `vnni_order`) with the four vectors
+/// of each of two weight blocks (`q`, `[[__m512i; 4]; 2]`): four `vpdpbusd` chained per weight
+/// row, each input vector loaded once for both. A macro for the callers' `#[target_feature]` code.
+macro_rules! dots_pair {
+    ($q:expr, $yq:expr) => {{
+        let (q, yq): (&[[__m512i; 4]; 2], *const i8) = (&$q, $yq);
+        let mut sum = [_mm512_setzero_si512(); 2];
+        for (c, (&a, &b)) in q[0].iter().zip(&q[1]).enumerate() {
+            let y = _mm512_loadu_si512(yq.add(64 * c) as *const __m512i);
+            sum[0] = _mm512_dpbusd_epi32(sum[0], a, y);
+            sum[1] = _mm512_dpbusd_epi32(sum[1], b, y);
+        }
+        sum
+    }};
+}
+
 /// Output rows per work item.
 const ITEM_ROWS: usize = 16;
 
@@ -202,7 +236,7 @@ struct Input {
     /// For Q4_K weights: each block's values in the order `row_dots` meets the stored nibbles,
     /// or with VNNI in `Q4K_VNNI_ORDER`.
     reordered: Vec<i8>,
-    /// For Q4_K weights: each block's 8 sub-block sums (`row_dots`).
+    /// For Q4_K weights without VNNI: each block's 8 sub-block sums (`row_dots`).
     pairs: Vec<i16>,
     /// With VNNI, for Q4_K weights: for each i32 lane of `Q4K_VNNI_ORDER`, the block's scale x the
     /// sum of the 16 values the lane meets (the mins' term; `row_dots_vnni`).
@@ -236,12 +270,6 @@ impl Input {
         };
         let (mut reordered, mut pairs, mut lane_sums) = (vec![], vec![], vec![]);
         if q4k {
-            // Each Q8_K block's sums of its 8 sub-blocks of 32 (the mins' term; at most 32 x
-            // 128, an i16).
-            pairs.reserve(m * kb * 8);
-            for blk in bytes.chunks_exact(Q8K_BYTES) {
-                pairs.extend((0..8).map(|s| sum16(blk, 2 * s) + sum16(blk, 2 * s + 1)));
-            }
             reordered.reserve(m * kb * QK);
             if vnni {
                 reorder(&Q4K_VNNI_ORDER, &mut reordered);
@@ -251,6 +279,12 @@ impl Input {
                     lane_sums.extend(Q4K_LANE_SUMS.iter().map(|&g| yd * f32::from(sum16(blk, g))));
                 }
             } else {
+                // Each Q8_K block's sums of its 8 sub-blocks of 32 (the mins' term; at most 32 x
+                // 128, an i16).
+                pairs.reserve(m * kb * 8);
+                for blk in bytes.chunks_exact(Q8K_BYTES) {
+                    pairs.extend((0..8).map(|s| sum16(blk, 2 * s) + sum16(blk, 2 * s + 1)));
+                }
                 // The order Q4_K stores its nibbles in (see `row_dots`): of each 128, values
                 // 0-31, 64-95, 32-63, 96-127.
                 for blk in bytes.chunks_exact(Q8K_BYTES) {
@@ -297,8 +331,8 @@ pub(crate) fn matmul_each(
     matmul_each_on(weights, inputs, k, crate::cpu::has_avx512_vnni())
 }
 
-/// `matmul_each` with Q4_K weights on `row_dots_vnni` (the caller checked the CPU has VNNI) or
-/// on `row_dots`.
+/// `matmul_each` on `row_dots_vnni` / `q6k_dots_vnni` (the caller checked the CPU has VNNI) or
+/// on `row_dots` / `q6k_dots`.
 fn matmul_each_on(
     weights: &[(Blocks, &[u8], usize, usize)],
     inputs: &[(&[f32], usize)],
@@ -365,7 +399,7 @@ fn matmul_each_on(
                         match kind {
                             Blocks::Q4K => {
                                 let re = x.reordered.as_ptr().add(r0 * kb * QK);
-                                let pairs = x.pairs.as_ptr().add(r0 * kb * 8);
+                                let pairs = x.pairs.as_ptr().wrapping_add(r0 * kb * 8);
                                 let sums = x.lane_sums.as_ptr().wrapping_add(r0 * kb * 16);
                                 row_dots_m([at(rows[0]), at(rows[1])], kb, (q8, re, pairs, sums), mr, vnni, &mut dots)
                             }
@@ -496,7 +530,8 @@ unsafe fn row_dots_vnni<const M: usize>(
         use std::arch::x86_64::*;
         let low = _mm512_set1_epi8(0x0f);
         let lane_subblock = _mm512_loadu_si512(Q4K_LANE_SUBBLOCK.as_ptr() as *const __m512i);
-        let mut acc = [[_mm512_setzero_ps(); M]; 2];
+        // Per input row, its two weight rows' accumulators.
+        let mut acc = [[_mm512_setzero_ps(); 2]; M];
         for b in 0..kb {
             let mut q = [[_mm512_setzero_si512(); 4]; 2];
             let mut dsc = [_mm512_setzero_ps(); 2];
@@ -508,27 +543,21 @@ unsafe fn row_dots_vnni<const M: usize>(
                 dsc[j] = _mm512_mul_ps(_mm512_set1_ps(d), lanes(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(sc16))));
                 dmn[j] = _mm512_mul_ps(_mm512_set1_ps(dmin), lanes(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128(mn as i64))));
             }
-            for r in 0..M {
+            for (r, acc) in acc.iter_mut().enumerate() {
                 let i = r * kb + b;
                 let yd = _mm512_set1_ps(std::ptr::read_unaligned(q8.add(i * Q8K_BYTES) as *const f32));
                 let yq = re.add(i * QK);
                 let ys = _mm512_loadu_ps(sums.add(i * 16));
-                let mut sum = [_mm512_setzero_si512(); 2];
-                for c in 0..4 {
-                    let y = _mm512_loadu_si512(yq.add(64 * c) as *const __m512i);
-                    for j in 0..2 {
-                        sum[j] = _mm512_dpbusd_epi32(sum[j], q[j][c], y);
-                    }
-                }
+                let sum = dots_pair!(q, yq);
                 for j in 0..2 {
-                    let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), _mm512_mul_ps(dsc[j], yd), acc[j][r]);
-                    acc[j][r] = _mm512_fnmadd_ps(dmn[j], ys, a);
+                    let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), _mm512_mul_ps(dsc[j], yd), acc[j]);
+                    acc[j] = _mm512_fnmadd_ps(dmn[j], ys, a);
                 }
             }
         }
-        for j in 0..2 {
-            for r in 0..M {
-                dots[j][r] = _mm512_reduce_add_ps(acc[j][r]);
+        for (r, acc) in acc.iter().enumerate() {
+            for (j, &a) in acc.iter().enumerate() {
+                dots[j][r] = _mm512_reduce_add_ps(a);
             }
         }
     }
@@ -551,28 +580,10 @@ unsafe fn row_dots_m(
     // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         if vnni {
-            return match m {
-                1 => row_dots_vnni::<1>(w, kb, q8, re, sums, dots),
-                2 => row_dots_vnni::<2>(w, kb, q8, re, sums, dots),
-                3 => row_dots_vnni::<3>(w, kb, q8, re, sums, dots),
-                4 => row_dots_vnni::<4>(w, kb, q8, re, sums, dots),
-                5 => row_dots_vnni::<5>(w, kb, q8, re, sums, dots),
-                6 => row_dots_vnni::<6>(w, kb, q8, re, sums, dots),
-                7 => row_dots_vnni::<7>(w, kb, q8, re, sums, dots),
-                _ => row_dots_vnni::<8>(w, kb, q8, re, sums, dots),
-            };
+            return by_rows!(m, row_dots_vnni(w, kb, q8, re, sums, dots));
         }
         let (w, dots) = (w[0], &mut dots[0]);
-        match m {
-            1 => row_dots::<1>(w, kb, q8, re, pairs, dots),
-            2 => row_dots::<2>(w, kb, q8, re, pairs, dots),
-            3 => row_dots::<3>(w, kb, q8, re, pairs, dots),
-            4 => row_dots::<4>(w, kb, q8, re, pairs, dots),
-            5 => row_dots::<5>(w, kb, q8, re, pairs, dots),
-            6 => row_dots::<6>(w, kb, q8, re, pairs, dots),
-            7 => row_dots::<7>(w, kb, q8, re, pairs, dots),
-            _ => row_dots::<8>(w, kb, q8, re, pairs, dots),
-        }
+        by_rows!(m, row_dots(w, kb, q8, re, pairs, dots))
     }
 }
 
@@ -670,8 +681,9 @@ unsafe fn q6k_dots<const M: usize>(w: *const u8, kb: usize, q8: *const u8, dots:
 
 /// `q6k_dots` for two weight rows at once with AVX512-VNNI, on the layout of `vnni_order`: one
 /// i32 lane a sub-block of 16 (four `vpdpbusd` chained, at most 16 x 63 x 128), converted once a
-/// block and row, plus the row's offset term for the lane (an `Input`'s `offsets6`), times the
-/// row's block scale, then times d x the lane's scale. Each load of the input meets both weight
+/// block and row, times the row's block scale, plus the row's offset term for the lane (an
+/// `Input`'s `offsets6`, the block scale in it), then times d x the lane's scale. Each load of the
+/// input meets both weight
 /// rows. Grouped otherwise than `q6k_dots`: a machine uses one or the other for every row count.
 ///
 /// # Safety
@@ -689,7 +701,8 @@ unsafe fn q6k_dots_vnni<const M: usize>(
     unsafe {
         use std::arch::x86_64::*;
         let lane_subblock = _mm512_loadu_si512(Q6K_LANE_SUBBLOCK.as_ptr() as *const __m512i);
-        let mut acc = [[_mm512_setzero_ps(); M]; 2];
+        // Per input row, its two weight rows' accumulators.
+        let mut acc = [[_mm512_setzero_ps(); 2]; M];
         for b in 0..kb {
             let mut q = [[_mm512_setzero_si512(); 4]; 2];
             let mut dsc = [_mm512_setzero_ps(); 2];
@@ -699,27 +712,21 @@ unsafe fn q6k_dots_vnni<const M: usize>(
                 let sc32 = _mm512_permutexvar_epi32(lane_subblock, _mm512_cvtepi16_epi32(sc16));
                 dsc[j] = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sc32));
             }
-            for r in 0..M {
+            for (r, acc) in acc.iter_mut().enumerate() {
                 let i = r * kb + b;
                 let yd = _mm512_set1_ps(std::ptr::read_unaligned(q8.add(i * Q8K_BYTES) as *const f32));
                 let yq = re.add(i * QK);
                 let off = _mm512_loadu_ps(offsets.add(i * 16));
-                let mut sum = [_mm512_setzero_si512(); 2];
-                for c in 0..4 {
-                    let y = _mm512_loadu_si512(yq.add(64 * c) as *const __m512i);
-                    for j in 0..2 {
-                        sum[j] = _mm512_dpbusd_epi32(sum[j], q[j][c], y);
-                    }
-                }
+                let sum = dots_pair!(q, yq);
                 for j in 0..2 {
                     let t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), yd, off);
-                    acc[j][r] = _mm512_fmadd_ps(t, dsc[j], acc[j][r]);
+                    acc[j] = _mm512_fmadd_ps(t, dsc[j], acc[j]);
                 }
             }
         }
-        for j in 0..2 {
-            for r in 0..M {
-                dots[j][r] = _mm512_reduce_add_ps(acc[j][r]);
+        for (r, acc) in acc.iter().enumerate() {
+            for (j, &a) in acc.iter().enumerate() {
+                dots[j][r] = _mm512_reduce_add_ps(a);
             }
         }
     }
@@ -743,28 +750,10 @@ unsafe fn q6k_dots_m(
     unsafe {
         let x = (q8, re, offsets);
         if vnni {
-            return match m {
-                1 => q6k_dots_vnni::<1>(w, kb, x, dots),
-                2 => q6k_dots_vnni::<2>(w, kb, x, dots),
-                3 => q6k_dots_vnni::<3>(w, kb, x, dots),
-                4 => q6k_dots_vnni::<4>(w, kb, x, dots),
-                5 => q6k_dots_vnni::<5>(w, kb, x, dots),
-                6 => q6k_dots_vnni::<6>(w, kb, x, dots),
-                7 => q6k_dots_vnni::<7>(w, kb, x, dots),
-                _ => q6k_dots_vnni::<8>(w, kb, x, dots),
-            };
+            return by_rows!(m, q6k_dots_vnni(w, kb, x, dots));
         }
         let (w, dots) = (w[0], &mut dots[0]);
-        match m {
-            1 => q6k_dots::<1>(w, kb, q8, dots),
-            2 => q6k_dots::<2>(w, kb, q8, dots),
-            3 => q6k_dots::<3>(w, kb, q8, dots),
-            4 => q6k_dots::<4>(w, kb, q8, dots),
-            5 => q6k_dots::<5>(w, kb, q8, dots),
-            6 => q6k_dots::<6>(w, kb, q8, dots),
-            7 => q6k_dots::<7>(w, kb, q8, dots),
-            _ => q6k_dots::<8>(w, kb, q8, dots),
-        }
+        by_rows!(m, q6k_dots(w, kb, q8, dots))
     }
 }
 

@@ -5,7 +5,8 @@ use super::*;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-/// The kernels this CPU runs: `row_dots`, and `row_dots_vnni` where it has VNNI.
+/// The kernels this CPU runs: `row_dots` / `q6k_dots`, and `row_dots_vnni` / `q6k_dots_vnni`
+/// where it has VNNI.
 fn kernels() -> Vec<bool> {
     #[cfg(target_arch = "x86_64")]
     let vnni = is_x86_feature_detected!("avx512vnni");
@@ -50,7 +51,9 @@ fn each_row_is_bit_for_bit_its_product_alone() {
         return;
     }
     for (kind, dtype) in [(Blocks::Q4K, GgmlDType::Q4K), (Blocks::Q6K, GgmlDType::Q6K)] {
-        let (n, k) = (24, 512);
+        // An odd n: with VNNI the weight rows go in pairs, and the last row goes paired with
+        // itself.
+        let (n, k) = (25, 512);
         let w = crate::testing::randn(5, 0.05, (n, k)).unwrap();
         let q = QTensor::quantize(&w, dtype).unwrap();
         let bytes = q.data().unwrap();
