@@ -15,32 +15,13 @@ at any acceptance rate a of each draft: E(a, k) = (1 - a^(k+1)) / (1 - a) tokens
 the pass's relative cost."""
 
 import argparse
-import json
 import os
-import re
 import statistics
-import subprocess
 
-PROMPT = "Tell me a story about a lighthouse keeper and a storm."
+from spec_common import cost_table, llama, vl
 
-
-def vl(a, extra):
-    cmd = [a.vl, "run", "--model", a.model, "--prompt", PROMPT, "--max-new-tokens", str(a.tokens), "--json"] + extra
-    r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-    passes = r["steps"]["forward_passes"]
-    return r["timings"]["decode_s"] / passes, r["generated_tokens"] / r["timings"]["decode_s"]
-
-
-def llama(a, extra):
-    # -c 4096: the file's own context (256k positions) made llama-cli hold ~17 GB with a draft.
-    cmd = [os.path.join(a.llama, "llama-cli"), "-m", a.model, "-n", str(a.tokens), "-p", PROMPT, "-st", "-t", "2",
-           "--temp", "0", "-c", "4096"] + extra
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
-    m = re.search(r"Generation: ([0-9.]+) t/s", out)
-    if not m:
-        raise SystemExit(f"llama-cli said no generation speed: {out[-2000:]}")
-    tps = float(m.group(1))
-    return 1.0 / tps, tps
+# The file's own context (256k positions) made llama-cli hold ~17 GB with a draft.
+CTX = 4096
 
 
 def main():
@@ -58,29 +39,19 @@ def main():
     print(f"CPU: {cpu}, {os.cpu_count()} threads; {a.model} drafted for by {a.draft}; {a.tokens} tokens; "
           f"{a.rounds} rounds, cold processes")
     runs = {"vl plain": lambda: vl(a, ["--speculative", "off"]),
-            "llama.cpp plain": lambda: llama(a, [])}
+            "llama.cpp plain": lambda: llama(a, [], CTX)}
     for k in ks:
         runs[f"vl draft k={k}"] = lambda k=k: vl(a, ["--draft-model", a.draft, "--draft-max", str(k)])
         runs[f"llama.cpp draft k={k}"] = lambda k=k: llama(
             a, ["-md", a.draft, "--spec-type", "draft-simple", "--spec-draft-n-max", str(k),
-                "--spec-draft-n-min", "0", "-td", "2"])
+                "--spec-draft-n-min", "0", "-td", "2"], CTX)
     got = {name: [] for name in runs}
     for r in range(a.rounds):
         for name, f in runs.items():
             got[name].append(f())
         print(f"round {r + 1} done", flush=True)
     med = {n: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for n, v in got.items()}
-    rates = [0.5, 0.7, 0.8, 0.9]
-    print("\n| run | ms per pass | tok/s | pass cost vs plain | " + " | ".join(f"a={x}" for x in rates) + " |")
-    print("|---|---|---|---|" + "---|" * len(rates))
-    for name in runs:
-        engine = "vl" if name.startswith("vl") else "llama.cpp"
-        base = med[f"{engine} plain"][0]
-        cost = med[name][0] / base
-        k = int(re.search(r"k=(\d+)", name).group(1)) if "k=" in name else 0
-        ups = [((1 - x ** (k + 1)) / (1 - x)) / cost for x in rates]
-        print(f"| {name} | {med[name][0] * 1e3:.1f} | {med[name][1]:.2f} | {cost:.2f} | "
-              + " | ".join(f"{u:.2f}x" for u in ups) + " |")
+    cost_table(runs, med, [0.5, 0.7, 0.8, 0.9], ms=True)
 
 
 if __name__ == "__main__":

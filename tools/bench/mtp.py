@@ -16,31 +16,10 @@ Then llama.cpp's own synthetic acceptance (`--spec-synth-rates a,a^2,..`) checks
 against a measured figure."""
 
 import argparse
-import json
 import os
-import re
 import statistics
-import subprocess
 
-PROMPT = "Tell me a story about a lighthouse keeper and a storm."
-
-
-def vl(a, extra):
-    cmd = [a.vl, "run", "--model", a.model, "--prompt", PROMPT, "--max-new-tokens", str(a.tokens), "--json"] + extra
-    r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-    passes = r["steps"]["forward_passes"]
-    return r["timings"]["decode_s"] / passes, r["generated_tokens"] / r["timings"]["decode_s"]
-
-
-def llama(a, extra):
-    cmd = [os.path.join(a.llama, "llama-cli"), "-m", a.model, "-n", str(a.tokens), "-p", PROMPT, "-st", "-t", "2",
-           "--temp", "0"] + extra
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
-    m = re.search(r"Generation: ([0-9.]+) t/s", out)
-    if not m:
-        raise SystemExit(f"llama-cli said no generation speed: {out[-2000:]}")
-    tps = float(m.group(1))
-    return 1.0 / tps, tps
+from spec_common import cost_table, llama, vl
 
 
 def main():
@@ -79,16 +58,7 @@ def main():
         print(f"round {r + 1} done", flush=True)
     med = {n: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for n, v in got.items()}
     rates = [0.5, 0.7, 0.8, 0.9]
-    print("\n| run | s per pass | tok/s | pass cost vs plain | " + " | ".join(f"speed-up at a={x}" for x in rates) + " |")
-    print("|---|---|---|---|" + "---|" * len(rates))
-    for name in runs:
-        engine = "vl" if name.startswith("vl") else "llama.cpp"
-        base = med[f"{engine} plain"][0]
-        cost = med[name][0] / base
-        k = int(re.search(r"k=(\d+)", name).group(1)) if "k=" in name else 0
-        ups = [((1 - x ** (k + 1)) / (1 - x)) / cost for x in rates]
-        print(f"| {name} | {med[name][0] * 1e3:.1f} ms | {med[name][1]:.2f} | {cost:.2f} | "
-              + " | ".join(f"{u:.2f}x" for u in ups) + " |")
+    cost_table(runs, med, rates)
     print("\n| llama.cpp, synthetic acceptance | tok/s | vs its plain | its pass cost model says |")
     print("|---|---|---|---|")
     for name, (k, rate, _) in synth.items():
