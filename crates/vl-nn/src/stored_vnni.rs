@@ -1,0 +1,213 @@
+//! The AVX512-VNNI kernels of `stored` (its child: `q4k_block!` and `q6k_block!` come from
+//! there): the layout where each i32 lane of a `vpdpbusd` sum holds one sub-block, and the Q4_K
+//! and Q6_K products of two weight rows at once on it.
+
+use super::QK;
+#[cfg(target_arch = "x86_64")]
+use super::{scales_mins, FAR, MAX_ROWS, PREFETCH, Q4K_BYTES, Q6K_BYTES, Q8K_BYTES};
+
+/// The VNNI kernels' layout of a block's 256 products: four 64-byte vectors T_c (c = 0..4),
+/// each i32 lane of which holds 4 values of one sub-block, the same sub-block in all four, so one
+/// lane's `vpdpbusd` sums over the four make a sub-block's partial sum, scaled per lane once a
+/// block (`row_dots_vnni`, `q6k_dots_vnni`). The weight's vectors as unpacked, S_k (k = 0..4),
+/// go through a 4 x 4 transpose of i32 within each 128-bit lane (`transpose4!`): T_c's lane
+/// 4i + k is S_k's lane 4i + c. `vnni_order(q6)[o]` is the value (0..256 in the block) the
+/// input byte o (= 64c + 4 lane + t) must hold to meet the weight's byte there.
+/// - Q4_K: S_0..S_4 are the low and high nibbles of nibble bytes 0..64, then of 64..128 (the
+///   block's bytes 16.. past d, dmin and the scales); nibble byte b's low nibble is value
+///   64 (b / 32) + b % 32, its high nibble 32 more.
+/// - Q6_K: S_k is values 64k..64k + 64 in order (`q6k_block!`).
+const fn vnni_order(q6: bool) -> [u8; QK] {
+    let mut order = [0u8; QK];
+    let mut o = 0;
+    while o < QK {
+        let (c, lane, t) = (o / 64, (o % 64) / 4, o % 4);
+        let (i, k) = (lane / 4, lane % 4);
+        // Byte p of S_k.
+        let p = 16 * i + 4 * c + t;
+        order[o] = if q6 {
+            64 * k + p
+        } else {
+            let b = 64 * (k / 2) + p;
+            64 * (b / 32) + 32 * (k % 2) + b % 32
+        } as u8;
+        o += 1;
+    }
+    order
+}
+pub(super) const Q4K_VNNI_ORDER: [u8; QK] = vnni_order(false);
+pub(super) const Q6K_VNNI_ORDER: [u8; QK] = vnni_order(true);
+
+/// The sub-block each i32 lane of the VNNI layout sums (32 values a sub-block for Q4_K, 16 for
+/// Q6_K), as `vpermd` indices into the block's scales.
+const fn lane_subblocks(q6: bool) -> [i32; 16] {
+    let order = vnni_order(q6);
+    let mut lanes = [0i32; 16];
+    let mut l = 0;
+    while l < 16 {
+        lanes[l] = (order[4 * l] as usize / if q6 { 16 } else { 32 }) as i32;
+        l += 1;
+    }
+    lanes
+}
+const Q4K_LANE_SUBBLOCK: [i32; 16] = lane_subblocks(false);
+/// Which of a Q8_K block's 16 sums (of 16 consecutive values) each lane of `Q4K_VNNI_ORDER`
+/// meets: a lane's 16 values are one such run.
+pub(super) const Q4K_LANE_SUMS: [usize; 16] = {
+    let mut lanes = [0usize; 16];
+    let mut l = 0;
+    while l < 16 {
+        lanes[l] = Q4K_VNNI_ORDER[4 * l] as usize / 16;
+        l += 1;
+    }
+    lanes
+};
+pub(super) const Q6K_LANE_SUBBLOCK: [i32; 16] = lane_subblocks(true);
+
+/// The 4 x 4 transpose of i32 within each 128-bit lane of four vectors: out[c]'s lane 4i + k is
+/// in[k]'s lane 4i + c (see `vnni_order`). A macro for the callers' `#[target_feature]` code.
+macro_rules! transpose4 {
+    ($s:expr) => {{
+        let s: [__m512i; 4] = $s;
+        let t0 = _mm512_unpacklo_epi32(s[0], s[1]);
+        let t1 = _mm512_unpackhi_epi32(s[0], s[1]);
+        let t2 = _mm512_unpacklo_epi32(s[2], s[3]);
+        let t3 = _mm512_unpackhi_epi32(s[2], s[3]);
+        [
+            _mm512_unpacklo_epi64(t0, t2),
+            _mm512_unpackhi_epi64(t0, t2),
+            _mm512_unpacklo_epi64(t1, t3),
+            _mm512_unpackhi_epi64(t1, t3),
+        ]
+    }};
+}
+
+/// The i32 sums of one input block (256 bytes at `yq`, in `vnni_order`) with the four vectors
+/// of each of two weight blocks (`q`, `[[__m512i; 4]; 2]`): four `vpdpbusd` chained per weight
+/// row, each input vector loaded once for both. A macro for the callers' `#[target_feature]` code.
+macro_rules! dots_pair {
+    ($q:expr, $yq:expr) => {{
+        let (q, yq): (&[[__m512i; 4]; 2], *const i8) = (&$q, $yq);
+        let mut sum = [_mm512_setzero_si512(); 2];
+        for (c, (&a, &b)) in q[0].iter().zip(&q[1]).enumerate() {
+            let y = _mm512_loadu_si512(yq.add(64 * c) as *const __m512i);
+            sum[0] = _mm512_dpbusd_epi32(sum[0], a, y);
+            sum[1] = _mm512_dpbusd_epi32(sum[1], b, y);
+        }
+        sum
+    }};
+}
+
+/// `row_dots` for two weight rows at once with AVX512-VNNI, on the layout of `vnni_order`: per
+/// block, weight row and input row, four `vpdpbusd` chained into one vector whose lanes each sum
+/// 16 values of one sub-block (at most 16 x 15 x 128), converted once and scaled per lane by
+/// d x the lane's sub-block scale x the input's block scale, less dmin x the lane's min x the
+/// input's sums for the lane (`Input::lane_sums`). Each load of the input meets both weight rows,
+/// and a row's sums are the same whichever row it is paired with. `row_dots` instead scales each
+/// pair of sub-blocks in i16 (`maddubs` + `madd` per 64 products), and its sums are grouped
+/// otherwise: a machine uses one kernel or the other for every row count, so each row stays bit
+/// for bit its product alone.
+///
+/// # Safety
+/// As for `row_dots` for each of `w` (with `re` in `Q4K_VNNI_ORDER` and `sums` an `Input`'s
+/// `lane_sums`), and the CPU has AVX512-VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn row_dots_vnni<const M: usize>(
+    w: [*const u8; 2],
+    kb: usize,
+    q8: *const u8,
+    re: *const i8,
+    sums: *const f32,
+    dots: &mut [[f32; MAX_ROWS]; 2],
+) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        use std::arch::x86_64::*;
+        let low = _mm512_set1_epi8(0x0f);
+        let lane_subblock = _mm512_loadu_si512(Q4K_LANE_SUBBLOCK.as_ptr() as *const __m512i);
+        // Per input row, its two weight rows' accumulators.
+        let mut acc = [[_mm512_setzero_ps(); 2]; M];
+        for b in 0..kb {
+            let mut q = [[_mm512_setzero_si512(); 4]; 2];
+            let mut dsc = [_mm512_setzero_ps(); 2];
+            let mut dmn = [_mm512_setzero_ps(); 2];
+            for j in 0..2 {
+                let (d, dmin, mn, sc16, q4) = q4k_block!(w[j].add(b * Q4K_BYTES), low);
+                q[j] = transpose4!(q4);
+                let lanes = |v: __m512i| _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(lane_subblock, v));
+                dsc[j] = _mm512_mul_ps(_mm512_set1_ps(d), lanes(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(sc16))));
+                dmn[j] = _mm512_mul_ps(_mm512_set1_ps(dmin), lanes(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128(mn as i64))));
+            }
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let i = r * kb + b;
+                let yd = _mm512_set1_ps(std::ptr::read_unaligned(q8.add(i * Q8K_BYTES) as *const f32));
+                let yq = re.add(i * QK);
+                let ys = _mm512_loadu_ps(sums.add(i * 16));
+                let sum = dots_pair!(q, yq);
+                for j in 0..2 {
+                    let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), _mm512_mul_ps(dsc[j], yd), acc[j]);
+                    acc[j] = _mm512_fnmadd_ps(dmn[j], ys, a);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (j, &a) in acc.iter().enumerate() {
+                dots[j][r] = _mm512_reduce_add_ps(a);
+            }
+        }
+    }
+}
+
+/// `q6k_dots` for two weight rows at once with AVX512-VNNI, on the layout of `vnni_order`: one
+/// i32 lane a sub-block of 16 (four `vpdpbusd` chained, at most 16 x 63 x 128), converted once a
+/// block and row, times the row's block scale, plus the row's offset term for the lane (an
+/// `Input`'s `offsets6`, the block scale in it), then times d x the lane's scale. Each load of the
+/// input meets both weight
+/// rows. Grouped otherwise than `q6k_dots`: a machine uses one or the other for every row count.
+///
+/// # Safety
+/// As for `q6k_dots` for each of `w`, with `re` (`Q6K_VNNI_ORDER`) and `offsets` (16 a block)
+/// readable for the M x kb blocks, and the CPU has AVX512-VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn q6k_dots_vnni<const M: usize>(
+    w: [*const u8; 2],
+    kb: usize,
+    (q8, re, offsets): (*const u8, *const i8, *const f32),
+    dots: &mut [[f32; MAX_ROWS]; 2],
+) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        use std::arch::x86_64::*;
+        let lane_subblock = _mm512_loadu_si512(Q6K_LANE_SUBBLOCK.as_ptr() as *const __m512i);
+        // Per input row, its two weight rows' accumulators.
+        let mut acc = [[_mm512_setzero_ps(); 2]; M];
+        for b in 0..kb {
+            let mut q = [[_mm512_setzero_si512(); 4]; 2];
+            let mut dsc = [_mm512_setzero_ps(); 2];
+            for j in 0..2 {
+                let (d, sc16, q6) = q6k_block!(w[j].add(b * Q6K_BYTES));
+                q[j] = transpose4!(q6);
+                let sc32 = _mm512_permutexvar_epi32(lane_subblock, _mm512_cvtepi16_epi32(sc16));
+                dsc[j] = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sc32));
+            }
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let i = r * kb + b;
+                let yd = _mm512_set1_ps(std::ptr::read_unaligned(q8.add(i * Q8K_BYTES) as *const f32));
+                let yq = re.add(i * QK);
+                let off = _mm512_loadu_ps(offsets.add(i * 16));
+                let sum = dots_pair!(q, yq);
+                for j in 0..2 {
+                    let t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), yd, off);
+                    acc[j] = _mm512_fmadd_ps(t, dsc[j], acc[j]);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (j, &a) in acc.iter().enumerate() {
+                dots[j][r] = _mm512_reduce_add_ps(a);
+            }
+        }
+    }
+}
