@@ -177,18 +177,26 @@ fn q4k_group_generic<const B: usize, const L: usize>(x: [&[f32; QK_K]; B], out: 
     }
 }
 
-/// A super-block's bytes from its sub-blocks' (scale, -min).
+/// A super-block's d, dmin and 12 bytes of 6-bit scales and mins from its sub-blocks'
+/// (scale, -min).
 #[inline(always)]
-fn pack_block(x: &[f32; QK_K], scales: &[f32; LANES], mins: &[f32; LANES], out: &mut [u8; Q4K_BLOCK_BYTES]) {
+fn scale_bytes(scales: &[f32; LANES], mins: &[f32; LANES]) -> (f16, f16, [u8; 12]) {
     let max_scale = scales.iter().fold(0.0f32, |max, &v| v.max(max));
     let max_min = mins.iter().fold(0.0f32, |max, &v| v.max(max));
     let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
     let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
 
+    let ls = std::array::from_fn(|j| nearest_int(inv_scale * scales[j]).min(63) as u8);
+    let lm = std::array::from_fn(|j| nearest_int(inv_min * mins[j]).min(63) as u8);
+    (f16::from_f32(max_scale / 63.0), f16::from_f32(max_min / 63.0), scale_min_k4(&ls, &lm))
+}
+
+/// The 12 bytes of eight 6-bit scales and mins (the inverse of `get_scale_min_k4`).
+#[inline(always)]
+fn scale_min_k4(ls: &[u8; LANES], lm: &[u8; LANES]) -> [u8; 12] {
     let mut sc = [0u8; 12];
-    for j in 0..QK_K / 32 {
-        let ls = nearest_int(inv_scale * scales[j]).min(63) as u8;
-        let lm = nearest_int(inv_min * mins[j]).min(63) as u8;
+    for j in 0..LANES {
+        let (ls, lm) = (ls[j], lm[j]);
         if j < 4 {
             sc[j] = ls;
             sc[j + 4] = lm;
@@ -198,9 +206,13 @@ fn pack_block(x: &[f32; QK_K], scales: &[f32; LANES], mins: &[f32; LANES], out: 
             sc[j] |= (lm >> 4) << 6;
         }
     }
-    let d = f16::from_f32(max_scale / 63.0);
-    let dmin = f16::from_f32(max_min / 63.0);
+    sc
+}
 
+/// A super-block's bytes from its sub-blocks' (scale, -min).
+#[inline(always)]
+fn pack_block(x: &[f32; QK_K], scales: &[f32; LANES], mins: &[f32; LANES], out: &mut [u8; Q4K_BLOCK_BYTES]) {
+    let (d, dmin, sc) = scale_bytes(scales, mins);
     let mut l = [0u8; QK_K];
     for j in 0..QK_K / 32 {
         let (s, m) = get_scale_min_k4(j, &sc);
@@ -278,18 +290,18 @@ pub fn q4k_row(row: Row<'_>, out: &mut [u8]) {
     }
 }
 
-/// Super-blocks `q4k_row_avx512` searches side by side: `GROUP` x 8 lanes, `GROUP / 2` registers.
-/// `examples/quant_time 6144 2048` (bf16 -> Q4_K on both cores, best of 5, 3 alternating rounds):
-/// 29.6-29.9 ms two at a time, 26.1-26.7 four, 25.8-26.4 eight; 25.2-25.4 with the bf16 widening
-/// as a shift (`Row::block`).
-const GROUP: usize = 8;
+/// Super-blocks `q4k_row_avx512` quantizes at a time (`quant_avx512`, straight from the row).
+/// `examples/quant_time 6144 2048` (bf16 -> Q4_K on both cores, best of 5) on a 2-vCPU Zen 4:
+/// 39.3-39.9 ms with the portable loops compiled for AVX-512, 17.7-21.8 ms with `quant_avx512`.
+#[cfg(target_arch = "x86_64")]
+const GROUP: usize = avx512::BLOCKS;
 
-/// `q4k_row` `GROUP` super-blocks at a time (one AVX-512 register per two), the rest two and one
-/// at a time. No FMA contraction (Rust makes none), so the bytes are the same as on every other
-/// path.
+/// `q4k_row` `GROUP` super-blocks at a time with AVX-512 intrinsics, the rest two and one at a
+/// time through the portable loops. No FMA contraction (Rust makes none; the one FMA of
+/// `quant_avx512` is exact), so the bytes are the same as on every other path.
 ///
 /// # Safety
-/// The CPU has AVX-512F and AVX2 (the body is safe code compiled for them).
+/// The CPU has AVX-512F and AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2")]
 unsafe fn q4k_row_avx512(row: Row<'_>, out: &mut [u8]) {
@@ -298,33 +310,43 @@ unsafe fn q4k_row_avx512(row: Row<'_>, out: &mut [u8]) {
     let mut b = 0;
     for dst in out.chunks_mut(GROUP * Q4K_BLOCK_BYTES) {
         let n = dst.len() / Q4K_BLOCK_BYTES;
-        for (i, buf) in bufs.iter_mut().take(n).enumerate() {
-            row.block(b + i, buf);
-        }
         let mut outs = dst
             .chunks_exact_mut(Q4K_BLOCK_BYTES)
             .map(|o| <&mut [u8; Q4K_BLOCK_BYTES]>::try_from(o).expect("144 bytes"));
         let mut next = || outs.next().expect("n blocks");
-        match n {
-            GROUP => q4k_group_generic::<GROUP, { GROUP * LANES }>(
-                std::array::from_fn(|i| &bufs[i]),
-                std::array::from_fn(|_| next()),
-            ),
-            _ => {
-                let mut i = 0;
-                while i + 2 <= n {
-                    q4k_group_generic::<2, { 2 * LANES }>([&bufs[i], &bufs[i + 1]], [next(), next()]);
-                    i += 2;
+        if n == GROUP {
+            let at = b * QK_K..(b + GROUP) * QK_K;
+            let outs = std::array::from_fn(|_| next());
+            // SAFETY: the CPU has AVX-512 F (this function's contract); each source holds the
+            // group's GROUP * QK_K values.
+            unsafe {
+                match row {
+                    Row::F32(r) => avx512::q4k_blocks(&r[at], outs),
+                    Row::BF16(r) => avx512::q4k_blocks(&r[at], outs),
+                    Row::F16(r) => avx512::q4k_blocks(&r[at], outs),
                 }
-                if i < n {
-                    q4k_block_generic(&bufs[i], next());
-                }
+            }
+        } else {
+            for (i, buf) in bufs.iter_mut().take(n).enumerate() {
+                row.block(b + i, buf);
+            }
+            let mut i = 0;
+            while i + 2 <= n {
+                q4k_group_generic::<2, { 2 * LANES }>([&bufs[i], &bufs[i + 1]], [next(), next()]);
+                i += 2;
+            }
+            if i < n {
+                q4k_block_generic(&bufs[i], next());
             }
         }
         b += n;
     }
     debug_assert_eq!(b, blocks);
 }
+
+#[cfg(target_arch = "x86_64")]
+#[path = "quant_avx512.rs"]
+mod avx512;
 
 #[cfg(test)]
 mod tests {
@@ -429,15 +451,60 @@ mod tests {
     }
 
     #[test]
-    fn bf16_rows_quantize_as_their_f32_widening() {
-        let t = crate::testing::randn(3, 0.02, (4, 2 * QK_K)).unwrap();
+    fn half_rows_quantize_as_their_f32_widening() {
+        // Rows of 2 super-blocks (the pairs), 8 (one AVX-512 group, read straight from the
+        // half-precision row) and 9 (a group and a single one).
+        let t = crate::testing::randn(3, 0.02, (4, 18 * QK_K)).unwrap();
         let f: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
         let b: Vec<bf16> = f.iter().map(|&v| bf16::from_f32(v)).collect();
-        let widened: Vec<f32> = b.iter().map(|v| v.to_f32()).collect();
-        let mut got = vec![0u8; f.len() / QK_K * Q4K_BLOCK_BYTES];
-        for (r, o) in b.chunks(2 * QK_K).zip(got.chunks_mut(2 * Q4K_BLOCK_BYTES)) {
-            q4k_row(Row::BF16(r), o);
+        let h: Vec<f16> = f.iter().map(|&v| f16::from_f32(v)).collect();
+        let want_b = candle_bytes(&b.iter().map(|v| v.to_f32()).collect::<Vec<_>>());
+        let want_h = candle_bytes(&h.iter().map(|v| v.to_f32()).collect::<Vec<_>>());
+        for blocks in [2, 8, 9] {
+            let mut got_b = vec![0u8; f.len() / QK_K * Q4K_BLOCK_BYTES];
+            let mut got_h = got_b.clone();
+            let (n, o) = (blocks * QK_K, blocks * Q4K_BLOCK_BYTES);
+            for ((r, g), (rh, gh)) in b.chunks(n).zip(got_b.chunks_mut(o)).zip(h.chunks(n).zip(got_h.chunks_mut(o))) {
+                q4k_row(Row::BF16(r), g);
+                q4k_row(Row::F16(rh), gh);
+            }
+            assert_eq!(got_b, want_b, "bf16, {blocks} super-blocks a row");
+            assert_eq!(got_h, want_h, "f16, {blocks} super-blocks a row");
         }
-        assert_eq!(got, candle_bytes(&widened));
+    }
+
+    #[test]
+    fn groups_of_mixed_sub_blocks_match_candle() {
+        // Every sub-block of a group drawn differently (seeded): its own scale over 12 decades,
+        // an offset that can make it all negative or all positive, some constant, some with a
+        // single spike, some with ties at exact halves of a level, some whose first try meets exact halves. The lanes of one register
+        // stop searching at different tries.
+        let mut s = 0x2545F4914F6CDD1Du64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let mut x = Vec::with_capacity(64 * 8 * QK_K);
+        for _ in 0..64 * 8 * 8 {
+            let kind = next() % 7;
+            let scale = 10f32.powi((next() % 13) as i32 - 8);
+            let offset = ((next() % 5) as f32 - 2.0) * scale;
+            for i in 0..32 {
+                let u = (next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                x.push(match kind {
+                    0 => offset,
+                    1 if i == (next() % 32) as usize => 50.0 * scale,
+                    2 => (i as f32 * 0.5).floor() * scale * 0.25 + offset,
+                    // The first try's levels land on exact halves (min 0, max 15: iscale 1).
+                    3 => [0.0, 15.0].get(i).copied().unwrap_or((i % 15) as f32 + 0.5),
+                    _ => u * scale + offset,
+                });
+            }
+        }
+        let want = candle_bytes(&x);
+        assert_eq!(ours(&x, 8), want, "groups of 8");
+        assert_eq!(ours(&x, 64), want, "rows of 64");
     }
 }
