@@ -167,10 +167,14 @@ impl Qwen3Vl {
                     .into_bf16_products()
             }))
         } else if staged {
+            // As the resident tower below: a bf16/f16 checkpoint's vision weights stay in that
+            // dtype. An f32 copy made at load costs more than the per-block upcasts of an answer's
+            // few images (docs/performance.md, "The bf16 load").
             let (w, cfg, p) = (weights.clone(), config.vision.clone(), progress.clone());
             let dev = device.clone();
             VisionSlot::Pending(Box::new(move || {
-                VisionTower::load(&cfg, w.var_builder(dtype, &dev, p).pp(VISION_PREFIX))
+                let stored = if dtype == DType::F32 { w.vision_float_dtype() } else { dtype };
+                VisionTower::load_stored(&cfg, w.var_builder(stored, &dev, p).pp(VISION_PREFIX), dtype)
             }))
         } else {
             // Resident for every request: a bf16/f16 checkpoint's vision weights stay in that
