@@ -6,7 +6,7 @@ change (a tool, not CI). Cold runs: each round starts each binary afresh (load i
 
 Each run is `vl run --model MODEL --image IMAGE --prompt "Describe this image." --json
 --max-new-tokens TOKENS` with the defaults users get (q4k on a CPU). Prints one table: load,
-time to first token, prefill and decode tokens per second, peak RSS; the median of ROUNDS
+vision encode, time to first token, prefill and decode tokens per second, peak RSS; the median of ROUNDS
 (default 3) per binary, and NEW / OLD. The answers' token ids must agree (else it says so)."""
 import json
 import statistics
@@ -27,7 +27,7 @@ def main():
     old, new, model, image = sys.argv[1:5]
     rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 3
     tokens = int(sys.argv[6]) if len(sys.argv) > 6 else 32
-    keys = [("load_s", "load (s)"), ("time_to_first_token_s", "first token (s)"),
+    keys = [("load_s", "load (s)"), ("vision_s", "vision encode (s)"), ("time_to_first_token_s", "first token (s)"),
             ("prefill_tokens_per_s", "prefill (tok/s)"), ("decode_tokens_per_s", "decode (tok/s)")]
     got = {old: [], new: []}
     for r in range(rounds):

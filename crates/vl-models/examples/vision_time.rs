@@ -1,10 +1,10 @@
-//! Times the vision tower of a checkpoint on the path `vl run` takes (`ModelDir::open`, weights
-//! read from the checkpoint's safetensors and upcast to f32 at load, as `Engine::answer_once`
-//! does), on square images of the given sizes, and prints one JSON line per size with the
-//! per-block breakdown. Used by `tools/bench/vision-side-by-side` (ours vs transformers/torch):
+//! Times the vision tower of a checkpoint (`ModelDir::open`, weights read from the checkpoint's
+//! safetensors and upcast to f32 at load: the forward alone, no upcast inside it), on square
+//! images of the given sizes, and prints one JSON line per size with the per-block breakdown.
+//! Used by `tools/bench/vision-side-by-side` (ours vs transformers/torch):
 //!   cargo run --release -p vl-models --example vision_time -- target/bench-2b 448 1024
 //! Env: VL_VISION_RUNS (runs per size, default 2; the fastest is reported); VL_VISION_STORED=1
-//! times the resident engine's path instead (`vl serve`/`vl chat`: blocks kept in the
+//! times the path `vl run`, `vl serve` and `vl chat` take instead (blocks kept in the
 //! checkpoint's bf16 and upcast per block for each forward: half the memory, ~0.2 s more per
 //! 448 image on the 2B). VL_VISION_PRECISION=bf16 times `--vision-precision bf16` (the linears
 //! on AMX bf16 tiles; read in the checkpoint's float dtype and packed, as the engine does) and
