@@ -11,6 +11,10 @@ and value widths of 128 and 64), the default layer pattern (every 4th layer full
 ignores `layer_types` and places full-attention layers by `full_attention_interval`), 2 key heads
 serving 4 value heads, every parameter random as tiny-q35's (qwen35.randomize), Qwen3.5's
 tokenizer, template and processors. An MTP head is added (mlx-vlm drops it).
+
+`--moe` before the step makes goldens/tiny-q35-moe-mlx4 the same way from a qwen3_5_moe source
+(4 routed experts of 64, top-2, and a gated shared expert of 64 in every layer; mlx-vlm stacks the
+experts as `switch_mlp` and quantizes them and the routers too).
 """
 import json
 import shutil
@@ -21,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3VLProcessor
+from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
 import qwen35
 
@@ -40,10 +45,33 @@ CASES = {
 }
 
 
+# The MoE variant (`--moe`): every width a multiple of 64, as mlx-vlm's groups need.
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+MOE_NAME, MOE_SEED = "tiny-q35-moe-mlx4", 20271206
+VARIANT = {"moe": False}
+
+
+def fixture():
+    return MOE_NAME if VARIANT["moe"] else NAME
+
+
+def text():
+    t = dict(TEXT)
+    if VARIANT["moe"]:
+        t.pop("intermediate_size")
+        t.update(MOE)
+    return t
+
+
 def config():
-    return Qwen3_5Config(text_config=dict(TEXT), vision_config=dict(VISION), tie_word_embeddings=True,
-                         image_token_id=qwen35.IMAGE_PAD, video_token_id=qwen35.VIDEO_PAD,
-                         vision_start_token_id=qwen35.VISION_START, vision_end_token_id=qwen35.VISION_END)
+    cls = Qwen3_5MoeConfig if VARIANT["moe"] else Qwen3_5Config
+    return cls(text_config=text(), vision_config=dict(VISION), tie_word_embeddings=True,
+               image_token_id=qwen35.IMAGE_PAD, video_token_id=qwen35.VIDEO_PAD,
+               vision_start_token_id=qwen35.VISION_START, vision_end_token_id=qwen35.VISION_END)
+
+
+def model_class():
+    return Qwen3_5MoeForConditionalGeneration if VARIANT["moe"] else Qwen3_5ForConditionalGeneration
 
 
 @torch.no_grad()
@@ -52,9 +80,10 @@ def source(dest):
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
-    torch.manual_seed(SEED)
-    model = Qwen3_5ForConditionalGeneration(config()).eval()
-    qwen35.randomize(model, torch.Generator().manual_seed(SEED))
+    seed = MOE_SEED if VARIANT["moe"] else SEED
+    torch.manual_seed(seed)
+    model = model_class()(config()).eval()
+    qwen35.randomize(model, torch.Generator().manual_seed(seed))
     model.to(torch.bfloat16).save_pretrained(dest)
     goldens = HERE.parent.parent / "goldens"
     ck = goldens / qwen35.NAME / "checkpoint"
@@ -66,7 +95,7 @@ def source(dest):
     # An MTP head as the releases carry one (mlx-vlm drops `mtp.*`).
     path = dest / "model.safetensors"
     t = load_file(path)
-    gen = torch.Generator().manual_seed(SEED + 1)
+    gen = torch.Generator().manual_seed(seed + 1)
     d = TEXT["hidden_size"]
     for k, shape in {"mtp.fc.weight": (d, 2 * d), "mtp.norm.weight": (d,)}.items():
         t[k] = (torch.randn(shape, generator=gen) * 0.1).to(torch.bfloat16)
@@ -81,9 +110,13 @@ def goldens(cache, out):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from generate import write_provenance
     cache, out = Path(cache), Path(out)
-    src = cache / "tiny-q35-mlx-src"
-    model = Qwen3_5ForConditionalGeneration(config()).eval()
-    state = load_file(cache / f"{NAME}-dequantized.safetensors")
+    src = cache / ("tiny-q35-moe-mlx-src" if VARIANT["moe"] else "tiny-q35-mlx-src")
+    cfg = config()
+    if VARIANT["moe"]:
+        for c in (cfg, cfg.text_config):
+            c._experts_implementation = "eager"
+    model = model_class()(cfg).eval()
+    state = load_file(cache / f"{fixture()}-dequantized.safetensors")
     state.setdefault("lm_head.weight", state["model.language_model.embed_tokens.weight"])
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
@@ -95,7 +128,7 @@ def goldens(cache, out):
     proc = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(src),
                             tokenizer=AutoTokenizer.from_pretrained(src), chat_template=template,
                             video_processor=Qwen3VLVideoProcessor.from_pretrained(src))
-    cdir = out / NAME / "cases"
+    cdir = out / fixture() / "cases"
     if cdir.exists():
         shutil.rmtree(cdir)
     cdir.mkdir(parents=True)
@@ -126,8 +159,10 @@ def goldens(cache, out):
         [str(HERE.parent / "mlx-reference/.venv/bin/python"), "-c",
          "import json, importlib.metadata as m; print(json.dumps({p: m.version(p) for p in ['mlx', 'mlx-vlm']}))"],
         capture_output=True, text=True, check=True).stdout)
-    write_provenance(out, {"qwen35_mlx": {
-        "generator": "tools/hf-reference/generate-mlx-q35", "geometry": {"text": TEXT, "vision": VISION}, "seed": SEED,
+    section = "qwen35_moe_mlx" if VARIANT["moe"] else "qwen35_mlx"
+    write_provenance(out, {section: {
+        "generator": "tools/hf-reference/generate-mlx-q35", "geometry": {"text": text(), "vision": VISION},
+        "seed": MOE_SEED if VARIANT["moe"] else SEED,
         "conversion": "mlx_vlm convert -q --q-bits 4 --q-group-size 64 (the CLI; the vision tower stays float)",
         "versions": versions,
         "reference": "Qwen3_5ForConditionalGeneration on the exactly dequantized weights (mx.dequantize), "
@@ -138,4 +173,7 @@ def goldens(cache, out):
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))
+    if sys.argv[1] == "--moe":
+        VARIANT["moe"] = True
+        del sys.argv[1]
     {"source": lambda: source(sys.argv[2]), "goldens": lambda: goldens(sys.argv[2], sys.argv[3])}[sys.argv[1]]()

@@ -8,7 +8,11 @@ with +1 (input/post-attention layernorms, the final norm, q/k norms; not the Del
 get it taken off, the DeltaNet convolution goes back from [C, K, 1] to [C, 1, K] and the patch
 embedding from channels-last to channels-first.
 
-    tools/mlx-reference/.venv/bin/python tools/mlx-reference/convert_q35.py SRC GOLDENS CACHE
+    tools/mlx-reference/.venv/bin/python tools/mlx-reference/convert_q35.py SRC GOLDENS CACHE [NAME]
+
+NAME (default tiny-q35-mlx4) tiny-q35-moe-mlx4 converts the qwen3_5_moe source: mlx-vlm stacks its
+experts as `switch_mlp.{gate,up,down}_proj` [E, out, in]; they go back into transformers 5's fused
+`experts.gate_up_proj` [E, 2 inter, hidden] (gate rows, then up rows) and `experts.down_proj`.
 """
 import json
 import os
@@ -27,8 +31,8 @@ SHIFTED = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model
            ".k_norm.weight")
 
 
-def main(src, out_root, cache):
-    ck = Path(out_root) / NAME / "checkpoint"
+def main(src, out_root, cache, name=NAME):
+    ck = Path(out_root) / name / "checkpoint"
     if ck.parent.exists():
         shutil.rmtree(ck.parent)
     subprocess.run([sys.executable, "-m", "mlx_vlm", "convert", "--hf-path", src, "--mlx-path", str(ck),
@@ -49,10 +53,15 @@ def main(src, out_root, cache):
         if key == "model.visual.patch_embed.proj.weight" and arr.ndim == 5:
             arr = np.ascontiguousarray(arr.transpose(0, 4, 1, 2, 3))
         dense[key] = arr
+    for k in [k for k in dense if k.endswith(".mlp.switch_mlp.gate_proj.weight")]:
+        base_key = k[: -len(".switch_mlp.gate_proj.weight")]
+        gate, up = dense.pop(k), dense.pop(f"{base_key}.switch_mlp.up_proj.weight")
+        dense[f"{base_key}.experts.gate_up_proj"] = np.ascontiguousarray(np.concatenate([gate, up], axis=1))
+        dense[f"{base_key}.experts.down_proj"] = dense.pop(f"{base_key}.switch_mlp.down_proj.weight")
     Path(cache).mkdir(parents=True, exist_ok=True)
-    save_file(dense, str(Path(cache) / f"{NAME}-dequantized.safetensors"))
-    print(f"{NAME}: {sum(1 for k in weights if k.endswith('.scales'))} quantized tensors of {len(dense)}")
+    save_file(dense, str(Path(cache) / f"{name}-dequantized.safetensors"))
+    print(f"{name}: {sum(1 for k in weights if k.endswith('.scales'))} quantized tensors of {len(dense)}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    main(*sys.argv[1:5])

@@ -462,19 +462,32 @@ fn a_reasoning_budget_closes_the_block_and_the_answer_follows() {
 /// and through the engine (dequantized exactly, `quant: None`) the reference's greedy answers.
 #[test]
 fn an_mlx_conversion_matches_the_dequantized_reference() {
-    let dir = goldens().join("tiny-q35-mlx4/checkpoint");
+    mlx_conversion_matches("tiny-q35-mlx4", "qwen3_5");
+}
+
+/// The MoE family as mlx-vlm converts it: the experts stacked as `switch_mlp` and quantized, the
+/// routers and the shared expert's gate quantized too.
+#[test]
+fn an_mlx_moe_conversion_matches_the_dequantized_reference() {
+    mlx_conversion_matches("tiny-q35-moe-mlx4", "qwen3_5_moe");
+}
+
+/// Last logits through the model and greedy ids through the engine, against the reference on the
+/// fixture's exactly dequantized weights.
+fn mlx_conversion_matches(fixture: &str, family: &str) {
+    let dir = goldens().join(fixture).join("checkpoint");
     let m = Qwen3VlModel::load(&dir, DType::F32, &device()).unwrap();
     assert!(m.config().text.hybrid.as_ref().is_some_and(|h| h.norms_plus_one));
     let engine = load_engine(&dir, EngineOptions { prefix_cache: false, ..Default::default() });
-    assert_eq!(engine.family().name(), "qwen3_5");
+    assert_eq!(engine.family().name(), family);
     for name in ["no_think", "one_image"] {
-        let (want, meta) = case_of("tiny-q35-mlx4", name);
+        let (want, meta) = case_of(fixture, name);
         let p = golden_prompt(&want);
         let mut cache = m.new_cache();
         let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
         let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
-        println!("tiny-q35-mlx4/{name}: last logits max|diff| {d:.2e}");
-        assert!(d <= tol(LOGIT_TOL), "{name}: {d:e}");
+        println!("{fixture}/{name}: last logits max|diff| {d:.2e}");
+        assert!(d <= tol(LOGIT_TOL), "{fixture}/{name}: {d:e}");
         let ids = greedy_ids(&meta);
         let req = Request {
             messages: chat_messages(&meta["messages"]),
@@ -483,7 +496,7 @@ fn an_mlx_conversion_matches_the_dequantized_reference() {
             ..Default::default()
         };
         let c = engine.generate(&req, &mut |_| true).unwrap();
-        assert_eq!(c.prompt_tokens as u64, meta["num_tokens"].as_u64().unwrap(), "{name}");
-        assert_eq!(c.token_ids, ids, "{name}");
+        assert_eq!(c.prompt_tokens as u64, meta["num_tokens"].as_u64().unwrap(), "{fixture}/{name}");
+        assert_eq!(c.token_ids, ids, "{fixture}/{name}");
     }
 }
