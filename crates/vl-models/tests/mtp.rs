@@ -63,10 +63,13 @@ fn greedy_cases(e: &Engine, what: &str) -> (usize, usize) {
 
 #[test]
 fn mtp_drafts_change_no_greedy_answer() {
-    let e = open("tiny-q35", options(1));
-    let (drafted, accepted) = greedy_cases(&e, "tiny-q35");
-    println!("tiny-q35 MTP: {accepted} of {drafted} drafted tokens kept");
-    assert!(drafted > 0, "the head drafted nothing");
+    // The dense family, and the MoE one whose head's layer routes to experts.
+    for g in ["tiny-q35", "tiny-q35-moe-mtp"] {
+        let e = open(g, options(1));
+        let (drafted, accepted) = greedy_cases(&e, g);
+        println!("{g} MTP: {accepted} of {drafted} drafted tokens kept");
+        assert!(drafted > 0, "{g}: the head drafted nothing");
+    }
 }
 
 #[test]
@@ -204,14 +207,26 @@ fn a_model_without_a_head_is_refused_by_name() {
 /// reference's.
 #[test]
 fn the_head_matches_the_reference() {
+    head_matches("tiny-q35", "tiny-q35");
+}
+
+/// The same for the MoE family (`goldens/tiny-q35-moe-mtp`: tiny-q35-moe's weights and a head
+/// whose layer has 6 routed experts and a gated shared expert), on tiny-q35-moe's prompts.
+#[test]
+fn the_moe_head_matches_the_reference() {
+    head_matches("tiny-q35-moe-mtp", "tiny-q35-moe");
+}
+
+/// `fixture`'s checkpoint and `mtp/` reference, on `cases_of`'s prompts.
+fn head_matches(fixture: &str, cases_of: &str) {
     use candle_core::{DType, Tensor};
     use vl_models::qwen3_vl::{Prompt, Qwen3VlModel, VisionInput};
-    let dir = goldens().join("tiny-q35");
+    let dir = goldens().join(fixture);
     let m = Qwen3VlModel::load(&dir.join("checkpoint"), DType::F32, &device()).unwrap();
     assert!(m.text().has_mtp());
     let sampled = load(&goldens().join("sampled_vocab_ids.safetensors"))["vocab_ids"].to_dtype(DType::U32).unwrap();
     for name in ["long_text", "one_image"] {
-        let case = load(&dir.join("cases").join(format!("{name}.safetensors")));
+        let case = load(&goldens().join(cases_of).join("cases").join(format!("{name}.safetensors")));
         let want = load(&dir.join("mtp").join(format!("{name}.safetensors")));
         let ids: Vec<u32> = case["input_ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
         let images = case
@@ -267,7 +282,9 @@ fn the_head_matches_the_reference() {
             tokens_want[2],
             "{name}: the second draft"
         );
-        println!("{name} ({n} positions): every position {d_all:.2e}, last {d_last:.2e}, second draft {d_chain:.2e}");
+        println!(
+            "{fixture}/{name} ({n} positions): every position {d_all:.2e}, last {d_last:.2e}, second draft {d_chain:.2e}"
+        );
         for (what, d) in [("last", d_last), ("second draft", d_chain)] {
             assert!(d <= tol(1e-3), "{name}: {what} {d:e}");
         }
