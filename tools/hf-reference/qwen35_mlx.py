@@ -165,9 +165,10 @@ def goldens(cache, out):
         "seed": MOE_SEED if VARIANT["moe"] else SEED,
         "conversion": "mlx_vlm convert -q --q-bits 4 --q-group-size 64 (the CLI; the vision tower stays float)",
         "versions": versions,
-        "reference": "Qwen3_5ForConditionalGeneration on the exactly dequantized weights (mx.dequantize), "
-                     "mlx-vlm's sanitize undone (norms -1, conv1d and patch embedding back to channels-first), "
-                     "float32, eager attention",
+        "reference": f"{model_class().__name__} on the exactly dequantized weights (mx.dequantize), "
+                     "mlx-vlm's sanitize undone (norms -1, conv1d and patch embedding back to channels-first"
+                     + ("; switch_mlp experts fused back into gate_up_proj / down_proj), eager experts" if VARIANT["moe"] else ")")
+                     + ", float32, eager attention",
         "cases": "cases/<case>.json: messages, prompt, greedy ids; .safetensors: input ids, last logits, pixels"}})
 
 

@@ -50,7 +50,7 @@ def moe_checkpoint(out):
         shutil.rmtree(ck)
     ck.mkdir(parents=True)
     for f in sorted(os.listdir(src)):
-        if f not in ("config.json", "model.safetensors"):
+        if f not in ("config.json", "model.safetensors", "model.safetensors.index.json"):
             os.symlink(os.path.join("..", "..", "tiny-q35-moe", "checkpoint", f), ck / f)
     first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
     os.symlink(os.path.join("..", "..", "tiny-q35-moe", "checkpoint", "model.safetensors"), ck / first)

@@ -317,7 +317,7 @@ unsafe fn q4k_row_avx512(row: Row<'_>, out: &mut [u8]) {
         if n == GROUP {
             let at = b * QK_K..(b + GROUP) * QK_K;
             let outs = std::array::from_fn(|_| next());
-            // SAFETY: the CPU has AVX-512 F (this function's contract); each source holds the
+            // SAFETY: the CPU has AVX-512 F (this function's contract); each source is the
             // group's GROUP * QK_K values.
             unsafe {
                 match row {
@@ -359,8 +359,9 @@ mod tests {
         QTensor::quantize(&t, GgmlDType::Q4K).unwrap().data().unwrap().into_owned()
     }
 
-    /// `x` quantized as rows of `blocks` super-blocks (rows of 3 take the AVX-512 pairs and the
-    /// odd last one alone; rows of 1 the single-block path).
+    /// `x` quantized as rows of `blocks` super-blocks (with AVX-512, rows of 8 or more take the
+    /// intrinsics a group of 8 at a time and the rest the portable pairs and single blocks; rows
+    /// of 1 and 3 only the portable loops).
     fn ours(x: &[f32], blocks: usize) -> Vec<u8> {
         let mut out = vec![0u8; x.len() / QK_K * Q4K_BLOCK_BYTES];
         for (r, o) in x.chunks(blocks * QK_K).zip(out.chunks_mut(blocks * Q4K_BLOCK_BYTES)) {

@@ -23,6 +23,9 @@ const N: usize = 32;
 
 /// The float formats a group is read from, 16 values widened to f32 at a time.
 pub(super) trait Source {
+    /// How many values there are.
+    fn count(&self) -> usize;
+
     /// Values `at..at + 16`, widened exactly.
     ///
     /// # Safety
@@ -31,6 +34,10 @@ pub(super) trait Source {
 }
 
 impl Source for [f32] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+
     #[inline(always)]
     unsafe fn load16(&self, at: usize) -> __m512 {
         debug_assert!(at + 16 <= self.len());
@@ -40,6 +47,10 @@ impl Source for [f32] {
 }
 
 impl Source for [bf16] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+
     #[inline(always)]
     unsafe fn load16(&self, at: usize) -> __m512 {
         debug_assert!(at + 16 <= self.len());
@@ -52,6 +63,10 @@ impl Source for [bf16] {
 }
 
 impl Source for [f16] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+
     #[inline(always)]
     unsafe fn load16(&self, at: usize) -> __m512 {
         debug_assert!(at + 16 <= self.len());
@@ -60,17 +75,18 @@ impl Source for [f16] {
     }
 }
 
-/// `BLOCKS` super-blocks (`x`: `BLOCKS * QK_K` values) into their bytes.
+/// `BLOCKS` super-blocks (`x`: `BLOCKS * QK_K` values, else it panics) into their bytes.
 ///
 /// # Safety
-/// The CPU has AVX-512 F; `x` holds `BLOCKS * QK_K` values.
+/// The CPU has AVX-512 F.
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn q4k_blocks<S: Source + ?Sized>(x: &S, out: [&mut [u8; Q4K_BLOCK_BYTES]; BLOCKS]) {
-    // SAFETY: the contract.
+    assert_eq!(x.count(), BLOCKS * QK_K, "q4k_blocks: a group is {BLOCKS} super-blocks");
+    // SAFETY: the CPU has AVX-512 F; x holds the group (checked above).
     let (scales, mins) = unsafe { search(x) };
     for (b, o) in out.into_iter().enumerate() {
         let pick = |v: &[f32; BLOCKS * LANES]| -> [f32; LANES] { std::array::from_fn(|j| v[b * LANES + j]) };
-        // SAFETY: the contract.
+        // SAFETY: as above; super-block b is values 256 b..256 (b + 1) of the group.
         unsafe { pack(x, b * QK_K, &pick(&scales), &pick(&mins), o) };
     }
 }
@@ -79,7 +95,7 @@ pub(super) unsafe fn q4k_blocks<S: Source + ?Sized>(x: &S, out: [&mut [u8; Q4K_B
 /// sub-block j of `x[b]`.
 ///
 /// # Safety
-/// As `q4k_blocks`.
+/// The CPU has AVX-512 F; `x` holds `BLOCKS * QK_K` values.
 #[target_feature(enable = "avx512f")]
 unsafe fn search<S: Source + ?Sized>(x: &S) -> ([f32; BLOCKS * LANES], [f32; BLOCKS * LANES]) {
     // Lane m of register k is sub-block 16k + m, whose value i is at 32 (16k + m) + i: two 16 x
