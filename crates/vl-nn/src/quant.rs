@@ -278,7 +278,7 @@ pub fn q4k_row(row: Row<'_>, out: &mut [u8]) {
     let blocks = row.len() / QK_K;
     assert_eq!(out.len(), blocks * Q4K_BLOCK_BYTES, "q4k_row: output size");
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
+    if crate::cpu::has_avx512() {
         // SAFETY: the CPU has AVX-512 F (checked above); the function is plain Rust otherwise.
         unsafe { q4k_row_avx512(row, out) };
         return;
