@@ -283,6 +283,12 @@ pub fn q4k_row(row: Row<'_>, out: &mut [u8]) {
         unsafe { q4k_row_avx512(row, out) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        unsafe { q4k_row_avx2(row, out) };
+        return;
+    }
     let mut buf = [0f32; QK_K];
     for (b, dst) in out.chunks_exact_mut(Q4K_BLOCK_BYTES).enumerate() {
         row.block(b, &mut buf);
@@ -344,9 +350,43 @@ unsafe fn q4k_row_avx512(row: Row<'_>, out: &mut [u8]) {
     debug_assert_eq!(b, blocks);
 }
 
+/// `q4k_row` four super-blocks at a time with AVX2 intrinsics (`quant_avx2`), the rest one at a
+/// time through the portable loops.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q4k_row_avx2(row: Row<'_>, out: &mut [u8]) {
+    let mut bufs = [[0f32; QK_K]; avx2::BLOCKS];
+    let mut b = 0;
+    for dst in out.chunks_mut(avx2::BLOCKS * Q4K_BLOCK_BYTES) {
+        let n = dst.len() / Q4K_BLOCK_BYTES;
+        for (i, buf) in bufs.iter_mut().take(n).enumerate() {
+            row.block(b + i, buf);
+        }
+        let mut outs = dst
+            .chunks_exact_mut(Q4K_BLOCK_BYTES)
+            .map(|o| <&mut [u8; Q4K_BLOCK_BYTES]>::try_from(o).expect("144 bytes"));
+        if n == avx2::BLOCKS {
+            // SAFETY: the CPU has AVX2 and FMA (this function's contract).
+            unsafe { avx2::q4k_blocks(&bufs, std::array::from_fn(|_| outs.next().expect("n blocks"))) };
+        } else {
+            for (buf, o) in bufs.iter().zip(outs) {
+                q4k_block_generic(buf, o);
+            }
+        }
+        b += n;
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[path = "quant_avx512.rs"]
 mod avx512;
+
+#[cfg(target_arch = "x86_64")]
+#[path = "quant_avx2.rs"]
+mod avx2;
 
 #[cfg(test)]
 mod tests {
