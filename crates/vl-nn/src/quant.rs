@@ -297,7 +297,7 @@ pub fn q4k_row(row: Row<'_>, out: &mut [u8]) {
 }
 
 /// Super-blocks `q4k_row_avx512` quantizes at a time (`quant_avx512`, straight from the row).
-/// `examples/quant_time 6144 2048` (bf16 -> Q4_K on both cores, best of 5) on a 2-vCPU Zen 4:
+/// `examples/quant_time 6144 2048` (bf16 -> Q4_K on both cores, best of 3) on a 2-vCPU Zen 4:
 /// 39.3-39.9 ms with the portable loops compiled for AVX-512, 17.7-21.8 ms with `quant_avx512`.
 #[cfg(target_arch = "x86_64")]
 const GROUP: usize = avx512::BLOCKS;
