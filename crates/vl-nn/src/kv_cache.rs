@@ -2,9 +2,11 @@
 //! preallocation of the context window, no doubling: a sequence holds at most one block more
 //! than it uses), appends are in-place copies, and the cached keys and values are returned as
 //! views of the first `len` positions. Can be reset and truncated (e.g. to reuse a shared prompt
-//! prefix); reports the bytes it holds.
+//! prefix); reports the bytes it holds. A cache may keep its rows in a dtype of its own
+//! (`in_dtype`: f16 or bf16 rows for f32 compute, half the bytes): appended rows are rounded to
+//! it, and the views are in it.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::{Error, Result};
 
@@ -24,11 +26,24 @@ pub struct KvCache {
     /// Positions the next allocation reserves (e.g. a prompt's length), so a known total is
     /// allocated once.
     reserve: usize,
+    /// The dtype rows are kept in; None: the appended rows' own.
+    dtype: Option<DType>,
 }
 
 impl KvCache {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty cache that keeps its rows in `dtype` (appended rows are converted: rounded to
+    /// nearest even for f16 / bf16).
+    pub fn in_dtype(dtype: DType) -> Self {
+        Self { dtype: Some(dtype), ..Self::default() }
+    }
+
+    /// The dtype rows are kept in, when it was set (`in_dtype`).
+    pub fn dtype(&self) -> Option<DType> {
+        self.dtype
     }
 
     /// Cached positions.
@@ -50,9 +65,9 @@ impl KvCache {
         [&self.k, &self.v].iter().filter_map(|t| t.as_ref()).map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
     }
 
-    /// Drops everything, memory included.
+    /// Drops everything, memory included (the dtype it keeps stays).
     pub fn reset(&mut self) {
-        *self = Self::default();
+        *self = Self { dtype: self.dtype, ..Self::default() };
     }
 
     /// The next allocation holds at least `positions` (an expected length): growth to that
@@ -70,7 +85,7 @@ impl KvCache {
     /// this one is left as it is.
     pub fn copy_prefix(&self, len: usize) -> Result<KvCache> {
         let len = len.min(self.len);
-        let mut out = KvCache { reserve: len, ..Default::default() };
+        let mut out = KvCache { reserve: len, dtype: self.dtype, ..Default::default() };
         if let (Some(k), Some(v), true) = (&self.k, &self.v, len > 0) {
             out.append(&k.narrow(1, 0, len)?, &v.narrow(1, 0, len)?)?;
         }
@@ -78,8 +93,17 @@ impl KvCache {
         Ok(out)
     }
 
-    /// Appends `k`, `v` ([kv_heads, new, head_dim]) and returns views of all cached positions.
+    /// Appends `k`, `v` ([kv_heads, new, head_dim]; converted to the cache's dtype when it has
+    /// one) and returns views of all cached positions.
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let converted;
+        let (k, v) = match self.dtype {
+            Some(d) if k.dtype() != d || v.dtype() != d => {
+                converted = (k.to_dtype(d)?, v.to_dtype(d)?);
+                (&converted.0, &converted.1)
+            }
+            _ => (k, v),
+        };
         let (heads, new, dim) = k.dims3()?;
         if v.dims() != k.dims() {
             return Err(Error::Shape {
@@ -160,6 +184,26 @@ mod tests {
         assert_eq!(k.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![1., 2., 9.]);
         c.reset();
         assert_eq!((c.len(), c.bytes()), (0, 0));
+    }
+
+    #[test]
+    fn a_cache_in_its_own_dtype_rounds_what_it_keeps() {
+        let mut c = KvCache::in_dtype(DType::F16);
+        assert_eq!(c.dtype(), Some(DType::F16));
+        // 1 + 2^-12 is not an f16 (10 fraction bits): it rounds to 1 (nearest even).
+        let (k, v) = c.append(&t(&[1.0 + 1.0 / 4096.0, 3.0]), &t(&[0.1, -2.0])).unwrap();
+        assert_eq!(k.dtype(), DType::F16);
+        let k = k.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(k, vec![1.0, 3.0]);
+        let v = v.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(v, vec![half::f16::from_f32(0.1).to_f32(), -2.0]);
+        assert_eq!(c.bytes(), 2 * BLOCK * 2, "two bytes a value");
+        assert_eq!(c.copy_prefix(1).unwrap().dtype(), Some(DType::F16));
+        c.reset();
+        assert_eq!((c.len(), c.dtype()), (0, Some(DType::F16)));
+        let mut b = KvCache::in_dtype(DType::BF16);
+        let (k, _) = b.append(&t(&[1.0 + 1.0 / 256.0]), &t(&[1.0])).unwrap();
+        assert_eq!(k.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![1.0]);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Causal grouped-query attention for one sequence (the text decoder's): the CPU f32 prefill on
-//! the fused kernel (`kernels::causal_attention`), a one-row step on `decode`, blocks of
-//! queries through candle's ops elsewhere.
+//! the fused kernel (`kernels::causal_attention`), a one-row step on `decode` (which reads an
+//! f16 or bf16 cache in place), blocks of queries through candle's ops elsewhere.
 
 use candle_core::{DType, Tensor};
 
@@ -28,6 +28,15 @@ pub fn causal_gqa_attention(q: &Tensor, k: &Tensor, v: &Tensor, query_block: usi
             return Ok(out);
         }
     }
+    // A cache kept in another dtype than the queries (`KvCache::in_dtype`, e.g. f16 keys for f32
+    // compute): widened for the prompt's products, the values the decode kernel reads too.
+    let widened;
+    let (k, v) = if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        widened = (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?);
+        (&widened.0, &widened.1)
+    } else {
+        (k, v)
+    };
     if let Some(out) = causal_attention_cpu(q, k, v)? {
         return Ok(out);
     }
@@ -222,6 +231,43 @@ mod tests {
         let k = crate::testing::randn(241, 1., (1, 5, 8)).unwrap().to_dtype(DType::BF16).unwrap();
         assert!(decode_attention(&q, &k, &k).unwrap().is_none());
         assert_eq!(causal_gqa_attention(&q, &k, &k, 64).unwrap().dims(), &[2, 1, 8]);
+    }
+
+    #[test]
+    fn a_half_precision_cache_is_read_as_its_widened_values() {
+        // An f16 / bf16 cache (`KvCache::in_dtype`) under f32 queries: decode reads its rows in
+        // place, a prompt's block widens them; both give the plain formula on the rounded values
+        // (the same f32 arithmetic on the same numbers), for the shapes of the test above and a
+        // cached prefix under a prompt's queries.
+        for dtype in [DType::F16, DType::BF16] {
+            for (heads, kv, d, total) in
+                [(16, 8, 128, 300), (32, 4, 128, 700), (12, 4, 48, 45), (5, 1, 64, 17), (6, 2, 12, 37), (4, 4, 8, 1)]
+            {
+                let mut cache = crate::KvCache::in_dtype(dtype);
+                let k_all = crate::testing::randn(310 + d as u64, 1., (kv, total, d)).unwrap();
+                let v_all = crate::testing::randn(320 + d as u64, 1., (kv, total, d)).unwrap();
+                let new = 9.min(total);
+                if total > new {
+                    cache
+                        .append(&k_all.narrow(1, 0, total - new).unwrap(), &v_all.narrow(1, 0, total - new).unwrap())
+                        .unwrap();
+                }
+                let (k, v) = cache
+                    .append(&k_all.narrow(1, total - new, new).unwrap(), &v_all.narrow(1, total - new, new).unwrap())
+                    .unwrap();
+                assert_eq!((k.dtype(), v.dtype()), (dtype, dtype));
+                assert_eq!(cache.bytes(), 2 * kv * cache.capacity() * d * 2, "two bytes a value");
+                let widen = |t: &Tensor| t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
+                let (kw, vw) = (widen(&k_all), widen(&v_all));
+                let q = crate::testing::randn(330 + d as u64, 1., (heads, 1, d)).unwrap();
+                let fast = decode_attention(&q, &k, &v).unwrap().expect("the in-place path applies");
+                let diff = max_diff(&fast, &naive(&q, &kw, &vw));
+                assert!(diff < 1e-5, "{dtype:?} decode heads {heads} kv {kv} d {d} total {total}: {diff}");
+                let q = crate::testing::randn(340 + d as u64, 1., (heads, new, d)).unwrap();
+                let diff = max_diff(&causal_gqa_attention(&q, &k, &v, 4).unwrap(), &naive(&q, &kw, &vw));
+                assert!(diff < 1e-5, "{dtype:?} prompt heads {heads} kv {kv} d {d} total {total}: {diff}");
+            }
+        }
     }
 
     #[test]

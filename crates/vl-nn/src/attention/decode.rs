@@ -1,28 +1,94 @@
 //! One query row per head against the whole KV cache, read in place (a decode step): per KV
 //! head its query rows' scores, softmax and weighted sum of value rows; on AVX-512 four query
-//! rows of a KV head per key row (`decode_group_avx512`).
+//! rows of a KV head per key row (`decode_group_avx512`). The cache may hold f32, f16 or bf16
+//! (`KvCache::in_dtype`): half-precision rows are widened to f32 as they are read, every sum in
+//! f32.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
+use half::{bf16, f16};
 
-use crate::cpu::{cpu_f32, SendPtr};
+use crate::cpu::SendPtr;
 use crate::dispatch::{own_kernel_for, Op};
 use crate::Result;
+
+/// A cached key or value element the decode kernel reads in place, widened to f32.
+pub(crate) trait KvElem: Copy + Send + Sync + candle_core::WithDType {
+    fn widen(self) -> f32;
+}
+impl KvElem for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+impl KvElem for f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+impl KvElem for bf16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// 16 elements at `p` widened to f32 (exact: every f16 and bf16 value is an f32).
+///
+/// # Safety
+/// The CPU has AVX-512F; `p` is readable for 16 elements.
+#[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load16<E: KvElem>(p: *const E) -> std::arch::x86_64::__m512 {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        use std::arch::x86_64::*;
+        match E::DTYPE {
+            DType::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
+            DType::BF16 => _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i)),
+                16,
+            )),
+            _ => _mm512_loadu_ps(p as *const f32),
+        }
+    }
+}
+
+/// The CPU slice of `t`'s storage as `E`, if it is one.
+fn cpu_slice<E: KvElem>(s: &candle_core::Storage) -> Option<&[E]> {
+    match s {
+        candle_core::Storage::Cpu(c) => c.as_slice::<E>().ok(),
+        _ => None,
+    }
+}
 
 /// One query row per head against the whole cache, read in place (decode): for each KV head,
 /// each cached key row is read once for all `rep` query heads sharing it, then softmax, then the
 /// weighted sum of value rows. Runs on candle's own worker pool (one KV head per work item), so
-/// it never competes with the pool's spinning workers. None when the inputs are not CPU f32
-/// with unit-stride rows; the caller then takes the general path.
+/// it never competes with the pool's spinning workers. `q` is CPU f32; the cache's `k` and `v`
+/// f32, f16 or bf16 (both the same). None otherwise, or without unit-stride rows; the caller
+/// then takes the general path.
 pub(super) fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>> {
+    if !own_kernel_for(Op::DecodeAttention, &[q]) || !k.device().is_cpu() || k.dtype() != v.dtype() {
+        return Ok(None);
+    }
+    match k.dtype() {
+        DType::F32 => decode_in::<f32>(q, k, v),
+        DType::F16 => decode_in::<f16>(q, k, v),
+        DType::BF16 => decode_in::<bf16>(q, k, v),
+        _ => Ok(None),
+    }
+}
+
+fn decode_in<E: KvElem>(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>> {
     let (heads, _, d) = q.dims3()?;
     let (kv, total, _) = k.dims3()?;
     let rep = heads / kv;
-    if !own_kernel_for(Op::DecodeAttention, &[q, k, v]) {
-        return Ok(None);
-    }
     let q = q.contiguous()?;
     let ((qs, ql), (ks, kl), (vs, vl)) = (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout());
-    let (Some(qs), Some(ks), Some(vs)) = (cpu_f32(&qs), cpu_f32(&ks), cpu_f32(&vs)) else {
+    let (Some(qs), Some(ks), Some(vs)) = (cpu_slice::<f32>(&qs), cpu_slice::<E>(&ks), cpu_slice::<E>(&vs)) else {
         return Ok(None);
     };
     let (qo, ko, vo) = (ql.start_offset(), kl.start_offset(), vl.start_offset());
@@ -62,12 +128,12 @@ pub(super) fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Opt
 }
 
 /// One KV head's decode work: its `rep` query rows, its cached key and value rows (`total` of
-/// them, `k_row` / `v_row` floats apart), head size `d`.
-struct DecodeGroup<'a> {
+/// them, `k_row` / `v_row` elements apart), head size `d`.
+struct DecodeGroup<'a, E> {
     q: &'a [f32],
-    k: &'a [f32],
+    k: &'a [E],
     k_row: usize,
-    v: &'a [f32],
+    v: &'a [E],
     v_row: usize,
     total: usize,
     d: usize,
@@ -76,7 +142,7 @@ struct DecodeGroup<'a> {
 }
 
 /// `scores`: scratch of at least `rep * (total + 1)` floats.
-fn decode_group(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
+fn decode_group<E: KvElem>(g: &DecodeGroup<'_, E>, scores: &mut [f32], out: &mut [f32]) {
     #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
     if g.d.is_multiple_of(16) && crate::cpu::has_avx512() {
         // SAFETY: the CPU has AVX-512F (checked above) and d is a multiple of 16.
@@ -96,7 +162,7 @@ fn decode_group(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
 /// The CPU has AVX2 and FMA (the body is `decode_group_generic`, safe code compiled for them).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn decode_group_avx2(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
+unsafe fn decode_group_avx2<E: KvElem>(g: &DecodeGroup<'_, E>, scores: &mut [f32], out: &mut [f32]) {
     decode_group_generic(g, scores, out)
 }
 
@@ -114,7 +180,7 @@ unsafe fn decode_group_avx2(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [
 /// every pointer access below stays inside them.
 #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
 #[target_feature(enable = "avx512f")]
-unsafe fn decode_group_avx512(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
+unsafe fn decode_group_avx512<E: KvElem>(g: &DecodeGroup<'_, E>, scores: &mut [f32], out: &mut [f32]) {
     // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         use crate::avx512::{exp2, LANES};
@@ -141,10 +207,10 @@ unsafe fn decode_group_avx512(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut
                 let n = (rep - r).min(4);
                 let (qr, s) = (qp.add(r * d), sp.add(r * total + j));
                 match n {
-                    4 => qk_rows::<4>(qr, d, kj, s, total, scale2),
-                    3 => qk_rows::<3>(qr, d, kj, s, total, scale2),
-                    2 => qk_rows::<2>(qr, d, kj, s, total, scale2),
-                    _ => qk_rows::<1>(qr, d, kj, s, total, scale2),
+                    4 => qk_rows::<E, 4>(qr, d, kj, s, total, scale2),
+                    3 => qk_rows::<E, 3>(qr, d, kj, s, total, scale2),
+                    2 => qk_rows::<E, 2>(qr, d, kj, s, total, scale2),
+                    _ => qk_rows::<E, 1>(qr, d, kj, s, total, scale2),
                 }
                 r += n;
             }
@@ -183,14 +249,14 @@ unsafe fn decode_group_avx512(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut
             for c in (0..d).step_by(step) {
                 let (p, vc, o) = (sp.add(r * total), v.as_ptr().add(c), op.add(r * d + c));
                 match (n, wide) {
-                    (4, true) => pv_rows::<4, 4>(p, total, vc, v_row, o, d),
-                    (3, true) => pv_rows::<3, 4>(p, total, vc, v_row, o, d),
-                    (2, true) => pv_rows::<2, 4>(p, total, vc, v_row, o, d),
-                    (_, true) => pv_rows::<1, 4>(p, total, vc, v_row, o, d),
-                    (4, false) => pv_rows::<4, 1>(p, total, vc, v_row, o, d),
-                    (3, false) => pv_rows::<3, 1>(p, total, vc, v_row, o, d),
-                    (2, false) => pv_rows::<2, 1>(p, total, vc, v_row, o, d),
-                    (_, false) => pv_rows::<1, 1>(p, total, vc, v_row, o, d),
+                    (4, true) => pv_rows::<E, 4, 4>(p, total, vc, v_row, o, d),
+                    (3, true) => pv_rows::<E, 3, 4>(p, total, vc, v_row, o, d),
+                    (2, true) => pv_rows::<E, 2, 4>(p, total, vc, v_row, o, d),
+                    (_, true) => pv_rows::<E, 1, 4>(p, total, vc, v_row, o, d),
+                    (4, false) => pv_rows::<E, 4, 1>(p, total, vc, v_row, o, d),
+                    (3, false) => pv_rows::<E, 3, 1>(p, total, vc, v_row, o, d),
+                    (2, false) => pv_rows::<E, 2, 1>(p, total, vc, v_row, o, d),
+                    (_, false) => pv_rows::<E, 1, 1>(p, total, vc, v_row, o, d),
                 }
             }
             r += n;
@@ -210,17 +276,24 @@ unsafe fn decode_group_avx512(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut
 ///
 /// # Safety
 /// The CPU has AVX-512F; `d` is a multiple of 16; `q` is readable for N rows of `d` floats (`d`
-/// apart), `kj` for `d` floats, and `s + i * stride` is writable for each i < N.
+/// apart), `kj` for `d` elements, and `s + i * stride` is writable for each i < N.
 #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn qk_rows<const N: usize>(q: *const f32, d: usize, kj: *const f32, s: *mut f32, stride: usize, scale: f32) {
+unsafe fn qk_rows<E: KvElem, const N: usize>(
+    q: *const f32,
+    d: usize,
+    kj: *const E,
+    s: *mut f32,
+    stride: usize,
+    scale: f32,
+) {
     // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         use std::arch::x86_64::*;
         let mut acc = [_mm512_setzero_ps(); N];
         for c in (0..d).step_by(16) {
-            let kv = _mm512_loadu_ps(kj.add(c));
+            let kv = load16(kj.add(c));
             for (i, a) in acc.iter_mut().enumerate() {
                 *a = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(i * d + c)), kv, *a);
             }
@@ -236,15 +309,15 @@ unsafe fn qk_rows<const N: usize>(q: *const f32, d: usize, kj: *const f32, s: *m
 ///
 /// # Safety
 /// The CPU has AVX-512F; `p` is readable for N rows of `total` weights (`total` apart), `v` for
-/// `total` rows of 16 W floats (`v_row` apart), and `o` writable for N rows of 16 W floats (`d`
+/// `total` rows of 16 W elements (`v_row` apart), and `o` writable for N rows of 16 W floats (`d`
 /// apart).
 #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn pv_rows<const N: usize, const W: usize>(
+unsafe fn pv_rows<E: KvElem, const N: usize, const W: usize>(
     p: *const f32,
     total: usize,
-    v: *const f32,
+    v: *const E,
     v_row: usize,
     o: *mut f32,
     d: usize,
@@ -257,7 +330,7 @@ unsafe fn pv_rows<const N: usize, const W: usize>(
             let vj = v.add(j * v_row);
             let mut vs = [_mm512_setzero_ps(); W];
             for (w, x) in vs.iter_mut().enumerate() {
-                *x = _mm512_loadu_ps(vj.add(16 * w));
+                *x = load16(vj.add(16 * w));
             }
             for (i, row) in acc.iter_mut().enumerate() {
                 let pi = _mm512_set1_ps(*p.add(i * total + j));
@@ -276,24 +349,24 @@ unsafe fn pv_rows<const N: usize, const W: usize>(
 
 /// Dot product with eight independent partial sums (vectorizes; the order is fixed).
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
     let mut acc = [0f32; 8];
     let (ac, ar) = a.as_chunks::<8>();
     let (bc, br) = b.as_chunks::<8>();
     for (x, y) in ac.iter().zip(bc) {
         for i in 0..8 {
-            acc[i] += x[i] * y[i];
+            acc[i] += x[i] * y[i].widen();
         }
     }
     let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     for (x, y) in ar.iter().zip(br) {
-        s += x * y;
+        s += x * y.widen();
     }
     s
 }
 
 #[inline(always)]
-fn decode_group_generic(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]) {
+fn decode_group_generic<E: KvElem>(g: &DecodeGroup<'_, E>, scores: &mut [f32], out: &mut [f32]) {
     let &DecodeGroup { q, k, k_row, v, v_row, total, d, rep, scale } = g;
     for j in 0..total {
         let kj = &k[j * k_row..j * k_row + d];
@@ -321,7 +394,7 @@ fn decode_group_generic(g: &DecodeGroup<'_>, scores: &mut [f32], out: &mut [f32]
             let p = scores[r * total + j];
             let o = &mut out[r * d..(r + 1) * d];
             for (o, &x) in o.iter_mut().zip(vj) {
-                *o += p * x;
+                *o += p * x.widen();
             }
         }
     }
