@@ -7,7 +7,7 @@ use clap::Command;
 
 /// The heading each flag is listed under, by its id (the field name), in every subcommand.
 const HEADINGS: &[(&str, &[&str])] = &[
-    ("Model", &["model", "mmproj", "device", "dtype", "quantize", "vision_precision"]),
+    ("Model", &["model", "mmproj", "device", "dtype", "quantize", "vision_precision", "kv_cache_dtype"]),
     (
         "Input",
         &[

@@ -224,7 +224,11 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             dir.display()
         );
     }
-    let precision = if args.load.model.vision_bf16() { ", vision products in bf16" } else { "" };
+    let mut precision =
+        if args.load.model.vision_bf16() { ", vision products in bf16".to_string() } else { String::new() };
+    if let Some(kv) = args.load.model.kv_dtype().filter(|&d| d != dtype) {
+        precision += &format!(", KV cache in {}", format!("{kv:?}").to_lowercase());
+    }
     note!("loaded {} in {:.1}s{precision}", dir.display(), t.elapsed().as_secs_f64());
     let config = ServerConfig {
         id,

@@ -152,6 +152,10 @@ impl SeqState {
     pub fn kv(n: usize) -> Self {
         Self::new(vec![LayerState::Kv(KvCache::new()); n])
     }
+    /// `n` attention layers, empty, keeping their rows in `dtype` (`KvCache::in_dtype`).
+    pub fn kv_in(n: usize, dtype: candle_core::DType) -> Self {
+        Self::new(vec![LayerState::Kv(KvCache::in_dtype(dtype)); n])
+    }
     pub fn num_layers(&self) -> usize {
         self.layers.len()
     }

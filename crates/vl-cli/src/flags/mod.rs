@@ -48,6 +48,7 @@ impl LoadArgs {
             device,
             quant,
             vision_bf16: self.model.vision_bf16(),
+            kv_dtype: self.model.kv_dtype(),
             min_pixels: self.media.min_pixels,
             max_pixels: self.media.max_pixels,
             max_image_tokens: self.media.max_image_tokens(),

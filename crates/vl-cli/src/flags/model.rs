@@ -43,6 +43,19 @@ pub enum VisionPrecisionArg {
     Bf16,
 }
 
+/// The dtype the KV cache keeps its keys and values in.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum KvDtypeArg {
+    /// 32-bit floats: the reference's numbers (the CPU default, the compute dtype).
+    F32,
+    /// IEEE half precision: half the cache's memory and of what a long context's decode step
+    /// reads (llama.cpp's default); logits within the bound in docs/parity.md. CPU, f32 compute.
+    F16,
+    /// bfloat16: half the memory as f16, fewer fraction bits (8 against 11), f32's range. CPU,
+    /// f32 compute.
+    Bf16,
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
 pub enum QuantArg {
     /// Keep the stored weights: a float checkpoint stays in floats (MLX-quantized checkpoints are
@@ -82,6 +95,11 @@ pub struct ModelArgs {
     /// AVX512-BF16 (faster images, reduced precision; docs/parity.md has its bound).
     #[arg(long, value_enum, default_value = "f32")]
     pub vision_precision: VisionPrecisionArg,
+    /// The dtype the KV cache keeps keys and values in (default: the compute dtype). f16 or bf16
+    /// under f32 compute on the CPU: half the cache's memory, faster long-context decoding,
+    /// reduced precision (docs/parity.md has the bound).
+    #[arg(long, value_enum)]
+    pub kv_cache_dtype: Option<KvDtypeArg>,
     /// Quantize the text decoder's linears, embeddings and lm_head at load (CPU decoding speed).
     /// Default on CPU: q4k for a float checkpoint, the stored quantization for GGUF and MLX ones;
     /// on GPUs: none. `off` for full precision.
@@ -90,6 +108,15 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// The `--kv-cache-dtype` asked for (None: the compute dtype).
+    pub fn kv_dtype(&self) -> Option<DType> {
+        self.kv_cache_dtype.map(|d| match d {
+            KvDtypeArg::F32 => DType::F32,
+            KvDtypeArg::F16 => DType::F16,
+            KvDtypeArg::Bf16 => DType::BF16,
+        })
+    }
+
     /// Whether `--vision-precision bf16` was asked for.
     pub fn vision_bf16(&self) -> bool {
         self.vision_precision == VisionPrecisionArg::Bf16

@@ -60,6 +60,7 @@ impl Report<'_> {
             "stop_reason": stop_reason(c.finish),
             "dtype": format!("{dtype:?}").to_lowercase(),
             "vision_precision": if self.load.model.vision_bf16() { "bf16" } else { "f32" },
+            "kv_cache_dtype": format!("{:?}", self.load.model.kv_dtype().unwrap_or(dtype)).to_lowercase(),
             "device": format!("{:?}", self.load.model.device).to_lowercase(),
             // What was asked for, and what each tensor group got (a layer whose input dimension
             // is not a multiple of the quant block stays dense).

@@ -60,6 +60,10 @@ pub struct ModelOptions {
     /// docs/parity.md) instead of f32. CPU, f32 compute, AMX-BF16 or AVX512-BF16 only: refused
     /// elsewhere.
     pub vision_bf16: bool,
+    /// The dtype the KV cache keeps its rows in; None: the compute dtype. f16 or bf16 under f32
+    /// compute on the CPU halves the cache (read in place by the decode kernel, widened to f32;
+    /// the bound in docs/parity.md); refused elsewhere.
+    pub kv_dtype: Option<DType>,
     /// Server-wide image budget (defaults from preprocessor_config.json); a request may ask for
     /// less, never more.
     pub min_pixels: Option<usize>,
@@ -89,6 +93,7 @@ impl Default for ModelOptions {
             device: Device::Cpu,
             quant: None,
             vision_bf16: false,
+            kv_dtype: None,
             min_pixels: None,
             max_pixels: None,
             max_image_tokens: Some(DEFAULT_MAX_IMAGE_TOKENS),

@@ -120,8 +120,8 @@ pub struct Qwen3Vl {
     processor: Processor,
     eos: Vec<u32>,
     device: Device,
-    /// The compute dtype (activations and the KV cache).
-    dtype: DType,
+    /// The dtype the KV cache keeps its rows in (`ModelOptions::kv_dtype`, else `dtype`).
+    kv_dtype: DType,
     vision: Mutex<VisionSlot>,
     text: OnceLock<TextModel>,
     text_loader: Mutex<Option<TextLoader>>,
@@ -152,6 +152,7 @@ impl Qwen3Vl {
     ) -> Result<Self> {
         let ModelDir { config, weights, mut processor, generation, .. } = dir;
         check_vision_precision(opts)?;
+        check_kv_dtype(opts)?;
         check_memory(&config, &weights, opts)?;
         let checkpoint = apply_image_options(&mut processor, opts)?;
         let tensors = weights.entries().len();
@@ -204,6 +205,7 @@ impl Qwen3Vl {
     /// Quantized tensors are used in their stored block type; `opts.quant` quantizes the float ones.
     pub fn open_gguf(model: &Path, mmproj: Option<&Path>, opts: &ModelOptions, staged: bool) -> Result<Self> {
         check_vision_precision(opts)?;
+        check_kv_dtype(opts)?;
         let (text, mm) = gguf::find_files(model, mmproj)?;
         let g = Arc::new(GgufModel::open(&text, mm.as_deref())?);
         let floats = opts.quant.map_or_else(|| format!("{:?}", opts.dtype).to_lowercase(), |q| q.name().to_string());
@@ -255,6 +257,7 @@ impl Qwen3Vl {
         staged: bool,
         checkpoint: Checkpoint,
     ) -> Result<Self> {
+        let kv_dtype = check_kv_dtype(opts)?;
         let think = crate::reasoning::Markers::from_tokenizer(&processor.tokenizer, "<think>", "</think>");
         // XML (`<function=NAME>`) when the template writes calls so (Qwen3.5's), JSON otherwise.
         let call_format = if processor.template.source_text().contains("<function=") {
@@ -269,7 +272,7 @@ impl Qwen3Vl {
             processor,
             eos,
             device: opts.device.clone(),
-            dtype: opts.dtype,
+            kv_dtype,
             vision: Mutex::new(vision),
             text: OnceLock::new(),
             text_loader: Mutex::new(Some(text)),
@@ -323,7 +326,7 @@ impl Qwen3Vl {
         let load = self.text_loader.lock().unwrap_or_else(|p| p.into_inner()).take();
         match load {
             Some(load) => {
-                let _ = self.text.set(load()?);
+                let _ = self.text.set(load()?.with_kv_dtype(self.kv_dtype));
                 self.text()
             }
             None => self.text(),
@@ -505,9 +508,9 @@ impl Generator for Qwen3Vl {
     }
 
     fn kv_bytes_per_position(&self) -> usize {
-        // Keys and values per layer, in the compute dtype (known before the decoder loads).
+        // Keys and values per layer, in the cache's dtype (known before the decoder loads).
         let c = &self.config.text;
-        c.attention_layers() * 2 * c.num_key_value_heads * c.head_dim * self.dtype.size_in_bytes()
+        c.attention_layers() * 2 * c.num_key_value_heads * c.head_dim * self.kv_dtype.size_in_bytes()
     }
 
     fn fixed_state_bytes(&self) -> usize {
@@ -518,7 +521,7 @@ impl Generator for Qwen3Vl {
     }
 
     fn new_state(&self) -> SeqState {
-        super::text::new_state(&self.config.text)
+        super::text::new_state(&self.config.text, self.kv_dtype)
     }
 
     fn prefill(
@@ -554,11 +557,11 @@ impl Generator for Qwen3Vl {
 impl crate::family::DraftHead for Qwen3Vl {
     fn kv_bytes_per_position(&self) -> usize {
         let c = &self.config.text;
-        2 * c.num_key_value_heads * c.head_dim * self.dtype.size_in_bytes()
+        2 * c.num_key_value_heads * c.head_dim * self.kv_dtype.size_in_bytes()
     }
 
     fn new_state(&self) -> SeqState {
-        SeqState::kv(1)
+        SeqState::kv_in(1, self.kv_dtype)
     }
 
     fn forward(
@@ -711,6 +714,24 @@ pub fn image_budget(
     }
     let cap = (tokens * unit).max(min_pixels.unwrap_or(0));
     Ok((min_pixels, (cap < config.max_pixels).then_some(cap)))
+}
+
+/// The dtype the KV cache keeps its rows in: `opts.kv_dtype`, else the compute dtype. Another
+/// dtype than the compute one only under f32 compute on the CPU (where the decode kernel widens
+/// f16 / bf16 rows as it reads them), and only a float one: refused otherwise.
+fn check_kv_dtype(opts: &ModelOptions) -> Result<DType> {
+    let Some(kv) = opts.kv_dtype.filter(|&d| d != opts.dtype) else { return Ok(opts.dtype) };
+    let refuse = |message: String| Err(Error::Input { what: "KV cache dtype".into(), message });
+    if !matches!(kv, DType::F32 | DType::F16 | DType::BF16) {
+        return refuse(format!("{} is not one of f32, f16, bf16", format!("{kv:?}").to_lowercase()));
+    }
+    if !opts.device.is_cpu() || opts.dtype != DType::F32 {
+        return refuse(format!(
+            "{kv:?} needs f32 compute on the CPU (asked: {:?} on {:?}); elsewhere the cache is in the compute dtype",
+            opts.dtype, opts.device
+        ));
+    }
+    Ok(kv)
 }
 
 /// `opts.vision_bf16` refused up front (before any weight is read) where it cannot run.

@@ -100,6 +100,11 @@ impl Qwen3VlModel {
         self.text.new_cache()
     }
 
+    /// The model with its caches' KV rows kept in `dtype` (`TextModel::with_kv_dtype`).
+    pub fn with_kv_dtype(self, dtype: DType) -> Self {
+        Self { text: self.text.with_kv_dtype(dtype), ..self }
+    }
+
     /// Runs the vision tower on every image (or video) of a prompt.
     pub fn encode_vision(&self, input: &VisionInput) -> Result<VisionOutput> {
         let tower = self.vision.as_ref().ok_or_else(|| Error::Input {

@@ -383,9 +383,9 @@ pub struct DeepStack<'a> {
 
 pub use crate::state::SeqState as TextCache;
 
-/// An empty state for a decoder of `cfg`: a KV cache per attention layer, a recurrent state per
-/// Gated DeltaNet layer.
-pub fn new_state(cfg: &TextConfig) -> TextCache {
+/// An empty state for a decoder of `cfg`: a KV cache per attention layer (its rows kept in
+/// `kv_dtype`), a recurrent state per Gated DeltaNet layer.
+pub fn new_state(cfg: &TextConfig, kv_dtype: DType) -> TextCache {
     use crate::state::{LayerState, Recurrent};
     TextCache::new(
         (0..cfg.num_hidden_layers)
@@ -393,7 +393,7 @@ pub fn new_state(cfg: &TextConfig) -> TextCache {
                 if cfg.is_linear(i) {
                     LayerState::Recurrent(Recurrent::default())
                 } else {
-                    LayerState::Kv(KvCache::new())
+                    LayerState::Kv(KvCache::in_dtype(kv_dtype))
                 }
             })
             .collect(),
@@ -411,6 +411,8 @@ pub struct TextModel {
     mtp: Option<MtpHead>,
     rope: MultiAxisRope,
     dtype: DType,
+    /// The dtype the KV cache keeps its rows in (default: `dtype`).
+    kv_dtype: DType,
     device: Device,
 }
 
@@ -478,6 +480,7 @@ impl TextModel {
             mtp,
             rope: MultiAxisRope::new(cfg.rotary_dim, cfg.rope_theta, [s[0], s[1], s[2]]),
             dtype: vb.dtype(),
+            kv_dtype: vb.dtype(),
             device: vb.device().clone(),
         };
         model.prepare()?;
@@ -605,7 +608,19 @@ impl TextModel {
     }
 
     pub fn new_cache(&self) -> TextCache {
-        new_state(&self.cfg)
+        new_state(&self.cfg, self.kv_dtype)
+    }
+
+    /// The model with its KV caches' rows kept in `dtype` (f16 or bf16 under f32 compute: half
+    /// the bytes; `KvCache::in_dtype`).
+    pub fn with_kv_dtype(mut self, dtype: DType) -> Self {
+        self.kv_dtype = dtype;
+        self
+    }
+
+    /// The dtype the KV cache keeps its rows in.
+    pub fn kv_dtype(&self) -> DType {
+        self.kv_dtype
     }
 
     /// Token embeddings [n, hidden]; ids must be below the vocabulary size.
