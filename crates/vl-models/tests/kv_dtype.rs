@@ -97,7 +97,7 @@ fn the_engine_keeps_half_the_bytes_and_the_answers() {
         Ok((answers, engine.stats().kv_cache_bytes))
     };
     if !device().is_cpu() {
-        let err = run(Some(DType::F16)).err().expect("refused off the CPU").to_string();
+        let err = run(Some(DType::F16)).expect_err("refused off the CPU").to_string();
         assert!(err.contains("KV cache dtype"), "{err}");
         return;
     }
