@@ -70,7 +70,7 @@ impl Engine {
     #[new]
     #[pyo3(signature = (model, *, mmproj=None, quantize=None, device="cpu", parallel=4, kv_cache_mib=None,
                         prefix_cache=true, image_cache_mib=256, media_dir=None, allow_remote_media=false,
-                        draft_model=None))]
+                        draft_model=None, kv_cache_dtype=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -85,6 +85,7 @@ impl Engine {
         media_dir: Option<&str>,
         allow_remote_media: bool,
         draft_model: Option<&str>,
+        kv_cache_dtype: Option<&str>,
     ) -> PyResult<Self> {
         let device = match device {
             "cpu" => candle_core::Device::Cpu,
@@ -105,6 +106,17 @@ impl Engine {
             ..Default::default()
         };
         model_opts.quant = quantize.map(quant).transpose()?;
+        model_opts.kv_dtype = match kv_cache_dtype {
+            None => None,
+            Some("f32") => Some(candle_core::DType::F32),
+            Some("f16") => Some(candle_core::DType::F16),
+            Some("bf16") => Some(candle_core::DType::BF16),
+            Some(other) => {
+                return Err(RequestError_::new_err(format!(
+                    "kv_cache_dtype = {other:?} is not one of \"f32\", \"f16\", \"bf16\" (or None: the compute dtype)"
+                )))
+            }
+        };
         let mut opts = EngineOptions {
             model: model_opts,
             prefix_cache,

@@ -99,6 +99,16 @@ def test_a_draft_model_drafts_when_asked():
         assert r.text == WANT, spec
 
 
+def test_a_half_precision_kv_cache_gives_the_answer():
+    # tiny-a's greedy answers are unchanged by an f16 cache (crates/vl-models/tests/kv_dtype.rs
+    # measures its logits' bound against the reference).
+    half = vl.Engine(GOLDENS / "tiny-a" / "checkpoint", parallel=1, kv_cache_dtype="f16")
+    assert half.chat(ask(SQUARE), max_tokens=N, temperature=0).text == WANT
+    with pytest.raises(vl.RequestError) as e:
+        vl.Engine(GOLDENS / "tiny-a" / "checkpoint", kv_cache_dtype="f8")
+    assert "kv_cache_dtype" in str(e.value)
+
+
 def test_threads_are_answered_together_with_equal_answers(engine):
     out = [None] * 6
     def work(i):

@@ -28,8 +28,11 @@ pub fn causal_gqa_attention(q: &Tensor, k: &Tensor, v: &Tensor, query_block: usi
             return Ok(out);
         }
     }
+    if let Some(out) = causal_attention_cpu(q, k, v)? {
+        return Ok(out);
+    }
     // A cache kept in another dtype than the queries (`KvCache::in_dtype`, e.g. f16 keys for f32
-    // compute): widened for the prompt's products, the values the decode kernel reads too.
+    // compute) where the fused kernel does not apply: widened whole for candle's products.
     let widened;
     let (k, v) = if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
         widened = (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?);
@@ -37,9 +40,6 @@ pub fn causal_gqa_attention(q: &Tensor, k: &Tensor, v: &Tensor, query_block: usi
     } else {
         (k, v)
     };
-    if let Some(out) = causal_attention_cpu(q, k, v)? {
-        return Ok(out);
-    }
     let offset = total - new;
     let kt = k.t()?; // [kv, d, total]
     let q = (q * (1.0 / (d as f64).sqrt()))?.reshape((kv, rep, new, d))?;
@@ -70,39 +70,46 @@ pub fn causal_gqa_attention(q: &Tensor, k: &Tensor, v: &Tensor, query_block: usi
 }
 
 /// Prefill on CPU in f32 through the fused kernel (`kernels::causal_attention`: query tiles x
-/// heads on candle's pool, key tiles with the online softmax, the cache's views read in place).
-/// None when the inputs are not CPU f32 with unit-stride rows of `d` (the caller then takes the
-/// general path).
+/// heads on candle's pool, key tiles with the online softmax, the cache's views read in place;
+/// an f16 / bf16 cache's rows widened key tile by key tile). None when `q` is not CPU f32, the
+/// keys and values not CPU f32, f16 or bf16 (both the same) with unit-stride rows of `d` (the
+/// caller then takes the general path).
 fn causal_attention_cpu(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>> {
     let (heads, new, d) = q.dims3()?;
     let (kv, total, _) = k.dims3()?;
-    if !own_kernel_for(Op::CausalAttention, &[q, k, v]) || v.dims3()? != (kv, total, d) {
+    let kv_ok = k.device().is_cpu() && v.device().is_cpu() && k.dtype() == v.dtype();
+    if !own_kernel_for(Op::CausalAttention, &[q]) || !kv_ok || v.dims3()? != (kv, total, d) {
         return Ok(None);
     }
     let q = q.contiguous()?;
     let ((qs, ql), (ks, kl), (vs, vl)) = (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout());
-    let (Some(qs), Some(ks), Some(vs)) = (cpu_f32(&qs), cpu_f32(&ks), cpu_f32(&vs)) else {
-        return Ok(None);
-    };
+    let Some(qs) = cpu_f32(&qs) else { return Ok(None) };
     let (kst, vst) = (kl.stride(), vl.stride());
-    // Rows of d contiguous floats, heads at one stride for k and v.
+    // Rows of d contiguous elements, heads at one stride for k and v.
     if kst[2] != 1 || vst[2] != 1 || kst[1] != d || vst[1] != d || kst[0] != vst[0] || kst[0] < total * d {
         return Ok(None);
     }
     let span = (kv - 1) * kst[0] + total * d;
     let (qo, ko, vo) = (ql.start_offset(), kl.start_offset(), vl.start_offset());
-    if ko + span > ks.len() || vo + span > vs.len() || qo + heads * new * d > qs.len() {
+    if qo + heads * new * d > qs.len() {
         return Ok(None);
     }
+    fn rows<'a, E: candle_core::WithDType>(s: &'a candle_core::Storage, o: usize, span: usize) -> Option<&'a [E]> {
+        match s {
+            candle_core::Storage::Cpu(c) => c.as_slice::<E>().ok().and_then(|x| x.get(o..o + span)),
+            _ => None,
+        }
+    }
+    use crate::kernels::KvRows;
+    let rows = match k.dtype() {
+        DType::F32 => rows::<f32>(&ks, ko, span).zip(rows::<f32>(&vs, vo, span)).map(|(k, v)| KvRows::F32(k, v)),
+        DType::F16 => rows(&ks, ko, span).zip(rows(&vs, vo, span)).map(|(k, v)| KvRows::F16(k, v)),
+        DType::BF16 => rows(&ks, ko, span).zip(rows(&vs, vo, span)).map(|(k, v)| KvRows::Bf16(k, v)),
+        _ => None,
+    };
+    let Some(rows) = rows else { return Ok(None) };
     let mut out = vec![0f32; heads * new * d];
-    crate::kernels::causal_attention(
-        &qs[qo..qo + heads * new * d],
-        (heads, new, d),
-        &ks[ko..ko + span],
-        &vs[vo..vo + span],
-        (kv, kst[0], total),
-        &mut out,
-    );
+    crate::kernels::causal_attention(&qs[qo..qo + heads * new * d], (heads, new, d), rows, (kv, kst[0], total), &mut out);
     Ok(Some(Tensor::from_vec(out, (heads, new, d), q.device())?))
 }
 
@@ -264,9 +271,20 @@ mod tests {
                 let diff = max_diff(&fast, &naive(&q, &kw, &vw));
                 assert!(diff < 1e-5, "{dtype:?} decode heads {heads} kv {kv} d {d} total {total}: {diff}");
                 let q = crate::testing::randn(340 + d as u64, 1., (heads, new, d)).unwrap();
+                assert!(causal_attention_cpu(&q, &k, &v).unwrap().is_some(), "the fused path applies");
                 let diff = max_diff(&causal_gqa_attention(&q, &k, &v, 4).unwrap(), &naive(&q, &kw, &vw));
                 assert!(diff < 1e-5, "{dtype:?} prompt heads {heads} kv {kv} d {d} total {total}: {diff}");
             }
+            // Rows that are not d contiguous elements: the general path, the cache widened whole.
+            let k = crate::testing::randn(350, 1., (2, 40, 16)).unwrap().to_dtype(dtype).unwrap();
+            let v_all = crate::testing::randn(351, 1., (2, 40, 24)).unwrap().to_dtype(dtype).unwrap();
+            let v = v_all.narrow(2, 0, 16).unwrap();
+            let q = crate::testing::randn(352, 1., (4, 30, 16)).unwrap();
+            assert!(causal_attention_cpu(&q, &k, &v).unwrap().is_none());
+            let widen = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let want = naive(&q, &widen(&k), &widen(&v.contiguous().unwrap()));
+            let diff = max_diff(&causal_gqa_attention(&q, &k, &v, 7).unwrap(), &want);
+            assert!(diff < 1e-5, "{dtype:?} general path: {diff}");
         }
     }
 

@@ -2,8 +2,17 @@
 //! attention's tile loop (`tile::attend_gemm`).
 
 use crate::cpu::SendPtr;
-use crate::kernels::tile::{attend_gemm, for_each_item, tile_rows, Operands, Scratch};
+use crate::kernels::tile::{attend_gemm, for_each_item, tile_rows, HalfRows, Operands, Scratch};
 use crate::kernels::{SegmentAttentionShape, TileKernel, KEY_TILE, QUERY_TILE};
+
+/// The keys and values `causal_attention` reads: f32 rows in place, or f16 / bf16 rows (a
+/// half-precision KV cache) widened key tile by key tile.
+#[derive(Clone, Copy)]
+pub(crate) enum KvRows<'a> {
+    F32(&'a [f32], &'a [f32]),
+    F16(&'a [half::f16], &'a [half::f16]),
+    Bf16(&'a [half::bf16], &'a [half::bf16]),
+}
 
 /// Causal (grouped-query) attention on CPU f32 slices, fused like `segment_attention`: query
 /// tiles x heads on candle's pool, key tiles through `gemm` with the online softmax, no score
@@ -19,15 +28,19 @@ use crate::kernels::{SegmentAttentionShape, TileKernel, KEY_TILE, QUERY_TILE};
 pub(crate) fn causal_attention(
     q: &[f32],
     (heads, new, d): (usize, usize, usize),
-    k: &[f32],
-    v: &[f32],
+    kv: KvRows<'_>,
     (kv_heads, head_stride, total): (usize, usize, usize),
     out: &mut [f32],
 ) {
     assert!(kv_heads > 0 && heads % kv_heads == 0 && new <= total && (kv_heads == 1 || head_stride >= total * d));
     assert!(q.len() >= heads * new * d && out.len() >= heads * new * d);
     let span = (kv_heads - 1) * head_stride + total * d;
-    assert!(k.len() >= span && v.len() >= span);
+    let lens = match kv {
+        KvRows::F32(k, v) => (k.len(), v.len()),
+        KvRows::F16(k, v) => (k.len(), v.len()),
+        KvRows::Bf16(k, v) => (k.len(), v.len()),
+    };
+    assert!(lens.0 >= span && lens.1 >= span);
     let rep = heads / kv_heads;
     let offset = total - new;
     let shape = SegmentAttentionShape { seq: new, heads, head_dim: d, query_tile: QUERY_TILE, key_tile: KEY_TILE };
@@ -44,16 +57,15 @@ pub(crate) fn causal_attention(
             let (q0, m) = tiles[item / heads];
             let h = item % heads;
             let g = h / rep;
-            let op = Operands {
-                q: q[(h * new + q0) * d..].as_ptr(),
-                q_rs: d,
-                q_cs: 1,
-                k: k[g * head_stride..].as_ptr(),
-                k_rs: d,
-                v: v[g * head_stride..].as_ptr(),
-                v_rs: d,
-                scale,
+            let at = g * head_stride;
+            let (k, v, half) = match kv {
+                KvRows::F32(k, v) => (k[at..].as_ptr(), v[at..].as_ptr(), None),
+                KvRows::F16(k, v) => (std::ptr::null(), std::ptr::null(), Some(HalfRows::F16(k[at..].as_ptr(), v[at..].as_ptr()))),
+                KvRows::Bf16(k, v) => {
+                    (std::ptr::null(), std::ptr::null(), Some(HalfRows::Bf16(k[at..].as_ptr(), v[at..].as_ptr())))
+                }
             };
+            let op = Operands { q: q[(h * new + q0) * d..].as_ptr(), q_rs: d, q_cs: 1, k, k_rs: d, v, v_rs: d, scale, half };
             // SAFETY: the operands lie inside `q`, `k` and `v` (asserted above; keys past
             // `offset + q0 + m` are not read), and each (tile, head) item writes its own rows.
             unsafe {

@@ -29,7 +29,7 @@ mod strips;
 mod tile;
 
 pub(crate) use activation::{gelu_erf_tensor, gelu_slice, gelu_tanh_tensor};
-pub(crate) use causal::causal_attention;
+pub(crate) use causal::{causal_attention, KvRows};
 pub use gather::weighted_row_sum;
 pub(crate) use layout::transpose;
 pub use layout::transpose_slice;

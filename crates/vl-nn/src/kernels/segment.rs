@@ -245,6 +245,7 @@ unsafe fn attend_tile(t: &Tile<'_>, shape: SegmentAttentionShape, sc: &mut Scrat
             v: t.v.as_ptr().add(t.s0 * 3 * hidden + 2 * hidden + t.h * d),
             v_rs: 3 * hidden,
             scale: 1.0,
+            half: None,
         };
         attend_gemm(&op, t.rows, d, t.s1 - t.s0, shape.key_tile, None, sc);
         // SAFETY (caller): this item owns rows q0..q0+rows, columns h*d..h*d+d of `out`.

@@ -138,6 +138,10 @@ pub(super) struct Scratch {
     pub(super) q: Vec<f32>,
     /// The tile attention's own buffers (`TileKernel::AmxBf16` only).
     pub(super) amx: Option<crate::amx::attention::Scratch>,
+    /// A key tile's keys and values widened from half-precision rows (`Operands::half`),
+    /// allocated on first use.
+    pub(super) kw: Vec<f32>,
+    pub(super) vw: Vec<f32>,
 }
 
 impl Scratch {
@@ -145,7 +149,8 @@ impl Scratch {
         let (qt, kt) = (shape.query_tile.max(1), shape.key_tile.max(1));
         if kernel == TileKernel::AmxBf16 {
             let amx = Some(crate::amx::attention::Scratch::new(qt, kt));
-            return Self { s: Vec::new(), o: Vec::new(), max: Vec::new(), sum: Vec::new(), q: Vec::new(), amx };
+            let (s, o, max, sum, q, kw, vw) = Default::default();
+            return Self { s, o, max, sum, q, amx, kw, vw };
         }
         // The strips keep one strip's scores, and a tile's rows rounded up to whole strips.
         let (sq, qt) =
@@ -158,8 +163,46 @@ impl Scratch {
             sum: vec![0.0; qt],
             q,
             amx: None,
+            kw: Vec::new(),
+            vw: Vec::new(),
         }
     }
+
+    /// Keys and values `from..from + n` of `rows` (`rs` elements apart, `d` each) widened to
+    /// f32 into `kw` / `vw` (rows `d` apart); exact.
+    ///
+    /// # Safety
+    /// `rows`' pointers are readable for those rows.
+    unsafe fn widen(&mut self, rows: HalfRows, from: usize, n: usize, rs: usize, d: usize) {
+        use half::slice::HalfFloatSliceExt;
+        self.kw.resize(self.kw.len().max(n * d), 0.0);
+        self.vw.resize(self.vw.len().max(n * d), 0.0);
+        // SAFETY: the caller's contract covers the rows read.
+        unsafe {
+            for r in 0..n {
+                let (kd, vd) = (&mut self.kw[r * d..(r + 1) * d], &mut self.vw[r * d..(r + 1) * d]);
+                let at = (from + r) * rs;
+                match rows {
+                    HalfRows::F16(k, v) => {
+                        std::slice::from_raw_parts(k.add(at), d).convert_to_f32_slice(kd);
+                        std::slice::from_raw_parts(v.add(at), d).convert_to_f32_slice(vd);
+                    }
+                    HalfRows::Bf16(k, v) => {
+                        std::slice::from_raw_parts(k.add(at), d).convert_to_f32_slice(kd);
+                        std::slice::from_raw_parts(v.add(at), d).convert_to_f32_slice(vd);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Keys and values kept as f16 or bf16 rows (a half-precision KV cache): `attend_gemm` widens
+/// each key tile's rows into the scratch before its products.
+#[derive(Clone, Copy)]
+pub(super) enum HalfRows {
+    F16(*const half::f16, *const half::f16),
+    Bf16(*const half::bf16, *const half::bf16),
 }
 
 pub(super) struct Tile<'a> {
@@ -210,6 +253,9 @@ pub(super) struct Operands {
     pub(super) v: *const f32,
     pub(super) v_rs: usize,
     pub(super) scale: f32,
+    /// Half-precision keys and values instead of `k` / `v` (rows `k_rs` elements apart, as
+    /// `v_rs`), widened tile by tile.
+    pub(super) half: Option<HalfRows>,
 }
 
 /// `m` query rows against `keys` keys, key tile by key tile through `gemm` with the running max
@@ -240,6 +286,13 @@ pub(super) unsafe fn attend_gemm(
         let mut kt = 0;
         while kt < keys {
             let n = key_rows.min(keys - kt);
+            let (kp, k_rs, vp, v_rs) = match op.half {
+                None => (op.k.add(kt * op.k_rs), op.k_rs, op.v.add(kt * op.v_rs), op.v_rs),
+                Some(rows) => {
+                    sc.widen(rows, kt, n, op.k_rs, d);
+                    (sc.kw.as_ptr(), d, sc.vw.as_ptr(), d)
+                }
+            };
             // S = Q K^T: [m, d] x [d, n] into a column-major tile (key j's scores at s[j * m..]).
             gemm::gemm(
                 m,
@@ -252,8 +305,8 @@ pub(super) unsafe fn attend_gemm(
                 op.q,
                 op.q_cs as isize,
                 op.q_rs as isize,
-                op.k.add(kt * op.k_rs),
-                op.k_rs as isize,
+                kp,
+                k_rs as isize,
                 1,
                 0.0,
                 op.scale,
@@ -282,9 +335,9 @@ pub(super) unsafe fn attend_gemm(
                 sc.s.as_ptr(),
                 m as isize,
                 1,
-                op.v.add(kt * op.v_rs),
+                vp,
                 1,
-                op.v_rs as isize,
+                v_rs as isize,
                 1.0,
                 1.0,
                 false,

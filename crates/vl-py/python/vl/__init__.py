@@ -202,7 +202,9 @@ class Engine:
     paths are read only under it (default ``/``: any file this process can read).
     ``allow_remote_media``: fetch http(s) image and video URLs. ``draft_model``: a smaller
     checkpoint of the same tokenizer (a path or a hub id) loaded beside the model, which drafts
-    for requests with ``speculative="draft"``.
+    for requests with ``speculative="draft"``. ``kv_cache_dtype``: ``"f16"`` or ``"bf16"`` keeps the
+    KV cache in half precision (CPU: half its memory, faster long contexts; the bound in
+    docs/parity.md), ``None`` in the compute dtype.
 
         >>> engine = Engine("goldens/tiny-a/checkpoint", parallel=2)
         >>> engine.context
@@ -223,6 +225,7 @@ class Engine:
         media_dir: "str | os.PathLike[str] | None" = None,
         allow_remote_media: bool = False,
         draft_model: "str | os.PathLike[str] | None" = None,
+        kv_cache_dtype: Optional[str] = None,
     ) -> None:
         self._engine = _Engine(
             os.fspath(model),
@@ -236,6 +239,7 @@ class Engine:
             media_dir=None if media_dir is None else os.path.abspath(media_dir),
             allow_remote_media=allow_remote_media,
             draft_model=None if draft_model is None else os.fspath(draft_model),
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     @property

@@ -54,6 +54,7 @@ class Engine:
         media_dir: str | os.PathLike[str] | None = None,
         allow_remote_media: bool = False,
         draft_model: str | os.PathLike[str] | None = None,
+        kv_cache_dtype: Optional[str] = None,
     ) -> None: ...
     @property
     def context(self) -> int: ...
