@@ -3,7 +3,7 @@
 //!
 //! The layers are re-exported here; the modules kept public are those whose paths other crates
 //! use (`dispatch`, `grid`, `kernels`, `kv_cache`, `linear`, `moe`, `panels`, `stored`,
-//! `stored_tiles`, `bf16`), each exposing only what those crates take. `testing` (seeded random
+//! `stored_tiles`, `bf16`, `widen`), each exposing only what those crates take. `testing` (seeded random
 //! tensors) is behind the `testing` feature.
 
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -32,6 +32,7 @@ pub mod stored;
 pub mod stored_tiles;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod widen;
 
 /// The reduced-precision products (`--vision-precision bf16`): bf16 operands with f32 sums on
 /// AMX tiles, or with AVX512-BF16's `vdpbf16ps` where there is no AMX (the dense products; the

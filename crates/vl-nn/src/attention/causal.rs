@@ -109,7 +109,13 @@ fn causal_attention_cpu(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Ten
     };
     let Some(rows) = rows else { return Ok(None) };
     let mut out = vec![0f32; heads * new * d];
-    crate::kernels::causal_attention(&qs[qo..qo + heads * new * d], (heads, new, d), rows, (kv, kst[0], total), &mut out);
+    crate::kernels::causal_attention(
+        &qs[qo..qo + heads * new * d],
+        (heads, new, d),
+        rows,
+        (kv, kst[0], total),
+        &mut out,
+    );
     Ok(Some(Tensor::from_vec(out, (heads, new, d), q.device())?))
 }
 

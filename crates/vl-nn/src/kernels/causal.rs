@@ -60,12 +60,15 @@ pub(crate) fn causal_attention(
             let at = g * head_stride;
             let (k, v, half) = match kv {
                 KvRows::F32(k, v) => (k[at..].as_ptr(), v[at..].as_ptr(), None),
-                KvRows::F16(k, v) => (std::ptr::null(), std::ptr::null(), Some(HalfRows::F16(k[at..].as_ptr(), v[at..].as_ptr()))),
+                KvRows::F16(k, v) => {
+                    (std::ptr::null(), std::ptr::null(), Some(HalfRows::F16(k[at..].as_ptr(), v[at..].as_ptr())))
+                }
                 KvRows::Bf16(k, v) => {
                     (std::ptr::null(), std::ptr::null(), Some(HalfRows::Bf16(k[at..].as_ptr(), v[at..].as_ptr())))
                 }
             };
-            let op = Operands { q: q[(h * new + q0) * d..].as_ptr(), q_rs: d, q_cs: 1, k, k_rs: d, v, v_rs: d, scale, half };
+            let op =
+                Operands { q: q[(h * new + q0) * d..].as_ptr(), q_rs: d, q_cs: 1, k, k_rs: d, v, v_rs: d, scale, half };
             // SAFETY: the operands lie inside `q`, `k` and `v` (asserted above; keys past
             // `offset + q0 + m` are not read), and each (tile, head) item writes its own rows.
             unsafe {

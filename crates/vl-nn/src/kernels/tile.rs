@@ -168,29 +168,26 @@ impl Scratch {
         }
     }
 
-    /// Keys and values `from..from + n` of `rows` (`rs` elements apart, `d` each) widened to
-    /// f32 into `kw` / `vw` (rows `d` apart); exact.
+    /// Keys and values `from..from + n` of `rows` (`d` each, contiguous: a cache's rows of one
+    /// head) widened to f32 into `kw` / `vw`; exact.
     ///
     /// # Safety
     /// `rows`' pointers are readable for those rows.
-    unsafe fn widen(&mut self, rows: HalfRows, from: usize, n: usize, rs: usize, d: usize) {
+    unsafe fn widen(&mut self, rows: HalfRows, from: usize, n: usize, d: usize) {
         use half::slice::HalfFloatSliceExt;
         self.kw.resize(self.kw.len().max(n * d), 0.0);
         self.vw.resize(self.vw.len().max(n * d), 0.0);
+        let (kd, vd) = (&mut self.kw[..n * d], &mut self.vw[..n * d]);
         // SAFETY: the caller's contract covers the rows read.
         unsafe {
-            for r in 0..n {
-                let (kd, vd) = (&mut self.kw[r * d..(r + 1) * d], &mut self.vw[r * d..(r + 1) * d]);
-                let at = (from + r) * rs;
-                match rows {
-                    HalfRows::F16(k, v) => {
-                        std::slice::from_raw_parts(k.add(at), d).convert_to_f32_slice(kd);
-                        std::slice::from_raw_parts(v.add(at), d).convert_to_f32_slice(vd);
-                    }
-                    HalfRows::Bf16(k, v) => {
-                        std::slice::from_raw_parts(k.add(at), d).convert_to_f32_slice(kd);
-                        std::slice::from_raw_parts(v.add(at), d).convert_to_f32_slice(vd);
-                    }
+            match rows {
+                HalfRows::F16(k, v) => {
+                    std::slice::from_raw_parts(k.add(from * d), n * d).convert_to_f32_slice(kd);
+                    std::slice::from_raw_parts(v.add(from * d), n * d).convert_to_f32_slice(vd);
+                }
+                HalfRows::Bf16(k, v) => {
+                    std::slice::from_raw_parts(k.add(from * d), n * d).convert_to_f32_slice(kd);
+                    std::slice::from_raw_parts(v.add(from * d), n * d).convert_to_f32_slice(vd);
                 }
             }
         }
@@ -253,8 +250,8 @@ pub(super) struct Operands {
     pub(super) v: *const f32,
     pub(super) v_rs: usize,
     pub(super) scale: f32,
-    /// Half-precision keys and values instead of `k` / `v` (rows `k_rs` elements apart, as
-    /// `v_rs`), widened tile by tile.
+    /// Half-precision keys and values instead of `k` / `v` (rows of `d` contiguous elements,
+    /// `k_rs` = `v_rs` = d), widened tile by tile.
     pub(super) half: Option<HalfRows>,
 }
 
@@ -289,7 +286,7 @@ pub(super) unsafe fn attend_gemm(
             let (kp, k_rs, vp, v_rs) = match op.half {
                 None => (op.k.add(kt * op.k_rs), op.k_rs, op.v.add(kt * op.v_rs), op.v_rs),
                 Some(rows) => {
-                    sc.widen(rows, kt, n, op.k_rs, d);
+                    sc.widen(rows, kt, n, d);
                     (sc.kw.as_ptr(), d, sc.vw.as_ptr(), d)
                 }
             };

@@ -125,8 +125,8 @@ impl Dense {
             return Ok(self.clone());
         }
         Ok(Self {
-            w: self.w.to_dtype(dtype)?,
-            bias: self.bias.as_ref().map(|b| b.to_dtype(dtype)).transpose()?,
+            w: crate::widen::to_dtype(&self.w, dtype)?,
+            bias: self.bias.as_ref().map(|b| crate::widen::to_dtype(b, dtype)).transpose()?,
             ..self.clone()
         })
     }
