@@ -94,7 +94,7 @@ fn causal_attention_cpu(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Ten
     if qo + heads * new * d > qs.len() {
         return Ok(None);
     }
-    fn rows<'a, E: candle_core::WithDType>(s: &'a candle_core::Storage, o: usize, span: usize) -> Option<&'a [E]> {
+    fn rows<E: candle_core::WithDType>(s: &candle_core::Storage, o: usize, span: usize) -> Option<&[E]> {
         match s {
             candle_core::Storage::Cpu(c) => c.as_slice::<E>().ok().and_then(|x| x.get(o..o + span)),
             _ => None,
