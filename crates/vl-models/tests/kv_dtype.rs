@@ -6,10 +6,10 @@
 
 mod common;
 
-use candle_core::{DType, Tensor};
+use candle_core::DType;
 use common::*;
 use vl_models::engine::{Engine, EngineOptions, ModelOptions};
-use vl_models::qwen3_vl::{Prompt, Qwen3VlModel, VisionInput};
+use vl_models::qwen3_vl::Qwen3VlModel;
 
 /// Last-position logits against the reference (which keeps f32 keys and values), measured
 /// 2026-12-06 on the goldens below (`golden_prompts_stay_within_the_bound`, printed): f16 up to
@@ -24,15 +24,6 @@ fn bound(d: DType) -> f32 {
     } else {
         BF16_BOUND
     }
-}
-
-/// A tiny-q35 case's prompt (its ids and pixels are in the case file itself).
-fn q35_prompt(t: &std::collections::HashMap<String, Tensor>) -> Prompt {
-    let ids = t["input_ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
-    let images = t.get("pixel_values").map(|px| VisionInput { pixels: px.clone(), grids: grids(&t["image_grid_thw"]) });
-    let videos =
-        t.get("pixel_values_videos").map(|px| VisionInput { pixels: px.clone(), grids: grids(&t["video_grid_thw"]) });
-    Prompt { input_ids: ids, images, videos, generated_from: None }
 }
 
 #[test]
@@ -55,7 +46,7 @@ fn golden_prompts_stay_within_the_bound() {
             let c = goldens().join("tiny-q35/cases");
             let want = load(&c.join(format!("{case}.safetensors")));
             let meta = read_json(&c.join(format!("{case}.json")));
-            let p = q35_prompt(&want);
+            let p = case_prompt(&want);
             let mut cache = m.new_cache();
             let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
             let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);

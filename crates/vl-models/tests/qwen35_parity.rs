@@ -11,7 +11,7 @@ mod common;
 use candle_core::{DType, Tensor};
 use common::*;
 use vl_models::engine::{Engine, EngineOptions, ModelOptions, Request};
-use vl_models::qwen3_vl::{Prompt, Qwen3VlModel, VisionInput};
+use vl_models::qwen3_vl::Qwen3VlModel;
 
 const LOGIT_TOL: f32 = 1e-3;
 /// Every position against the reference's float32 forward. Its chunked delta rule
@@ -44,14 +44,6 @@ fn case_of(g: &str, name: &str) -> (std::collections::HashMap<String, Tensor>, s
     (load(&c.join(format!("{name}.safetensors"))), read_json(&c.join(format!("{name}.json"))))
 }
 
-fn golden_prompt(t: &std::collections::HashMap<String, Tensor>) -> Prompt {
-    let ids = t["input_ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
-    let images = t.get("pixel_values").map(|px| VisionInput { pixels: px.clone(), grids: grids(&t["image_grid_thw"]) });
-    let videos =
-        t.get("pixel_values_videos").map(|px| VisionInput { pixels: px.clone(), grids: grids(&t["video_grid_thw"]) });
-    Prompt { input_ids: ids, images, videos, generated_from: None }
-}
-
 fn greedy_ids(meta: &serde_json::Value) -> Vec<u32> {
     meta["greedy"]["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
 }
@@ -63,7 +55,7 @@ fn prompt_logits_match_the_reference() {
     let sampled = load(&goldens().join("sampled_vocab_ids.safetensors"))["vocab_ids"].to_dtype(DType::U32).unwrap();
     for name in CASES {
         let (want, meta) = case(name);
-        let p = golden_prompt(&want);
+        let p = case_prompt(&want);
         assert_eq!(p.input_ids.len() as u64, meta["num_tokens"].as_u64().unwrap());
         let mut cache = m.new_cache();
         let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
@@ -88,7 +80,7 @@ fn prompt_logits_match_the_reference() {
 fn chunked_prefill_and_decode_carry_the_recurrent_state() {
     let m = Qwen3VlModel::load(&dir(), DType::F32, &device()).unwrap();
     let (want, meta) = case("long_text");
-    let p = golden_prompt(&want);
+    let p = case_prompt(&want);
     let mut cache = m.new_cache();
     let n = p.input_ids.len();
     let mut out = None;
@@ -286,7 +278,7 @@ fn llama_cpp_gguf_matches_the_reference() {
     let m = pair.load_model(DType::F32, &candle_core::Device::Cpu).unwrap();
     for name in CASES {
         let (want, _) = case(name);
-        let p = golden_prompt(&want);
+        let p = case_prompt(&want);
         let mut cache = m.new_cache();
         let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
         let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
@@ -321,7 +313,7 @@ fn the_moe_family_matches_the_reference() {
     let sampled = load(&goldens().join("sampled_vocab_ids.safetensors"))["vocab_ids"].to_dtype(DType::U32).unwrap();
     for name in CASES {
         let (want, _) = case_of(MOE, name);
-        let p = golden_prompt(&want);
+        let p = case_prompt(&want);
         let mut cache = m.new_cache();
         let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
         let d_last = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
@@ -417,7 +409,7 @@ fn llama_cpp_moe_gguf_matches_the_reference() {
     assert_eq!(engine.family().name(), "qwen3_5_moe");
     for name in ["long_text", "no_think"] {
         let (want, meta) = case_of(MOE, name);
-        let p = golden_prompt(&want);
+        let p = case_prompt(&want);
         let mut cache = m.new_cache();
         let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
         let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);
@@ -482,7 +474,7 @@ fn mlx_conversion_matches(fixture: &str, family: &str) {
     assert_eq!(engine.family().name(), family);
     for name in ["no_think", "one_image"] {
         let (want, meta) = case_of(fixture, name);
-        let p = golden_prompt(&want);
+        let p = case_prompt(&want);
         let mut cache = m.new_cache();
         let state = m.prefill(&p, &mut cache, &mut |_, _| {}).unwrap();
         let d = max_abs_diff(&m.last_logits(&state).unwrap(), &want["logits.last"]);

@@ -90,6 +90,15 @@ pub fn grids(t: &Tensor) -> Vec<[usize; 3]> {
     t.to_vec2::<i64>().unwrap().iter().map(|r| [r[0] as usize, r[1] as usize, r[2] as usize]).collect()
 }
 
+/// A golden case file's own prompt (a Qwen3.5 case: its ids and pixels are in the file).
+pub fn case_prompt(t: &HashMap<String, Tensor>) -> Prompt {
+    let ids = t["input_ids"].to_vec1::<i64>().unwrap().iter().map(|&i| i as u32).collect();
+    let images = t.get("pixel_values").map(|px| VisionInput { pixels: px.clone(), grids: grids(&t["image_grid_thw"]) });
+    let videos =
+        t.get("pixel_values_videos").map(|px| VisionInput { pixels: px.clone(), grids: grids(&t["video_grid_thw"]) });
+    Prompt { input_ids: ids, images, videos, generated_from: None }
+}
+
 /// The golden prompt `case`: ids from prompts/, pixels from the processor goldens of its images.
 pub fn prompt(case: &str) -> Prompt {
     let t = load(&goldens().join("prompts").join(format!("{case}.safetensors")));
