@@ -239,27 +239,37 @@ unsafe fn decode_group_avx512<E: KvElem>(g: &DecodeGroup<'_, E>, scores: &mut [f
             *sum = _mm512_reduce_add_ps(acc);
         }
         // Weighted sums of the value rows, 64 lanes (or 16 where d is not a multiple of 64) of up to
-        // four rows at a time.
+        // four rows at a time, over blocks of `PV_KEYS` keys: a block's value rows come from
+        // memory once and stay in cache while every slice of every row group meets them (one pass
+        // over all keys per slice read the values d / 64 times, past the L3 at long contexts);
+        // the sums carry from block to block in `out`, the same additions in the same order.
         let op = out.as_mut_ptr();
         let wide = d.is_multiple_of(4 * LANES);
         let step = if wide { 4 * LANES } else { LANES };
-        let mut r = 0;
-        while r < rep {
-            let n = (rep - r).min(4);
-            for c in (0..d).step_by(step) {
-                let (p, vc, o) = (sp.add(r * total), v.as_ptr().add(c), op.add(r * d + c));
-                match (n, wide) {
-                    (4, true) => pv_rows::<E, 4, 4>(p, total, vc, v_row, o, d),
-                    (3, true) => pv_rows::<E, 3, 4>(p, total, vc, v_row, o, d),
-                    (2, true) => pv_rows::<E, 2, 4>(p, total, vc, v_row, o, d),
-                    (_, true) => pv_rows::<E, 1, 4>(p, total, vc, v_row, o, d),
-                    (4, false) => pv_rows::<E, 4, 1>(p, total, vc, v_row, o, d),
-                    (3, false) => pv_rows::<E, 3, 1>(p, total, vc, v_row, o, d),
-                    (2, false) => pv_rows::<E, 2, 1>(p, total, vc, v_row, o, d),
-                    (_, false) => pv_rows::<E, 1, 1>(p, total, vc, v_row, o, d),
+        let mut j0 = 0;
+        while j0 < total {
+            let kn = PV_KEYS.min(total - j0);
+            let first = j0 == 0;
+            let mut r = 0;
+            while r < rep {
+                let n = (rep - r).min(4);
+                for c in (0..d).step_by(step) {
+                    let (p, vc, o) = (sp.add(r * total + j0), v.as_ptr().add(j0 * v_row + c), op.add(r * d + c));
+                    let rows = (total, kn, first);
+                    match (n, wide) {
+                        (4, true) => pv_rows::<E, 4, 4>(p, rows, vc, v_row, o, d),
+                        (3, true) => pv_rows::<E, 3, 4>(p, rows, vc, v_row, o, d),
+                        (2, true) => pv_rows::<E, 2, 4>(p, rows, vc, v_row, o, d),
+                        (_, true) => pv_rows::<E, 1, 4>(p, rows, vc, v_row, o, d),
+                        (4, false) => pv_rows::<E, 4, 1>(p, rows, vc, v_row, o, d),
+                        (3, false) => pv_rows::<E, 3, 1>(p, rows, vc, v_row, o, d),
+                        (2, false) => pv_rows::<E, 2, 1>(p, rows, vc, v_row, o, d),
+                        (_, false) => pv_rows::<E, 1, 1>(p, rows, vc, v_row, o, d),
+                    }
                 }
+                r += n;
             }
-            r += n;
+            j0 += kn;
         }
         for (r, sum) in sums[..rep].iter().enumerate() {
             let inv = _mm512_set1_ps(1.0 / sum);
@@ -304,19 +314,25 @@ unsafe fn qk_rows<E: KvElem, const N: usize>(
     }
 }
 
-/// `out[i][0..16 W] = sum_j p[i][j] v[j][0..16 W]` for N rows of weights (`total` apart from `p`)
-/// and of output (`d` apart from `o`), value rows `v_row` apart from `v`.
+/// Keys a block of the decode kernel's weighted sums of value rows covers.
+#[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
+const PV_KEYS: usize = 64;
+
+/// `out[i][0..16 W] (+)= sum_j p[i][j] v[j][0..16 W]` for N rows of weights (`stride` apart from
+/// `p`) over `count` keys, value rows `v_row` apart from `v`, output rows `d` apart from `o`;
+/// `first`: the sums start from zero, else from what `o` holds. `(stride, count, first)` is
+/// `rows`.
 ///
 /// # Safety
-/// The CPU has AVX-512F; `p` is readable for N rows of `total` weights (`total` apart), `v` for
-/// `total` rows of 16 W elements (`v_row` apart), and `o` writable for N rows of 16 W floats (`d`
-/// apart).
+/// The CPU has AVX-512F; `p` is readable for N rows of `count` weights (`stride` apart), `v` for
+/// `count` rows of 16 W elements (`v_row` apart), and `o` readable and writable for N rows of
+/// 16 W floats (`d` apart).
 #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn pv_rows<E: KvElem, const N: usize, const W: usize>(
     p: *const f32,
-    total: usize,
+    (stride, count, first): (usize, usize, bool),
     v: *const E,
     v_row: usize,
     o: *mut f32,
@@ -326,14 +342,21 @@ unsafe fn pv_rows<E: KvElem, const N: usize, const W: usize>(
     unsafe {
         use std::arch::x86_64::*;
         let mut acc = [[_mm512_setzero_ps(); W]; N];
-        for j in 0..total {
+        if !first {
+            for (i, row) in acc.iter_mut().enumerate() {
+                for (w, a) in row.iter_mut().enumerate() {
+                    *a = _mm512_loadu_ps(o.add(i * d + 16 * w));
+                }
+            }
+        }
+        for j in 0..count {
             let vj = v.add(j * v_row);
             let mut vs = [_mm512_setzero_ps(); W];
             for (w, x) in vs.iter_mut().enumerate() {
                 *x = load16(vj.add(16 * w));
             }
             for (i, row) in acc.iter_mut().enumerate() {
-                let pi = _mm512_set1_ps(*p.add(i * total + j));
+                let pi = _mm512_set1_ps(*p.add(i * stride + j));
                 for (a, x) in row.iter_mut().zip(vs) {
                     *a = _mm512_fmadd_ps(pi, x, *a);
                 }
