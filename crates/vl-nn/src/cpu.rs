@@ -102,8 +102,13 @@ impl<T> SendPtr<T> {
 
 /// The f32 values of a CPU storage (None for other devices and dtypes).
 pub(crate) fn cpu_f32(s: &candle_core::Storage) -> Option<&[f32]> {
+    cpu_slice(s)
+}
+
+/// A CPU storage's elements as `E`, if it holds that type.
+pub(crate) fn cpu_slice<E: candle_core::WithDType>(s: &candle_core::Storage) -> Option<&[E]> {
     match s {
-        candle_core::Storage::Cpu(c) => c.as_slice::<f32>().ok(),
+        candle_core::Storage::Cpu(c) => c.as_slice::<E>().ok(),
         _ => None,
     }
 }

@@ -95,10 +95,7 @@ fn causal_attention_cpu(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Ten
         return Ok(None);
     }
     fn rows<E: candle_core::WithDType>(s: &candle_core::Storage, o: usize, span: usize) -> Option<&[E]> {
-        match s {
-            candle_core::Storage::Cpu(c) => c.as_slice::<E>().ok().and_then(|x| x.get(o..o + span)),
-            _ => None,
-        }
+        crate::cpu::cpu_slice(s).and_then(|x: &[E]| x.get(o..o + span))
     }
     use crate::kernels::KvRows;
     let rows = match k.dtype() {

@@ -7,7 +7,7 @@
 use candle_core::{DType, Tensor};
 use half::{bf16, f16};
 
-use crate::cpu::SendPtr;
+use crate::cpu::{cpu_slice, SendPtr};
 use crate::dispatch::{own_kernel_for, Op};
 use crate::Result;
 
@@ -53,14 +53,6 @@ unsafe fn load16<E: KvElem>(p: *const E) -> std::arch::x86_64::__m512 {
             )),
             _ => _mm512_loadu_ps(p as *const f32),
         }
-    }
-}
-
-/// The CPU slice of `t`'s storage as `E`, if it is one.
-fn cpu_slice<E: KvElem>(s: &candle_core::Storage) -> Option<&[E]> {
-    match s {
-        candle_core::Storage::Cpu(c) => c.as_slice::<E>().ok(),
-        _ => None,
     }
 }
 
