@@ -50,7 +50,7 @@ fn main() -> candle_core::Result<()> {
     let bytes = t.data()?;
     let xs = x.flatten_all()?.to_vec1::<f32>()?;
     let own = || {
-        let out = vl_nn::stored::matmul(&[(blocks, &bytes, n)], &xs, m, k).expect("rows <= stored::MAX_ROWS");
+        let out = vl_nn::stored::matmul(&[(blocks, &bytes, n)], &xs, m, k).expect("rows the kernel takes");
         Tensor::from_vec(out.into_iter().next().unwrap_or_default(), (m, n), &Device::Cpu)
     };
     let tiles = || {
@@ -63,7 +63,11 @@ fn main() -> candle_core::Result<()> {
         ("pieces of 31", first_pieces, time(&pieces)?),
         // (`forward_compact`: candle's `k_quants::matmul`, or `stored_tiles` above 4 rows on VNNI CPUs)
         ("compact blocks (forward_compact)", 0.0, time(&compact)?),
-        ("compact blocks (vl_nn::stored)", 0.0, if m <= vl_nn::stored::MAX_ROWS { time(&own)? } else { f64::NAN }),
+        (
+            "compact blocks (vl_nn::stored)",
+            0.0,
+            if m <= vl_nn::stored::SMALL_ROWS || vl_nn::stored::takes_prompts() { time(&own)? } else { f64::NAN },
+        ),
         (
             "stored blocks, tiles per call (vl_nn::stored_tiles)",
             0.0,

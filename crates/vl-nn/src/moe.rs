@@ -367,7 +367,7 @@ mod tests {
     fn fused_decode_experts_equal_each_expert_alone() {
         use crate::QuantType;
         if !crate::stored::available() {
-            eprintln!("no AVX-512 BW here: the fused path is not taken, nothing to compare");
+            eprintln!("no AVX2 here: the fused path is not taken, nothing to compare");
             return;
         }
         let (h, i, e) = (512, 256, 8);

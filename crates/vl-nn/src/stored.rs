@@ -1,4 +1,5 @@
-//! Q4_K and Q6_K products of a few rows (decoding) on the weight's stored blocks, AVX-512 BW.
+//! Q4_K and Q6_K products of a few rows (decoding) on the weight's stored blocks: AVX-512 BW
+//! (with or without VNNI, `stored_vnni.rs`) or AVX2 (`stored_avx2.rs`).
 //!
 //! candle multiplies a Q4_K weight on tiles it repacks the blocks into (6 bits a value against
 //! the stored 4.5), and a Q6_K weight's single rows with its AVX2 dot product. A decode step
@@ -111,23 +112,74 @@ macro_rules! by_rows {
 
 /// Output rows per work item.
 const ITEM_ROWS: usize = 16;
+/// The most bytes of Q8_K input rows a work item meets when there are more than `SMALL_ROWS`.
+const CHUNK_BYTES: usize = 192 * 1024;
 
-/// Whether this CPU runs the kernel (AVX-512 F and BW), and this build may use it (not the AVX2
-/// stand-in build, `crate::cpu::has_avx512`).
-pub fn available() -> bool {
+/// The kernels that multiply the blocks, by CPU feature.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kernel {
+    /// `row_dots` / `q6k_dots`: AVX-512 F and BW.
+    Avx512,
+    /// `row_dots_vnni` / `q6k_dots_vnni`: AVX512-VNNI besides, two weight rows a pass.
+    Vnni,
+    /// `row_dots_avx2` / `q6k_dots_avx2`: AVX2, FMA and F16C, where the CPU has no AVX-512.
+    Avx2,
+}
+
+/// Whether this CPU has AVX-512 F/BW and this build may use it (not the AVX2 stand-in build,
+/// `crate::cpu::has_avx512`).
+fn avx512_runs() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        crate::cpu::has_avx512()
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
+        crate::cpu::has_avx512() && is_x86_feature_detected!("avx512bw") && avx2_runs()
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
 }
 
-/// `x` ([m, k] row-major, m <= SMALL_ROWS) times each weight transposed: `weights[i]` is
+/// Whether this CPU has AVX2, FMA and F16C.
+fn avx2_runs() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// The kernel this CPU runs (asked once): VNNI where it has AVX512-VNNI (`VL_NO_VNNI=1` says
+/// no), else AVX-512, else AVX2; None without AVX2 or when `VL_STORED=0` (candle's products
+/// instead, to compare the two on one machine).
+pub(crate) fn kernel() -> Option<Kernel> {
+    static KERNEL: std::sync::OnceLock<Option<Kernel>> = std::sync::OnceLock::new();
+    *KERNEL.get_or_init(|| {
+        if std::env::var_os("VL_STORED").is_some_and(|v| v == "0") {
+            None
+        } else if crate::cpu::has_avx512_vnni() && avx512_runs() {
+            Some(Kernel::Vnni)
+        } else if avx512_runs() {
+            Some(Kernel::Avx512)
+        } else if avx2_runs() {
+            Some(Kernel::Avx2)
+        } else {
+            None
+        }
+    })
+}
+
+/// Whether this CPU runs one of the kernels (AVX-512 F and BW, or AVX2 with FMA and F16C).
+pub fn available() -> bool {
+    kernel().is_some()
+}
+
+/// Whether `matmul` takes any number of rows here, a prompt's too: on the AVX2 kernels, where
+/// `stored_tiles` (AVX-512 VNNI) does not run and candle's AVX2 tiles would be a second copy of
+/// every weight, 6 bits a Q4_K value and 10 a Q6_K one.
+pub fn takes_prompts() -> bool {
+    kernel() == Some(Kernel::Avx2)
+}
+
+/// `x` ([m, k] row-major, m <= SMALL_ROWS unless `takes_prompts`) times each weight transposed: `weights[i]` is
 /// `(kind, bytes, n)`, the stored blocks of an `[n, k]` matrix. Returns each product `[m, n]`
 /// row-major, or None where the kernel does not apply (CPU features, m, k, byte counts).
 pub fn matmul(weights: &[(Blocks, &[u8], usize)], x: &[f32], m: usize, k: usize) -> Option<Vec<Vec<f32>>> {
@@ -142,9 +194,10 @@ struct Input {
     m: usize,
     q8: Vec<BlockQ8K>,
     /// For Q4_K weights: each block's values in the order `row_dots` meets the stored nibbles,
-    /// or with VNNI in `Q4K_VNNI_ORDER`.
+    /// or with VNNI in `Q4K_VNNI_ORDER` (none for `row_dots_avx2`, which reads `q8` in order).
     reordered: Vec<i8>,
-    /// For Q4_K weights without VNNI: each block's 8 sub-block sums (`row_dots`).
+    /// For Q4_K weights without VNNI: each block's 8 sub-block sums (`row_dots`,
+    /// `row_dots_avx2`).
     pairs: Vec<i16>,
     /// With VNNI, for Q4_K weights: for each i32 lane of `Q4K_VNNI_ORDER`, the block's scale x the
     /// sum of the 16 values the lane meets (the mins' term; `row_dots_vnni`).
@@ -157,11 +210,24 @@ struct Input {
 }
 
 impl Input {
-    fn new(x: &[f32], m: usize, k: usize, (q4k, q6k): (bool, bool), vnni: bool) -> Self {
+    fn new(x: &[f32], m: usize, k: usize, (q4k, q6k): (bool, bool), kernel: Kernel) -> Self {
+        let vnni = kernel == Kernel::Vnni;
         let kb = k / QK;
         let mut q8 = vec![BlockQ8K::zeros(); m * kb];
-        for (row, blocks) in x.chunks_exact(k).zip(q8.chunks_exact_mut(kb)) {
-            crate::q8k::quantize(row, blocks);
+        if m <= SMALL_ROWS {
+            for (row, blocks) in x.chunks_exact(k).zip(q8.chunks_exact_mut(kb)) {
+                crate::q8k::quantize(row, blocks);
+            }
+        } else {
+            // A prompt's rows (AVX2), on every core.
+            let at = SendPtr(q8.as_mut_ptr());
+            candle_core::utils::barrier_pool().execute_chunked(m, |rows| {
+                for r in rows {
+                    // SAFETY: row r's kb blocks are written by this item alone, inside q8.
+                    let blocks = unsafe { std::slice::from_raw_parts_mut(at.get().add(r * kb), kb) };
+                    crate::q8k::quantize(&x[r * k..(r + 1) * k], blocks);
+                }
+            });
         }
         let bytes = q8_bytes(&q8);
         let d = |blk: &[u8]| f32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]]);
@@ -178,7 +244,9 @@ impl Input {
         };
         let (mut reordered, mut pairs, mut lane_sums) = (vec![], vec![], vec![]);
         if q4k {
-            reordered.reserve(m * kb * QK);
+            if kernel != Kernel::Avx2 {
+                reordered.reserve(m * kb * QK);
+            }
             if vnni {
                 reorder(&Q4K_VNNI_ORDER, &mut reordered);
                 lane_sums.reserve(m * kb * 16);
@@ -193,6 +261,8 @@ impl Input {
                 for blk in bytes.chunks_exact(Q8K_BYTES) {
                     pairs.extend((0..8).map(|s| sum16(blk, 2 * s) + sum16(blk, 2 * s + 1)));
                 }
+            }
+            if kernel == Kernel::Avx512 {
                 // The order Q4_K stores its nibbles in (see `row_dots`): of each 128, values
                 // 0-31, 64-95, 32-63, 96-127.
                 for blk in bytes.chunks_exact(Q8K_BYTES) {
@@ -228,7 +298,7 @@ fn q8_bytes(q8: &[BlockQ8K]) -> &[u8] {
 
 /// `matmul` with several inputs of the same width k, in one parallel region: `weights[i]` is
 /// `(kind, bytes, n, input)`, an `[n, k]` matrix multiplying `inputs[input]`, `(x, m)`: m rows of
-/// k (m <= SMALL_ROWS). Each input is quantized once, however many weights it meets (e.g. the
+/// k (m <= SMALL_ROWS unless `takes_prompts`). Each input is quantized once, however many weights it meets (e.g. the
 /// gate and up products of every expert a decode step routes to, each on its own rows).
 /// Returns each product `[m, n]` row-major, or None where the kernel does not apply.
 pub(crate) fn matmul_each(
@@ -236,24 +306,30 @@ pub(crate) fn matmul_each(
     inputs: &[(&[f32], usize)],
     k: usize,
 ) -> Option<Vec<Vec<f32>>> {
-    matmul_each_on(weights, inputs, k, crate::cpu::has_avx512_vnni())
+    matmul_each_on(weights, inputs, k, kernel()?)
 }
 
-/// `matmul_each` on `row_dots_vnni` / `q6k_dots_vnni` (the caller checked the CPU has VNNI) or
-/// on `row_dots` / `q6k_dots`.
+/// `matmul_each` on the kernels `kernel` names (the caller checked the CPU runs them).
 fn matmul_each_on(
     weights: &[(Blocks, &[u8], usize, usize)],
     inputs: &[(&[f32], usize)],
     k: usize,
-    vnni: bool,
+    kernel: Kernel,
 ) -> Option<Vec<Vec<f32>>> {
-    if !available() || k == 0 || !k.is_multiple_of(QK) {
+    if k == 0 || !k.is_multiple_of(QK) {
         return None;
     }
-    if inputs.iter().any(|&(x, m)| m == 0 || m > SMALL_ROWS || x.len() != m * k) {
+    let most = if kernel == Kernel::Avx2 { usize::MAX } else { SMALL_ROWS };
+    if inputs.iter().any(|&(x, m)| m == 0 || m > most || x.len() != m * k) {
         return None;
     }
     let kb = k / QK;
+    // Input rows per work item: all of a few; of more (a prompt, AVX2 only), chunks of whole
+    // passes whose Q8_K blocks stay in L2 while the item's weight rows meet them.
+    let chunk = |m: usize| match m <= SMALL_ROWS {
+        true => m,
+        false => (CHUNK_BYTES / (kb * Q8K_BYTES)).max(MAX_ROWS) / MAX_ROWS * MAX_ROWS,
+    };
     if weights.iter().any(|&(kind, b, n, i)| b.len() != n * kb * kind.bytes() || i >= inputs.len()) {
         return None;
     }
@@ -262,17 +338,19 @@ fn matmul_each_on(
         .enumerate()
         .map(|(i, &(x, m))| {
             let meets = |kind| weights.iter().any(|w| w.3 == i && w.0 == kind);
-            Input::new(x, m, k, (meets(Blocks::Q4K), meets(Blocks::Q6K)), vnni)
+            Input::new(x, m, k, (meets(Blocks::Q4K), meets(Blocks::Q6K)), kernel)
         })
         .collect();
     let mut outs: Vec<Vec<f32>> = weights.iter().map(|&(_, _, n, i)| vec![0f32; quantized[i].m * n]).collect();
     let ptrs: Vec<SendPtr<f32>> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
-    // Work items: ITEM_ROWS output rows of one weight; `starts[i]` is weight i's first item.
+    // Work items: ITEM_ROWS output rows of one weight and a chunk of its input's rows, the
+    // chunks outer; `starts[i]` is weight i's first item.
     let mut starts = Vec::with_capacity(weights.len() + 1);
     let mut total = 0;
-    for (_, _, n, _) in weights {
+    for &(_, _, n, i) in weights {
         starts.push(total);
-        total += n.div_ceil(ITEM_ROWS);
+        let m = quantized[i].m;
+        total += n.div_ceil(ITEM_ROWS) * m.div_ceil(chunk(m));
     }
     starts.push(total);
     candle_core::utils::barrier_pool().execute_chunked(total, |items| {
@@ -281,23 +359,23 @@ fn matmul_each_on(
             let (kind, blocks, n, input) = weights[w];
             let x = &quantized[input];
             let (m, q8) = (x.m, q8_bytes(&x.q8));
-            let first = (item - starts[w]) * ITEM_ROWS;
+            let (groups, rows) = (n.div_ceil(ITEM_ROWS), chunk(m));
+            let (c, g) = ((item - starts[w]) / groups, (item - starts[w]) % groups);
+            let (first, end) = (g * ITEM_ROWS, (g * ITEM_ROWS + ITEM_ROWS).min(n));
             let out = ptrs[w];
-            let end = (first + ITEM_ROWS).min(n);
             // With VNNI, weight rows go two at a time (`row_dots_vnni`, `q6k_dots_vnni`: each load
             // of the input meets both); a lone last row goes as its own pair and is written once.
-            let step = if vnni { 2 } else { 1 };
+            let step = if kernel == Kernel::Vnni { 2 } else { 1 };
             // Passes of up to MAX_ROWS input rows over the item's weight rows: a pass's inputs
             // stay in L1 while it meets each weight row (the rows, fewer bytes, come again from
             // L2 for the next pass). With one weight row after another instead, two passes of 8
             // rows of 2048 thrashed L1: 16 rows took 3x 8 rows' time on a Zen 4.
-            for r0 in (0..m).step_by(MAX_ROWS) {
+            for r0 in (c * rows..(c * rows + rows).min(m)).step_by(MAX_ROWS) {
                 let mr = MAX_ROWS.min(m - r0);
                 for row in (first..end).step_by(step) {
                     let rows = [row, (row + step - 1).min(end - 1)];
                     let mut dots = [[0f32; MAX_ROWS]; 2];
-                    // SAFETY: AVX-512 F/BW (and so AVX2, FMA, F16C) checked by `available`, VNNI
-                    // by the caller when `vnni`; the weight rows' blocks lie in `blocks` (length
+                    // SAFETY: the CPU runs `kernel` (the caller's check, `kernel()`); the weight rows' blocks lie in `blocks` (length
                     // checked above), the input's q8 and, for its weights' kinds and kernels,
                     // reordered values and sums (`Input::new`) hold m rows of kb blocks, of which
                     // rows r0..r0 + mr are read.
@@ -309,12 +387,12 @@ fn matmul_each_on(
                                 let re = x.reordered.as_ptr().add(r0 * kb * QK);
                                 let pairs = x.pairs.as_ptr().wrapping_add(r0 * kb * 8);
                                 let sums = x.lane_sums.as_ptr().wrapping_add(r0 * kb * 16);
-                                row_dots_m([at(rows[0]), at(rows[1])], kb, (q8, re, pairs, sums), mr, vnni, &mut dots)
+                                row_dots_m([at(rows[0]), at(rows[1])], kb, (q8, re, pairs, sums), mr, kernel, &mut dots)
                             }
                             Blocks::Q6K => {
                                 let re = x.reordered6.as_ptr().wrapping_add(r0 * kb * QK);
                                 let offsets = x.offsets6.as_ptr().wrapping_add(r0 * kb * 16);
-                                q6k_dots_m([at(rows[0]), at(rows[1])], kb, (q8, re, offsets), mr, vnni, &mut dots)
+                                q6k_dots_m([at(rows[0]), at(rows[1])], kb, (q8, re, offsets), mr, kernel, &mut dots)
                             }
                         }
                     };
@@ -421,15 +499,18 @@ unsafe fn row_dots_m(
     kb: usize,
     (q8, re, pairs, sums): (*const u8, *const i8, *const i16, *const f32),
     m: usize,
-    vnni: bool,
+    kernel: Kernel,
     dots: &mut [[f32; MAX_ROWS]; 2],
 ) {
     // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
-        if vnni {
+        if kernel == Kernel::Vnni {
             return by_rows!(m, row_dots_vnni(w, kb, q8, re, sums, dots));
         }
         let (w, dots) = (w[0], &mut dots[0]);
+        if kernel == Kernel::Avx2 {
+            return by_rows!(m, row_dots_avx2(w, kb, q8, pairs, dots));
+        }
         by_rows!(m, row_dots(w, kb, q8, re, pairs, dots))
     }
 }
@@ -537,16 +618,19 @@ unsafe fn q6k_dots_m(
     kb: usize,
     (q8, re, offsets): (*const u8, *const i8, *const f32),
     m: usize,
-    vnni: bool,
+    kernel: Kernel,
     dots: &mut [[f32; MAX_ROWS]; 2],
 ) {
     // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         let x = (q8, re, offsets);
-        if vnni {
+        if kernel == Kernel::Vnni {
             return by_rows!(m, q6k_dots_vnni(w, kb, x, dots));
         }
         let (w, dots) = (w[0], &mut dots[0]);
+        if kernel == Kernel::Avx2 {
+            return by_rows!(m, q6k_dots_avx2(w, kb, q8, dots));
+        }
         by_rows!(m, q6k_dots(w, kb, q8, dots))
     }
 }
@@ -559,7 +643,7 @@ unsafe fn q6k_dots_m(
     _kb: usize,
     _q8: (*const u8, *const i8, *const f32),
     _m: usize,
-    _vnni: bool,
+    _kernel: Kernel,
     _dots: &mut [[f32; MAX_ROWS]; 2],
 ) {
     unreachable!("`available` is false off x86-64")
@@ -573,7 +657,7 @@ unsafe fn row_dots_m(
     _kb: usize,
     _q8: (*const u8, *const i8, *const i16, *const f32),
     _m: usize,
-    _vnni: bool,
+    _kernel: Kernel,
     _dots: &mut [[f32; MAX_ROWS]; 2],
 ) {
     unreachable!("`available` is false off x86-64")
@@ -582,6 +666,10 @@ unsafe fn row_dots_m(
 #[path = "stored_vnni.rs"]
 mod vnni;
 use vnni::*;
+#[path = "stored_avx2.rs"]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+use avx2::*;
 
 #[cfg(test)]
 #[path = "stored_tests.rs"]

@@ -5,19 +5,30 @@ use super::*;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-/// The kernels this CPU runs: `row_dots` / `q6k_dots`, and `row_dots_vnni` / `q6k_dots_vnni`
-/// where it has VNNI.
-fn kernels() -> Vec<bool> {
+/// Every kernel this CPU runs: the AVX2 ones wherever it has AVX2 (an AVX-512 CPU too), the
+/// AVX-512 ones and, with VNNI, theirs.
+fn kernels() -> Vec<Kernel> {
     #[cfg(target_arch = "x86_64")]
     let vnni = is_x86_feature_detected!("avx512vnni");
     #[cfg(not(target_arch = "x86_64"))]
     let vnni = false;
-    [false, true].into_iter().filter(|&v| !v || vnni).collect()
+    let runs = |k: &Kernel| match k {
+        Kernel::Avx2 => avx2_runs(),
+        Kernel::Avx512 => avx512_runs(),
+        Kernel::Vnni => avx512_runs() && vnni,
+    };
+    [Kernel::Avx2, Kernel::Avx512, Kernel::Vnni].into_iter().filter(runs).collect()
 }
 
-fn matmul_on(weights: &[(Blocks, &[u8], usize)], x: &[f32], m: usize, k: usize, vnni: bool) -> Option<Vec<Vec<f32>>> {
+fn matmul_on(
+    weights: &[(Blocks, &[u8], usize)],
+    x: &[f32],
+    m: usize,
+    k: usize,
+    kernel: Kernel,
+) -> Option<Vec<Vec<f32>>> {
     let each: Vec<(Blocks, &[u8], usize, usize)> = weights.iter().map(|&(kind, b, n)| (kind, b, n, 0)).collect();
-    matmul_each_on(&each, &[(x, m)], k, vnni)
+    matmul_each_on(&each, &[(x, m)], k, kernel)
 }
 
 /// candle's product of `x` [m, k] with the stored blocks of `q` (its Q8_K rows, its
@@ -46,8 +57,8 @@ fn candles(q: &QTensor, xs: &[f32], (m, k, n): (usize, usize, usize)) -> Vec<f32
 fn each_row_is_bit_for_bit_its_product_alone() {
     // Drafted tokens are verified with the token before them in one product: each row must
     // be exactly what decoding it alone gives, however many rows share the pass.
-    if !available() {
-        eprintln!("no AVX-512 BW here: the kernel is not used, nothing to compare");
+    if kernels().is_empty() {
+        eprintln!("no AVX2 here: the kernels are not used, nothing to compare");
         return;
     }
     for (kind, dtype) in [(Blocks::Q4K, GgmlDType::Q4K), (Blocks::Q6K, GgmlDType::Q6K)] {
@@ -60,12 +71,12 @@ fn each_row_is_bit_for_bit_its_product_alone() {
         for m in [2, 5, 8, 9, SMALL_ROWS] {
             let xs = crate::testing::randn(6 + m as u64, 1.0, (m, k)).unwrap().flatten_all().unwrap();
             let xs = xs.to_vec1::<f32>().unwrap();
-            for vnni in kernels() {
-                let all = matmul_on(&[(kind, &bytes, n)], &xs, m, k, vnni).unwrap().remove(0);
+            for kernel in kernels() {
+                let all = matmul_on(&[(kind, &bytes, n)], &xs, m, k, kernel).unwrap().remove(0);
                 for r in 0..m {
                     let x = &xs[r * k..(r + 1) * k];
-                    let one = matmul_on(&[(kind, &bytes, n)], x, 1, k, vnni).unwrap().remove(0);
-                    assert_eq!(&all[r * n..(r + 1) * n], &one[..], "{kind:?}, vnni {vnni}, {m} rows: row {r}");
+                    let one = matmul_on(&[(kind, &bytes, n)], x, 1, k, kernel).unwrap().remove(0);
+                    assert_eq!(&all[r * n..(r + 1) * n], &one[..], "{kind:?}, {kernel:?}, {m} rows: row {r}");
                 }
             }
         }
@@ -74,8 +85,8 @@ fn each_row_is_bit_for_bit_its_product_alone() {
 
 #[test]
 fn products_match_candles_on_the_same_blocks() {
-    if !available() {
-        eprintln!("no AVX-512 BW here: the kernel is not used, nothing to compare");
+    if kernels().is_empty() {
+        eprintln!("no AVX2 here: the kernels are not used, nothing to compare");
         return;
     }
     for (kind, dtype) in [(Blocks::Q4K, GgmlDType::Q4K), (Blocks::Q6K, GgmlDType::Q6K)] {
@@ -89,22 +100,54 @@ fn products_match_candles_on_the_same_blocks() {
             let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
             let deq = q.dequantize(&Device::Cpu).unwrap();
             let exact = x.matmul(&deq.t().unwrap()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            for vnni in kernels() {
-                let got = matmul_on(&[(kind, &bytes, n), (kind, &bytes, n)], &xs, m, k, vnni).unwrap();
+            for kernel in kernels() {
+                let got = matmul_on(&[(kind, &bytes, n), (kind, &bytes, n)], &xs, m, k, kernel).unwrap();
                 assert_eq!(got[0], got[1]);
                 for (i, (g, w)) in got[0].iter().zip(&want).enumerate() {
-                    let at = format!("{kind:?} vnni {vnni} ({m},{n},{k}) [{i}]");
+                    let at = format!("{kind:?} {kernel:?} ({m},{n},{k}) [{i}]");
                     assert!((g - w).abs() <= 1e-5 * scale.max(1.0), "{at}: {g} vs {w}");
                 }
                 // And close to the f32 product of the dequantized weight (the Q8_K rounding of x).
                 let err = got[0].iter().zip(&exact).fold(0f32, |a, (g, e)| a.max((g - e).abs()));
-                assert!(err <= 0.02 * scale.max(1.0), "{kind:?} ({m},{n},{k}) off the f32 product by {err}");
+                assert!(err <= 0.02 * scale.max(1.0), "{kind:?} {kernel:?} ({m},{n},{k}) off the f32 product by {err}");
             }
         }
     }
     let rows = SMALL_ROWS + 1;
     let t = Tensor::zeros((rows, 256), candle_core::DType::F32, &Device::Cpu).unwrap();
     let xs = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    assert!(matmul(&[(Blocks::Q4K, &[0u8; 144], 1)], &xs, rows, 256).is_none(), "more rows than SMALL_ROWS");
+    let more = matmul(&[(Blocks::Q4K, &[0u8; 144], 1)], &xs, rows, 256);
+    assert_eq!(more.is_some(), takes_prompts(), "more rows than SMALL_ROWS: AVX2 only");
     assert!(matmul(&[(Blocks::Q6K, &[0u8; 144], 1)], &xs[..256], 1, 256).is_none(), "bytes are not whole blocks");
+}
+
+#[test]
+fn the_avx2_kernels_take_a_prompts_rows() {
+    // Without AVX-512 a prompt's products run here too, its rows in chunks of whole passes
+    // (200 rows of 2048: three chunks); the AVX-512 kernels leave more than SMALL_ROWS to
+    // `stored_tiles`.
+    for kernel in kernels() {
+        let (m, n, k) = (200, 19, 2048);
+        for (kind, dtype) in [(Blocks::Q4K, GgmlDType::Q4K), (Blocks::Q6K, GgmlDType::Q6K)] {
+            let w = crate::testing::randn(31, 0.05, (n, k)).unwrap();
+            let q = QTensor::quantize(&w, dtype).unwrap();
+            let bytes = q.data().unwrap();
+            let xs = crate::testing::randn(32, 1.0, (m, k)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let got = matmul_on(&[(kind, &bytes, n)], &xs, m, k, kernel);
+            if kernel != Kernel::Avx2 {
+                assert!(got.is_none(), "{kernel:?} took {m} rows");
+                continue;
+            }
+            let got = got.unwrap().remove(0);
+            let want = candles(&q, &xs, (m, k, n));
+            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!((g - w).abs() <= 1e-5 * scale.max(1.0), "{kind:?} ({m},{n},{k}) [{i}]: {g} vs {w}");
+            }
+            for r in [0, 79, 80, 81, 160, 199] {
+                let one = matmul_on(&[(kind, &bytes, n)], &xs[r * k..(r + 1) * k], 1, k, kernel).unwrap().remove(0);
+                assert_eq!(&got[r * n..(r + 1) * n], &one[..], "{kind:?}: row {r} of {m}");
+            }
+        }
+    }
 }

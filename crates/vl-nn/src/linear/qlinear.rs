@@ -146,13 +146,15 @@ impl QLinear {
 
     /// Every layer's product with `x` on the stored blocks, when all are stored Q4_K / Q6_K on a
     /// CPU that runs the kernel for x's row count: `stored::matmul` for up to `stored::SMALL_ROWS`
-    /// rows (a decode step, drafted tokens verified), `stored_tiles::matmul_each` for more (no repacked copy; Q4_K only
+    /// rows (a decode step, drafted tokens verified) and, on AVX2 without AVX-512, for any
+    /// (`stored::takes_prompts`), `stored_tiles::matmul_each` for more (no repacked copy; Q4_K only
     /// while candle's AMX path was not asked for, `allow_amx`); None otherwise.
     fn stored_products(layers: &[&QLinear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
         let k = x.dim(candle_core::D::Minus1)?;
         let rows = x.elem_count() / k.max(1);
         let few = rows <= crate::stored::SMALL_ROWS;
-        let runs = if few { crate::stored::available() } else { crate::stored_tiles::available() };
+        let tiles = !few && crate::stored_tiles::available();
+        let runs = if few { crate::stored::available() } else { tiles || crate::stored::takes_prompts() };
         if rows == 0 || !x.device().is_cpu() || !runs {
             return Ok(None);
         }
@@ -167,10 +169,10 @@ impl QLinear {
         let bytes: Vec<Cow<'_, [u8]>> = weights.iter().map(|(_, t, _)| t.data()).collect::<candle_core::Result<_>>()?;
         let parts: Vec<(crate::stored::Blocks, &[u8], usize)> =
             bytes.iter().zip(&weights).map(|(b, (kind, _, n))| (*kind, b.as_ref(), *n)).collect();
-        let ys = if few {
-            crate::stored::matmul(&parts, &xs, rows, k)
-        } else {
+        let ys = if tiles {
             crate::stored_tiles::matmul_each(&parts, &xs, rows, k)
+        } else {
+            crate::stored::matmul(&parts, &xs, rows, k)
         };
         let Some(ys) = ys else { return Ok(None) };
         Self::stored_outputs(layers, &weights, ys, x).map(Some)
@@ -410,8 +412,8 @@ mod tests {
 
     #[test]
     fn a_q4k_product_of_many_rows_equals_its_rows_one_by_one() {
-        // 70 rows. Where the CPU has AVX-512 VNNI they run on the stored blocks
-        // (`stored_tiles`), each row quantized and summed on its own, so the product equals that
+        // 70 rows. Where the CPU has AVX-512 VNNI, or AVX2 without AVX-512, they run on the
+        // stored blocks (`stored_tiles`, `stored`), each row quantized and summed on its own, so the product equals that
         // kernel's rows taken alone bit for bit; elsewhere candle's paths do the same (cut into
         // 31 + 31 + 8 where the CPU has AMX). Either way within float rounding of candle's own
         // product of each row.
@@ -426,12 +428,18 @@ mod tests {
         let candle = QMatMul::from_arc(t.clone()).unwrap();
         let rows: Vec<Tensor> = (0..70).map(|r| candle.forward(&flat.narrow(0, r, 1).unwrap()).unwrap()).collect();
         let alone = Tensor::cat(&rows, 0).unwrap().reshape((2, 35, 48)).unwrap();
-        if crate::stored_tiles::available() {
+        if crate::stored_tiles::available() || crate::stored::takes_prompts() {
+            // Without AVX-512, `stored` takes all 70 rows (`stored::takes_prompts`).
             let bytes = t.data().unwrap();
             let rows: Vec<f32> = (0..70)
                 .flat_map(|r| {
                     let row = flat.narrow(0, r, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                    crate::stored_tiles::matmul(crate::stored::Blocks::Q4K, &bytes, 48, &row, 1, 512).unwrap()
+                    match crate::stored_tiles::available() {
+                        true => crate::stored_tiles::matmul(crate::stored::Blocks::Q4K, &bytes, 48, &row, 1, 512),
+                        false => crate::stored::matmul(&[(crate::stored::Blocks::Q4K, &bytes, 48)], &row, 1, 512)
+                            .map(|mut y| y.remove(0)),
+                    }
+                    .unwrap()
                 })
                 .collect();
             let ours = Tensor::from_vec(rows, (2, 35, 48), &Device::Cpu).unwrap();
