@@ -15,6 +15,9 @@ Per round and engine:
   (/usr/bin/time), both cold processes; the load: vl's load_s (text model and mmproj), llama.cpp's
   `load time` of the text model plus its mmproj load (`clip_model_loader` to the first
   `load_hparams`... reported as `mmproj load`, when its log has it).
+
+VL_BENCH_ALSO=NAME=VALUE adds a third engine: the same vl binary with that environment variable
+set (e.g. VL_STORED=0, candle's products instead of vl_nn::stored), in the rotation and the table.
 """
 import json
 import os
@@ -43,9 +46,10 @@ def prompt(tokens):
     return " ".join(WORDS[i % len(WORDS)] for i in range(tokens - 8))
 
 
-def timed(cmd):
+def timed(cmd, env=None):
     """Runs cmd under /usr/bin/time; returns (stdout, stderr, wall s, peak RSS bytes)."""
-    p = subprocess.run(["/usr/bin/time", "-f", "TIME %e %M"] + cmd, capture_output=True, text=True)
+    p = subprocess.run(["/usr/bin/time", "-f", "TIME %e %M"] + cmd, capture_output=True, text=True,
+                       env=None if env is None else {**os.environ, **env})
     if p.returncode != 0:
         sys.exit(f"{cmd[0]} failed ({p.returncode}): {p.stderr[-2000:]}")
     wall, rss = re.findall(r"TIME ([\d.]+) (\d+)", p.stderr)[-1]
@@ -58,11 +62,11 @@ def llama_decode():
     return {r["n_depth"]: r["avg_ts"] for r in json.loads(out)}
 
 
-def vl_decode():
+def vl_decode(env=None):
     got = {}
     for depth in DEPTHS:
         out, _, _, _ = timed([str(vl), "run", "--model", str(text_model), "--prompt", prompt(depth),
-                              "--max-new-tokens", "32", "--temperature", "0", "--json"])
+                              "--max-new-tokens", "32", "--temperature", "0", "--json"], env)
         j = json.loads(out)
         assert abs(j["prompt_tokens"] - depth) <= 2, j["prompt_tokens"]
         got[depth] = j["timings"]["decode_tokens_per_s"]
@@ -84,20 +88,25 @@ def llama_image():
             "detail": f"encode {enc:.0f} ms, image decode {dec:.0f} ms, prompt eval {pe:.0f} ms"}
 
 
-def vl_image():
+def vl_image(env=None):
     out, _, wall, rss = timed([str(vl), "run", "--model", str(text_model), "--mmproj", str(mmproj), "--image",
                                str(image), "--prompt", "Describe this image.", "--max-new-tokens", "32",
-                               "--temperature", "0", "--json"])
+                               "--temperature", "0", "--json"], env)
     t = json.loads(out)["timings"]
     return {"prefill_s": t["vision_s"] + t["prefill_s"], "encode_s": t["vision_s"], "wall_s": wall, "rss": rss,
             "load_s": t["load_s"],
             "detail": f"vision {t['vision_s'] * 1000:.0f} ms, prefill {t['prefill_s'] * 1000:.0f} ms, load {t['load_s']:.1f} s"}
 
 
-runs = {"llama.cpp": {"decode": [], "image": []}, "vl": {"decode": [], "image": []}}
 engines = [("llama.cpp", llama_decode, llama_image), ("vl", vl_decode, vl_image)]
+also = os.environ.get("VL_BENCH_ALSO")
+if also:
+    key, _, value = also.partition("=")
+    engines.append((f"vl {also}", lambda: vl_decode({key: value}), lambda: vl_image({key: value})))
+runs = {name: {"decode": [], "image": []} for name, _, _ in engines}
 for r in range(rounds):
-    order = engines if r % 2 == 0 else engines[::-1]
+    # The first engine of a round rotates.
+    order = engines[r % len(engines):] + engines[:r % len(engines)]
     for name, dec, img in order:
         d = dec()
         runs[name]["decode"].append(d)
@@ -120,12 +129,14 @@ ROWS = [  # (label, "decode" or "image", value of a run, better when "higher" or
     ("load (vl: text + mmproj; llama.cpp: llama_perf's load time, text only) (s)", "image", lambda x: x["load_s"], "lower"),
     ("image answer peak RSS (GiB)", "image", lambda x: x["rss"] / 2**30, "lower"),
 ]
-print(f"\nmedians of {rounds} rounds | vl | llama.cpp | ratio")
-print("|---|---|---|---|")
+extra = [name for name, _, _ in engines[2:]]
+print(f"\nmedians of {rounds} rounds | vl | llama.cpp | ratio" + "".join(f" | {n} | ratio" for n in extra))
+print("|---|---|---|---|" + "---|---|" * len(extra))
 for label, kind, value, better in ROWS:
     if decode_only and kind == "image":
         continue
-    a, b = (statistics.median(value(x) for x in runs[name][kind]) for name in ("vl", "llama.cpp"))
-    ratio = a / b if better == "higher" else b / a
-    print(f"| {label} | {a:.2f} | {b:.2f} | {ratio:.2f}x |")
+    med = {name: statistics.median(value(x) for x in runs[name][kind]) for name, _, _ in engines}
+    ratio = lambda a, b: a / b if better == "higher" else b / a
+    a, b = med["vl"], med["llama.cpp"]
+    print(f"| {label} | {a:.2f} | {b:.2f} | {ratio(a, b):.2f}x |" + "".join(f" {med[n]:.2f} | {ratio(med[n], b):.2f}x |" for n in extra))
 print("(ratio: vl's speed over llama.cpp's; for times and memory, llama.cpp's over vl's: above 1.0 vl is ahead)")
