@@ -438,11 +438,12 @@ impl GgufModel {
     /// stored, unless `mapped` (the CPU): then their blocks are pages of the file, which the
     /// kernel can drop and read again, and only candle's repacked tiles of the 2-D ones count
     /// (Q4_K 6 bits a value for the stored 4.5, Q6_K 10 for 6.56, Q8_0 the same size; other
-    /// types are not repacked; Q4_K and Q6_K none where the CPU has AVX-512 VNNI, whose kernels
-    /// read the stored blocks, `vl_nn::stored_tiles`). The routed experts stay mapped: a MoE
-    /// larger than the memory left loads, and runs from the file's pages.
+    /// types are not repacked; Q4_K and Q6_K none where the CPU has AVX-512 VNNI or AVX2 without
+    /// AVX-512, whose kernels read the stored blocks, `vl_nn::stored_tiles` and `vl_nn::stored`).
+    /// The routed experts stay mapped: a MoE larger than the memory left loads, and runs from the
+    /// file's pages.
     pub fn resident_bytes(&self, dtype: DType, quant: Option<vl_nn::QuantType>, mapped: bool) -> u64 {
-        let stored = vl_nn::stored_tiles::available();
+        let stored = vl_nn::stored_tiles::available() || vl_nn::stored::takes_prompts();
         let bytes = |f: &GgufFile, vision: bool| -> f64 {
             f.content
                 .tensor_infos
@@ -534,12 +535,12 @@ impl GgufModel {
             }
         }
         // The stored weights whose kernels read only candle's repacked tiles (Q8_0 on AVX-512
-        // VNNI; Q4_K on CPUs without AVX-512 BW): repacked here, on every core, each one's mapped
+        // VNNI; Q4_K on CPUs without AVX2): repacked here, on every core, each one's mapped
         // pages handed back as soon as its tiles exist, so the load never holds both copies. A
         // page read again later (an AVX2-only CPU's Q8_0 products, an embedding row) comes back
         // from the file. Q6_K keeps its blocks (candle's one-row products read them), and so does
-        // Q4_K where `vl_nn::stored` decodes on them (and, with AVX-512 VNNI, `stored_tiles`
-        // multiplies prompts on them: no tiles at all).
+        // Q4_K where `vl_nn::stored` decodes on them (and, with AVX-512 VNNI `stored_tiles`, with
+        // AVX2 alone `stored` itself, multiplies prompts on them: no tiles at all).
         let q4k_stored = vl_nn::stored::available();
         if dev.is_cpu() {
             let tiled: Vec<(&str, vl_nn::QLinear)> = (self.text.content.tensor_infos.keys())

@@ -286,14 +286,14 @@ impl QLinear {
     /// Pays the kernels' one-time weight preparation now rather than in the first forward:
     /// candle repacks CPU k-quant weights into its tile layout on first use (a product with a
     /// two-row input triggers what both prefill and decode use). A no-op for dense weights, and
-    /// for Q4_K / Q6_K weights where `stored_tiles` runs (AVX-512 VNNI): their products of any
-    /// row count read the stored blocks.
+    /// for Q4_K / Q6_K weights where `stored_tiles` runs (AVX-512 VNNI) or `stored` takes
+    /// prompts (AVX2 without AVX-512): their products of any row count read the stored blocks.
     pub fn prepare(&self) -> Result<()> {
         if let QLinear::Quant { w: w @ QMatMul::QTensor(t), .. } = self {
             let dev = t.device();
             if self.stored_blocks().is_some_and(|(kind, _, _)| {
                 kind == crate::stored::Blocks::Q6K || !ALLOW_AMX.load(std::sync::atomic::Ordering::Relaxed)
-            }) && crate::stored_tiles::available()
+            }) && (crate::stored_tiles::available() || crate::stored::takes_prompts())
             {
                 // Every product runs on the stored blocks (`stored_products`): no tiles.
                 return Ok(());
