@@ -1,6 +1,6 @@
 //! One query row per head against the whole KV cache, read in place (a decode step): per KV
 //! head its query rows' scores, softmax and weighted sum of value rows; on AVX-512 four query
-//! rows of a KV head per key row (`decode_group_avx512`). The cache may hold f32, f16 or bf16
+//! rows of a KV head per key row (`decode_group_avx512`; on AVX2 alone `decode_avx2.rs`). The cache may hold f32, f16 or bf16
 //! (`KvCache::in_dtype`): half-precision rows are widened to f32 as they are read, every sum in
 //! f32.
 
@@ -142,21 +142,21 @@ fn decode_group<E: KvElem>(g: &DecodeGroup<'_, E>, scores: &mut [f32], out: &mut
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has AVX2 and FMA (checked above).
-        unsafe { decode_group_avx2(g, scores, out) };
+    if g.d.is_multiple_of(8)
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+    {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked above) and d is a multiple of 8.
+        unsafe { avx2::decode_group_avx2(g, scores, out) };
         return;
     }
     decode_group_generic(g, scores, out)
 }
 
-/// # Safety
-/// The CPU has AVX2 and FMA (the body is `decode_group_generic`, safe code compiled for them).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn decode_group_avx2<E: KvElem>(g: &DecodeGroup<'_, E>, scores: &mut [f32], out: &mut [f32]) {
-    decode_group_generic(g, scores, out)
-}
+#[path = "decode_avx2.rs"]
+mod avx2;
 
 /// `decode_group` on AVX-512F, head size `d` a multiple of 16. The generic loop is latency-bound
 /// (one dot product at a time into one vector of sums, then a scalar `exp` per score); here each
