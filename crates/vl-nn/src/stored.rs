@@ -66,13 +66,12 @@ const PREFETCH: usize = 4096;
 /// 31.9-33.4 -> 41.3-42.0; 8 and 16 KiB alike there too (2B 19.9 / 20.4 against 19.6 / 20.0).
 const FAR: usize = 8192;
 
-/// One Q4_K block at `blk` (a `*const u8`), as both AVX-512 row kernels read it: its lines
-/// prefetched (`PREFETCH` ahead into L1, `FAR` into L2), d and dmin (two f16 widened together),
-/// the packed minimums, the 8 sub-block scales widened to i16 in a zmm's low half, and the four
-/// 64-byte nibble planes (`low` masks a byte's nibble). A macro, not a function: the callers'
-/// `#[target_feature]` code inlines it.
-macro_rules! q4k_block {
-    ($blk:expr, $low:expr) => {{
+/// The head of the Q4_K block at `blk` (a `*const u8`), as every Q4_K row kernel reads it: its
+/// lines prefetched (`PREFETCH` ahead into L1, `FAR` into L2), d and dmin (two f16 widened
+/// together), the packed scales and mins (`scales_mins`). A macro for the callers'
+/// `#[target_feature]` code (SSE and F16C).
+macro_rules! q4k_head {
+    ($blk:expr) => {{
         let blk: *const u8 = $blk;
         for line in 0..3 {
             _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + 64 * line) as *const i8);
@@ -82,6 +81,19 @@ macro_rules! q4k_block {
         let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1)));
         let a = std::ptr::read_unaligned(blk.add(4) as *const [u32; 3]);
         let (sc, mn) = scales_mins([u32::from_le(a[0]), u32::from_le(a[1]), u32::from_le(a[2])]);
+        (d, dmin, sc, mn)
+    }};
+}
+
+/// One Q4_K block at `blk` (a `*const u8`), as both AVX-512 row kernels read it: its lines
+/// prefetched (`PREFETCH` ahead into L1, `FAR` into L2), d and dmin (two f16 widened together),
+/// the packed minimums, the 8 sub-block scales widened to i16 in a zmm's low half, and the four
+/// 64-byte nibble planes (`low` masks a byte's nibble). A macro, not a function: the callers'
+/// `#[target_feature]` code inlines it.
+macro_rules! q4k_block {
+    ($blk:expr, $low:expr) => {{
+        let blk: *const u8 = $blk;
+        let (d, dmin, sc, mn) = q4k_head!(blk);
         let sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
         let mut q4 = [_mm512_setzero_si512(); 4];
         for p in 0..2 {

@@ -81,14 +81,7 @@ pub(super) unsafe fn row_dots_avx2<const M: usize>(
         let mut acc = [_mm256_setzero_ps(); M];
         for b in 0..kb {
             let blk = w.add(b * Q4K_BYTES);
-            for line in 0..3 {
-                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + 64 * line) as *const i8);
-                _mm_prefetch::<_MM_HINT_T1>(blk.wrapping_add(FAR + 64 * line) as *const i8);
-            }
-            let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(blk as *const i32)));
-            let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1)));
-            let a = std::ptr::read_unaligned(blk.add(4) as *const [u32; 3]);
-            let (sc, mn) = scales_mins([u32::from_le(a[0]), u32::from_le(a[1]), u32::from_le(a[2])]);
+            let (d, dmin, sc, mn) = q4k_head!(blk);
             let sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
             let mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64));
             let mut sum = [_mm256_setzero_si256(); M];
