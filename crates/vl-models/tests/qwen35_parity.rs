@@ -19,16 +19,20 @@ const LOGIT_TOL: f32 = 1e-3;
 /// drifts from the exact values under the tiny checkpoint's strong decays: measured 2026-12-05,
 /// up to 2.2e-3 at positions 3 and 5 of long_text against the same weights in float64, where
 /// this port (the recurrent form in f32) stays within 4.3e-4 of float64. So every position is
-/// held to 1e-3 against float64 (`logits64.sampled`), and to this bound against float32; the
-/// last position to 1e-3 against both.
+/// held to `ALL_POSITIONS` against float64 (`logits64.sampled`), and to this bound against
+/// float32; the last position to 1e-3 against both.
 const CHUNKED_F32_BOUND: f32 = 3e-3;
 const G: &str = "tiny-q35";
 const MOE: &str = "tiny-q35-moe";
-/// The MoE checkpoint's every-position logits against float64: measured 2026-12-05 at up to
-/// 9.9e-4 (long_text; 3.6e-4 to 6.7e-4 on the others), too close to 1e-3 for CPUs whose kernels
-/// sum in another order, so held to twice that; its last positions are held to 1e-3 (1.8e-4
+/// Every position's logits against float64, both checkpoints: the reference's own float32
+/// forward is up to 1.9e-3 off its float64 one there (long_text position 5; 1.4e-3 at
+/// two_images position 34, the last pads of the first image), so positions this sensitive move
+/// by ~1e-3 with the order of a sum. Measured: the MoE up to 9.9e-4 (AVX-512, 2026-12-05); the
+/// dense 2.7e-4 on AVX-512 and 1.59e-3 at two_images positions 34-36 on an AVX2-only Zen 3
+/// (2026-12-07: 9.9e-4 with gemm's AVX2 linears instead of the panels, 2.8e-3 with gemm's
+/// attention tiles instead of the strips). The last positions are held to 1e-3 (1.3e-4
 /// measured).
-const MOE_ALL_POSITIONS: f32 = 2e-3;
+const ALL_POSITIONS: f32 = 2e-3;
 const CASES: [&str; 5] = ["long_text", "one_image", "two_images", "no_think", "video"];
 
 fn dir() -> std::path::PathBuf {
@@ -67,7 +71,7 @@ fn prompt_logits_match_the_reference() {
             "{name} ({} tokens): last {d_last:.2e}; all positions (sampled ids) vs float64 {d_all:.2e}, vs float32 {d_all32:.2e}",
             p.input_ids.len()
         );
-        assert!(d_last <= tol(LOGIT_TOL) && d_all <= tol(LOGIT_TOL), "{name}: {d_last:e} {d_all:e}");
+        assert!(d_last <= tol(LOGIT_TOL) && d_all <= tol(ALL_POSITIONS), "{name}: {d_last:e} {d_all:e}");
         assert!(d_all32 <= tol(CHUNKED_F32_BOUND), "{name}: {d_all32:e}");
     }
 }
@@ -302,7 +306,7 @@ fn llama_cpp_gguf_matches_the_reference() {
 /// The MoE family (Qwen3_5MoeForConditionalGeneration, goldens/tiny-q35-moe: 6 routed experts,
 /// top-2, and a gated shared expert in every layer; the experts one tensor each, as the hub
 /// stores them): every case's last logits within 1e-3, all positions against float64, and the
-/// reference's greedy ids through the engine. (`MOE_ALL_POSITIONS` says why its every-position
+/// reference's greedy ids through the engine. (`ALL_POSITIONS` says why its every-position
 /// bound is 2e-3.)
 #[test]
 fn the_moe_family_matches_the_reference() {
@@ -320,7 +324,7 @@ fn the_moe_family_matches_the_reference() {
         let all = m.text().logits(&state.hidden).unwrap().index_select(&sampled, 1).unwrap();
         let d_all = max_abs_diff(&all, &want["logits64.sampled"]);
         println!("moe {name}: last {d_last:.2e}, all positions vs float64 {d_all:.2e}");
-        assert!(d_last <= tol(LOGIT_TOL) && d_all <= tol(MOE_ALL_POSITIONS), "{name}: {d_last:e} {d_all:e}");
+        assert!(d_last <= tol(LOGIT_TOL) && d_all <= tol(ALL_POSITIONS), "{name}: {d_last:e} {d_all:e}");
     }
     let engine = load_engine(&dir, EngineOptions::default());
     assert_eq!(engine.family().name(), "qwen3_5_moe");
