@@ -154,6 +154,15 @@ pub(crate) unsafe fn fmadd(a: V, b: V, c: V) -> V {
     _mm256_fmadd_ps(a, b, c)
 }
 
+/// The sum of a vector's 8 lanes.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) fn hsum(v: V) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+}
+
 /// `cpu::exp2_nonpositive` on eight lanes (the same clamp, rounding and polynomial).
 ///
 /// # Safety

@@ -13,6 +13,8 @@
 
 #[cfg(target_arch = "x86_64")]
 use super::{scales_mins, FAR, MAX_ROWS, PREFETCH, Q4K_BYTES, Q6K_BYTES, Q8K_BYTES, QK};
+#[cfg(target_arch = "x86_64")]
+use crate::avx2::hsum;
 
 /// `shuffle_epi8` masks that broadcast i16 lane `s` of a 128-bit lane to all eight of its i16
 /// lanes (the scale of Q4_K sub-block `s`).
@@ -186,14 +188,4 @@ pub(super) unsafe fn q6k_dots_avx2<const M: usize>(w: *const u8, kb: usize, q8: 
             dots[r] = hsum(*acc);
         }
     }
-}
-
-/// The sum of a vector's 8 lanes.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: std::arch::x86_64::__m256) -> f32 {
-    use std::arch::x86_64::*;
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
 }

@@ -10,6 +10,7 @@ use std::arch::x86_64::*;
 use candle_core::DType;
 
 use super::{DecodeGroup, KvElem};
+use crate::avx2::hsum;
 
 /// Keys a block of the weighted sums of value rows covers (as `decode_group_avx512`'s).
 const PV_KEYS: usize = 64;
@@ -31,15 +32,6 @@ unsafe fn load8<E: KvElem>(p: *const E) -> __m256 {
             _ => _mm256_loadu_ps(p as *const f32),
         }
     }
-}
-
-/// The sum of a vector's 8 lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
 }
 
 /// The largest of a vector's 8 lanes.
