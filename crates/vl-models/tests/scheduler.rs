@@ -38,6 +38,8 @@ struct Log {
     steps: Vec<usize>,
     /// Every call: `Some((start, end))` a prefill, `None` a decode step.
     calls: Vec<Option<(usize, usize)>>,
+    /// Called (the log unlocked) before each prefill call: a test's wait for its readers.
+    gate: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 struct Stub {
@@ -175,7 +177,11 @@ impl Generator for Stub {
         let mut log = self.log.lock().unwrap();
         log.prefills.push((start, end));
         log.calls.push(Some((start, end)));
+        let gate = log.gate.clone();
         drop(log);
+        if let Some(gate) = gate {
+            gate();
+        }
         let logits = self.feed(state, &ids[start..end])?;
         Ok((end == ids.len()).then(|| Tensor::new(logits.as_slice(), &Device::Cpu)).transpose()?)
     }
@@ -242,13 +248,31 @@ fn a_long_prompt_prefills_between_the_decode_steps_of_a_running_answer() {
     let (e, log) = engine(opts, Duration::ZERO);
     let (short, long) = (prompt(4, 1), prompt(64, 2));
     let long_done = std::sync::atomic::AtomicBool::new(false);
+    let read = Arc::new(AtomicUsize::new(0));
     std::thread::scope(|s| {
         // The short answer decodes until the long one is answered (then it stops itself): the
         // long prompt always arrives while it runs, however the threads are scheduled.
-        let a = s.spawn(|| e.generate(&request(&short, 3000), &mut |_| !long_done.load(Ordering::Relaxed)).unwrap());
+        let a = s.spawn(|| {
+            e.generate(&request(&short, 3000), &mut |_| {
+                read.fetch_add(1, Ordering::Relaxed);
+                !long_done.load(Ordering::Relaxed)
+            })
+            .unwrap()
+        });
         while log.lock().unwrap().steps.is_empty() {
             std::thread::sleep(Duration::from_millis(1));
         }
+        // A reader that falls `MAX_UNREAD` pieces behind pauses its answer (by design), and a
+        // paused answer takes no decode steps between the chunks. Each chunk of the long prompt
+        // waits (10 s at most) until the short answer's reader has its pieces, one a token, so
+        // that the interleaving asserted below does not hang on how the threads were scheduled.
+        let (r, l) = (read.clone(), log.clone());
+        log.lock().unwrap().gate = Some(Arc::new(move || {
+            let t0 = std::time::Instant::now();
+            while r.load(Ordering::Relaxed) + 2 < l.lock().unwrap().steps.len() && t0.elapsed().as_secs() < 10 {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }));
         let b = e.generate(&request(&long, 4), &mut |_| true).unwrap();
         long_done.store(true, Ordering::Relaxed);
         assert_eq!(b.token_ids, expected(&long, 4));
@@ -256,7 +280,8 @@ fn a_long_prompt_prefills_between_the_decode_steps_of_a_running_answer() {
         assert_eq!(a.finish, Finish::Cancelled, "the short answer ran out before the long one was answered");
         assert_eq!(a.token_ids, expected(&short, a.token_ids.len()));
     });
-    let log = log.lock().unwrap();
+    let mut log = log.lock().unwrap();
+    log.gate = None;
     let chunks: Vec<usize> =
         log.calls.iter().enumerate().filter(|(_, c)| c.is_some_and(|(s, e)| e - s == 8)).map(|(i, _)| i).collect();
     assert_eq!(chunks.len(), 8, "the 64-token prompt in 8 chunks: {:?}", log.prefills);
