@@ -38,6 +38,8 @@ struct Log {
     steps: Vec<usize>,
     /// Every call: `Some((start, end))` a prefill, `None` a decode step.
     calls: Vec<Option<(usize, usize)>>,
+    /// The first sequence's KV capacity after each decode step.
+    capacities: Vec<usize>,
     /// Called (the log unlocked) before each prefill call: a test's wait for its readers.
     gate: Option<Arc<dyn Fn() + Send + Sync>>,
 }
@@ -196,6 +198,9 @@ impl Generator for Stub {
         for (t, s) in tokens.iter().zip(states.iter_mut()) {
             rows.extend(self.feed(s, &[*t])?);
         }
+        if let Some(s) = states.first() {
+            self.log.lock().unwrap().capacities.push(s.capacity());
+        }
         Ok(Tensor::from_vec(rows, (tokens.len(), VOCAB), &Device::Cpu)?)
     }
 }
@@ -289,6 +294,30 @@ fn a_long_prompt_prefills_between_the_decode_steps_of_a_running_answer() {
     for w in chunks.windows(2) {
         assert!(log.calls[w[0] + 1..w[1]].iter().any(Option::is_none), "chunks back to back: {:?}", log.calls);
     }
+}
+
+#[test]
+fn a_long_answer_grows_its_cache_by_an_eighth_of_its_length_and_by_a_block_when_tight() {
+    let capacities = |log: &Mutex<Log>| {
+        let mut c = log.lock().unwrap().capacities.clone();
+        c.dedup();
+        c
+    };
+    let p = prompt(20, 4);
+    // Room to spare: one block at a time up to 512 positions, then an eighth of the length in
+    // whole blocks (576 / 8 = 72: two blocks; 1088 / 8 = 136: three).
+    let (e, log) = engine(EngineOptions { prefix_cache: false, ..Default::default() }, Duration::ZERO);
+    let c = e.generate(&request(&p, 1500), &mut |_| true).unwrap();
+    assert_eq!((c.finish, c.token_ids), (Finish::Length, expected(&p, 1500)));
+    let mut want: Vec<usize> = (1..=9).map(|b| b * 64).collect();
+    want.extend([704, 832, 960, 1088, 1280, 1472, 1664]);
+    assert_eq!(capacities(&log), want);
+    // Room for 640 positions: at 576 the step (128) does not fit, one block does.
+    let opts = EngineOptions { kv_cache_bytes: 640 * PER_POSITION + SLACK, prefix_cache: false, ..Default::default() };
+    let (e, log) = engine(opts, Duration::ZERO);
+    let c = e.generate(&request(&p, 600), &mut |_| true).unwrap();
+    assert_eq!((c.finish, c.token_ids), (Finish::Length, expected(&p, 600)));
+    assert_eq!(capacities(&log), (1..=10).map(|b| b * 64).collect::<Vec<_>>());
 }
 
 #[test]

@@ -3,11 +3,12 @@
 //! chunk of one prompt, then decodes one token for every running sequence in a single batched
 //! call. A sequence leaves when it finishes; its cache is kept for prefix reuse.
 //!
-//! When a running sequence needs another KV block and the budget is spent (kept prefixes
-//! evicted first), the most recently admitted other sequence is preempted: its cache is dropped
-//! and it waits at the head of the queue, to be prefilled again with the tokens it generated
-//! (the same positions, so the same answer). A sequence alone that cannot grow ends with
-//! `Finish::ContextFull`.
+//! A running sequence whose KV cache is full grows it by `vl_nn::kv_cache::growth` positions (an
+//! eighth of its length, in blocks) where the budget has room without evicting a kept prefix,
+//! else by one block. When even a block does not fit (kept prefixes evicted first), the most
+//! recently admitted other sequence is preempted: its cache is dropped and it waits at the head
+//! of the queue, to be prefilled again with the tokens it generated (the same positions, so the
+//! same answer). A sequence alone that cannot grow ends with `Finish::ContextFull`.
 //!
 //! No sequence holds up the others:
 //! - a constrained answer's next token mask is computed on a thread of its own while the batched
@@ -22,7 +23,7 @@ use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use vl_nn::kv_cache::{blocks_for, BLOCK};
+use vl_nn::kv_cache::{blocks_for, growth, BLOCK};
 
 use super::draft::{self, DraftSeq};
 use super::head::{self, HeadSeq};
@@ -433,9 +434,17 @@ impl<'f> Scheduler<'f> {
                 i += 1;
                 continue;
             }
-            let me = s.admitted;
-            let block = BLOCK * self.per_position;
-            if self.make_room(block) {
+            let (me, len) = (s.admitted, s.state.len());
+            // A step in proportion to the length where the budget has room without evicting a
+            // kept prefix (the cache is copied whole when it grows), else one block.
+            let step = growth(len);
+            if self.used() + step * self.per_position <= self.budget() {
+                self.running[i].state.reserve(len + step);
+                i += 1;
+                continue;
+            }
+            if self.make_room(BLOCK * self.per_position) {
+                self.running[i].state.reserve(len + BLOCK);
                 i += 1;
                 continue;
             }
