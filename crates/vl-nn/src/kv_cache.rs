@@ -26,8 +26,8 @@ pub const MAX_GROWTH: usize = 32 * BLOCK;
 /// Positions a full cache of `len` positions grows by when the memory allows: an eighth of its
 /// length in whole blocks, at least one block and at most `MAX_GROWTH`. Growing copies the
 /// whole cache (its rows are head-major), so steps in proportion to the length keep the copies
-/// a bounded share of decoding (one block at a time, a 4,000-position cache of the 2B, 0.9 GB
-/// in f32, was copied every 64 tokens), at most an eighth more memory than the positions use.
+/// a bounded share of decoding (block by block, a 4,000-position cache of the 2B, 0.9 GB in
+/// f32, would be copied every 64 tokens), at most an eighth more memory than the positions use.
 pub fn growth(len: usize) -> usize {
     blocks_for(len / 8).min(MAX_GROWTH)
 }

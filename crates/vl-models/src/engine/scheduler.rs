@@ -23,7 +23,7 @@ use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use vl_nn::kv_cache::{blocks_for, growth, BLOCK};
+use vl_nn::kv_cache::{blocks_for, BLOCK};
 
 use super::draft::{self, DraftSeq};
 use super::head::{self, HeadSeq};
@@ -33,6 +33,9 @@ use super::{lock, EngineStats, Finish, Shared};
 use crate::error::Result;
 use crate::family::{DraftHead, Family, Generator, Identity, Task};
 use crate::state::SeqState;
+
+#[path = "kv_growth.rs"]
+mod kv_growth;
 
 struct Scheduler<'f> {
     family: &'f dyn Family,
@@ -418,63 +421,6 @@ impl<'f> Scheduler<'f> {
                 }
                 Ok(_) => self.waiting.push_front(seq),
                 Err(e) => self.fail(seq, e),
-            }
-        }
-    }
-
-    /// Makes room for one more position in each decoding sequence's cache, preempting the most
-    /// recently admitted other sequences when the budget is spent.
-    fn grow_caches(&mut self) {
-        let mut i = 0;
-        while i < self.running.len() {
-            let s = &self.running[i];
-            // Only a sequence fed this step needs room: one waiting for its mask or its caller
-            // grows (or preempts another) when it has a token to feed.
-            if s.phase != Phase::Decode || s.pending.is_none() || s.paused() || s.state.len() < s.state.capacity() {
-                i += 1;
-                continue;
-            }
-            let (me, len) = (s.admitted, s.state.len());
-            // A step in proportion to the length where the budget has room without evicting a
-            // kept prefix (the cache is copied whole when it grows), else one block.
-            let step = growth(len);
-            if self.used() + step * self.per_position <= self.budget() {
-                self.running[i].state.reserve(len + step);
-                i += 1;
-                continue;
-            }
-            if self.make_room(BLOCK * self.per_position) {
-                self.running[i].state.reserve(len + BLOCK);
-                i += 1;
-                continue;
-            }
-            let victim = self
-                .running
-                .iter()
-                .enumerate()
-                .filter(|(_, o)| o.admitted != me)
-                .max_by_key(|(_, o)| o.admitted)
-                .map(|(j, _)| j);
-            match victim {
-                Some(j) => {
-                    let mut v = self.running.remove(j);
-                    v.state = SeqState::default();
-                    v.draft = None;
-                    v.head = None;
-                    v.verified.clear();
-                    v.checkpoint = None;
-                    v.reserved = 0;
-                    v.phase = Phase::Waiting;
-                    self.waiting.push_front(v);
-                    self.preemptions += 1;
-                    if j < i {
-                        i -= 1;
-                    }
-                }
-                None => {
-                    let seq = self.running.remove(i);
-                    self.finish(seq, Finish::ContextFull);
-                }
             }
         }
     }
