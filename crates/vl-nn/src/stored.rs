@@ -211,9 +211,9 @@ struct Input {
     /// For Q4_K weights without VNNI: each block's 8 sub-block sums (`row_dots`,
     /// `row_dots_avx2`).
     pairs: Vec<i16>,
-    /// With VNNI, for Q4_K weights: for each i32 lane of `Q4K_VNNI_ORDER`, the block's scale x the
-    /// sum of the 16 values the lane meets (the mins' term; `row_dots_vnni`).
-    lane_sums: Vec<f32>,
+    /// With VNNI, for Q4_K weights: the block's scale x the sum of each sub-block's 32 values, in
+    /// `Q4K_FOLDED` order, twice (16 a block: the mins' term of both weight rows, `row_dots_vnni`).
+    folded_sums: Vec<f32>,
     /// With VNNI, for Q6_K weights: each block's values in `Q6K_VNNI_ORDER`, and for each i32
     /// lane of that layout -32 x the block's scale x its sub-block's sum (the quants' offset;
     /// `q6k_dots_vnni`).
@@ -254,17 +254,18 @@ impl Input {
                 }
             }
         };
-        let (mut reordered, mut pairs, mut lane_sums) = (vec![], vec![], vec![]);
+        let (mut reordered, mut pairs, mut folded_sums) = (vec![], vec![], vec![]);
         if q4k {
             if kernel != Kernel::Avx2 {
                 reordered.reserve(m * kb * QK);
             }
             if vnni {
                 reorder(&Q4K_VNNI_ORDER, &mut reordered);
-                lane_sums.reserve(m * kb * 16);
+                folded_sums.reserve(m * kb * 16);
                 for blk in bytes.chunks_exact(Q8K_BYTES) {
                     let yd = d(blk);
-                    lane_sums.extend(Q4K_LANE_SUMS.iter().map(|&g| yd * f32::from(sum16(blk, g))));
+                    let sub = |s: usize| yd * f32::from(sum16(blk, 2 * s) + sum16(blk, 2 * s + 1));
+                    folded_sums.extend(Q4K_FOLDED.iter().chain(&Q4K_FOLDED).map(|&s| sub(s)));
                 }
             } else {
                 // Each Q8_K block's sums of its 8 sub-blocks of 32 (the mins' term; at most 32 x
@@ -297,7 +298,7 @@ impl Input {
                 offsets6.extend(Q6K_LANE_SUBBLOCK.iter().map(|&s| minus * f32::from(sum16(blk, s as usize))));
             }
         }
-        Input { m, q8, reordered, pairs, lane_sums, reordered6, offsets6 }
+        Input { m, q8, reordered, pairs, folded_sums, reordered6, offsets6 }
     }
 }
 
@@ -398,7 +399,7 @@ fn matmul_each_on(
                             Blocks::Q4K => {
                                 let re = x.reordered.as_ptr().add(r0 * kb * QK);
                                 let pairs = x.pairs.as_ptr().wrapping_add(r0 * kb * 8);
-                                let sums = x.lane_sums.as_ptr().wrapping_add(r0 * kb * 16);
+                                let sums = x.folded_sums.as_ptr().wrapping_add(r0 * kb * 16);
                                 row_dots_m([at(rows[0]), at(rows[1])], kb, (q8, re, pairs, sums), mr, kernel, &mut dots)
                             }
                             Blocks::Q6K => {

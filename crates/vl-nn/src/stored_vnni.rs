@@ -50,17 +50,32 @@ const fn lane_subblocks(q6: bool) -> [i32; 16] {
     }
     lanes
 }
-const Q4K_LANE_SUBBLOCK: [i32; 16] = lane_subblocks(false);
-/// Which of a Q8_K block's 16 sums (of 16 consecutive values) each lane of `Q4K_VNNI_ORDER`
-/// meets: a lane's 16 values are one such run.
-pub(super) const Q4K_LANE_SUMS: [usize; 16] = {
-    let mut lanes = [0usize; 16];
-    let mut l = 0;
-    while l < 16 {
-        lanes[l] = Q4K_VNNI_ORDER[4 * l] as usize / 16;
-        l += 1;
+/// The sub-blocks of a Q4_K block in the order `row_dots_vnni` sums them once a block's 16 lanes
+/// are folded to 8 (lane l added to lane l + 4, which sums the same sub-block: see
+/// `vnni_order`): folded lane i (< 4) is lane i's sub-block, lane 4 + i lane 8 + i's.
+pub(super) const Q4K_FOLDED: [usize; 8] = {
+    let lanes = lane_subblocks(false);
+    let mut folded = [0usize; 8];
+    let mut i = 0;
+    while i < 4 {
+        assert!(lanes[i] == lanes[i + 4] && lanes[i + 8] == lanes[i + 12]);
+        folded[i] = lanes[i] as usize;
+        folded[4 + i] = lanes[i + 8] as usize;
+        i += 1;
     }
-    lanes
+    folded
+};
+/// `vpermd` indices that put two weight rows' 8 sub-block scales (or mins), widened from their
+/// bytes side by side, in `Q4K_FOLDED` order: the first row's in lanes 0-7, the second's in 8-15.
+const Q4K_FOLDED_PAIR: [i32; 16] = {
+    let mut idx = [0i32; 16];
+    let mut i = 0;
+    while i < 8 {
+        idx[i] = Q4K_FOLDED[i] as i32;
+        idx[8 + i] = 8 + Q4K_FOLDED[i] as i32;
+        i += 1;
+    }
+    idx
 };
 pub(super) const Q6K_LANE_SUBBLOCK: [i32; 16] = lane_subblocks(true);
 
@@ -100,17 +115,19 @@ macro_rules! dots_pair {
 
 /// `row_dots` for two weight rows at once with AVX512-VNNI, on the layout of `vnni_order`: per
 /// block, weight row and input row, four `vpdpbusd` chained into one vector whose lanes each sum
-/// 16 values of one sub-block (at most 16 x 15 x 128), converted once and scaled per lane by
-/// d x the lane's sub-block scale x the input's block scale, less dmin x the lane's min x the
-/// input's sums for the lane (`Input::lane_sums`). Each load of the input meets both weight rows,
-/// and a row's sums are the same whichever row it is paired with. `row_dots` instead scales each
-/// pair of sub-blocks in i16 (`maddubs` + `madd` per 64 products), and its sums are grouped
-/// otherwise: a machine uses one kernel or the other for every row count, so each row stays bit
-/// for bit its product alone.
+/// 16 values of one sub-block (at most 16 x 15 x 128). The two weight rows' vectors are folded
+/// into one (each lane added to the lane of the same sub-block: `Q4K_FOLDED`, 8 lanes a weight
+/// row, exact in i32), converted once and scaled per lane by d x the sub-block's scale x the
+/// input's block scale, less dmin x the sub-block's min x the input's sum of the sub-block
+/// (`Input::folded_sums`): one conversion and three float operations per input row and block for
+/// both weight rows. Each load of the input meets both weight rows, and a weight row's lanes are
+/// its own whichever row it is paired with. `row_dots` instead scales each pair of sub-blocks in
+/// i16 (`maddubs` + `madd` per 64 products), and its sums are grouped otherwise: a machine uses one
+/// kernel or the other for every row count, so each row stays bit for bit its product alone.
 ///
 /// # Safety
 /// As for `row_dots` for each of `w` (with `re` in `Q4K_VNNI_ORDER` and `sums` an `Input`'s
-/// `lane_sums`), and the CPU has AVX512-VNNI.
+/// `folded_sums`), and the CPU has AVX512-VNNI.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn row_dots_vnni<const M: usize>(
@@ -125,35 +142,52 @@ pub(super) unsafe fn row_dots_vnni<const M: usize>(
     unsafe {
         use std::arch::x86_64::*;
         let low = _mm512_set1_epi8(0x0f);
-        let lane_subblock = _mm512_loadu_si512(Q4K_LANE_SUBBLOCK.as_ptr() as *const __m512i);
-        // Per input row, its two weight rows' accumulators.
-        let mut acc = [[_mm512_setzero_ps(); 2]; M];
+        let folded = _mm512_loadu_si512(Q4K_FOLDED_PAIR.as_ptr() as *const __m512i);
+        // Two weight rows' 8 bytes (scales or mins) as f32 in `Q4K_FOLDED_PAIR` order, times the
+        // rows' factors (d or dmin), the first row's in lanes 0-7.
+        let pair = |bytes: [u64; 2], f: [f32; 2]| {
+            let wide = _mm512_cvtepu8_epi32(_mm_set_epi64x(bytes[1] as i64, bytes[0] as i64));
+            let by = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(f[0]), _mm512_set1_ps(f[1]));
+            _mm512_mul_ps(by, _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(folded, wide)))
+        };
+        // Per input row, both weight rows' sums (lanes 0-7 and 8-15).
+        let mut acc = [_mm512_setzero_ps(); M];
         for b in 0..kb {
             let mut q = [[_mm512_setzero_si512(); 4]; 2];
-            let mut dsc = [_mm512_setzero_ps(); 2];
-            let mut dmn = [_mm512_setzero_ps(); 2];
+            let (mut d, mut dmin, mut sc, mut mn) = ([0f32; 2], [0f32; 2], [0u64; 2], [0u64; 2]);
             for j in 0..2 {
-                let (d, dmin, mn, sc16, q4) = q4k_block!(w[j].add(b * Q4K_BYTES), low);
+                let blk = w[j].add(b * Q4K_BYTES);
+                (d[j], dmin[j], sc[j], mn[j]) = q4k_head!(blk);
+                let mut q4 = [_mm512_setzero_si512(); 4];
+                for p in 0..2 {
+                    let bytes = _mm512_loadu_si512(blk.add(16 + 64 * p) as *const __m512i);
+                    q4[2 * p] = _mm512_and_si512(bytes, low);
+                    q4[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+                }
                 q[j] = transpose4!(q4);
-                let lanes = |v: __m512i| _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(lane_subblock, v));
-                dsc[j] = _mm512_mul_ps(_mm512_set1_ps(d), lanes(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(sc16))));
-                dmn[j] = _mm512_mul_ps(_mm512_set1_ps(dmin), lanes(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128(mn as i64))));
             }
+            let dsc = pair(sc, d);
+            let dmn = pair(mn, dmin);
             for (r, acc) in acc.iter_mut().enumerate() {
                 let i = r * kb + b;
                 let yd = _mm512_set1_ps(std::ptr::read_unaligned(q8.add(i * Q8K_BYTES) as *const f32));
                 let yq = re.add(i * QK);
                 let ys = _mm512_loadu_ps(sums.add(i * 16));
                 let sum = dots_pair!(q, yq);
-                for j in 0..2 {
-                    let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[j]), _mm512_mul_ps(dsc[j], yd), acc[j]);
-                    acc[j] = _mm512_fnmadd_ps(dmn[j], ys, a);
-                }
+                // 128-bit lanes 0 + 1 and 2 + 3 of each weight row's sums.
+                let (even, odd) =
+                    (_mm512_shuffle_i32x4(sum[0], sum[1], 0x88), _mm512_shuffle_i32x4(sum[0], sum[1], 0xdd));
+                let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(even, odd)), _mm512_mul_ps(dsc, yd), *acc);
+                *acc = _mm512_fnmadd_ps(dmn, ys, a);
             }
         }
         for (r, acc) in acc.iter().enumerate() {
-            for (j, &a) in acc.iter().enumerate() {
-                dots[j][r] = _mm512_reduce_add_ps(a);
+            let halves =
+                [_mm512_castps512_ps256(*acc), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(*acc), 1))];
+            for (j, h) in halves.into_iter().enumerate() {
+                let x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+                let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+                dots[j][r] = _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
             }
         }
     }
