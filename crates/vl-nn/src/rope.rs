@@ -3,9 +3,74 @@
 //! produce the half-width `cos`/`sin` tables ([positions, head_dim / 2]) that candle's
 //! `rotary_emb::rope` consumes (rotate-half layout: the table is duplicated across the halves).
 
-use candle_core::{Device, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 
 use crate::Result;
+
+/// candle's `rotary_emb::rope` (rotate-half) of `x` [b, heads, t, d] by `cos`/`sin` [t', d / 2]
+/// (t <= t'), with a few rows (a decode step's, up to `crate::norm::SERIAL_MAX` values) on the
+/// calling thread: candle spreads t > 1 over rayon's pool, whose hand-off costs more than the
+/// work there (see `crate::norm`). The same arithmetic, so bit for bit candle's.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+    let serial = matches!(x.device(), Device::Cpu)
+        && [x, cos, sin].iter().all(|t| t.dtype() == DType::F32 && t.is_contiguous())
+        && x.elem_count() <= crate::norm::SERIAL_MAX
+        && x.rank() == 4
+        && cos.rank() == 2
+        && cos.dims() == sin.dims()
+        && cos.dim(1)? * 2 == x.dim(3)?
+        && x.dim(2)? <= cos.dim(0)?;
+    if serial {
+        return x.apply_op3_no_bwd(cos, sin, &SerialRope);
+    }
+    candle_nn::rotary_emb::rope(x, cos, sin)
+}
+
+/// `rope` on the calling thread: candle's `RotaryEmb` loop for t >= 1.
+struct SerialRope;
+
+impl CustomOp3 for SerialRope {
+    fn name(&self) -> &'static str {
+        "rope-serial"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(x), CpuStorage::F32(cos), CpuStorage::F32(sin)) = (s1, s2, s3) else {
+            candle_core::bail!("rope-serial: f32 only");
+        };
+        let (Some((x0, x1)), Some((c0, c1)), Some((s0, s1))) =
+            (l1.contiguous_offsets(), l2.contiguous_offsets(), l3.contiguous_offsets())
+        else {
+            candle_core::bail!("rope-serial: contiguous tensors only");
+        };
+        let (x, cos, sin) = (&x[x0..x1], &cos[c0..c1], &sin[s0..s1]);
+        let (_, _, t, d) = l1.shape().dims4()?;
+        let half = d / 2;
+        if d == 0 || d % 2 != 0 || cos.len() < t * half || sin.len() < t * half {
+            candle_core::bail!("rope-serial: head dim {d}, {t} rows, tables of {} values", cos.len());
+        }
+        let mut out = vec![0f32; x.len()];
+        for (src, dst) in x.chunks_exact(t * d).zip(out.chunks_exact_mut(t * d)) {
+            for i_t in 0..t {
+                for i_d in 0..half {
+                    let (i1, i_cs) = (i_t * d + i_d, i_t * half + i_d);
+                    let i2 = i1 + half;
+                    dst[i1] = src[i1] * cos[i_cs] - src[i2] * sin[i_cs];
+                    dst[i2] = src[i1] * sin[i_cs] + src[i2] * cos[i_cs];
+                }
+            }
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
 
 /// Inverse frequencies `1 / theta^(2i / dim)` for `i < dim / 2`, in f32 as the reference computes them.
 pub fn inv_freq(dim: usize, theta: f64) -> Vec<f32> {
@@ -90,6 +155,25 @@ impl MultiAxisRope {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rope_of_a_few_rows_is_bit_for_bit_candles() {
+        // t = 4 runs here (candle takes t > 1 to rayon's pool), t = 1 too, and t = 600 x 16
+        // heads of 128 (more than SERIAL_MAX values) takes candle's own; cos/sin tables longer
+        // than t use their first t rows, as candle's do.
+        for (seed, (b, h, t, d), rows) in
+            [(1, (1, 16, 4, 128), 4), (2, (1, 8, 1, 64), 3), (3, (1, 16, 40, 128), 40), (4, (1, 2, 600, 128), 600)]
+        {
+            let x = crate::testing::randn(seed, 1.0, (b, h, t, d)).unwrap();
+            let cos = crate::testing::randn(seed + 10, 1.0, (rows, d / 2)).unwrap();
+            let sin = crate::testing::randn(seed + 20, 1.0, (rows, d / 2)).unwrap();
+            let a = rope(&x, &cos, &sin).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let want =
+                candle_nn::rotary_emb::rope(&x, &cos, &sin).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(a.iter().zip(&want).all(|(p, q)| p.to_bits() == q.to_bits()), "{:?}", (b, h, t, d));
+            assert_eq!(a.len(), want.len());
+        }
+    }
 
     #[test]
     fn inv_freq_of_dim_8() {

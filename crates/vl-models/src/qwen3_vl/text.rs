@@ -4,7 +4,8 @@
 //! visual positions after the first layers, final norm, lm_head (tied or not).
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{RmsNorm, VarBuilder};
+use candle_nn::VarBuilder;
+use vl_nn::RmsNorm;
 use vl_nn::{causal_gqa_attention, KvCache, MultiAxisRope, QEmbedding, QLinear, QuantType};
 
 use super::config::TextConfig;
@@ -21,7 +22,7 @@ const PREFILL_QUERY_BLOCK: usize = 512;
 /// f32 at load).
 fn rms_norm(dim: usize, eps: f64, vb: VarBuilder, unit_offset: bool) -> Result<RmsNorm> {
     if !unit_offset {
-        return Ok(candle_nn::rms_norm(dim, eps, vb)?);
+        return Ok(RmsNorm::load(dim, eps, vb)?);
     }
     let w = vb.get(dim, "weight")?;
     let w = (w.to_dtype(DType::F32)? + 1.0)?.to_dtype(w.dtype())?;
@@ -69,10 +70,10 @@ impl Attention {
     /// Rotates the first `rotary_dim` dims of `x` ([1, heads, rows, hd], contiguous).
     fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         if self.rotary_dim == self.head_dim {
-            return Ok(candle_nn::rotary_emb::rope(x, cos, sin)?);
+            return Ok(vl_nn::rope(x, cos, sin)?);
         }
         let r = self.rotary_dim;
-        let rot = candle_nn::rotary_emb::rope(&x.narrow(3, 0, r)?.contiguous()?, cos, sin)?;
+        let rot = vl_nn::rope(&x.narrow(3, 0, r)?.contiguous()?, cos, sin)?;
         Ok(Tensor::cat(&[&rot, &x.narrow(3, r, self.head_dim - r)?], 3)?.contiguous()?)
     }
 
