@@ -46,6 +46,8 @@ pub(crate) enum Op {
     PanelPacking,
     /// In-place vectorized GELU (tanh and erf); else candle's `gelu` / `gelu_erf`.
     Gelu,
+    /// SwiGLU's `silu(gate) * up` in one vectorized pass; else candle's `silu` and product.
+    SiluMul,
     /// The tiled transpose; else candle's `t().contiguous()`.
     Transpose,
     /// The bilinear position-embedding gather (`weighted_row_sum`); else candle's
@@ -64,13 +66,14 @@ pub(crate) enum Op {
 
 impl Op {
     #[cfg(test)]
-    pub(crate) const ALL: [Op; 12] = [
+    pub(crate) const ALL: [Op; 13] = [
         Op::SegmentAttention,
         Op::CausalAttention,
         Op::DecodeAttention,
         Op::DenseLinear,
         Op::PanelPacking,
         Op::Gelu,
+        Op::SiluMul,
         Op::Transpose,
         Op::RowGather,
         Op::Q4kQuantizer,
@@ -88,7 +91,7 @@ pub(crate) fn own_kernel(op: Op, kind: DeviceKind, dtype: DType) -> bool {
     }
     let float = matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
     match op {
-        Op::SegmentAttention | Op::CausalAttention | Op::DecodeAttention | Op::DenseLinear | Op::Gelu => {
+        Op::SegmentAttention | Op::CausalAttention | Op::DecodeAttention | Op::DenseLinear | Op::Gelu | Op::SiluMul => {
             dtype == DType::F32
         }
         Op::RowGather => dtype == DType::F32,
@@ -133,8 +136,15 @@ mod tests {
         for op in Op::ALL {
             assert!(own_kernel(op, DeviceKind::Cpu, DType::F32), "{op:?} f32");
         }
-        let f32_only =
-            [Op::SegmentAttention, Op::CausalAttention, Op::DecodeAttention, Op::DenseLinear, Op::Gelu, Op::RowGather];
+        let f32_only = [
+            Op::SegmentAttention,
+            Op::CausalAttention,
+            Op::DecodeAttention,
+            Op::DenseLinear,
+            Op::Gelu,
+            Op::SiluMul,
+            Op::RowGather,
+        ];
         for op in Op::ALL {
             for dtype in [DType::BF16, DType::F16] {
                 assert_eq!(own_kernel(op, DeviceKind::Cpu, dtype), !f32_only.contains(&op), "{op:?} {dtype:?}");

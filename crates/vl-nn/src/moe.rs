@@ -22,14 +22,14 @@ pub struct SwiGluExpert {
 
 impl SwiGluExpert {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = (candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?;
+        let h = crate::kernels::silu_mul(&self.gate.forward(x)?, &self.up.forward(x)?)?;
         self.down.forward(&h)
     }
 
     /// `forward` on the quantized weights' compact blocks as stored
     /// (`QLinear::forward_compact`): no repacked second copy of the expert.
     pub fn forward_compact(&self, x: &Tensor) -> Result<Tensor> {
-        let h = (candle_nn::ops::silu(&self.gate.forward_compact(x)?)? * self.up.forward_compact(x)?)?;
+        let h = crate::kernels::silu_mul(&self.gate.forward_compact(x)?, &self.up.forward_compact(x)?)?;
         self.down.forward_compact(&h)
     }
 

@@ -33,7 +33,7 @@ impl Mlp {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let [gate, up] = QLinear::forward_each([&self.gate, &self.up], x)?;
-        let h = (candle_nn::ops::silu(&gate)? * up)?;
+        let h = vl_nn::kernels::silu_mul(&gate, &up)?;
         Ok(self.down.forward(&h)?)
     }
 }

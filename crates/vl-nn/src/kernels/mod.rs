@@ -12,7 +12,7 @@
 //! AVX-512 strips, `TileKernel::Avx512Strips`, measured even with `gemm` there and so not its
 //! default); tiles run on candle's worker pool.
 //!
-//! Modules: `activation` (exp, GELU), `layout` (transpose), `gather` (weighted row sums),
+//! Modules: `activation` (exp, GELU, SwiGLU's product), `layout` (transpose), `gather` (weighted row sums),
 //! `tile` (shapes, `TileKernel`, scratch, the `gemm` tile loop), `softmax` (its online softmax
 //! step), `segment` and `causal` (the two attentions), `strips` (the AVX2 / AVX-512 strip tile
 //! kernels). The pointer and CPU-feature helpers they share are in `crate::cpu`.
@@ -28,6 +28,7 @@ mod softmax;
 mod strips;
 mod tile;
 
+pub use activation::silu_mul;
 pub(crate) use activation::{gelu_erf_tensor, gelu_slice, gelu_tanh_tensor};
 pub(crate) use causal::{causal_attention, KvRows};
 pub use gather::weighted_row_sum;
