@@ -212,8 +212,11 @@ struct Input {
     /// `row_dots_avx2`).
     pairs: Vec<i16>,
     /// With VNNI, for Q4_K weights: the block's scale x the sum of each sub-block's 32 values, in
-    /// `Q4K_FOLDED` order, twice (16 a block: the mins' term of both weight rows, `row_dots_vnni`).
+    /// `Q4K_FOLDED` order (8 a block: the mins' term, `row_dots_vnni`).
     folded_sums: Vec<f32>,
+    /// With VNNI: each block's scale, the rows' blocks in order (the VNNI kernels read it here,
+    /// a few lines, rather than one line of each Q8_K block).
+    scales: Vec<f32>,
     /// With VNNI, for Q6_K weights: each block's values in `Q6K_VNNI_ORDER`, and for each i32
     /// lane of that layout -32 x the block's scale x its sub-block's sum (the quants' offset;
     /// `q6k_dots_vnni`).
@@ -261,11 +264,11 @@ impl Input {
             }
             if vnni {
                 reorder(&Q4K_VNNI_ORDER, &mut reordered);
-                folded_sums.reserve(m * kb * 16);
+                folded_sums.reserve(m * kb * 8);
                 for blk in bytes.chunks_exact(Q8K_BYTES) {
                     let yd = d(blk);
                     let sub = |s: usize| yd * f32::from(sum16(blk, 2 * s) + sum16(blk, 2 * s + 1));
-                    folded_sums.extend(Q4K_FOLDED.iter().chain(&Q4K_FOLDED).map(|&s| sub(s)));
+                    folded_sums.extend(Q4K_FOLDED.iter().map(|&s| sub(s)));
                 }
             } else {
                 // Each Q8_K block's sums of its 8 sub-blocks of 32 (the mins' term; at most 32 x
@@ -298,7 +301,8 @@ impl Input {
                 offsets6.extend(Q6K_LANE_SUBBLOCK.iter().map(|&s| minus * f32::from(sum16(blk, s as usize))));
             }
         }
-        Input { m, q8, reordered, pairs, folded_sums, reordered6, offsets6 }
+        let scales = if vnni { bytes.chunks_exact(Q8K_BYTES).map(d).collect() } else { vec![] };
+        Input { m, q8, reordered, pairs, folded_sums, scales, reordered6, offsets6 }
     }
 }
 
@@ -395,17 +399,32 @@ fn matmul_each_on(
                     unsafe {
                         let at = |row: usize| blocks.as_ptr().add(row * kb * kind.bytes());
                         let q8 = q8.as_ptr().add(r0 * kb * Q8K_BYTES);
+                        let scales = x.scales.as_ptr().wrapping_add(r0 * kb);
                         match kind {
                             Blocks::Q4K => {
                                 let re = x.reordered.as_ptr().add(r0 * kb * QK);
                                 let pairs = x.pairs.as_ptr().wrapping_add(r0 * kb * 8);
-                                let sums = x.folded_sums.as_ptr().wrapping_add(r0 * kb * 16);
-                                row_dots_m([at(rows[0]), at(rows[1])], kb, (q8, re, pairs, sums), mr, kernel, &mut dots)
+                                let sums = x.folded_sums.as_ptr().wrapping_add(r0 * kb * 8);
+                                row_dots_m(
+                                    [at(rows[0]), at(rows[1])],
+                                    kb,
+                                    (q8, scales, re, pairs, sums),
+                                    mr,
+                                    kernel,
+                                    &mut dots,
+                                )
                             }
                             Blocks::Q6K => {
                                 let re = x.reordered6.as_ptr().wrapping_add(r0 * kb * QK);
                                 let offsets = x.offsets6.as_ptr().wrapping_add(r0 * kb * 16);
-                                q6k_dots_m([at(rows[0]), at(rows[1])], kb, (q8, re, offsets), mr, kernel, &mut dots)
+                                q6k_dots_m(
+                                    [at(rows[0]), at(rows[1])],
+                                    kb,
+                                    (q8, scales, re, offsets),
+                                    mr,
+                                    kernel,
+                                    &mut dots,
+                                )
                             }
                         }
                     };
@@ -510,7 +529,7 @@ unsafe fn row_dots<const M: usize>(
 unsafe fn row_dots_m(
     w: [*const u8; 2],
     kb: usize,
-    (q8, re, pairs, sums): (*const u8, *const i8, *const i16, *const f32),
+    (q8, scales, re, pairs, sums): (*const u8, *const f32, *const i8, *const i16, *const f32),
     m: usize,
     kernel: Kernel,
     dots: &mut [[f32; MAX_ROWS]; 2],
@@ -518,7 +537,7 @@ unsafe fn row_dots_m(
     // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
         if kernel == Kernel::Vnni {
-            return by_rows!(m, row_dots_vnni(w, kb, q8, re, sums, dots));
+            return by_rows!(m, row_dots_vnni(w, kb, scales, re, sums, dots));
         }
         let (w, dots) = (w[0], &mut dots[0]);
         if kernel == Kernel::Avx2 {
@@ -629,14 +648,14 @@ unsafe fn q6k_dots<const M: usize>(w: *const u8, kb: usize, q8: *const u8, dots:
 unsafe fn q6k_dots_m(
     w: [*const u8; 2],
     kb: usize,
-    (q8, re, offsets): (*const u8, *const i8, *const f32),
+    (q8, scales, re, offsets): (*const u8, *const f32, *const i8, *const f32),
     m: usize,
     kernel: Kernel,
     dots: &mut [[f32; MAX_ROWS]; 2],
 ) {
     // SAFETY: the operations below need no more than this function's `# Safety` contract.
     unsafe {
-        let x = (q8, re, offsets);
+        let x = (scales, re, offsets);
         if kernel == Kernel::Vnni {
             return by_rows!(m, q6k_dots_vnni(w, kb, x, dots));
         }
@@ -654,7 +673,7 @@ unsafe fn q6k_dots_m(
 unsafe fn q6k_dots_m(
     _w: [*const u8; 2],
     _kb: usize,
-    _q8: (*const u8, *const i8, *const f32),
+    _q8: (*const u8, *const f32, *const i8, *const f32),
     _m: usize,
     _kernel: Kernel,
     _dots: &mut [[f32; MAX_ROWS]; 2],
@@ -668,7 +687,7 @@ unsafe fn q6k_dots_m(
 unsafe fn row_dots_m(
     _w: [*const u8; 2],
     _kb: usize,
-    _q8: (*const u8, *const i8, *const i16, *const f32),
+    _q8: (*const u8, *const f32, *const i8, *const i16, *const f32),
     _m: usize,
     _kernel: Kernel,
     _dots: &mut [[f32; MAX_ROWS]; 2],

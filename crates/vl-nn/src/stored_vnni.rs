@@ -4,7 +4,7 @@
 
 use super::QK;
 #[cfg(target_arch = "x86_64")]
-use super::{scales_mins, FAR, MAX_ROWS, PREFETCH, Q4K_BYTES, Q6K_BYTES, Q8K_BYTES};
+use super::{scales_mins, FAR, MAX_ROWS, PREFETCH, Q4K_BYTES, Q6K_BYTES};
 
 /// The VNNI kernels' layout of a block's 256 products: four 64-byte vectors T_c (c = 0..4),
 /// each i32 lane of which holds 4 values of one sub-block, the same sub-block in all four, so one
@@ -119,21 +119,22 @@ macro_rules! dots_pair {
 /// into one (each lane added to the lane of the same sub-block: `Q4K_FOLDED`, 8 lanes a weight
 /// row, exact in i32), converted once and scaled per lane by d x the sub-block's scale x the
 /// input's block scale, less dmin x the sub-block's min x the input's sum of the sub-block
-/// (`Input::folded_sums`): one conversion and three float operations per input row and block for
-/// both weight rows. Each load of the input meets both weight rows, and a weight row's lanes are
+/// (`Input::folded_sums`, 8 a block, read into both halves): one conversion and three float
+/// operations per input row and block for both weight rows. Each load of the input meets both weight rows, and a weight row's lanes are
 /// its own whichever row it is paired with. `row_dots` instead scales each pair of sub-blocks in
 /// i16 (`maddubs` + `madd` per 64 products), and its sums are grouped otherwise: a machine uses one
 /// kernel or the other for every row count, so each row stays bit for bit its product alone.
 ///
 /// # Safety
-/// As for `row_dots` for each of `w` (with `re` in `Q4K_VNNI_ORDER` and `sums` an `Input`'s
-/// `folded_sums`), and the CPU has AVX512-VNNI.
+/// As for `row_dots` for each of `w`, with `scales`, `re` (`Q4K_VNNI_ORDER`) and `sums` an
+/// `Input`'s `scales`, `reordered` and `folded_sums` for its M x kb blocks, and the CPU has
+/// AVX512-VNNI.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn row_dots_vnni<const M: usize>(
     w: [*const u8; 2],
     kb: usize,
-    q8: *const u8,
+    scales: *const f32,
     re: *const i8,
     sums: *const f32,
     dots: &mut [[f32; MAX_ROWS]; 2],
@@ -170,9 +171,9 @@ pub(super) unsafe fn row_dots_vnni<const M: usize>(
             let dmn = pair(mn, dmin);
             for (r, acc) in acc.iter_mut().enumerate() {
                 let i = r * kb + b;
-                let yd = _mm512_set1_ps(std::ptr::read_unaligned(q8.add(i * Q8K_BYTES) as *const f32));
+                let yd = _mm512_set1_ps(*scales.add(i));
                 let yq = re.add(i * QK);
-                let ys = _mm512_loadu_ps(sums.add(i * 16));
+                let ys = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(sums.add(i * 8) as *const f64)));
                 let sum = dots_pair!(q, yq);
                 // 128-bit lanes 0 + 1 and 2 + 3 of each weight row's sums.
                 let (even, odd) =
@@ -201,14 +202,14 @@ pub(super) unsafe fn row_dots_vnni<const M: usize>(
 /// rows. Grouped otherwise than `q6k_dots`: a machine uses one or the other for every row count.
 ///
 /// # Safety
-/// As for `q6k_dots` for each of `w`, with `re` (`Q6K_VNNI_ORDER`) and `offsets` (16 a block)
-/// readable for the M x kb blocks, and the CPU has AVX512-VNNI.
+/// As for `q6k_dots` for each of `w`, with `scales` (an `Input`'s), `re` (`Q6K_VNNI_ORDER`) and
+/// `offsets` (16 a block) readable for the M x kb blocks, and the CPU has AVX512-VNNI.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn q6k_dots_vnni<const M: usize>(
     w: [*const u8; 2],
     kb: usize,
-    (q8, re, offsets): (*const u8, *const i8, *const f32),
+    (scales, re, offsets): (*const f32, *const i8, *const f32),
     dots: &mut [[f32; MAX_ROWS]; 2],
 ) {
     // SAFETY: the operations below need no more than this function's `# Safety` contract.
@@ -228,7 +229,7 @@ pub(super) unsafe fn q6k_dots_vnni<const M: usize>(
             }
             for (r, acc) in acc.iter_mut().enumerate() {
                 let i = r * kb + b;
-                let yd = _mm512_set1_ps(std::ptr::read_unaligned(q8.add(i * Q8K_BYTES) as *const f32));
+                let yd = _mm512_set1_ps(*scales.add(i));
                 let yq = re.add(i * QK);
                 let off = _mm512_loadu_ps(offsets.add(i * 16));
                 let sum = dots_pair!(q, yq);
