@@ -151,3 +151,22 @@ fn the_avx2_kernels_take_a_prompts_rows() {
         }
     }
 }
+
+#[test]
+fn the_reorders_agree() {
+    // The byte permutes (where this CPU has VBMI) against the byte loop, for both orders, on
+    // random Q8_K rows.
+    let k = 1024;
+    let xs = crate::testing::randn(41, 1.0, (3, k)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let mut q8 = vec![BlockQ8K::zeros(); 3 * k / QK];
+    for (row, blocks) in xs.chunks_exact(k).zip(q8.chunks_exact_mut(k / QK)) {
+        crate::q8k::quantize(row, blocks);
+    }
+    for order in [&Q4K_VNNI_ORDER, &Q6K_VNNI_ORDER] {
+        let (mut a, mut b) = (vec![0i8; q8.len() * QK], vec![0i8; q8.len() * QK]);
+        reorder_blocks(order, q8_bytes(&q8), &mut a);
+        reorder_scalar(order, q8_bytes(&q8), &mut b);
+        assert_eq!(a, b);
+        assert!(a.iter().any(|&v| v != 0));
+    }
+}

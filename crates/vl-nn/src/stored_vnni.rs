@@ -79,6 +79,41 @@ const Q4K_FOLDED_PAIR: [i32; 16] = {
 };
 pub(super) const Q6K_LANE_SUBBLOCK: [i32; 16] = lane_subblocks(true);
 
+/// `stored::reorder_blocks` with AVX512-VBMI: each output vector of 64 bytes is two
+/// two-table byte permutes (`vpermt2b`: values 0-127 and 128-255 by the index's low 7 bits)
+/// blended by the index's top bit.
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW and VBMI. Reads the whole Q8_K blocks of `bytes` (`Q8K_BYTES` each)
+/// and writes 256 bytes a block of `out`, as far as both reach.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+pub(super) unsafe fn reorder_vbmi(order: &[u8; QK], bytes: &[u8], out: &mut [i8]) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract: each
+    // block's values are bytes 4..260 of its Q8K_BYTES, and each output block is 256 bytes.
+    unsafe {
+        use std::arch::x86_64::*;
+        let mut idx = [_mm512_setzero_si512(); 4];
+        let mut high = [0u64; 4];
+        for c in 0..4 {
+            idx[c] = _mm512_loadu_si512(order.as_ptr().add(64 * c) as *const __m512i);
+            high[c] = _mm512_movepi8_mask(idx[c]);
+        }
+        for (blk, to) in bytes.chunks_exact(super::Q8K_BYTES).zip(out.chunks_exact_mut(QK)) {
+            let v = blk.as_ptr().add(4);
+            let t: [__m512i; 4] = std::array::from_fn(|i| _mm512_loadu_si512(v.add(64 * i) as *const __m512i));
+            for c in 0..4 {
+                let lo = _mm512_permutex2var_epi8(t[0], idx[c], t[1]);
+                let hi = _mm512_permutex2var_epi8(t[2], idx[c], t[3]);
+                _mm512_storeu_si512(
+                    to.as_mut_ptr().add(64 * c) as *mut __m512i,
+                    _mm512_mask_blend_epi8(high[c], lo, hi),
+                );
+            }
+        }
+    }
+}
+
 /// The 4 x 4 transpose of i32 within each 128-bit lane of four vectors: out[c]'s lane 4i + k is
 /// in[k]'s lane 4i + c (see `vnni_order`). A macro for the callers' `#[target_feature]` code.
 macro_rules! transpose4 {
