@@ -47,7 +47,7 @@ pub mod bf16 {
     pub use crate::cpu::amx_bf16 as tiles;
 }
 
-pub use attention::{causal_gqa_attention, SegmentRotaryAttention};
+pub use attention::{causal_gqa_attention, decode_attention_many, SegmentRotaryAttention};
 pub use delta_net::{DeltaNetShape, DeltaState, GatedDeltaNet};
 pub use error::{Error, Result};
 pub use kernels::delta::DeltaShape;

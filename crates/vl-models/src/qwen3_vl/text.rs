@@ -150,6 +150,8 @@ impl Attention {
             causal_gqa_attention(&q, &ck, &cv, PREFILL_QUERY_BLOCK)?
         } else {
             let mut outs = Vec::with_capacity(n);
+            // Decoding: each row's query and the keys and values it sees.
+            let mut rows = Vec::new();
             let mut at = 0;
             for (cache, &len) in caches.iter_mut().zip(lens) {
                 let (ck, cv) = cache.append(&k.narrow(1, at, len)?, &v.narrow(1, at, len)?)?;
@@ -165,11 +167,20 @@ impl Attention {
                 // time gives, so verification keeps exactly the answer decoding would write.
                 for j in 0..len {
                     let seen = total - len + j + 1;
-                    let qj = q.narrow(1, at + j, 1)?.contiguous()?;
-                    // [heads, 1, hd] each
-                    outs.push(causal_gqa_attention(&qj, &ck.narrow(1, 0, seen)?, &cv.narrow(1, 0, seen)?, 1)?);
+                    rows.push((q.narrow(1, at + j, 1)?.contiguous()?, ck.narrow(1, 0, seen)?, cv.narrow(1, 0, seen)?));
                 }
                 at += len;
+            }
+            // Every row of every sequence in one parallel region where the decode kernel
+            // applies (each [heads, 1, hd] as it alone gives), else one at a time.
+            let refs: Vec<(&Tensor, &Tensor, &Tensor)> = rows.iter().map(|(q, k, v)| (q, k, v)).collect();
+            match vl_nn::decode_attention_many(&refs)? {
+                Some(o) => outs.extend(o),
+                None => {
+                    for (qj, kj, vj) in &rows {
+                        outs.push(causal_gqa_attention(qj, kj, vj, 1)?);
+                    }
+                }
             }
             Tensor::cat(&outs, 1)?
         };

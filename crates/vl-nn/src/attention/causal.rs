@@ -244,6 +244,44 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_of_sequences_decodes_each_as_it_alone() {
+        // Three sequences of different lengths (one of them a single position), as f32 and f16
+        // caches with spare capacity: one region for all gives each sequence's decode alone bit
+        // for bit, and the plain formula.
+        for dtype in [DType::F32, DType::F16] {
+            let (heads, kv, d) = (16, 8, 128);
+            let mut caches: Vec<crate::KvCache> = (0..3).map(|_| crate::KvCache::in_dtype(dtype)).collect();
+            let mut items = Vec::new();
+            for (i, (cache, total)) in caches.iter_mut().zip([300usize, 1, 77]).enumerate() {
+                let k_all = crate::testing::randn(400 + i as u64, 1., (kv, total, d)).unwrap();
+                let v_all = crate::testing::randn(410 + i as u64, 1., (kv, total, d)).unwrap();
+                let (k, v) = cache.append(&k_all, &v_all).unwrap();
+                let q = crate::testing::randn(420 + i as u64, 1., (heads, 1, d)).unwrap();
+                let widen = |t: &Tensor| t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
+                let want = naive(&q, &widen(&k_all), &widen(&v_all));
+                items.push((q, k, v, want));
+            }
+            let refs: Vec<_> = items.iter().map(|(q, k, v, _)| (q, k, v)).collect();
+            let all = crate::decode_attention_many(&refs).unwrap().expect("the in-place path applies");
+            assert_eq!(all.len(), 3);
+            for (out, (q, k, v, want)) in all.iter().zip(&items) {
+                let alone = decode_attention(q, k, v).unwrap().unwrap();
+                let (a, b) = (
+                    out.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    alone.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
+                assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{dtype:?}");
+                assert!(max_diff(out, want) < 1e-5, "{dtype:?}");
+            }
+        }
+        assert!(crate::decode_attention_many(&[]).unwrap().unwrap().is_empty());
+        // A bf16 query: none, as for one sequence.
+        let q = crate::testing::randn(430, 1., (2, 1, 8)).unwrap().to_dtype(DType::BF16).unwrap();
+        let k = crate::testing::randn(431, 1., (1, 5, 8)).unwrap().to_dtype(DType::BF16).unwrap();
+        assert!(crate::decode_attention_many(&[(&q, &k, &k)]).unwrap().is_none());
+    }
+
+    #[test]
     fn a_half_precision_cache_is_read_as_its_widened_values() {
         // An f16 / bf16 cache (`KvCache::in_dtype`) under f32 queries: decode reads its rows in
         // place, a prompt's block widens them; both give the plain formula on the rounded values

@@ -63,60 +63,113 @@ unsafe fn load16<E: KvElem>(p: *const E) -> std::arch::x86_64::__m512 {
 /// f32, f16 or bf16 (both the same). None otherwise, or without unit-stride rows; the caller
 /// then takes the general path.
 pub(super) fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>> {
-    if !own_kernel_for(Op::DecodeAttention, &[q]) || !k.device().is_cpu() || k.dtype() != v.dtype() {
+    Ok(decode_attention_many(&[(q, k, v)])?.and_then(|mut o| o.pop()))
+}
+
+/// `decode_attention` for several sequences of one layer at once (a decode step's batch: each
+/// `(q, k, v)` one sequence's query rows `[heads, 1, d]` and its cache `[kv, total, d]`), every
+/// (sequence, KV head) a work item of one parallel region. Each output is bit for bit
+/// `decode_attention`'s for that sequence alone. None where any sequence would be.
+pub fn decode_attention_many(items: &[(&Tensor, &Tensor, &Tensor)]) -> Result<Option<Vec<Tensor>>> {
+    let Some(&(q0, k0, _)) = items.first() else { return Ok(Some(vec![])) };
+    let dtype = k0.dtype();
+    let fits = |(q, k, v): &(&Tensor, &Tensor, &Tensor)| {
+        own_kernel_for(Op::DecodeAttention, &[q, q0])
+            && k.device().is_cpu()
+            && k.dtype() == dtype
+            && v.dtype() == dtype
+            && q.dims().len() == 3
+            && k.dims().len() == 3
+            && q.dims()[1] == 1
+    };
+    if !items.iter().all(fits) {
         return Ok(None);
     }
-    match k.dtype() {
-        DType::F32 => decode_in::<f32>(q, k, v),
-        DType::F16 => decode_in::<f16>(q, k, v),
-        DType::BF16 => decode_in::<bf16>(q, k, v),
+    match dtype {
+        DType::F32 => decode_in::<f32>(items),
+        DType::F16 => decode_in::<f16>(items),
+        DType::BF16 => decode_in::<bf16>(items),
         _ => Ok(None),
     }
 }
 
-fn decode_in<E: KvElem>(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Option<Tensor>> {
-    let (heads, _, d) = q.dims3()?;
-    let (kv, total, _) = k.dims3()?;
-    let rep = heads / kv;
-    let q = q.contiguous()?;
-    let ((qs, ql), (ks, kl), (vs, vl)) = (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout());
-    let (Some(qs), Some(ks), Some(vs)) = (cpu_slice::<f32>(&qs), cpu_slice::<E>(&ks), cpu_slice::<E>(&vs)) else {
-        return Ok(None);
-    };
-    let (qo, ko, vo) = (ql.start_offset(), kl.start_offset(), vl.start_offset());
-    let (kst, vst) = (kl.stride(), vl.stride());
-    if kst[2] != 1 || vst[2] != 1 || (total > 1 && (kst[1] < d || vst[1] < d)) {
+/// One sequence's operands, checked: its query rows and cache read in place.
+struct Operands<'a, E> {
+    q: &'a [f32],
+    k: &'a [E],
+    v: &'a [E],
+    /// Element strides: between KV heads and between cached rows, of k and of v.
+    k_head: usize,
+    k_row: usize,
+    v_head: usize,
+    v_row: usize,
+    total: usize,
+}
+
+fn decode_in<E: KvElem>(items: &[(&Tensor, &Tensor, &Tensor)]) -> Result<Option<Vec<Tensor>>> {
+    let (heads, _, d) = items[0].0.dims3()?;
+    let kv = items[0].1.dim(0)?;
+    if kv == 0 || heads % kv != 0 {
         return Ok(None);
     }
-    let (k_head, k_row, v_head, v_row) = (kst[0], kst[1], vst[0], vst[1]);
-    let last = |o: usize, hs: usize, rs: usize| o + (kv - 1) * hs + (total - 1) * rs + d;
-    if last(ko, k_head, k_row) > ks.len() || last(vo, v_head, v_row) > vs.len() || qo + heads * d > qs.len() {
-        return Ok(None);
+    let rep = heads / kv;
+    let qs: Vec<Tensor> = items.iter().map(|(q, _, _)| q.contiguous()).collect::<candle_core::Result<_>>()?;
+    let guards: Vec<_> = items
+        .iter()
+        .zip(&qs)
+        .map(|((_, k, v), q)| (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout()))
+        .collect();
+    let mut seqs = Vec::with_capacity(items.len());
+    for (((qs, ql), (ks, kl), (vs, vl)), (q, k, _)) in guards.iter().zip(items) {
+        let (Some(qs), Some(ks), Some(vs)) = (cpu_slice::<f32>(qs), cpu_slice::<E>(ks), cpu_slice::<E>(vs)) else {
+            return Ok(None);
+        };
+        let (kv_k, total, dk) = k.dims3()?;
+        if q.dims3()? != (heads, 1, d) || kv_k != kv || dk != d {
+            return Ok(None);
+        }
+        let (qo, ko, vo) = (ql.start_offset(), kl.start_offset(), vl.start_offset());
+        let (kst, vst) = (kl.stride(), vl.stride());
+        if kst[2] != 1 || vst[2] != 1 || (total > 1 && (kst[1] < d || vst[1] < d)) {
+            return Ok(None);
+        }
+        let (k_head, k_row, v_head, v_row) = (kst[0], kst[1], vst[0], vst[1]);
+        let last = |o: usize, hs: usize, rs: usize| o + (kv - 1) * hs + (total.max(1) - 1) * rs + d;
+        if last(ko, k_head, k_row) > ks.len() || last(vo, v_head, v_row) > vs.len() || qo + heads * d > qs.len() {
+            return Ok(None);
+        }
+        seqs.push(Operands { q: &qs[qo..], k: &ks[ko..], v: &vs[vo..], k_head, k_row, v_head, v_row, total });
     }
     let scale = 1.0 / (d as f32).sqrt();
-    let mut out = vec![0f32; heads * d];
-    let out_ptr = SendPtr(out.as_mut_ptr());
-    candle_core::utils::barrier_pool().execute_chunked(kv, |range| {
+    let most = seqs.iter().map(|s| s.total).max().unwrap_or(0);
+    let mut outs: Vec<Vec<f32>> = seqs.iter().map(|_| vec![0f32; heads * d]).collect();
+    let ptrs: Vec<SendPtr<f32>> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
+    candle_core::utils::barrier_pool().execute_chunked(seqs.len() * kv, |range| {
         // Each query row's scores, then (AVX-512 kernel) each row's softmax sum.
-        let mut scores = vec![0f32; rep * (total + 1)];
-        for g in range {
+        let mut scores = vec![0f32; rep * (most + 1)];
+        for item in range {
+            let (s, g) = (&seqs[item / kv], item % kv);
             let group = DecodeGroup {
-                q: &qs[qo + g * rep * d..qo + (g + 1) * rep * d],
-                k: &ks[ko + g * k_head..],
-                k_row,
-                v: &vs[vo + g * v_head..],
-                v_row,
-                total,
+                q: &s.q[g * rep * d..(g + 1) * rep * d],
+                k: &s.k[g * s.k_head..],
+                k_row: s.k_row,
+                v: &s.v[g * s.v_head..],
+                v_row: s.v_row,
+                total: s.total,
                 d,
                 rep,
                 scale,
             };
-            // SAFETY: work items are distinct KV heads, writing disjoint rows of `out`.
-            let og = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(g * rep * d), rep * d) };
+            // SAFETY: work items are distinct (sequence, KV head) pairs, writing disjoint rows of
+            // their sequence's output.
+            let og = unsafe { std::slice::from_raw_parts_mut(ptrs[item / kv].get().add(g * rep * d), rep * d) };
             decode_group(&group, &mut scores, og);
         }
     });
-    Ok(Some(Tensor::from_vec(out, (heads, 1, d), q.device())?))
+    let device = items[0].0.device();
+    let outs =
+        outs.into_iter().map(|o| Tensor::from_vec(o, (heads, 1, d), device)).collect::<candle_core::Result<_>>()?;
+    Ok(Some(outs))
 }
 
 /// One KV head's decode work: its `rep` query rows, its cached key and value rows (`total` of

@@ -14,4 +14,5 @@ mod decode;
 mod segment;
 
 pub use causal::causal_gqa_attention;
+pub use decode::decode_attention_many;
 pub use segment::SegmentRotaryAttention;
