@@ -7,7 +7,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Module, Shape, Tensor};
 
-/// The most values a call of `RmsNorm` or `crate::rope::rope` computes on the calling thread
+/// The most values a call of `RmsNorm` (and of the rotary embedding) computes on the calling thread
 /// (64 Ki: 32 rows of 2048, or 512 heads' rows of 128).
 pub(crate) const SERIAL_MAX: usize = 1 << 16;
 
