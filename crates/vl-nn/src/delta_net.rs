@@ -163,13 +163,25 @@ impl GatedDeltaNet {
         let mut windows = Vec::with_capacity(segments.len());
         let mut rules = Vec::with_capacity(segments.len());
         let mut trail_windows: Vec<Vec<Vec<f32>>> = Vec::with_capacity(segments.len());
+        // The rule states read in place where they are CPU f32 and contiguous (the kernel copies
+        // each head into the new state where it runs it), else copied here.
+        let guards: Vec<_> = states.iter().map(|st| st.map(|(_, s)| s.storage_and_layout())).collect();
+        let from: Vec<Option<&[f32]>> = guards
+            .iter()
+            .map(|g| {
+                let (storage, layout) = g.as_ref()?;
+                let (a, b) = layout.contiguous_offsets()?;
+                crate::cpu::cpu_slice::<f32>(storage).and_then(|v| v.get(a..b)).filter(|v| v.len() == r.state_len())
+            })
+            .collect();
         let mut start = 0;
-        for (&n, state) in segments.iter().zip(states) {
+        for ((&n, state), from) in segments.iter().zip(states).zip(&from) {
             let (mut win, rule) = match state {
+                Some((w, _)) if from.is_some() => (floats(w)?, vec![]),
                 Some((w, s)) => (floats(w)?, floats(s)?),
                 None => (vec![0f32; win_len], vec![0f32; r.state_len()]),
             };
-            if win.len() != win_len || rule.len() != r.state_len() {
+            if win.len() != win_len || (from.is_none() && rule.len() != r.state_len()) {
                 return Err(Error::Shape {
                     layer: "GatedDeltaNet",
                     message: format!(
@@ -223,7 +235,9 @@ impl GatedDeltaNet {
         }
         let mut o = vec![0f32; rows * vw];
         let mut trails: Vec<Vec<Vec<f32>>> = keep.iter().map(|&m| vec![vec![0f32; r.state_len()]; m]).collect();
-        gated_delta_rule_trail(r, segments, &q, &k, &v, &g, &beta, &mut rules, &mut o, &mut trails);
+        gated_delta_rule_trail(r, segments, &q, &k, &v, &g, &beta, (&from, &mut rules), &mut o, &mut trails);
+        drop(from);
+        drop(guards);
         // Gated RMSNorm per head: norm(o) * weight * silu(z).
         for (oh, zh) in o.chunks_exact_mut(r.v_dim).zip(z.chunks_exact(r.v_dim)) {
             let inv = 1.0 / (oh.iter().map(|x| x * x).sum::<f32>() / r.v_dim as f32 + self.eps).sqrt();

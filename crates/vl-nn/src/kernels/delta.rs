@@ -46,13 +46,18 @@ pub fn gated_delta_rule(
     out: &mut [f32],
 ) {
     let mut none: Vec<Vec<Vec<f32>>> = vec![Vec::new(); segments.len()];
-    gated_delta_rule_trail(shape, segments, q, k, v, g, beta, states, out, &mut none);
+    let from = vec![None; segments.len()];
+    gated_delta_rule_trail(shape, segments, q, k, v, g, beta, (&from, states), out, &mut none);
 }
 
 /// `gated_delta_rule`, also keeping the states after rows before each sequence's last: for
 /// sequence `s`, `trails[s]` (`t` < `segments[s]` buffers of `state_len()` floats) receives the
 /// states after its rows `segments[s] - 1 - t .. segments[s] - 1`, in order (the state after its
 /// last row is `states[s]`). Drafted tokens verified in one pass are so taken back to any of them.
+/// Where `from[s]` is given (`state_len()` floats: a state kept elsewhere, read in place),
+/// sequence `s` starts from it instead and `states[s]` is replaced by its new state: each work
+/// item copies its head in (the copy made where the head is used, on every core, rather than
+/// the whole state up front on one).
 #[allow(clippy::too_many_arguments)]
 pub fn gated_delta_rule_trail(
     shape: DeltaShape,
@@ -62,17 +67,28 @@ pub fn gated_delta_rule_trail(
     v: &[f32],
     g: &[f32],
     beta: &[f32],
-    states: &mut [Vec<f32>],
+    (from, states): (&[Option<&[f32]>], &mut [Vec<f32>]),
     out: &mut [f32],
     trails: &mut [Vec<Vec<f32>>],
 ) {
     let DeltaShape { k_heads, v_heads, k_dim, v_dim, tiled } = shape;
+    assert!(from.len() == states.len() && from.iter().all(|f| f.is_none_or(|f| f.len() == shape.state_len())));
+    for (f, st) in from.iter().zip(states.iter_mut()) {
+        if f.is_some() {
+            // Written whole below, head by head, before it is read.
+            *st = Vec::with_capacity(shape.state_len());
+        }
+    }
     let rows: usize = segments.iter().sum();
     let (kw, vw) = (k_heads * k_dim, v_heads * v_dim);
     assert!(k_heads > 0 && v_heads.is_multiple_of(k_heads) && states.len() == segments.len());
     assert!(q.len() == rows * kw && k.len() == rows * kw && v.len() == rows * vw && out.len() == rows * vw);
     assert!(g.len() == rows * v_heads && beta.len() == rows * v_heads);
-    assert!(states.iter().all(|s| s.len() == shape.state_len()));
+    assert!(states.iter().zip(from).all(|(s, f)| if f.is_some() {
+        s.capacity() >= shape.state_len()
+    } else {
+        s.len() == shape.state_len()
+    }));
     assert!(trails.len() == segments.len());
     let kept: Vec<usize> = trails.iter().map(Vec::len).collect();
     assert!(trails
@@ -93,9 +109,18 @@ pub fn gated_delta_rule_trail(
             let (s, h) = (item / v_heads, item % v_heads);
             let kh = if tiled { h % k_heads } else { h / rep };
             // SAFETY: item (s, h) alone reads and writes head h of sequence s's state (a
-            // `head_len` slice of a vector of `v_heads * head_len` floats, asserted above) and
+            // `head_len` slice of a vector of `v_heads * head_len` floats, or of that capacity
+            // when `from[s]` is given, whose head h it first copies in: both asserted above) and
             // the `v_dim` outputs of head h in its sequence's rows (inside `out`, asserted above).
-            let st = unsafe { std::slice::from_raw_parts_mut(state_ptrs[s].get().add(h * head_len), head_len) };
+            let st = unsafe {
+                let at = state_ptrs[s].get().add(h * head_len);
+                if let Some(old) = from[s] {
+                    // Into the new state's (allocated, not yet initialized) head, before any
+                    // reference to it is made.
+                    std::ptr::copy_nonoverlapping(old.as_ptr().add(h * head_len), at, head_len);
+                }
+                std::slice::from_raw_parts_mut(at, head_len)
+            };
             for t in starts[s]..starts[s] + segments[s] {
                 let qt = &q[t * kw + kh * k_dim..][..k_dim];
                 let kt = &k[t * kw + kh * k_dim..][..k_dim];
@@ -118,6 +143,13 @@ pub fn gated_delta_rule_trail(
             }
         },
     );
+    for (f, st) in from.iter().zip(states.iter_mut()) {
+        if f.is_some() {
+            // SAFETY: every head of the new state was written above (items cover every
+            // (sequence, head) pair), within its capacity of state_len() floats.
+            unsafe { st.set_len(shape.state_len()) };
+        }
+    }
 }
 
 /// One position of one head: `s` [k_dim, v_dim] decayed, corrected toward `v` along `k`, read
@@ -277,7 +309,7 @@ mod tests {
         let mut states = vec![s0.clone(), s0.clone()];
         let mut out = vec![0f32; n * 20];
         let mut trails = vec![vec![vec![0f32; sh.state_len()]; 3], vec![]];
-        gated_delta_rule_trail(sh, &[5, 3], &q, &k, &v, &g, &b, &mut states, &mut out, &mut trails);
+        gated_delta_rule_trail(sh, &[5, 3], &q, &k, &v, &g, &b, (&[None, None], &mut states), &mut out, &mut trails);
         for (j, row) in (1..4).enumerate() {
             let mut want = s0.clone();
             naive(sh, row + 1, &q, &k, &v, &g, &b, &mut want);
@@ -288,6 +320,17 @@ mod tests {
         let mut plain = vec![s0.clone(), s0];
         let mut out2 = vec![0f32; n * 20];
         gated_delta_rule(sh, &[5, 3], &q, &k, &v, &g, &b, &mut plain, &mut out2);
-        assert_eq!((plain, out2), (states, out), "keeping a trail changes nothing else");
+        assert_eq!((plain, out2), (states.clone(), out.clone()), "keeping a trail changes nothing else");
+        // Started from states read in place (the second sequence only, and both): the same
+        // bits, the sources untouched.
+        let (src0, src1) = (rnd(sh.state_len(), 16), rnd(sh.state_len(), 16));
+        for from in [[None, Some(&src1[..])], [Some(&src0[..]), Some(&src1[..])]] {
+            let mut fresh = vec![if from[0].is_some() { vec![] } else { src0.clone() }, vec![7.0; 3]];
+            let mut out3 = vec![0f32; n * 20];
+            let mut trails3 = vec![vec![vec![0f32; sh.state_len()]; 3], vec![]];
+            gated_delta_rule_trail(sh, &[5, 3], &q, &k, &v, &g, &b, (&from, &mut fresh), &mut out3, &mut trails3);
+            assert_eq!((&fresh, &out3, &trails3), (&states, &out, &trails));
+        }
+        assert_eq!(src0, rnd(sh.state_len(), 16));
     }
 }
