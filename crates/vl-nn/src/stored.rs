@@ -428,7 +428,7 @@ fn matmul_each_on(
                         let scales = x.scales.as_ptr().wrapping_add(r0 * kb);
                         match kind {
                             Blocks::Q4K => {
-                                let re = x.reordered.as_ptr().add(r0 * kb * QK);
+                                let re = x.reordered.as_ptr().wrapping_add(r0 * kb * QK);
                                 let pairs = x.pairs.as_ptr().wrapping_add(r0 * kb * 8);
                                 let sums = x.folded_sums.as_ptr().wrapping_add(r0 * kb * 8);
                                 row_dots_m(

@@ -120,12 +120,12 @@ fn decode_in<E: KvElem>(items: &[(&Tensor, &Tensor, &Tensor)]) -> Result<Option<
         .map(|((_, k, v), q)| (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout()))
         .collect();
     let mut seqs = Vec::with_capacity(items.len());
-    for (((qs, ql), (ks, kl), (vs, vl)), (q, k, _)) in guards.iter().zip(items) {
+    for (((qs, ql), (ks, kl), (vs, vl)), (q, k, v)) in guards.iter().zip(items) {
         let (Some(qs), Some(ks), Some(vs)) = (cpu_slice::<f32>(qs), cpu_slice::<E>(ks), cpu_slice::<E>(vs)) else {
             return Ok(None);
         };
         let (kv_k, total, dk) = k.dims3()?;
-        if q.dims3()? != (heads, 1, d) || kv_k != kv || dk != d {
+        if q.dims3()? != (heads, 1, d) || kv_k != kv || dk != d || total == 0 || v.dims() != [kv, total, d] {
             return Ok(None);
         }
         let (qo, ko, vo) = (ql.start_offset(), kl.start_offset(), vl.start_offset());

@@ -73,22 +73,12 @@ pub fn gated_delta_rule_trail(
 ) {
     let DeltaShape { k_heads, v_heads, k_dim, v_dim, tiled } = shape;
     assert!(from.len() == states.len() && from.iter().all(|f| f.is_none_or(|f| f.len() == shape.state_len())));
-    for (f, st) in from.iter().zip(states.iter_mut()) {
-        if f.is_some() {
-            // Written whole below, head by head, before it is read.
-            *st = Vec::with_capacity(shape.state_len());
-        }
-    }
     let rows: usize = segments.iter().sum();
     let (kw, vw) = (k_heads * k_dim, v_heads * v_dim);
     assert!(k_heads > 0 && v_heads.is_multiple_of(k_heads) && states.len() == segments.len());
     assert!(q.len() == rows * kw && k.len() == rows * kw && v.len() == rows * vw && out.len() == rows * vw);
     assert!(g.len() == rows * v_heads && beta.len() == rows * v_heads);
-    assert!(states.iter().zip(from).all(|(s, f)| if f.is_some() {
-        s.capacity() >= shape.state_len()
-    } else {
-        s.len() == shape.state_len()
-    }));
+    assert!(states.iter().zip(from).all(|(s, f)| f.is_some() || s.len() == shape.state_len()));
     assert!(trails.len() == segments.len());
     let kept: Vec<usize> = trails.iter().map(Vec::len).collect();
     assert!(trails
@@ -99,6 +89,12 @@ pub fn gated_delta_rule_trail(
         trails.iter_mut().map(|t| t.iter_mut().map(|e| SendPtr(e.as_mut_ptr())).collect()).collect();
     let starts: Vec<usize> = segments.iter().scan(0, |acc, &n| Some(std::mem::replace(acc, *acc + n))).collect();
     let rep = v_heads / k_heads;
+    for (f, st) in from.iter().zip(states.iter_mut()) {
+        if f.is_some() {
+            // Written whole below, head by head, before it is read.
+            *st = Vec::with_capacity(shape.state_len());
+        }
+    }
     let state_ptrs: Vec<SendPtr<f32>> = states.iter_mut().map(|s| SendPtr(s.as_mut_ptr())).collect();
     let out_ptr = SendPtr(out.as_mut_ptr());
     let head_len = k_dim * v_dim;
