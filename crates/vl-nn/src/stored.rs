@@ -300,38 +300,6 @@ impl Input {
     }
 }
 
-/// Each Q8_K block's 256 values (of `bytes`, whole blocks) into `out` (256 a block) in
-/// `order`: `out[o] = values[order[o]]`. With AVX512-VBMI, four byte permutes of two tables
-/// each a block (`vnni::reorder_vbmi`); else byte by byte.
-fn reorder_blocks(order: &[u8; QK], bytes: &[u8], out: &mut [i8]) {
-    #[cfg(target_arch = "x86_64")]
-    if kernel() == Some(Kernel::Vnni) && vbmi() {
-        // SAFETY: the CPU has AVX-512 F/BW (the VNNI kernel's check) and VBMI (checked above);
-        // the function reads whole blocks of `bytes` and writes as many of `out`.
-        unsafe { reorder_vbmi(order, bytes, out) };
-        return;
-    }
-    reorder_scalar(order, bytes, out);
-}
-
-/// `reorder_blocks` byte by byte.
-fn reorder_scalar(order: &[u8; QK], bytes: &[u8], out: &mut [i8]) {
-    for (blk, to) in bytes.chunks_exact(Q8K_BYTES).zip(out.chunks_exact_mut(QK)) {
-        // A u8 index into 256 values: no bounds checks in the loop.
-        let values: &[u8; QK] = blk[4..4 + QK].try_into().expect("a Q8_K block holds 256 values");
-        for (o, &v) in to.iter_mut().zip(order) {
-            *o = values[v as usize] as i8;
-        }
-    }
-}
-
-/// Whether this CPU has AVX512-VBMI (byte permutes), asked once.
-#[cfg(target_arch = "x86_64")]
-fn vbmi() -> bool {
-    static VBMI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *VBMI.get_or_init(|| is_x86_feature_detected!("avx512vbmi"))
-}
-
 /// The bytes of Q8_K blocks.
 fn q8_bytes(q8: &[BlockQ8K]) -> &[u8] {
     // SAFETY: BlockQ8K is `#[repr(C)]` of exactly Q8K_BYTES (candle asserts its size); its bytes

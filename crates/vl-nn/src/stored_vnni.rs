@@ -1,6 +1,6 @@
-//! The AVX512-VNNI kernels of `stored` (its child: `q4k_block!` and `q6k_block!` come from
-//! there): the layout where each i32 lane of a `vpdpbusd` sum holds one sub-block, and the Q4_K
-//! and Q6_K products of two weight rows at once on it.
+//! The AVX512-VNNI kernels of `stored` and the reorder of their inputs (its child: `q4k_block!`
+//! and `q6k_block!` come from there): the layout where each i32 lane of a `vpdpbusd` sum holds
+//! one sub-block, and the Q4_K and Q6_K products of two weight rows at once on it.
 
 use super::QK;
 #[cfg(target_arch = "x86_64")]
@@ -79,7 +79,39 @@ const Q4K_FOLDED_PAIR: [i32; 16] = {
 };
 pub(super) const Q6K_LANE_SUBBLOCK: [i32; 16] = lane_subblocks(true);
 
-/// `stored::reorder_blocks` with AVX512-VBMI: each output vector of 64 bytes is two
+/// Each Q8_K block's 256 values (of `bytes`, whole blocks) into `out` (256 a block) in
+/// `order`: `out[o] = values[order[o]]`. With AVX512-VBMI, four byte permutes of two tables
+/// each a block (`reorder_vbmi`); else byte by byte.
+pub(super) fn reorder_blocks(order: &[u8; QK], bytes: &[u8], out: &mut [i8]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::kernel() == Some(super::Kernel::Vnni) && vbmi() {
+        // SAFETY: the CPU has AVX-512 F/BW (the VNNI kernel's check) and VBMI (checked above);
+        // the function reads whole blocks of `bytes` and writes as many of `out`.
+        unsafe { reorder_vbmi(order, bytes, out) };
+        return;
+    }
+    reorder_scalar(order, bytes, out);
+}
+
+/// `reorder_blocks` byte by byte.
+pub(super) fn reorder_scalar(order: &[u8; QK], bytes: &[u8], out: &mut [i8]) {
+    for (blk, to) in bytes.chunks_exact(super::Q8K_BYTES).zip(out.chunks_exact_mut(QK)) {
+        // A u8 index into 256 values: no bounds checks in the loop.
+        let values: &[u8; QK] = blk[4..4 + QK].try_into().expect("a Q8_K block holds 256 values");
+        for (o, &v) in to.iter_mut().zip(order) {
+            *o = values[v as usize] as i8;
+        }
+    }
+}
+
+/// Whether this CPU has AVX512-VBMI (byte permutes), asked once.
+#[cfg(target_arch = "x86_64")]
+fn vbmi() -> bool {
+    static VBMI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *VBMI.get_or_init(|| is_x86_feature_detected!("avx512vbmi"))
+}
+
+/// `reorder_blocks` with AVX512-VBMI: each output vector of 64 bytes is two
 /// two-table byte permutes (`vpermt2b`: values 0-127 and 128-255 by the index's low 7 bits)
 /// blended by the index's top bit.
 ///
