@@ -105,6 +105,17 @@ pub(crate) fn cpu_f32(s: &candle_core::Storage) -> Option<&[f32]> {
     cpu_slice(s)
 }
 
+/// A custom op's f32 operand as its contiguous values, else an error naming `op`.
+pub(crate) fn contiguous_f32<'a>(
+    s: &'a candle_core::CpuStorage,
+    l: &candle_core::Layout,
+    op: &str,
+) -> candle_core::Result<&'a [f32]> {
+    let candle_core::CpuStorage::F32(v) = s else { candle_core::bail!("{op}: f32 only") };
+    let Some((a, b)) = l.contiguous_offsets() else { candle_core::bail!("{op}: contiguous tensors only") };
+    Ok(&v[a..b])
+}
+
 /// A CPU storage's elements as `E`, if it holds that type.
 pub(crate) fn cpu_slice<E: candle_core::WithDType>(s: &candle_core::Storage) -> Option<&[E]> {
     match s {

@@ -7,6 +7,8 @@
 
 use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Module, Shape, Tensor};
 
+use crate::cpu::contiguous_f32;
+
 /// The most values a call of `RmsNorm` (and of the rotary embedding) computes on the calling thread
 /// (64 Ki: 32 rows of 2048, or 512 heads' rows of 128).
 pub(crate) const SERIAL_MAX: usize = 1 << 16;
@@ -73,13 +75,8 @@ impl CustomOp2 for Serial {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(x), CpuStorage::F32(w)) = (s1, s2) else {
-            candle_core::bail!("rms-norm-serial: f32 only");
-        };
-        let (Some((x0, x1)), Some((w0, w1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
-            candle_core::bail!("rms-norm-serial: contiguous tensors only");
-        };
-        let (x, w) = (&x[x0..x1], &w[w0..w1]);
+        let name = self.name();
+        let (x, w) = (contiguous_f32(s1, l1, name)?, contiguous_f32(s2, l2, name)?);
         let n = w.len();
         if n == 0 || !x.len().is_multiple_of(n) {
             candle_core::bail!("rms-norm-serial: {} values in rows of {n}", x.len());

@@ -5,6 +5,7 @@
 
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 
+use crate::cpu::contiguous_f32;
 use crate::Result;
 
 /// candle's `rotary_emb::rope` (rotate-half) of `x` [b, heads, t, d] by `cos`/`sin` [t', d / 2]
@@ -43,15 +44,9 @@ impl CustomOp3 for SerialRope {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(x), CpuStorage::F32(cos), CpuStorage::F32(sin)) = (s1, s2, s3) else {
-            candle_core::bail!("rope-serial: f32 only");
-        };
-        let (Some((x0, x1)), Some((c0, c1)), Some((s0, s1))) =
-            (l1.contiguous_offsets(), l2.contiguous_offsets(), l3.contiguous_offsets())
-        else {
-            candle_core::bail!("rope-serial: contiguous tensors only");
-        };
-        let (x, cos, sin) = (&x[x0..x1], &cos[c0..c1], &sin[s0..s1]);
+        let name = self.name();
+        let x = contiguous_f32(s1, l1, name)?;
+        let (cos, sin) = (contiguous_f32(s2, l2, name)?, contiguous_f32(s3, l3, name)?);
         let (_, _, t, d) = l1.shape().dims4()?;
         let half = d / 2;
         if d == 0 || d % 2 != 0 || cos.len() < t * half || sin.len() < t * half {

@@ -5,7 +5,7 @@
 use candle_core::Tensor;
 use multiversion::multiversion;
 
-use crate::cpu::SendPtr;
+use crate::cpu::{contiguous_f32, SendPtr};
 use crate::dispatch::{own_kernel, DeviceKind, Op};
 
 /// `e^x` to about 2 ulp for |x| <= 87 (clamped outside: `exp(-inf)` is ~1e-38, not 0, and large
@@ -67,23 +67,24 @@ fn gelu_erf(x: f32) -> f32 {
 
 /// Applies `gelu_tanh` to every value, in place, on candle's worker pool.
 fn gelu_tanh_inplace(values: &mut [f32]) {
-    map_chunks(values, gelu_slice);
+    map_chunks(values, |_, v| gelu_slice(v));
 }
 
 /// Applies `gelu_erf` to every value, in place, on candle's worker pool.
 fn gelu_erf_inplace(values: &mut [f32]) {
-    map_chunks(values, gelu_erf_slice);
+    map_chunks(values, |_, v| gelu_erf_slice(v));
 }
 
-/// Runs `f` over 16 Ki-value chunks of `values` on candle's worker pool.
-fn map_chunks(values: &mut [f32], f: fn(&mut [f32])) {
+/// Runs `f(start, chunk)` over 16 Ki-value chunks of `values` (`start`: the chunk's offset in
+/// `values`) on candle's worker pool.
+fn map_chunks(values: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
     const CHUNK: usize = 1 << 14;
     let n = values.len();
     let ptr = SendPtr(values.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(CHUNK), |range| {
         let (start, end) = (range.start * CHUNK, (range.end * CHUNK).min(n));
         // SAFETY: work items are disjoint ranges of `values`, alive for the whole call.
-        f(unsafe { std::slice::from_raw_parts_mut(ptr.get().add(start), end - start) });
+        f(start, unsafe { std::slice::from_raw_parts_mut(ptr.get().add(start), end - start) });
     });
 }
 
@@ -159,29 +160,17 @@ impl candle_core::CustomOp2 for SiluMul {
         s2: &candle_core::CpuStorage,
         l2: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let (candle_core::CpuStorage::F32(gate), candle_core::CpuStorage::F32(up)) = (s1, s2) else {
-            candle_core::bail!("silu-mul: f32 only");
-        };
-        let (Some((g0, g1)), Some((u0, u1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
-            candle_core::bail!("silu-mul: contiguous tensors only");
-        };
-        let (gate, up) = (&gate[g0..g1], &up[u0..u1]);
+        let (gate, up) = (contiguous_f32(s1, l1, self.name())?, contiguous_f32(s2, l2, self.name())?);
         if gate.len() != up.len() {
             candle_core::bail!("silu-mul: {} gate values against {} up", gate.len(), up.len());
         }
         let mut out = vec![0f32; gate.len()];
+        let part =
+            |start: usize, dst: &mut [f32]| silu_mul_slice(&gate[start..][..dst.len()], &up[start..][..dst.len()], dst);
         if out.len() <= SILU_MUL_SERIAL {
-            silu_mul_slice(gate, up, &mut out);
+            part(0, &mut out);
         } else {
-            const CHUNK: usize = 1 << 14;
-            let n = out.len();
-            let ptr = SendPtr(out.as_mut_ptr());
-            candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(CHUNK), |range| {
-                let (start, end) = (range.start * CHUNK, (range.end * CHUNK).min(n));
-                // SAFETY: work items are disjoint ranges of `out`, alive for the whole call.
-                let dst = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(start), end - start) };
-                silu_mul_slice(&gate[start..end], &up[start..end], dst);
-            });
+            map_chunks(&mut out, part);
         }
         Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
     }
