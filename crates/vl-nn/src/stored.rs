@@ -66,6 +66,19 @@ const PREFETCH: usize = 4096;
 /// 31.9-33.4 -> 41.3-42.0; 8 and 16 KiB alike there too (2B 19.9 / 20.4 against 19.6 / 20.0).
 const FAR: usize = 8192;
 
+/// The prefetches of a Q4_K block's row ahead of the block at `blk` (a `*const u8`): three
+/// lines `PREFETCH` ahead into L1 and three `FAR` ahead into L2. A macro for the callers'
+/// `#[target_feature]` code.
+macro_rules! q4k_prefetch {
+    ($blk:expr) => {{
+        let blk: *const u8 = $blk;
+        for line in 0..3 {
+            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + 64 * line) as *const i8);
+            _mm_prefetch::<_MM_HINT_T1>(blk.wrapping_add(FAR + 64 * line) as *const i8);
+        }
+    }};
+}
+
 /// The head of the Q4_K block at `blk` (a `*const u8`), as every Q4_K row kernel reads it: its
 /// lines prefetched (`PREFETCH` ahead into L1, `FAR` into L2), d and dmin (two f16 widened
 /// together), the packed scales and mins (`scales_mins`). A macro for the callers'
@@ -73,10 +86,7 @@ const FAR: usize = 8192;
 macro_rules! q4k_head {
     ($blk:expr) => {{
         let blk: *const u8 = $blk;
-        for line in 0..3 {
-            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + 64 * line) as *const i8);
-            _mm_prefetch::<_MM_HINT_T1>(blk.wrapping_add(FAR + 64 * line) as *const i8);
-        }
+        q4k_prefetch!(blk);
         let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(blk as *const i32)));
         let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1)));
         let a = std::ptr::read_unaligned(blk.add(4) as *const [u32; 3]);

@@ -170,3 +170,57 @@ fn the_reorders_agree() {
         assert!(a.iter().any(|&v| v != 0));
     }
 }
+
+#[test]
+fn the_vector_scale_decode_follows_the_q4k_format() {
+    // `vnni::q4k_pair_scales` on seeded random block heads (every bit pattern of the packed
+    // scales is a valid block) against the format's definition (ggml's `get_scale_min_k4`):
+    // sub-block j < 4 has scale q[j] & 63 and min q[j + 4] & 63; j >= 4 has scale
+    // (q[j + 4] & 15) | (q[j - 4] >> 6) << 4 and min (q[j + 4] >> 4) | (q[j] >> 6) << 4.
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !kernels().contains(&Kernel::Avx512) {
+            return;
+        }
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let scale_min = |q: &[u8], j: usize| -> (u8, u8) {
+            if j < 4 {
+                (q[j] & 63, q[j + 4] & 63)
+            } else {
+                ((q[j + 4] & 15) | (q[j - 4] >> 6) << 4, (q[j + 4] >> 4) | (q[j] >> 6) << 4)
+            }
+        };
+        for _ in 0..500 {
+            let mut blocks = [[0u8; 16]; 2];
+            for blk in &mut blocks {
+                for (i, b) in blk.iter_mut().enumerate() {
+                    *b = next() as u8;
+                    // Keep d and dmin finite f16 values (exponent bits not all ones).
+                    if i % 2 == 1 && i < 4 {
+                        *b &= 0x7b;
+                    }
+                }
+            }
+            // SAFETY: the CPU has AVX-512 F and BW (checked above); 16 bytes a block.
+            let (dsc, dmn) = unsafe {
+                let (a, b) = vnni::q4k_pair_scales(blocks[0].as_ptr(), blocks[1].as_ptr());
+                (std::mem::transmute::<_, [f32; 16]>(a), std::mem::transmute::<_, [f32; 16]>(b))
+            };
+            for (r, blk) in blocks.iter().enumerate() {
+                let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                let dmin = half::f16::from_le_bytes([blk[2], blk[3]]).to_f32();
+                for (i, &j) in Q4K_FOLDED.iter().enumerate() {
+                    let (sc, mn) = scale_min(&blk[4..], j);
+                    assert_eq!(dsc[8 * r + i].to_bits(), (d * sc as f32).to_bits(), "block {r} sub-block {j}");
+                    assert_eq!(dmn[8 * r + i].to_bits(), (dmin * mn as f32).to_bits(), "block {r} sub-block {j}");
+                }
+            }
+        }
+    }
+}

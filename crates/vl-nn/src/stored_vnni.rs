@@ -4,7 +4,7 @@
 
 use super::QK;
 #[cfg(target_arch = "x86_64")]
-use super::{scales_mins, FAR, MAX_ROWS, PREFETCH, Q4K_BYTES, Q6K_BYTES};
+use super::{FAR, MAX_ROWS, PREFETCH, Q4K_BYTES, Q6K_BYTES};
 
 /// The VNNI kernels' layout of a block's 256 products: four 64-byte vectors T_c (c = 0..4),
 /// each i32 lane of which holds 4 values of one sub-block, the same sub-block in all four, so one
@@ -65,17 +65,44 @@ pub(super) const Q4K_FOLDED: [usize; 8] = {
     }
     folded
 };
-/// `vpermd` indices that put two weight rows' 8 sub-block scales (or mins), widened from their
-/// bytes side by side, in `Q4K_FOLDED` order: the first row's in lanes 0-7, the second's in 8-15.
-const Q4K_FOLDED_PAIR: [i32; 16] = {
-    let mut idx = [0i32; 16];
+/// `vpshufb` controls and masks that decode a Q4_K block's packed 6-bit scales and mins (its
+/// bytes 4..16; `scales_mins` is the scalar form) within one 128-bit lane holding the block's
+/// first 16 bytes: output byte i < 8 is the scale of sub-block `Q4K_FOLDED[i]`, byte 8 + i its
+/// min. Sub-block j < 4 keeps the low 6 bits of one byte (`LOW`); j >= 4 joins a nibble (the low
+/// one for scales, the high one for mins: `HIGH_NIBBLE`) with the top 2 bits of another byte
+/// (`TOP`, moved to bits 4-5).
+#[derive(Clone, Copy)]
+struct ScaleDecode {
+    /// The byte whose low bits (or high nibble) each output byte takes.
+    low_src: [u8; 16],
+    /// The byte whose top 2 bits each output byte takes (0x80: none, `vpshufb` zeroes it).
+    top_src: [u8; 16],
+    /// Per output byte, the mask of the low source's bits kept in place.
+    low_mask: [u8; 16],
+    /// Per output byte, the mask of the low source's high nibble moved down (mins of j >= 4).
+    high_nibble: [u8; 16],
+}
+const Q4K_SCALE_DECODE: ScaleDecode = {
+    let mut d = ScaleDecode { low_src: [0; 16], top_src: [0x80; 16], low_mask: [0; 16], high_nibble: [0; 16] };
     let mut i = 0;
-    while i < 8 {
-        idx[i] = Q4K_FOLDED[i] as i32;
-        idx[8 + i] = 8 + Q4K_FOLDED[i] as i32;
+    while i < 16 {
+        let (min, j) = (i >= 8, Q4K_FOLDED[i % 8] as u8);
+        // Offsets into the block: the packed bytes q[0..12] start at 4.
+        if j < 4 {
+            d.low_src[i] = if min { 8 + j } else { 4 + j };
+            d.low_mask[i] = 0x3f;
+        } else {
+            d.low_src[i] = 8 + j;
+            d.top_src[i] = if min { 4 + j } else { j };
+            if min {
+                d.high_nibble[i] = 0x0f;
+            } else {
+                d.low_mask[i] = 0x0f;
+            }
+        }
         i += 1;
     }
-    idx
+    d
 };
 pub(super) const Q6K_LANE_SUBBLOCK: [i32; 16] = lane_subblocks(true);
 
@@ -180,6 +207,54 @@ macro_rules! dots_pair {
     }};
 }
 
+/// Two Q4_K blocks' (at `b0` and `b1`) 8 scales and 8 mins in `Q4K_FOLDED` order as f32, times
+/// their d and dmin: the first block's in lanes 0-7, the second's in 8-15 (`Q4K_SCALE_DECODE`;
+/// `scales_mins` is the scalar form).
+///
+/// # Safety
+/// The CPU has AVX-512 F and BW (with AVX2 and F16C); 16 bytes are readable at `b0` and at `b1`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
+#[inline]
+pub(super) unsafe fn q4k_pair_scales(
+    b0: *const u8,
+    b1: *const u8,
+) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512) {
+    // SAFETY: the operations below need no more than this function's `# Safety` contract.
+    unsafe {
+        use std::arch::x86_64::*;
+        let dec = Q4K_SCALE_DECODE;
+        let twice = |b: [u8; 16]| _mm256_broadcastsi128_si256(_mm_loadu_si128(b.as_ptr() as *const __m128i));
+        let x = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128(b0 as *const __m128i)),
+            _mm_loadu_si128(b1 as *const __m128i),
+            1,
+        );
+        let a = _mm256_shuffle_epi8(x, twice(dec.low_src));
+        let t = _mm256_shuffle_epi8(x, twice(dec.top_src));
+        let bytes = _mm256_or_si256(
+            _mm256_or_si256(
+                _mm256_and_si256(a, twice(dec.low_mask)),
+                _mm256_and_si256(_mm256_srli_epi16(a, 4), twice(dec.high_nibble)),
+            ),
+            _mm256_and_si256(_mm256_srli_epi16(t, 2), _mm256_set1_epi8(0x30)),
+        );
+        // 64-bit quarters: scales 0, mins 0, scales 1, mins 1 -> scales 0 and 1, mins 0 and 1.
+        let bytes = _mm256_permute4x64_epi64(bytes, 0xd8);
+        let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes)));
+        let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1)));
+        // d, dmin of the first block, then of the second, as f32.
+        let halves = _mm_unpacklo_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+        let dd = _mm512_castps128_ps512(_mm_cvtph_ps(halves));
+        let d_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+        let dmin_lanes = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+        (
+            _mm512_mul_ps(_mm512_permutexvar_ps(d_lanes, dd), sc),
+            _mm512_mul_ps(_mm512_permutexvar_ps(dmin_lanes, dd), mn),
+        )
+    }
+}
+
 /// `row_dots` for two weight rows at once with AVX512-VNNI, on the layout of `vnni_order`: per
 /// block, weight row and input row, four `vpdpbusd` chained into one vector whose lanes each sum
 /// 16 values of one sub-block (at most 16 x 15 x 128). The two weight rows' vectors are folded
@@ -210,22 +285,13 @@ pub(super) unsafe fn row_dots_vnni<const M: usize>(
     unsafe {
         use std::arch::x86_64::*;
         let low = _mm512_set1_epi8(0x0f);
-        let folded = _mm512_loadu_si512(Q4K_FOLDED_PAIR.as_ptr() as *const __m512i);
-        // Two weight rows' 8 bytes (scales or mins) as f32 in `Q4K_FOLDED_PAIR` order, times the
-        // rows' factors (d or dmin), the first row's in lanes 0-7.
-        let pair = |bytes: [u64; 2], f: [f32; 2]| {
-            let wide = _mm512_cvtepu8_epi32(_mm_set_epi64x(bytes[1] as i64, bytes[0] as i64));
-            let by = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(f[0]), _mm512_set1_ps(f[1]));
-            _mm512_mul_ps(by, _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(folded, wide)))
-        };
         // Per input row, both weight rows' sums (lanes 0-7 and 8-15).
         let mut acc = [_mm512_setzero_ps(); M];
         for b in 0..kb {
             let mut q = [[_mm512_setzero_si512(); 4]; 2];
-            let (mut d, mut dmin, mut sc, mut mn) = ([0f32; 2], [0f32; 2], [0u64; 2], [0u64; 2]);
             for j in 0..2 {
                 let blk = w[j].add(b * Q4K_BYTES);
-                (d[j], dmin[j], sc[j], mn[j]) = q4k_head!(blk);
+                q4k_prefetch!(blk);
                 let mut q4 = [_mm512_setzero_si512(); 4];
                 for p in 0..2 {
                     let bytes = _mm512_loadu_si512(blk.add(16 + 64 * p) as *const __m512i);
@@ -234,8 +300,7 @@ pub(super) unsafe fn row_dots_vnni<const M: usize>(
                 }
                 q[j] = transpose4!(q4);
             }
-            let dsc = pair(sc, d);
-            let dmn = pair(mn, dmin);
+            let (dsc, dmn) = q4k_pair_scales(w[0].add(b * Q4K_BYTES), w[1].add(b * Q4K_BYTES));
             for (r, acc) in acc.iter_mut().enumerate() {
                 let i = r * kb + b;
                 let yd = _mm512_set1_ps(*scales.add(i));
