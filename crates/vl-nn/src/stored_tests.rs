@@ -210,7 +210,10 @@ fn the_vector_scale_decode_follows_the_q4k_format() {
             // SAFETY: the CPU has AVX-512 F and BW (checked above); 16 bytes a block.
             let (dsc, dmn) = unsafe {
                 let (a, b) = vnni::q4k_pair_scales(blocks[0].as_ptr(), blocks[1].as_ptr());
-                (std::mem::transmute::<_, [f32; 16]>(a), std::mem::transmute::<_, [f32; 16]>(b))
+                (
+                    std::mem::transmute::<std::arch::x86_64::__m512, [f32; 16]>(a),
+                    std::mem::transmute::<std::arch::x86_64::__m512, [f32; 16]>(b),
+                )
             };
             for (r, blk) in blocks.iter().enumerate() {
                 let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
