@@ -32,7 +32,7 @@ pub(crate) fn routes(router: axum::Router<Arc<App>>) -> axum::Router<Arc<App>> {
     router.route("/v1/messages", post(messages)).route("/v1/messages/count_tokens", post(count_tokens))
 }
 
-const MESSAGE_KEYS: [&str; 13] = [
+const MESSAGE_KEYS: [&str; 15] = [
     "model",
     "max_tokens",
     "messages",
@@ -46,6 +46,9 @@ const MESSAGE_KEYS: [&str; 13] = [
     "tool_choice",
     "metadata",
     "thinking",
+    // Ours, as on chat completions (checked there, errors naming them).
+    "speculative",
+    "forced_tokens",
 ];
 
 /// An error in Anthropic's shape, with the status it had.
@@ -114,6 +117,11 @@ fn translate(body: &[u8], counting: bool) -> Result<(Value, bool, Vec<String>), 
     };
     if !stops.is_empty() {
         out.insert("stop".into(), json!(stops));
+    }
+    for k in ["speculative", "forced_tokens"] {
+        if let Some(x) = o.get(k).filter(|v| !v.is_null()) {
+            out.insert(k.into(), x.clone());
+        }
     }
     if let Some(m) = o.get("metadata").filter(|v| !v.is_null()) {
         let mo = m.as_object().ok_or_else(|| ApiError::bad_at("metadata", "`metadata` must be an object"))?;

@@ -133,3 +133,30 @@ fn a_forced_tool_is_a_tool_use_block_and_its_result_goes_back() {
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["usage"]["output_tokens"], 4, "{r}");
 }
+
+/// `speculative` and `forced_tokens` pass through `/v1/messages` as on chat completions: the
+/// reference's greedy answer with n-gram drafts and without, forced tokens off taken, and a bad
+/// method a 400 naming `speculative`.
+#[test]
+fn messages_take_speculative_and_forced_tokens() {
+    let s = Server::start(ServerConfig::default());
+    let g = golden();
+    for (k, v) in [
+        ("speculative", json!("off")),
+        ("speculative", json!("ngram")),
+        ("speculative", json!({"method": "ngram", "draft_max": 2, "ngram_min": 1})),
+        ("forced_tokens", json!(false)),
+    ] {
+        let mut body = one_image(g.tokens);
+        body[k] = v.clone();
+        let (status, r) = post(&s, "/v1/messages", &body);
+        assert_eq!(status, 200, "{k}: {v}: {r}");
+        assert_eq!(r["content"][0], json!({"type": "text", "text": g.text}), "{k}: {v}");
+    }
+    let mut body = one_image(2);
+    body["speculative"] = json!({"method": "ngram", "draft_max": 0});
+    let (status, e) = post(&s, "/v1/messages", &body);
+    assert_eq!(status, 400, "{e}");
+    assert_eq!(e["type"], "error", "{e}");
+    assert!(e["error"]["message"].as_str().unwrap().contains("speculative"), "{e}");
+}

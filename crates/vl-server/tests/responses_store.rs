@@ -219,3 +219,37 @@ fn responses_take_the_grammar_fields_and_samplers() {
     let m = e["error"]["message"].as_str().unwrap();
     assert!(m.contains("structured_outputs") && m.contains("text.format"), "{m}");
 }
+
+/// `speculative` and `forced_tokens` pass through `/v1/responses` as on chat completions: the
+/// reference's greedy answer (square.png, "Describe this image.") with n-gram drafts and
+/// without, forced tokens off taken, and a bad method a 400 naming `speculative`.
+#[test]
+fn responses_take_speculative_and_forced_tokens() {
+    use base64::Engine as _;
+    let s = Server::start(ServerConfig::default());
+    let g = golden();
+    let png = std::fs::read(goldens().join("images/square.png")).unwrap();
+    let url = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(png));
+    let body = json!({"model": "tiny-a", "max_output_tokens": g.tokens, "store": false, "input": [
+    {"role": "user", "content": [
+        {"type": "input_image", "image_url": url},
+        {"type": "input_text", "text": "Describe this image."},
+    ]}]});
+    for (k, v) in [
+        ("speculative", json!("off")),
+        ("speculative", json!("ngram")),
+        ("speculative", json!({"method": "ngram", "draft_max": 2, "ngram_min": 1})),
+        ("forced_tokens", json!(false)),
+    ] {
+        let mut b = body.clone();
+        b[k] = v.clone();
+        let (status, r) = post(&s, "/v1/responses", &b);
+        assert_eq!(status, 200, "{k}: {v}: {r}");
+        assert_eq!(text_of(&r), g.text, "{k}: {v}");
+    }
+    let mut b = body.clone();
+    b["speculative"] = json!("eagle");
+    let (status, e) = post(&s, "/v1/responses", &b);
+    assert_eq!(status, 400, "{e}");
+    assert!(e["error"]["message"].as_str().unwrap().contains("speculative"), "{e}");
+}

@@ -11,7 +11,7 @@ use crate::state::App;
 /// Top-level fields passed on to the chat request under the same name (sampling extensions
 /// vLLM's Responses API also takes, ours); llama-server's samplers (`openai::LLAMA_SAMPLERS`) and
 /// the format fields (`formats::FIELDS`) pass too.
-const PASSED: [&str; 11] = [
+const PASSED: [&str; 13] = [
     "seed",
     "top_k",
     "min_p",
@@ -23,6 +23,8 @@ const PASSED: [&str; 11] = [
     "chat_template_kwargs",
     "grounding",
     "reasoning_budget",
+    "speculative",
+    "forced_tokens",
 ];
 /// What the response object echoes of its request, and what storing it needs.
 pub(crate) struct Echo {
