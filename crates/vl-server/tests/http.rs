@@ -431,3 +431,96 @@ fn streamed_text(s: &Server, body: &Value) -> String {
     }
     text
 }
+
+/// Tool calls over HTTP on the tiny Qwen3.5, whose template writes them in its XML form
+/// (`<tool_call>` `<function=NAME>` `<parameter=P>`): with `tool_choice` required and named, whole
+/// and streamed, greedy and sampled, the answer is an OpenAI `tool_calls` list whose arguments
+/// hold to the function's parameters; streamed, the deltas add up to the whole answer's call.
+#[test]
+fn qwen35_xml_tool_calls_are_openai_tool_calls_whole_and_streamed() {
+    let s = Server::start_dir(&goldens().join("tiny-q35/checkpoint"), "tiny-q35", ServerConfig::default());
+    let params = json!({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["city", "days"], "additionalProperties": false});
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "A forecast.", "parameters": params}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+    ]);
+    let valid = |name: &str, args: &str, at: &str| {
+        let a: Value = serde_json::from_str(args).unwrap_or_else(|e| panic!("{at}: {args:?}: {e}"));
+        if name == "get_weather" {
+            assert!(a["city"].as_str().is_some_and(|c| c.chars().count() <= 12), "{at}: {a}");
+            assert!(a["days"].as_i64().is_some_and(|d| (1..=9).contains(&d)), "{at}: {a}");
+            assert_eq!(a.as_object().unwrap().len(), 2, "{at}: {a}");
+        } else {
+            assert_eq!(name, "get_time", "{at}");
+        }
+    };
+    for (choice, sample) in [
+        (json!("required"), None),
+        (json!({"type": "function", "function": {"name": "get_weather"}}), None),
+        (json!({"type": "function", "function": {"name": "get_weather"}}), Some(5)),
+    ] {
+        let mut body = json!({"model": "tiny-q35", "max_tokens": 96, "tools": tools, "tool_choice": choice,
+            "chat_template_kwargs": {"enable_thinking": false},
+            "messages": [{"role": "user", "content": "What is the weather in Oslo for three days?"}]});
+        if let Some(seed) = sample {
+            body["temperature"] = json!(1.0);
+            body["seed"] = json!(seed);
+        }
+        let at = format!("{choice} {sample:?}");
+        let (status, v) = post(&s, "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{at}: {v}");
+        let choice0 = &v["choices"][0];
+        assert_eq!(choice0["finish_reason"], "tool_calls", "{at}: {v}");
+        let calls = choice0["message"]["tool_calls"].as_array().unwrap_or_else(|| panic!("{at}: {v}"));
+        assert!(!calls.is_empty(), "{at}: {v}");
+        for c in calls {
+            assert_eq!(c["type"], "function", "{at}: {c}");
+            assert!(c["id"].as_str().is_some_and(|i| !i.is_empty()), "{at}: {c}");
+            let name = c["function"]["name"].as_str().unwrap();
+            if body["tool_choice"].is_object() {
+                assert_eq!(name, "get_weather", "{at}");
+            }
+            valid(name, c["function"]["arguments"].as_str().unwrap(), &at);
+        }
+        // Streamed: the call's name once, its arguments in pieces adding up to the whole answer's.
+        body["stream"] = json!(true);
+        let resp = agent()
+            .post(&format!("{}/v1/chat/completions", s.base))
+            .set("Content-Type", "application/json")
+            .send_string(&body.to_string())
+            .unwrap();
+        let (mut names, mut args, mut finish) = (Vec::<String>::new(), Vec::<String>::new(), Value::Null);
+        for line in BufReader::new(resp.into_reader()).lines() {
+            let line = line.unwrap();
+            let Some(d) = line.strip_prefix("data: ") else { continue };
+            if d == "[DONE]" {
+                break;
+            }
+            let chunk: Value = serde_json::from_str(d).unwrap();
+            let c = &chunk["choices"][0];
+            if !c["finish_reason"].is_null() {
+                finish = c["finish_reason"].clone();
+            }
+            for t in c["delta"]["tool_calls"].as_array().into_iter().flatten() {
+                let i = t["index"].as_u64().unwrap() as usize;
+                if i == names.len() {
+                    names.push(String::new());
+                    args.push(String::new());
+                }
+                names[i].push_str(t["function"]["name"].as_str().unwrap_or(""));
+                args[i].push_str(t["function"]["arguments"].as_str().unwrap_or(""));
+            }
+        }
+        assert_eq!(finish, "tool_calls", "{at}");
+        let whole: Vec<(String, String)> = calls
+            .iter()
+            .map(|c| {
+                (c["function"]["name"].as_str().unwrap().into(), c["function"]["arguments"].as_str().unwrap().into())
+            })
+            .collect();
+        let streamed: Vec<(String, String)> = names.into_iter().zip(args).collect();
+        assert_eq!(streamed, whole, "{at}");
+    }
+}
