@@ -894,3 +894,47 @@ fn dry_xtc_and_top_n_sigma_flags_reach_the_sampler() {
     assert_error(&[&base[..], &["--dry-penalty-last-n", "-3"]].concat(), &["--dry-penalty-last-n", "-3"]);
     assert_error(&[&base[..], &["--xtc-threshold", "0"]].concat(), &["--xtc-threshold"]);
 }
+
+/// The speculative and forced-token flags change how an answer is made, never what it is: on
+/// tiny-a the reference's greedy text with n-gram drafts (two settings), a draft model (tiny-b,
+/// the same tokenizer) and forced tokens off; on tiny-q35 the same ids with its MTP head (and
+/// `--draft-vocab`) as without, and `--json` counts the drafts the head made.
+#[test]
+fn speculative_flags_keep_the_answer() {
+    let meta = read_json(&goldens().join("tiny-a/cases/one_image.json"));
+    let want = meta["greedy"]["text"].as_str().unwrap();
+    let n = meta["greedy"]["ids"].as_array().unwrap().len().to_string();
+    let (ck, draft, img) = (checkpoint("tiny-a"), checkpoint("tiny-b"), image("square.png"));
+    let base = ["run", "--model", &ck, "--max-new-tokens", &n, "--quantize", "off", "--image", &img];
+    for flags in [
+        vec!["--speculative", "ngram"],
+        vec!["--speculative", "ngram", "--draft-max", "2", "--ngram-min", "1", "--ngram-max", "3"],
+        vec!["--speculative", "draft", "--draft-model", &draft],
+        vec!["--draft-model", &draft, "--draft-max", "6"],
+        vec!["--no-forced-tokens"],
+    ] {
+        let mut args = base.to_vec();
+        args.extend(&flags);
+        args.extend(["--prompt", "Describe this image."]);
+        let (code, out, err) = vl(&args);
+        assert_eq!(code, 0, "{flags:?}: {err}");
+        assert_eq!(out.strip_suffix('\n').unwrap(), want, "{flags:?}");
+    }
+    let q35 = checkpoint("tiny-q35");
+    let ask = |flags: &[&str]| -> serde_json::Value {
+        let mut args = vec!["run", "--model", &q35, "--max-new-tokens", "12", "--json", "--prompt", "Count to five."];
+        args.extend(flags);
+        let (code, out, err) = vl(&args);
+        assert_eq!(code, 0, "{flags:?}: {err}");
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{flags:?}: {e}: {out}"))
+    };
+    let plain = ask(&["--speculative", "off"]);
+    assert_eq!(plain["steps"]["drafted"], 0, "{}", plain["steps"]);
+    for flags in
+        [vec!["--speculative", "mtp"], vec!["--speculative", "mtp", "--draft-vocab", "4096", "--draft-max", "2"]]
+    {
+        let v = ask(&flags);
+        assert_eq!(v["token_ids"], plain["token_ids"], "{flags:?}");
+        assert!(v["steps"]["drafted"].as_u64().unwrap() > 0, "{flags:?}: {}", v["steps"]);
+    }
+}

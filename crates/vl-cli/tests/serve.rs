@@ -809,6 +809,18 @@ fn serve_flags_out_of_range_are_refused_with_the_flag() {
         assert!(err.contains(flag) && err.contains(value), "{flag} {value}: {err}");
         assert!(!err.contains("panicked") && !err.contains("memory allocation"), "{err}");
     }
+    // `--speculative mtp` on a model without a multi-token-prediction head: refused at start-up,
+    // one line naming the flag, not on the first request.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_vl"))
+        .args(["serve", "--model", goldens().join("tiny-a/checkpoint").to_str().unwrap(), "--port", "0"])
+        .args(["--speculative", "mtp"])
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("speculative") && err.contains("multi-token-prediction head"), "{err}");
+    assert!(!err.contains("listening") && !err.contains("panicked"), "{err}");
 }
 
 /// Text that could not fit even at the vocabulary's longest token is refused before it is
