@@ -203,3 +203,27 @@ fn inspect_shows_a_moe_checkpoint_s_experts() {
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("experts:      8 per layer, 2 active per token, moe_intermediate 24"), "{out}");
 }
+
+/// A Qwen3.5 checkpoint: its layer pattern as config.json lists it (the Gated DeltaNet layers
+/// by index), and its `mtp.*` tensors reported as the multi-token-prediction head, not as
+/// ignored tensors.
+#[test]
+fn inspect_shows_a_qwen35_checkpoint_s_layer_pattern_and_mtp_head() {
+    let dir = golden("tiny-q35");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let types = cfg["text_config"]["layer_types"].as_array().unwrap();
+    let linear: Vec<usize> = (0..types.len()).filter(|&i| types[i] == "linear_attention").collect();
+    let (code, out, err) = vl(&["inspect", "--model", dir.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("architecture: Qwen3_5ForConditionalGeneration (qwen3_5)"), "{out}");
+    assert!(out.contains(&format!("{} text layers, ", types.len())), "{out}");
+    assert!(out.contains(&format!("Gated DeltaNet layers {linear:?}")), "{out}");
+    assert!(out.contains("mtp head:     15 tensors"), "{out}");
+    assert!(!out.contains("ignored:"), "{out}");
+    let (code, out, err) = vl(&["inspect", "--model", dir.to_str().unwrap(), "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["mtp_head_tensors"], 15, "{v}");
+    assert_eq!(v["ignored_tensors"], serde_json::json!([]), "{v}");
+}

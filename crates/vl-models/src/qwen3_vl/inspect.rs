@@ -41,6 +41,9 @@ pub struct Summary {
     pub experts: Option<Experts>,
     /// Tensors present but unused (e.g. lm_head.weight of a tied model).
     pub ignored_tensors: Vec<String>,
+    /// The multi-token-prediction head's tensors (`mtp.*`, Qwen3.5): transformers skips them,
+    /// `--speculative mtp` drafts with them.
+    pub mtp_head_tensors: usize,
     /// config.json keys neither read nor ignored on purpose.
     pub unknown_config_keys: Vec<String>,
 }
@@ -194,7 +197,8 @@ pub fn inspect(dir: &Path) -> Result<Summary> {
             v.hidden_size, v.num_heads, v.intermediate_size, v.temporal_patch_size, v.patch_size, v.patch_size,
             v.spatial_merge_size, v.deepstack_visual_indexes, v.out_hidden_size
         ),
-        ignored_tensors: report.ignored,
+        mtp_head_tensors: report.ignored.iter().filter(|n| n.starts_with("mtp.")).count(),
+        ignored_tensors: report.ignored.into_iter().filter(|n| !n.starts_with("mtp.")).collect(),
         unknown_config_keys: cfg.unknown_keys,
     })
 }
@@ -269,6 +273,13 @@ impl fmt::Display for Summary {
             )?;
         }
         write!(f, "vision:       {}", self.vision)?;
+        if self.mtp_head_tensors > 0 {
+            write!(
+                f,
+                "\nmtp head:     {} tensors (mtp.*; transformers skips them, --speculative mtp drafts with them)",
+                self.mtp_head_tensors
+            )?;
+        }
         if !self.ignored_tensors.is_empty() {
             write!(f, "\nignored:      {}", self.ignored_tensors.join(", "))?;
         }
