@@ -524,3 +524,34 @@ fn qwen35_xml_tool_calls_are_openai_tool_calls_whole_and_streamed() {
         assert_eq!(streamed, whole, "{at}");
     }
 }
+
+/// An image request over HTTP on the tiny Qwen3.5 (its template opens the reasoning block, and
+/// random weights never close it): the reasoning is the reference's greedy text for square.png,
+/// the prompt its token count; with `logprobs`, one entry a generated token, each greedy token
+/// the most likely of its `top_logprobs`.
+#[test]
+fn a_qwen35_image_request_answers_the_reference_with_logprobs() {
+    let s = Server::start_dir(&goldens().join("tiny-q35/checkpoint"), "tiny-q35", ServerConfig::default());
+    let meta: Value =
+        serde_json::from_str(&std::fs::read_to_string(goldens().join("tiny-q35/cases/one_image.json")).unwrap())
+            .unwrap();
+    let n = meta["greedy"]["ids"].as_array().unwrap().len();
+    let mut body = one_image(n);
+    body["model"] = json!("tiny-q35");
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(3);
+    let (status, v) = post(&s, "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let m = &v["choices"][0]["message"];
+    assert_eq!(m["reasoning_content"], meta["greedy"]["text"], "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], meta["num_tokens"], "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], n, "{v}");
+    let entries = v["choices"][0]["logprobs"]["content"].as_array().unwrap_or_else(|| panic!("{v}"));
+    assert_eq!(entries.len(), n, "{v}");
+    for e in entries {
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{e}");
+        assert_eq!(top[0]["token"], e["token"], "{e}");
+        assert!(top.windows(2).all(|w| w[0]["logprob"].as_f64() >= w[1]["logprob"].as_f64()), "{e}");
+    }
+}
