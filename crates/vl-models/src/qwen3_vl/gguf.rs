@@ -369,8 +369,9 @@ impl GgufModel {
                 }
             }
         }
-        // No video config in a GGUF: the video processor's class defaults over the image geometry.
-        let (min_pixels, max_pixels) = VideoConfig::CLASS_BUDGET;
+        // No video config in a GGUF: the one the hub checkpoints ship (the class defaults but
+        // the pixel bounds) over the image geometry.
+        let (min_pixels, max_pixels) = VideoConfig::HUB_BUDGET;
         let video =
             VideoConfig { base: PreprocessorConfig { min_pixels, max_pixels, ..pp.clone() }, ..Default::default() };
         Ok(Processor { tokenizer, template, images: ImageProcessor::new(pp), videos: VideoProcessor::new(video) })

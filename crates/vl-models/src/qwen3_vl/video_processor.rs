@@ -96,6 +96,10 @@ impl Default for VideoConfig {
 impl VideoConfig {
     /// The class's `size` (shortest_edge 128x32x32, longest_edge 32x32x768).
     pub const CLASS_BUDGET: (usize, usize) = (128 * 32 * 32, 32 * 32 * 768);
+    /// The `size` the Qwen3-VL and Qwen3.5 hub checkpoints' `video_preprocessor_config.json`
+    /// sets (shortest_edge 4096, longest_edge 25165824), over the class's: what a file without
+    /// that config (a GGUF pair) stands for.
+    pub const HUB_BUDGET: (usize, usize) = (4096, 25_165_824);
 
     /// `dir/video_preprocessor_config.json`; as transformers does, `preprocessor_config.json` when
     /// that is absent; the class defaults when both are.
