@@ -810,13 +810,26 @@ fn serve_flags_out_of_range_are_refused_with_the_flag() {
         assert!(!err.contains("panicked") && !err.contains("memory allocation"), "{err}");
     }
     // `--speculative mtp` on a model without a multi-token-prediction head: refused at start-up,
-    // one line naming the flag, not on the first request.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_vl"))
+    // one line naming the flag, not on the first request (a server that starts anyway is
+    // killed after 60 s and fails the test rather than hanging it).
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_vl"))
         .args(["serve", "--model", goldens().join("tiny-a/checkpoint").to_str().unwrap(), "--port", "0"])
         .args(["--speculative", "mtp"])
         .env("HF_HUB_OFFLINE", "1")
-        .output()
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
+    let t = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t.elapsed() > Duration::from_secs(60) {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("vl serve --speculative mtp on tiny-a did not exit");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("speculative") && err.contains("multi-token-prediction head"), "{err}");

@@ -235,8 +235,9 @@ fn a_prefix_restored_from_a_snapshot_answers_as_fresh() {
 /// A conversation's second turn restores the first turn's prompt up to its last message's end
 /// (the snapshot taken where that message's end-of-turn token is: the official template renders
 /// the earlier answer without its reasoning, so the first prompt's end is not shared), on a
-/// prompt shorter than a prefill chunk (no chunk-end snapshot inside it), and answers as a
-/// fresh engine does. Three turns, interleaved with another conversation.
+/// prompt shorter than a prefill chunk (no chunk-end snapshot inside it) and longer than
+/// `MESSAGE_SNAPSHOT_MIN`, and answers as a fresh engine does. Three turns, interleaved with
+/// another conversation; a short single prompt keeps no such point (no second pass).
 #[test]
 fn a_conversations_next_turn_restores_its_last_message_end() {
     use vl_models::engine::{ChatMessage, Part};
@@ -247,9 +248,11 @@ fn a_conversations_next_turn_restores_its_last_message_end() {
         ..Default::default()
     };
     let text = |t: &str| vec![Part::Text(t.into())];
+    // First messages long enough that their end is kept (`MESSAGE_SNAPSHOT_MIN`).
+    let long = "Name three colours of the sea at dusk, and say which of them a painter mixes first. ".repeat(4);
     let mut chats = [
-        vec![ChatMessage::user(text("Name three colours of the sea at dusk."))],
-        vec![ChatMessage::new("system", text("Answer briefly.")), ChatMessage::user(text("Why is the sky blue?"))],
+        vec![ChatMessage::user(text(&long))],
+        vec![ChatMessage::new("system", text(&long)), ChatMessage::user(text("Why is the sky blue?"))],
     ];
     let mut prompts = [0usize; 2];
     for turn in 0..3 {
@@ -259,6 +262,7 @@ fn a_conversations_next_turn_restores_its_last_message_end() {
             assert_eq!(c.token_ids, fresh.token_ids, "conversation {k}, turn {turn}");
             assert_eq!(fresh.cached_tokens, 0);
             assert!(c.prompt_tokens < vl_models::engine::DEFAULT_PREFILL_CHUNK, "{}", c.prompt_tokens);
+            assert!(c.prompt_tokens > vl_models::engine::MESSAGE_SNAPSHOT_MIN + 8, "{}", c.prompt_tokens);
             if turn == 0 {
                 assert_eq!(c.cached_tokens, 0, "conversation {k}");
             } else {
@@ -271,6 +275,7 @@ fn a_conversations_next_turn_restores_its_last_message_end() {
                     c.cached_tokens
                 );
             }
+            println!("conversation {k}, turn {turn}: prompt {}, cached {}", c.prompt_tokens, c.cached_tokens);
             prompts[k] = c.prompt_tokens;
             let mut answer = ChatMessage::new("assistant", text(&c.text));
             answer.reasoning = c.reasoning.clone();
@@ -278,6 +283,15 @@ fn a_conversations_next_turn_restores_its_last_message_end() {
             chat.push(ChatMessage::user(text(if turn % 2 == 0 { "And then?" } else { "Say more." })));
         }
     }
+    // A short first prompt (its last message ends before `MESSAGE_SNAPSHOT_MIN`) is prefilled in
+    // one pass and keeps no point there: its next turn prefills again from the start.
+    let mut short = vec![ChatMessage::user(text("Hi."))];
+    let c = cached_engine.generate(&ask(&short), &mut |_| true).unwrap();
+    assert!(c.prompt_tokens < vl_models::engine::MESSAGE_SNAPSHOT_MIN);
+    let mut answer = ChatMessage::new("assistant", text(&c.text));
+    answer.reasoning = c.reasoning.clone();
+    short.extend([answer, ChatMessage::user(text("And then?"))]);
+    assert_eq!(cached_engine.generate(&ask(&short), &mut |_| true).unwrap().cached_tokens, 0);
 }
 
 /// The byte-level alphabet back to bytes (GPT-2's table, which tokenizer.json's ByteLevel uses).

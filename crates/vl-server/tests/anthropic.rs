@@ -153,10 +153,12 @@ fn messages_take_speculative_and_forced_tokens() {
         assert_eq!(status, 200, "{k}: {v}: {r}");
         assert_eq!(r["content"][0], json!({"type": "text", "text": g.text}), "{k}: {v}");
     }
-    let mut body = one_image(2);
-    body["speculative"] = json!({"method": "ngram", "draft_max": 0});
-    let (status, e) = post(&s, "/v1/messages", &body);
-    assert_eq!(status, 400, "{e}");
-    assert_eq!(e["type"], "error", "{e}");
-    assert!(e["error"]["message"].as_str().unwrap().contains("speculative"), "{e}");
+    for (k, bad) in [("speculative", json!({"method": "ngram", "draft_max": 0})), ("forced_tokens", json!("no"))] {
+        let mut body = one_image(2);
+        body[k] = bad.clone();
+        let (status, e) = post(&s, "/v1/messages", &body);
+        assert_eq!(status, 400, "{k}: {e}");
+        assert_eq!(e["type"], "error", "{e}");
+        assert!(e["error"]["message"].as_str().unwrap().contains(k), "{k}: {e}");
+    }
 }

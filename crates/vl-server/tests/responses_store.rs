@@ -247,9 +247,11 @@ fn responses_take_speculative_and_forced_tokens() {
         assert_eq!(status, 200, "{k}: {v}: {r}");
         assert_eq!(text_of(&r), g.text, "{k}: {v}");
     }
-    let mut b = body.clone();
-    b["speculative"] = json!("eagle");
-    let (status, e) = post(&s, "/v1/responses", &b);
-    assert_eq!(status, 400, "{e}");
-    assert!(e["error"]["message"].as_str().unwrap().contains("speculative"), "{e}");
+    for (k, bad) in [("speculative", json!("eagle")), ("forced_tokens", json!(1))] {
+        let mut b = body.clone();
+        b[k] = bad.clone();
+        let (status, e) = post(&s, "/v1/responses", &b);
+        assert_eq!(status, 400, "{k}: {e}");
+        assert!(e["error"]["message"].as_str().unwrap().contains(k), "{k}: {e}");
+    }
 }

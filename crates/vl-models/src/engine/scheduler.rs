@@ -31,6 +31,11 @@ use super::prefix::PrefixStore;
 use super::sequence::{orphan_forks, Command, Event, Fork, Job, Phase, Seq};
 use super::{lock, EngineStats, Finish, Shared};
 use crate::error::Result;
+
+/// The shortest prompt prefix, up to its last message's end, that a prefill keeps a recurrent
+/// state's snapshot at (a chunk split there: one more pass over the weights, about a decode
+/// step, against the prefill of this many positions or more on the next turn).
+pub const MESSAGE_SNAPSHOT_MIN: usize = 64;
 use crate::family::{DraftHead, Family, Generator, Identity, Task};
 use crate::state::SeqState;
 
@@ -310,12 +315,14 @@ impl<'f> Scheduler<'f> {
         let mut end = (seq.state.len() + chunk).min(seq.ids.len());
         // A conversation's next turn shares this prompt up to its last message's end (its last
         // end-of-turn token): where recurrent layers cannot be cut back to any position, a
-        // chunk ends there too so that a snapshot (`mark` below) keeps the point.
+        // chunk ends there too so that a snapshot (`mark` below) keeps the point. The split
+        // costs a second pass over the weights, so only a prefix of `MESSAGE_SNAPSHOT_MIN`
+        // positions or more is kept that way (what a next turn then skips is worth more).
         if self.shared.opts.prefix_cache && seq.state.has_recurrent() {
             let prompt = &seq.ids[..seq.prompt_len.min(seq.ids.len())];
             let eos = self.generator.eos_token_ids();
             if let Some(b) = prompt.iter().rposition(|t| eos.contains(t)).map(|p| p + 1) {
-                if seq.state.len() < b && b < end {
+                if seq.state.len() < b && b < end && b >= MESSAGE_SNAPSHOT_MIN {
                     end = b;
                 }
             }

@@ -197,8 +197,8 @@ pub fn inspect(dir: &Path) -> Result<Summary> {
             v.hidden_size, v.num_heads, v.intermediate_size, v.temporal_patch_size, v.patch_size, v.patch_size,
             v.spatial_merge_size, v.deepstack_visual_indexes, v.out_hidden_size
         ),
-        mtp_head_tensors: report.ignored.iter().filter(|n| n.starts_with("mtp.")).count(),
-        ignored_tensors: report.ignored.into_iter().filter(|n| !n.starts_with("mtp.")).collect(),
+        mtp_head_tensors: report.ignored.iter().filter(|n| n.starts_with(super::plan::MTP_PREFIX)).count(),
+        ignored_tensors: report.ignored.into_iter().filter(|n| !n.starts_with(super::plan::MTP_PREFIX)).collect(),
         unknown_config_keys: cfg.unknown_keys,
     })
 }
