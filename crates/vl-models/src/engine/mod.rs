@@ -46,7 +46,7 @@ pub use crate::request::{
 pub use crate::vectors::{normalized, truncated};
 use admission::{check_fits, check_request, check_text_fits, generator, guides, CompilerCell};
 pub use draft::check_pair as check_draft_pair;
-pub use scheduler::MESSAGE_SNAPSHOT_MIN;
+pub use prefix::MESSAGE_SNAPSHOT_MIN;
 use sequence::{Command, Event, Fork, Job};
 
 /// Sequences decoded together unless told otherwise. On a 2-core CPU decode is bound by reading

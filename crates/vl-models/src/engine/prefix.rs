@@ -10,6 +10,23 @@ use crate::state::SeqState;
 /// Kept prefixes at most, whatever their size (each is matched against every new prompt).
 const MAX_ENTRIES: usize = 256;
 
+/// The shortest prompt prefix, up to its last message's end, that a prefill keeps a recurrent
+/// state's snapshot at (a chunk split there: one more pass over the weights, about a decode
+/// step, against the prefill of this many positions or more on the next turn).
+pub const MESSAGE_SNAPSHOT_MIN: usize = 64;
+
+/// Where a prefill chunk of `prompt` from `from` to `end` ends: at the prompt's last message end
+/// (after its last end-of-turn token, one of `eos`) when that falls inside the chunk and is
+/// `MESSAGE_SNAPSHOT_MIN` positions or more in, else at `end`. A conversation's next turn shares
+/// the prompt up to there: the official templates render an earlier answer otherwise than as
+/// generated (Qwen3.5's without its reasoning), so the prompt's own end is not shared.
+pub(crate) fn message_end(prompt: &[u32], eos: &[u32], from: usize, end: usize) -> usize {
+    match prompt.iter().rposition(|t| eos.contains(t)).map(|p| p + 1) {
+        Some(b) if from < b && b < end && b >= MESSAGE_SNAPSHOT_MIN => b,
+        _ => end,
+    }
+}
+
 struct Entry {
     ident: Vec<Identity>,
     state: SeqState,
@@ -129,5 +146,28 @@ mod tests {
         let other = ids(&[(1, 0), (7, 6), (7, 6), (7, 6), (2, 0)]);
         assert_eq!(reusable(&prompt, &other), 1);
         assert_eq!(reusable(&prompt, &prompt), 4);
+    }
+}
+
+#[cfg(test)]
+mod message_end_tests {
+    use super::{message_end, MESSAGE_SNAPSHOT_MIN as MIN};
+
+    #[test]
+    fn a_chunk_ends_at_the_last_message_end_past_the_minimum() {
+        // End-of-turn id 7 at positions 9 and MIN + 20: the message ends after the last one.
+        let mut prompt = vec![1u32; MIN + 30];
+        prompt[9] = 7;
+        prompt[MIN + 20] = 7;
+        let b = MIN + 21;
+        assert_eq!(message_end(&prompt, &[7], 0, prompt.len()), b);
+        assert_eq!(message_end(&prompt, &[2, 7], 0, 50), 50, "past the chunk: the chunk's own end");
+        assert_eq!(message_end(&prompt, &[7], b, prompt.len()), prompt.len(), "already there");
+        assert_eq!(message_end(&prompt, &[7], 0, b), b, "the chunk ends there anyway");
+        assert_eq!(message_end(&prompt, &[3], 0, prompt.len()), prompt.len(), "no end-of-turn token");
+        // Under the minimum: no split.
+        let mut short = vec![1u32; MIN];
+        short[MIN - 5] = 7;
+        assert_eq!(message_end(&short, &[7], 0, MIN), MIN);
     }
 }

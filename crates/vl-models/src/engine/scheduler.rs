@@ -27,15 +27,10 @@ use vl_nn::kv_cache::{blocks_for, BLOCK};
 
 use super::draft::{self, DraftSeq};
 use super::head::{self, HeadSeq};
-use super::prefix::PrefixStore;
+use super::prefix::{message_end, PrefixStore};
 use super::sequence::{orphan_forks, Command, Event, Fork, Job, Phase, Seq};
 use super::{lock, EngineStats, Finish, Shared};
 use crate::error::Result;
-
-/// The shortest prompt prefix, up to its last message's end, that a prefill keeps a recurrent
-/// state's snapshot at (a chunk split there: one more pass over the weights, about a decode
-/// step, against the prefill of this many positions or more on the next turn).
-pub const MESSAGE_SNAPSHOT_MIN: usize = 64;
 use crate::family::{DraftHead, Family, Generator, Identity, Task};
 use crate::state::SeqState;
 
@@ -313,19 +308,10 @@ impl<'f> Scheduler<'f> {
         let mut pending_forks = None;
         let seq = &mut self.running[i];
         let mut end = (seq.state.len() + chunk).min(seq.ids.len());
-        // A conversation's next turn shares this prompt up to its last message's end (its last
-        // end-of-turn token): where recurrent layers cannot be cut back to any position, a
-        // chunk ends there too so that a snapshot (`mark` below) keeps the point. The split
-        // costs a second pass over the weights, so only a prefix of `MESSAGE_SNAPSHOT_MIN`
-        // positions or more is kept that way (what a next turn then skips is worth more).
+        // Recurrent layers keep a point only where a chunk ends (`mark` below).
         if self.shared.opts.prefix_cache && seq.state.has_recurrent() {
             let prompt = &seq.ids[..seq.prompt_len.min(seq.ids.len())];
-            let eos = self.generator.eos_token_ids();
-            if let Some(b) = prompt.iter().rposition(|t| eos.contains(t)).map(|p| p + 1) {
-                if seq.state.len() < b && b < end && b >= MESSAGE_SNAPSHOT_MIN {
-                    end = b;
-                }
-            }
+            end = message_end(prompt, self.generator.eos_token_ids(), seq.state.len(), end);
         }
         let t = Instant::now();
         let p = &seq.job.prepared;
