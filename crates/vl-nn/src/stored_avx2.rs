@@ -12,9 +12,28 @@
 //! dot products do.
 
 #[cfg(target_arch = "x86_64")]
-use super::{scales_mins, FAR, MAX_ROWS, PREFETCH, Q4K_BYTES, Q6K_BYTES, Q8K_BYTES, QK};
+use super::{FAR, MAX_ROWS, PREFETCH, Q4K_BYTES, Q6K_BYTES, Q8K_BYTES, QK};
+
 #[cfg(target_arch = "x86_64")]
 use crate::avx2::hsum;
+
+/// The 6-bit scales (low u64) and mins (high u64) of a Q4_K block's 8 sub-blocks, one byte
+/// each, from its 12 scale bytes read as three little-endian u32 (ggml's packing: bytes 0-3 hold
+/// scales 0-3 and bytes 4-7 mins 0-3 in their low 6 bits, their top 2 bits the high bits of
+/// scales / mins 4-7, whose low 4 bits are the nibbles of bytes 8-11). `q4k_head!` calls it for
+/// the AVX-512 and the AVX2 row kernels alike.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) fn scales_mins(a: [u32; 3]) -> (u64, u64) {
+    const SIX: u32 = 0x3f3f_3f3f;
+    const FOUR: u32 = 0x0f0f_0f0f;
+    const TWO: u32 = 0x0303_0303;
+    let sc_lo = a[0] & SIX;
+    let mn_lo = a[1] & SIX;
+    let sc_hi = (a[2] & FOUR) | (((a[0] >> 6) & TWO) << 4);
+    let mn_hi = ((a[2] >> 4) & FOUR) | (((a[1] >> 6) & TWO) << 4);
+    (sc_lo as u64 | (sc_hi as u64) << 32, mn_lo as u64 | (mn_hi as u64) << 32)
+}
 
 /// `shuffle_epi8` masks that broadcast i16 lane `s` of a 128-bit lane to all eight of its i16
 /// lanes (the scale of Q4_K sub-block `s`).

@@ -290,7 +290,7 @@ mod x86 {
             let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
             let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
             let (a0, a1, a2) = (gather(4), gather(8), gather(12));
-            // ggml's 6-bit packing (see `stored::scales_mins`), four sub-blocks a vector, one a byte.
+            // ggml's 6-bit packing (see `stored::avx2::scales_mins`), four sub-blocks a vector, one a byte.
             let six = _mm512_set1_epi32(0x3f3f_3f3f);
             let four_bits = _mm512_set1_epi32(0x0f0f_0f0f);
             let two = _mm512_set1_epi32(0x0303_0303);
