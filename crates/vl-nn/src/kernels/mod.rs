@@ -20,6 +20,9 @@
 mod activation;
 mod causal;
 pub mod delta;
+mod delta_chunk;
+#[cfg(target_arch = "x86_64")]
+mod delta_simd;
 mod gather;
 mod layout;
 mod segment;
