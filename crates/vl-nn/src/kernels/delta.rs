@@ -218,7 +218,9 @@ struct HeadRows<'a> {
 /// independently, so each block runs every row while its `k_dim x COLS` floats (16 KiB at
 /// k_dim 128), copied out together, stay in the L1 cache, where the whole head (64 KiB) would
 /// not (nor the block in place: its rows 512 bytes apart fall in a few of the cache's sets).
-pub(super) const COLS: usize = 32;
+const COLS: usize = 32;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(super::delta_simd::COLS == COLS);
 
 /// Which code runs a whole block's row.
 #[derive(Debug, Clone, Copy)]

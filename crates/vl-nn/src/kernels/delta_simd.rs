@@ -2,7 +2,8 @@
 //! left to vectorize the plain loop, turned its update pass into gathers across the block's
 //! rows): a block of `COLS` value columns of a head's state, [k_dim, COLS], contiguous.
 
-use super::delta::COLS;
+/// The state's value columns a block holds (`delta::COLS`, checked equal there).
+pub(super) const COLS: usize = 32;
 
 macro_rules! delta_block {
     ($name:ident, $simd:ident, $feature:literal, $rows:literal) => {
