@@ -133,6 +133,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let draft = args.sampling.speculative.open_draft(&args.load.model, &opts.model)?;
     let engine = Engine::open_with_draft(&dir, args.load.model.mmproj.as_deref(), draft, opts)
         .with_context(|| format!("model {}", dir.display()))?;
+    crate::note_load_warnings(&dir, engine.family());
     let interactive = std::io::stdin().is_terminal();
     // Ctrl-C while an answer is written stops that answer (the terminal is not in raw mode
     // then, so it arrives as SIGINT); at the prompt the line editor reads it as a key.

@@ -24,6 +24,14 @@ macro_rules! note {
     }};
 }
 
+/// A loaded model's warnings (`Family::load_warnings`: what its files hold that the load left
+/// unused) on stderr, a line each, naming the model.
+pub(crate) fn note_load_warnings(model: &std::path::Path, family: &dyn vl_models::family::Family) {
+    for w in family.load_warnings() {
+        note!("warning: {}: {w}", model.display());
+    }
+}
+
 #[derive(Parser)]
 #[command(
     name = "vl",

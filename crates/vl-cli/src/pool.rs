@@ -89,6 +89,7 @@ fn engine(load: &LoadArgs) -> Result<Engine> {
     let engine =
         Engine::open(&dir, load.model.mmproj.as_deref(), opts).with_context(|| format!("model {}", dir.display()))?;
     note!("loaded {} in {:.1}s", dir.display(), t.elapsed().as_secs_f64());
+    crate::note_load_warnings(&dir, engine.family());
     Ok(engine)
 }
 

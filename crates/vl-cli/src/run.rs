@@ -242,6 +242,7 @@ pub fn run(args: RunArgs, order: Vec<Media>) -> Result<()> {
         e => anyhow::Error::new(e),
     })?;
     progress.tensors_to_load(family.tensors_to_load() as u64);
+    crate::note_load_warnings(&dir, &*family);
 
     // Image files within the byte limit; their headers, video probes and the prompt's length are
     // checked by the engine before a weight is read.

@@ -230,6 +230,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         precision += &format!(", KV cache in {}", format!("{kv:?}").to_lowercase());
     }
     note!("loaded {} in {:.1}s{precision}", dir.display(), t.elapsed().as_secs_f64());
+    crate::note_load_warnings(&dir, engine.family());
     let config = ServerConfig {
         id,
         defaults,

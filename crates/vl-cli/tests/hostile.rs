@@ -636,3 +636,35 @@ fn hostile_grammars_and_sampler_lists_are_refused_by_their_bound() {
         fails(&args, &needles);
     }
 }
+
+/// A config key the loader does not understand is named on stderr at load (a line, with the
+/// model's path), and the answer is the checkpoint's own: the key is ignored, not guessed at.
+#[test]
+fn unknown_config_keys_are_named_at_load() {
+    for g in ["tiny-a", "tiny-q35"] {
+        let dir = scratch(g);
+        let p = dir.path().join("config.json");
+        let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        v["frobnicate"] = serde_json::json!(true);
+        v["text_config"]["future_knob"] = serde_json::json!(3);
+        std::fs::write(&p, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+        let run = |model: &str| {
+            let args = ["run", "--model", model, "--prompt", "Hello", "--max-new-tokens", "4", "--temperature", "0"];
+            run_vl(&args, Out::Piped)
+        };
+        let plain = run(checkpoint(g).to_str().unwrap());
+        let edited = run(dir.path().to_str().unwrap());
+        assert_eq!((plain.code, edited.code), (0, 0), "{g}: {} / {}", plain.stderr, edited.stderr);
+        assert!(!plain.stderr.contains("not understood"), "{g}: {}", plain.stderr);
+        assert_eq!(edited.stdout, plain.stdout, "{g}");
+        let line = edited.stderr.lines().find(|l| l.starts_with("warning:")).unwrap_or_default();
+        for needle in [
+            dir.path().to_str().unwrap(),
+            "config.json: 2 key(s) not understood",
+            "frobnicate",
+            "text_config.future_knob",
+        ] {
+            assert!(line.contains(needle), "{g}: {line:?} lacks {needle:?} ({})", edited.stderr);
+        }
+    }
+}

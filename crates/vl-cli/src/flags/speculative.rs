@@ -91,6 +91,7 @@ impl SpeculativeArgs {
         let source = vl_models::family::Source { model: &dir, mmproj: None, progress: None };
         let family =
             vl_models::registry::open(&source, &opts).with_context(|| format!("--draft-model {}", dir.display()))?;
+        crate::note_load_warnings(&dir, &*family);
         Ok(Some(family))
     }
 }

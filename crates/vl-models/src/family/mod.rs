@@ -177,6 +177,11 @@ pub trait Family: Send + Sync {
     /// How a video that `video` reports would be sized under the checkpoint's own budget (None
     /// when the family cannot say).
     fn checkpoint_video_sizing(&self, video: &VideoReport) -> Option<Sizing>;
+    /// What the load found and left unused, a line each for the user to see (config keys not
+    /// understood); empty when nothing.
+    fn load_warnings(&self) -> Vec<String> {
+        Vec::new()
+    }
     /// Tensors a load reads through `Source::progress` (progress bars; 0 when unknown).
     fn tensors_to_load(&self) -> usize {
         0

@@ -428,6 +428,19 @@ impl Family for Qwen3Vl {
         self.config.text.vocab_size
     }
 
+    fn load_warnings(&self) -> Vec<String> {
+        let keys = &self.config.unknown_keys;
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        // At most 20 names on the line (a config is bounded, not its count of keys).
+        let mut names = keys.iter().take(20).cloned().collect::<Vec<_>>().join(", ");
+        if keys.len() > 20 {
+            names += &format!(" and {} more", keys.len() - 20);
+        }
+        vec![format!("config.json: {} key(s) not understood, ignored: {names}", keys.len())]
+    }
+
     fn tokenizer(&self) -> &tokenizers::Tokenizer {
         &self.processor.tokenizer
     }

@@ -69,6 +69,9 @@ macro_rules! forward_family_to_inner {
         fn tensors_to_load(&self) -> usize {
             self.inner.tensors_to_load()
         }
+        fn load_warnings(&self) -> Vec<String> {
+            self.inner.load_warnings()
+        }
     };
 }
 pub(crate) use forward_family_to_inner;
