@@ -2,8 +2,11 @@
 //! `cargo run --release -p vl-nn --example delta_time [ROWS] [HEADS] [DIM] [LAYERS] [RUNS]`
 //! (default 1024 rows, 16 key and value heads of 128, 18 layers: the near-2B Qwen3.5 bench
 //! geometry's DeltaNet layers). Prints the best run's time and the FMA rate (4 multiply-adds per
-//! state element per row: the decay, the read along the key, the update, the read by the query).
+//! state element per row: the decay, the read along the key, the update, the read by the query),
+//! then the best time of the layers' convolutions over the same rows (q, k and v: 3 x heads x dim
+//! channels, kernel 4, with SiLU). `VL_DELTA_FORM=chunked` times the chunked form.
 use vl_nn::kernels::delta::{gated_delta_rule, DeltaShape};
+use vl_nn::kernels::delta_conv::causal_conv1d_silu;
 
 fn rnd(n: usize, seed: u64) -> Vec<f32> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -43,6 +46,17 @@ fn main() {
         }
         best = best.min(t.elapsed().as_secs_f64());
     }
+    let channels = 3 * heads * d;
+    let (x, weight) = (rnd(rows * channels, 6), rnd(channels * 4, 7));
+    let mut conv_best = f64::MAX;
+    for _ in 0..runs {
+        let t = std::time::Instant::now();
+        for _ in 0..layers {
+            let mut window = vec![0f32; 3 * channels];
+            std::hint::black_box(causal_conv1d_silu(&x, channels, &weight, 4, &mut window));
+        }
+        conv_best = conv_best.min(t.elapsed().as_secs_f64());
+    }
     let fmas = (4 * rows * sh.state_len() * layers) as f64;
     println!(
         "{rows} rows, {heads} heads of {d}, {layers} layers: {:.1} ms, {:.1} us a row, {:.1} GFMA/s",
@@ -50,4 +64,5 @@ fn main() {
         best * 1e6 / rows as f64,
         fmas / best / 1e9
     );
+    println!("convolution, {channels} channels, kernel 4, {layers} layers: {:.1} ms", conv_best * 1e3);
 }

@@ -10,7 +10,8 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::kernels::delta::{causal_conv1d_silu, gated_delta_rule_trail, DeltaShape};
+use crate::kernels::delta::{gated_delta_rule_trail, DeltaShape};
+use crate::kernels::delta_conv::{causal_conv1d_silu, gated_rms_norm};
 use crate::QLinear;
 
 /// Widths of a Gated DeltaNet layer.
@@ -239,12 +240,7 @@ impl GatedDeltaNet {
         drop(from);
         drop(guards);
         // Gated RMSNorm per head: norm(o) * weight * silu(z).
-        for (oh, zh) in o.chunks_exact_mut(r.v_dim).zip(z.chunks_exact(r.v_dim)) {
-            let inv = 1.0 / (oh.iter().map(|x| x * x).sum::<f32>() / r.v_dim as f32 + self.eps).sqrt();
-            for ((y, &w), &zz) in oh.iter_mut().zip(&self.norm).zip(zh) {
-                *y = (*y * inv) * w * (zz / (1.0 + (-zz).exp()));
-            }
-        }
+        gated_rms_norm(&mut o, &z, &self.norm, self.eps);
         let o = Tensor::from_vec(o, (rows, vw), x.device())?.to_dtype(x.dtype())?;
         let y = self.out.forward(&o)?;
         let cpu = Device::Cpu;

@@ -12,7 +12,7 @@ use crate::dispatch::{own_kernel, DeviceKind, Op};
 /// inputs saturate at ~2^127). Cephes' `expf`: x = n ln2 + r, |r| <= ln2 / 2, degree-7
 /// polynomial for e^r, 2^n from the exponent bits. Branch-free, so loops of it vectorize.
 #[inline(always)]
-fn exp(x: f32) -> f32 {
+pub(super) fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
@@ -77,7 +77,7 @@ fn gelu_erf_inplace(values: &mut [f32]) {
 
 /// Runs `f(start, chunk)` over 16 Ki-value chunks of `values` (`start`: the chunk's offset in
 /// `values`) on candle's worker pool.
-fn map_chunks(values: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
+pub(super) fn map_chunks(values: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
     const CHUNK: usize = 1 << 14;
     let n = values.len();
     let ptr = SendPtr(values.as_mut_ptr());

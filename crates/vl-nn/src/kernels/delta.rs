@@ -1,4 +1,5 @@
-//! The gated delta rule and the short causal convolution of a Gated DeltaNet layer, on f32 rows.
+//! The gated delta rule of a Gated DeltaNet layer, on f32 rows (its convolution and output norm
+//! are in `delta_conv`).
 //!
 //! Each value head keeps a state matrix S [k_dim, v_dim] and, per position t, with the decay
 //! g_t (log space, <= 0), the rate beta_t, an L2-normalised key k_t and a (normalised, scaled)
@@ -348,36 +349,6 @@ fn block(st: &mut [f32], q: &[f32], k: &[f32], v: &[f32], (decay, beta, kq): (f3
     }
 }
 
-/// The depthwise causal convolution over time with SiLU: `x` [rows, channels] after the
-/// `window` [kernel - 1, channels] of earlier inputs (oldest first; zeros before a sequence's
-/// start), `weight` [channels, kernel] (the last tap on the current row). Returns the outputs
-/// [rows, channels] and writes the new window (the last kernel - 1 inputs) back.
-pub fn causal_conv1d_silu(x: &[f32], channels: usize, weight: &[f32], kernel: usize, window: &mut [f32]) -> Vec<f32> {
-    let rows = x.len() / channels.max(1);
-    let w = kernel - 1;
-    assert!(kernel >= 1 && x.len() == rows * channels && weight.len() == channels * kernel);
-    assert!(window.len() == w * channels);
-    // The input with the window before it: [w + rows, channels].
-    let mut all = Vec::with_capacity((w + rows) * channels);
-    all.extend_from_slice(window);
-    all.extend_from_slice(x);
-    let mut out = vec![0f32; rows * channels];
-    for t in 0..rows {
-        let o = &mut out[t * channels..][..channels];
-        for j in 0..kernel {
-            let src = &all[(t + j) * channels..][..channels];
-            for ((y, &xv), c) in o.iter_mut().zip(src).zip(0..channels) {
-                *y += weight[c * kernel + j] * xv;
-            }
-        }
-        for y in o.iter_mut() {
-            *y /= 1.0 + (-*y).exp();
-        }
-    }
-    window.copy_from_slice(&all[rows * channels..]);
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -539,23 +510,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn the_convolution_continues_across_calls() {
-        let (c, kern) = (3, 4);
-        let x = rnd(7 * c, 9);
-        let w = rnd(c * kern, 10);
-        let mut win = vec![0f32; (kern - 1) * c];
-        let whole = causal_conv1d_silu(&x, c, &w, kern, &mut win);
-        let mut win2 = vec![0f32; (kern - 1) * c];
-        let mut parts = causal_conv1d_silu(&x[..2 * c], c, &w, kern, &mut win2);
-        parts.extend(causal_conv1d_silu(&x[2 * c..], c, &w, kern, &mut win2));
-        assert_eq!(whole, parts);
-        assert_eq!(win, win2);
-        // Row 0 sees only itself: silu(w[c, last] * x[0, c]).
-        let y = w[kern - 1] * x[0];
-        assert!((whole[0] - y / (1.0 + (-y).exp())).abs() < 1e-6);
     }
 
     #[test]

@@ -15,12 +15,15 @@
 //! Modules: `activation` (exp, GELU, SwiGLU's product), `layout` (transpose), `gather` (weighted row sums),
 //! `tile` (shapes, `TileKernel`, scratch, the `gemm` tile loop), `softmax` (its online softmax
 //! step), `segment` and `causal` (the two attentions), `strips` (the AVX2 / AVX-512 strip tile
-//! kernels). The pointer and CPU-feature helpers they share are in `crate::cpu`.
+//! kernels), `delta`, `delta_simd`, `delta_chunk` and `delta_conv` (a Gated DeltaNet layer's
+//! rule, its vector blocks, its chunked form, its convolution and output norm). The pointer and
+//! CPU-feature helpers they share are in `crate::cpu`.
 
 mod activation;
 mod causal;
 pub mod delta;
 mod delta_chunk;
+pub mod delta_conv;
 #[cfg(target_arch = "x86_64")]
 mod delta_simd;
 mod gather;
