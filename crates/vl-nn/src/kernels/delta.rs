@@ -92,14 +92,14 @@ enum Form {
 }
 
 impl Form {
-    /// The default, or `VL_DELTA_FORM` (`scan`, `chunked`: from one chunk's rows) for side by
-    /// side measurements.
+    /// The default (the scan), or `VL_DELTA_FORM=chunked` (from one chunk's rows) for side by
+    /// side measurements; read once.
     fn from_env() -> Self {
-        match std::env::var("VL_DELTA_FORM").as_deref() {
-            Ok("scan") => Form::Scan,
+        static FORM: std::sync::OnceLock<Form> = std::sync::OnceLock::new();
+        *FORM.get_or_init(|| match std::env::var("VL_DELTA_FORM").as_deref() {
             Ok("chunked") => Form::ChunkedFrom(super::delta_chunk::CHUNK),
             _ => Form::Scan,
-        }
+        })
     }
 }
 
