@@ -646,6 +646,8 @@ fn unknown_config_keys_are_named_at_load() {
         let p = dir.path().join("config.json");
         let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
         v["frobnicate"] = serde_json::json!(true);
+        // A key that would write escape codes and a line break to the terminal, and run long.
+        v[format!("\u{1b}[31mred\nline{}", "x".repeat(100))] = serde_json::json!(1);
         v["text_config"]["future_knob"] = serde_json::json!(3);
         std::fs::write(&p, serde_json::to_string_pretty(&v).unwrap()).unwrap();
         let run = |model: &str| {
@@ -658,11 +660,15 @@ fn unknown_config_keys_are_named_at_load() {
         assert!(!plain.stderr.contains("not understood"), "{g}: {}", plain.stderr);
         assert_eq!(edited.stdout, plain.stdout, "{g}");
         let line = edited.stderr.lines().find(|l| l.starts_with("warning:")).unwrap_or_default();
+        // The hostile key escaped and cut to 64 characters; nothing raw reaches the terminal.
+        assert!(!edited.stderr.contains('\u{1b}') && !edited.stderr.contains("red\nline"), "{g}: {}", edited.stderr);
+        assert!(!line.contains(&"x".repeat(60)), "{g}: {line:?}");
         for needle in [
             dir.path().to_str().unwrap(),
-            "config.json: 2 key(s) not understood",
+            "config.json: 3 key(s) not understood",
             "frobnicate",
             "text_config.future_knob",
+            "\\u{1b}[31mred\\nlinexx",
         ] {
             assert!(line.contains(needle), "{g}: {line:?} lacks {needle:?} ({})", edited.stderr);
         }

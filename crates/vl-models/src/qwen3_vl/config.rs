@@ -34,6 +34,24 @@ const DEFAULT_TEXT_ROPE_THETA: f64 = 500_000.0;
 /// transformers' fallback when `mrope_section` is absent.
 const DEFAULT_MROPE_SECTION: [usize; 3] = [24, 20, 20];
 
+/// Config key names for a line of text: at most 20 (then how many more), each escaped (no
+/// control character reaches a terminal) and cut to 64 characters.
+pub(crate) fn shown_keys(keys: &[String]) -> String {
+    let shown = |k: &String| {
+        let e: String = k.escape_debug().collect();
+        if e.chars().count() > 64 {
+            format!("{}...", e.chars().take(64).collect::<String>())
+        } else {
+            e
+        }
+    };
+    let mut names = keys.iter().take(20).map(shown).collect::<Vec<_>>().join(", ");
+    if keys.len() > 20 {
+        names += &format!(" and {} more", keys.len() - 20);
+    }
+    names
+}
+
 /// Keys that carry no meaning for inference (training knobs, bookkeeping), ignored on purpose.
 const IGNORED_TOP: &[&str] = &[
     // Read by `weights.rs` (MLX affine quantization).

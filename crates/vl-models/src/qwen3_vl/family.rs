@@ -433,11 +433,7 @@ impl Family for Qwen3Vl {
         if keys.is_empty() {
             return Vec::new();
         }
-        // At most 20 names on the line (a config is bounded, not its count of keys).
-        let mut names = keys.iter().take(20).cloned().collect::<Vec<_>>().join(", ");
-        if keys.len() > 20 {
-            names += &format!(" and {} more", keys.len() - 20);
-        }
+        let names = super::config::shown_keys(keys);
         vec![format!("config.json: {} key(s) not understood, ignored: {names}", keys.len())]
     }
 

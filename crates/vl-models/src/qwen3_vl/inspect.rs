@@ -284,7 +284,11 @@ impl fmt::Display for Summary {
             write!(f, "\nignored:      {}", self.ignored_tensors.join(", "))?;
         }
         if !self.unknown_config_keys.is_empty() {
-            write!(f, "\nwarning:      config keys not understood: {}", self.unknown_config_keys.join(", "))?;
+            write!(
+                f,
+                "\nwarning:      config keys not understood: {}",
+                super::config::shown_keys(&self.unknown_config_keys)
+            )?;
         }
         Ok(())
     }

@@ -12,8 +12,8 @@
 //! held to the same reference, but the scan is the default: it needs 4 multiply-adds per state
 //! element per row where the chunked form needs ~5 plus its products' packing, and measured
 //! faster (docs/qwen35.md). `VL_DELTA_FORM=chunked` runs the chunked form for sequences of a
-//! chunk's rows or more. Work items are (sequence, value head) pairs on candle's pool; each
-//! owns its state and output rows.
+//! chunk's rows or more that keep no trail of states (speculative decoding's). Work items are
+//! (sequence, value head) pairs on candle's pool; each owns its state and output rows.
 
 use crate::cpu::SendPtr;
 
@@ -161,7 +161,7 @@ fn trail_with(
             };
             // Rows first.. of the sequence keep their states (all but the last of its last
             // `kept[s] + 1`).
-            let first = segments[s] - 1 - kept[s];
+            let first = segments[s].saturating_sub(1 + kept[s]);
             let mut keep: Vec<&mut [f32]> = (0..kept[s])
                 .map(|e| {
                     // SAFETY: head h's `head_len` floats of trail entry e of sequence s (a buffer
@@ -186,9 +186,13 @@ fn trail_with(
                     let (g, beta) = (&rows.g[h..], &rows.beta[h..]);
                     let (qk, kk) = (&rows.q[kh * k_dim..], &rows.k[kh * k_dim..]);
                     let io = ((qk, kk, kw), (&rows.v[h * v_dim..], vw), (g, beta, v_heads));
-                    super::delta_chunk::chunk_head(st, (k_dim, v_dim), segments[s], io.0, io.1, io.2, chunk, out)
+                    // SAFETY: `out` is this item's head in its sequence's rows, as above.
+                    unsafe {
+                        super::delta_chunk::chunk_head(st, (k_dim, v_dim), segments[s], io.0, io.1, io.2, chunk, out)
+                    }
                 }
-                _ => scan_head(simd, st, (k_dim, v_dim), &rows, (kq, blk), SendPtr(out), (first, &mut keep)),
+                // SAFETY: as above; `simd` from `Simd::detect` or `Simd::all`.
+                _ => unsafe { scan_head(simd, st, (k_dim, v_dim), &rows, (kq, blk), SendPtr(out), (first, &mut keep)) },
             }
         },
     );
@@ -226,7 +230,7 @@ const _: () = assert!(super::delta_simd::COLS == COLS);
 /// Which code runs a whole block's row.
 #[derive(Debug, Clone, Copy)]
 enum Simd {
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
     Avx512,
     #[cfg(target_arch = "x86_64")]
     Avx2,
@@ -238,6 +242,7 @@ impl Simd {
     fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
+            #[cfg(not(vl_avx2_proxy))]
             if crate::cpu::has_avx512() {
                 return Simd::Avx512;
             }
@@ -257,6 +262,7 @@ impl Simd {
             if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
                 all.push(Simd::Avx2);
             }
+            #[cfg(not(vl_avx2_proxy))]
             if crate::cpu::has_avx512() {
                 all.push(Simd::Avx512);
             }
@@ -270,7 +276,11 @@ impl Simd {
 /// o = d b + (k . q) delta (the new state read by q); then S <- d S + k delta^T.
 /// `out` points at the head's outputs in the first row (rows `widths.1` apart); `keep` = (the
 /// first row whose state is kept, the buffers for it and the rows after it).
-fn scan_head(
+///
+/// # Safety
+/// `out` is writable, by this call alone, for `v_dim` floats at each of the `r.n` rows; `simd`
+/// names instructions the CPU has (`Simd::detect`, `Simd::all`).
+unsafe fn scan_head(
     simd: Simd,
     st: &mut [f32],
     (kd, vd): (usize, usize),
@@ -301,7 +311,7 @@ fn scan_head(
             match (w, simd) {
                 // SAFETY: the CPU has the instructions (`Simd::detect`); `blk` is [kd, COLS],
                 // `qt`, `kt` kd floats, `vt`, `o` COLS.
-                #[cfg(target_arch = "x86_64")]
+                #[cfg(all(target_arch = "x86_64", not(vl_avx2_proxy)))]
                 (COLS, Simd::Avx512) => unsafe { super::delta_simd::avx512::block(blk, qt, kt, vt, f, o) },
                 #[cfg(target_arch = "x86_64")]
                 (COLS, Simd::Avx2) => unsafe { super::delta_simd::avx2::block(blk, qt, kt, vt, f, o) },
@@ -325,7 +335,7 @@ fn scan_head(
 /// (`f` = (decay, beta, k . q)), in plain loops: where no `delta_simd` block applies (other
 /// CPUs, the last columns of a width that is not a multiple of `COLS`). Products and sums stay
 /// separate (a fused multiply-add is a library call where the CPU has none).
-#[multiversion::multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+#[multiversion::multiversion(targets = "simd")]
 fn block(st: &mut [f32], q: &[f32], k: &[f32], v: &[f32], (decay, beta, kq): (f32, f32, f32), o: &mut [f32]) {
     let w = v.len();
     let (mut a, mut b) = ([0f32; COLS], [0f32; COLS]);
@@ -380,7 +390,7 @@ mod tests {
         let mut out = vec![0f32; n * sh.v_heads * vd];
         for t in 0..n {
             for h in 0..sh.v_heads {
-                let kh = h / rep;
+                let kh = if sh.tiled { h % sh.k_heads } else { h / rep };
                 let st = &mut s[h * kd * vd..][..kd * vd];
                 let e = g[t * sh.v_heads + h].exp();
                 st.iter_mut().for_each(|x| *x *= e);
@@ -424,8 +434,10 @@ mod tests {
     #[test]
     fn every_block_kernel_matches_the_recurrence() {
         // Widths with a tail of columns past the 32-column blocks (40), an odd key width (7, the
-        // AVX-512 block's two-row step), a full-size head (128); two sequences of 9 and 4 rows,
-        // the first keeping the states after its rows 5..8.
+        // AVX-512 block's two-row step), a full-size head (128); 2 key heads over 4 value heads,
+        // in both orders; three sequences of 9, 0 and 4 rows, the first keeping the states after
+        // its rows 5..8 (so it takes the scan in every form), the last starting from a state read
+        // in place. Every block kernel, and the chunked form (the last sequence's 4 rows).
         let unit = |x: Vec<f32>, d: usize| -> Vec<f32> {
             x.chunks_exact(d)
                 .flat_map(|h| {
@@ -434,19 +446,18 @@ mod tests {
                 })
                 .collect()
         };
-        for (kd, vd) in [(7, 40), (128, 128), (6, 5)] {
-            let sh = DeltaShape { k_heads: 1, v_heads: 2, k_dim: kd, v_dim: vd, tiled: false };
-            let n = 13;
-            let (q, k, v) = (unit(rnd(n * kd, 21), kd), unit(rnd(n * kd, 22), kd), rnd(n * 2 * vd, 23));
-            let g: Vec<f32> = rnd(n * 2, 24).iter().map(|x| -x.abs()).collect();
-            let b: Vec<f32> = rnd(n * 2, 25).iter().map(|x| x + 0.5).collect();
+        for ((kd, vd), tiled) in [(7, 40), (128, 128), (6, 5)].into_iter().flat_map(|d| [(d, false), (d, true)]) {
+            let sh = DeltaShape { k_heads: 2, v_heads: 4, k_dim: kd, v_dim: vd, tiled };
+            let (n, kw, vw) = (13, 2 * kd, 4 * vd);
+            let (q, k, v) = (unit(rnd(n * kw, 21), kd), unit(rnd(n * kw, 22), kd), rnd(n * vw, 23));
+            let g: Vec<f32> = rnd(n * 4, 24).iter().map(|x| -x.abs()).collect();
+            let b: Vec<f32> = rnd(n * 4, 25).iter().map(|x| x + 0.5).collect();
             let (s0, s1) = (rnd(sh.state_len(), 26), rnd(sh.state_len(), 27));
             // The recurrence per sequence, and the states after rows 5, 6, 7 of the first.
             let (mut w0, mut w1) = (s0.clone(), s1.clone());
-            let (kw, vw) = (kd, 2 * vd);
             let mut want = naive(sh, 9, &q, &k, &v, &g, &b, &mut w0);
             let at = |x: &[f32], w: usize| x[9 * w..].to_vec();
-            want.extend(naive(sh, 4, &at(&q, kw), &at(&k, kw), &at(&v, vw), &at(&g, 2), &at(&b, 2), &mut w1));
+            want.extend(naive(sh, 4, &at(&q, kw), &at(&k, kw), &at(&v, vw), &at(&g, 4), &at(&b, 4), &mut w1));
             let kept: Vec<Vec<f32>> = (5..8)
                 .map(|row| {
                     let mut st = s0.clone();
@@ -455,17 +466,21 @@ mod tests {
                 })
                 .collect();
             let far = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-            for simd in Simd::all() {
-                let mut states = vec![s0.clone(), s1.clone()];
+            let ways = Simd::all().into_iter().map(|s| (s, Form::Scan)).chain([(Simd::Portable, Form::ChunkedFrom(1))]);
+            for way in ways {
+                let s2 = rnd(sh.state_len(), 28);
+                let mut states = vec![s0.clone(), s2.clone(), vec![]];
                 let mut out = vec![0f32; n * vw];
-                let mut trails = vec![vec![vec![0f32; sh.state_len()]; 3], vec![]];
+                let mut trails = vec![vec![vec![0f32; sh.state_len()]; 3], vec![], vec![]];
                 let io = [&q[..], &k, &v, &g, &b];
-                trail_with((simd, Form::Scan), sh, &[9, 4], io, (&[None, None], &mut states), &mut out, &mut trails);
-                let worst = [far(&out, &want), far(&states[0], &w0), far(&states[1], &w1)]
+                let from = [None, None, Some(&s1[..])];
+                trail_with(way, sh, &[9, 0, 4], io, (&from, &mut states), &mut out, &mut trails);
+                let worst = [far(&out, &want), far(&states[0], &w0), far(&states[2], &w1)]
                     .into_iter()
                     .chain(trails[0].iter().zip(&kept).map(|(a, b)| far(a, b)))
                     .fold(0f32, f32::max);
-                assert!(worst < 1e-5, "{kd}x{vd}, {:?}: {worst}", simd);
+                assert!(worst < 1e-5, "{kd}x{vd}, tiled {tiled}, {way:?}: {worst}");
+                assert_eq!(states[1], s2, "a sequence of no rows keeps its state");
             }
         }
     }

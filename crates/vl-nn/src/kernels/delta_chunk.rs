@@ -31,8 +31,12 @@ pub(super) struct ChunkScratch {
 
 /// `dst` [m, n] (row-major, `dst_rs` apart) = `keep` dst + `scale` lhs [m, k] rhs [k, n], each
 /// operand given by its row and column strides.
+///
+/// # Safety
+/// Each pointer holds every element its strides reach for these sizes; `dst`'s elements are
+/// this call's to write and overlap no element of `lhs` or `rhs` it reads.
 #[allow(clippy::too_many_arguments)]
-fn product(
+unsafe fn product(
     (m, n, k): (usize, usize, usize),
     dst: *mut f32,
     dst_rs: usize,
@@ -41,7 +45,7 @@ fn product(
     (rhs, rhs_rs, rhs_cs): (*const f32, usize, usize),
     scale: f32,
 ) {
-    // SAFETY: the callers pass buffers that hold every element these strides reach.
+    // SAFETY: this function's contract.
     unsafe {
         gemm::gemm(
             m,
@@ -70,9 +74,14 @@ fn product(
 /// The rule over `n` rows of one head in chunks: `q`, `k` rows `kw` apart (the head's key at
 /// the start of each), `v` rows `vw` apart, `g` and `beta` rows `gw` apart, the head's state
 /// `st` [kd, vd] updated in place, the outputs written `vw` apart from `out`.
+///
+/// # Safety
+/// `out` is writable, by this call alone, for `vd` floats at each of the `n` rows `vw` apart;
+/// `q`, `k` hold `n` rows of `kw` (at least `kd`), `v` of `vw` (at least `vd`), `g` and `beta`
+/// of `gw`, and `st` `kd * vd` floats.
 #[allow(clippy::too_many_arguments)]
-#[multiversion::multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
-pub(super) fn chunk_head(
+#[multiversion::multiversion(targets = "simd")]
+pub(super) unsafe fn chunk_head(
     st: &mut [f32],
     (kd, vd): (usize, usize),
     n: usize,
@@ -111,8 +120,10 @@ pub(super) fn chunk_head(
         sc.kk.resize(c * c, 0.0);
         sc.p.resize(c * c, 0.0);
         let kt = (sc.k.as_ptr(), 1, kd);
-        product((c, c, kd), sc.kk.as_mut_ptr(), c, false, (sc.k.as_ptr(), kd, 1), kt, 1.0);
-        product((c, c, kd), sc.p.as_mut_ptr(), c, false, (sc.q.as_ptr(), kd, 1), kt, 1.0);
+        // SAFETY: the chunk's buffers hold these sizes; `dst` is disjoint from what it reads.
+        unsafe { product((c, c, kd), sc.kk.as_mut_ptr(), c, false, (sc.k.as_ptr(), kd, 1), kt, 1.0) };
+        // SAFETY: the chunk's buffers hold these sizes; `dst` is disjoint from what it reads.
+        unsafe { product((c, c, kd), sc.p.as_mut_ptr(), c, false, (sc.q.as_ptr(), kd, 1), kt, 1.0) };
         for i in 0..c {
             let b = beta[(t0 + i) * gw];
             for j in 0..=i {
@@ -134,7 +145,10 @@ pub(super) fn chunk_head(
                 let dst = unsafe { uw.add(r0 * uw_w) };
                 // SAFETY (offset): row r0 of A, inside the c x c floats.
                 let lhs = unsafe { sc.kk.as_ptr().add(r0 * c) };
-                product((r1 - r0, uw_w, r0), dst, uw_w, true, (lhs, c, 1), (uw as *const f32, uw_w, 1), -1.0);
+                // SAFETY: the chunk's buffers hold these sizes; `dst` is disjoint from what it reads.
+                unsafe {
+                    product((r1 - r0, uw_w, r0), dst, uw_w, true, (lhs, c, 1), (uw as *const f32, uw_w, 1), -1.0)
+                };
             }
             for i in r0 + 1..r1 {
                 let (done, rest) = sc.uw.split_at_mut(i * uw_w);
@@ -152,15 +166,22 @@ pub(super) fn chunk_head(
         let uw = sc.uw.as_mut_ptr();
         // SAFETY (pointer offsets): W starts vd floats into each [U | W] row.
         let w_ptr = unsafe { uw.add(vd) } as *const f32;
-        product((c, vd, kd), uw, uw_w, true, (w_ptr, uw_w, 1), (st.as_ptr(), vd, 1), -1.0);
+        // SAFETY: the chunk's buffers hold these sizes; `dst` is disjoint from what it reads.
+        unsafe { product((c, vd, kd), uw, uw_w, true, (w_ptr, uw_w, 1), (st.as_ptr(), vd, 1), -1.0) };
         // O = (exp(Gamma) Q) S + P V'.
         for (i, row) in sc.q.chunks_exact_mut(kd).enumerate() {
             let e = sc.gam[i].exp() as f32;
             row.iter_mut().for_each(|x| *x *= e);
         }
         sc.o.resize(c * vd, 0.0);
-        product((c, vd, kd), sc.o.as_mut_ptr(), vd, false, (sc.q.as_ptr(), kd, 1), (st.as_ptr(), vd, 1), 1.0);
-        product((c, vd, c), sc.o.as_mut_ptr(), vd, true, (sc.p.as_ptr(), c, 1), (uw as *const f32, uw_w, 1), 1.0);
+        // SAFETY: the chunk's buffers hold these sizes; `dst` is disjoint from what it reads.
+        unsafe {
+            product((c, vd, kd), sc.o.as_mut_ptr(), vd, false, (sc.q.as_ptr(), kd, 1), (st.as_ptr(), vd, 1), 1.0)
+        };
+        // SAFETY: the chunk's buffers hold these sizes; `dst` is disjoint from what it reads.
+        unsafe {
+            product((c, vd, c), sc.o.as_mut_ptr(), vd, true, (sc.p.as_ptr(), c, 1), (uw as *const f32, uw_w, 1), 1.0)
+        };
         // S <- exp(Gamma_last) S + (exp(Gamma_last - Gamma) K)^T V'.
         let last = sc.gam[c - 1];
         for (i, row) in sc.k.chunks_exact_mut(kd).enumerate() {
@@ -169,7 +190,10 @@ pub(super) fn chunk_head(
         }
         let e = last.exp() as f32;
         st.iter_mut().for_each(|x| *x *= e);
-        product((kd, vd, c), st.as_mut_ptr(), vd, true, (sc.k.as_ptr(), 1, kd), (uw as *const f32, uw_w, 1), 1.0);
+        // SAFETY: the chunk's buffers hold these sizes; `dst` is disjoint from what it reads.
+        unsafe {
+            product((kd, vd, c), st.as_mut_ptr(), vd, true, (sc.k.as_ptr(), 1, kd), (uw as *const f32, uw_w, 1), 1.0)
+        };
         for (i, o) in sc.o.chunks_exact(vd).enumerate() {
             // SAFETY: the caller's output row t0 + i of this head, vd floats.
             unsafe { std::ptr::copy_nonoverlapping(o.as_ptr(), out.add((t0 + i) * vw), vd) };

@@ -85,4 +85,5 @@ macro_rules! delta_block {
 }
 
 delta_block!(avx2, avx2, "avx2,fma", 1);
+#[cfg(not(vl_avx2_proxy))]
 delta_block!(avx512, avx512, "avx512f", 2);
