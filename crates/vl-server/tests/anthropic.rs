@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -46,15 +45,9 @@ fn a_message_equals_the_reference_whole_and_streamed() {
     // Streamed: the events in Anthropic's order, the text deltas adding up to the reference.
     let mut body = one_image(g.tokens);
     body["stream"] = json!(true);
-    let resp = agent()
-        .post(&format!("{}/v1/messages", s.base))
-        .set("Content-Type", "application/json")
-        .send_string(&body.to_string())
-        .unwrap();
     let (mut events, mut text, mut stop) = (vec![], String::new(), Value::Null);
     let mut name = String::new();
-    for line in BufReader::new(resp.into_reader()).lines() {
-        let line = line.unwrap();
+    for line in post_stream(&s, "/v1/messages", &body).1 {
         if let Some(n) = line.strip_prefix("event: ") {
             name = n.to_string();
         } else if let Some(d) = line.strip_prefix("data: ") {

@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -87,15 +86,10 @@ fn a_streamed_answer_adds_up_to_the_reference() {
     let mut body = one_image(want.tokens);
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
-    let resp = agent()
-        .post(&format!("{}/v1/chat/completions", s.base))
-        .set("Content-Type", "application/json")
-        .send_string(&body.to_string())
-        .expect("a streamed answer");
-    assert_eq!(resp.header("content-type"), Some("text/event-stream"));
+    let (kind, stream) = post_stream(&s, "/v1/chat/completions", &body);
+    assert_eq!(kind.as_deref(), Some("text/event-stream"));
     let mut lines = vec![];
-    for line in BufReader::new(resp.into_reader()).lines() {
-        let line = line.unwrap();
+    for line in stream {
         if let Some(d) = line.strip_prefix("data: ") {
             lines.push(d.to_string());
             if d == "[DONE]" {
@@ -412,14 +406,8 @@ fn a_qwen35_server_drafts_with_its_own_head_when_asked() {
 
 /// The content of a streamed chat answer to `body` (its `stream` set), the deltas joined.
 fn streamed_text(s: &Server, body: &Value) -> String {
-    let resp = agent()
-        .post(&format!("{}/v1/chat/completions", s.base))
-        .set("Content-Type", "application/json")
-        .send_string(&body.to_string())
-        .expect("a streamed answer");
     let mut text = String::new();
-    for line in BufReader::new(resp.into_reader()).lines() {
-        let line = line.unwrap();
+    for line in post_stream(s, "/v1/chat/completions", body).1 {
         match line.strip_prefix("data: ") {
             Some("[DONE]") => break,
             Some(d) => {
@@ -486,14 +474,8 @@ fn qwen35_xml_tool_calls_are_openai_tool_calls_whole_and_streamed() {
         }
         // Streamed: the call's name once, its arguments in pieces adding up to the whole answer's.
         body["stream"] = json!(true);
-        let resp = agent()
-            .post(&format!("{}/v1/chat/completions", s.base))
-            .set("Content-Type", "application/json")
-            .send_string(&body.to_string())
-            .unwrap();
         let (mut names, mut args, mut finish) = (Vec::<String>::new(), Vec::<String>::new(), Value::Null);
-        for line in BufReader::new(resp.into_reader()).lines() {
-            let line = line.unwrap();
+        for line in post_stream(&s, "/v1/chat/completions", &body).1 {
             let Some(d) = line.strip_prefix("data: ") else { continue };
             if d == "[DONE]" {
                 break;

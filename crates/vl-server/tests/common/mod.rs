@@ -116,6 +116,18 @@ pub fn post(s: &Server, path: &str, body: &Value) -> (u16, Value) {
     (resp.status(), json_body(resp))
 }
 
+/// A streamed POST of `body` as JSON (a success expected): the response's content type and the
+/// event stream's lines, read to its end (the server closes it after the last event; the agent's
+/// timeout bounds the wait).
+pub fn post_stream(s: &Server, path: &str, body: &Value) -> (Option<String>, Vec<String>) {
+    use std::io::BufRead;
+    let r = agent().post(&format!("{}{path}", s.base)).set("Content-Type", "application/json");
+    let resp = r.send_string(&body.to_string()).unwrap_or_else(|e| panic!("POST {path}: {e}"));
+    let kind = resp.header("content-type").map(String::from);
+    let lines = std::io::BufReader::new(resp.into_reader()).lines().map(|l| l.expect("a stream line")).collect();
+    (kind, lines)
+}
+
 /// tiny-a with the Qwen3-VL Instruct checkpoints' own template (tools, tool calls, tool
 /// responses; the pinned fixture), in a temporary directory of links.
 pub fn tiny_a_with_tools() -> tempfile::TempDir {
