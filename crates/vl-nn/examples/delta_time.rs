@@ -6,7 +6,7 @@
 //! then the best time of the layers' convolutions over the same rows (q, k and v: 3 x heads x dim
 //! channels, kernel 4, with SiLU). `VL_DELTA_FORM=chunked` times the chunked form.
 use vl_nn::kernels::delta::{gated_delta_rule, DeltaShape};
-use vl_nn::kernels::delta_conv::causal_conv1d_silu;
+use vl_nn::kernels::delta_conv::{causal_conv1d_silu, ConvTaps};
 
 fn rnd(n: usize, seed: u64) -> Vec<f32> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -47,13 +47,13 @@ fn main() {
         best = best.min(t.elapsed().as_secs_f64());
     }
     let channels = 3 * heads * d;
-    let (x, weight) = (rnd(rows * channels, 6), rnd(channels * 4, 7));
+    let (x, taps) = (rnd(rows * channels, 6), ConvTaps::new(&rnd(channels * 4, 7), channels, 4));
     let mut conv_best = f64::MAX;
     for _ in 0..runs {
         let t = std::time::Instant::now();
         for _ in 0..layers {
             let mut window = vec![0f32; 3 * channels];
-            std::hint::black_box(causal_conv1d_silu(&x, channels, &weight, 4, &mut window));
+            std::hint::black_box(causal_conv1d_silu(&x, &taps, &mut window));
         }
         conv_best = conv_best.min(t.elapsed().as_secs_f64());
     }

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
 use crate::kernels::delta::{gated_delta_rule_trail, DeltaShape};
-use crate::kernels::delta_conv::{causal_conv1d_silu, gated_rms_norm};
+use crate::kernels::delta_conv::{causal_conv1d_silu, gated_rms_norm, ConvTaps};
 use crate::QLinear;
 
 /// Widths of a Gated DeltaNet layer.
@@ -48,8 +48,8 @@ pub struct GatedDeltaNet {
     pub in_b: QLinear,
     pub in_a: QLinear,
     pub out: QLinear,
-    /// [conv_dim, kernel].
-    conv: Vec<f32>,
+    /// The convolution's weight, laid out for `causal_conv1d_silu`.
+    conv: ConvTaps,
     /// -exp(A_log) per value head.
     neg_a: Vec<f32>,
     dt_bias: Vec<f32>,
@@ -99,7 +99,11 @@ impl GatedDeltaNet {
             floats(t)
         };
         Ok(Self {
-            conv: check("conv1d.weight", conv, shape.conv_dim() * shape.conv_kernel)?,
+            conv: ConvTaps::new(
+                &check("conv1d.weight", conv, shape.conv_dim() * shape.conv_kernel)?,
+                shape.conv_dim(),
+                shape.conv_kernel,
+            ),
             neg_a: check("A_log", a_log, r.v_heads)?.into_iter().map(|x| -x.exp()).collect(),
             dt_bias: check("dt_bias", dt_bias, r.v_heads)?,
             norm: check("norm.weight", norm, r.v_dim)?,
@@ -205,7 +209,7 @@ impl GatedDeltaNet {
                 .filter(|_| keep[windows.len()] > 0)
                 .map(|j| all_in[(j + 1) * cd..(j + 1) * cd + win_len].to_vec())
                 .collect();
-            mixed.extend(causal_conv1d_silu(seg, cd, &self.conv, sh.conv_kernel, &mut win));
+            mixed.extend(causal_conv1d_silu(seg, &self.conv, &mut win));
             trail_windows.push(kept_windows);
             windows.push(win);
             rules.push(rule);

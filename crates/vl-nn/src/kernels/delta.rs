@@ -300,7 +300,9 @@ unsafe fn scan_head(
     while c0 < vd {
         let w = COLS.min(vd - c0);
         blk.clear();
-        blk.extend(st.chunks_exact(vd).flat_map(|row| &row[c0..c0 + w]));
+        for row in st.chunks_exact(vd) {
+            blk.extend_from_slice(&row[c0..c0 + w]);
+        }
         for (t, &kqt) in kq.iter().enumerate() {
             let (qt, kt) = (&r.q[t * kw + ka..][..kd], &r.k[t * kw + ka..][..kd]);
             let vt = &r.v[t * vw + va + c0..][..w];

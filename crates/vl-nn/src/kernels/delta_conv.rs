@@ -4,26 +4,42 @@
 
 use crate::cpu::SendPtr;
 
+/// A depthwise convolution's weight laid out [kernel, channels] (made once, at load), so each
+/// tap is a contiguous row across the channels.
+#[derive(Debug, Clone)]
+pub struct ConvTaps {
+    taps: Vec<f32>,
+    channels: usize,
+    kernel: usize,
+}
+
+impl ConvTaps {
+    /// From `weight` [channels, kernel] (the last tap on the current row).
+    pub fn new(weight: &[f32], channels: usize, kernel: usize) -> Self {
+        assert!(kernel >= 1 && weight.len() == channels * kernel);
+        let mut taps = vec![0f32; kernel * channels];
+        for (c, wc) in weight.chunks_exact(kernel).enumerate() {
+            for (j, &v) in wc.iter().enumerate() {
+                taps[j * channels + c] = v;
+            }
+        }
+        Self { taps, channels, kernel }
+    }
+}
+
 /// The depthwise causal convolution over time with SiLU: `x` [rows, channels] after the
 /// `window` [kernel - 1, channels] of earlier inputs (oldest first; zeros before a sequence's
-/// start), `weight` [channels, kernel] (the last tap on the current row). Returns the outputs
-/// [rows, channels] and writes the new window (the last kernel - 1 inputs) back. Every output is
-/// its own sum, so the rows are cut into chunks on candle's pool, each a vectorized pass per tap
-/// over the weight laid out [kernel, channels], and SiLU with the polynomial `exp`.
-pub fn causal_conv1d_silu(x: &[f32], channels: usize, weight: &[f32], kernel: usize, window: &mut [f32]) -> Vec<f32> {
+/// start), with the weight `taps`. Returns the outputs [rows, channels] and writes the new window
+/// (the last kernel - 1 inputs) back. Every output is its own sum, so the rows are cut into chunks
+/// on candle's pool, each a vectorized pass per tap, and SiLU with the polynomial `exp`.
+pub fn causal_conv1d_silu(x: &[f32], taps: &ConvTaps, window: &mut [f32]) -> Vec<f32> {
+    let ConvTaps { ref taps, channels, kernel } = *taps;
     let rows = x.len() / channels.max(1);
     let w = kernel - 1;
-    assert!(kernel >= 1 && x.len() == rows * channels && weight.len() == channels * kernel);
-    assert!(window.len() == w * channels);
-    let mut taps = vec![0f32; kernel * channels];
-    for (c, wc) in weight.chunks_exact(kernel).enumerate() {
-        for (j, &v) in wc.iter().enumerate() {
-            taps[j * channels + c] = v;
-        }
-    }
+    assert!(x.len() == rows * channels && window.len() == w * channels);
     let mut out = vec![0f32; rows * channels];
     super::activation::map_chunks(&mut out, |start, part| {
-        conv_part((window, x), &taps, (channels, kernel), start, part)
+        conv_part((window, x), taps, (channels, kernel), start, part)
     });
     // The new window: the last w inputs, of the old window and `x`.
     let mut all = Vec::with_capacity(2 * w * channels);
@@ -113,10 +129,10 @@ mod tests {
         let x = rnd(7 * c, 9);
         let w = rnd(c * kern, 10);
         let mut win = vec![0f32; (kern - 1) * c];
-        let whole = causal_conv1d_silu(&x, c, &w, kern, &mut win);
+        let whole = causal_conv1d_silu(&x, &ConvTaps::new(&w, c, kern), &mut win);
         let mut win2 = vec![0f32; (kern - 1) * c];
-        let mut parts = causal_conv1d_silu(&x[..2 * c], c, &w, kern, &mut win2);
-        parts.extend(causal_conv1d_silu(&x[2 * c..], c, &w, kern, &mut win2));
+        let mut parts = causal_conv1d_silu(&x[..2 * c], &ConvTaps::new(&w, c, kern), &mut win2);
+        parts.extend(causal_conv1d_silu(&x[2 * c..], &ConvTaps::new(&w, c, kern), &mut win2));
         assert_eq!(whole, parts);
         assert_eq!(win, win2);
         // Row 0 sees only itself: silu(w[c, last] * x[0, c]).
@@ -131,7 +147,7 @@ mod tests {
         let (c, kern, rows) = (1000, 4, 40);
         let (x, w, win0) = (rnd(rows * c, 31), rnd(c * kern, 32), rnd((kern - 1) * c, 33));
         let mut win = win0.clone();
-        let got = causal_conv1d_silu(&x, c, &w, kern, &mut win);
+        let got = causal_conv1d_silu(&x, &ConvTaps::new(&w, c, kern), &mut win);
         let input = |r: usize, ch: usize| if r < kern - 1 { win0[r * c + ch] } else { x[(r + 1 - kern) * c + ch] };
         let mut worst = 0f64;
         for t in 0..rows {
